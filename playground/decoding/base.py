@@ -1,0 +1,149 @@
+"""What every decoder shares: prompt encoding, stop rules, the engine clock, and the generator protocol.
+
+A decoder's `run(prompt_ids)` is a generator: it yields trace events as it goes (so a UI can animate live) and
+returns a `DecodeOutput`. Its loop is the same named steps for every algorithm:
+propose -> verify (one target forward) -> accept -> commit (cache rollback).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import ConfigError, GenerationParams, SamplingParams
+from ..models import LoadedModel
+from ..trace import Event, FinishEvent, TokenInfo, Trace
+
+EventStream = Generator[Event, None, "DecodeOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOutput:
+    token_ids: tuple[int, ...]  # generated ids only, including an end-of-sequence id that ended the run
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop"
+    wall_s: float
+
+
+def encode_prompt(target: LoadedModel, prompt: str, generation: GenerationParams) -> list[int]:
+    """Token ids for a prompt: the tokenizer's own chat template for instruct models (no extra system prompt)
+    unless `generation.raw`; checked against the model's context length."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError("prompt must be a non-empty string")
+    tokenizer = target.tokenizer
+    if target.chat and not generation.raw:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    else:
+        ids = list(tokenizer(prompt).input_ids)
+    limit = target.model.config.max_position_embeddings
+    if len(ids) + generation.max_new_tokens > limit:
+        raise ConfigError(f"prompt is {len(ids)} tokens; prompt tokens + max_new_tokens must be <= {limit} "
+                          f"(the model's context length), got {len(ids) + generation.max_new_tokens}")
+    return ids
+
+
+class Stopper:
+    """Decides, token by token, whether generation is over: end-of-sequence id, length, or a stop string."""
+
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], generation: GenerationParams) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.generation = generation
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+
+    def push(self, token: int) -> bool:
+        """Record one generated token; True when it ends generation (it is kept either way)."""
+        if self.reason is not None:
+            raise RuntimeError("generation already finished")
+        self.tokens.append(token)
+        if token in self.eos_ids:
+            self.reason = "eos"
+        elif self.generation.stop and any(s in self._text() for s in self.generation.stop):
+            self.reason = "stop"
+        elif len(self.tokens) >= self.generation.max_new_tokens:
+            self.reason = "length"
+        return self.reason is not None
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def final_text(self) -> str:
+        text = self._text()
+        if self.reason == "stop":
+            text = text[: min(text.find(s) for s in self.generation.stop if s in text)]
+        return text
+
+
+class EngineClock:
+    """Seconds of engine work since start, not counting time spent suspended at a `yield` (rendering)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = device.type == "cuda"
+        self._paused_at: float | None = None
+        self._paused_total = 0.0
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize()  # GPU work is asynchronous: time it when it has really finished
+        return time.perf_counter() - self._start - self._paused_total
+
+    def emit(self, *events: Event) -> Generator[Event, None, None]:
+        """Yield events with the clock stopped while the consumer handles them."""
+        paused = time.perf_counter()
+        yield from events
+        self._paused_total += time.perf_counter() - paused
+
+
+class Decoder(ABC):
+    """One decoding algorithm over a target model; instances are cheap and hold no per-run state."""
+
+    algo: ClassVar[str]
+
+    def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams) -> None:
+        self.target = target
+        self.sampling = sampling
+        self.generation = generation
+
+    def params(self) -> dict[str, Any]:
+        """Settings recorded in the trace header."""
+        return {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
+                "top_p": self.sampling.top_p, "seed": self.sampling.seed,
+                "max_new_tokens": self.generation.max_new_tokens, "raw": self.generation.raw}
+
+    @abstractmethod
+    def run(self, prompt_ids: list[int]) -> EventStream:
+        """Generate from prompt ids, yielding trace events; returns the output."""
+
+    def token_info(self, token: int, position: int, p: float | None = None, q: float | None = None,
+                   parent: int | None = None) -> TokenInfo:
+        text = self.target.tokenizer.decode([token])
+        return TokenInfo(id=token, text=text, position=position, p=p, q=q, parent=parent)
+
+    def finish(self, stopper: Stopper, clock: EngineClock, step: int) -> tuple[FinishEvent, DecodeOutput]:
+        wall = clock.now()
+        text = stopper.final_text()
+        reason = stopper.reason or "length"
+        event = FinishEvent(step=step, t=wall, reason=reason, token_ids=list(stopper.tokens), text=text, wall_s=wall)
+        return event, DecodeOutput(tuple(stopper.tokens), text, reason, wall)
+
+
+def generate(decoder: Decoder, prompt: str) -> tuple[DecodeOutput, Trace]:
+    """Run a decoder to the end on a text prompt and collect its trace."""
+    prompt_ids = encode_prompt(decoder.target, prompt, decoder.generation)
+    trace = Trace(algo=decoder.algo, model=decoder.target.name, prompt=prompt, prompt_ids=prompt_ids,
+                  params=decoder.params())
+    stream = decoder.run(prompt_ids)
+    while True:
+        try:
+            trace.events.append(next(stream))
+        except StopIteration as stop:
+            return stop.value, trace

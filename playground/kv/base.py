@@ -1,0 +1,94 @@
+"""The one KV-cache interface the model talks to, and the attention mask both caches share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """Where one forward's new tokens are written and which keys each of them may read.
+
+    Keys come back from `KVCache.update` in logical slot order (slot j of row b holds the j-th token that row
+    committed or is verifying), so the mask is in slot coordinates whatever the physical layout.
+    """
+
+    seq_ids: tuple[int, ...]
+    starts: tuple[int, ...]  # first slot of the new tokens, per row
+    num_new: int  # T, new tokens per row
+    key_len: int  # L, key slots returned per row
+    mask: torch.Tensor | None  # (B, 1, T, L) bool, True = may attend; None = every returned key is visible
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """A snapshot of cache memory: what holds live tokens, what is allocated, and what that allocation wastes."""
+
+    bytes_used: int
+    bytes_reserved: int
+    tokens: int
+    bytes_per_token: int
+
+    @property
+    def bytes_wasted(self) -> int:
+        return self.bytes_reserved - self.bytes_used
+
+
+class KVCache(ABC):
+    """Contiguous and paged caches implement this; rejected tokens leave through `truncate`."""
+
+    @abstractmethod
+    def prepare(
+        self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
+    ) -> AttentionLayout:
+        """Reserve `num_new` slots after each row's current length and build the attention mask.
+
+        attn_mask: (T, T) or (B, T, T) bool visibility among the new tokens (a tree); None means causal.
+        """
+
+    @abstractmethod
+    def update(
+        self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, D) of `layer` and return all keys and values (B, Hkv, L, D) to attend over."""
+
+    @abstractmethod
+    def length(self, seq_id: int) -> int:
+        """Number of committed slots of a sequence."""
+
+    @abstractmethod
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop every slot of `seq_id` from `length` on (rejected draft tokens)."""
+
+    @abstractmethod
+    def memory(self) -> KVMemory:
+        """Current memory accounting, read by traces and metrics."""
+
+
+def build_attention_mask(
+    starts: tuple[int, ...], num_new: int, key_len: int, attn_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Visibility of key slots for the new tokens: the whole prefix, then `attn_mask` (default causal).
+
+    Returns (B, 1, T, L) bool, or None when every returned key is visible (one row, one new token).
+    """
+    batch = len(starts)
+    if attn_mask is None and num_new == 1 and batch == 1 and starts[0] + 1 == key_len:
+        return None
+    if attn_mask is None:
+        attn_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
+    if attn_mask.dim() == 2:
+        attn_mask = attn_mask.unsqueeze(0).expand(batch, num_new, num_new)  # (B, T, T)
+    if attn_mask.shape != (batch, num_new, num_new):
+        raise ValueError(f"attn_mask must be ({num_new}, {num_new}) or ({batch}, {num_new}, {num_new}), "
+                         f"got {tuple(attn_mask.shape)}")
+    start = torch.tensor(starts, device=device).view(batch, 1)  # (B, 1)
+    rel = torch.arange(key_len, device=device).view(1, key_len) - start  # (B, L) slot index relative to new tokens
+    in_prefix = (rel < 0).unsqueeze(1)  # (B, 1, L)
+    in_new = ((rel >= 0) & (rel < num_new)).unsqueeze(1)  # (B, 1, L)
+    index = rel.clamp(0, num_new - 1).unsqueeze(1).expand(batch, num_new, key_len)  # (B, T, L)
+    among_new = attn_mask.to(device=device, dtype=torch.bool).gather(2, index)  # (B, T, L)
+    return (in_prefix | (in_new & among_new)).unsqueeze(1)  # (B, 1, T, L)

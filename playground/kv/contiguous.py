@@ -1,0 +1,80 @@
+"""Contiguous KV cache: one preallocated (rows x max_len) slab per layer, position-indexed.
+
+Slot j of a row holds that row's j-th token, so rolling back rejected tokens is just moving the length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
+
+
+class ContiguousKVCache(KVCache):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        max_seqs: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if max_len < 1 or max_seqs < 1:
+            raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len} and {max_seqs}")
+        self.max_len = max_len
+        self.device = torch.device(device)
+        # Uninitialised storage: slots are always written before they are read, and untouched pages cost no RAM.
+        shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)  # (layers, S, Hkv, Tmax, D)
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        # Per-layer views, indexed once here rather than on every write of every decode step.
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # each (S, Hkv, Tmax, D)
+        self._lengths = [0] * max_seqs
+        self._bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths[seq_id]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {self._lengths[seq_id]} to {length}")
+        self._lengths[seq_id] = length
+
+    def prepare(
+        self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
+    ) -> AttentionLayout:
+        starts = tuple(self._lengths[s] for s in seq_ids)
+        key_len = max(starts) + num_new
+        if key_len > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens per sequence; this forward needs {key_len}")
+        for s in seq_ids:
+            self._lengths[s] += num_new
+        mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
+        if mask is not None:
+            # Rows shorter than the longest see nothing past their own new tokens (stale slots of other lengths).
+            valid = torch.tensor([st + num_new for st in starts], device=self.device).view(-1, 1, 1, 1)
+            mask = mask & (torch.arange(key_len, device=self.device).view(1, 1, 1, -1) < valid)
+        return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask)
+
+    def update(
+        self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, key_len = layout.num_new, layout.key_len
+        k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
+        for row, (seq, start) in enumerate(zip(layout.seq_ids, layout.starts)):
+            k_layer[seq, :, start : start + t] = k[row]  # (Hkv, T, D)
+            v_layer[seq, :, start : start + t] = v[row]
+        first = layout.seq_ids[0]
+        if layout.seq_ids == tuple(range(first, first + len(layout.seq_ids))):
+            rows = slice(first, first + len(layout.seq_ids))
+            return k_layer[rows, :, :key_len], v_layer[rows, :, :key_len]
+        index = torch.tensor(layout.seq_ids, device=self.device)
+        return (k_layer.index_select(0, index)[:, :, :key_len],
+                v_layer.index_select(0, index)[:, :, :key_len])  # (B, Hkv, L, D)
+
+    def memory(self) -> KVMemory:
+        tokens = sum(self._lengths)
+        reserved = self.k.shape[1] * self.max_len * self._bytes_per_token
+        return KVMemory(tokens * self._bytes_per_token, reserved, tokens, self._bytes_per_token)

@@ -1,0 +1,57 @@
+"""Measured metrics, computed from a trace alone (so replayed traces give the same numbers)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, KVAllocEvent, KVFreeEvent,
+                    PrefillEvent, Trace, TraceError, VerifyEvent)
+
+PLAIN_ALGOS = ("ar",)  # algorithms that propose nothing: acceptance metrics do not apply
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """tokens_per_s: generated tokens / engine wall time, prefill included, model loading excluded.
+    ttft_s: engine time until the first generated token was known.
+    mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
+    acceptance_rate: accepted / proposed tokens. Both None for algorithms that propose nothing."""
+
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_s: float | None
+    target_forwards: int
+    mean_accepted_tokens: float | None
+    acceptance_rate: float | None
+    kv_bytes: int | None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def compute(trace: Trace) -> Metrics:
+    finish = trace.finish()
+    if finish is None:
+        raise TraceError("events: the trace has no finish event (the run did not complete)")
+    tokens = len(finish.token_ids)
+    first_token = next((e.t for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))), None)
+    prefills = sum(1 for e in trace.events if isinstance(e, PrefillEvent))
+    verify_forwards = sum(e.target_forwards for e in trace.events if isinstance(e, VerifyEvent))
+    drafted = sum(len(e.tokens) for e in trace.events if isinstance(e, DraftEvent))
+    accepted = sum(1 for e in trace.events if isinstance(e, AcceptEvent))
+    kv_bytes = next((e.kv_bytes if isinstance(e, CommitEvent) else e.bytes_used for e in reversed(trace.events)
+                     if isinstance(e, (CommitEvent, KVAllocEvent, KVFreeEvent))), None)
+    proposes = trace.algo not in PLAIN_ALGOS
+    # The first token of a run comes from the prefill forward; every later one from a verifying forward.
+    mean_accepted = (tokens - 1) / verify_forwards if proposes and verify_forwards else None
+    return Metrics(
+        tokens=tokens,
+        wall_s=finish.wall_s,
+        tokens_per_s=tokens / finish.wall_s if finish.wall_s > 0 else 0.0,
+        ttft_s=first_token,
+        target_forwards=prefills + verify_forwards,
+        mean_accepted_tokens=mean_accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        kv_bytes=kv_bytes,
+    )

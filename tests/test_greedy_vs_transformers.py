@@ -1,0 +1,32 @@
+"""Greedy plain decoding equals transformers `generate(do_sample=False)` token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from playground.config import GenerationParams, SamplingParams
+from playground.decoding import AutoregressiveDecoder, encode_prompt, generate
+
+from .prompts import PROMPTS
+
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:10])
+def test_greedy_matches_transformers_generate(target, reference, prompt: str) -> None:
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    output, _ = generate(AutoregressiveDecoder(target, SamplingParams(), generation), prompt)
+    ids = torch.tensor([encode_prompt(target, prompt, generation)])
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                      do_sample=False, eos_token_id=list(target.eos_token_ids),
+                                      pad_token_id=target.eos_token_ids[0])
+    assert list(output.token_ids) == expected[0, ids.shape[1]:].tolist()
+    assert output.finish_reason in ("eos", "length")

@@ -1,0 +1,119 @@
+"""The native model reproduces transformers' own forward: embedded model and tiny random configs per family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from playground.kv import ContiguousKVCache
+from playground.models import Transformer, UnsupportedModelError
+from playground.models.loader import build_model
+
+TOL = 1e-4
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+FAMILIES = {
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "llama3-rope-scaling": dict(model_type="llama", tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-linear-rope": dict(model_type="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                   "factor": 2.0}),
+    "mistral": dict(model_type="mistral", sliding_window=None, head_dim=16),
+    "qwen2-qkv-bias": dict(model_type="qwen2", tie_word_embeddings=False),
+    "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+}
+
+
+def tiny_pair(name: str) -> tuple[torch.nn.Module, Transformer]:
+    kwargs = dict(TINY, **FAMILIES[name])
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random non-trivial norms and biases, so a missed weight would show
+        for pname, param in reference.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    native = build_model(config, state, torch.float32, torch.device("cpu"))
+    return reference, native
+
+
+def new_cache(model: Transformer, capacity: int = 128, rows: int = 1) -> ContiguousKVCache:
+    cfg = model.config
+    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, max_seqs=rows)
+
+
+def prefill_then_decode(model: Transformer, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Logits (1, T, V) from a prefill of `split` tokens followed by one-token decode steps."""
+    cache = new_cache(model)
+    outs = [model(ids[:, :split], torch.arange(split)[None], cache, (0,))[0]]
+    for i in range(split, ids.shape[1]):
+        outs.append(model(ids[:, i : i + 1], torch.tensor([[i]]), cache, (0,))[0])
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.inference_mode()
+def test_tiny_families_match_transformers(family: str) -> None:
+    reference, native = tiny_pair(family)
+    torch.manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 40))
+    expected = reference(ids).logits
+    logits, hidden = native(ids, torch.arange(40).expand(2, 40), new_cache(native, rows=2), (0, 1))
+    assert hidden.shape == (2, 40, TINY["hidden_size"])
+    assert (logits - expected).abs().max().item() <= TOL
+    incremental = prefill_then_decode(native, ids[:1], split=7)
+    assert (incremental - expected[:1]).abs().max().item() <= TOL
+
+
+@torch.inference_mode()
+def test_embedded_model_matches_transformers(target) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+    ids = target.tokenizer("Speculative decoding drafts tokens cheaply and verifies them in one pass.",
+                           return_tensors="pt").input_ids
+    t = ids.shape[1]
+    expected = reference(ids).logits
+    logits, _ = target.model(ids, torch.arange(t)[None], new_cache(target.model), (0,))
+    assert (logits - expected).abs().max().item() <= TOL
+    # Decode steps against transformers' own cached decode steps, one position at a time.
+    cache = new_cache(target.model)
+    ours = [target.model(ids[:, :5], torch.arange(5)[None], cache, (0,), num_logits=1)[0]]
+    out = reference(ids[:, :5], use_cache=True)
+    theirs, past = [out.logits[:, -1:]], out.past_key_values
+    for i in range(5, t):
+        ours.append(target.model(ids[:, i : i + 1], torch.tensor([[i]]), cache, (0,))[0])
+        out = reference(ids[:, i : i + 1], past_key_values=past, use_cache=True)
+        theirs.append(out.logits)
+        past = out.past_key_values
+    assert (torch.cat(ours, 1) - torch.cat(theirs, 1)).abs().max().item() <= TOL
+
+
+@torch.inference_mode()
+def test_tree_mask_equals_separate_chains() -> None:
+    """Two branches verified in one forward with a tree mask give each branch's own chain logits."""
+    _, native = tiny_pair("llama-tied")
+    prefix = torch.tensor([[5, 17, 42, 7]])
+    branch_a, branch_b = [11, 12], [21, 22]
+    chain_logits = []
+    for branch in (branch_a, branch_b):
+        ids = torch.cat([prefix, torch.tensor([branch])], dim=1)
+        chain_logits.append(native(ids, torch.arange(6)[None], new_cache(native), (0,))[0][0, 4:])
+    cache = new_cache(native)
+    native(prefix, torch.arange(4)[None], cache, (0,))
+    # Nodes: a1, a2 (child of a1), b1, b2 (child of b1); each sees the prefix, its ancestors and itself.
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    tree_ids = torch.tensor([branch_a + branch_b])
+    positions = torch.tensor([[4, 5, 4, 5]])
+    logits, _ = native(tree_ids, positions, cache, (0,), attn_mask=mask)
+    assert (logits[0, :2] - chain_logits[0]).abs().max().item() <= TOL
+    assert (logits[0, 2:] - chain_logits[1]).abs().max().item() <= TOL
+
+
+def test_unsupported_architecture_lists_supported() -> None:
+    config = AutoConfig.for_model("gpt2")
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3"):
+        build_model(config, {}, torch.float32, torch.device("cpu"))
