@@ -140,10 +140,12 @@ def read_hf_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
+        hf_config = AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
     except (ValueError, KeyError) as exc:
         raise UnsupportedModelError(f"model: {folder} is not a supported architecture ({exc}); supported: "
                                     f"{', '.join(SUPPORTED_ARCHITECTURES)}") from exc
+    TransformerConfig.from_hf(hf_config)  # refuse an unsupported architecture before reading any weights
+    return hf_config
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:

