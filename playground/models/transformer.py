@@ -107,15 +107,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     parallel GEMM) at ~14 GB/s; splitting the weight into one block of rows per thread and calling bmm streams
     the weight at ~29 GB/s. Large row counts (prefill) and GPUs keep F.linear.
     """
-    rows = x.numel() // x.shape[-1]
-    splits = torch.get_num_threads()
     out_features, in_features = weight.shape
-    if x.device.type != "cpu" or rows > SMALL_ROWS or splits < 2 or out_features % splits:
+    rows = x.numel() // in_features
+    splits = torch.get_num_threads()
+    if not x.is_cpu or rows > SMALL_ROWS or splits < 2 or out_features % splits:
         return F.linear(x, weight, bias)
+    # Every op here costs microseconds of dispatch, ~120 times per decode step: keep the chain short.
     blocks = weight.view(splits, out_features // splits, in_features)  # (S, out/S, in)
-    cols = x.reshape(rows, in_features).t().unsqueeze(0).expand(splits, in_features, rows)  # (S, in, N)
+    cols = x.reshape(rows, in_features).t().expand(splits, in_features, rows)  # (S, in, N)
     y = torch.bmm(blocks, cols)  # (S, out/S, N)
-    y = y.view(*x.shape[:-1], out_features) if rows == 1 else y.reshape(out_features, rows).t()  # (N, out)
+    if rows > 1:
+        y = y.reshape(out_features, rows).t()  # (N, out)
     y = y.reshape(*x.shape[:-1], out_features)
     return y if bias is None else y + bias
 
