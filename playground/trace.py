@@ -108,25 +108,23 @@ class BonusEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class KVAllocEvent:
-    KIND: ClassVar[str] = "kv-alloc"
+class _KVChange:
     step: int
     t: float
     seq: int
-    num_tokens: int
-    bytes_used: int
+    num_tokens: int  # tokens allocated or freed by this change
+    bytes_used: int  # cache totals after the change
     bytes_reserved: int
 
 
 @dataclass(frozen=True, slots=True)
-class KVFreeEvent:
+class KVAllocEvent(_KVChange):
+    KIND: ClassVar[str] = "kv-alloc"
+
+
+@dataclass(frozen=True, slots=True)
+class KVFreeEvent(_KVChange):
     KIND: ClassVar[str] = "kv-free"
-    step: int
-    t: float
-    seq: int
-    num_tokens: int
-    bytes_used: int
-    bytes_reserved: int
 
 
 @dataclass(frozen=True, slots=True)

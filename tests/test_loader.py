@@ -74,3 +74,19 @@ def test_missing_cuda_is_a_clear_error(monkeypatch, target) -> None:
 def test_gpu_greedy_matches_cpu(target) -> None:
     gpu = load_model(ModelSpec(source=str(target.folder), device="cuda"))
     assert greedy_ids(gpu, tokens=32) == greedy_ids(target, tokens=32)
+
+
+def test_sharded_checkpoint_reads_only_the_indexed_shards(tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from playground.models.loader import load_weights
+
+    config = AutoConfig.for_model("llama", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "consolidated.safetensors").write_bytes(b"another format's copy, never read")
+    tensors = load_weights(tmp_path)
+    assert set(tensors) == set(model.state_dict())
+    assert all(torch.equal(tensors[k], v) for k, v in model.state_dict().items())

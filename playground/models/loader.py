@@ -128,7 +128,7 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "model*.safetensors", "tokenizer*", "*.txt"])
     except Exception as exc:  # the hub client raises many types: offline, gated, missing, rate-limited
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"model: could not fetch {repo_id!r} from the Hugging Face hub (offline, private "
@@ -149,7 +149,13 @@ def read_hf_config(folder: Path) -> Any:
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # sharded checkpoint: exactly the shards the index names
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]  # some repos also carry other-format copies beside it
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model: {folder} has no .safetensors weights (pickled checkpoints are never loaded)")
     tensors: dict[str, torch.Tensor] = {}
