@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, Stopper, encode_prompt, generate
@@ -69,6 +70,7 @@ def test_time_spent_by_the_consumer_is_not_engine_time(target) -> None:
     try:
         while True:
             events.append(next(stream))
+            assert not torch.is_inference_mode_enabled()  # the engine's modes stay inside the engine
             time.sleep(0.05)  # a slow renderer
     except StopIteration as stop:
         output = stop.value
