@@ -30,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where converted GGUF weights are cached (default $PLAYGROUND_CACHE or "
+                             "~/.cache/decoding-playground)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +46,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant)
+    return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant,
+                     cache_dir=args.cache_dir)
 
 
 def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, GenerationParams]:
