@@ -1,10 +1,13 @@
-"""Logits to probabilities and tokens: temperature, top-k, top-p, seeded draws. Small pure functions.
+"""Logits to probabilities and tokens (temperature, top-k, top-p, seeded draws), and the acceptance rules
+every speculative algorithm shares. Small pure functions.
 
 Greedy (temperature 0) is the argmax, represented as a one-hot distribution so that every acceptance rule
 can treat greedy and sampled decoding alike.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -66,3 +69,58 @@ def next_token(logits: torch.Tensor, params: SamplingParams,
     probs = probabilities(logits, params)
     token = sample(probs, generator)
     return token, probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainVerdict:
+    """Outcome of verifying K proposed tokens with one target forward.
+
+    num_accepted: how many leading proposals are kept. token: the one token emitted after them, a correction
+    (`corrected`, a proposal was rejected) or a bonus (all K accepted). uniforms: the draw u_i compared for each
+    examined proposal (empty under greedy acceptance).
+    """
+
+    num_accepted: int
+    token: int
+    corrected: bool
+    uniforms: tuple[float, ...]
+
+
+def verify_greedy(target_logits: torch.Tensor, proposals: list[int]) -> ChainVerdict:
+    """Accept while the target's argmax equals the proposal; then emit the target's argmax.
+
+    target_logits: (K+1, V), row i scoring the position of proposal i, row K the position after them all.
+    """
+    argmax = target_logits.argmax(-1).tolist()  # (K+1,)
+    accepted = 0
+    while accepted < len(proposals) and argmax[accepted] == proposals[accepted]:
+        accepted += 1
+    return ChainVerdict(accepted, argmax[accepted], accepted < len(proposals), ())
+
+
+def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
+                    generator: torch.Generator) -> ChainVerdict:
+    """Speculative sampling (Leviathan et al. 2023): the emitted tokens are distributed exactly as under p.
+
+    p: (K+1, V) target distributions, row K for the bonus position; q: (K, V) the distributions the proposals
+    were really drawn from (one-hot rows for n-gram or lookahead guesses).
+    """
+    k = len(proposals)
+    index = torch.tensor(proposals, device=p.device).unsqueeze(1)  # (K, 1)
+    p_x = p[:k].gather(1, index).squeeze(1)  # (K,)
+    q_x = q.gather(1, index).squeeze(1)  # (K,)
+    u = torch.rand(k, generator=generator, device=p.device)  # (K,)
+    # accept x_i with probability min(1, p(x_i) / q(x_i)), written without dividing by q
+    keep = (u * q_x <= p_x).tolist()
+    accepted = keep.index(False) if False in keep else k
+    uniforms = tuple(u[: min(accepted + 1, k)].tolist())
+    if accepted == k:
+        return ChainVerdict(k, int(sample(p[k], generator)), False, uniforms)
+    # on rejection draw from norm(max(0, p - q))
+    residual = (p[accepted] - q[accepted]).clamp_min(0.0)  # (V,)
+    mass = residual.sum()
+    if mass <= 1e-12:
+        # p == q up to rounding: rejection had probability 0 in exact arithmetic; drawing from p keeps the
+        # output distributed as p instead of dividing by zero.
+        residual, mass = p[accepted], p[accepted].sum()
+    return ChainVerdict(accepted, int(sample(residual / mass, generator)), True, uniforms)
