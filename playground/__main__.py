@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, ModelSpec, SamplingParams
+from .config import (DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, ModelSpec, SamplingParams,
+                     SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .trace import TraceError
 
@@ -85,17 +86,51 @@ def trace_path(base: str, index: int, count: int) -> Path:
     return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
 
 
+def build_decoder(args: argparse.Namespace, target: Any, sampling: SamplingParams,
+                  generation: GenerationParams, spec_params: SpeculativeParams | None) -> Any:
+    from .decoding import AutoregressiveDecoder, SpeculativeDecoder
+    from .models import load_model
+
+    if args.algo == "speculative":
+        print(f"Loading draft {args.draft!r}...", file=sys.stderr, flush=True)
+        draft = load_model(ModelSpec(source=args.draft, device=args.device, dtype=args.dtype,
+                                     quant=args.draft_quant, cache_dir=args.cache_dir))
+        return SpeculativeDecoder(target, draft, sampling, generation, spec_params)
+    return AutoregressiveDecoder(target, sampling, generation)
+
+
+def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str) -> str:
+    from .metrics import expected_tokens_per_step, mean_draft_length
+
+    line = (f"[{algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} tok/s, first "
+            f"token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target forwards, "
+            f"finish: {finish_reason}")
+    gamma = mean_draft_length(trace)
+    if metrics.acceptance_rate is not None and gamma is not None:
+        predicted = expected_tokens_per_step(metrics.acceptance_rate, gamma)
+        line += (f"; acceptance {metrics.acceptance_rate:.2f}, tokens per target forward (bonus included) "
+                 f"{metrics.mean_accepted_tokens:.2f} measured vs {predicted:.2f} predicted by "
+                 f"(1 - a^(g+1)) / (1 - a) at mean g = {gamma:.1f}")
+    return line
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .decoding import ALGORITHMS, generate
+    from .decoding import generate
     from .metrics import compute
     from .models import load_model
 
     spec = model_spec(args)
     sampling, generation = sampling_params(args)
+    spec_params = None
+    if args.algo == "speculative":
+        spec_params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
+        if not args.draft:
+            raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
+                              "(no trained default draft ships yet)")
     prompts = read_prompts(args)
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
-    decoder = ALGORITHMS[args.algo](target, sampling, generation)
+    decoder = build_decoder(args, target, sampling, generation, spec_params)
     for index, prompt in enumerate(prompts):
         output, trace = generate(decoder, prompt)
         metrics = compute(trace)
@@ -111,9 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
             print(output.text, flush=True)
-            print(f"[{args.algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} "
-                  f"tok/s, first token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target "
-                  f"forwards, finish: {output.finish_reason}", file=sys.stderr, flush=True)
+            print(summary_line(args.algo, metrics, trace, output.finish_reason), file=sys.stderr, flush=True)
     return 0
 
 
@@ -131,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
     add_sampling_args(gen)
     add_model_args(gen)
+    spec = gen.add_argument_group("speculative decoding (--algo speculative)")
+    spec.add_argument("--draft", help="draft model spec (same tokenizer as the target)")
+    spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
+    spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
+    spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)

@@ -103,3 +103,20 @@ class GenerationParams:
         check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError("stop must be a tuple of non-empty strings")
+
+
+MAX_GAMMA = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeParams:
+    """Draft-model speculative decoding. gamma: draft tokens per step (the starting value when adaptive);
+    adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]."""
+
+    gamma: int = 4
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("gamma", self.gamma, 1, MAX_GAMMA)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")

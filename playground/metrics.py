@@ -55,3 +55,18 @@ def compute(trace: Trace) -> Metrics:
         acceptance_rate=accepted / drafted if drafted else None,
         kv_bytes=kv_bytes,
     )
+
+
+def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
+    """Expected tokens per target forward, bonus included, when each of gamma drafts is accepted independently
+    with probability a (Leviathan et al. 2023): (1 - a^(gamma+1)) / (1 - a)."""
+    if not 0 <= acceptance <= 1:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if acceptance == 1:
+        return gamma + 1
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def mean_draft_length(trace: Trace) -> float | None:
+    drafts = [len(e.tokens) for e in trace.events if isinstance(e, DraftEvent)]
+    return sum(drafts) / len(drafts) if drafts else None

@@ -69,42 +69,40 @@ class VerifyEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class AcceptEvent:
-    KIND: ClassVar[str] = "accept"
+class _TokenEvent:
     step: int
     t: float
     token: TokenInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision(_TokenEvent):
     u: float | None = None  # the uniform draw compared with p/q (None under greedy acceptance)
 
 
 @dataclass(frozen=True, slots=True)
-class RejectEvent:
-    KIND: ClassVar[str] = "reject"
-    step: int
-    t: float
-    token: TokenInfo
-    u: float | None = None
+class AcceptEvent(_Decision):
+    KIND: ClassVar[str] = "accept"
 
 
 @dataclass(frozen=True, slots=True)
-class CorrectEvent:
+class RejectEvent(_Decision):
+    KIND: ClassVar[str] = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectEvent(_TokenEvent):
     """The token drawn from the residual norm(max(0, p - q)) (or the argmax) after a rejection."""
 
     KIND: ClassVar[str] = "correct"
-    step: int
-    t: float
-    token: TokenInfo
 
 
 @dataclass(frozen=True, slots=True)
-class BonusEvent:
+class BonusEvent(_TokenEvent):
     """A token drawn from the target's own distribution with nothing left to verify: every token of plain
     decoding, and the extra token after a fully accepted draft."""
 
     KIND: ClassVar[str] = "bonus"
-    step: int
-    t: float
-    token: TokenInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,4 +13,12 @@ PROMPTS = (
     "The library opens at nine and closes at five. When does it close? Answer briefly.",
     "Give three tips for writing clear emails.",
     "What does the acronym CPU stand for and what does a CPU do?",
+    "Write a SQL query that counts orders per customer in a table called orders.",
+    "Describe the water cycle for a ten-year-old.",
+    "Convert 3.5 kilometres to metres and explain how.",
+    "Write a limerick about a cat who loves boxes.",
+    "Repeat this list in reverse order: apple, banana, cherry, date.",
+    "Explain what a linked list is and one advantage it has over an array.",
+    "Give a one-paragraph history of the bicycle.",
+    "Fix the grammar: 'Me and him goes to the shop yesterday.'",
 )

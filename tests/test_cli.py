@@ -58,6 +58,9 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--model", "UNSUPPORTED"], "supported: llama, mistral, qwen2, qwen3"),
     (["--prompt", "hi", "--device", "tpu"], "argument --device: invalid choice"),
     (["--prompt", "hi", "--top-k", "many"], "argument --top-k: invalid int value"),
+    (["--prompt", "hi", "--algo", "speculative"], "draft: --algo speculative needs --draft SPEC"),
+    (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--gamma", "0"],
+     r"gamma must be an integer in \[1, 16\]"),
 ])
 def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
     args = [unsupported_folder if a == "UNSUPPORTED" else a for a in args]
@@ -67,3 +70,12 @@ def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
     assert len(errors) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert re.search(message, errors[0]), errors[0]
+
+
+def test_speculative_json_reports_acceptance(target) -> None:
+    result = cli("generate", "--algo", "speculative", "--draft", "embedded", "--gamma", "3", "--prompt",
+                 "Say hello.", "--max-new-tokens", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["acceptance_rate"] == 1.0  # the target drafting for itself: every proposal is accepted
+    assert metrics["mean_accepted_tokens"] > 1.0

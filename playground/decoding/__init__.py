@@ -2,8 +2,9 @@
 
 from .ar import AutoregressiveDecoder
 from .base import DecodeOutput, Decoder, EngineClock, Stopper, encode_prompt, generate
+from .speculative import SpeculativeDecoder
 
-ALGORITHMS: dict[str, type[Decoder]] = {AutoregressiveDecoder.algo: AutoregressiveDecoder}
+ALGORITHMS: dict[str, type[Decoder]] = {cls.algo: cls for cls in (AutoregressiveDecoder, SpeculativeDecoder)}
 
-__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "DecodeOutput", "Decoder", "EngineClock", "Stopper",
+__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "SpeculativeDecoder", "DecodeOutput", "Decoder", "EngineClock", "Stopper",
            "encode_prompt", "generate"]

@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..models import LoadedModel
-from ..trace import Event, FinishEvent, TokenInfo, Trace
+from ..kv import ContiguousKVCache
+from ..models import LoadedModel, Transformer
+from ..trace import Event, FinishEvent, KVAllocEvent, PrefillEvent, TokenInfo, Trace
 
 EventStream = Generator[Event, None, "DecodeOutput"]
 
@@ -47,6 +48,36 @@ def encode_prompt(target: LoadedModel, prompt: str, generation: GenerationParams
         raise ConfigError(f"prompt is {len(ids)} tokens; prompt tokens + max_new_tokens must be <= {limit} "
                           f"(the model's context length), got {len(ids) + generation.max_new_tokens}")
     return ids
+
+
+def new_cache(model: Transformer, capacity: int) -> ContiguousKVCache:
+    """A one-sequence contiguous cache sized for `capacity` tokens."""
+    cfg = model.config
+    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity,
+                             dtype=model.dtype, device=model.device)
+
+
+@torch.inference_mode()
+def forward_tokens(model: Transformer, cache: ContiguousKVCache, token_ids: list[int],
+                   num_logits: int = 1) -> torch.Tensor:
+    """Append tokens to sequence 0 of the cache in one forward; logits (num_logits, V) of the last positions.
+
+    Inference mode wraps each forward, not a decoder's loop: a generator suspended at `yield` must not leave
+    the consumer's code running in it.
+    """
+    start = cache.length(0)
+    ids = torch.tensor([token_ids], device=model.device)  # (1, T)
+    positions = torch.arange(start, start + len(token_ids), device=model.device).unsqueeze(0)  # (1, T)
+    logits, _ = model(ids, positions, cache, (0,), num_logits=num_logits)  # (1, n, V)
+    return logits[0]
+
+
+def prefill_events(t: float, cache: ContiguousKVCache, num_tokens: int) -> tuple[PrefillEvent, KVAllocEvent]:
+    """The events of a target prefill that ended at engine time t."""
+    memory = cache.memory()
+    return (PrefillEvent(step=0, t=t, num_tokens=num_tokens, wall_s=t),
+            KVAllocEvent(step=0, t=t, seq=0, num_tokens=num_tokens, bytes_used=memory.bytes_used,
+                         bytes_reserved=memory.bytes_reserved))
 
 
 class Stopper:

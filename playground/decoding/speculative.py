@@ -1,0 +1,161 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Each step: propose gamma tokens with the draft model -> verify them with one target forward over
+[last token, drafts] -> accept a prefix (greedy match or lossless rejection sampling, both in `sampling`) ->
+commit: roll both KV caches back to the kept tokens. Greedy output equals plain decoding token for token;
+sampled output follows the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
+from ..kv import ContiguousKVCache
+from ..models import LoadedModel
+from ..sampling import make_generator, next_token, probabilities, sample, verify_greedy, verify_lossless
+from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
+                     VerifyEvent)
+from .base import Decoder, EngineClock, EventStream, Stopper, forward_tokens, new_cache, prefill_events
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft and target must share one vocabulary, or proposals would be verified as other tokens."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        raise ConfigError(f"draft: its tokenizer differs from the target's ({len(draft_vocab)} vs "
+                          f"{len(target_vocab)} tokens, or the same size with other ids); speculative decoding "
+                          "needs a draft with the target's tokenizer")
+    t_size, d_size = target.model.config.vocab_size, draft.model.config.vocab_size
+    if t_size != d_size:
+        raise ConfigError(f"draft: output vocabulary of {d_size} rows, the target has {t_size}; they must be equal")
+
+
+def softmax_at(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """Probability of tokens[i] under softmax(logits[i]) (temperature 1): what the trace shows under greedy."""
+    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)  # (N, 1)
+    return logits[: len(tokens)].float().softmax(-1).gather(1, index).squeeze(1).tolist()
+
+
+class SpeculativeDecoder(Decoder):
+    algo = "speculative"
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, sampling: SamplingParams,
+                 generation: GenerationParams, params: SpeculativeParams | None = None) -> None:
+        super().__init__(target, sampling, generation)
+        check_compatible(target, draft)
+        self.draft = draft
+        self.spec = params or SpeculativeParams()
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
+                "adaptive_gamma": self.spec.adaptive}
+
+    def propose(self, cache: ContiguousKVCache, pending: list[int], gamma: int,
+                generator: torch.Generator) -> tuple[list[int], torch.Tensor, list[float]]:
+        """Draft gamma tokens after feeding `pending` (tokens the draft has not seen yet).
+
+        Returns the tokens, q (gamma, V) the distributions they were drawn from (one-hot under greedy), and each
+        token's draft probability for the trace. The last drafted token is not fed to the draft (saves a forward).
+        """
+        model = self.draft.model
+        logits = forward_tokens(model, cache, pending)[-1]  # (V,)
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        shown: list[float] = []
+        for i in range(gamma):
+            token, q_x = next_token(logits, self.sampling, generator)
+            tokens.append(int(token))
+            shown.append(float(q_x))
+            q_rows.append(probabilities(logits, self.sampling))
+            if i < gamma - 1:
+                logits = forward_tokens(model, cache, [tokens[-1]])[-1]
+        return tokens, torch.stack(q_rows), shown  # q: (gamma, V)
+
+    def run(self, prompt_ids: list[int]) -> EventStream:
+        target, draft = self.target.model, self.draft.model
+        clock = EngineClock(target.device)
+        generator = make_generator(self.sampling.seed, target.device)
+        stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, self.generation)
+        capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1
+        target_cache, draft_cache = new_cache(target, capacity), new_cache(draft, capacity)
+
+        logits = forward_tokens(target, target_cache, prompt_ids)[-1]  # prefill
+        now = clock.now()
+        yield from clock.emit(*prefill_events(now, target_cache, len(prompt_ids)))
+        token_t, p_t = next_token(logits, self.sampling, generator)
+        last = int(token_t)  # committed, not yet in either cache
+        done = stopper.push(last)
+        yield from clock.emit(BonusEvent(step=0, t=now, token=self.token_info(last, len(prompt_ids), p=float(p_t))))
+        # The draft sees the prompt now and the first token with its first proposal.
+        draft_pending = list(prompt_ids) + [last]
+        gamma, step = self.spec.gamma, 0
+        while not done:
+            step += 1
+            step_start = clock.now()
+            # Never draft past max_new_tokens: those tokens could only be thrown away.
+            gamma = min(gamma, self.generation.max_new_tokens - len(stopper.tokens))
+            base = target_cache.length(0)  # position of `last`
+            draft_base = draft_cache.length(0)
+            drafts, q, q_shown = self.propose(draft_cache, draft_pending, gamma, generator)
+            draft_end = clock.now()
+            draft_tokens = [self.token_info(x, base + 1 + i, q=q_shown[i]) for i, x in enumerate(drafts)]
+            yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=draft_tokens,
+                                             wall_s=draft_end - step_start, draft_forwards=gamma))
+
+            verify_start = clock.now()
+            target_logits = forward_tokens(target, target_cache, [last] + drafts, num_logits=gamma + 1)  # (g+1, V)
+            verify_end = clock.now()
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=gamma + 1,
+                                              wall_s=verify_end - verify_start, target_forwards=1))
+
+            if self.sampling.greedy:
+                verdict = verify_greedy(target_logits, drafts)
+                p_shown = softmax_at(target_logits, drafts)
+                p_next = softmax_at(target_logits[verdict.num_accepted :], [verdict.token])[0]
+            else:
+                p = probabilities(target_logits, self.sampling)  # (g+1, V)
+                verdict = verify_lossless(p, q, drafts, generator)
+                p_shown = p[:gamma].gather(1, torch.tensor(drafts, device=p.device).unsqueeze(1)).squeeze(1).tolist()
+                p_next = float(p[verdict.num_accepted, verdict.token])
+            uniforms = list(verdict.uniforms) + [None] * gamma
+            now = clock.now()
+            events: list[Event] = []
+            kept = 0
+            for i in range(verdict.num_accepted):
+                info = self.token_info(drafts[i], base + 1 + i, p=p_shown[i], q=q_shown[i])
+                events.append(AcceptEvent(step=step, t=now, token=info, u=uniforms[i]))
+                kept += 1
+                done = stopper.push(drafts[i])
+                if done:
+                    break
+            if not done:
+                if verdict.corrected:
+                    n = verdict.num_accepted
+                    rejected = self.token_info(drafts[n], base + 1 + n, p=p_shown[n], q=q_shown[n])
+                    events.append(RejectEvent(step=step, t=now, token=rejected, u=uniforms[n]))
+                info = self.token_info(verdict.token, base + 1 + verdict.num_accepted, p=p_next)
+                events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=now, token=info))
+                kept += 1
+                done = stopper.push(verdict.token)
+
+            # commit: keep `last` and the accepted drafts in the target cache; the new `last` is not fed yet.
+            accepted = verdict.num_accepted
+            target_cache.truncate(0, base + 1 + accepted)
+            # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
+            draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
+            draft_pending = ([drafts[-1]] if accepted == gamma else []) + [verdict.token]
+            last = verdict.token
+            if self.spec.adaptive:
+                gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
+            end = clock.now()
+            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
+            events.append(CommitEvent(step=step, t=end, num_tokens=kept, draft_s=draft_s, verify_s=verify_s,
+                                      overhead_s=end - step_start - draft_s - verify_s,
+                                      kv_bytes=target_cache.memory().bytes_used + draft_cache.memory().bytes_used))
+            yield from clock.emit(*events)
+        event, output = self.finish(stopper, clock, step)
+        yield from clock.emit(event)
+        return output
