@@ -33,10 +33,10 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise ConfigError(f"draft: output vocabulary of {d_size} rows, the target has {t_size}; they must be equal")
 
 
-def softmax_at(logits: torch.Tensor, tokens: list[int]) -> list[float]:
-    """Probability of tokens[i] under softmax(logits[i]) (temperature 1): what the trace shows under greedy."""
-    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)  # (N, 1)
-    return logits[: len(tokens)].float().softmax(-1).gather(1, index).squeeze(1).tolist()
+def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
+    """probs[i, tokens[i]] for each i: probs (>= N, V) -> N floats."""
+    index = torch.tensor(tokens, device=probs.device).unsqueeze(1)  # (N, 1)
+    return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
 
 
 class SpeculativeDecoder(Decoder):
@@ -54,11 +54,12 @@ class SpeculativeDecoder(Decoder):
                 "adaptive_gamma": self.spec.adaptive}
 
     def propose(self, cache: ContiguousKVCache, pending: list[int], gamma: int,
-                generator: torch.Generator) -> tuple[list[int], torch.Tensor, list[float]]:
+                generator: torch.Generator) -> tuple[list[int], torch.Tensor | None, list[float]]:
         """Draft gamma tokens after feeding `pending` (tokens the draft has not seen yet).
 
-        Returns the tokens, q (gamma, V) the distributions they were drawn from (one-hot under greedy), and each
-        token's draft probability for the trace. The last drafted token is not fed to the draft (saves a forward).
+        Returns the tokens, q (gamma, V) the distributions they were drawn from (None under greedy, where only
+        the argmax matters), and each token's draft probability for the trace. The last drafted token is not
+        fed to the draft (saves a forward).
         """
         model = self.draft.model
         logits = forward_tokens(model, cache, pending)[-1]  # (V,)
@@ -69,10 +70,11 @@ class SpeculativeDecoder(Decoder):
             token, q_x = next_token(logits, self.sampling, generator)
             tokens.append(int(token))
             shown.append(float(q_x))
-            q_rows.append(probabilities(logits, self.sampling))
+            if not self.sampling.greedy:
+                q_rows.append(probabilities(logits, self.sampling))
             if i < gamma - 1:
                 logits = forward_tokens(model, cache, [tokens[-1]])[-1]
-        return tokens, torch.stack(q_rows), shown  # q: (gamma, V)
+        return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target, draft = self.target.model, self.draft.model
@@ -88,7 +90,11 @@ class SpeculativeDecoder(Decoder):
         token_t, p_t = next_token(logits, self.sampling, generator)
         last = int(token_t)  # committed, not yet in either cache
         done = stopper.push(last)
-        yield from clock.emit(BonusEvent(step=0, t=now, token=self.token_info(last, len(prompt_ids), p=float(p_t))))
+        end = clock.now()
+        yield from clock.emit(
+            BonusEvent(step=0, t=end, token=self.token_info(last, len(prompt_ids), p=float(p_t))),
+            CommitEvent(step=0, t=end, num_tokens=1, draft_s=0.0, verify_s=now, overhead_s=end - now,
+                        kv_bytes=target_cache.memory().bytes_used))
         # The draft sees the prompt now and the first token with its first proposal.
         draft_pending = list(prompt_ids) + [last]
         gamma, step = self.spec.gamma, 0
@@ -113,12 +119,14 @@ class SpeculativeDecoder(Decoder):
 
             if self.sampling.greedy:
                 verdict = verify_greedy(target_logits, drafts)
-                p_shown = softmax_at(target_logits, drafts)
-                p_next = softmax_at(target_logits[verdict.num_accepted :], [verdict.token])[0]
+                # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
+                softmax = target_logits.softmax(-1)  # (g+1, V)
+                p_shown = prob_of(softmax, drafts)
+                p_next = float(softmax[verdict.num_accepted, verdict.token])
             else:
                 p = probabilities(target_logits, self.sampling)  # (g+1, V)
-                verdict = verify_lossless(p, q, drafts, generator)
-                p_shown = p[:gamma].gather(1, torch.tensor(drafts, device=p.device).unsqueeze(1)).squeeze(1).tolist()
+                verdict = verify_lossless(p, q, drafts, generator)  # q is not None when sampling
+                p_shown = prob_of(p, drafts)
                 p_next = float(p[verdict.num_accepted, verdict.token])
             uniforms = list(verdict.uniforms) + [None] * gamma
             now = clock.now()
