@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from .config import (DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, ModelSpec, SamplingParams,
                      SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
+from .models.loader import default_draft
 from .trace import TraceError
 
 USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
@@ -124,9 +125,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec_params = None
     if args.algo == "speculative":
         spec_params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
+        args.draft = args.draft or default_draft(args.model)
         if not args.draft:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
-                              "(no trained default draft ships yet)")
+                              "(a default draft ships only for the embedded model)")
     prompts = read_prompts(args)
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
@@ -165,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     add_model_args(gen)
     spec = gen.add_argument_group("speculative decoding (--algo speculative)")
-    spec.add_argument("--draft", help="draft model spec (same tokenizer as the target)")
+    spec.add_argument("--draft", help="draft model spec (same tokenizer as the target); default for the embedded "
+                                      "model: the draft trained by `python -m playground.train draft`")
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
     spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")

@@ -28,7 +28,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="run only the first N prompts of the suite")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--draft", default=None,
-                        help="draft model spec: adds speculative decoding and transformers assisted generation")
+                        help="draft model spec: adds speculative decoding and transformers assisted generation "
+                             "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
     parser.add_argument("--json", default="bench_results/bench.json", help="where to write the JSON results")
     parser.add_argument("--markdown", default="bench_results/bench.md", help="where to write the markdown table")
@@ -193,6 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
+    from .models.loader import default_draft
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
     spec_params = SpeculativeParams(gamma=args.gamma)
@@ -205,8 +207,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
     plain = AutoregressiveDecoder(target, sampling, generation)
     draft = speculative = None
-    if args.draft:
-        draft = load_model(ModelSpec(source=args.draft, device=args.device, dtype=args.dtype,
+    draft_source = default_draft(args.model) if args.draft is None else args.draft
+    if draft_source and draft_source != "none":
+        draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                      cache_dir=args.cache_dir))
         speculative = SpeculativeDecoder(target, draft, sampling, generation, spec_params)
     hf_model = None if args.no_peers else load_hf_peer(target)

@@ -9,7 +9,7 @@ from playground.__main__ import main
 
 def test_bench_writes_report(tmp_path, target) -> None:
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
-    assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu",
+    assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", "--draft", "none",
                  "--json", str(out_json), "--markdown", str(out_md)]) == 0
     report = json.loads(out_json.read_text())
     assert len(report["prompts"]) == 2
@@ -19,6 +19,7 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert 0 < report["summary"]["fraction_of_bound"]
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
+    assert "speculative" not in report
 
 
 def test_bench_rejects_bad_limit(capsys) -> None:

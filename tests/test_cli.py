@@ -58,7 +58,8 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--model", "UNSUPPORTED"], "supported: llama, mistral, qwen2, qwen3"),
     (["--prompt", "hi", "--device", "tpu"], "argument --device: invalid choice"),
     (["--prompt", "hi", "--top-k", "many"], "argument --top-k: invalid int value"),
-    (["--prompt", "hi", "--algo", "speculative"], "draft: --algo speculative needs --draft SPEC"),
+    (["--prompt", "hi", "--algo", "speculative", "--model", "nobody/no-draft"],
+     "draft: --algo speculative needs --draft SPEC"),
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--gamma", "0"],
      r"gamma must be an integer in \[1, 16\]"),
 ])

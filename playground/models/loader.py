@@ -34,6 +34,17 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The draft trained for the embedded target by `python -m playground.train draft`, shipped with the project.
+EMBEDDED_DRAFT = Path(__file__).resolve().parents[2] / "assets" / "draft-smollm2-135m"
+
+
+def default_draft(target_source: str) -> str | None:
+    """The shipped draft model for a target spec, if the project has one."""
+    if target_source == "embedded" and (EMBEDDED_DRAFT / "config.json").is_file():
+        return str(EMBEDDED_DRAFT)
+    return None
+
+
 class ModelLoadError(ValueError):
     """The model could not be resolved or loaded; the message says which field and why."""
 
