@@ -182,13 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse, run the chosen command, and turn user errors into one line and exit code 2."""
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), argv)
 
 
 if __name__ == "__main__":

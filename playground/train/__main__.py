@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..__main__ import USER_ERRORS, OneLineParser
+from ..__main__ import OneLineParser, run_cli
 from . import draft
 
 
@@ -15,12 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_parser = commands.add_parser("draft", help="distil a draft model for speculative decoding")
     draft.add_args(draft_parser)
     draft_parser.set_defaults(func=draft.main)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(parser, argv)
 
 
 if __name__ == "__main__":
