@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from playground.config import ConfigError, GenerationParams, SamplingParams, SpeculativeParams
 from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate

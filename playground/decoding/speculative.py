@@ -15,7 +15,7 @@ import torch
 from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
 from ..kv import ContiguousKVCache
 from ..models import LoadedModel
-from ..sampling import make_generator, next_token, probabilities, sample, verify_greedy, verify_lossless
+from ..sampling import make_generator, next_token, probabilities, verify_greedy, verify_lossless
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
                      VerifyEvent)
 from .base import Decoder, EngineClock, EventStream, Stopper, forward_tokens, new_cache, prefill_events
