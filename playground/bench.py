@@ -179,8 +179,7 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"- median speedup vs our plain decoding: {s['speculative_median_speedup_vs_ar']:.2f}x (goal >= 1.8x)",
             f"- acceptance rate (accepted / drafted, mean over prompts): {s['speculative_mean_acceptance_rate']:.2f}; "
-            f"draft / target "
-            f"decode-step cost: {spec['draft_cost_ratio']:.3f}",
+            f"draft / target decode-step cost: {spec['draft_cost_ratio']:.3f}",
         ]
         if s.get("speculative_median_ratio_vs_hf_assisted") is not None:
             lines.append(f"- ours / transformers assisted generation (same draft): median "

@@ -6,5 +6,5 @@ from .speculative import SpeculativeDecoder
 
 ALGORITHMS: dict[str, type[Decoder]] = {cls.algo: cls for cls in (AutoregressiveDecoder, SpeculativeDecoder)}
 
-__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "SpeculativeDecoder", "DecodeOutput", "Decoder", "EngineClock", "Stopper",
-           "encode_prompt", "generate"]
+__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "DecodeOutput", "Decoder", "EngineClock", "SpeculativeDecoder",
+           "Stopper", "encode_prompt", "generate"]

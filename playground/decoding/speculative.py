@@ -15,7 +15,7 @@ import torch
 from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
 from ..kv import ContiguousKVCache
 from ..models import LoadedModel
-from ..sampling import make_generator, next_token, probabilities, verify_greedy, verify_lossless
+from ..sampling import make_generator, next_token, probabilities, sample, verify_greedy, verify_lossless
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
                      VerifyEvent)
 from .base import Decoder, EngineClock, EventStream, Stopper, forward_tokens, new_cache, prefill_events
@@ -67,11 +67,15 @@ class SpeculativeDecoder(Decoder):
         q_rows: list[torch.Tensor] = []
         shown: list[float] = []
         for i in range(gamma):
-            token, q_x = next_token(logits, self.sampling, generator)
+            if self.sampling.greedy:
+                token, q_x = next_token(logits, self.sampling, generator)
+            else:
+                # x ~ q, keeping q itself for the acceptance test (computed once, not again for the trace)
+                q_rows.append(probabilities(logits, self.sampling))  # (V,)
+                token = sample(q_rows[-1], generator)
+                q_x = q_rows[-1][token]
             tokens.append(int(token))
             shown.append(float(q_x))
-            if not self.sampling.greedy:
-                q_rows.append(probabilities(logits, self.sampling))
             if i < gamma - 1:
                 logits = forward_tokens(model, cache, [tokens[-1]])[-1]
         return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
