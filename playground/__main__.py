@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import (DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, ModelSpec, SamplingParams,
-                     SpeculativeParams)
+from .config import (DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, LookaheadParams, ModelSpec,
+                     PromptLookupParams, SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -87,16 +87,36 @@ def trace_path(base: str, index: int, count: int) -> Path:
     return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
 
 
+def algo_params(args: argparse.Namespace) -> Any:
+    """The chosen algorithm's validated parameters (None for plain decoding), checked before any model loads."""
+    if args.algo == "speculative":
+        args.draft = args.draft or default_draft(args.model)
+        if not args.draft:
+            raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
+                              "(a default draft ships only for the embedded model)")
+        return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
+    if args.algo == "prompt-lookup":
+        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft)
+    if args.algo == "lookahead":
+        return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
+                               prompt_pool=not args.no_prompt_pool)
+    return None
+
+
 def build_decoder(args: argparse.Namespace, target: Any, sampling: SamplingParams,
-                  generation: GenerationParams, spec_params: SpeculativeParams | None) -> Any:
-    from .decoding import AutoregressiveDecoder, SpeculativeDecoder
+                  generation: GenerationParams, params: Any) -> Any:
+    from .decoding import AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder
     from .models import load_model
 
     if args.algo == "speculative":
         print(f"Loading draft {args.draft!r}...", file=sys.stderr, flush=True)
         draft = load_model(ModelSpec(source=args.draft, device=args.device, dtype=args.dtype,
                                      quant=args.draft_quant, cache_dir=args.cache_dir))
-        return SpeculativeDecoder(target, draft, sampling, generation, spec_params)
+        return SpeculativeDecoder(target, draft, sampling, generation, params)
+    if args.algo == "prompt-lookup":
+        return PromptLookupDecoder(target, sampling, generation, params)
+    if args.algo == "lookahead":
+        return LookaheadDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
 
@@ -122,17 +142,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     spec = model_spec(args)
     sampling, generation = sampling_params(args)
-    spec_params = None
-    if args.algo == "speculative":
-        spec_params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
-        args.draft = args.draft or default_draft(args.model)
-        if not args.draft:
-            raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
-                              "(a default draft ships only for the embedded model)")
+    params = algo_params(args)
     prompts = read_prompts(args)
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
-    decoder = build_decoder(args, target, sampling, generation, spec_params)
+    decoder = build_decoder(args, target, sampling, generation, params)
     for index, prompt in enumerate(prompts):
         output, trace = generate(decoder, prompt)
         metrics = compute(trace)
@@ -172,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
     spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
+    lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
+    lookup.add_argument("--max-ngram", type=int, default=3,
+                        help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
+    lookup.add_argument("--num-draft", type=int, default=8, help="tokens copied after a match, 1..16 (default 8)")
+    ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
+    ahead.add_argument("--window", type=int, default=4, help="Jacobi window width W, 1..16 (default 4)")
+    ahead.add_argument("--ngram", type=int, default=3, help="n-gram size N (window of N - 1 rows), 2..8 (default 3)")
+    ahead.add_argument("--guesses", type=int, default=3,
+                       help="n-grams kept per first token and verified per step G, 1..16 (default 3)")
+    ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .bench_suite import SUITE
-from .config import GenerationParams, SamplingParams, check_int
+from .config import ConfigError, GenerationParams, SamplingParams, check_int
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
+    parser.add_argument("--algos", default=",".join(ALGOS),
+                        help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
     parser.add_argument("--json", default="bench_results/bench.json", help="where to write the JSON results")
     parser.add_argument("--markdown", default="bench_results/bench.md", help="where to write the markdown table")
     parser.set_defaults(func=cmd_bench)
@@ -104,19 +106,21 @@ def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
 
 
-def decode_step_seconds(model: Any, steps: int = 20) -> float:
-    """Median wall time of a one-token forward after a 32-token prefill: the cost of one decode step."""
+def decode_step_seconds(model: Any, width: int = 1, steps: int = 20) -> float:
+    """Median wall time of a forward over `width` new tokens after a 32-token prefill: one decode step for
+    width 1, one verification of width - 1 drafted tokens otherwise."""
     from .decoding.base import forward_tokens, new_cache
 
-    cache = new_cache(model, 32 + steps + 1)
+    cache = new_cache(model, 32 + width)
     forward_tokens(model, cache, list(range(100, 132)))
     times = []
     for i in range(steps):
         start = time.perf_counter()
-        forward_tokens(model, cache, [200 + i])
+        forward_tokens(model, cache, list(range(200 + i, 200 + i + width)))
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cache.truncate(0, 32)
     return statistics.median(times)
 
 
@@ -126,6 +130,26 @@ def load_hf_peer(loaded: Any) -> Any:
 
     dtype = loaded.model.dtype
     return AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=dtype).to(loaded.model.device).eval()
+
+
+GROUNDED = ("summarisation", "qa", "code", "rewriting")  # categories whose prompts carry the text to reuse
+ALGOS = ("speculative", "prompt-lookup", "lookahead")
+GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
+    "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
+    "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
+    "lookahead": [("median_speedup_vs_ar", 1.3)],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """One algorithm in the benchmark, with the transformers feature that does the same thing (if any)."""
+
+    name: str
+    decoder: Any
+    setting: str  # its parameters, for the report
+    peer: str | None = None  # the transformers feature used as its peer
+    peer_kwargs: dict[str, Any] | None = None
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -157,46 +181,92 @@ def markdown(report: dict[str, Any]) -> str:
         f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
         f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
         f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)")
-    spec = report.get("speculative")
-    if spec is not None:
-        lines += [
-            "",
-            f"## Speculative decoding: draft {spec['draft']}, gamma {spec['gamma']}",
-            "",
-            "| # | category | tok/s | speedup vs ours plain | acceptance | tokens per target forward (measured / "
-            "theory) | same tokens as plain | transformers assisted tok/s | ours / assisted |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for i, row in enumerate(report["prompts"]):
-            sp, assisted = row["speculative"], row.get("hf_assisted")
-            peer = f"{assisted['tokens_per_s']:.1f} | {row['ratio_vs_hf_assisted']:.2f}x" if assisted else "- | -"
-            lines.append(
-                f"| {i} | {row['category']} | {sp['tokens_per_s']:.1f} | {row['speedup_vs_ar']:.2f}x | "
-                f"{sp['acceptance_rate']:.2f} | {sp['mean_accepted_tokens']:.2f} / "
-                f"{sp['predicted_tokens_per_forward']:.2f} | {'yes' if row['spec_same_tokens'] else 'NO'} | "
-                f"{peer} |")
-        lines += [
-            "",
-            f"- median speedup vs our plain decoding: {s['speculative_median_speedup_vs_ar']:.2f}x (goal >= 1.8x)",
-            f"- acceptance rate (accepted / drafted, mean over prompts): {s['speculative_mean_acceptance_rate']:.2f}; "
-            f"draft / target decode-step cost: {spec['draft_cost_ratio']:.3f}",
-        ]
-        if s.get("speculative_median_ratio_vs_hf_assisted") is not None:
-            lines.append(f"- ours / transformers assisted generation (same draft): median "
-                         f"{s['speculative_median_ratio_vs_hf_assisted']:.2f}x (goal >= 1.5x)")
+    for name, info in report.get("algos", {}).items():
+        lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
     return "\n".join(lines) + "\n"
+
+
+def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    peer = info.get("peer")
+    lines = ["", f"## {name} ({info['setting']})", "",
+             "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | tokens per "
+             "target forward | same tokens as plain |" + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
+    for i, row in enumerate(rows):
+        r = row["algos"][name]
+        acceptance = ("-" if r["acceptance_rate"] is None else
+                      f"{r['acceptance_rate']:.2f}; {r['token_acceptance'] or 0:.2f}")
+        forward = f"{r['mean_accepted_tokens']:.2f}"
+        if "predicted_tokens_per_forward" in r:
+            forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"
+        line = (f"| {i} | {row['category']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {acceptance} | "
+                f"{forward} | {'yes' if r['same_tokens_as_ar'] else 'NO'} |")
+        if peer:
+            line += (f" {r['peer']['tokens_per_s']:.1f} | {r['ratio_vs_peer']:.2f}x |" if "peer" in r else " - | - |")
+        lines.append(line)
+    lines.append("")
+    for key, value in summary.items():
+        goal = dict(GOALS.get(name, [])).get(key)
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"- {key.replace('_', ' ')}: {shown}" + (f" (goal >= {goal})" if goal is not None else ""))
+    for key, value in info.items():
+        if key not in ("setting", "peer"):
+            lines.append(f"- {key.replace('_', ' ')}: {value:.3f}")
+    return lines
+
+
+def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingParams,
+                     generation: GenerationParams) -> tuple[list[Contender], Any]:
+    """The algorithms to race against plain decoding (and the draft model, when speculative is among them)."""
+    from .config import LookaheadParams, ModelSpec, PromptLookupParams, SpeculativeParams
+    from .decoding import LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder
+    from .models import load_model
+    from .models.loader import default_draft
+
+    contenders, draft = [], None
+    if "speculative" in args.algos:
+        draft_source = default_draft(args.model) if args.draft is None else args.draft
+        if draft_source and draft_source != "none":
+            draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
+                                         cache_dir=args.cache_dir))
+            spec = SpeculativeParams(gamma=args.gamma)
+            contenders.append(Contender(
+                "speculative", SpeculativeDecoder(target, draft, sampling, generation, spec),
+                f"draft {draft.name}, gamma {spec.gamma}", "assisted generation",
+                # transformers' assisted generation at the same fixed draft length as ours
+                {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": "constant",
+                 "assistant_confidence_threshold": 0.0}))
+    if "prompt-lookup" in args.algos:
+        lookup = PromptLookupParams()
+        contenders.append(Contender(
+            "prompt-lookup", PromptLookupDecoder(target, sampling, generation, lookup),
+            f"max n-gram {lookup.max_ngram}, {lookup.num_draft} tokens per proposal", "prompt lookup",
+            {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
+    if "lookahead" in args.algos:
+        ahead = LookaheadParams()
+        contenders.append(Contender(
+            "lookahead", LookaheadDecoder(target, sampling, generation, ahead),
+            f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}"))
+    return contenders, draft
+
+
+def parse_algos(text: str) -> tuple[str, ...]:
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in names if a not in ALGOS]
+    if unknown:
+        raise ConfigError(f"algos: unknown {', '.join(unknown)}; choose from {', '.join(ALGOS)} (comma-separated)")
+    return names
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .__main__ import model_spec
-    from .config import ModelSpec, SpeculativeParams
-    from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
+    from .decoding import AutoregressiveDecoder, encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
-    from .models.loader import default_draft
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
-    spec_params = SpeculativeParams(gamma=args.gamma)
+    check_int("gamma", args.gamma, 1, 16)
+    args.algos = parse_algos(args.algos)
     prompts = list(SUITE)
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(SUITE))
@@ -205,35 +275,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sampling = SamplingParams()
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
     plain = AutoregressiveDecoder(target, sampling, generation)
-    draft = speculative = None
-    draft_source = default_draft(args.model) if args.draft is None else args.draft
-    if draft_source and draft_source != "none":
-        draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
-                                     cache_dir=args.cache_dir))
-        speculative = SpeculativeDecoder(target, draft, sampling, generation, spec_params)
+    contenders, draft = build_contenders(args, target, sampling, generation)
     hf_model = None if args.no_peers else load_hf_peer(target)
-    hf_draft = load_hf_peer(draft) if hf_model is not None and draft is not None else None
-    # transformers' assisted generation at the same fixed draft length as ours
-    assisted = {"assistant_model": hf_draft, "num_assistant_tokens": args.gamma,
-                "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    if hf_model is not None and draft is not None:
+        next(c for c in contenders if c.name == "speculative").peer_kwargs["assistant_model"] = load_hf_peer(draft)
     device = target.model.device
 
     warm = GenerationParams(max_new_tokens=8)
     warm_ids = encode_prompt(target, "Hello", warm)
     run_ours(AutoregressiveDecoder(target, sampling, warm), "Hello")
-    if draft is not None:
-        run_ours(SpeculativeDecoder(target, draft, sampling, warm, spec_params), "Hello")
+    for contender in contenders:
+        run_ours(contender.decoder, "Hello")
     if hf_model is not None:
         run_hf(hf_model, warm_ids, target, warm)
-        if hf_draft is not None:
-            run_hf(hf_model, warm_ids, target, warm, **assisted)
+        for contender in contenders:
+            if contender.peer_kwargs is not None:
+                run_hf(hf_model, warm_ids, target, warm, **contender.peer_kwargs)
 
     rows = []
     for index, (category, prompt) in enumerate(prompts):
         prompt_ids = encode_prompt(target, prompt, generation)
         ours, _, _ = run_ours(plain, prompt)
         row: dict[str, Any] = {"category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
-                               "ar": run_stats(ours)}
+                               "ar": run_stats(ours), "algos": {}}
         progress = f"[{index + 1}/{len(prompts)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
         if hf_model is not None:
             peer = run_hf(hf_model, prompt_ids, target, generation)
@@ -241,21 +305,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             row["ratio_vs_hf"] = ours.tokens_per_s / peer.tokens_per_s
             row["same_tokens"] = ours.token_ids == peer.token_ids
             progress += f", transformers {peer.tokens_per_s:.1f}"
-        if speculative is not None:
-            fast, metrics, trace = run_ours(speculative, prompt)
-            row["speculative"] = {
-                **run_stats(fast), "acceptance_rate": metrics.acceptance_rate,
-                "mean_accepted_tokens": metrics.mean_accepted_tokens,
-                "predicted_tokens_per_forward": expected_tokens_per_step(metrics.acceptance_rate or 0.0,
-                                                                         mean_draft_length(trace) or 0.0)}
-            row["speedup_vs_ar"] = fast.tokens_per_s / ours.tokens_per_s
-            row["spec_same_tokens"] = fast.token_ids == ours.token_ids
-            progress += f", speculative {fast.tokens_per_s:.1f} (acceptance {metrics.acceptance_rate:.2f})"
-            if hf_draft is not None:
-                peer = run_hf(hf_model, prompt_ids, target, generation, **assisted)
-                row["hf_assisted"] = run_stats(peer)
-                row["ratio_vs_hf_assisted"] = fast.tokens_per_s / peer.tokens_per_s
-                progress += f", transformers assisted {peer.tokens_per_s:.1f}"
+        for contender in contenders:
+            fast, metrics, trace = run_ours(contender.decoder, prompt)
+            result: dict[str, Any] = {
+                **run_stats(fast), "speedup_vs_ar": fast.tokens_per_s / ours.tokens_per_s,
+                "same_tokens_as_ar": fast.token_ids == ours.token_ids, "acceptance_rate": metrics.acceptance_rate,
+                "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
+                "target_forwards": metrics.target_forwards}
+            if contender.name == "speculative":
+                result["predicted_tokens_per_forward"] = expected_tokens_per_step(
+                    metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
+            progress += f", {contender.name} {fast.tokens_per_s:.1f}"
+            if hf_model is not None and contender.peer_kwargs is not None:
+                peer = run_hf(hf_model, prompt_ids, target, generation, **contender.peer_kwargs)
+                result["peer"] = run_stats(peer)
+                result["ratio_vs_peer"] = fast.tokens_per_s / peer.tokens_per_s
+                progress += f" (transformers {contender.peer} {peer.tokens_per_s:.1f})"
+            row["algos"][contender.name] = result
         rows.append(row)
         print(progress + " tok/s", file=sys.stderr, flush=True)
 
@@ -263,7 +329,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     per_token = weight_bytes_per_token(target.model)
     bound = bandwidth / per_token
     ar_median = statistics.median(r["ar"]["tokens_per_s"] for r in rows)
-    summary: dict[str, Any] = {"ar_median_tokens_per_s": ar_median, "fraction_of_bound": ar_median / bound}
+    summary: dict[str, Any] = {"ar_median_tokens_per_s": ar_median, "fraction_of_bound": ar_median / bound,
+                               "algos": {}}
     if hf_model is not None:
         summary["hf_median_tokens_per_s"] = statistics.median(r["hf"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_hf"] = statistics.median(r["ratio_vs_hf"] for r in rows)
@@ -277,19 +344,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
                       "bound_tokens_per_s": bound},
         "summary": summary,
+        "algos": {},
         "prompts": rows,
     }
-    if speculative is not None:
-        summary["speculative_median_speedup_vs_ar"] = statistics.median(r["speedup_vs_ar"] for r in rows)
-        summary["speculative_mean_acceptance_rate"] = statistics.mean(
-            r["speculative"]["acceptance_rate"] for r in rows)
-        summary["speculative_all_same_tokens"] = all(r["spec_same_tokens"] for r in rows)
-        if hf_draft is not None:
-            summary["speculative_median_ratio_vs_hf_assisted"] = statistics.median(
-                r["ratio_vs_hf_assisted"] for r in rows)
-        report["speculative"] = {
-            "draft": draft.name, "gamma": args.gamma,
-            "draft_cost_ratio": decode_step_seconds(draft.model) / decode_step_seconds(target.model)}
+    step = decode_step_seconds(target.model) if contenders else 0.0
+    for contender in contenders:
+        name = contender.name
+        results = [r["algos"][name] for r in rows]
+        entry: dict[str, Any] = {
+            "median_speedup_vs_ar": statistics.median(r["speedup_vs_ar"] for r in results),
+            "all_same_tokens_as_ar": all(r["same_tokens_as_ar"] for r in results),
+            "median_tokens_per_target_forward": statistics.median(r["mean_accepted_tokens"] for r in results)}
+        grounded = [r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] in GROUNDED]
+        if name == "prompt-lookup" and grounded:
+            entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
+        if all("ratio_vs_peer" in r for r in results):
+            entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
+        judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
+        if judged:
+            entry["mean_token_acceptance"] = statistics.mean(judged)
+        summary["algos"][name] = entry
+        info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
+        if name == "speculative":
+            info["draft_cost_ratio"] = decode_step_seconds(draft.model) / step
+            # On a CPU a forward over gamma + 1 tokens is not nearly free as on a GPU: it bounds the speedup.
+            info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
+        report["algos"][name] = info
     for path, text in ((args.json, json.dumps(report, indent=2)), (args.markdown, markdown(report))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text, encoding="utf-8")

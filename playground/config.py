@@ -120,3 +120,35 @@ class SpeculativeParams:
         check_int("gamma", self.gamma, 1, MAX_GAMMA)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLookupParams:
+    """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
+    shorter ones, down to 1); num_draft: tokens proposed after a match."""
+
+    max_ngram: int = 3
+    num_draft: int = 8
+
+    def __post_init__(self) -> None:
+        check_int("max_ngram", self.max_ngram, 1, 8)
+        check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadParams:
+    """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
+    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step;
+    prompt_pool: seed the pool with the prompt's own n-grams."""
+
+    window: int = 4
+    ngram: int = 3
+    guesses: int = 3
+    prompt_pool: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, 1, 16)
+        check_int("ngram", self.ngram, 2, 8)
+        check_int("guesses", self.guesses, 1, 16)
+        if not isinstance(self.prompt_pool, bool):
+            raise ConfigError(f"prompt_pool must be true or false, got {self.prompt_pool!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, KVAllocEvent, KVFreeEvent,
-                    PrefillEvent, Trace, TraceError, VerifyEvent)
+                    PrefillEvent, RejectEvent, Trace, TraceError, VerifyEvent)
 
 PLAIN_ALGOS = ("ar",)  # algorithms that propose nothing: acceptance metrics do not apply
 
@@ -15,7 +15,11 @@ class Metrics:
     """tokens_per_s: generated tokens / engine wall time, prefill included, model loading excluded.
     ttft_s: engine time until the first generated token was known.
     mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
-    acceptance_rate: accepted / proposed tokens. Both None for algorithms that propose nothing."""
+    drafted, accepted: proposed tokens and how many of them the target accepted;
+    acceptance_rate: accepted / drafted (proposals after a rejection count as drafted, never judged);
+    token_acceptance: accepted / (accepted + rejected), the probability that a proposal the target judged was
+    accepted: the a of the theory formula (1 - a^(g+1)) / (1 - a).
+    These five are None for algorithms that propose nothing."""
 
     tokens: int
     wall_s: float
@@ -23,7 +27,10 @@ class Metrics:
     ttft_s: float | None
     target_forwards: int
     mean_accepted_tokens: float | None
+    drafted: int | None
+    accepted: int | None
     acceptance_rate: float | None
+    token_acceptance: float | None
     kv_bytes: int | None
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -40,6 +47,7 @@ def compute(trace: Trace) -> Metrics:
     verify_forwards = sum(e.target_forwards for e in trace.events if isinstance(e, VerifyEvent))
     drafted = sum(len(e.tokens) for e in trace.events if isinstance(e, DraftEvent))
     accepted = sum(1 for e in trace.events if isinstance(e, AcceptEvent))
+    rejected = sum(1 for e in trace.events if isinstance(e, RejectEvent))
     kv_bytes = next((e.kv_bytes if isinstance(e, CommitEvent) else e.bytes_used for e in reversed(trace.events)
                      if isinstance(e, (CommitEvent, KVAllocEvent, KVFreeEvent))), None)
     proposes = trace.algo not in PLAIN_ALGOS
@@ -52,7 +60,10 @@ def compute(trace: Trace) -> Metrics:
         ttft_s=first_token,
         target_forwards=prefills + verify_forwards,
         mean_accepted_tokens=mean_accepted,
+        drafted=drafted if proposes else None,
+        accepted=accepted if proposes else None,
         acceptance_rate=accepted / drafted if drafted else None,
+        token_acceptance=accepted / (accepted + rejected) if accepted + rejected else None,
         kv_bytes=kv_bytes,
     )
 

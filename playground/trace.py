@@ -48,12 +48,31 @@ class PrefillEvent:
 
 @dataclass(frozen=True, slots=True)
 class DraftEvent:
+    """Proposed tokens. For proposals copied from earlier text (prompt lookup): source is the [start, end)
+    positions, in prompt + generated tokens, of the copied tokens, and ngram the length of the match that
+    ends at `start` (the last `ngram` tokens so far equal the `ngram` tokens before `start`)."""
+
     KIND: ClassVar[str] = "draft"
     step: int
     t: float
     tokens: list[TokenInfo]
     wall_s: float
     draft_forwards: int
+    source: list[int] | None = None
+    ngram: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadEvent:
+    """A lookahead step before its forward: the Jacobi window (N - 1 rows of W token ids, oldest row first),
+    the number of n-grams in the pool, and the pool's candidates for the last token (its hits)."""
+
+    KIND: ClassVar[str] = "lookahead"
+    step: int
+    t: float
+    window: list[list[int]]
+    pool_size: int
+    candidates: list[list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +178,8 @@ class FinishEvent:
     wall_s: float
 
 
-Event = Union[PrefillEvent, DraftEvent, VerifyEvent, AcceptEvent, RejectEvent, CorrectEvent, BonusEvent,
-              KVAllocEvent, KVFreeEvent, PreemptEvent, CommitEvent, FinishEvent]
+Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, AcceptEvent, RejectEvent, CorrectEvent,
+              BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, CommitEvent, FinishEvent]
 EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
 JSONScalar = Union[str, int, float, bool, None]
 

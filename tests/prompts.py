@@ -1,5 +1,10 @@
 """Varied prompts for exactness tests: chat, code, maths, lists, translation, grounded QA, rewriting."""
 
+from playground.decoding import generate
+from playground.metrics import compute
+
+NEW_TOKENS = 24  # generated per prompt in exactness tests
+
 PROMPTS = (
     "What is the capital of France, and what is it famous for?",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -22,3 +27,16 @@ PROMPTS = (
     "Give a one-paragraph history of the bicycle.",
     "Fix the grammar: 'Me and him goes to the shop yesterday.'",
 )
+
+
+def assert_greedy_exact(decoder, plain_outputs: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """Every prompt gives plain decoding's tokens; returns (accepted, drafted) proposals over all prompts."""
+    assert len(PROMPTS) >= 20
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        metrics = compute(trace)
+        accepted += metrics.accepted or 0
+        drafted += metrics.drafted or 0
+    return accepted, drafted

@@ -9,8 +9,8 @@ from playground.__main__ import main
 
 def test_bench_writes_report(tmp_path, target) -> None:
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
-    assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", "--draft", "none",
-                 "--json", str(out_json), "--markdown", str(out_md)]) == 0
+    assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", "--algos", "speculative",
+                 "--draft", "none", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     report = json.loads(out_json.read_text())
     assert len(report["prompts"]) == 2
     row = report["prompts"][0]
@@ -19,7 +19,7 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert 0 < report["summary"]["fraction_of_bound"]
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
-    assert "speculative" not in report
+    assert report["algos"] == {} and report["prompts"][0]["algos"] == {}
 
 
 def test_bench_rejects_bad_limit(capsys) -> None:
@@ -27,14 +27,28 @@ def test_bench_rejects_bad_limit(capsys) -> None:
     assert "limit must be an integer in [1, 14]" in capsys.readouterr().err
 
 
-def test_bench_with_a_draft_adds_speculative_and_assisted_generation(tmp_path, target) -> None:
+def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target) -> None:
     out_json = tmp_path / "s.json"
-    assert main(["bench", "--limit", "1", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
+    # the grounded code-editing prompt (index 3): prompt lookup has text to copy
+    assert main(["bench", "--limit", "4", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    row = report["prompts"][0]
-    assert row["spec_same_tokens"] is True
-    assert row["speculative"]["acceptance_rate"] == 1.0  # the target drafting for itself
-    assert row["hf_assisted"]["tokens"] >= 1 and row["ratio_vs_hf_assisted"] > 0
-    assert 0.5 < report["speculative"]["draft_cost_ratio"] < 2.0  # same model: about one
-    assert "Speculative decoding" in (tmp_path / "s.md").read_text()
+    assert set(report["algos"]) == {"speculative", "prompt-lookup", "lookahead"}
+    for row in report["prompts"]:
+        for name, result in row["algos"].items():
+            assert result["same_tokens_as_ar"] is True, name
+    spec = report["prompts"][0]["algos"]["speculative"]
+    assert spec["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert spec["peer"]["tokens"] >= 1 and spec["ratio_vs_peer"] > 0
+    assert report["prompts"][0]["algos"]["prompt-lookup"]["peer"]["tokens"] >= 1
+    assert "peer" not in report["prompts"][0]["algos"]["lookahead"]  # transformers has no lookahead decoding
+    assert 0.5 < report["algos"]["speculative"]["draft_cost_ratio"] < 2.0  # same model: about one
+    summary = report["summary"]["algos"]
+    assert "median_speedup_vs_ar_grounded" in summary["prompt-lookup"]
+    text = (tmp_path / "s.md").read_text()
+    assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
+
+
+def test_bench_rejects_unknown_algorithms(capsys) -> None:
+    assert main(["bench", "--algos", "speculative,medusa-ish"]) == 2
+    assert "algos: unknown medusa-ish" in capsys.readouterr().err

@@ -62,6 +62,8 @@ def unsupported_folder(tmp_path):
      "draft: --algo speculative needs --draft SPEC"),
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--gamma", "0"],
      r"gamma must be an integer in \[1, 16\]"),
+    (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
+    (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
 ])
 def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
     args = [unsupported_folder if a == "UNSUPPORTED" else a for a in args]
@@ -80,3 +82,20 @@ def test_speculative_json_reports_acceptance(target) -> None:
     metrics = json.loads(result.stdout)["metrics"]
     assert metrics["acceptance_rate"] == 1.0  # the target drafting for itself: every proposal is accepted
     assert metrics["mean_accepted_tokens"] > 1.0
+
+
+def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
+    prompt = "Repeat exactly: one two three four five six. one two three four five six."
+    outputs = {}
+    for algo in ("ar", "prompt-lookup", "lookahead"):
+        result = cli("generate", "--algo", algo, "--prompt", prompt, "--max-new-tokens", "16", "--json",
+                     "--trace-out", str(tmp_path / f"{algo}.json"))
+        assert result.returncode == 0, result.stderr
+        outputs[algo] = json.loads(result.stdout)
+    assert outputs["prompt-lookup"]["token_ids"] == outputs["ar"]["token_ids"]
+    assert outputs["prompt-lookup"]["metrics"]["mean_accepted_tokens"] > 1.0
+    trace = Trace.load(tmp_path / "prompt-lookup.json")
+    assert trace.params["max_ngram"] == 3 and any(e.KIND == "draft" and e.source for e in trace.events)
+    assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
+    trace = Trace.load(tmp_path / "lookahead.json")
+    assert trace.params["window"] == 4 and any(e.KIND == "lookahead" and e.candidates for e in trace.events)

@@ -53,3 +53,17 @@ def test_overflow_is_refused() -> None:
     cache = ContiguousKVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=4)
     with pytest.raises(ValueError, match="holds 4 tokens"):
         cache.prepare((0,), 5)
+
+
+def test_keep_moves_chosen_slots_into_place() -> None:
+    cache = ContiguousKVCache(num_layers=2, num_kv_heads=1, head_dim=1, max_len=10, max_seqs=2)
+    values = torch.arange(7.0).view(1, 1, 7, 1)  # slot j holds j
+    layout = cache.prepare((1,), 7)
+    for layer in range(2):
+        cache.update(layer, layout, values, -values)
+    cache.keep(1, 2, [0, 3, 4])  # keep slot 2, then slots 5 and 6
+    assert cache.length(1) == 5
+    assert cache.k[:, 1, 0, :5, 0].tolist() == [[0, 1, 2, 5, 6]] * 2
+    assert cache.v[:, 1, 0, :5, 0].tolist() == [[0, -1, -2, -5, -6]] * 2
+    with pytest.raises(ValueError, match="outside"):
+        cache.keep(1, 2, [3])

@@ -12,28 +12,56 @@ from playground.decoding.speculative import check_compatible
 from playground.models import load_model
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
-from playground.train.draft import batches
+from playground.train.draft import Corpus, batches, distillation_loss
 
 
-def test_training_pipeline_smoke(tmp_path, target) -> None:
-    out = tmp_path / "draft"
-    assert main(["draft", "--limit", "2", "--epochs", "1", "--answer-tokens", "8", "--hidden", "32",
-                 "--layers", "1", "--eval-prompts", "1", "--out", str(out)]) == 0
+def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
+    out, corpus = tmp_path / "draft", tmp_path / "corpus.safetensors"
+    small = ["draft", "--limit", "2", "--epochs", "1", "--hidden", "32", "--layers", "1", "--eval-prompts", "1",
+             "--out", str(out), "--corpus", str(corpus)]
+    assert main(small + ["--answer-tokens", "8"]) == 0
+    assert Corpus.load(corpus).answer_tokens() <= 2 * 8
     report = json.loads((out / "train_report.json").read_text())
     assert report["train_prompts"] == 2 and report["layers"] == 1
     assert 0 <= report["held_out_greedy_acceptance"] <= 1 and report["draft_target_cost_ratio"] > 0
     draft = load_model(ModelSpec(source=str(out), device="cpu"))
     check_compatible(target, draft)
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
+    # the cached corpus is reused only for the settings that made it
+    assert main(small + ["--answer-tokens", "8", "--weights-dtype", "float16"]) == 0
+    assert "reusing the corpus" in capsys.readouterr().err
+    assert main(small + ["--answer-tokens", "9"]) == 2
+    assert "corpus:" in capsys.readouterr().err
 
 
-def test_batches_label_answer_tokens_in_place() -> None:
-    """transformers shifts labels inside its loss, so label t must be token t itself (answer positions only)."""
-    corpus = [([5, 6, 7, 8, 9], 3), ([4, 3, 2], 1)]
-    ids, labels = next(batches(corpus, 4, torch.Generator().manual_seed(0), pad=0))
-    rows = {tuple(i): tuple(l) for i, l in zip(ids.tolist(), labels.tolist())}
-    assert rows[(5, 6, 7, 8, 9)] == (-100, -100, -100, 8, 9)
-    assert rows[(4, 3, 2, 0, 0)] == (-100, 3, 2, -100, -100)
+def test_batches_pair_each_answer_token_with_the_position_that_predicts_it() -> None:
+    """Answer token j of a sequence is scored at the position before it, against its own soft-label row."""
+    answers = [8, 9, 3, 2]  # the greedy (top-1) tokens, in corpus order
+    topk = torch.tensor([[a, 0] for a in answers])
+    corpus = Corpus([[5, 6, 7, 8, 9], [4, 3, 2]], [3, 1], topk, torch.zeros(4, 2))
+    ids, (rows, columns), labels = next(batches(corpus, 4, torch.Generator().manual_seed(0), pad=0))
+    assert sorted(labels.tolist()) == [0, 1, 2, 3]
+    assert ids[rows, columns + 1].tolist() == topk[labels, 0].tolist()
+    by_label = dict(zip(labels.tolist(), columns.tolist()))
+    assert by_label == {0: 2, 1: 3, 2: 0, 3: 1}
+
+
+def test_corpus_round_trips_through_safetensors(tmp_path) -> None:
+    corpus = Corpus([[1, 2, 3], [4, 5]], [1, 1], torch.arange(6).view(3, 2), torch.rand(3, 2))
+    corpus.save(tmp_path / "c.safetensors", {"model": "x"})
+    again = Corpus.load(tmp_path / "c.safetensors")
+    assert again.sequences == corpus.sequences and again.answer_starts == corpus.answer_starts
+    assert torch.equal(again.topk_ids, corpus.topk_ids) and torch.equal(again.topk_logprobs, corpus.topk_logprobs)
+
+
+def test_distillation_loss_is_lowest_when_the_draft_matches_the_target() -> None:
+    target_logprobs = torch.tensor([[-0.1, -2.5, -4.0]])  # top-k of the target, best first
+    topk_ids = torch.tensor([[2, 0, 1]])
+    matching = torch.full((1, 5), -30.0)
+    matching[0, topk_ids[0]] = target_logprobs[0]
+    wrong = matching.clone()
+    wrong[0, 2], wrong[0, 4] = -6.0, 0.0  # the draft prefers a token the target never ranked
+    assert distillation_loss(matching, topk_ids, target_logprobs) < distillation_loss(wrong, topk_ids, target_logprobs)
 
 
 def test_bad_training_arguments_are_refused(capsys) -> None:

@@ -2,9 +2,12 @@
 
 from .ar import AutoregressiveDecoder
 from .base import DecodeOutput, Decoder, EngineClock, Stopper, encode_prompt, generate
+from .lookahead import LookaheadDecoder
+from .prompt_lookup import PromptLookupDecoder
 from .speculative import SpeculativeDecoder
 
-ALGORITHMS: dict[str, type[Decoder]] = {cls.algo: cls for cls in (AutoregressiveDecoder, SpeculativeDecoder)}
+ALGORITHMS: dict[str, type[Decoder]] = {
+    cls.algo: cls for cls in (AutoregressiveDecoder, SpeculativeDecoder, PromptLookupDecoder, LookaheadDecoder)}
 
-__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "DecodeOutput", "Decoder", "EngineClock", "SpeculativeDecoder",
-           "Stopper", "encode_prompt", "generate"]
+__all__ = ["ALGORITHMS", "AutoregressiveDecoder", "DecodeOutput", "Decoder", "EngineClock", "LookaheadDecoder",
+           "PromptLookupDecoder", "SpeculativeDecoder", "Stopper", "encode_prompt", "generate"]

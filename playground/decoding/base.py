@@ -18,7 +18,8 @@ import torch
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..kv import ContiguousKVCache
 from ..models import LoadedModel, Transformer
-from ..trace import Event, FinishEvent, KVAllocEvent, PrefillEvent, TokenInfo, Trace
+from ..sampling import make_generator, next_token
+from ..trace import BonusEvent, CommitEvent, Event, FinishEvent, KVAllocEvent, PrefillEvent, TokenInfo, Trace
 
 EventStream = Generator[Event, None, "DecodeOutput"]
 
@@ -153,6 +154,29 @@ class Decoder(ABC):
     @abstractmethod
     def run(self, prompt_ids: list[int]) -> EventStream:
         """Generate from prompt ids, yielding trace events; returns the output."""
+
+    def start(self) -> tuple[EngineClock, torch.Generator, Stopper]:
+        """Per-run state: the engine clock, the seeded random stream and the stop rules."""
+        device = self.target.model.device
+        return (EngineClock(device), make_generator(self.sampling.seed, device),
+                Stopper(self.target.tokenizer, self.target.eos_token_ids, self.generation))
+
+    def prefill(self, cache: ContiguousKVCache, prompt_ids: list[int], clock: EngineClock,
+                generator: torch.Generator, stopper: Stopper) -> Generator[Event, None, tuple[int, bool]]:
+        """Step 0: one target forward over the prompt and the first token drawn from it. Yields the step's events
+        and returns (token, done); the token is committed but not yet in the cache."""
+        logits = forward_tokens(self.target.model, cache, prompt_ids)[-1]  # (V,)
+        now = clock.now()
+        yield from clock.emit(*prefill_events(now, cache, len(prompt_ids)))
+        token_t, p_t = next_token(logits, self.sampling, generator)
+        token = int(token_t)
+        done = stopper.push(token)
+        end = clock.now()
+        yield from clock.emit(
+            BonusEvent(step=0, t=end, token=self.token_info(token, len(prompt_ids), p=float(p_t))),
+            CommitEvent(step=0, t=end, num_tokens=1, draft_s=0.0, verify_s=now, overhead_s=end - now,
+                        kv_bytes=cache.memory().bytes_used))
+        return token, done
 
     def token_info(self, token: int, position: int, p: float | None = None, q: float | None = None,
                    parent: int | None = None) -> TokenInfo:

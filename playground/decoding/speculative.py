@@ -15,10 +15,10 @@ import torch
 from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
 from ..kv import ContiguousKVCache
 from ..models import LoadedModel
-from ..sampling import make_generator, next_token, probabilities, sample, verify_greedy, verify_lossless
-from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
-                     VerifyEvent)
-from .base import Decoder, EngineClock, EventStream, Stopper, forward_tokens, new_cache, prefill_events
+from ..sampling import next_token, probabilities, sample
+from ..trace import CommitEvent, DraftEvent, VerifyEvent
+from .base import Decoder, EventStream, forward_tokens, new_cache
+from .chain import accept_chain
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -31,12 +31,6 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     t_size, d_size = target.model.config.vocab_size, draft.model.config.vocab_size
     if t_size != d_size:
         raise ConfigError(f"draft: output vocabulary of {d_size} rows, the target has {t_size}; they must be equal")
-
-
-def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
-    """probs[i, tokens[i]] for each i: probs (>= N, V) -> N floats."""
-    index = torch.tensor(tokens, device=probs.device).unsqueeze(1)  # (N, 1)
-    return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
 
 
 class SpeculativeDecoder(Decoder):
@@ -82,23 +76,11 @@ class SpeculativeDecoder(Decoder):
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target, draft = self.target.model, self.draft.model
-        clock = EngineClock(target.device)
-        generator = make_generator(self.sampling.seed, target.device)
-        stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, self.generation)
+        clock, generator, stopper = self.start()
         capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1
         target_cache, draft_cache = new_cache(target, capacity), new_cache(draft, capacity)
 
-        logits = forward_tokens(target, target_cache, prompt_ids)[-1]  # prefill
-        now = clock.now()
-        yield from clock.emit(*prefill_events(now, target_cache, len(prompt_ids)))
-        token_t, p_t = next_token(logits, self.sampling, generator)
-        last = int(token_t)  # committed, not yet in either cache
-        done = stopper.push(last)
-        end = clock.now()
-        yield from clock.emit(
-            BonusEvent(step=0, t=end, token=self.token_info(last, len(prompt_ids), p=float(p_t))),
-            CommitEvent(step=0, t=end, num_tokens=1, draft_s=0.0, verify_s=now, overhead_s=end - now,
-                        kv_bytes=target_cache.memory().bytes_used))
+        last, done = yield from self.prefill(target_cache, prompt_ids, clock, generator, stopper)
         # The draft sees the prompt now and the first token with its first proposal.
         draft_pending = list(prompt_ids) + [last]
         gamma, step = self.spec.gamma, 0
@@ -121,50 +103,22 @@ class SpeculativeDecoder(Decoder):
             yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=gamma + 1,
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
-            if self.sampling.greedy:
-                verdict = verify_greedy(target_logits, drafts)
-                # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
-                softmax = target_logits.softmax(-1)  # (g+1, V)
-                p_shown = prob_of(softmax, drafts)
-                p_next = float(softmax[verdict.num_accepted, verdict.token])
-            else:
-                p = probabilities(target_logits, self.sampling)  # (g+1, V)
-                verdict = verify_lossless(p, q, drafts, generator)  # q is not None when sampling
-                p_shown = prob_of(p, drafts)
-                p_next = float(p[verdict.num_accepted, verdict.token])
-            uniforms = list(verdict.uniforms) + [None] * gamma
-            now = clock.now()
-            events: list[Event] = []
-            kept = 0
-            for i in range(verdict.num_accepted):
-                info = self.token_info(drafts[i], base + 1 + i, p=p_shown[i], q=q_shown[i])
-                events.append(AcceptEvent(step=step, t=now, token=info, u=uniforms[i]))
-                kept += 1
-                done = stopper.push(drafts[i])
-                if done:
-                    break
-            if not done:
-                if verdict.corrected:
-                    n = verdict.num_accepted
-                    rejected = self.token_info(drafts[n], base + 1 + n, p=p_shown[n], q=q_shown[n])
-                    events.append(RejectEvent(step=step, t=now, token=rejected, u=uniforms[n]))
-                info = self.token_info(verdict.token, base + 1 + verdict.num_accepted, p=p_next)
-                events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=now, token=info))
-                kept += 1
-                done = stopper.push(verdict.token)
+            outcome = accept_chain(self, step, clock.now(), base, target_logits, drafts, q, q_shown, generator,
+                                   stopper)
+            done, events = outcome.done, list(outcome.events)
 
             # commit: keep `last` and the accepted drafts in the target cache; the new `last` is not fed yet.
-            accepted = verdict.num_accepted
+            accepted = outcome.accepted
             target_cache.truncate(0, base + 1 + accepted)
             # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
             draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
-            draft_pending = ([drafts[-1]] if accepted == gamma else []) + [verdict.token]
-            last = verdict.token
+            draft_pending = ([drafts[-1]] if accepted == gamma else []) + [outcome.token]
+            last = outcome.token
             if self.spec.adaptive:
                 gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
             end = clock.now()
             draft_s, verify_s = draft_end - step_start, verify_end - verify_start
-            events.append(CommitEvent(step=step, t=end, num_tokens=kept, draft_s=draft_s, verify_s=verify_s,
+            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
                                       overhead_s=end - step_start - draft_s - verify_s,
                                       kv_bytes=target_cache.memory().bytes_used + draft_cache.memory().bytes_used))
             yield from clock.emit(*events)

@@ -64,6 +64,11 @@ class KVCache(ABC):
         """Drop every slot of `seq_id` from `length` on (rejected draft tokens)."""
 
     @abstractmethod
+    def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
+        """Keep only some of the tokens from slot `start` on: slot start + offsets[i] moves to start + i and the
+        sequence ends after them (the accepted path of a tree or of one of several candidates)."""
+
+    @abstractmethod
     def memory(self) -> KVMemory:
         """Current memory accounting, read by traces and metrics."""
 

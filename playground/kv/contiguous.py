@@ -42,6 +42,18 @@ class ContiguousKVCache(KVCache):
             raise ValueError(f"cannot truncate sequence {seq_id} of length {self._lengths[seq_id]} to {length}")
         self._lengths[seq_id] = length
 
+    def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
+        if any(o < 0 or start + o >= self._lengths[seq_id] for o in offsets):
+            raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} "
+                             f"of length {self._lengths[seq_id]}")
+        if offsets != list(range(len(offsets))):
+            source = torch.tensor(offsets, device=self.device) + start  # (n,)
+            for cache in (self.k, self.v):
+                rows = cache[:, seq_id]  # (layers, Hkv, Tmax, D)
+                # index_select copies, so moving slots over each other is safe
+                rows[:, :, start : start + len(offsets)] = rows.index_select(2, source)
+        self._lengths[seq_id] = start + len(offsets)
+
     def prepare(
         self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
     ) -> AttentionLayout:

@@ -1,9 +1,11 @@
 """Distil a small draft model for a target: `python -m playground.train draft`.
 
-1. The target answers the project's training prompts greedily (batched transformers `generate`).
+1. The target answers the project's training prompts greedily (batched transformers `generate`), and its
+   top-k log-probabilities at every answer position are kept as soft labels (`--corpus` caches all of it).
 2. A small Llama with the target's tokenizer and full vocabulary (so transformers can use it as
-   `assistant_model`) learns to predict the target's greedy tokens: cross-entropy on the answer positions.
-   Its tied embedding starts from the target's embedding projected on its top principal directions.
+   `assistant_model`) learns to predict the target's next token at the answer positions: cross-entropy on the
+   greedy token plus on the target's top-k distribution. Its tied embedding starts from the target's
+   embedding projected on its top principal directions.
 3. It is saved in Hugging Face format with a report: greedy acceptance on held-out prompts and the
    draft/target decode-step cost ratio.
 Everything is seeded; the run is reproducible up to floating-point reduction order.
@@ -17,26 +19,36 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from ..config import GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
+from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
 from ..models.loader import EMBEDDED_DRAFT
 from .prompts import held_out_prompts, training_prompts
 
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded", help="target model spec (default: embedded)")
     parser.add_argument("--out", default=str(EMBEDDED_DRAFT), help="output folder (Hugging Face format)")
-    parser.add_argument("--hidden", type=int, default=128, help="draft hidden size (default 128)")
+    parser.add_argument("--hidden", type=int, default=192, help="draft hidden size (default 192)")
     parser.add_argument("--layers", type=int, default=4, help="draft decoder layers (default 4)")
-    parser.add_argument("--answer-tokens", type=int, default=96, help="target tokens generated per prompt")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
+    parser.add_argument("--epochs", type=int, default=9, help="passes over the corpus (default 9)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    parser.add_argument("--weights-dtype", choices=sorted(WEIGHT_DTYPES), default="float16",
+                        help="dtype the weights are saved in (default float16, to fit 30 MB); loaders cast to the "
+                             "dtype they run in")
+    parser.add_argument("--corpus", default=None,
+                        help="safetensors file caching the target's answers: reused when it exists, else written")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-prompts", type=int, default=len(held_out_prompts()),
                         help=f"held-out prompts for the acceptance report (default all {len(held_out_prompts())})")
@@ -46,32 +58,88 @@ def log(message: str) -> None:
     print(f"[train draft] {message}", file=sys.stderr, flush=True)
 
 
-def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, batch: int = 16) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + greedy answer, index where the answer starts) per prompt."""
+GAMMA = 4  # draft length of the acceptance report
+TOP_K = 16  # target alternatives kept per answer position as soft labels
+
+
+@dataclass
+class Corpus:
+    """Prompts with the target's greedy answers and, per answer token, the target's top-k log-probabilities
+    at the position that chose it (soft labels). Stored as safetensors, never pickled."""
+
+    sequences: list[list[int]]  # prompt + answer token ids
+    answer_starts: list[int]  # index of the first answer token in each sequence
+    topk_ids: torch.Tensor  # (answer tokens in all sequences, K) int64, in sequence order
+    topk_logprobs: torch.Tensor  # (answer tokens in all sequences, K) float32
+
+    def answer_tokens(self) -> int:
+        return sum(len(s) - a for s, a in zip(self.sequences, self.answer_starts))
+
+    def save(self, path: Path, metadata: dict[str, str]) -> None:
+        lengths = torch.tensor([len(s) for s in self.sequences])
+        save_file({"tokens": torch.tensor([t for s in self.sequences for t in s]), "lengths": lengths,
+                   "answer_starts": torch.tensor(self.answer_starts), "topk_ids": self.topk_ids,
+                   "topk_logprobs": self.topk_logprobs}, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: Path) -> "Corpus":
+        data = load_file(str(path))
+        tokens = data["tokens"].tolist()
+        sequences, first = [], 0
+        for length in data["lengths"].tolist():
+            sequences.append(tokens[first : first + length])
+            first += length
+        return cls(sequences, data["answer_starts"].tolist(), data["topk_ids"], data["topk_logprobs"])
+
+
+class _RecordTopK:
+    """A transformers logits processor that keeps the top-k log-probabilities of every generation step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top = torch.topk(scores.float().log_softmax(-1), TOP_K)  # (B, K)
+        self.steps.append((top.indices, top.values))
+        return scores
+
+
+def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, batch: int = 64) -> Corpus:
+    """The target answers every prompt greedily (batched transformers `generate`), recording soft labels."""
+    from transformers import LogitsProcessorList
+
     from ..bench import load_hf_peer
     from ..decoding import encode_prompt
 
     hf = load_hf_peer(target)
     pad = target.eos_token_ids[0]
     generation = GenerationParams(max_new_tokens=answer_tokens)
-    corpus = []
+    sequences, starts, top_ids, top_logprobs = [], [], [], []
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
         encoded = [encode_prompt(target, p, generation) for p in prompts[first : first + batch]]
         width = max(len(e) for e in encoded)
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])  # left padding: (B, W)
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        record = _RecordTopK()
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, do_sample=False,
-                              eos_token_id=list(target.eos_token_ids), pad_token_id=pad)
+                              eos_token_id=list(target.eos_token_ids), pad_token_id=pad,
+                              logits_processor=LogitsProcessorList([record]))
+        step_ids = torch.stack([i for i, _ in record.steps], 1)  # (B, steps, K)
+        step_logprobs = torch.stack([v for _, v in record.steps], 1)  # (B, steps, K)
         for row, prompt_ids in enumerate(encoded):
             answer = out[row, width:].tolist()
-            if pad in answer:  # keep the end-of-sequence token itself, drop the padding after it
-                answer = answer[: answer.index(pad) + 1]
-            corpus.append((prompt_ids + answer, len(prompt_ids)))
+            ends = [i for i, t in enumerate(answer) if t in target.eos_token_ids]
+            answer = answer[: ends[0] + 1] if ends else answer  # keep the end-of-sequence token, drop padding
+            sequences.append(prompt_ids + answer)
+            starts.append(len(prompt_ids))
+            top_ids.append(step_ids[row, : len(answer)])
+            top_logprobs.append(step_logprobs[row, : len(answer)])
         done = first + len(encoded)
-        log(f"target answered {done}/{len(prompts)} prompts ({time.perf_counter() - start:.0f} s)")
-    return corpus
+        tokens = sum(len(s) - a for s, a in zip(sequences, starts))
+        log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)")
+    return Corpus(sequences, starts, torch.cat(top_ids), torch.cat(top_logprobs))
 
 
 def draft_config(target: Any, hidden: int, layers: int) -> Any:
@@ -96,23 +164,41 @@ def projected_embedding(target: Any, hidden: int, seed: int) -> torch.Tensor:
     return projected * (weights.std() / projected.std())
 
 
-def batches(corpus: list[tuple[list[int], int]], size: int, generator: torch.Generator, pad: int):
-    """Shuffled padded batches: ids (B, T), labels (B, T) with -100 outside the answers."""
-    order = torch.randperm(len(corpus), generator=generator).tolist()
+def batches(corpus: Corpus, size: int, generator: torch.Generator, pad: int):
+    """Shuffled padded batches: ids (B, T); the positions whose next token is an answer token, as
+    (row, column) index tensors (N,); and the row of `corpus.topk_*` holding each one's soft label (N,)."""
+    label_offsets = [0]  # first soft-label row of each sequence
+    for seq, answer_start in zip(corpus.sequences, corpus.answer_starts):
+        label_offsets.append(label_offsets[-1] + len(seq) - answer_start)
+    order = torch.randperm(len(corpus.sequences), generator=generator).tolist()
     for first in range(0, len(order), size):
-        rows = [corpus[i] for i in order[first : first + size]]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), pad)
-        labels = torch.full((len(rows), width), -100)
-        for r, (seq, answer_start) in enumerate(rows):
+        chosen = order[first : first + size]
+        width = max(len(corpus.sequences[i]) for i in chosen)
+        ids = torch.full((len(chosen), width), pad)
+        rows, columns, labels = [], [], []
+        for r, i in enumerate(chosen):
+            seq, answer_start = corpus.sequences[i], corpus.answer_starts[i]
             ids[r, : len(seq)] = torch.tensor(seq)
-            # transformers shifts labels by one inside the loss: label t is token t, scored at position t-1.
-            # Only the target's greedy answer tokens are learned.
-            labels[r, answer_start : len(seq)] = torch.tensor(seq[answer_start:])
-        yield ids, labels
+            # answer token j (sequence index answer_start + j) is predicted from position answer_start + j - 1
+            count = len(seq) - answer_start
+            rows += [r] * count
+            columns += range(answer_start - 1, len(seq) - 1)
+            labels += range(label_offsets[i], label_offsets[i] + count)
+        yield ids, (torch.tensor(rows), torch.tensor(columns)), torch.tensor(labels)
 
 
-def train(target: Any, corpus: list[tuple[list[int], int]], args: argparse.Namespace) -> Any:
+def distillation_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Half cross-entropy on the target's greedy token, half on its top-k distribution renormalised.
+
+    logits (N, V) from the draft; topk_ids, topk_logprobs (N, K) from the target, best first. The hard term
+    is what greedy acceptance scores; the soft term tells the draft how the target ranks the alternatives,
+    which generalises better from a small corpus."""
+    logq = logits.log_softmax(-1).gather(1, topk_ids)  # (N, K)
+    soft = topk_logprobs.softmax(-1)  # (N, K)
+    return -(0.5 * logq[:, 0] + 0.5 * (soft * logq).sum(-1)).mean()
+
+
+def train(target: Any, corpus: Corpus, args: argparse.Namespace) -> Any:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(args.seed)
@@ -120,16 +206,18 @@ def train(target: Any, corpus: list[tuple[list[int], int]], args: argparse.Names
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(projected_embedding(target, args.hidden, args.seed))
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     batch_size = 16
-    total = args.epochs * math.ceil(len(corpus) / batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=total, pct_start=0.1)
+    total = args.epochs * math.ceil(len(corpus.sequences) / batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.1)
     generator = torch.Generator().manual_seed(args.seed)
     step, start = 0, time.perf_counter()
     for epoch in range(args.epochs):
         losses = []
-        for ids, labels in batches(corpus, batch_size, generator, target.eos_token_ids[0]):
-            loss = model(input_ids=ids, labels=labels).loss
+        for ids, (rows, columns), labels in batches(corpus, batch_size, generator, target.eos_token_ids[0]):
+            hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, H)
+            logits = model.lm_head(hidden[rows, columns])  # (N, V): only where an answer token is predicted
+            loss = distillation_loss(logits, corpus.topk_ids[labels], corpus.topk_logprobs[labels])
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -143,7 +231,8 @@ def train(target: Any, corpus: list[tuple[list[int], int]], args: argparse.Names
 
 
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
-    """Greedy acceptance per drafted token on held-out prompts, and the decode-step cost ratio."""
+    """Greedy acceptance on held-out prompts at gamma 4: per judged proposal (the theory's a) and per drafted
+    token (proposals after a rejection are drafted but never judged); and the decode-step cost ratio."""
     from ..bench import decode_step_seconds
     from ..decoding import SpeculativeDecoder, generate
     from ..metrics import compute
@@ -151,16 +240,41 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
 
     draft = load_model(ModelSpec(source=str(folder), device=str(target.model.device)))
     decoder = SpeculativeDecoder(target, draft, SamplingParams(), GenerationParams(max_new_tokens=64),
-                                 SpeculativeParams(gamma=4))
-    accepted = drafted = 0
+                                 SpeculativeParams(gamma=GAMMA))
+    accepted = drafted = judged = 0
     for prompt in prompts:
         _, trace = generate(decoder, prompt)
-        drafts = sum(len(e.tokens) for e in trace.events if e.KIND == "draft")
-        accepted += round((compute(trace).acceptance_rate or 0.0) * drafts)
-        drafted += drafts
+        metrics = compute(trace)
+        accepted += metrics.accepted
+        drafted += metrics.drafted
+        judged += sum(1 for e in trace.events if e.KIND in ("accept", "reject"))
     cost = decode_step_seconds(draft.model) / decode_step_seconds(target.model)
-    return {"held_out_greedy_acceptance": accepted / drafted, "draft_target_cost_ratio": cost,
-            "held_out_prompts": len(prompts)}
+    return {"held_out_token_acceptance": accepted / judged, "held_out_accepted_per_drafted": accepted / drafted,
+            "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
+
+
+def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Namespace) -> tuple[Corpus, float]:
+    """The corpus from `--corpus` when that file exists and was made with the same settings, else a fresh one
+    (saved there when `--corpus` is given), so training variants can reuse one generation run. Also returns
+    the seconds its generation took (then or now)."""
+    settings = {"model": args.model, "prompts": str(len(prompts)), "answer_tokens": str(args.answer_tokens),
+                "top_k": str(TOP_K)}
+    path = Path(args.corpus) if args.corpus else None
+    if path is not None and path.is_file():
+        with safe_open(str(path), "pt") as handle:
+            stored = dict(handle.metadata() or {})
+        seconds = float(stored.pop("generation_s", "nan"))
+        if stored != settings:
+            raise ConfigError(f"corpus: {path} was made with {stored}, not {settings}; delete it or pass another path")
+        log(f"reusing the corpus in {path}")
+        return Corpus.load(path), seconds
+    start = time.perf_counter()
+    corpus = generate_corpus(target, prompts, args.answer_tokens)
+    seconds = time.perf_counter() - start
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        corpus.save(path, {**settings, "generation_s": f"{seconds:.1f}"})
+    return corpus, seconds
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,6 +285,8 @@ def main(args: argparse.Namespace) -> int:
     check_int("answer_tokens", args.answer_tokens, 8, 512)
     check_int("epochs", args.epochs, 1, 100)
     check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
+    if not 0 < args.lr <= 0.1:
+        raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
     prompts = training_prompts()
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(prompts))
@@ -178,18 +294,20 @@ def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     start = time.perf_counter()
-    corpus = generate_corpus(target, prompts, args.answer_tokens)
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args)
     model = train(target, corpus, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.to(WEIGHT_DTYPES[args.weights_dtype]).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (target.folder / name).is_file():
             shutil.copy(target.folder / name, out / name)
     report = evaluate(target, out, held_out_prompts()[: args.eval_prompts])
-    report.update({"train_prompts": len(prompts), "train_tokens": sum(len(s) - a for s, a in corpus),
-                   "hidden": args.hidden, "layers": args.layers, "epochs": args.epochs, "seed": args.seed,
-                   "wall_s": time.perf_counter() - start,
+    report.update({"train_prompts": len(prompts), "train_tokens": corpus.answer_tokens(),
+                   "hidden": args.hidden, "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
+                   "weights_dtype": args.weights_dtype, "seed": args.seed,
+                   # a reused corpus was generated in an earlier run: its time counts towards a full run
+                   "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start,
                    "size_mb": sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))

@@ -1,0 +1,79 @@
+"""Accepting a proposed chain, shared by every algorithm that proposes one (draft model, prompt lookup,
+lookahead): the acceptance rule from `sampling` and the accept / reject / correct / bonus events it implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import ChainVerdict, probabilities, sample, verify_greedy, verify_lossless
+from ..trace import AcceptEvent, BonusEvent, CorrectEvent, Event, RejectEvent
+from .base import Decoder, Stopper
+
+
+@dataclass(frozen=True, slots=True)
+class ChainOutcome:
+    events: list[Event]  # accept*, then reject + correct or bonus (unless a stop rule ended it early)
+    accepted: int  # proposals the rule accepted (some may lie past a stop and not be kept)
+    token: int  # the correction or bonus token: the next token no cache has seen yet
+    done: bool  # a stop rule fired
+    kept: int  # tokens committed this step
+
+
+def one_hot(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """q (K, V) for proposals that were not sampled (n-grams, guesses): all mass on the proposed token."""
+    index = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (K, 1)
+    return torch.zeros(len(tokens), vocab, device=device).scatter_(1, index, 1.0)
+
+
+def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
+    """probs[i, tokens[i]] for each i: probs (>= N, V) -> N floats."""
+    index = torch.tensor(tokens, device=probs.device).unsqueeze(1)  # (N, 1)
+    return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
+
+
+def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits: torch.Tensor,
+                 proposals: list[int], q: torch.Tensor | None, q_shown: list[float] | None,
+                 generator: torch.Generator, stopper: Stopper) -> ChainOutcome:
+    """Judge `proposals` against the target and push the kept tokens into `stopper`.
+
+    target_logits (K+1, V): row i scores proposal i, row K the bonus position. q (K, V): the distributions the
+    proposals were drawn from; needed only when sampling (one-hot for guesses). base: the position of the
+    token before the first proposal. Greedy: accept while equal to the argmax. Sampling: the lossless rule.
+    """
+    sampling = decoder.sampling
+    if sampling.greedy:
+        verdict = verify_greedy(target_logits, proposals)
+        # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
+        p = target_logits.softmax(-1)  # (K+1, V)
+    else:
+        p = probabilities(target_logits, sampling)  # (K+1, V)
+        if not proposals:  # nothing to judge: a plain decoding step
+            verdict = ChainVerdict(0, int(sample(p[0], generator)), False, ())
+        elif q is None:
+            raise ValueError("q is required to verify sampled proposals")
+        else:
+            verdict = verify_lossless(p, q, proposals, generator)
+    p_shown = prob_of(p, proposals) if proposals else []
+    q_list: list[float | None] = list(q_shown) if q_shown is not None else [None] * len(proposals)
+    uniforms = list(verdict.uniforms) + [None] * len(proposals)
+    events: list[Event] = []
+    kept, done = 0, False
+    for i in range(verdict.num_accepted):
+        info = decoder.token_info(proposals[i], base + 1 + i, p=p_shown[i], q=q_list[i])
+        events.append(AcceptEvent(step=step, t=t, token=info, u=uniforms[i]))
+        kept += 1
+        done = stopper.push(proposals[i])
+        if done:
+            break
+    if not done:
+        n = verdict.num_accepted
+        if verdict.corrected:
+            rejected = decoder.token_info(proposals[n], base + 1 + n, p=p_shown[n], q=q_list[n])
+            events.append(RejectEvent(step=step, t=t, token=rejected, u=uniforms[n]))
+        info = decoder.token_info(verdict.token, base + 1 + n, p=float(p[n, verdict.token]))
+        events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=info))
+        kept += 1
+        done = stopper.push(verdict.token)
+    return ChainOutcome(events, verdict.num_accepted, verdict.token, done, kept)

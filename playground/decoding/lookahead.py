@@ -1,0 +1,209 @@
+"""Lookahead decoding (Fu et al. 2024): Jacobi iteration makes n-grams, one forward both makes and checks them.
+
+Each step is one target forward over three branches, kept apart by the attention mask:
+- the last committed token x (not yet in the cache);
+- the lookahead branch: a window of N - 1 rows by W columns of guessed tokens. Token (row l, column i) sits at
+  position P + 1 + i + l and sees x, row 0 up to column i and rows 1..l of column i: a consecutive text. The
+  target's argmax after the last row gives a new row; each column read top to bottom plus its new token is an
+  n-gram for the pool, and the window slides up one row;
+- the verification branch: up to G n-grams from the pool that start with x, each seeing x and itself.
+Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
+the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
+of that candidate, moved into place; the window and the other candidates are dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import GenerationParams, LookaheadParams, SamplingParams
+from ..models import LoadedModel
+from ..sampling import verify_greedy
+from ..trace import CommitEvent, DraftEvent, LookaheadEvent, VerifyEvent
+from .base import Decoder, EventStream, Stopper, new_cache
+from .chain import ChainOutcome, accept_chain, one_hot
+
+
+class NGramPool:
+    """n-grams keyed by their first token; at most `guesses` continuations per key, least recently used evicted."""
+
+    def __init__(self, guesses: int) -> None:
+        self.guesses = guesses
+        self._by_first: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, ngram: tuple[int, ...]) -> None:
+        """Insert (or refresh) an n-gram: its first token is the key, the rest the continuation."""
+        entries = self._by_first.setdefault(ngram[0], OrderedDict())
+        entries[ngram[1:]] = None
+        entries.move_to_end(ngram[1:])
+        if len(entries) > self.guesses:
+            entries.popitem(last=False)
+
+    def candidates(self, first: int) -> list[tuple[int, ...]]:
+        """Continuations of `first`, most recently used first."""
+        return list(reversed(self._by_first.get(first, {})))
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._by_first.values())
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Where each token of one lookahead forward sits. Order: window rows 0..N-3, then x, the last window row and
+    the candidates, so that every token whose logits are read is among the last `num_logits`."""
+
+    tokens: list[int]
+    positions: list[int]  # offsets from x's position
+    mask: torch.Tensor  # (T, T) bool: who sees whom among the new tokens
+    x_index: int
+    last_row: list[int]  # index of each column of the last window row
+    candidate_rows: list[list[int]]  # index of each candidate token
+    num_logits: int
+
+
+def step_layout(x: int, window: list[list[int]], candidates: list[tuple[int, ...]]) -> StepLayout:
+    """Tokens, positions and mask of one lookahead forward (window rows l = 0..N-2 of W tokens)."""
+    rows, width = len(window), len(window[0])
+    index: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    positions: list[int] = []
+
+    def place(token: int, position: int) -> int:
+        tokens.append(token)
+        positions.append(position)
+        return len(tokens) - 1
+
+    for l in range(rows - 1):
+        for i in range(width):
+            index[l, i] = place(window[l][i], 1 + i + l)
+    x_index = place(x, 0)
+    for i in range(width):
+        index[rows - 1, i] = place(window[rows - 1][i], 1 + i + rows - 1)
+    candidate_rows = [[place(token, 1 + j) for j, token in enumerate(c)] for c in candidates]
+
+    mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
+    mask[x_index, x_index] = True
+    for (l, i), me in index.items():
+        mask[me, x_index] = True
+        mask[me, [index[0, c] for c in range(i + 1)]] = True  # row 0 up to this column
+        mask[me, [index[r, i] for r in range(1, l + 1)]] = True  # rows 1..l of this column, itself included
+    for row in candidate_rows:
+        for j, me in enumerate(row):
+            mask[me, x_index] = True
+            mask[me, row[: j + 1]] = True
+    return StepLayout(tokens, positions, mask, x_index, [index[rows - 1, i] for i in range(width)], candidate_rows,
+                      len(tokens) - x_index)
+
+
+class LookaheadDecoder(Decoder):
+    algo = "lookahead"
+
+    def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
+                 params: LookaheadParams | None = None) -> None:
+        super().__init__(target, sampling, generation)
+        self.lookahead = params or LookaheadParams()
+
+    def params(self) -> dict[str, Any]:
+        la = self.lookahead
+        return {**super().params(), "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
+                "prompt_pool": la.prompt_pool}
+
+    def run(self, prompt_ids: list[int]) -> EventStream:
+        target = self.target.model
+        la = self.lookahead
+        clock, generator, stopper = self.start()
+        widest = 1 + (la.ngram - 1) * (la.window + la.guesses)
+        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest)
+        pool = NGramPool(la.guesses)
+        if la.prompt_pool:
+            for start in range(len(prompt_ids) - la.ngram + 1):
+                pool.add(tuple(prompt_ids[start : start + la.ngram]))
+        # The window starts as prompt tokens drawn with a fixed seed: any guess is correct, good ones are faster.
+        chooser = random.Random(0 if self.sampling.seed is None else self.sampling.seed)
+        window = [[chooser.choice(prompt_ids) for _ in range(la.window)] for _ in range(la.ngram - 1)]
+
+        last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
+        step = 0
+        while not done:
+            step += 1
+            step_start = clock.now()
+            base = cache.length(0)  # position of `last`
+            # Never propose past max_new_tokens: those tokens could only be thrown away.
+            budget = self.generation.max_new_tokens - len(stopper.tokens)
+            candidates = [c[:budget] for c in pool.candidates(last)]
+            if not self.sampling.greedy:
+                candidates = candidates[:1]  # one chain keeps the lossless rule simple
+            layout = step_layout(last, window, candidates)
+            draft_end = clock.now()
+            yield from clock.emit(LookaheadEvent(step=step, t=draft_end, window=[list(r) for r in window],
+                                                 pool_size=len(pool), candidates=[list(c) for c in candidates]))
+
+            verify_start = clock.now()
+            logits = self.forward(cache, layout, base)  # (num_logits, V)
+            verify_end = clock.now()
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(layout.tokens),
+                                              wall_s=verify_end - verify_start, target_forwards=1))
+
+            first = len(layout.tokens) - layout.num_logits  # token index of logits row 0
+            new_row = logits[[i - first for i in layout.last_row]].argmax(-1).tolist()  # (W,)
+            for i, token in enumerate(new_row):
+                pool.add(tuple(window[r][i] for r in range(len(window))) + (token,))
+            window = window[1:] + [new_row]
+
+            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
+            chosen, outcome = self.accept(step, clock.now(), draft_s, base, logits, first, layout, candidates,
+                                          generator, stopper)
+            done = outcome.done
+            accepted = layout.candidate_rows[chosen][: outcome.accepted] if chosen is not None else []
+            # commit: token index i of this forward sits in slot base + i; x and the accepted tokens move to
+            # slots base, base + 1, ..., everything else is dropped
+            cache.keep(0, base, [layout.x_index] + accepted)
+            last = outcome.token
+            end = clock.now()
+            events = list(outcome.events)
+            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
+                                      overhead_s=end - step_start - draft_s - verify_s,
+                                      kv_bytes=cache.memory().bytes_used))
+            yield from clock.emit(*events)
+        event, output = self.finish(stopper, clock, step)
+        yield from clock.emit(event)
+        return output
+
+    @torch.inference_mode()
+    def forward(self, cache: Any, layout: StepLayout, base: int) -> torch.Tensor:
+        """One target forward over every branch; logits (num_logits, V) of the last num_logits tokens."""
+        model = self.target.model
+        ids = torch.tensor([layout.tokens], device=model.device)  # (1, T)
+        positions = (torch.tensor(layout.positions, device=model.device) + base).unsqueeze(0)  # (1, T)
+        logits, _ = model(ids, positions, cache, (0,), attn_mask=layout.mask.to(model.device),
+                          num_logits=layout.num_logits)
+        return logits[0]
+
+    def accept(self, step: int, t: float, draft_s: float, base: int, logits: torch.Tensor, first: int,
+               layout: StepLayout, candidates: list[tuple[int, ...]], generator: torch.Generator,
+               stopper: Stopper) -> tuple[int | None, ChainOutcome]:
+        """Judge the candidates; returns the index of the one kept (None when there were none) and the outcome.
+        A DraftEvent for that candidate precedes the accept/reject events: it is the chain that was verified.
+        logits (num_logits, V): row i belongs to token index first + i of the forward."""
+        x_row = layout.x_index - first
+        chains = [logits[[x_row] + [i - first for i in row]] for row in layout.candidate_rows]  # each (K+1, V)
+        if not candidates:
+            return None, accept_chain(self, step, t, base, logits[x_row : x_row + 1], [], None, None, generator,
+                                      stopper)
+        chosen = 0  # under sampling the one candidate verified; under greedy the longest match, earliest on ties
+        if self.sampling.greedy:
+            matches = [verify_greedy(chain, list(c)).num_accepted for chain, c in zip(chains, candidates)]
+            chosen = matches.index(max(matches))
+        proposals = list(candidates[chosen])
+        q = None if self.sampling.greedy else one_hot(proposals, logits.shape[-1], logits.device)
+        q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
+        outcome = accept_chain(self, step, t, base, chains[chosen], proposals, q, q_shown, generator, stopper)
+        infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0) for i, x in enumerate(proposals)]
+        draft = DraftEvent(step=step, t=t, tokens=infos, wall_s=draft_s, draft_forwards=0)
+        return chosen, ChainOutcome([draft, *outcome.events], outcome.accepted, outcome.token, outcome.done,
+                                    outcome.kept)

@@ -1,0 +1,113 @@
+"""Prompt-lookup decoding (Saxena 2023): proposals copied from earlier text, no draft model.
+
+Each step: propose -> the longest suffix of the text so far (up to max_ngram tokens, then shorter) that occurs
+earlier; copy the num_draft tokens that followed its latest earlier occurrence (cut after an end-of-sequence
+token) -> verify them with one target forward -> accept (greedy match, or the lossless rule with one-hot q) ->
+commit: truncate the cache to the kept tokens. With no match the step is a plain decoding step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import GenerationParams, PromptLookupParams, SamplingParams
+from ..models import LoadedModel
+from ..trace import CommitEvent, DraftEvent, VerifyEvent
+from .base import Decoder, EventStream, forward_tokens, new_cache
+from .chain import accept_chain, one_hot
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    tokens: list[int]  # the proposal
+    start: int  # position of its first token's source in the searched sequence
+    ngram: int  # length of the matched suffix
+
+
+def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
+                      eos_ids: frozenset[int] = frozenset()) -> Lookup | None:
+    """The tokens that followed the latest earlier occurrence of the longest matching suffix of `sequence`.
+
+    Suffix lengths max_ngram, ..., 1 are tried in turn; for each, occurrences are scanned from the most recent
+    backwards (recent text is the likeliest to be repeated next) and the first with at least one following
+    token wins. The copy stops after an end-of-sequence token, which can only be followed by another turn.
+    """
+    length = len(sequence)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = sequence[length - n :]
+        # an occurrence ending at `end` (exclusive) needs end < length, so that a token follows it
+        for end in range(length - 1, n - 1, -1):
+            if sequence[end - n : end] == suffix:
+                copied = sequence[end : end + num_draft]
+                for i, token in enumerate(copied):
+                    if token in eos_ids:
+                        copied = copied[: i + 1]
+                        break
+                return Lookup(copied, end, n)
+    return None
+
+
+class PromptLookupDecoder(Decoder):
+    algo = "prompt-lookup"
+
+    def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
+                 params: PromptLookupParams | None = None) -> None:
+        super().__init__(target, sampling, generation)
+        self.lookup = params or PromptLookupParams()
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft}
+
+    def run(self, prompt_ids: list[int]) -> EventStream:
+        target = self.target.model
+        clock, generator, stopper = self.start()
+        eos_ids = frozenset(self.target.eos_token_ids)
+        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1)
+        vocab = target.config.vocab_size
+
+        last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
+        sequence = list(prompt_ids) + [last]  # prompt + generated: what the lookup searches
+        step = 0
+        while not done:
+            step += 1
+            step_start = clock.now()
+            base = cache.length(0)  # position of `last`
+            # Never propose past max_new_tokens: those tokens could only be thrown away.
+            budget = min(self.lookup.num_draft, self.generation.max_new_tokens - len(stopper.tokens))
+            found = find_continuation(sequence, self.lookup.max_ngram, budget, eos_ids)
+            proposals = found.tokens if found else []
+            # q is one-hot: a copied token was proposed with certainty (shown only when sampling, where it is used)
+            q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
+            draft_end = clock.now()
+            if found:
+                infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0)
+                         for i, x in enumerate(proposals)]
+                yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=infos, wall_s=draft_end - step_start,
+                                                 draft_forwards=0, source=[found.start, found.start + len(proposals)],
+                                                 ngram=found.ngram))
+
+            verify_start = clock.now()
+            target_logits = forward_tokens(target, cache, [last] + proposals, num_logits=len(proposals) + 1)
+            verify_end = clock.now()  # target_logits: (K+1, V)
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(proposals) + 1,
+                                              wall_s=verify_end - verify_start, target_forwards=1))
+
+            q = None if self.sampling.greedy else one_hot(proposals, vocab, target.device)
+            outcome = accept_chain(self, step, clock.now(), base, target_logits, proposals, q, q_shown, generator,
+                                   stopper)
+            done = outcome.done
+            # commit: keep `last` and the accepted proposals in the cache; the new `last` is not fed yet.
+            cache.truncate(0, base + 1 + outcome.accepted)
+            sequence += proposals[: outcome.accepted] + [outcome.token]
+            last = outcome.token
+            end = clock.now()
+            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
+            events = list(outcome.events)
+            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
+                                      overhead_s=end - step_start - draft_s - verify_s,
+                                      kv_bytes=cache.memory().bytes_used))
+            yield from clock.emit(*events)
+        event, output = self.finish(stopper, clock, step)
+        yield from clock.emit(event)
+        return output

@@ -1,0 +1,89 @@
+"""Lookahead decoding: the n-gram pool, the step's mask and positions, greedy exactness, lossless sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
+from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
+from playground.decoding.lookahead import NGramPool, step_layout
+
+from .prompts import NEW_TOKENS, assert_greedy_exact
+from .stats import assert_follows_target
+
+
+def test_pool_keys_lru_and_bound() -> None:
+    pool = NGramPool(guesses=2)
+    pool.add((1, 2, 3))
+    pool.add((1, 4, 5))
+    pool.add((7, 8, 9))
+    assert pool.candidates(1) == [(4, 5), (2, 3)]  # most recent first
+    assert pool.candidates(7) == [(8, 9)] and pool.candidates(2) == []
+    pool.add((1, 2, 3))  # seen again: refreshed, not duplicated
+    assert pool.candidates(1) == [(2, 3), (4, 5)]
+    pool.add((1, 6, 6))  # a third continuation of 1 evicts the least recently used, (4, 5)
+    assert pool.candidates(1) == [(6, 6), (2, 3)]
+    assert len(pool) == 3
+
+
+def test_step_layout_on_a_small_case() -> None:
+    """x = 9, window rows [10, 11] and [20, 21] (N = 3, W = 2), one candidate (30, 31); checked by hand."""
+    layout = step_layout(9, [[10, 11], [20, 21]], [(30, 31)])
+    # order: window row 0, then x, the last window row and the candidate (the rows whose logits are read)
+    assert layout.tokens == [10, 11, 9, 20, 21, 30, 31]
+    assert layout.positions == [1, 2, 0, 2, 3, 1, 2]
+    assert layout.x_index == 2 and layout.last_row == [3, 4] and layout.candidate_rows == [[5, 6]]
+    assert layout.num_logits == 5
+    sees = {i: [j for j in range(7) if layout.mask[i, j]] for i in range(7)}
+    assert sees == {
+        0: [0, 2],  # row 0, column 0: x and itself
+        1: [0, 1, 2],  # row 0, column 1: x, row 0 up to here
+        2: [2],  # x: only the committed prefix (always visible) and itself
+        3: [0, 2, 3],  # row 1, column 0: x, row 0 column 0, itself: positions 0, 1, 2
+        4: [0, 1, 2, 4],  # row 1, column 1: x, row 0 columns 0-1, itself: positions 0, 1, 2, 3
+        5: [2, 5],  # candidate token 0: x and itself
+        6: [2, 5, 6],  # candidate token 1: x, the candidate so far
+    }
+
+
+SETTINGS = [LookaheadParams(), LookaheadParams(window=2, ngram=2, guesses=1, prompt_pool=False),
+            LookaheadParams(window=6, ngram=5, guesses=6)]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}")
+def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
+    decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
+    accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
+    assert 0 < accepted < drafted  # the pool produced guesses, some right and some wrong
+
+
+def test_trace_shows_window_pool_and_the_verified_candidate(target) -> None:
+    params = LookaheadParams(window=3, ngram=3, guesses=2)
+    decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=30), params)
+    output, trace = generate(decoder, "Count from one to twenty, separated by commas.")
+    steps = [e for e in trace.events if e.KIND == "lookahead"]
+    assert steps and all(len(e.window) == 2 and all(len(r) == 3 for r in e.window) for e in steps)
+    assert all(len(e.candidates) <= 2 for e in steps) and steps[-1].pool_size > steps[0].pool_size
+    for event in trace.events:
+        if event.KIND == "draft":  # the verified candidate is one of the step's hits
+            hit = next(e for e in steps if e.step == event.step)
+            assert [t.id for t in event.tokens] in hit.candidates
+    assert sum(e.num_tokens for e in trace.events if e.KIND == "commit") == len(output.token_ids)
+
+
+def test_sampling_matches_the_target_distribution(target) -> None:
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+    prompt = "one two one two one two one"
+    assert_follows_target(target, lambda s: AutoregressiveDecoder(target, s, generation), prompt, sampling)
+    proposed = assert_follows_target(
+        target, lambda s: LookaheadDecoder(target, s, generation, LookaheadParams(ngram=2)), prompt, sampling)
+    assert proposed > 150  # the second token was usually a verified guess from the prompt's pool
+
+
+@pytest.mark.parametrize("field, value, message", [("window", 0, r"window must be an integer in \[1, 16\]"),
+                                                   ("ngram", 1, r"ngram must be an integer in \[2, 8\]"),
+                                                   ("guesses", 17, r"guesses must be an integer in \[1, 16\]")])
+def test_parameter_ranges(field, value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LookaheadParams(**{field: value})

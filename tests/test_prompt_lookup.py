@@ -1,0 +1,87 @@
+"""Prompt-lookup decoding: the matcher, greedy exactness, lossless sampling with one-hot proposals, traces."""
+
+from __future__ import annotations
+
+import pytest
+
+from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
+from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
+from playground.decoding.prompt_lookup import find_continuation
+from playground.metrics import compute
+
+from .prompts import NEW_TOKENS, assert_greedy_exact
+from .stats import assert_follows_target
+
+
+def test_longest_suffix_wins_and_the_latest_occurrence_of_it() -> None:
+    #           0  1  2  3  4  5  6  7  8  9
+    sequence = [7, 1, 2, 3, 9, 1, 2, 4, 5, 2]
+    # suffix [5, 2] never occurred before, suffix [2] did (at 2 and 6): the latest one (6) wins
+    found = find_continuation(sequence, max_ngram=3, num_draft=2)
+    assert (found.tokens, found.start, found.ngram) == ([4, 5], 7, 1)
+    # a longer match beats a more recent shorter one
+    found = find_continuation([1, 2, 3, 8, 3, 9, 1, 2, 3], max_ngram=3, num_draft=4)
+    assert (found.tokens, found.start, found.ngram) == ([8, 3, 9, 1], 3, 3)
+
+
+def test_lookup_limits() -> None:
+    assert find_continuation([1, 2, 3, 4], max_ngram=3, num_draft=3) is None  # nothing repeats
+    assert find_continuation([5], max_ngram=3, num_draft=3) is None
+    # the copy stops after an end-of-sequence token and at the end of the text
+    found = find_continuation([1, 2, 0, 6, 6, 1], max_ngram=2, num_draft=5, eos_ids=frozenset({0}))
+    assert found.tokens == [2, 0]
+    assert find_continuation([4, 4], max_ngram=2, num_draft=5).tokens == [4]
+
+
+SETTINGS = [PromptLookupParams(), PromptLookupParams(max_ngram=1, num_draft=2),
+            PromptLookupParams(max_ngram=5, num_draft=16)]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"n{p.max_ngram}-k{p.num_draft}")
+def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
+    decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
+    accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
+    assert 0 < accepted < drafted  # proposals were made, some kept and some refused
+
+
+def test_trace_points_at_the_copied_span(target) -> None:
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog."
+    decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=20))
+    output, trace = generate(decoder, prompt)
+    sequence = trace.prompt_ids + list(output.token_ids)
+    drafts = [e for e in trace.events if e.KIND == "draft"]
+    assert drafts and any(e.source[0] < len(trace.prompt_ids) for e in drafts)
+    for event in drafts:
+        start, end = event.source
+        assert [t.id for t in event.tokens] == sequence[start:end]  # the proposal is a copy of that span
+        here = event.tokens[0].position  # the proposal continues text that ends with the matched n-gram
+        assert sequence[here - event.ngram : here] == sequence[start - event.ngram : start]
+    metrics = compute(trace)
+    assert metrics.mean_accepted_tokens > 1.5  # copying a repeated sentence is what prompt lookup is for
+
+
+def test_sampling_matches_the_target_distribution(target) -> None:
+    """With one-hot proposals the lossless rule still leaves the first two tokens distributed as the target's."""
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+    prompt = "red green blue red green blue red green"
+    assert_follows_target(target, lambda s: AutoregressiveDecoder(target, s, generation), prompt, sampling)
+    proposed = assert_follows_target(target, lambda s: PromptLookupDecoder(target, s, generation), prompt, sampling)
+    assert proposed > 150  # the second token was usually a verified proposal
+
+
+def test_same_seed_same_output(target) -> None:
+    def run(seed: int) -> tuple[int, ...]:
+        decoder = PromptLookupDecoder(target, SamplingParams(temperature=1.0, seed=seed),
+                                      GenerationParams(max_new_tokens=16))
+        return generate(decoder, "Say 'la la la' ten times.")[0].token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+@pytest.mark.parametrize("field, value, message", [("max_ngram", 0, r"max_ngram must be an integer in \[1, 8\]"),
+                                                   ("num_draft", 17, r"num_draft must be an integer in \[1, 16\]")])
+def test_parameter_ranges(field, value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PromptLookupParams(**{field: value})
