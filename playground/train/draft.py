@@ -31,6 +31,8 @@ from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, S
 from ..models.loader import EMBEDDED_DRAFT
 from .prompts import held_out_prompts, training_prompts
 
+GAMMA = 4  # draft length of the acceptance report
+TOP_K = 16  # target alternatives kept per answer position as soft labels
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -56,10 +58,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def log(message: str) -> None:
     print(f"[train draft] {message}", file=sys.stderr, flush=True)
-
-
-GAMMA = 4  # draft length of the acceptance report
-TOP_K = 16  # target alternatives kept per answer position as soft labels
 
 
 @dataclass
