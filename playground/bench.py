@@ -189,8 +189,8 @@ def markdown(report: dict[str, Any]) -> str:
 def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
     peer = info.get("peer")
     lines = ["", f"## {name} ({info['setting']})", "",
-             "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | tokens per "
-             "target forward | same tokens as plain |" + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
+             "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | "
+             "tokens per target forward | same tokens as plain |" + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
              "|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
     for i, row in enumerate(rows):
         r = row["algos"][name]

@@ -15,11 +15,11 @@ class Metrics:
     """tokens_per_s: generated tokens / engine wall time, prefill included, model loading excluded.
     ttft_s: engine time until the first generated token was known.
     mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
-    drafted, accepted: proposed tokens and how many of them the target accepted;
+    drafted, accepted, rejected: proposed tokens, how many the target accepted, and how many it rejected;
     acceptance_rate: accepted / drafted (proposals after a rejection count as drafted, never judged);
     token_acceptance: accepted / (accepted + rejected), the probability that a proposal the target judged was
     accepted: the a of the theory formula (1 - a^(g+1)) / (1 - a).
-    These five are None for algorithms that propose nothing."""
+    These six are None for algorithms that propose nothing."""
 
     tokens: int
     wall_s: float
@@ -29,6 +29,7 @@ class Metrics:
     mean_accepted_tokens: float | None
     drafted: int | None
     accepted: int | None
+    rejected: int | None
     acceptance_rate: float | None
     token_acceptance: float | None
     kv_bytes: int | None
@@ -62,6 +63,7 @@ def compute(trace: Trace) -> Metrics:
         mean_accepted_tokens=mean_accepted,
         drafted=drafted if proposes else None,
         accepted=accepted if proposes else None,
+        rejected=rejected if proposes else None,
         acceptance_rate=accepted / drafted if drafted else None,
         token_acceptance=accepted / (accepted + rejected) if accepted + rejected else None,
         kv_bytes=kv_bytes,

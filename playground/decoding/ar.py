@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..sampling import next_token
-from ..trace import BonusEvent, CommitEvent, VerifyEvent
-from .base import Decoder, EventStream, forward_tokens, new_cache
+from ..trace import BonusEvent, VerifyEvent
+from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
 
 
 class AutoregressiveDecoder(Decoder):
@@ -33,8 +33,7 @@ class AutoregressiveDecoder(Decoder):
             now = clock.now()
             yield from clock.emit(
                 BonusEvent(step=step, t=now, token=self.token_info(last, cache.length(0), p=float(p_t))),
-                CommitEvent(step=step, t=now, num_tokens=1, draft_s=0.0, verify_s=verify_s,
-                            overhead_s=now - verify_end, kv_bytes=cache.memory().bytes_used))
+                commit_event(step, verify_start, now, 0.0, verify_s, 1, cache.memory().bytes_used))
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output

@@ -73,6 +73,14 @@ def forward_tokens(model: Transformer, cache: ContiguousKVCache, token_ids: list
     return logits[0]
 
 
+def commit_event(step: int, step_start: float, end: float, draft_s: float, verify_s: float, num_tokens: int,
+                 kv_bytes: int) -> CommitEvent:
+    """The event closing a step that ran from engine time step_start to end; what was neither drafting nor
+    verifying is overhead (acceptance, cache rollback, bookkeeping)."""
+    return CommitEvent(step=step, t=end, num_tokens=num_tokens, draft_s=draft_s, verify_s=verify_s,
+                       overhead_s=end - step_start - draft_s - verify_s, kv_bytes=kv_bytes)
+
+
 def prefill_events(t: float, cache: ContiguousKVCache, num_tokens: int) -> tuple[PrefillEvent, KVAllocEvent]:
     """The events of a target prefill that ended at engine time t."""
     memory = cache.memory()
@@ -174,8 +182,7 @@ class Decoder(ABC):
         end = clock.now()
         yield from clock.emit(
             BonusEvent(step=0, t=end, token=self.token_info(token, len(prompt_ids), p=float(p_t))),
-            CommitEvent(step=0, t=end, num_tokens=1, draft_s=0.0, verify_s=now, overhead_s=end - now,
-                        kv_bytes=cache.memory().bytes_used))
+            commit_event(0, 0.0, end, 0.0, now, 1, cache.memory().bytes_used))
         return token, done
 
     def token_info(self, token: int, position: int, p: float | None = None, q: float | None = None,

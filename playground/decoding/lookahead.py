@@ -24,8 +24,8 @@ import torch
 from ..config import GenerationParams, LookaheadParams, SamplingParams
 from ..models import LoadedModel
 from ..sampling import verify_greedy
-from ..trace import CommitEvent, DraftEvent, LookaheadEvent, VerifyEvent
-from .base import Decoder, EventStream, Stopper, new_cache
+from ..trace import DraftEvent, LookaheadEvent, VerifyEvent
+from .base import Decoder, EventStream, Stopper, commit_event, new_cache
 from .chain import ChainOutcome, accept_chain, one_hot
 
 
@@ -164,12 +164,8 @@ class LookaheadDecoder(Decoder):
             # slots base, base + 1, ..., everything else is dropped
             cache.keep(0, base, [layout.x_index] + accepted)
             last = outcome.token
-            end = clock.now()
-            events = list(outcome.events)
-            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
-                                      overhead_s=end - step_start - draft_s - verify_s,
-                                      kv_bytes=cache.memory().bytes_used))
-            yield from clock.emit(*events)
+            yield from clock.emit(*outcome.events, commit_event(step, step_start, clock.now(), draft_s, verify_s,
+                                                                outcome.kept, cache.memory().bytes_used))
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output
@@ -191,10 +187,10 @@ class LookaheadDecoder(Decoder):
         A DraftEvent for that candidate precedes the accept/reject events: it is the chain that was verified.
         logits (num_logits, V): row i belongs to token index first + i of the forward."""
         x_row = layout.x_index - first
-        chains = [logits[[x_row] + [i - first for i in row]] for row in layout.candidate_rows]  # each (K+1, V)
         if not candidates:
             return None, accept_chain(self, step, t, base, logits[x_row : x_row + 1], [], None, None, generator,
                                       stopper)
+        chains = [logits[[x_row] + [i - first for i in row]] for row in layout.candidate_rows]  # each (K+1, V)
         chosen = 0  # under sampling the one candidate verified; under greedy the longest match, earliest on ties
         if self.sampling.greedy:
             matches = [verify_greedy(chain, list(c)).num_accepted for chain, c in zip(chains, candidates)]

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
 from ..models import LoadedModel
-from ..trace import CommitEvent, DraftEvent, VerifyEvent
-from .base import Decoder, EventStream, forward_tokens, new_cache
+from ..trace import DraftEvent, VerifyEvent
+from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
 from .chain import accept_chain, one_hot
 
 
@@ -101,13 +101,9 @@ class PromptLookupDecoder(Decoder):
             cache.truncate(0, base + 1 + outcome.accepted)
             sequence += proposals[: outcome.accepted] + [outcome.token]
             last = outcome.token
-            end = clock.now()
-            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
-            events = list(outcome.events)
-            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
-                                      overhead_s=end - step_start - draft_s - verify_s,
-                                      kv_bytes=cache.memory().bytes_used))
-            yield from clock.emit(*events)
+            yield from clock.emit(*outcome.events, commit_event(
+                step, step_start, clock.now(), draft_end - step_start, verify_end - verify_start, outcome.kept,
+                cache.memory().bytes_used))
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output

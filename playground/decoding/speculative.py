@@ -16,8 +16,8 @@ from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, S
 from ..kv import ContiguousKVCache
 from ..models import LoadedModel
 from ..sampling import next_token, probabilities, sample
-from ..trace import CommitEvent, DraftEvent, VerifyEvent
-from .base import Decoder, EventStream, forward_tokens, new_cache
+from ..trace import DraftEvent, VerifyEvent
+from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
 from .chain import accept_chain
 
 
@@ -105,7 +105,7 @@ class SpeculativeDecoder(Decoder):
 
             outcome = accept_chain(self, step, clock.now(), base, target_logits, drafts, q, q_shown, generator,
                                    stopper)
-            done, events = outcome.done, list(outcome.events)
+            done = outcome.done
 
             # commit: keep `last` and the accepted drafts in the target cache; the new `last` is not fed yet.
             accepted = outcome.accepted
@@ -116,12 +116,10 @@ class SpeculativeDecoder(Decoder):
             last = outcome.token
             if self.spec.adaptive:
                 gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
-            end = clock.now()
-            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
-            events.append(CommitEvent(step=step, t=end, num_tokens=outcome.kept, draft_s=draft_s, verify_s=verify_s,
-                                      overhead_s=end - step_start - draft_s - verify_s,
-                                      kv_bytes=target_cache.memory().bytes_used + draft_cache.memory().bytes_used))
-            yield from clock.emit(*events)
+            kv_bytes = target_cache.memory().bytes_used + draft_cache.memory().bytes_used
+            yield from clock.emit(*outcome.events, commit_event(
+                step, step_start, clock.now(), draft_end - step_start, verify_end - verify_start, outcome.kept,
+                kv_bytes))
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output

@@ -31,7 +31,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "PLAYGROUND_CACHE"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # The draft trained for the embedded target by `python -m playground.train draft`, shipped with the project.
@@ -245,7 +245,7 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     if spec.quant is not None and spec.dtype == "float16" and device.type == "cpu":
         raise ModelLoadError("dtype: float16 with bitsandbytes quantization needs a GPU; use float32 or bfloat16")
     hf_config = read_hf_config(folder)
-    model = build_model(hf_config, load_weights(folder), _DTYPES[spec.dtype], device)
+    model = build_model(hf_config, load_weights(folder), TORCH_DTYPES[spec.dtype], device)
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -28,12 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
-from ..models.loader import EMBEDDED_DRAFT
+from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
 from .prompts import held_out_prompts, training_prompts
 
 GAMMA = 4  # draft length of the acceptance report
 TOP_K = 16  # target alternatives kept per answer position as soft labels
-WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -46,7 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=9, help="passes over the corpus (default 9)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    parser.add_argument("--weights-dtype", choices=sorted(WEIGHT_DTYPES), default="float16",
+    parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
                         help="dtype the weights are saved in (default float16, to fit 30 MB); loaders cast to the "
                              "dtype they run in")
     parser.add_argument("--corpus", default=None,
@@ -113,7 +112,7 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, batch: 
     pad = target.eos_token_ids[0]
     generation = GenerationParams(max_new_tokens=answer_tokens)
     sequences, starts, top_ids, top_logprobs = [], [], [], []
-    start = time.perf_counter()
+    tokens, start = 0, time.perf_counter()
     for first in range(0, len(prompts), batch):
         encoded = [encode_prompt(target, p, generation) for p in prompts[first : first + batch]]
         width = max(len(e) for e in encoded)
@@ -134,8 +133,8 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, batch: 
             starts.append(len(prompt_ids))
             top_ids.append(step_ids[row, : len(answer)])
             top_logprobs.append(step_logprobs[row, : len(answer)])
+            tokens += len(answer)
         done = first + len(encoded)
-        tokens = sum(len(s) - a for s, a in zip(sequences, starts))
         log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)")
     return Corpus(sequences, starts, torch.cat(top_ids), torch.cat(top_logprobs))
 
@@ -241,11 +240,10 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
                                  SpeculativeParams(gamma=GAMMA))
     accepted = drafted = judged = 0
     for prompt in prompts:
-        _, trace = generate(decoder, prompt)
-        metrics = compute(trace)
+        metrics = compute(generate(decoder, prompt)[1])
         accepted += metrics.accepted
         drafted += metrics.drafted
-        judged += sum(1 for e in trace.events if e.KIND in ("accept", "reject"))
+        judged += metrics.accepted + metrics.rejected
     cost = decode_step_seconds(draft.model) / decode_step_seconds(target.model)
     return {"held_out_token_acceptance": accepted / judged, "held_out_accepted_per_drafted": accepted / drafted,
             "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
@@ -296,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
     model = train(target, corpus, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.to(WEIGHT_DTYPES[args.weights_dtype]).save_pretrained(out)
+    model.to(TORCH_DTYPES[args.weights_dtype]).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (target.folder / name).is_file():
             shutil.copy(target.folder / name, out / name)
