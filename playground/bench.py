@@ -111,7 +111,7 @@ def decode_step_seconds(model: Any, width: int = 1, steps: int = 20) -> float:
     width 1, one verification of width - 1 drafted tokens otherwise."""
     from .decoding.base import forward_tokens, new_cache
 
-    cache = new_cache(model, 32 + width)
+    cache = new_cache(model, 32 + width, GenerationParams())
     forward_tokens(model, cache, list(range(100, 132)))
     times = []
     for i in range(steps):

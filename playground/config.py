@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
 MAX_NEW_TOKENS_LIMIT = 4096
+KV_KINDS = ("contiguous", "paged")
+MAX_BLOCK_SIZE = 256
 
 
 class ConfigError(ValueError):
@@ -93,14 +95,19 @@ class GenerationParams:
     stop: generation ends once the decoded continuation contains one of these strings; the returned text is
     cut before it, the returned token ids keep the token that completed it.
     raw: feed the prompt as is instead of wrapping it in the tokenizer's chat template.
+    kv: the KV cache a single-sequence decoder runs on; block_size: tokens per block of the paged cache.
     """
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     raw: bool = False
+    kv: str = "contiguous"
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        check_choice("kv", self.kv, KV_KINDS)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError("stop must be a tuple of non-empty strings")
 
@@ -152,3 +159,34 @@ class LookaheadParams:
         check_int("guesses", self.guesses, 1, 16)
         if not isinstance(self.prompt_pool, bool):
             raise ConfigError(f"prompt_pool must be true or false, got {self.prompt_pool!r}")
+
+
+SCHEDULING_POLICIES = ("continuous", "static")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParams:
+    """The serving engine over the paged KV cache.
+
+    num_blocks, block_size: the KV pool (num_blocks x block_size token slots per layer).
+    max_batch_tokens: tokens one step may run through the model (decode rows count 1, prefill chunks their length).
+    max_running: requests decoded together. policy: "continuous" admits waiting requests whenever there is room;
+    "static" admits a new batch only when the whole previous batch has finished.
+    prefix_caching: share the KV blocks of identical prompt prefixes between requests.
+    """
+
+    num_blocks: int = 512
+    block_size: int = 16
+    max_batch_tokens: int = 256
+    max_running: int = 16
+    policy: str = "continuous"
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("num_blocks", self.num_blocks, 1, 1 << 20)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        check_int("max_batch_tokens", self.max_batch_tokens, 1, 1 << 16)
+        check_int("max_running", self.max_running, 1, 256)
+        check_choice("policy", self.policy, SCHEDULING_POLICIES)
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")

@@ -154,6 +154,34 @@ class PreemptEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryEvent:
+    """The paged KV pool after one serving-engine step that ran `num_tokens` tokens in `wall_s` seconds.
+
+    owners: for each physical block, the request holding it (the lowest id when shared), -1 when free;
+    shared: the blocks more than one request holds (a shared prompt prefix). bytes_used: slots holding tokens,
+    each stored once; logical_bytes: the same tokens counted per request (shared ones several times);
+    bytes_reserved - bytes_used is the pool's internal fragmentation; contiguous_bytes is what a contiguous cache
+    reserving prompt + max_new_tokens slots for every running request would hold instead."""
+
+    KIND: ClassVar[str] = "kv-memory"
+    step: int
+    t: float
+    num_tokens: int
+    wall_s: float
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    bytes_used: int
+    bytes_reserved: int
+    logical_bytes: int
+    contiguous_bytes: int
+    owners: list[int]
+    shared: list[int]
+    running: list[int]
+    waiting: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class CommitEvent:
     """End of a step: tokens kept, the cache rolled back to them, and where the step's time went."""
 
@@ -179,7 +207,7 @@ class FinishEvent:
 
 
 Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, AcceptEvent, RejectEvent, CorrectEvent,
-              BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, CommitEvent, FinishEvent]
+              BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
 EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
 JSONScalar = Union[str, int, float, bool, None]
 

@@ -16,7 +16,7 @@ class AutoregressiveDecoder(Decoder):
     def run(self, prompt_ids: list[int]) -> EventStream:
         model = self.target.model
         clock, generator, stopper = self.start()
-        cache = new_cache(model, len(prompt_ids) + self.generation.max_new_tokens)
+        cache = new_cache(model, len(prompt_ids) + self.generation.max_new_tokens, self.generation)
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
         step = 0
         while not done:

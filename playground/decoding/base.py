@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..kv import ContiguousKVCache
+from ..kv import ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..models import LoadedModel, Transformer
 from ..sampling import make_generator, next_token
 from ..trace import BonusEvent, CommitEvent, Event, FinishEvent, KVAllocEvent, PrefillEvent, TokenInfo, Trace
@@ -51,15 +51,19 @@ def encode_prompt(target: LoadedModel, prompt: str, generation: GenerationParams
     return ids
 
 
-def new_cache(model: Transformer, capacity: int) -> ContiguousKVCache:
-    """A one-sequence contiguous cache sized for `capacity` tokens."""
+def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -> KVCache:
+    """A one-sequence cache of the kind `generation.kv` names, sized for `capacity` tokens."""
     cfg = model.config
+    if generation.kv == "paged":
+        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                            blocks_for(capacity, generation.block_size), generation.block_size,
+                            dtype=model.dtype, device=model.device)
     return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity,
                              dtype=model.dtype, device=model.device)
 
 
 @torch.inference_mode()
-def forward_tokens(model: Transformer, cache: ContiguousKVCache, token_ids: list[int],
+def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int],
                    num_logits: int = 1) -> torch.Tensor:
     """Append tokens to sequence 0 of the cache in one forward; logits (num_logits, V) of the last positions.
 
@@ -81,7 +85,7 @@ def commit_event(step: int, step_start: float, end: float, draft_s: float, verif
                        overhead_s=end - step_start - draft_s - verify_s, kv_bytes=kv_bytes)
 
 
-def prefill_events(t: float, cache: ContiguousKVCache, num_tokens: int) -> tuple[PrefillEvent, KVAllocEvent]:
+def prefill_events(t: float, cache: KVCache, num_tokens: int) -> tuple[PrefillEvent, KVAllocEvent]:
     """The events of a target prefill that ended at engine time t."""
     memory = cache.memory()
     return (PrefillEvent(step=0, t=t, num_tokens=num_tokens, wall_s=t),
@@ -157,7 +161,8 @@ class Decoder(ABC):
         """Settings recorded in the trace header."""
         return {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                 "top_p": self.sampling.top_p, "seed": self.sampling.seed,
-                "max_new_tokens": self.generation.max_new_tokens, "raw": self.generation.raw}
+                "max_new_tokens": self.generation.max_new_tokens, "raw": self.generation.raw,
+                "kv": self.generation.kv, "block_size": self.generation.block_size}
 
     @abstractmethod
     def run(self, prompt_ids: list[int]) -> EventStream:
@@ -169,7 +174,7 @@ class Decoder(ABC):
         return (EngineClock(device), make_generator(self.sampling.seed, device),
                 Stopper(self.target.tokenizer, self.target.eos_token_ids, self.generation))
 
-    def prefill(self, cache: ContiguousKVCache, prompt_ids: list[int], clock: EngineClock,
+    def prefill(self, cache: KVCache, prompt_ids: list[int], clock: EngineClock,
                 generator: torch.Generator, stopper: Stopper) -> Generator[Event, None, tuple[int, bool]]:
         """Step 0: one target forward over the prompt and the first token drawn from it. Yields the step's events
         and returns (token, done); the token is committed but not yet in the cache."""

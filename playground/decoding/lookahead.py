@@ -118,7 +118,7 @@ class LookaheadDecoder(Decoder):
         la = self.lookahead
         clock, generator, stopper = self.start()
         widest = 1 + (la.ngram - 1) * (la.window + la.guesses)
-        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest)
+        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         pool = NGramPool(la.guesses)
         if la.prompt_pool:
             for start in range(len(prompt_ids) - la.ngram + 1):

@@ -63,7 +63,8 @@ class PromptLookupDecoder(Decoder):
         target = self.target.model
         clock, generator, stopper = self.start()
         eos_ids = frozenset(self.target.eos_token_ids)
-        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1)
+        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1,
+                          self.generation)
         vocab = target.config.vocab_size
 
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
-from ..kv import ContiguousKVCache
+from ..kv import KVCache
 from ..models import LoadedModel
 from ..sampling import next_token, probabilities, sample
 from ..trace import DraftEvent, VerifyEvent
@@ -47,7 +47,7 @@ class SpeculativeDecoder(Decoder):
         return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
                 "adaptive_gamma": self.spec.adaptive}
 
-    def propose(self, cache: ContiguousKVCache, pending: list[int], gamma: int,
+    def propose(self, cache: KVCache, pending: list[int], gamma: int,
                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None, list[float]]:
         """Draft gamma tokens after feeding `pending` (tokens the draft has not seen yet).
 
@@ -78,7 +78,8 @@ class SpeculativeDecoder(Decoder):
         target, draft = self.target.model, self.draft.model
         clock, generator, stopper = self.start()
         capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1
-        target_cache, draft_cache = new_cache(target, capacity), new_cache(draft, capacity)
+        target_cache = new_cache(target, capacity, self.generation)
+        draft_cache = new_cache(draft, capacity, self.generation)
 
         last, done = yield from self.prefill(target_cache, prompt_ids, clock, generator, stopper)
         # The draft sees the prompt now and the first token with its first proposal.

@@ -21,6 +21,9 @@ class AttentionLayout:
     num_new: int  # T, new tokens per row
     key_len: int  # L, key slots returned per row
     mask: torch.Tensor | None  # (B, 1, T, L) bool, True = may attend; None = every returned key is visible
+    # Paged cache only: the physical slot of each new token (B*T,) and of each returned key (B, L).
+    write_slots: torch.Tensor | None = None
+    read_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +32,12 @@ class KVMemory:
 
     bytes_used: int
     bytes_reserved: int
-    tokens: int
+    tokens: int  # slots holding live tokens (a block shared by several sequences counts once)
     bytes_per_token: int
+    # Paged cache only: blocks in the pool, held by at least one sequence, held by more than one.
+    blocks_total: int = 0
+    blocks_used: int = 0
+    blocks_shared: int = 0
 
     @property
     def bytes_wasted(self) -> int:
@@ -76,7 +83,8 @@ class KVCache(ABC):
 def build_attention_mask(
     starts: tuple[int, ...], num_new: int, key_len: int, attn_mask: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    """Visibility of key slots for the new tokens: the whole prefix, then `attn_mask` (default causal).
+    """Visibility of key slots for the new tokens: the whole prefix, then `attn_mask` (default causal). A row
+    shorter than the longest sees nothing past its own new tokens (those slots hold other lengths' data).
 
     Returns (B, 1, T, L) bool, or None when every returned key is visible (one row, one new token).
     """

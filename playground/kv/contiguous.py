@@ -64,10 +64,6 @@ class ContiguousKVCache(KVCache):
         for s in seq_ids:
             self._lengths[s] += num_new
         mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
-        if mask is not None:
-            # Rows shorter than the longest see nothing past their own new tokens (stale slots of other lengths).
-            valid = torch.tensor([st + num_new for st in starts], device=self.device).view(-1, 1, 1, 1)
-            mask = mask & (torch.arange(key_len, device=self.device).view(1, 1, 1, -1) < valid)
         return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask)
 
     def update(

@@ -1,0 +1,304 @@
+"""A continuous-batching serving engine over the paged KV cache.
+
+`add_request` queues a prompt with its own sampling settings; every `step()` does three things:
+schedule (first-come first-served: running requests first, then waiting ones while the token budget, the
+running limit and the free blocks allow), run (one batched forward over every request that has one token to
+compute, and one forward per prefill chunk, so a step mixes prefills and decodes), and postprocess (each
+request whose tokens are all computed draws its next token from its own random stream; finished requests
+release their blocks). When a running request needs a block and none is free, the newest running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed (prompt and
+generated tokens, one prefill) when there is room again.
+
+Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) and
+preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the serving benchmark read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .config import ConfigError, EngineParams, GenerationParams, SamplingParams
+from .decoding.base import DecodeOutput, Stopper, encode_prompt
+from .kv import PagedKVCache, blocks_for
+from .models import LoadedModel
+from .sampling import make_generator, next_token
+from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    generation: GenerationParams
+    generator: torch.Generator
+    stopper: Stopper
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    preemptions: int = 0
+    arrival_t: float = 0.0
+    first_token_t: float | None = None
+    finish_t: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.stopper.tokens
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt_ids) + self.generation.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: its new token (if any) and, once finished, the final output."""
+
+    id: int
+    new_token_ids: list[int]
+    finished: bool
+    output: DecodeOutput | None = None
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)  # one token each, run as one batch
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True) -> None:
+        self.target = target
+        self.params = params or EngineParams()
+        cfg, model = target.model.config, target.model
+        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.params.num_blocks,
+                                  self.params.block_size, dtype=model.dtype, device=model.device)
+        self.record_blocks = record_blocks
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.events: list[Event] = []
+        self.busy_s = 0.0  # seconds spent inside step(): the engine's clock
+        self._step_started: float | None = None
+        self.step_count = 0
+        self._next_id = 0
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    generation: GenerationParams | None = None) -> int:
+        """Queue a prompt (text, wrapped in the chat template unless generation.raw, or token ids); its id."""
+        sampling = sampling or SamplingParams()
+        generation = generation or GenerationParams()
+        if isinstance(prompt, str):
+            prompt_ids = encode_prompt(self.target, prompt, generation)
+        else:
+            prompt_ids = list(prompt)
+            if not prompt_ids or not all(isinstance(t, int) and 0 <= t < self.target.model.config.vocab_size
+                                         for t in prompt_ids):
+                raise ConfigError(f"prompt ids must be a non-empty list of token ids in "
+                                  f"[0, {self.target.model.config.vocab_size - 1}]")
+        need = blocks_for(len(prompt_ids) + generation.max_new_tokens, self.params.block_size)
+        if need > self.params.num_blocks:
+            raise ConfigError(f"num_blocks must be >= {need} for a request of {len(prompt_ids)} prompt tokens and "
+                              f"max_new_tokens {generation.max_new_tokens} (block_size "
+                              f"{self.params.block_size}); the pool has {self.params.num_blocks}")
+        request = Request(self._next_id, prompt_ids, sampling, generation,
+                          make_generator(sampling.seed, self.target.model.device),
+                          Stopper(self.target.tokenizer, self.target.eos_token_ids, generation),
+                          arrival_t=self.now())
+        self._next_id += 1
+        self.requests[request.id] = request
+        self.waiting.append(request)
+        return request.id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now, waiting or running, and free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id}")
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self._release(request)
+        else:
+            return
+        request.status = Status.ABORTED
+        request.finish_t = self.now()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the engine step ---------------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """Engine time: seconds spent inside `step()`, never the caller's time between steps."""
+        if self._step_started is None:
+            return self.busy_s
+        if self.target.model.device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: time it when it has really finished
+        return self.busy_s + time.perf_counter() - self._step_started
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and postprocess one step; the outputs of every request that advanced."""
+        start = self.now()
+        self._step_started = time.perf_counter()
+        self.step_count += 1
+        try:
+            plan = self._schedule()
+            logits = self._run(plan)
+            outputs = self._postprocess(plan, logits)
+            self._record_memory(plan.num_tokens, start)
+        finally:
+            self.busy_s = self.now()
+            self._step_started = None
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run_all(self) -> dict[int, DecodeOutput]:
+        """Step to the end; the final output of every request that finished."""
+        return {out.id: out.output for out in self.stream() if out.finished}
+
+    def _schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.params.max_batch_tokens
+        reserved = 0  # free blocks the planned forwards will take
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(len(request.tokens) - request.num_computed, budget)
+            need = self.cache.blocks_needed(request.id, n)
+            while need > self.cache.num_free_blocks - reserved:
+                victim = self.running[-1]  # the newest: never one already planned, those are older
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                self._plan(plan, request, n)
+                budget -= n
+                reserved += need
+        if self.params.policy == "static" and self.running:
+            return plan  # a static batch admits nobody until all of it has finished
+        while self.waiting and budget > 0 and len(self.running) < self.params.max_running:
+            request = self.waiting[0]
+            prompt = request.tokens if self.params.prefix_caching else []
+            cached = self.cache.add_sequence(request.id, prompt)
+            n = min(len(request.tokens) - cached, budget)
+            need = self.cache.blocks_needed(request.id, n)
+            # Leave a block per running request so they can all grow next step without preempting this one.
+            if need + len(self.running) > self.cache.num_free_blocks - reserved:
+                self.cache.free(request.id)
+                break
+            reserved += need
+            self.waiting.popleft()
+            request.status, request.num_computed = Status.RUNNING, cached
+            self.running.append(request)
+            self.events.append(KVAllocEvent(step=self.step_count, t=self.now(), seq=request.id,
+                                            num_tokens=len(request.tokens), **self._bytes()))
+            self._plan(plan, request, n)
+            budget -= n
+        return plan
+
+    @staticmethod
+    def _plan(plan: StepPlan, request: Request, n: int) -> None:
+        if n == 1:
+            plan.decode.append(request)
+        else:
+            plan.prefill.append((request, n))
+
+    def _run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """The forwards of a step; the last-position logits (V,) of every request that ran."""
+        model, device = self.target.model, self.target.model.device
+        logits: dict[int, torch.Tensor] = {}
+        if plan.decode:
+            ids = torch.tensor([[r.tokens[r.num_computed]] for r in plan.decode], device=device)  # (B, 1)
+            positions = torch.tensor([[r.num_computed] for r in plan.decode], device=device)  # (B, 1)
+            out, _ = model(ids, positions, self.cache, [r.id for r in plan.decode], num_logits=1)  # (B, 1, V)
+            logits.update((r.id, out[i, -1]) for i, r in enumerate(plan.decode))
+        for request, n in plan.prefill:
+            start = request.num_computed
+            ids = torch.tensor([request.tokens[start : start + n]], device=device)  # (1, n)
+            positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
+            out, _ = model(ids, positions, self.cache, [request.id], num_logits=1)  # (1, 1, V)
+            logits[request.id] = out[0, -1]
+        return logits
+
+    def _postprocess(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> list[RequestOutput]:
+        outputs = []
+        for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
+            request.num_computed += n
+            if request.num_computed < len(request.tokens):
+                continue  # a prefill chunk that has not reached the end of the known tokens
+            token_t, _ = next_token(logits[request.id], request.sampling, request.generator)
+            token = int(token_t)
+            done = request.stopper.push(token)
+            now = self.now()
+            if request.first_token_t is None:
+                request.first_token_t = now
+            if not done:
+                outputs.append(RequestOutput(request.id, [token], False))
+                continue
+            self._release(request)
+            request.status, request.finish_t = Status.FINISHED, now
+            stopper = request.stopper
+            output = DecodeOutput(tuple(stopper.tokens), stopper.final_text(), stopper.reason or "length",
+                                  now - request.arrival_t)
+            outputs.append(RequestOutput(request.id, [token], True, output))
+        return outputs
+
+    # -- memory ------------------------------------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and put it back at the front of the queue, to be recomputed."""
+        self._release(request)
+        request.status, request.num_computed = Status.WAITING, 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+        self.events.append(PreemptEvent(step=self.step_count, t=self.now(), seq=request.id,
+                                        reason="out of KV blocks: the newest running request is recomputed later"))
+
+    def _release(self, request: Request) -> None:
+        freed = self.cache.length(request.id)
+        self.cache.free(request.id)
+        self.running.remove(request)
+        self.events.append(KVFreeEvent(step=self.step_count, t=self.now(), seq=request.id,
+                                       num_tokens=freed, **self._bytes()))
+
+    def _bytes(self) -> dict[str, int]:
+        memory = self.cache.memory()
+        return {"bytes_used": memory.bytes_used, "bytes_reserved": memory.bytes_reserved}
+
+    def _record_memory(self, num_tokens: int, start: float) -> None:
+        memory = self.cache.memory()
+        per_token = memory.bytes_per_token
+        owners = self.cache.block_owners() if self.record_blocks else []
+        shared = [b for b, refs in enumerate(self.cache.allocator.refs) if refs > 1] if self.record_blocks else []
+        now = self.now()
+        self.events.append(MemoryEvent(
+            step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,
+            block_size=self.params.block_size, blocks_total=memory.blocks_total, blocks_used=memory.blocks_used,
+            bytes_used=memory.bytes_used, bytes_reserved=memory.bytes_reserved,
+            logical_bytes=sum(self.cache.length(r.id) for r in self.running) * per_token,
+            contiguous_bytes=sum(r.max_len for r in self.running) * per_token,
+            owners=owners, shared=shared, running=[r.id for r in self.running], waiting=[r.id for r in self.waiting]))

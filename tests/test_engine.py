@@ -1,0 +1,205 @@
+"""The continuous-batching engine: every request gets exactly its solo output, whatever the batch, the token
+budget, the pool size (preemption), the scheduling policy, prefix sharing or aborts around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig
+
+from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams
+from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground.engine import Engine, Status
+from playground.models import LoadedModel
+from playground.models.loader import build_model
+from playground.trace import MemoryEvent, PreemptEvent
+
+from .prompts import PROMPTS
+
+LENGTHS = (24, 7, 16, 3, 20)  # max_new_tokens per request, cycled: outputs of mixed lengths
+
+
+def solo(target: LoadedModel, prompt_ids: list[int], sampling: SamplingParams, generation: GenerationParams):
+    """The token ids plain decoding gives for one prompt on its own."""
+    stream = AutoregressiveDecoder(target, sampling, generation).run(prompt_ids)
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return stop.value.token_ids
+
+
+def check_no_leak(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.cache.num_free_blocks == engine.params.num_blocks
+    assert not any(engine.cache.allocator.refs)
+
+
+def memory_events(engine: Engine) -> list[MemoryEvent]:
+    return [e for e in engine.events if isinstance(e, MemoryEvent)]
+
+
+def test_a_batch_of_mixed_lengths_gives_every_request_its_solo_output(target, plain_outputs) -> None:
+    engine = Engine(target)
+    ids = {engine.add_request(p, generation=GenerationParams(max_new_tokens=LENGTHS[i % len(LENGTHS)])): p
+           for i, p in enumerate(PROMPTS)}
+    outputs = engine.run_all()
+    for rid, prompt in ids.items():
+        # Greedy output under a smaller token limit is a prefix of the longer one.
+        expected = plain_outputs[prompt][: LENGTHS[rid % len(LENGTHS)]]
+        assert outputs[rid].token_ids == expected, prompt
+    per_token = engine.cache.memory().bytes_per_token
+    events = memory_events(engine)
+    assert max(len(e.running) for e in events) == 16  # the running limit, not the pool, bounded the batch
+    for event in events:
+        assert event.blocks_used == sum(1 for owner in event.owners if owner >= 0)
+        assert event.bytes_reserved == event.blocks_used * event.block_size * per_token
+        assert event.bytes_used <= event.bytes_reserved and event.logical_bytes <= event.contiguous_bytes
+    check_no_leak(engine)
+
+
+def test_a_pool_too_small_preempts_and_still_completes_every_request(target, plain_outputs) -> None:
+    # 14 blocks of 8 slots: two or three of these requests fit at once; the budget also chunks the prefills.
+    engine = Engine(target, EngineParams(num_blocks=14, block_size=8, max_batch_tokens=24))
+    prompts = PROMPTS[:6]
+    ids = {engine.add_request(p, generation=GenerationParams(max_new_tokens=24)): p for p in prompts}
+    outputs = engine.run_all()
+    assert any(isinstance(e, PreemptEvent) for e in engine.events)
+    assert sum(r.preemptions for r in engine.requests.values()) > 0
+    for rid, prompt in ids.items():
+        assert outputs[rid].token_ids == plain_outputs[prompt], prompt
+    check_no_leak(engine)
+
+
+def test_shared_prompt_prefixes_are_cached_and_give_identical_outputs(target) -> None:
+    passage = ("The lighthouse keeper climbed the ninety steps every evening at dusk, lit the lamp, wound the "
+               "clockwork that turned the lens, and wrote the weather in a leather log book. ")
+    questions = ["How many steps did the keeper climb?", "What did the keeper write in the log book?",
+                 "When did the keeper light the lamp?"]
+    generation = GenerationParams(max_new_tokens=12)
+    results = {}
+    for caching in (True, False):
+        engine = Engine(target, EngineParams(block_size=8, prefix_caching=caching))
+        ids = [engine.add_request(passage + questions[0], generation=generation)]
+        engine.step()  # the first prompt's prefill writes the passage's blocks; later prompts can share them
+        ids += [engine.add_request(passage + q, generation=generation) for q in questions[1:]]
+        outputs = engine.run_all()
+        results[caching] = [outputs[i].token_ids for i in ids]
+        assert (max(len(e.shared) for e in memory_events(engine)) > 0) == caching
+        check_no_leak(engine)
+    assert results[True] == results[False]
+    for question, got in zip(questions, results[True]):
+        prompt_ids = encode_prompt(target, passage + question, generation)
+        assert solo(target, prompt_ids, SamplingParams(), generation) == got
+
+
+def test_per_request_sampling_aborts_and_static_batches(target, plain_outputs) -> None:
+    sampled = SamplingParams(temperature=0.8, top_k=50, seed=7)
+    generation = GenerationParams(max_new_tokens=10)
+    for policy in ("continuous", "static"):
+        engine = Engine(target, EngineParams(policy=policy, max_running=3))
+        greedy_id = engine.add_request(PROMPTS[0], generation=generation)
+        sampled_id = engine.add_request(PROMPTS[1], sampled, generation)
+        doomed = engine.add_request(PROMPTS[2], generation=generation)
+        late = engine.add_request(PROMPTS[3], generation=generation)
+        engine.step()
+        engine.step()
+        engine.abort(doomed)
+        outputs = engine.run_all()
+        assert engine.requests[doomed].status is Status.ABORTED and doomed not in outputs
+        assert outputs[greedy_id].token_ids == plain_outputs[PROMPTS[0]][:10]
+        assert outputs[late].token_ids == plain_outputs[PROMPTS[3]][:10]
+        prompt_ids = encode_prompt(target, PROMPTS[1], generation)
+        assert outputs[sampled_id].token_ids == solo(target, prompt_ids, sampled, generation)
+        running = [set(e.running) for e in memory_events(engine)]
+        late_admitted = next(i for i, r in enumerate(running) if late in r)
+        if policy == "static":  # the fourth request waits for the whole first batch of three
+            assert all(not (r & {greedy_id, sampled_id}) for r in running[late_admitted:])
+        else:  # it takes the aborted request's place at once
+            assert running[late_admitted] & {greedy_id, sampled_id}
+        check_no_leak(engine)
+
+
+def test_bad_requests_and_settings_are_refused(target) -> None:
+    engine = Engine(target, EngineParams(num_blocks=4, block_size=8))
+    with pytest.raises(ConfigError, match="num_blocks must be >= 11"):
+        engine.add_request(PROMPTS[0], generation=GenerationParams(max_new_tokens=40))
+    with pytest.raises(ConfigError, match="prompt ids"):
+        engine.add_request([])
+    with pytest.raises(ConfigError, match="policy"):
+        EngineParams(policy="fastest")
+    with pytest.raises(ConfigError, match=r"max_batch_tokens must be an integer in \[1, 65536\]"):
+        EngineParams(max_batch_tokens=0)
+    with pytest.raises(KeyError):
+        engine.abort(99)
+
+
+def tiny_model(vocab: int = 48) -> LoadedModel:
+    """A random two-layer Llama with a small vocabulary: fast enough to run hundreds of engine schedules."""
+    config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    state = {}
+    for name, shape in ((f"model.layers.{i}.{part}", size) for i in range(2) for part, size in (
+            ("self_attn.q_proj.weight", (32, 32)), ("self_attn.k_proj.weight", (16, 32)),
+            ("self_attn.v_proj.weight", (16, 32)), ("self_attn.o_proj.weight", (32, 32)),
+            ("mlp.gate_proj.weight", (64, 32)), ("mlp.up_proj.weight", (64, 32)), ("mlp.down_proj.weight", (32, 64)),
+            ("input_layernorm.weight", (32,)), ("post_attention_layernorm.weight", (32,)))):
+        state[name] = torch.randn(shape) * (0.3 if len(shape) == 2 else 0.1) + (1.0 if len(shape) == 1 else 0.0)
+    state["model.embed_tokens.weight"] = torch.randn(vocab, 32)
+    state["model.norm.weight"] = torch.ones(32)
+    model = build_model(config, state, torch.float32, torch.device("cpu"))
+    return LoadedModel(model=model, tokenizer=TinyTokenizer(), name="tiny", folder=Path("."), eos_token_ids=(0,),
+                       spec=ModelSpec())
+
+
+class TinyTokenizer:
+    """Just enough tokenizer for the stop rules: token ids as text."""
+
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+TINY = tiny_model()
+PREFIX = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5]
+# (prompt, max_new_tokens, step at which the request arrives); prompts start with a slice of one common prefix.
+REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st.integers(1, 9), max_size=5)),
+                              st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=7)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(REQUESTS, st.integers(1, 4), st.integers(1, 12), st.integers(1, 4), st.sampled_from(["continuous", "static"]),
+       st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6))
+def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, budget, max_running, policy,
+                                                          caching, aborted, spare) -> None:
+    """Requests arrive over the first steps; the pool ranges from one request's worth (every admission can
+    preempt) to a few blocks more; some requests are aborted at step 3."""
+    prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
+    largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
+    engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
+                                       max_running=max_running, policy=policy, prefix_caching=caching))
+    ids: dict[int, int] = {}  # request index -> engine id
+    outputs = {}
+    for step in range(10_000):
+        for i, (_, n, arrival) in enumerate(requests):
+            if arrival == step:
+                ids[i] = engine.add_request(prompts[i], generation=GenerationParams(max_new_tokens=n))
+        if step == 3:
+            for i in aborted & set(ids):
+                engine.abort(ids[i])
+        if step > 6 and not engine.has_unfinished():
+            break
+        outputs.update((out.id, out.output) for out in engine.step() if out.finished)
+    for i, rid in ids.items():
+        if engine.requests[rid].status is Status.ABORTED:
+            continue
+        expected = solo(TINY, prompts[i], SamplingParams(), GenerationParams(max_new_tokens=requests[i][1]))
+        assert outputs[rid].token_ids == expected
+    check_no_leak(engine)
