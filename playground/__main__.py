@@ -45,6 +45,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    parser.add_argument("--kv", default="contiguous", choices=["contiguous", "paged"], help="KV cache kind")
+    parser.add_argument("--block-size", type=int, default=16, help="paged KV block size, 1..256 (default 16)")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -54,7 +56,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, GenerationParams]:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    generation = GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), raw=args.raw)
+    generation = GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), raw=args.raw,
+                                  kv=args.kv, block_size=args.block_size)
     return sampling, generation
 
 

@@ -23,8 +23,11 @@ from .config import ConfigError, GenerationParams, SamplingParams, check_int
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="default", choices=["default"], help="prompt suite")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
+    parser.add_argument("--suite", default="default", choices=["default", "serving"],
+                        help="default: every algorithm per prompt against plain decoding; serving: the batching "
+                             "engine with continuous vs static batching vs one request at a time")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="1..4096 (default 128); serving: the longest output limit of the workload")
     parser.add_argument("--limit", type=int, default=None, help="run only the first N prompts of the suite")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--draft", default=None,
@@ -33,8 +36,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
     parser.add_argument("--algos", default=",".join(ALGOS),
                         help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
-    parser.add_argument("--json", default="bench_results/bench.json", help="where to write the JSON results")
-    parser.add_argument("--markdown", default="bench_results/bench.md", help="where to write the markdown table")
+    serving = parser.add_argument_group("serving suite (--suite serving)")
+    serving.add_argument("--requests", type=int, default=16, help="requests in the workload, 1..256 (default 16)")
+    serving.add_argument("--max-running", type=int, default=16, help="requests decoded together, 1..256 (default 16)")
+    serving.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    serving.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool (default 512)")
+    parser.add_argument("--json", default=None,
+                        help="where to write the JSON results (default bench_results/bench.json, serving.json)")
+    parser.add_argument("--markdown", default=None,
+                        help="where to write the markdown table (default bench_results/bench.md, serving.md)")
     parser.set_defaults(func=cmd_bench)
 
 
@@ -265,6 +275,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .models import load_model
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
+    stem = "bench" if args.suite == "default" else args.suite
+    args.json = args.json or f"bench_results/{stem}.json"
+    args.markdown = args.markdown or f"bench_results/{stem}.md"
+    if args.suite == "serving":
+        return cmd_bench_serving(args)
     check_int("gamma", args.gamma, 1, 16)
     args.algos = parse_algos(args.algos)
     prompts = list(SUITE)
@@ -338,9 +353,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,
-        "environment": {"device": str(device), "dtype": str(target.model.dtype).removeprefix("torch."),
-                        "torch": torch.__version__, "threads": torch.get_num_threads(),
-                        "machine": f"{platform.machine()} {platform.processor() or platform.system()}"},
+        "environment": environment(target.model),
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
                       "bound_tokens_per_s": bound},
         "summary": summary,
@@ -370,8 +383,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # On a CPU a forward over gamma + 1 tokens is not nearly free as on a GPU: it bounds the speedup.
             info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
         report["algos"][name] = info
-    for path, text in ((args.json, json.dumps(report, indent=2)), (args.markdown, markdown(report))):
+    return write_report(args, report, markdown(report))
+
+
+def write_report(args: argparse.Namespace, report: dict[str, Any], text: str) -> int:
+    for path, content in ((args.json, json.dumps(report, indent=2)), (args.markdown, text)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text, encoding="utf-8")
-    print(markdown(report))
+        Path(path).write_text(content, encoding="utf-8")
+    print(text)
     return 0
+
+
+def environment(model: Any) -> dict[str, Any]:
+    return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}"}
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from .__main__ import model_spec
+    from .bench_serving import markdown_serving, run_serving
+    from .config import EngineParams
+    from .models import load_model
+
+    check_int("requests", args.requests, 1, 256)
+    EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running)
+    target = load_model(model_spec(args))
+    serving = run_serving(target, args.requests, args.max_new_tokens, args.max_running, args.block_size,
+                          args.num_blocks, lambda line: print(line, file=sys.stderr, flush=True))
+    report = {"model": target.name, "environment": environment(target.model), "serving": serving}
+    return write_report(args, report, markdown_serving(report))

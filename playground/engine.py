@@ -198,9 +198,11 @@ class Engine:
                 self._plan(plan, request, n)
                 budget -= n
                 reserved += need
-        if self.params.policy == "static" and self.running:
+        static = self.params.policy == "static"
+        if static and self.running:
             return plan  # a static batch admits nobody until all of it has finished
-        while self.waiting and budget > 0 and len(self.running) < self.params.max_running:
+        # A static batch is formed whole at once; its prefills then share the token budget over the next steps.
+        while self.waiting and (budget > 0 or static) and len(self.running) < self.params.max_running:
             request = self.waiting[0]
             prompt = request.tokens if self.params.prefix_caching else []
             cached = self.cache.add_sequence(request.id, prompt)
@@ -216,8 +218,9 @@ class Engine:
             self.running.append(request)
             self.events.append(KVAllocEvent(step=self.step_count, t=self.now(), seq=request.id,
                                             num_tokens=len(request.tokens), **self._bytes()))
-            self._plan(plan, request, n)
-            budget -= n
+            if n:
+                self._plan(plan, request, n)
+                budget -= n
         return plan
 
     @staticmethod
