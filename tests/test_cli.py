@@ -64,6 +64,8 @@ def unsupported_folder(tmp_path):
      r"gamma must be an integer in \[1, 16\]"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
+    (["--prompt", "hi", "--kv", "paged", "--block-size", "0"], r"block_size must be an integer in \[1, 256\]"),
+    (["--prompt", "hi", "--kv", "pages"], "argument --kv: invalid choice"),
 ])
 def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
     args = [unsupported_folder if a == "UNSUPPORTED" else a for a in args]
@@ -99,3 +101,17 @@ def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp
     assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "lookahead.json")
     assert trace.params["window"] == 4 and any(e.KIND == "lookahead" and e.candidates for e in trace.events)
+
+
+def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
+    out = tmp_path / "serving.json"
+    result = cli("bench", "--suite", "serving", "--requests", "3", "--max-new-tokens", "8", "--block-size", "4",
+                 "--json", str(out), "--markdown", str(tmp_path / "serving.md"))
+    assert result.returncode == 0, result.stderr
+    serving = json.loads(out.read_text())["serving"]
+    for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction"):
+        assert serving[key] > 0
+    assert serving["same_tokens_in_every_mode"] and set(serving["modes"]) == {"continuous", "static", "sequential"}
+    assert serving["modes"]["sequential"]["mean_running"] == 1
+    bad = cli("bench", "--suite", "serving", "--requests", "0")
+    assert bad.returncode == 2 and "requests must be an integer in [1, 256]" in bad.stderr
