@@ -39,7 +39,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     serving = parser.add_argument_group("serving suite (--suite serving)")
     serving.add_argument("--requests", type=int, default=16, help="requests in the workload, 1..256 (default 16)")
     serving.add_argument("--max-running", type=int, default=16, help="requests decoded together, 1..256 (default 16)")
-    serving.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    serving.add_argument("--block-size", type=int, default=8, help="tokens per KV block, 1..256 (default 8)")
     serving.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool (default 512)")
     parser.add_argument("--json", default=None,
                         help="where to write the JSON results (default bench_results/bench.json, serving.json)")

@@ -176,7 +176,7 @@ class EngineParams:
     """
 
     num_blocks: int = 512
-    block_size: int = 16
+    block_size: int = 8  # waste is one partial block per request; reads gather slots, so small blocks cost nothing
     max_batch_tokens: int = 256
     max_running: int = 16
     policy: str = "continuous"
