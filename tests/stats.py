@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from playground.config import SamplingParams
+from playground.config import GenerationParams, SamplingParams
 from playground.decoding import encode_prompt, generate
 from playground.decoding.base import forward_tokens, new_cache
 from playground.sampling import probabilities
@@ -19,7 +19,7 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
 
 def joint_first_two(target, prompt_ids: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
     """The analytic distribution of the first two generated tokens under the target and `sampling`."""
-    cache = new_cache(target.model, len(prompt_ids) + 2)
+    cache = new_cache(target.model, len(prompt_ids) + 2, GenerationParams())
     p1 = probabilities(forward_tokens(target.model, cache, prompt_ids)[-1], sampling)
     joint = {}
     for t1 in p1.nonzero().flatten().tolist():
