@@ -24,8 +24,8 @@ from enum import Enum
 import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams
-from .decoding.base import DecodeOutput, Stopper, encode_prompt
-from .kv import PagedKVCache, blocks_for
+from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from .kv import blocks_for
 from .models import LoadedModel
 from .sampling import make_generator, next_token
 from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
@@ -86,9 +86,7 @@ class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True) -> None:
         self.target = target
         self.params = params or EngineParams()
-        cfg, model = target.model.config, target.model
-        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.params.num_blocks,
-                                  self.params.block_size, dtype=model.dtype, device=model.device)
+        self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size)
         self.record_blocks = record_blocks
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -264,10 +262,7 @@ class Engine:
                 continue
             self._release(request)
             request.status, request.finish_t = Status.FINISHED, now
-            stopper = request.stopper
-            output = DecodeOutput(tuple(stopper.tokens), stopper.final_text(), stopper.reason or "length",
-                                  now - request.arrival_t)
-            outputs.append(RequestOutput(request.id, [token], True, output))
+            outputs.append(RequestOutput(request.id, [token], True, request.stopper.output(now - request.arrival_t)))
         return outputs
 
     # -- memory ------------------------------------------------------------------------------------------------

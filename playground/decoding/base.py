@@ -51,13 +51,18 @@ def encode_prompt(target: LoadedModel, prompt: str, generation: GenerationParams
     return ids
 
 
+def paged_cache(model: Transformer, num_blocks: int, block_size: int) -> PagedKVCache:
+    """A paged cache for the model's layers, heads and dtype, on its device."""
+    cfg = model.config
+    return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
+                        dtype=model.dtype, device=model.device)
+
+
 def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -> KVCache:
     """A one-sequence cache of the kind `generation.kv` names, sized for `capacity` tokens."""
-    cfg = model.config
     if generation.kv == "paged":
-        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                            blocks_for(capacity, generation.block_size), generation.block_size,
-                            dtype=model.dtype, device=model.device)
+        return paged_cache(model, blocks_for(capacity, generation.block_size), generation.block_size)
+    cfg = model.config
     return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity,
                              dtype=model.dtype, device=model.device)
 
@@ -124,6 +129,10 @@ class Stopper:
         if self.reason == "stop":
             text = text[: min(text.find(s) for s in self.generation.stop if s in text)]
         return text
+
+    def output(self, wall_s: float) -> DecodeOutput:
+        """The generation's result: the tokens, the text cut at a stop string, and why it ended."""
+        return DecodeOutput(tuple(self.tokens), self.final_text(), self.reason or "length", wall_s)
 
 
 class EngineClock:
@@ -196,11 +205,10 @@ class Decoder(ABC):
         return TokenInfo(id=token, text=text, position=position, p=p, q=q, parent=parent)
 
     def finish(self, stopper: Stopper, clock: EngineClock, step: int) -> tuple[FinishEvent, DecodeOutput]:
-        wall = clock.now()
-        text = stopper.final_text()
-        reason = stopper.reason or "length"
-        event = FinishEvent(step=step, t=wall, reason=reason, token_ids=list(stopper.tokens), text=text, wall_s=wall)
-        return event, DecodeOutput(tuple(stopper.tokens), text, reason, wall)
+        output = stopper.output(clock.now())
+        event = FinishEvent(step=step, t=output.wall_s, reason=output.finish_reason, token_ids=list(output.token_ids),
+                            text=output.text, wall_s=output.wall_s)
+        return event, output
 
 
 def generate(decoder: Decoder, prompt: str) -> tuple[DecodeOutput, Trace]:

@@ -47,6 +47,20 @@ class KVMemory:
 class KVCache(ABC):
     """Contiguous and paged caches implement this; rejected tokens leave through `truncate`."""
 
+    def _allocate(self, shape: tuple[int, ...], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device | str) -> None:
+        """K and V storage of `shape` (layers first), its per-layer views, and the bytes one token takes.
+
+        Uninitialised: slots are always written before they are read, and untouched pages cost no RAM. The
+        per-layer views are indexed once here rather than on every write of every decode step.
+        """
+        self.device = torch.device(device)
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
+        # 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+        self._bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.k.element_size()
+
     @abstractmethod
     def prepare(
         self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None

@@ -24,15 +24,9 @@ class ContiguousKVCache(KVCache):
         if max_len < 1 or max_seqs < 1:
             raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len} and {max_seqs}")
         self.max_len = max_len
-        self.device = torch.device(device)
-        # Uninitialised storage: slots are always written before they are read, and untouched pages cost no RAM.
-        shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)  # (layers, S, Hkv, Tmax, D)
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
-        # Per-layer views, indexed once here rather than on every write of every decode step.
-        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # each (S, Hkv, Tmax, D)
+        # k, v: (layers, S, Hkv, Tmax, D); per-layer views (S, Hkv, Tmax, D)
+        self._allocate((num_layers, max_seqs, num_kv_heads, max_len, head_dim), num_kv_heads, head_dim, dtype, device)
         self._lengths = [0] * max_seqs
-        self._bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
 
     def length(self, seq_id: int) -> int:
         return self._lengths[seq_id]

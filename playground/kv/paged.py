@@ -36,16 +36,13 @@ class PagedKVCache(KVCache):
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        self.device = torch.device(device)
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)  # (layers, slots, Hkv, D)
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
-        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # each (slots, Hkv, D)
+        # k, v: (layers, slots, Hkv, D); per-layer views (slots, Hkv, D)
+        self._allocate((num_layers, num_blocks * block_size, num_kv_heads, head_dim), num_kv_heads, head_dim, dtype,
+                       device)
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         # Prompt blocks this sequence fills itself: (index in its table, key), registered once written.
         self._pending: dict[int, list[tuple[int, BlockKey]]] = {}
-        self._bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
 
     # -- sequences ---------------------------------------------------------------------------------------------
 
