@@ -178,7 +178,8 @@ class Attention(nn.Module):
         # Grouped-query attention without copying K/V: the G query heads sharing a KV head become G*T rows.
         q = qk[:, :, :h].transpose(1, 2).reshape(b, hkv, (h // hkv) * t, d)  # (B, Hkv, G*T, D)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G*T, D)
-        out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
+        # reshape, not view: GPU attention kernels may return (B, Hkv, G*T, D) with permuted strides.
+        out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
         return self.o_proj(out)
 
 

@@ -1,0 +1,70 @@
+"""Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine, against plain
+decoding on the contiguous cache, over the test suite's 20 prompts.
+
+The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
+
+    python scripts/check_exact.py --device cuda [--new-tokens 48]
+
+Exits 1 and names the prompt and setting of every mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from playground.config import (EngineParams, GenerationParams, LookaheadParams, ModelSpec,  # noqa: E402
+                               PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder,  # noqa: E402
+                                 SpeculativeDecoder, generate)
+from playground.engine import Engine  # noqa: E402
+from playground.models import load_model  # noqa: E402
+from playground.models.loader import default_draft  # noqa: E402
+from tests.prompts import PROMPTS  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    target = load_model(ModelSpec(device=args.device, dtype="float32"))
+    draft = load_model(ModelSpec(source=default_draft("embedded"), device=args.device, dtype="float32"))
+    greedy = SamplingParams()
+
+    def settings(kv: str) -> dict[str, object]:
+        generation = GenerationParams(max_new_tokens=args.new_tokens, kv=kv, block_size=4)
+        return {
+            f"ar/{kv}": AutoregressiveDecoder(target, greedy, generation),
+            f"speculative-g5/{kv}": SpeculativeDecoder(target, draft, greedy, generation, SpeculativeParams(gamma=5)),
+            f"speculative-adaptive/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
+                                                             SpeculativeParams(gamma=3, adaptive=True)),
+            f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
+            f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
+        }
+
+    plain = AutoregressiveDecoder(target, greedy, GenerationParams(max_new_tokens=args.new_tokens))
+    reference = {prompt: generate(plain, prompt)[0].token_ids for prompt in PROMPTS}
+    failures = 0
+    for name, decoder in {**settings("contiguous"), **settings("paged")}.items():
+        bad = [p for p in PROMPTS if generate(decoder, p)[0].token_ids != reference[p]]
+        failures += len(bad)
+        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact" + "".join(f"\n  MISMATCH {p!r}" for p in bad))
+
+    engine = Engine(target, EngineParams())
+    ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
+    batched = {i: out.token_ids for i, out in engine.run_all().items()}
+    bad = [p for i, p in ids.items() if batched[i] != reference[p]]
+    failures += len(bad)
+    print(f"engine batch of {len(PROMPTS)}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact"
+          + "".join(f"\n  MISMATCH {p!r}" for p in bad))
+    print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
