@@ -1,0 +1,102 @@
+"""Token-level HTML: every generated token coloured by the decision that produced it, hover text with its step,
+p, q and the uniform draw, the legend, and the prompt with the prompt-lookup source span highlighted.
+
+Renderers take trace events (a finished trace, or the events seen so far while a run streams), so live runs,
+step replay and uploaded traces share one code path. Every piece of text is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
+                     TokenInfo)
+from .palette import STATES, token_css
+
+
+@dataclass(slots=True)
+class TokenView:
+    token: TokenInfo
+    state: str  # a key of palette.STATES
+    step: int
+    u: float | None = None
+
+
+def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
+    """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
+    plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through)."""
+    views: list[TokenView] = []
+    pending: dict[int, TokenView] = {}  # position -> proposal of the current step not yet judged
+    proposed_steps: set[int] = set()
+    for event in events:
+        if upto_step is not None and event.step > upto_step:
+            break
+        if isinstance(event, DraftEvent):
+            proposed_steps.add(event.step)
+            for info in event.tokens:
+                view = TokenView(info, "pending", event.step)
+                pending[info.position] = view
+                views.append(view)
+        elif isinstance(event, (AcceptEvent, RejectEvent)):
+            view = pending.pop(event.token.position, None)
+            if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
+                view = TokenView(event.token, "pending", event.step)
+                views.append(view)
+            view.state = "accepted" if isinstance(event, AcceptEvent) else "rejected"
+            view.u = event.u
+        elif isinstance(event, CorrectEvent):
+            views.append(TokenView(event.token, "corrected", event.step))
+        elif isinstance(event, BonusEvent):
+            state = "bonus" if event.step in proposed_steps else "generated"
+            views.append(TokenView(event.token, state, event.step))
+        elif isinstance(event, CommitEvent):
+            for view in pending.values():  # proposals behind a rejection: never judged
+                view.state = "discarded"
+            pending.clear()
+    return views
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def hover_text(view: TokenView) -> str:
+    info = view.token
+    parts = [f"step {view.step}", STATES[view.state].label, f"token {info.id} {info.text!r}",
+             f"p {_number(info.p)}"]
+    if info.q is not None:
+        parts.append(f"q {_number(info.q)}")
+    if view.u is not None:
+        parts.append(f"u {_number(view.u)}")
+    return " · ".join(parts)
+
+
+def _span(text: str, classes: str, title: str | None = None) -> str:
+    shown = html.escape(text.replace("\n", "↵\n"), quote=True)
+    title_attr = f' title="{html.escape(title, quote=True)}"' if title else ""
+    return f'<span class="{classes}"{title_attr}>{shown}</span>'
+
+
+def render_tokens(events: Iterable[Event], upto_step: int | None = None, with_style: bool = True) -> str:
+    """The generated text as coloured token spans (HTML)."""
+    spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in token_views(events, upto_step))
+    style = f"<style>{token_css()}</style>" if with_style else ""
+    return f'{style}<div class="pg-tokens">{spans}</div>'
+
+
+def render_legend(states: Iterable[str] = tuple(STATES)) -> str:
+    """The legend: each decision's token style beside its label, the meaning on hover."""
+    items = "".join(f'<span>{_span(STATES[s].label, f"pg-tok pg-{s}", STATES[s].meaning)}</span>' for s in states)
+    return f'<style>{token_css()}</style><div class="pg-legend">{items}</div>'
+
+
+def render_prompt(prompt_tokens: list[str], source: tuple[int, int] | None = None) -> str:
+    """The prompt token by token, with positions [start, end) highlighted as a prompt-lookup source span.
+
+    Positions past the prompt (a source inside the generated text) highlight nothing here."""
+    start, end = source if source else (-1, -1)
+    spans = "".join(_span(text, "pg-tok pg-prompt pg-source" if start <= i < end else "pg-tok pg-prompt")
+                    for i, text in enumerate(prompt_tokens))
+    return f'<style>{token_css()}</style><div class="pg-tokens">{spans}</div>'

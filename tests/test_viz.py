@@ -1,0 +1,98 @@
+"""Token renderers: states from events, step replay, escaping, legend, prompt-lookup source highlight."""
+
+from __future__ import annotations
+
+import re
+
+from playground.config import GenerationParams, PromptLookupParams, SamplingParams
+from playground.decoding import PromptLookupDecoder, generate
+from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, RejectEvent,
+                              TokenInfo)
+from playground.viz import STATES, render_legend, render_prompt, render_tokens, token_views
+
+
+def tok(token_id: int, position: int, text: str | None = None) -> TokenInfo:
+    return TokenInfo(id=token_id, text=text if text is not None else f"t{token_id}", position=position, p=0.5, q=0.25)
+
+
+def commit(step: int) -> CommitEvent:
+    return CommitEvent(step=step, t=0.0, num_tokens=0, draft_s=0.0, verify_s=0.0, overhead_s=0.0, kv_bytes=0)
+
+
+def speculative_events() -> list:
+    """Step 0: the prefill token. Step 1: 3 proposals, 1 accepted, 1 rejected, 1 never judged, a correction.
+    Step 2: 2 proposals, both accepted, a bonus. Step 3: nothing proposed, one plain token."""
+    return [
+        BonusEvent(step=0, t=0.0, token=tok(10, 5)), commit(0),
+        DraftEvent(step=1, t=0.1, tokens=[tok(11, 6), tok(12, 7), tok(13, 8)], wall_s=0.1, draft_forwards=3),
+        AcceptEvent(step=1, t=0.2, token=tok(11, 6), u=0.1),
+        RejectEvent(step=1, t=0.2, token=tok(12, 7), u=0.9),
+        CorrectEvent(step=1, t=0.2, token=tok(14, 7)), commit(1),
+        DraftEvent(step=2, t=0.3, tokens=[tok(15, 8), tok(16, 9)], wall_s=0.1, draft_forwards=2),
+        AcceptEvent(step=2, t=0.4, token=tok(15, 8), u=None),
+        AcceptEvent(step=2, t=0.4, token=tok(16, 9), u=None),
+        BonusEvent(step=2, t=0.4, token=tok(17, 10)), commit(2),
+        BonusEvent(step=3, t=0.5, token=tok(18, 11)), commit(3),
+    ]
+
+
+def states(views) -> list[tuple[int, str]]:
+    return [(v.token.id, v.state) for v in views]
+
+
+def test_every_decision_gets_its_state_in_text_order():
+    assert states(token_views(speculative_events())) == [
+        (10, "generated"), (11, "accepted"), (12, "rejected"), (13, "discarded"), (14, "corrected"),
+        (15, "accepted"), (16, "accepted"), (17, "bonus"), (18, "generated")]
+
+
+def test_replaying_a_step_shows_the_tokens_as_they_stood():
+    events = speculative_events()
+    assert states(token_views(events, upto_step=0)) == [(10, "generated")]
+    assert [s for _, s in states(token_views(events, upto_step=1))] == [
+        "generated", "accepted", "rejected", "discarded", "corrected"]
+    # mid-step, while the target has not judged the proposals yet, they are pending
+    assert states(token_views(events[:3])) == [(10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
+
+
+def test_html_escapes_token_text_and_hover():
+    evil = "<script>alert(1)</script>\"'&"
+    events = [DraftEvent(step=1, t=0.0, tokens=[tok(1, 0, evil)], wall_s=0.0, draft_forwards=1),
+              RejectEvent(step=1, t=0.0, token=tok(1, 0, evil), u=0.5),
+              CorrectEvent(step=1, t=0.0, token=tok(2, 0, "<b>bold</b>"))]
+    out = render_tokens(events)
+    assert "<script>" not in out and "<b>" not in out
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in out and "&lt;b&gt;bold&lt;/b&gt;" in out
+    # the hover text is an attribute: quotes inside it must not end it
+    for title in re.findall(r'title="([^"]*)"', out):
+        assert "<" not in title
+    assert out.count('class="pg-tok pg-rejected"') == 1 and out.count('class="pg-tok pg-corrected"') == 1
+
+
+def test_hover_names_step_decision_p_q_and_draw():
+    out = render_tokens(speculative_events())
+    assert "step 1 · rejected · token 12 &#x27;t12&#x27; · p 0.5000 · q 0.2500 · u 0.9000" in out
+
+
+def test_legend_lists_every_state_with_its_class_and_css():
+    legend = render_legend()
+    for state in STATES.values():
+        assert f'class="pg-tok pg-{state.name}"' in legend and f">{state.label}<" in legend
+        assert f".pg-{state.name}{{" in legend
+
+
+def test_prompt_source_span_is_highlighted():
+    out = render_prompt(["a", "b", "<c>", "d"], source=(1, 3))
+    highlighted = re.findall(r'<span class="pg-tok pg-prompt pg-source">([^<]*)</span>', out)
+    assert highlighted == ["b", "&lt;c&gt;"]
+    assert "pg-source" not in render_prompt(["a", "b"], source=(5, 7)).split("</style>")[1]
+
+
+def test_a_real_trace_renders_the_generated_text(target):
+    decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
+                                  PromptLookupParams(max_ngram=2, num_draft=4))
+    output, trace = generate(decoder, "Repeat exactly: one two three four five six seven eight.")
+    views = token_views(trace.events)
+    kept = [v.token.id for v in views if v.state not in ("rejected", "discarded", "pending")]
+    assert tuple(kept) == output.token_ids
+    assert any(v.state == "accepted" for v in views)
