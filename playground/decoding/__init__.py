@@ -1,7 +1,7 @@
 """Decoding algorithms, one file each, all on the `Decoder` interface of `base`."""
 
 from .ar import AutoregressiveDecoder
-from .base import DecodeOutput, Decoder, EngineClock, Stopper, encode_prompt, generate
+from .base import DecodeOutput, Decoder, EngineClock, Stopper, encode_prompt, generate, stream_generate
 from .lookahead import LookaheadDecoder
 from .prompt_lookup import PromptLookupDecoder
 from .speculative import SpeculativeDecoder
@@ -10,4 +10,5 @@ ALGORITHMS: dict[str, type[Decoder]] = {
     cls.algo: cls for cls in (AutoregressiveDecoder, SpeculativeDecoder, PromptLookupDecoder, LookaheadDecoder)}
 
 __all__ = ["ALGORITHMS", "AutoregressiveDecoder", "DecodeOutput", "Decoder", "EngineClock", "LookaheadDecoder",
-           "PromptLookupDecoder", "SpeculativeDecoder", "Stopper", "encode_prompt", "generate"]
+           "PromptLookupDecoder", "SpeculativeDecoder", "Stopper", "encode_prompt", "generate",
+           "stream_generate"]

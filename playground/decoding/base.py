@@ -211,14 +211,27 @@ class Decoder(ABC):
         return event, output
 
 
-def generate(decoder: Decoder, prompt: str) -> tuple[DecodeOutput, Trace]:
-    """Run a decoder to the end on a text prompt and collect its trace."""
+def stream_generate(decoder: Decoder, prompt: str) -> Generator[Event, None, tuple[DecodeOutput, Trace]]:
+    """Run a decoder on a text prompt, yielding each trace event as it happens (the engine clock is stopped
+    while the consumer handles it); returns the output and the whole trace."""
     prompt_ids = encode_prompt(decoder.target, prompt, decoder.generation)
     trace = Trace(algo=decoder.algo, model=decoder.target.name, prompt=prompt, prompt_ids=prompt_ids,
                   params=decoder.params())
     stream = decoder.run(prompt_ids)
     while True:
         try:
-            trace.events.append(next(stream))
+            event = next(stream)
         except StopIteration as stop:
             return stop.value, trace
+        trace.events.append(event)
+        yield event
+
+
+def generate(decoder: Decoder, prompt: str) -> tuple[DecodeOutput, Trace]:
+    """Run a decoder to the end on a text prompt and collect its trace."""
+    stream = stream_generate(decoder, prompt)
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return stop.value

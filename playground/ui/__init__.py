@@ -1,0 +1,41 @@
+"""The Gradio web app: `build_app()` assembles the tabs (one module each) and `launch_options()` the theme and
+stylesheet that `Blocks.launch` takes in Gradio 6."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import gradio as gr
+
+from ..viz import token_css
+from . import decode
+
+STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
+CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
+
+
+def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks:
+    """The app. on_gpu wraps the handlers that run models (a Space passes `spaces.GPU`)."""
+    with gr.Blocks(title="Decoding playground") as app:
+        gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
+                    "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
+        with gr.Accordion("Model", open=False):
+            with gr.Row():
+                model_source = gr.Textbox("embedded", label="Model: 'embedded' (SmolLM2-135M-Instruct), a hub id, "
+                                          "a local folder or a .gguf file")
+                draft_source = gr.Textbox("", label="Draft for speculative decoding (empty: the shipped draft "
+                                          "of the embedded model)")
+                device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="Device")
+        with gr.Tab("Decode"):
+            decode.build_tab(model_source, draft_source, device, on_gpu or (lambda fn: fn))
+    app.queue(default_concurrency_limit=CONCURRENCY)
+    return app
+
+
+def launch_options() -> dict[str, Any]:
+    """Theme and stylesheet: the layout rules from assets/style.css, the decision colours from viz.palette."""
+    theme = gr.themes.Soft(primary_hue="teal", neutral_hue="slate",
+                           font=[gr.themes.GoogleFont("Inter"), "system-ui", "sans-serif"])
+    return {"theme": theme, "css": STYLESHEET.read_text(encoding="utf-8") + token_css()}

@@ -1,0 +1,215 @@
+"""The Decode tab: one run of one algorithm, tokens coloured live by decision, then a step scrubber to replay
+any step; the trace can be downloaded, and an uploaded trace is replayed with no model loaded."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from ..config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec, PromptLookupParams,
+                      SamplingParams, SpeculativeParams)
+from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder,
+                        encode_prompt, stream_generate)
+from ..metrics import compute
+from ..models import ModelLoadError
+from ..models.loader import default_draft
+from ..trace import DraftEvent, Event, Trace, TraceError
+from ..viz import render_legend, render_prompt, render_tokens
+from .models import get_model
+
+ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
+         "prompt lookup": "prompt-lookup", "lookahead": "lookahead"}
+EXAMPLES = [
+    ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
+     "two miles. The council said the extension will be finished next spring.", "prompt lookup"],
+    ["Write a Python function that returns the n-th Fibonacci number.", "speculative (draft model)"],
+    ["List the days of the week, one per line.", "lookahead"],
+    ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
+]
+FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
+
+
+def _int(name: str, value: Any, optional: bool = False) -> int | None:
+    """Gradio numbers arrive as floats (or None): whole numbers pass, anything else is an error naming the field."""
+    if value is None or value == "":
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a whole number is required")
+    if float(value) != int(float(value)):
+        raise ConfigError(f"{name} must be a whole number, got {value}")
+    return int(float(value))
+
+
+def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
+                  generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
+                  window: Any, ngram: Any, guesses: Any) -> Any:
+    """The decoder for the form's settings; every parameter is validated by its dataclass."""
+    if algo == "speculative":
+        params = SpeculativeParams(gamma=_int("gamma", gamma), adaptive=bool(adaptive))
+        source = (draft_source or "").strip() or default_draft(target.spec.source)
+        if not source:
+            raise ConfigError("draft: speculative decoding needs a draft model with the target's tokenizer "
+                              "(a default ships only for the embedded model)")
+        draft = get_model(ModelSpec(source=source, device=target.spec.device, dtype=target.spec.dtype))
+        return SpeculativeDecoder(target, draft, sampling, generation, params)
+    if algo == "prompt-lookup":
+        params = PromptLookupParams(max_ngram=_int("max n-gram", max_ngram),
+                                    num_draft=_int("tokens per proposal", num_draft))
+        return PromptLookupDecoder(target, sampling, generation, params)
+    if algo == "lookahead":
+        params = LookaheadParams(window=_int("window W", window), ngram=_int("n-gram N", ngram),
+                                 guesses=_int("guesses G", guesses))
+        return LookaheadDecoder(target, sampling, generation, params)
+    return AutoregressiveDecoder(target, sampling, generation)
+
+
+def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
+    """The prompt-lookup source of the latest proposal up to a step."""
+    drafts = [e for e in events if isinstance(e, DraftEvent) and e.source
+              and (upto_step is None or e.step <= upto_step)]
+    return (drafts[-1].source[0], drafts[-1].source[1]) if drafts else None
+
+
+def _stats(trace: Trace) -> str:
+    m = compute(trace)
+    parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time; "
+             f"rendering excluded)", f"target forwards {m.target_forwards}"]
+    if m.mean_accepted_tokens is not None:
+        parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
+    if m.acceptance_rate is not None:
+        parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
+    return " · ".join(parts)
+
+
+def _steps(trace: Trace) -> int:
+    return max((e.step for e in trace.events), default=0)
+
+
+def render(events: list[Event], prompt_tokens: list[str], upto_step: int | None = None) -> tuple[str, str]:
+    """(prompt HTML with the lookup source highlighted, generated tokens HTML) as of a step."""
+    return render_prompt(prompt_tokens, _source_span(events, upto_step)), render_tokens(events, upto_step)
+
+
+def _prompt_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i]) for i in prompt_ids]
+
+
+def _save(trace: Trace) -> str:
+    folder = Path(tempfile.mkdtemp(prefix="pg-trace-"))
+    path = folder / f"trace-{trace.algo}.json"
+    trace.save(path)
+    return str(path)
+
+
+def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
+               seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
+               ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str,
+               progress: gr.Progress = gr.Progress()):
+    """Stream one run: yields (prompt HTML, tokens HTML, stats, trace state, trace file, step slider)."""
+    try:
+        if algo_label not in ALGOS:
+            raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError("prompt must be a non-empty string")
+        sampling = SamplingParams(temperature=float(temperature), top_k=_int("top_k", top_k),
+                                  top_p=float(top_p), seed=_int("seed", seed, optional=True))
+        generation = GenerationParams(max_new_tokens=_int("max_new_tokens", max_new_tokens), kv=kv)
+        spec = ModelSpec(source=(model_source or "").strip() or "embedded", device=device)
+        progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
+        target = get_model(spec)
+        decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
+                                max_ngram, num_draft, window, ngram, guesses)
+        prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
+        stream = stream_generate(decoder, prompt)
+        events: list[Event] = []
+        last_frame = 0.0
+        while True:
+            try:
+                events.append(next(stream))
+            except StopIteration as stop:
+                _, trace = stop.value
+                break
+            now = time.perf_counter()
+            if now - last_frame >= FRAME_S:
+                last_frame = now
+                yield *render(events, prompt_tokens), "decoding...", gr.update(), gr.update(), gr.update()
+    except (ConfigError, ModelLoadError, ValueError) as exc:
+        raise gr.Error(str(exc), duration=None) from exc
+    prompt_html, tokens_html = render(trace.events, prompt_tokens)
+    steps = _steps(trace)
+    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens}
+    yield (prompt_html, tokens_html, _stats(trace), state, _save(trace),
+           gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True))
+
+
+def replay_step(state: dict | None, step: Any) -> tuple[str, str]:
+    if not state:
+        raise gr.Error("step: run a decode or upload a trace first")
+    trace = Trace.from_dict(state["trace"])
+    return render(trace.events, state["prompt_tokens"], _int("step", step))
+
+
+def load_trace(file: Any):
+    """An uploaded trace, validated field by field (never unpickled), replayed with no model."""
+    if file is None:
+        raise gr.Error("trace file: choose a .json trace exported by this app or the CLI")
+    path = file if isinstance(file, str) else getattr(file, "name", str(file))
+    try:
+        trace = Trace.load(path)
+        stats = _stats(trace)
+    except TraceError as exc:
+        raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
+    tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
+    prompt_html, tokens_html = render(trace.events, tokens)
+    steps = _steps(trace)
+    state = {"trace": trace.to_dict(), "prompt_tokens": tokens}
+    return (prompt_html, tokens_html, f"replayed trace of **{trace.algo}** on {trace.model}: " + stats, state,
+            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True))
+
+
+def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dropdown,
+              on_gpu: Callable[[Callable], Callable]) -> None:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=300):
+            prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0])
+            algo = gr.Radio(list(ALGOS), value="prompt lookup", label="Algorithm")
+            with gr.Accordion("Algorithm parameters", open=False):
+                with gr.Row():
+                    gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
+                    adaptive = gr.Checkbox(False, label="adaptive gamma")
+                with gr.Row():
+                    max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
+                    num_draft = gr.Number(8, label="tokens per proposal (1..16)", step=1)
+                with gr.Row():
+                    window = gr.Number(4, label="window W (1..16)", step=1)
+                    ngram = gr.Number(3, label="n-gram N (2..8)", step=1)
+                    guesses = gr.Number(3, label="guesses G", step=1)
+                kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
+            with gr.Accordion("Sampling", open=False):
+                max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
+                temperature = gr.Number(0.0, label="temperature (0 = greedy, ..100)")
+                top_k = gr.Number(0, label="top-k (0 = off)", step=1)
+                top_p = gr.Number(1.0, label="top-p (0, 1]")
+                seed = gr.Number(None, label="seed (empty = random)", step=1)
+            run = gr.Button("Decode", variant="primary")
+            gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
+        with gr.Column(scale=3, min_width=300):
+            gr.HTML(render_legend(), elem_id="pg-legend")
+            prompt_view = gr.HTML(label="Prompt", elem_classes=["pg-panel"])
+            tokens_view = gr.HTML(label="Generated", elem_id="pg-generated", elem_classes=["pg-panel"])
+            stats = gr.Markdown(elem_id="pg-stats")
+            step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
+            with gr.Row():
+                download = gr.File(label="Download trace (JSON)", interactive=False)
+                upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"])
+    state = gr.State(None)
+    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
+              num_draft, window, ngram, guesses, model_source, draft_source, device]
+    run.click(on_gpu(run_decode), inputs, [prompt_view, tokens_view, stats, state, download, step], api_name="decode")
+    step.release(replay_step, [state, step], [prompt_view, tokens_view], api_name="replay_step")
+    upload.upload(load_trace, [upload], [prompt_view, tokens_view, stats, state, step], api_name="load_trace")

@@ -1,0 +1,87 @@
+"""The web app driven through gradio_client against a launched server: the streaming decode judged on its final
+output, HTML in prompts shown as text, bad input answered with a message while the app stays up, trace
+download and upload replay."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+from gradio_client import Client, handle_file
+
+from playground.ui import build_app, launch_options
+
+DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+            "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
+            "window": 4, "ngram": 3, "guesses": 3, "model": "embedded", "draft": "", "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def client(target):  # `target` converts the embedded model once before the app loads it
+    app = build_app()
+    app.launch(prevent_thread_lock=True, quiet=True, **launch_options())
+    yield Client(app.local_url, verbose=False)
+    app.close()
+
+
+def decode(client: Client, prompt: str, **changes):
+    args = {**DEFAULTS, **changes}
+    return client.predict(prompt, *args.values(), api_name="/decode")
+
+
+def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
+    prompt_html, tokens_html, stats, trace_file, step = decode(
+        client, "Repeat exactly: red green blue, red green blue, red green blue.")
+    assert re.search(r'class="pg-tok pg-(accepted|generated|bonus)"', tokens_html)
+    assert re.search(r"\*\*\d+ tokens\*\* in [\d.]+ s = \*\*[\d.]+ tok/s\*\*", stats)
+    trace = json.loads(open(trace_file, encoding="utf-8").read())
+    assert trace["algo"] == "prompt-lookup" and trace["events"][-1]["kind"] == "finish"
+    assert step["maximum"] == max(e["step"] for e in trace["events"])
+    # the final text equals the model's: the tokens shown, minus the struck-through ones, are the output
+    shown = re.findall(r'class="pg-tok pg-(\w+)"[^>]*>([^<]*)<', tokens_html)
+    kept = "".join(text for state, text in shown if state not in ("rejected", "discarded", "pending"))
+    output = trace["events"][-1]["token_ids"]
+    assert html.unescape(kept).replace("↵\n", "\n") == "".join(target.tokenizer.decode([t]) for t in output)
+
+
+def test_html_in_the_prompt_is_shown_as_text(client):
+    prompt_html, tokens_html, *_ = decode(client, "Say <script>alert(1)</script> and <b>bold</b> back to me.",
+                                          algo="plain (autoregressive)", max_new_tokens=8)
+    for shown in (prompt_html, tokens_html):
+        assert "<script>alert" not in shown and "<b>" not in shown
+    assert "&lt;" in prompt_html and "script" in prompt_html
+
+
+@pytest.mark.parametrize("prompt, changes, message", [
+    ("", {}, "prompt must be a non-empty string"),
+    ("hi", {"max_new_tokens": 0}, "max_new_tokens must be an integer in [1, 4096]"),
+    ("hi", {"temperature": -1}, "temperature must be in [0, 100]"),
+    ("hi", {"top_p": 1.5}, "top_p"),
+    ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
+    ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
+    ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
+    ("hi", {"model": "no/such-model-offline"}, "model"),
+    ("hi", {"algo": "bogus"}, "is not in the list of choices"),
+    ("x " * 9000, {}, "prompt is"),
+])
+def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, message):
+    with pytest.raises(Exception, match=re.escape(message)):
+        decode(client, prompt, **changes)
+    _, tokens_html, *_ = decode(client, "Name a colour.", algo="plain (autoregressive)", max_new_tokens=3)
+    assert "pg-generated" in tokens_html
+
+
+def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
+    *_, trace_file, _ = decode(client, "Count: one, two, three, four.", max_new_tokens=12)
+    prompt_html, tokens_html, stats, step = client.predict(handle_file(trace_file), api_name="/load_trace")
+    assert "replayed trace of **prompt-lookup**" in stats and "pg-tok" in tokens_html
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1, "algo": "ar"}))
+    with pytest.raises(Exception, match="trace file is not a valid trace"):
+        client.predict(handle_file(str(bad)), api_name="/load_trace")
+    notjson = tmp_path / "notjson.json"
+    notjson.write_text("{not json")
+    with pytest.raises(Exception, match="not valid JSON"):
+        client.predict(handle_file(str(notjson)), api_name="/load_trace")
