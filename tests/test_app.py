@@ -32,13 +32,14 @@ def decode(client: Client, prompt: str, **changes):
 
 
 def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
-    prompt_html, tokens_html, stats, trace_file, step = decode(
+    prompt_html, tokens_html, stats, trace_file, step, steps_plot, time_plot = decode(
         client, "Repeat exactly: red green blue, red green blue, red green blue.")
     assert re.search(r'class="pg-tok pg-(accepted|generated|bonus)"', tokens_html)
     assert re.search(r"\*\*\d+ tokens\*\* in [\d.]+ s = \*\*[\d.]+ tok/s\*\*", stats)
     trace = json.loads(open(trace_file, encoding="utf-8").read())
     assert trace["algo"] == "prompt-lookup" and trace["events"][-1]["kind"] == "finish"
     assert step["maximum"] == max(e["step"] for e in trace["events"])
+    assert steps_plot is not None and time_plot is not None
     # the final text equals the model's: the tokens shown, minus the struck-through ones, are the output
     shown = re.findall(r'class="pg-tok pg-(\w+)"[^>]*>([^<]*)<', tokens_html)
     kept = "".join(text for state, text in shown if state not in ("rejected", "discarded", "pending"))
@@ -74,8 +75,8 @@ def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, 
 
 
 def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
-    *_, trace_file, _ = decode(client, "Count: one, two, three, four.", max_new_tokens=12)
-    prompt_html, tokens_html, stats, step = client.predict(handle_file(trace_file), api_name="/load_trace")
+    trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[3]
+    prompt_html, tokens_html, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
     assert "replayed trace of **prompt-lookup**" in stats and "pg-tok" in tokens_html
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema_version": 1, "algo": "ar"}))
@@ -85,3 +86,12 @@ def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
     notjson.write_text("{not json")
     with pytest.raises(Exception, match="not valid JSON"):
         client.predict(handle_file(str(notjson)), api_name="/load_trace")
+
+
+def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
+    plot, summary = client.predict(0.7, 4, 0.15, api_name="/theory")
+    # (1 - 0.7^5) / 0.3 = 2.773 tokens per forward; / (4 * 0.15 + 1) = 1.733x
+    assert "**2.77 tokens per target forward**" in summary and "**1.73x**" in summary
+    assert plot is not None
+    with pytest.raises(Exception):
+        client.predict(1.5, 4, 0.15, api_name="/theory")

@@ -48,6 +48,8 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     # the accepted colour really reaches the page (the stylesheet is applied, not just the class names)
     colour = page.locator("#pg-generated .pg-accepted").first.evaluate("e => getComputedStyle(e).color")
     assert colour == "rgb(0, 122, 90)"
+    for plot in ("#pg-steps-plot", "#pg-time-plot"):  # the run's charts are drawn, not left as placeholders
+        expect(page.locator(f"{plot} .js-plotly-plot")).to_be_visible(timeout=30_000)
     page.screenshot(path=str(SHOTS / "decode.png"), full_page=True)
     page.set_viewport_size({"width": 390, "height": 844})
     page.screenshot(path=str(SHOTS / "decode-phone.png"), full_page=True)

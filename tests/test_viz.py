@@ -96,3 +96,33 @@ def test_a_real_trace_renders_the_generated_text(target):
     kept = [v.token.id for v in views if v.state not in ("rejected", "discarded", "pending")]
     assert tuple(kept) == output.token_ids
     assert any(v.state == "accepted" for v in views)
+
+
+def test_charts_count_per_step_and_accumulate_tokens():
+    from playground.viz.charts import expected_speedup, steps_figure, tokens_time_series
+
+    events = speculative_events()
+    bars = {trace.name: list(trace.y) for trace in steps_figure(events).data}
+    # step 3 proposes nothing: its token is a plain one, not a bonus
+    assert bars == {"accepted": [1, 2, 0], "corrected": [1, 0, 0], "bonus": [0, 1, 0], "generated": [0, 0, 1],
+                    "rejected": [-1, 0, 0]}
+    commits = [CommitEvent(step=s, t=0.1 * s, num_tokens=n, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+                           kv_bytes=0) for s, n in ((0, 1), (1, 2), (2, 3))]
+    assert tokens_time_series(commits) == ([0.0, 0.0, 0.1, 0.2], [0, 1, 3, 6])
+    assert abs(expected_speedup(0.7, 4, 0.15) - (1 - 0.7 ** 5) / 0.3 / 1.6) < 1e-12
+
+
+def test_theory_overlays_speculative_runs_against_plain_runs_of_the_same_prompt():
+    from playground.ui.theory import measured_points
+
+    history = [{"algo": "ar", "prompt": "p", "tokens_per_s": 20.0, "token_acceptance": None,
+                "mean_accepted": None, "mean_draft": None},
+               {"algo": "speculative", "prompt": "p", "tokens_per_s": 30.0, "token_acceptance": 0.6,
+                "mean_accepted": 2.1, "mean_draft": 4.0},
+               {"algo": "speculative", "prompt": "q", "tokens_per_s": 10.0, "token_acceptance": 0.2,
+                "mean_accepted": 1.2, "mean_draft": 4.0},
+               {"algo": "prompt-lookup", "prompt": "p", "tokens_per_s": 50.0, "token_acceptance": 0.5,
+                "mean_accepted": 1.5, "mean_draft": 8.0}]
+    points = measured_points(history)
+    assert [(p.gamma, p.acceptance, p.tokens_per_forward, p.speedup) for p in points] == [
+        (4.0, 0.6, 2.1, 1.5), (4.0, 0.2, 1.2, None)]

@@ -15,11 +15,12 @@ from ..config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec,
                       SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder,
                         encode_prompt, stream_generate)
-from ..metrics import compute
+from ..metrics import compute, mean_draft_length
 from ..models import ModelLoadError
 from ..models.loader import default_draft
 from ..trace import DraftEvent, Event, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
+from ..viz.charts import steps_figure, tokens_time_figure
 from .models import get_model
 
 ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
@@ -90,9 +91,12 @@ def _steps(trace: Trace) -> int:
     return max((e.step for e in trace.events), default=0)
 
 
-def render(events: list[Event], prompt_tokens: list[str], upto_step: int | None = None) -> tuple[str, str]:
-    """(prompt HTML with the lookup source highlighted, generated tokens HTML) as of a step."""
-    return render_prompt(prompt_tokens, _source_span(events, upto_step)), render_tokens(events, upto_step)
+def render(events: list[Event], prompt_tokens: list[str], upto_step: int | None = None,
+           tokenized: bool = True) -> tuple[str, str]:
+    """(prompt HTML with the lookup source highlighted, generated tokens HTML) as of a step. An untokenized
+    prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
+    source = _source_span(events, upto_step) if tokenized else None
+    return render_prompt(prompt_tokens, source), render_tokens(events, upto_step)
 
 
 def _prompt_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[str]:
@@ -109,8 +113,9 @@ def _save(trace: Trace) -> str:
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
                ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str,
-               progress: gr.Progress = gr.Progress()):
-    """Stream one run: yields (prompt HTML, tokens HTML, stats, trace state, trace file, step slider)."""
+               history: list[dict[str, Any]] | None, progress: gr.Progress = gr.Progress()):
+    """Stream one run: yields (prompt HTML, tokens HTML, stats, trace state, trace file, step slider, session
+    history, per-step chart, tokens-vs-time chart); the charts and history change once the run has finished."""
     try:
         if algo_label not in ALGOS:
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
@@ -137,21 +142,31 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             now = time.perf_counter()
             if now - last_frame >= FRAME_S:
                 last_frame = now
-                yield *render(events, prompt_tokens), "decoding...", gr.update(), gr.update(), gr.update()
+                yield *render(events, prompt_tokens), "decoding...", *[gr.update()] * 6
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     prompt_html, tokens_html = render(trace.events, prompt_tokens)
     steps = _steps(trace)
-    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens}
+    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True}
     yield (prompt_html, tokens_html, _stats(trace), state, _save(trace),
-           gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True))
+           gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
+           [*(history or []), _history_entry(trace)], steps_figure(trace.events),
+           tokens_time_figure({trace.algo: trace.events}))
+
+
+def _history_entry(trace: Trace) -> dict[str, Any]:
+    """What the Theory tab overlays from a run."""
+    m = compute(trace)
+    return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
+            "token_acceptance": m.token_acceptance, "mean_accepted": m.mean_accepted_tokens,
+            "mean_draft": mean_draft_length(trace)}
 
 
 def replay_step(state: dict | None, step: Any) -> tuple[str, str]:
     if not state:
         raise gr.Error("step: run a decode or upload a trace first")
     trace = Trace.from_dict(state["trace"])
-    return render(trace.events, state["prompt_tokens"], _int("step", step))
+    return render(trace.events, state["prompt_tokens"], _int("step", step), state["tokenized"])
 
 
 def load_trace(file: Any):
@@ -165,15 +180,16 @@ def load_trace(file: Any):
     except TraceError as exc:
         raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
-    prompt_html, tokens_html = render(trace.events, tokens)
+    prompt_html, tokens_html = render(trace.events, tokens, tokenized=False)
     steps = _steps(trace)
-    state = {"trace": trace.to_dict(), "prompt_tokens": tokens}
+    state = {"trace": trace.to_dict(), "prompt_tokens": tokens, "tokenized": False}
     return (prompt_html, tokens_html, f"replayed trace of **{trace.algo}** on {trace.model}: " + stats, state,
-            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True))
+            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
+            steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}))
 
 
 def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dropdown,
-              on_gpu: Callable[[Callable], Callable]) -> None:
+              on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0])
@@ -205,11 +221,17 @@ def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dro
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
             with gr.Row():
+                steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
+                time_plot = gr.Plot(elem_id="pg-time-plot", show_label=False)
+            with gr.Row():
                 download = gr.File(label="Download trace (JSON)", interactive=False)
                 upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"], elem_id="pg-upload")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, model_source, draft_source, device]
-    run.click(on_gpu(run_decode), inputs, [prompt_view, tokens_view, stats, state, download, step], api_name="decode")
+              num_draft, window, ngram, guesses, model_source, draft_source, device, history]
+    run.click(on_gpu(run_decode), inputs,
+              [prompt_view, tokens_view, stats, state, download, step, history, steps_plot, time_plot],
+              api_name="decode")
     step.release(replay_step, [state, step], [prompt_view, tokens_view], api_name="replay_step")
-    upload.upload(load_trace, [upload], [prompt_view, tokens_view, stats, state, step], api_name="load_trace")
+    upload.upload(load_trace, [upload], [prompt_view, tokens_view, stats, state, step, steps_plot, time_plot],
+                  api_name="load_trace")

@@ -1,0 +1,119 @@
+"""Plotly figures shared by the web app and the notebooks: per-step acceptance, tokens over engine time, and the
+speculative-decoding theory curves with measured points overlaid. Colours come from the decision palette."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..metrics import expected_tokens_per_step
+from ..trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent
+from .palette import STATES
+
+LAYOUT = {"template": "plotly_white", "margin": {"l": 50, "r": 20, "t": 40, "b": 45}, "height": 320,
+          "legend": {"orientation": "h", "y": -0.25}}
+
+
+def steps_figure(events: Iterable[Event]) -> go.Figure:
+    """Stacked bars per step: tokens accepted, the correction or bonus token (or the plain token of a step that
+    proposed nothing), and rejections below zero."""
+    counts: dict[int, dict[str, int]] = {}
+    proposed: set[int] = set()
+    for event in events:
+        if isinstance(event, DraftEvent):
+            proposed.add(event.step)
+        elif isinstance(event, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent)) and event.step > 0:
+            kind = {AcceptEvent: "accepted", RejectEvent: "rejected", CorrectEvent: "corrected",
+                    BonusEvent: "bonus" if event.step in proposed else "generated"}[type(event)]
+            counts.setdefault(event.step, {}).setdefault(kind, 0)
+            counts[event.step][kind] += 1
+    steps = sorted(counts)
+    fig = go.Figure()
+    for kind in ("accepted", "corrected", "bonus", "generated", "rejected"):
+        sign = -1 if kind == "rejected" else 1
+        fig.add_bar(x=steps, y=[sign * counts[s].get(kind, 0) for s in steps], name=STATES[kind].label,
+                    marker_color="#8c8c8c" if kind == "generated" else STATES[kind].colour,
+                    marker_pattern_shape="/" if kind == "rejected" else "")
+    fig.update_layout(barmode="relative", title="Tokens per step (rejections below zero)",
+                      xaxis_title="step", yaxis_title="tokens", **LAYOUT)
+    return fig
+
+
+def tokens_time_series(events: Iterable[Event]) -> tuple[list[float], list[int]]:
+    """(engine seconds, tokens committed so far) after each step."""
+    times, totals, total = [0.0], [0], 0
+    for event in events:
+        if isinstance(event, CommitEvent):
+            total += event.num_tokens
+            times.append(event.t)
+            totals.append(total)
+    return times, totals
+
+
+def tokens_time_figure(runs: dict[str, Iterable[Event]]) -> go.Figure:
+    """Tokens committed against engine time, one line per run (a race draws several)."""
+    fig = go.Figure()
+    for name, events in runs.items():
+        times, totals = tokens_time_series(events)
+        fig.add_scatter(x=times, y=totals, mode="lines", line_shape="hv", name=name)
+    fig.update_layout(title="Tokens vs engine time", xaxis_title="seconds (engine time)", yaxis_title="tokens",
+                      **LAYOUT)
+    return fig
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPoint:
+    """One speculative run: its mean draft length, measured acceptance a, tokens per target forward and
+    speedup over plain decoding (None when no plain run of the same prompt was measured)."""
+
+    label: str
+    gamma: float
+    acceptance: float
+    tokens_per_forward: float
+    speedup: float | None = None
+
+
+def expected_speedup(acceptance: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al. 2023: expected tokens per step over the step's cost in target forwards, gamma * c + 1."""
+    return expected_tokens_per_step(acceptance, gamma) / (gamma * cost_ratio + 1)
+
+
+def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
+                  measured: Iterable[MeasuredPoint] = ()) -> go.Figure:
+    """Expected tokens per step and expected speedup against draft length, for the chosen a and c (and for
+    a = 0.5, 0.8 as guides); the chosen g is marked, measured runs are overlaid."""
+    gammas = list(range(1, 17))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("Expected tokens per target forward",
+                                                        "Expected speedup vs plain decoding"))
+    for a, dash in ((acceptance, "solid"), (0.5, "dot"), (0.8, "dash")):
+        if dash != "solid" and abs(a - acceptance) < 1e-9:
+            continue
+        name = f"a = {a:.2f}" + (" (chosen)" if dash == "solid" else "")
+        fig.add_scatter(x=gammas, y=[expected_tokens_per_step(a, g) for g in gammas], name=name,
+                        line={"dash": dash, "color": STATES["accepted"].colour if dash == "solid" else "#8c8c8c"},
+                        legendgroup=name, row=1, col=1)
+        fig.add_scatter(x=gammas, y=[expected_speedup(a, g, cost_ratio) for g in gammas], name=name,
+                        line={"dash": dash, "color": STATES["bonus"].colour if dash == "solid" else "#8c8c8c"},
+                        legendgroup=name, showlegend=False, row=1, col=2)
+    fig.add_scatter(x=[gamma], y=[expected_tokens_per_step(acceptance, gamma)], mode="markers", name="chosen g",
+                    marker={"size": 12, "symbol": "circle-open", "color": "#1f2328"}, row=1, col=1)
+    fig.add_scatter(x=[gamma], y=[expected_speedup(acceptance, gamma, cost_ratio)], mode="markers",
+                    marker={"size": 12, "symbol": "circle-open", "color": "#1f2328"}, showlegend=False,
+                    row=1, col=2)
+    points = list(measured)
+    if points:
+        fig.add_scatter(x=[p.gamma for p in points], y=[p.tokens_per_forward for p in points], mode="markers",
+                        name="measured (this session)", marker={"size": 10, "symbol": "diamond",
+                                                                "color": STATES["corrected"].colour},
+                        text=[f"{p.label}: a = {p.acceptance:.2f}" for p in points], row=1, col=1)
+        timed = [p for p in points if p.speedup is not None]
+        fig.add_scatter(x=[p.gamma for p in timed], y=[p.speedup for p in timed], mode="markers",
+                        marker={"size": 10, "symbol": "diamond", "color": STATES["corrected"].colour},
+                        text=[p.label for p in timed], showlegend=False, row=1, col=2)
+    fig.add_hline(y=1, line={"dash": "dot", "color": "#8c8c8c"}, row=1, col=2)
+    fig.update_xaxes(title_text="draft length g")
+    fig.update_layout(**{**LAYOUT, "height": 360})
+    return fig
