@@ -79,11 +79,10 @@ def _span(text: str, classes: str, title: str | None = None) -> str:
     return f'<span class="{classes}"{title_attr}>{shown}</span>'
 
 
-def render_tokens(events: Iterable[Event], upto_step: int | None = None, with_style: bool = True) -> str:
+def render_tokens(events: Iterable[Event], upto_step: int | None = None) -> str:
     """The generated text as coloured token spans (HTML)."""
     spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in token_views(events, upto_step))
-    style = f"<style>{token_css()}</style>" if with_style else ""
-    return f'{style}<div class="pg-tokens">{spans}</div>'
+    return f'<style>{token_css()}</style><div class="pg-tokens">{spans}</div>'
 
 
 def render_legend(states: Iterable[str] = tuple(STATES)) -> str:
