@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..viz import token_css
-from . import decode, theory
+from . import decode, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
@@ -29,8 +29,11 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks
                                           "of the embedded model)")
                 device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="Device")
         history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
+        wrap = on_gpu or (lambda fn: fn)
         with gr.Tab("Decode"):
-            decode.build_tab(model_source, draft_source, device, on_gpu or (lambda fn: fn), history)
+            decode.build_tab(model_source, draft_source, device, wrap, history)
+        with gr.Tab("Race"):
+            race.build_tab(model_source, draft_source, device, wrap, history)
         with gr.Tab("Theory"):
             theory.build_tab(app, history)
     app.queue(default_concurrency_limit=CONCURRENCY)

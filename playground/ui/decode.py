@@ -15,7 +15,7 @@ from ..config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec,
                       SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder,
                         encode_prompt, stream_generate)
-from ..metrics import compute, mean_draft_length
+from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
 from ..models.loader import default_draft
 from ..trace import DraftEvent, Event, Trace, TraceError
@@ -35,7 +35,7 @@ EXAMPLES = [
 FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
 
 
-def _int(name: str, value: Any, optional: bool = False) -> int | None:
+def as_int(name: str, value: Any, optional: bool = False) -> int | None:
     """Gradio numbers arrive as floats (or None): whole numbers pass, anything else is an error naming the field."""
     if value is None or value == "":
         if optional:
@@ -51,7 +51,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
                   window: Any, ngram: Any, guesses: Any) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass."""
     if algo == "speculative":
-        params = SpeculativeParams(gamma=_int("gamma", gamma), adaptive=bool(adaptive))
+        params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive))
         source = (draft_source or "").strip() or default_draft(target.spec.source)
         if not source:
             raise ConfigError("draft: speculative decoding needs a draft model with the target's tokenizer "
@@ -59,12 +59,12 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         draft = get_model(ModelSpec(source=source, device=target.spec.device, dtype=target.spec.dtype))
         return SpeculativeDecoder(target, draft, sampling, generation, params)
     if algo == "prompt-lookup":
-        params = PromptLookupParams(max_ngram=_int("max n-gram", max_ngram),
-                                    num_draft=_int("tokens per proposal", num_draft))
+        params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram),
+                                    num_draft=as_int("tokens per proposal", num_draft))
         return PromptLookupDecoder(target, sampling, generation, params)
     if algo == "lookahead":
-        params = LookaheadParams(window=_int("window W", window), ngram=_int("n-gram N", ngram),
-                                 guesses=_int("guesses G", guesses))
+        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
+                                 guesses=as_int("guesses G", guesses))
         return LookaheadDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
@@ -76,8 +76,7 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (drafts[-1].source[0], drafts[-1].source[1]) if drafts else None
 
 
-def _stats(trace: Trace) -> str:
-    m = compute(trace)
+def _stats(m: Metrics) -> str:
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time; "
              f"rendering excluded)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
@@ -121,9 +120,9 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        sampling = SamplingParams(temperature=float(temperature), top_k=_int("top_k", top_k),
-                                  top_p=float(top_p), seed=_int("seed", seed, optional=True))
-        generation = GenerationParams(max_new_tokens=_int("max_new_tokens", max_new_tokens), kv=kv)
+        sampling = SamplingParams(temperature=float(temperature), top_k=as_int("top_k", top_k),
+                                  top_p=float(top_p), seed=as_int("seed", seed, optional=True))
+        generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
         spec = ModelSpec(source=(model_source or "").strip() or "embedded", device=device)
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
@@ -147,16 +146,16 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         raise gr.Error(str(exc), duration=None) from exc
     prompt_html, tokens_html = render(trace.events, prompt_tokens)
     steps = _steps(trace)
+    metrics = compute(trace)
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True}
-    yield (prompt_html, tokens_html, _stats(trace), state, _save(trace),
+    yield (prompt_html, tokens_html, _stats(metrics), state, _save(trace),
            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
-           [*(history or []), _history_entry(trace)], steps_figure(trace.events),
+           [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}))
 
 
-def _history_entry(trace: Trace) -> dict[str, Any]:
+def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
     """What the Theory tab overlays from a run."""
-    m = compute(trace)
     return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
             "token_acceptance": m.token_acceptance, "mean_accepted": m.mean_accepted_tokens,
             "mean_draft": mean_draft_length(trace)}
@@ -166,7 +165,7 @@ def replay_step(state: dict | None, step: Any) -> tuple[str, str]:
     if not state:
         raise gr.Error("step: run a decode or upload a trace first")
     trace = Trace.from_dict(state["trace"])
-    return render(trace.events, state["prompt_tokens"], _int("step", step), state["tokenized"])
+    return render(trace.events, state["prompt_tokens"], as_int("step", step), state["tokenized"])
 
 
 def load_trace(file: Any):
@@ -176,7 +175,7 @@ def load_trace(file: Any):
     path = file if isinstance(file, str) else getattr(file, "name", str(file))
     try:
         trace = Trace.load(path)
-        stats = _stats(trace)
+        stats = _stats(compute(trace))
     except TraceError as exc:
         raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece

@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 from ..metrics import expected_tokens_per_step
 from ..trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent
 from .palette import STATES
+from .tokens import decision_of
 
 LAYOUT = {"template": "plotly_white", "margin": {"l": 50, "r": 20, "t": 40, "b": 45}, "height": 320,
           "legend": {"orientation": "h", "y": -0.25}}
@@ -26,8 +27,7 @@ def steps_figure(events: Iterable[Event]) -> go.Figure:
         if isinstance(event, DraftEvent):
             proposed.add(event.step)
         elif isinstance(event, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent)) and event.step > 0:
-            kind = {AcceptEvent: "accepted", RejectEvent: "rejected", CorrectEvent: "corrected",
-                    BonusEvent: "bonus" if event.step in proposed else "generated"}[type(event)]
+            kind = decision_of(event, proposed)
             counts.setdefault(event.step, {}).setdefault(kind, 0)
             counts[event.step][kind] += 1
     steps = sorted(counts)

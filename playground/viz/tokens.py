@@ -24,6 +24,14 @@ class TokenView:
     u: float | None = None
 
 
+def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, proposed_steps: set[int]) -> str:
+    """The palette state of a decided token. A bonus token in a step that proposed nothing is a plain target
+    token ("generated"); only after a fully accepted proposal is it the extra "bonus" token."""
+    if isinstance(event, BonusEvent):
+        return "bonus" if event.step in proposed_steps else "generated"
+    return {AcceptEvent: "accepted", RejectEvent: "rejected", CorrectEvent: "corrected"}[type(event)]
+
+
 def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through)."""
@@ -44,13 +52,10 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
             if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
                 view = TokenView(event.token, "pending", event.step)
                 views.append(view)
-            view.state = "accepted" if isinstance(event, AcceptEvent) else "rejected"
+            view.state = decision_of(event, proposed_steps)
             view.u = event.u
-        elif isinstance(event, CorrectEvent):
-            views.append(TokenView(event.token, "corrected", event.step))
-        elif isinstance(event, BonusEvent):
-            state = "bonus" if event.step in proposed_steps else "generated"
-            views.append(TokenView(event.token, state, event.step))
+        elif isinstance(event, (CorrectEvent, BonusEvent)):
+            views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
         elif isinstance(event, CommitEvent):
             for view in pending.values():  # proposals behind a rejection: never judged
                 view.state = "discarded"

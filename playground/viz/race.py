@@ -1,0 +1,50 @@
+"""The race view: several runs of the same prompt replayed in sync on their own measured engine clocks, one
+lane each (name, progress bar, tokens coloured by decision). Runs are measured one after another and only
+replayed together, so they never compete for the processor."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..trace import CommitEvent, Event, FinishEvent
+from .tokens import render_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    name: str
+    events: Sequence[Event]
+
+    @property
+    def wall_s(self) -> float:
+        return next((e.wall_s for e in reversed(self.events) if isinstance(e, FinishEvent)), self.events[-1].t)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.events if isinstance(e, CommitEvent))
+
+
+def events_until(events: Sequence[Event], t: float) -> list[Event]:
+    """The events a run had emitted by engine time t (events are in time order)."""
+    return [e for e in events if e.t <= t]
+
+
+def render_race(lanes: Sequence[Lane], t: float | None = None) -> str:
+    """Every lane as it stood at engine time t (the end when None); a finished lane shows its final time."""
+    parts = ['<div class="pg-race">']
+    for lane in lanes:
+        seen = list(lane.events) if t is None else events_until(lane.events, t)
+        done = t is None or t >= lane.wall_s
+        tokens = sum(e.num_tokens for e in seen if isinstance(e, CommitEvent))
+        share = 100 * tokens / lane.total_tokens if lane.total_tokens else 100
+        clock = f"done in {lane.wall_s:.2f} s" if done else f"{t:.2f} s"
+        parts.append(
+            f'<div class="pg-lane{" pg-lane-done" if done else ""}">'
+            f'<div class="pg-lane-head"><b>{html.escape(lane.name)}</b>'
+            f'<span>{tokens} tokens · {clock}</span></div>'
+            f'<div class="pg-bar"><div style="width:{share:.1f}%"></div></div>'
+            f'<div class="pg-lane-tokens">{render_tokens(seen)}</div></div>')
+    parts.append("</div>")
+    return "".join(parts)
