@@ -16,7 +16,7 @@ from typing import Any
 from .bench_suite import SUITE
 from .config import EngineParams, GenerationParams, SamplingParams
 from .engine import Engine
-from .trace import MemoryEvent
+from .trace import Event, MemoryEvent
 
 LENGTH_EIGHTHS = (8, 2, 4, 6, 1, 8, 3, 5)  # output limits in eighths of --max-new-tokens, cycled
 
@@ -32,23 +32,32 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
     engine = Engine(target, params, record_blocks=False)
     ids = [engine.add_request(prompt, SamplingParams(), generation) for prompt, generation in requests]
     outputs = engine.run_all()
-    memory = [e for e in engine.events if isinstance(e, MemoryEvent) and e.bytes_used]
     tokens = sum(len(outputs[i].token_ids) for i in ids)
-    used = sum(e.bytes_used for e in memory)
-    logical = sum(e.logical_bytes for e in memory)
     return {
         "tokens": tokens,
         "wall_s": engine.busy_s,
         "tokens_per_s": tokens / engine.busy_s,
         "steps": engine.step_count,
         "preemptions": sum(r.preemptions for r in engine.requests.values()),
+        **memory_summary(engine.events),
+        "token_ids": [list(outputs[i].token_ids) for i in ids],
+    }
+
+
+def memory_summary(events: list[Event]) -> dict[str, float]:
+    """KV memory of a served workload from the engine's memory events (steps holding any KV)."""
+    memory = [e for e in events if isinstance(e, MemoryEvent) and e.bytes_used]
+    if not memory:
+        raise ValueError("events: no step held any KV memory")
+    used = sum(e.bytes_used for e in memory)
+    logical = sum(e.logical_bytes for e in memory)
+    return {
         "mean_running": statistics.mean(len(e.running) for e in memory),
         "peak_kv_bytes": max(e.bytes_reserved for e in memory),
         "peak_contiguous_bytes": max(e.contiguous_bytes for e in memory),
         # Summed over steps: time-weighted by step, not by second.
         "kv_waste_fraction": sum(e.bytes_reserved - e.bytes_used for e in memory) / used,
         "contiguous_waste_fraction": sum(e.contiguous_bytes - e.logical_bytes for e in memory) / logical,
-        "token_ids": [list(outputs[i].token_ids) for i in ids],
     }
 
 

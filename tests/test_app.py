@@ -1,6 +1,6 @@
 """The web app driven through gradio_client against a launched server: the streaming decode judged on its final
 output, HTML in prompts shown as text, bad input answered with a message while the app stays up, trace
-download and upload replay."""
+download and upload replay, the race (every entrant equal to plain decoding) and the memory tab."""
 
 from __future__ import annotations
 
@@ -95,3 +95,51 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
     assert plot is not None
     with pytest.raises(Exception):
         client.predict(1.5, 4, 0.15, api_name="/theory")
+
+
+def rows(table) -> list[list]:
+    """A Dataframe output as rows, whichever shape the client returns."""
+    return table["data"] if isinstance(table, dict) else table
+
+
+def test_race_measures_each_entrant_and_every_one_matches_plain(client):
+    lanes, status, table, chart = client.predict(
+        "Repeat exactly: one two three, one two three.", ["speculative (gamma 4)", "prompt lookup", "lookahead",
+                                                          "plain, paged KV"],
+        12, 0.0, 0, "embedded", "", "cpu", api_name="/race")
+    assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
+    table = rows(table)
+    assert [r[0] for r in table] == ["plain", "speculative (gamma 4)", "prompt lookup", "lookahead",
+                                     "plain, paged KV"]
+    assert all(r[-1] == "yes" for r in table) and float(table[0][4]) == 1.0
+    assert chart is not None
+
+
+@pytest.mark.parametrize("racers, message", [
+    ([], "algorithms: choose 1 to 4"),
+    (["lookahead", "no such"], "is not in the list of choices"),
+])
+def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
+    with pytest.raises(Exception, match=re.escape(message)):
+        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", api_name="/race")
+
+
+def test_memory_tab_serves_every_request_and_draws_the_pool(client):
+    block_map, chart, summary, table = client.predict(4, 12, 8, 24, 4, True, "embedded", "cpu", api_name="/memory")
+    assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
+    assert "Waste over the run: paged" in summary and chart is not None
+    table = rows(table)
+    assert len(table) == 4 and all(r[1] == "finished" and int(r[3]) >= 1 for r in table)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_blocks": 2}, "num_blocks must be >="),
+    ({"block_size": 0}, "block_size must be"),
+    ({"requests": 17}, "requests must be in [1, 16]"),
+    ({"max_running": 1.5}, "max running must be a whole number"),
+])
+def test_memory_tab_names_the_bad_field(client, changes, message):
+    args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
+            "prefix_caching": True, "model": "embedded", "device": "cpu", **changes}
+    with pytest.raises(Exception, match=re.escape(message)):
+        client.predict(*args.values(), api_name="/memory")

@@ -1,4 +1,5 @@
-"""Token renderers: states from events, step replay, escaping, legend, prompt-lookup source highlight."""
+"""Renderers: token states from events, step replay, escaping, legend, prompt-lookup source highlight, race
+lanes on their own clocks, the KV block map and memory chart."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import re
 
 from playground.config import GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import PromptLookupDecoder, generate
-from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, RejectEvent,
-                              TokenInfo)
+from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, FinishEvent,
+                              MemoryEvent, PreemptEvent, RejectEvent, TokenInfo)
 from playground.viz import STATES, render_legend, render_prompt, render_tokens, token_views
+from playground.viz.memory import memory_figure, render_block_map, request_colour
+from playground.viz.race import Lane, events_until, render_race
 
 
 def tok(token_id: int, position: int, text: str | None = None) -> TokenInfo:
@@ -126,3 +129,57 @@ def test_theory_overlays_speculative_runs_against_plain_runs_of_the_same_prompt(
     points = measured_points(history)
     assert [(p.gamma, p.acceptance, p.tokens_per_forward, p.speedup) for p in points] == [
         (4.0, 0.6, 2.1, 1.5), (4.0, 0.2, 1.2, None)]
+
+
+def timed_run(times: list[float], per_step: int, name: str = "x") -> list:
+    """A run committing `per_step` plain tokens at each engine time, then finishing at the last one."""
+    events, position = [], 0
+    for step, t in enumerate(times):
+        for _ in range(per_step):
+            events.append(BonusEvent(step=step, t=t, token=tok(100 + position, position, f"{name}{position}")))
+            position += 1
+        events.append(CommitEvent(step=step, t=t, num_tokens=per_step, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+                                  kv_bytes=0))
+    events.append(FinishEvent(step=len(times), t=times[-1], reason="length", token_ids=list(range(position)),
+                              text="", wall_s=times[-1]))
+    return events
+
+
+def test_race_lanes_replay_each_run_on_its_own_clock():
+    fast, slow = Lane("fast <b>", timed_run([0.1, 0.2], 4, "f")), Lane("slow", timed_run([0.1, 0.4, 0.8], 1, "s"))
+    assert (fast.wall_s, fast.total_tokens, slow.wall_s, slow.total_tokens) == (0.2, 8, 0.8, 3)
+    assert len(events_until(slow.events, 0.4)) == 4
+    start = render_race([fast, slow], 0.0)
+    assert start.count('class="pg-lane"') == 2 and "0 tokens · 0.00 s" in start and 'class="pg-tok ' not in start
+    mid = render_race([fast, slow], 0.3)
+    assert "8 tokens · done in 0.20 s" in mid and "1 tokens · 0.30 s" in mid
+    assert mid.count("pg-lane-done") == 1 and 'style="width:100.0%"' in mid and 'style="width:33.3%"' in mid
+    end = render_race([fast, slow])
+    assert end.count("pg-lane-done") == 2 and "s2" in end and "fast &lt;b&gt;" in end and "fast <b>" not in end
+
+
+def memory_event(step: int, t: float, owners: list[int], shared: list[int], used: int, contiguous: int):
+    return MemoryEvent(step=step, t=t, num_tokens=1, wall_s=0.01, block_size=4, blocks_total=len(owners),
+                       blocks_used=sum(o >= 0 for o in owners), bytes_used=used, bytes_reserved=used + 10,
+                       logical_bytes=used, contiguous_bytes=contiguous, owners=owners, shared=shared,
+                       running=sorted({o for o in owners if o >= 0}), waiting=[])
+
+
+def test_block_map_colours_blocks_by_request_and_marks_shared_and_free():
+    event = memory_event(3, 0.5, [0, 0, 1, -1, -1, 2], [0], 100, 400)
+    shown = render_block_map(event, {0: "running", 1: "running", 2: "waiting"})
+    assert shown.count('class="pg-block') == 6 and shown.count("pg-block pg-block-free\"") == 2
+    assert shown.count("pg-block pg-block-shared\"") == 1 and 'title="block 0: request 0, shared' in shown
+    assert f"background-color:{request_colour(1)}" in shown and "request 2 … waiting" in shown
+    assert "4 of 6 blocks in use" in shown and "1 shared" in shown
+    assert "class=\"pg-block" not in render_block_map(None)  # the empty container only
+
+
+def test_memory_chart_draws_paged_against_contiguous_with_preemptions():
+    events = [memory_event(1, 0.1, [0, -1], [], 2**20, 4 * 2**20),
+              PreemptEvent(step=2, t=0.2, seq=1, reason="out of KV blocks"),
+              memory_event(2, 0.2, [0, 0], [], 2 * 2**20, 4 * 2**20)]
+    fig = memory_figure(iter(events))
+    lines = {trace.name: list(trace.y) for trace in fig.data}
+    assert lines["contiguous reservation"] == [4.0, 4.0] and lines["paged: tokens stored"] == [1.0, 2.0]
+    assert list(fig.data[-1].x) == [0.2] and fig.data[-1].name == "preemption"

@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..viz import token_css
-from . import decode, race, theory
+from . import decode, memory, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
@@ -34,6 +34,8 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks
             decode.build_tab(model_source, draft_source, device, wrap, history)
         with gr.Tab("Race"):
             race.build_tab(model_source, draft_source, device, wrap, history)
+        with gr.Tab("Memory"):
+            memory.build_tab(model_source, device, wrap)
         with gr.Tab("Theory"):
             theory.build_tab(app, history)
     app.queue(default_concurrency_limit=CONCURRENCY)
