@@ -31,8 +31,13 @@ def decode(client: Client, prompt: str, **changes):
     return client.predict(prompt, *args.values(), api_name="/decode")
 
 
+def rows(table) -> list[list]:
+    """A Dataframe output as rows, whichever shape the client returns."""
+    return table["data"] if isinstance(table, dict) else table
+
+
 def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
-    prompt_html, tokens_html, stats, trace_file, step, steps_plot, time_plot = decode(
+    prompt_html, tokens_html, detail, stats, trace_file, step, steps_plot, time_plot, table = decode(
         client, "Repeat exactly: red green blue, red green blue, red green blue.")
     assert re.search(r'class="pg-tok pg-(accepted|generated|bonus)"', tokens_html)
     assert re.search(r"\*\*\d+ tokens\*\* in [\d.]+ s = \*\*[\d.]+ tok/s\*\*", stats)
@@ -40,6 +45,11 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
     assert trace["algo"] == "prompt-lookup" and trace["events"][-1]["kind"] == "finish"
     assert step["maximum"] == max(e["step"] for e in trace["events"])
     assert steps_plot is not None and time_plot is not None
+    # the step table has a row per step whose committed tokens add up to the output (minus the prefill token)
+    table = rows(table)
+    assert [int(r[0]) for r in table] == list(range(1, step["maximum"] + 1))
+    assert sum(int(r[7]) for r in table) == len(trace["events"][-1]["token_ids"]) - 1
+    assert f"<b>step {step['maximum']}</b>" in detail and "copied from positions" in detail
     # the final text equals the model's: the tokens shown, minus the struck-through ones, are the output
     shown = re.findall(r'class="pg-tok pg-(\w+)"[^>]*>([^<]*)<', tokens_html)
     kept = "".join(text for state, text in shown if state not in ("rejected", "discarded", "pending"))
@@ -75,9 +85,9 @@ def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, 
 
 
 def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
-    trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[3]
-    prompt_html, tokens_html, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
-    assert "replayed trace of **prompt-lookup**" in stats and "pg-tok" in tokens_html
+    trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[4]
+    prompt_html, tokens_html, detail, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
+    assert "replayed trace of **prompt-lookup**" in stats and "pg-tok" in tokens_html and "<b>step" in detail
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema_version": 1, "algo": "ar"}))
     with pytest.raises(Exception, match="trace file is not a valid trace"):
@@ -88,6 +98,16 @@ def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
         client.predict(handle_file(str(notjson)), api_name="/load_trace")
 
 
+def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_step(client):
+    outputs = decode(client, "List the days of the week, one per line.", algo="lookahead", max_new_tokens=16)
+    detail, step = outputs[2], outputs[5]
+    assert step["maximum"] > 1
+    assert "Jacobi window" in detail and detail.count("<th>row ") == 2 and "n-grams;" in detail  # N - 1 rows
+    _, tokens_html, first = client.predict(1, api_name="/replay_step")
+    assert "<b>step 1</b>" in first and "Jacobi window" in first
+    assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')
+
+
 def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
     plot, summary = client.predict(0.7, 4, 0.15, api_name="/theory")
     # (1 - 0.7^5) / 0.3 = 2.773 tokens per forward; / (4 * 0.15 + 1) = 1.733x
@@ -95,11 +115,6 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
     assert plot is not None
     with pytest.raises(Exception):
         client.predict(1.5, 4, 0.15, api_name="/theory")
-
-
-def rows(table) -> list[list]:
-    """A Dataframe output as rows, whichever shape the client returns."""
-    return table["data"] if isinstance(table, dict) else table
 
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):

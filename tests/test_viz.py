@@ -8,10 +8,11 @@ import re
 from playground.config import GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import PromptLookupDecoder, generate
 from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, FinishEvent,
-                              MemoryEvent, PreemptEvent, RejectEvent, TokenInfo)
+                              LookaheadEvent, MemoryEvent, PreemptEvent, RejectEvent, TokenInfo)
 from playground.viz import STATES, render_legend, render_prompt, render_tokens, token_views
 from playground.viz.memory import memory_figure, render_block_map, request_colour
 from playground.viz.race import Lane, events_until, render_race
+from playground.viz.steps import render_step_detail, step_rows
 
 
 def tok(token_id: int, position: int, text: str | None = None) -> TokenInfo:
@@ -183,3 +184,20 @@ def test_memory_chart_draws_paged_against_contiguous_with_preemptions():
     lines = {trace.name: list(trace.y) for trace in fig.data}
     assert lines["contiguous reservation"] == [4.0, 4.0] and lines["paged: tokens stored"] == [1.0, 2.0]
     assert list(fig.data[-1].x) == [0.2] and fig.data[-1].name == "preemption"
+
+
+def test_step_table_counts_each_decision_and_the_detail_names_the_proposals():
+    table = step_rows(speculative_events())
+    assert [r[:7] for r in table] == [[1, 3, 1, 1, 1, 0, 0], [2, 2, 2, 0, 0, 1, 0], [3, 0, 0, 0, 0, 0, 1]]
+    detail = render_step_detail(speculative_events(), 1, {11: "a<b", 12: "c", 13: "d"}.get)
+    assert "<b>step 1</b>" in detail and "1 accepted, 1 rejected" in detail and "by 3 draft forward(s)" in detail
+    assert "a&lt;b" in detail and "a<b" not in detail
+    assert "nothing proposed" in render_step_detail(speculative_events(), 3)
+
+
+def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
+    events = [LookaheadEvent(step=1, t=0.0, window=[[1, 2, 3], [4, 5, 6]], pool_size=7, candidates=[[8, 9], [8, 7]]),
+              DraftEvent(step=1, t=0.0, tokens=[tok(8, 3), tok(7, 4)], wall_s=0.0, draft_forwards=0)]
+    detail = render_step_detail(events, 1)
+    assert detail.count("<th>row ") == 2 and detail.count("<td>") == 6 and "<td>#5</td>" in detail
+    assert "pool: 7 n-grams; 2 hit(s)" in detail and detail.count("pg-ngram pg-verified") == 1

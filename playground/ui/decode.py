@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from functools import partial
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from ..models.loader import default_draft
 from ..trace import DraftEvent, Event, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
+from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_model
 
 ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
@@ -90,16 +92,32 @@ def _steps(trace: Trace) -> int:
     return max((e.step for e in trace.events), default=0)
 
 
-def render(events: list[Event], prompt_tokens: list[str], upto_step: int | None = None,
-           tokenized: bool = True) -> tuple[str, str]:
-    """(prompt HTML with the lookup source highlighted, generated tokens HTML) as of a step. An untokenized
-    prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
+def render(events: list[Event], prompt_tokens: list[str], token_text: TokenText, upto_step: int | None = None,
+           tokenized: bool = True) -> tuple[str, str, str]:
+    """(prompt HTML with the lookup source highlighted, generated tokens HTML, step detail HTML) as of a step.
+    An untokenized prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
     source = _source_span(events, upto_step) if tokenized else None
-    return render_prompt(prompt_tokens, source), render_tokens(events, upto_step)
+    return (render_prompt(prompt_tokens, source), render_tokens(events, upto_step),
+            render_step_detail(events, upto_step, token_text))
+
+
+def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool) -> TokenText:
+    """Token text with no tokenizer (replays): the texts the trace and the tokenized prompt carry; other ids
+    (lookahead's window guesses, say) show as #id."""
+    texts = dict(zip(trace.prompt_ids, prompt_tokens)) if tokenized else {}
+    for event in trace.events:
+        for info in getattr(event, "tokens", None) or [getattr(event, "token", None)]:
+            if info is not None:
+                texts[info.id] = info.text
+    return lambda token_id: texts.get(token_id, f"#{token_id}")
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
 
 
 def _prompt_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i]) for i in prompt_ids]
+    return [_token_text(tokenizer, i) for i in prompt_ids]
 
 
 def _save(trace: Trace) -> str:
@@ -113,8 +131,9 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
                ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str,
                history: list[dict[str, Any]] | None, progress: gr.Progress = gr.Progress()):
-    """Stream one run: yields (prompt HTML, tokens HTML, stats, trace state, trace file, step slider, session
-    history, per-step chart, tokens-vs-time chart); the charts and history change once the run has finished."""
+    """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
+    slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
+    run has finished."""
     try:
         if algo_label not in ALGOS:
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
@@ -129,6 +148,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
                                 max_ngram, num_draft, window, ngram, guesses)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
+        token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
         events: list[Event] = []
         last_frame = 0.0
@@ -141,17 +161,16 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             now = time.perf_counter()
             if now - last_frame >= FRAME_S:
                 last_frame = now
-                yield *render(events, prompt_tokens), "decoding...", *[gr.update()] * 6
+                yield *render(events, prompt_tokens, token_text), "decoding...", *[gr.update()] * 7
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
-    prompt_html, tokens_html = render(trace.events, prompt_tokens)
     steps = _steps(trace)
     metrics = compute(trace)
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True}
-    yield (prompt_html, tokens_html, _stats(metrics), state, _save(trace),
+    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics), state, _save(trace),
            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
-           tokens_time_figure({trace.algo: trace.events}))
+           tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
 def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
@@ -161,11 +180,12 @@ def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
             "mean_draft": mean_draft_length(trace)}
 
 
-def replay_step(state: dict | None, step: Any) -> tuple[str, str]:
+def replay_step(state: dict | None, step: Any) -> tuple[str, str, str]:
     if not state:
         raise gr.Error("step: run a decode or upload a trace first")
     trace = Trace.from_dict(state["trace"])
-    return render(trace.events, state["prompt_tokens"], as_int("step", step), state["tokenized"])
+    tokens, tokenized = state["prompt_tokens"], state["tokenized"]
+    return render(trace.events, tokens, known_texts(trace, tokens, tokenized), as_int("step", step), tokenized)
 
 
 def load_trace(file: Any):
@@ -179,12 +199,12 @@ def load_trace(file: Any):
     except TraceError as exc:
         raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
-    prompt_html, tokens_html = render(trace.events, tokens, tokenized=False)
     steps = _steps(trace)
     state = {"trace": trace.to_dict(), "prompt_tokens": tokens, "tokenized": False}
-    return (prompt_html, tokens_html, f"replayed trace of **{trace.algo}** on {trace.model}: " + stats, state,
+    return (*render(trace.events, tokens, known_texts(trace, tokens, False), tokenized=False),
+            f"replayed trace of **{trace.algo}** on {trace.model}: " + stats, state,
             gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
-            steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}))
+            steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
 def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dropdown,
@@ -219,18 +239,22 @@ def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dro
             tokens_view = gr.HTML(label="Generated", show_label=True, elem_id="pg-generated", elem_classes=["pg-panel"])
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
+            detail = gr.HTML(elem_id="pg-step-detail", elem_classes=["pg-panel"])
             with gr.Row():
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
                 time_plot = gr.Plot(elem_id="pg-time-plot", show_label=False)
             with gr.Row():
                 download = gr.File(label="Download trace (JSON)", interactive=False)
                 upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"], elem_id="pg-upload")
+    with gr.Accordion("Per-step table", open=False):
+        table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
               num_draft, window, ngram, guesses, model_source, draft_source, device, history]
     run.click(on_gpu(run_decode), inputs,
-              [prompt_view, tokens_view, stats, state, download, step, history, steps_plot, time_plot],
-              api_name="decode")
-    step.release(replay_step, [state, step], [prompt_view, tokens_view], api_name="replay_step")
-    upload.upload(load_trace, [upload], [prompt_view, tokens_view, stats, state, step, steps_plot, time_plot],
+              [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
+               table], api_name="decode")
+    step.release(replay_step, [state, step], [prompt_view, tokens_view, detail], api_name="replay_step")
+    upload.upload(load_trace, [upload],
+                  [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],
                   api_name="load_trace")

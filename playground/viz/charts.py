@@ -10,9 +10,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..metrics import expected_tokens_per_step
-from ..trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent
+from ..trace import CommitEvent, Event
 from .palette import STATES
-from .tokens import decision_of
+from .steps import step_counts
 
 LAYOUT = {"template": "plotly_white", "margin": {"l": 50, "r": 20, "t": 40, "b": 45}, "height": 320,
           "legend": {"orientation": "h", "y": -0.25}}
@@ -21,15 +21,7 @@ LAYOUT = {"template": "plotly_white", "margin": {"l": 50, "r": 20, "t": 40, "b":
 def steps_figure(events: Iterable[Event]) -> go.Figure:
     """Stacked bars per step: tokens accepted, the correction or bonus token (or the plain token of a step that
     proposed nothing), and rejections below zero."""
-    counts: dict[int, dict[str, int]] = {}
-    proposed: set[int] = set()
-    for event in events:
-        if isinstance(event, DraftEvent):
-            proposed.add(event.step)
-        elif isinstance(event, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent)) and event.step > 0:
-            kind = decision_of(event, proposed)
-            counts.setdefault(event.step, {}).setdefault(kind, 0)
-            counts[event.step][kind] += 1
+    counts = step_counts(events)
     steps = sorted(counts)
     fig = go.Figure()
     for kind in ("accepted", "corrected", "bonus", "generated", "rejected"):

@@ -1,0 +1,102 @@
+"""Per-step views of a trace: the decision counts of every step (the bar chart and the step table share them),
+the step table, and the detail of one step: what was proposed and from where (draft model, copied span,
+lookahead's Jacobi window and pool hits)."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Iterable
+
+from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, LookaheadEvent,
+                     RejectEvent, VerifyEvent)
+from .palette import token_css
+from .tokens import decision_of
+
+STEP_HEADERS = ["step", "proposed", "accepted", "rejected", "corrected", "bonus", "generated", "committed",
+                "target tokens", "draft ms", "verify ms"]
+TokenText = Callable[[int], str]  # token id -> its text, when a tokenizer is at hand
+
+
+def step_counts(events: Iterable[Event]) -> dict[int, dict[str, int]]:
+    """For every step after the prefill: tokens per decision state (palette names) and proposals ("proposed")."""
+    counts: dict[int, dict[str, int]] = {}
+    proposed: set[int] = set()
+    for event in events:
+        if event.step == 0:
+            continue
+        if isinstance(event, DraftEvent):
+            proposed.add(event.step)
+            step = counts.setdefault(event.step, {})
+            step["proposed"] = step.get("proposed", 0) + len(event.tokens)
+        elif isinstance(event, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent)):
+            kind = decision_of(event, proposed)
+            step = counts.setdefault(event.step, {})
+            step[kind] = step.get(kind, 0) + 1
+    return counts
+
+
+def step_rows(events: Iterable[Event]) -> list[list[int | float]]:
+    """One row per step (STEP_HEADERS): decisions, tokens committed, tokens through the target, times in ms."""
+    events = list(events)
+    counts = step_counts(events)
+    verified = {e.step: e.num_tokens for e in events if isinstance(e, VerifyEvent)}
+    rows = []
+    for commit in (e for e in events if isinstance(e, CommitEvent) and e.step > 0):
+        c = counts.get(commit.step, {})
+        rows.append([commit.step, *(c.get(k, 0) for k in STEP_HEADERS[1:7]), commit.num_tokens,
+                     verified.get(commit.step, 0), round(1000 * commit.draft_s, 2), round(1000 * commit.verify_s, 2)])
+    return rows
+
+
+def _text(token_id: int, token_text: TokenText | None) -> str:
+    return html.escape(repr(token_text(token_id))[1:-1] if token_text else f"#{token_id}")
+
+
+def _ngram(ids: Iterable[int], token_text: TokenText | None, cls: str = "") -> str:
+    cells = "".join(f'<span class="pg-cell">{_text(i, token_text)}</span>' for i in ids)
+    return f'<span class="pg-ngram {cls}">{cells}</span>'
+
+
+def detail_css() -> str:
+    return (".pg-detail{font-size:0.85rem;}.pg-detail table{border-collapse:collapse;margin:0.3rem 0;}"
+            ".pg-detail td,.pg-detail th{padding:1px 4px;border:1px solid var(--border-color-primary,#d0d7de);"
+            "font-family:ui-monospace,monospace;white-space:pre;}"
+            ".pg-cell{font-family:ui-monospace,monospace;white-space:pre;padding:0 2px;}"
+            ".pg-ngram{display:inline-block;border:1px solid #c9ccd1;border-radius:4px;margin:1px 3px;}"
+            ".pg-ngram.pg-verified{border:2px solid #009E73;}")
+
+
+def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None) -> str:
+    """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
+    first) and the pool's candidates for the last token, the verified one outlined. Token ids are shown as text
+    when a tokenizer's `token_text` is given (a replayed trace without a model shows ids)."""
+    events = list(events)
+    if step is None:
+        step = max((e.step for e in events), default=0)
+    mine = [e for e in events if e.step == step]
+    parts = [f"<style>{token_css()}{detail_css()}</style><div class='pg-detail'><b>step {step}</b>: "]
+    draft = next((e for e in mine if isinstance(e, DraftEvent)), None)
+    commit = next((e for e in mine if isinstance(e, CommitEvent)), None)
+    verdicts = sum(isinstance(e, AcceptEvent) for e in mine), sum(isinstance(e, RejectEvent) for e in mine)
+    if draft is None:
+        parts.append("nothing proposed")
+    else:
+        origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
+                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards else "")
+        parts.append(f"proposed {_ngram((t.id for t in draft.tokens), token_text)}{origin}; "
+                     f"{verdicts[0]} accepted, {verdicts[1]} rejected")
+    if commit is not None:
+        parts.append(f"; {commit.num_tokens} token(s) committed (draft {1000 * commit.draft_s:.1f} ms, "
+                     f"verify {1000 * commit.verify_s:.1f} ms)")
+    look = next((e for e in mine if isinstance(e, LookaheadEvent)), None)
+    if look is not None:
+        rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{_text(i, token_text)}</td>' for i in row)}</tr>"
+                       for r, row in enumerate(look.window))
+        chosen = [t.id for t in draft.tokens] if draft else None
+        hits = "".join(_ngram(c, token_text, "pg-verified" if c == chosen else "") for c in look.candidates)
+        parts.append(f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
+                     f"n-gram for the pool):</div><table>{rows}</table>"
+                     f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s) for the last token"
+                     f"{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
+    parts.append("</div>")
+    return "".join(parts)
