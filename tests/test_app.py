@@ -13,9 +13,12 @@ from gradio_client import Client, handle_file
 
 from playground.ui import build_app, launch_options
 
+from .conftest import write_draft_copy
+
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
-            "window": 4, "ngram": 3, "guesses": 3, "model": "embedded", "draft": "", "device": "cpu"}
+            "window": 4, "ngram": 3, "guesses": 3, "model": "embedded", "draft": "", "device": "cpu",
+            "dtype": "float32", "quant": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
         "Repeat exactly: one two three, one two three.", ["speculative (gamma 4)", "prompt lookup", "lookahead",
                                                           "plain, paged KV"],
-        12, 0.0, 0, "embedded", "", "cpu", api_name="/race")
+        12, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
     assert [r[0] for r in table] == ["plain", "speculative (gamma 4)", "prompt lookup", "lookahead",
@@ -136,15 +139,21 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
 ])
 def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
     with pytest.raises(Exception, match=re.escape(message)):
-        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", api_name="/race")
+        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
-    block_map, chart, summary, table = client.predict(4, 12, 8, 24, 4, True, "embedded", "cpu", api_name="/memory")
+    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, "embedded", "cpu", "float32", "none",
+                                                        api_name="/memory")
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None
     table = rows(table)
     assert len(table) == 4 and all(r[1] == "finished" and int(r[3]) >= 1 for r in table)
+    assert step["interactive"] and step["maximum"] > 1
+    first = client.predict(1, api_name="/memory_step")  # replay: after step 1 no request has finished
+    assert "step 1:" in first and "finished" not in first.split("pg-requests")[-1]
+    with pytest.raises(Exception, match="greater than maximum value"):
+        client.predict(10_000, api_name="/memory_step")
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -155,6 +164,27 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
-            "prefix_caching": True, "model": "embedded", "device": "cpu", **changes}
+            "prefix_caching": True, "model": "embedded", "device": "cpu", "dtype": "float32", "quant": "none",
+            **changes}
     with pytest.raises(Exception, match=re.escape(message)):
         client.predict(*args.values(), api_name="/memory")
+
+
+def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target, tmp_path):
+    summary = client.predict("embedded", "", "cpu", "float32", "none", api_name="/load_model")
+    assert "Target: **SmolLM2-135M-Instruct**: llama, 30 layers, 135M parameters, float32 on cpu" in summary
+    assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes and "tokenizer matches the target's" in summary
+    other = write_draft_copy(target.folder, tmp_path / "other-tokenizer", num_layers=2)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": target.model.config.vocab_size, "content": "<other>", "single_word": False,
+                                      "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for draft, device, dtype, quant, message in (
+            (str(other), "cpu", "float32", "none", "draft: its tokenizer differs"),
+            ("", "cuda", "float32", "none", "device: 'cuda' was asked for but no CUDA GPU"),
+            ("", "cpu", "float16", "nf4", "dtype: float16 with bitsandbytes quantization needs a GPU"),
+            ("", "cpu", "float32", "int4", "is not in the list of choices")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            client.predict("embedded", draft, device, dtype, quant, api_name="/load_model")
+    with pytest.raises(Exception, match="could not fetch 'nobody/no-such-model'"):
+        client.predict("nobody/no-such-model", "", "cpu", "float32", "none", api_name="/load_model")

@@ -1,5 +1,6 @@
 """The web app in a real browser (Playwright driving Debian's Chromium, which .ci/run installs): a decode turns
-into coloured tokens under the legend, and an uploaded trace replays. Screenshots go to bench_results/ui/."""
+into coloured tokens under the legend, an uploaded trace replays, a race fills every lane and the memory tab
+draws the block map. Screenshots go to bench_results/ui/."""
 
 from __future__ import annotations
 
@@ -72,3 +73,30 @@ def test_uploaded_trace_replays(page, tmp_path):
     page.locator("#pg-upload input[type=file]").set_input_files(str(bad))
     expect(page.get_by_text("trace file is not a valid trace").first).to_be_visible(timeout=30_000)
     page.screenshot(path=str(SHOTS / "replay-error.png"), full_page=True)
+
+
+def test_race_replays_every_lane_and_fills_the_table(page):
+    page.reload()
+    page.get_by_role("tab", name="Race").click()
+    page.get_by_label("max new tokens (1..4096)").last.fill("24")
+    page.get_by_role("button", name="Race").click()
+    expect(page.locator("#pg-race-status")).to_contain_text("replayed", timeout=180_000)
+    assert page.locator("#pg-race .pg-lane-done").count() == 4
+    assert page.locator("#pg-race .pg-tok").count() > 10
+    expect(page.locator("#pg-race-table")).to_contain_text("same tokens as plain")
+    expect(page.locator("#pg-race-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SHOTS / "race.png"), full_page=True)
+
+
+def test_memory_tab_draws_the_block_map(page):
+    page.get_by_role("tab", name="Memory").click()
+    page.get_by_label("max new tokens (1..4096; output limits cycle below it)").fill("24")
+    page.get_by_role("button", name="Serve").click()
+    expect(page.locator("#pg-memory-status")).to_contain_text("Waste over the run", timeout=180_000)
+    assert page.locator("#pg-block-map .pg-block").count() == 40
+    assert page.locator("#pg-block-map .pg-block-shared").count() > 0  # the chat template's shared prefix
+    expect(page.locator("#pg-memory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SHOTS / "memory.png"), full_page=True)
+    page.get_by_role("tab", name="Theory").click()
+    expect(page.locator("#pg-theory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SHOTS / "theory.png"), full_page=True)

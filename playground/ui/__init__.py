@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..viz import token_css
-from . import decode, memory, race, theory
+from . import decode, memory, models, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
@@ -21,21 +21,15 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks
     with gr.Blocks(title="Decoding playground") as app:
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
-        with gr.Accordion("Model", open=False):
-            with gr.Row():
-                model_source = gr.Textbox("embedded", label="Model: 'embedded' (SmolLM2-135M-Instruct), a hub id, "
-                                          "a local folder or a .gguf file")
-                draft_source = gr.Textbox("", label="Draft for speculative decoding (empty: the shipped draft "
-                                          "of the embedded model)")
-                device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="Device")
+        model = models.build_panel()  # (source, draft, device, dtype, quant), inputs of every run
         history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
         wrap = on_gpu or (lambda fn: fn)
         with gr.Tab("Decode"):
-            decode.build_tab(model_source, draft_source, device, wrap, history)
+            decode.build_tab(model, wrap, history)
         with gr.Tab("Race"):
-            race.build_tab(model_source, draft_source, device, wrap, history)
+            race.build_tab(model, wrap, history)
         with gr.Tab("Memory"):
-            memory.build_tab(model_source, device, wrap)
+            memory.build_tab(model, wrap)
         with gr.Tab("Theory"):
             theory.build_tab(app, history)
     app.queue(default_concurrency_limit=CONCURRENCY)

@@ -12,18 +12,17 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec, PromptLookupParams,
+from ..config import (ConfigError, GenerationParams, LookaheadParams, PromptLookupParams,
                       SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder,
                         encode_prompt, stream_generate)
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
-from ..models.loader import default_draft
 from ..trace import DraftEvent, Event, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
-from .models import get_model
+from .models import get_draft, get_model, target_spec
 
 ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
          "prompt lookup": "prompt-lookup", "lookahead": "lookahead"}
@@ -54,12 +53,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
     """The decoder for the form's settings; every parameter is validated by its dataclass."""
     if algo == "speculative":
         params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive))
-        source = (draft_source or "").strip() or default_draft(target.spec.source)
-        if not source:
-            raise ConfigError("draft: speculative decoding needs a draft model with the target's tokenizer "
-                              "(a default ships only for the embedded model)")
-        draft = get_model(ModelSpec(source=source, device=target.spec.device, dtype=target.spec.dtype))
-        return SpeculativeDecoder(target, draft, sampling, generation, params)
+        return SpeculativeDecoder(target, get_draft(target, draft_source), sampling, generation, params)
     if algo == "prompt-lookup":
         params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram),
                                     num_draft=as_int("tokens per proposal", num_draft))
@@ -129,7 +123,7 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str,
+               ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str, dtype: str, quant: str,
                history: list[dict[str, Any]] | None, progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
     slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
@@ -142,7 +136,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         sampling = SamplingParams(temperature=float(temperature), top_k=as_int("top_k", top_k),
                                   top_p=float(top_p), seed=as_int("seed", seed, optional=True))
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
-        spec = ModelSpec(source=(model_source or "").strip() or "embedded", device=device)
+        spec = target_spec(model_source, device, dtype, quant)
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
@@ -207,8 +201,7 @@ def load_trace(file: Any):
             steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
-def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dropdown,
-              on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
+def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0])
@@ -250,7 +243,7 @@ def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dro
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, model_source, draft_source, device, history]
+              num_draft, window, ngram, guesses, *model, history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")

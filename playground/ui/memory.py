@@ -10,21 +10,29 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineParams, ModelSpec, SamplingParams
+from ..config import ConfigError, EngineParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map
 from .decode import as_int
-from .models import get_model
+from .models import get_model, target_spec
 
-FRAME_S = 0.25  # the block map and chart redraw at most four times a second; the engine's clock is stopped meanwhile
+# Redraws while serving: the block map at most four times a second, the chart (heavier for the browser, which
+# shares the processor with the engine on a small machine) once a second; the engine's clock is stopped meanwhile.
+FRAME_S = 0.25
+CHART_S = 1.0
 MAX_REQUESTS = 16
-TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preemptions", "output"]
+TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preempted", "output"]
+COLUMN_WIDTHS = ["9%", "10%", "11%", "10%", "10%", "50%"]
 
 
-def _statuses(engine: Engine) -> dict[int, str]:
-    return {rid: request.status.value for rid, request in engine.requests.items()}
+def statuses_at(event: MemoryEvent, request_ids: list[int]) -> dict[int, str]:
+    """Every request's status after a step: all are queued at the start, so one neither running nor waiting
+    has finished."""
+    running, waiting = set(event.running), set(event.waiting)
+    return {rid: "running" if rid in running else "waiting" if rid in waiting else "finished"
+            for rid in request_ids}
 
 
 def _table(engine: Engine) -> list[list[Any]]:
@@ -47,38 +55,56 @@ def _summary(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, model_source: str, device: str, progress: gr.Progress = gr.Progress()):
-    """Yields (block map HTML, memory chart, status, request table) as the engine runs, then the summary."""
+               prefix_caching: bool, model_source: str, device: str, dtype: str, quant: str, progress: gr.Progress = gr.Progress()):
+    """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
+    runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
     try:
         requests = as_int("requests", num_requests)
         if not 1 <= requests <= MAX_REQUESTS:
             raise ConfigError(f"requests must be in [1, {MAX_REQUESTS}], got {requests}")
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
-        spec = ModelSpec(source=(model_source or "").strip() or "embedded", device=device)
+        spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         engine = Engine(get_model(spec), params)
         for prompt, generation in workload(requests, as_int("max new tokens", max_new_tokens)):
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
-    last_frame = 0.0
+    ids = list(engine.requests)
+    last_frame = last_chart = 0.0
     while engine.has_unfinished():
         engine.step()
         now = time.perf_counter()
         if now - last_frame >= FRAME_S:
             last_frame = now
+            chart = gr.update()
+            if now - last_chart >= CHART_S:
+                last_chart, chart = now, memory_figure(engine.events)
             latest = next(e for e in reversed(engine.events) if isinstance(e, MemoryEvent))
-            yield (render_block_map(latest, _statuses(engine)), memory_figure(engine.events),
-                   f"step {engine.step_count}, engine time {engine.busy_s:.2f} s", _table(engine))
-    latest = next(e for e in reversed(engine.events) if isinstance(e, MemoryEvent))
-    peak = max((e for e in engine.events if isinstance(e, MemoryEvent)), key=lambda e: e.blocks_used)
-    yield (render_block_map(peak, _statuses(engine)) + f"<p>Shown: the busiest step ({peak.step}); at the end "
-           f"{latest.blocks_used} blocks are in use.</p>", memory_figure(engine.events), _summary(engine),
-           _table(engine))
+            yield (render_block_map(latest, statuses_at(latest, ids)), chart,
+                   f"step {engine.step_count}, engine time {engine.busy_s:.2f} s", _table(engine), gr.update(),
+                   gr.update())
+    memory = [e for e in engine.events if isinstance(e, MemoryEvent)]
+    # The step to show first: the one with the most requests running (the latest such), where sharing shows.
+    busiest = max(memory, key=lambda e: (len(e.running), e.step))
+    yield (render_block_map(busiest, statuses_at(busiest, ids)), memory_figure(engine.events), _summary(engine),
+           _table(engine), {"events": memory, "ids": ids},
+           gr.update(minimum=1, maximum=max(memory[-1].step, 2), value=busiest.step, interactive=True))
 
 
-def build_tab(model_source: gr.Textbox, device: gr.Dropdown, on_gpu: Callable[[Callable], Callable]) -> None:
+def replay_step(state: dict[str, Any] | None, step: Any) -> str:
+    """The block map after any step of the last run."""
+    if not state:
+        raise gr.Error("step: serve the requests first")
+    wanted = as_int("step", step)
+    event = next((e for e in state["events"] if e.step == wanted), None)
+    if event is None:
+        raise gr.Error(f"step must be in [1, {state['events'][-1].step}], got {wanted}")
+    return render_block_map(event, statuses_at(event, state["ids"]))
+
+
+def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable]) -> None:
     gr.Markdown("The serving engine runs several requests at once on the **paged KV cache**: each request holds "
                 "blocks of a shared pool, requests with the same prompt prefix (here, the chat template's system "
                 "prompt) share its blocks, and when the pool runs out the newest request is **preempted** and "
@@ -98,7 +124,12 @@ def build_tab(model_source: gr.Textbox, device: gr.Dropdown, on_gpu: Callable[[C
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
             block_map = gr.HTML(render_block_map(None), elem_id="pg-block-map", elem_classes=["pg-panel"])
+            step = gr.Slider(1, 2, value=1, step=1, label="Block map after step", interactive=False)
             chart = gr.Plot(elem_id="pg-memory-plot", show_label=False)
-    table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, elem_id="pg-memory-table")
+    table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
+                         elem_id="pg-memory-table")
+    state = gr.State(None)
+    source, _, device, dtype, quant = model  # the engine decodes plainly: no draft
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   model_source, device], [block_map, chart, status, table], api_name="memory")
+                                   source, device, dtype, quant], [block_map, chart, status, table, state, step], api_name="memory")
+    step.release(replay_step, [state, step], [block_map], api_name="memory_step")

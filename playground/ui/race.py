@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams
+from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import generate
 from ..metrics import Metrics, compute
 from ..models import ModelLoadError
@@ -18,7 +18,7 @@ from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
 from .decode import FRAME_S, as_int, build_decoder, history_entry
-from .models import get_model
+from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters: gamma, adaptive, max_ngram, num_draft, window, ngram,
 # guesses)
@@ -50,7 +50,7 @@ def _row(name: str, trace: Trace, m: Metrics, plain: Trace, base: Metrics, greed
 
 
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
-             model_source: str, draft_source: str, device: str, history: list[dict[str, Any]] | None,
+             model_source: str, draft_source: str, device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
              progress: gr.Progress = gr.Progress()):
     """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay."""
     try:
@@ -63,7 +63,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=float(temperature), seed=as_int("seed", seed, optional=True))
         tokens = as_int("max_new_tokens", max_new_tokens)
-        spec = ModelSpec(source=(model_source or "").strip() or "embedded", device=device)
+        spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         names = [PLAIN, *chosen]
@@ -100,8 +100,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
            [*(history or []), *(history_entry(traces[n], metrics[n]) for n in traces)])
 
 
-def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dropdown,
-              on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
+def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
     gr.Markdown("Plain decoding against up to four others on one prompt. Each run is **measured alone**, one after "
                 "another, then all are **replayed together** from their own timestamps, so they never compete for "
                 "the processor and the animation shows each at the pace it was measured. At temperature 0 every "
@@ -119,7 +118,7 @@ def build_tab(model_source: gr.Textbox, draft_source: gr.Textbox, device: gr.Dro
         with gr.Column(scale=3, min_width=300):
             status = gr.Markdown(elem_id="pg-race-status")
             lanes = gr.HTML(elem_id="pg-race")
-    table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True)
+    table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True,
+                         column_widths=["19%", "8%", "9%", "9%", "10%", "12%", "10%", "10%", "13%"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
-    run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, model_source, draft_source,
-                                 device, history], [lanes, status, table, chart, history], api_name="race")
+    run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history], [lanes, status, table, chart, history], api_name="race")
