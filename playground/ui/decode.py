@@ -228,11 +228,12 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):
             gr.HTML(render_legend(), elem_id="pg-legend")
-            prompt_view = gr.HTML(label="Prompt (as the model sees it)", show_label=True, elem_classes=["pg-panel"])
-            tokens_view = gr.HTML(label="Generated", show_label=True, elem_id="pg-generated", elem_classes=["pg-panel"])
+            prompt_view = gr.HTML(label="Prompt (as the model sees it)", show_label=True, container=True,
+                                  elem_id="pg-prompt")
+            tokens_view = gr.HTML(label="Generated", show_label=True, container=True, elem_id="pg-generated")
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
-            detail = gr.HTML(elem_id="pg-step-detail", elem_classes=["pg-panel"])
+            detail = gr.HTML(label="Step detail", show_label=True, container=True, elem_id="pg-step-detail")
             with gr.Row():
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
                 time_plot = gr.Plot(elem_id="pg-time-plot", show_label=False)

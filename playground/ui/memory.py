@@ -86,8 +86,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
                    f"step {engine.step_count}, engine time {engine.busy_s:.2f} s", _table(engine), gr.update(),
                    gr.update())
     memory = [e for e in engine.events if isinstance(e, MemoryEvent)]
-    # The step to show first: the one with the most requests running (the latest such), where sharing shows.
-    busiest = max(memory, key=lambda e: (len(e.running), e.step))
+    # The step to show first: the fullest pool (where preemption looms), preferring shared blocks, then the latest.
+    busiest = max(memory, key=lambda e: (e.blocks_used, len(e.shared), e.step))
     yield (render_block_map(busiest, statuses_at(busiest, ids)), memory_figure(engine.events), _summary(engine),
            _table(engine), {"events": memory, "ids": ids},
            gr.update(minimum=1, maximum=max(memory[-1].step, 2), value=busiest.step, interactive=True))
@@ -123,7 +123,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
-            block_map = gr.HTML(render_block_map(None), elem_id="pg-block-map", elem_classes=["pg-panel"])
+            block_map = gr.HTML(render_block_map(None), label="KV block pool", show_label=True, container=True,
+                                elem_id="pg-block-map")
             step = gr.Slider(1, 2, value=1, step=1, label="Block map after step", interactive=False)
             chart = gr.Plot(elem_id="pg-memory-plot", show_label=False)
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
