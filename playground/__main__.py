@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import (DEVICES, DTYPES, QUANTS, ConfigError, GenerationParams, LookaheadParams, ModelSpec,
-                     PromptLookupParams, SamplingParams, SpeculativeParams)
+from .config import (DEVICES, DTYPES, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, GenerationParams, LookaheadParams,
+                     MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -103,12 +103,16 @@ def algo_params(args: argparse.Namespace) -> Any:
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
                                prompt_pool=not args.no_prompt_pool)
+    if args.algo == "medusa":
+        return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
+                            epsilon=args.typical_epsilon, alpha=args.typical_alpha)
     return None
 
 
 def build_decoder(args: argparse.Namespace, target: Any, sampling: SamplingParams,
                   generation: GenerationParams, params: Any) -> Any:
-    from .decoding import AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder
+    from .decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
+                           SpeculativeDecoder)
     from .models import load_model
 
     if args.algo == "speculative":
@@ -120,6 +124,8 @@ def build_decoder(args: argparse.Namespace, target: Any, sampling: SamplingParam
         return PromptLookupDecoder(target, sampling, generation, params)
     if args.algo == "lookahead":
         return LookaheadDecoder(target, sampling, generation, params)
+    if args.algo == "medusa":
+        return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
 
@@ -199,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     ahead.add_argument("--guesses", type=int, default=3,
                        help="n-grams kept per first token and verified per step G, 1..16 (default 3)")
     ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
+    tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
+    tree.add_argument("--medusa-heads", default=None,
+                      help="folder of heads trained by `python -m playground.train medusa` (default: the heads "
+                           "shipped for the embedded model)")
+    tree.add_argument("--tree", default="small",
+                      help="candidate tree: chain, small (default), medium, wide, or a JSON file of top-k paths")
+    tree.add_argument("--acceptance", default="lossless", choices=MEDUSA_ACCEPTANCE,
+                      help="when sampling: lossless (exact, default), typical (LOSSY, faster) or greedy "
+                           "(temperature 0 only); at temperature 0 all are greedy and exact")
+    tree.add_argument("--typical-epsilon", type=float, default=0.3, help="typical acceptance epsilon, (0, 1]")
+    tree.add_argument("--typical-alpha", type=float, default=0.09, help="typical acceptance alpha, (0, 1]")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)

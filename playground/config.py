@@ -161,6 +161,33 @@ class LookaheadParams:
             raise ConfigError(f"prompt_pool must be true or false, got {self.prompt_pool!r}")
 
 
+MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaParams:
+    """Medusa decoding. heads: a folder of trained heads (None: the shipped heads of the embedded target);
+    tree: a named tree or a JSON file of top-k paths; acceptance, which matters only when sampling:
+    "lossless" (each node's candidates verified in turn as one-hot proposals with the residual rule: exact),
+    "typical" (Cai et al.: accept x if p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, faster), or "greedy"
+    (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact."""
+
+    heads: str | None = None
+    tree: str = "small"
+    acceptance: str = "lossless"
+    epsilon: float = 0.3
+    alpha: float = 0.09
+
+    def __post_init__(self) -> None:
+        check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
+        for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
+            v = _check_finite(name, value)
+            if not 0 < v <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        if not isinstance(self.tree, str) or not self.tree.strip():
+            raise ConfigError("tree must be a tree name or a JSON file of paths")
+
+
 SCHEDULING_POLICIES = ("continuous", "static")
 
 

@@ -76,6 +76,23 @@ class LookaheadEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeEvent:
+    """A Medusa step's whole candidate tree, after verification. Node i has the top-k path paths[i] (head
+    len(path) - 1 proposed it at rank path[-1]; its parent is the node whose path is path[:-1], or the last
+    committed token for a path of length 1), token tokens[i] with head probability probs[i] and target
+    probability target_probs[i]. accepted: the nodes kept, in depth order."""
+
+    KIND: ClassVar[str] = "tree"
+    step: int
+    t: float
+    paths: list[list[int]]
+    tokens: list[int]
+    probs: list[float]
+    target_probs: list[float]
+    accepted: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class VerifyEvent:
     """One target forward over `num_tokens` new positions (the last committed token plus any proposals)."""
 
@@ -206,8 +223,8 @@ class FinishEvent:
     wall_s: float
 
 
-Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, AcceptEvent, RejectEvent, CorrectEvent,
-              BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
+Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, TreeEvent, VerifyEvent, AcceptEvent, RejectEvent,
+              CorrectEvent, BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
 EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
 JSONScalar = Union[str, int, float, bool, None]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineParams, GenerationParams, LookaheadParams, ModelSpec,  # noqa: E402
-                               PromptLookupParams, SamplingParams, SpeculativeParams)
-from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder,  # noqa: E402
-                                 SpeculativeDecoder, generate)
+from playground.config import (EngineParams, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
+                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
+                                 PromptLookupDecoder, SpeculativeDecoder, generate)
 from playground.engine import Engine  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.models.loader import default_draft  # noqa: E402
@@ -45,6 +45,8 @@ def main() -> int:
                                                              SpeculativeParams(gamma=3, adaptive=True)),
             f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
+            **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
+               for tree in ("small", "wide")},
         }
 
     plain = AutoregressiveDecoder(target, greedy, GenerationParams(max_new_tokens=args.new_tokens))

@@ -17,7 +17,8 @@ from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
-            "window": 4, "ngram": 3, "guesses": 3, "model": "embedded", "draft": "", "device": "cpu",
+            "window": 4, "ngram": 3, "guesses": 3, "tree": "small",
+            "acceptance": "lossless (exact)", "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 
 
@@ -78,6 +79,8 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
+    ("hi", {"algo": "Medusa (tree)", "temperature": 0.5, "acceptance": "greedy (temperature 0)"},
+     "acceptance greedy needs temperature 0"),
     ("x " * 9000, {}, "prompt is"),
 ])
 def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, message):
@@ -109,6 +112,14 @@ def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_st
     _, tokens_html, first = client.predict(1, api_name="/replay_step")
     assert "<b>step 1</b>" in first and "Jacobi window" in first
     assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')
+
+
+def test_medusa_step_detail_draws_the_candidate_tree(client, target):
+    outputs = decode(client, "Give three tips for staying focused while studying.", algo="Medusa (tree)",
+                     max_new_tokens=12)
+    detail, stats = outputs[2], outputs[3]
+    assert "Candidate tree (5 nodes" in detail and detail.count("<li>") == 5 and "head 0 #1" in detail
+    assert "tokens per target forward" in stats
 
 
 def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):

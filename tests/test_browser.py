@@ -81,7 +81,7 @@ def test_race_replays_every_lane_and_fills_the_table(page):
     page.get_by_label("max new tokens (1..4096)").last.fill("24")
     page.get_by_role("button", name="Race").click()
     expect(page.locator("#pg-race-status")).to_contain_text("replayed", timeout=180_000)
-    assert page.locator("#pg-race .pg-lane-done").count() == 4
+    assert page.locator("#pg-race .pg-lane-done").count() == 5
     assert page.locator("#pg-race .pg-tok").count() > 10
     expect(page.locator("#pg-race-table")).to_contain_text("same tokens as plain")
     expect(page.locator("#pg-race-plot .js-plotly-plot")).to_be_visible(timeout=30_000)

@@ -1,4 +1,5 @@
-"""Draft training: the pipeline runs end to end on a tiny budget, and the shipped draft meets its contract."""
+"""Draft and Medusa training: the pipelines run end to end on a tiny budget, examples are aligned, and the
+shipped draft and heads meet their contracts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from playground.decoding.speculative import check_compatible
 from playground.models import load_model
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
+from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.train.draft import Corpus, batches, distillation_loss
+from playground.train.medusa import head_examples
 
 
 def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
@@ -82,3 +85,29 @@ def test_shipped_draft_contract(target) -> None:
     keys = {"held_out_token_acceptance", "held_out_accepted_per_drafted", "draft_target_cost_ratio", "seed"}
     assert keys <= set(report)
     assert report["size_mb"] <= 30 and report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
+
+
+def test_medusa_training_pipeline_smoke(tmp_path, target) -> None:
+    out = tmp_path / "heads"
+    assert main(["medusa", "--limit", "2", "--answer-tokens", "8", "--batch", "8", "--out", str(out)]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert [h["predicts"] for h in report["heads"]] == ["t+2", "t+3", "t+4", "t+5"]
+    assert all(0 <= h["top1"] <= h["top5"] <= 1 for h in report["heads"]) and report["train_prompts"] == 2
+    assert load_heads(str(out), target).heads.num_heads == 4
+
+
+def test_medusa_examples_pair_each_state_with_the_token_its_head_predicts() -> None:
+    """Two sequences with 3 and 4 answer tokens: state i (the position predicting answer token i) trains head k
+    on answer token i + k + 1, never across a sequence boundary."""
+    rows, labels = head_examples([3, 4], 0)
+    assert rows.tolist() == [0, 1, 3, 4, 5] and labels.tolist() == [1, 2, 4, 5, 6]
+    rows, labels = head_examples([3, 4], 2)
+    assert rows.tolist() == [3] and labels.tolist() == [6]
+
+
+def test_shipped_medusa_heads_contract(target) -> None:
+    assert default_heads("embedded") == str(EMBEDDED_MEDUSA) and default_heads("some/other-model") is None
+    assert (EMBEDDED_MEDUSA / "medusa.safetensors").stat().st_size <= 30 * 2**20
+    report = json.loads((EMBEDDED_MEDUSA / "train_report.json").read_text())
+    assert [h["head"] for h in report["heads"]] == [0, 1, 2, 3] and report["heads"][0]["top5"] > 0.5
+    assert load_heads(None, target).heads.num_heads == 4

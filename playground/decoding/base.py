@@ -188,14 +188,19 @@ class Decoder(ABC):
         """Step 0: one target forward over the prompt and the first token drawn from it. Yields the step's events
         and returns (token, done); the token is committed but not yet in the cache."""
         logits = forward_tokens(self.target.model, cache, prompt_ids)[-1]  # (V,)
+        return (yield from self.first_token(logits, cache, len(prompt_ids), clock, generator, stopper))
+
+    def first_token(self, logits: torch.Tensor, cache: KVCache, prompt_len: int, clock: EngineClock,
+                    generator: torch.Generator, stopper: Stopper) -> Generator[Event, None, tuple[int, bool]]:
+        """The rest of step 0 once the prompt's forward gave the logits (V,) of its last position."""
         now = clock.now()
-        yield from clock.emit(*prefill_events(now, cache, len(prompt_ids)))
+        yield from clock.emit(*prefill_events(now, cache, prompt_len))
         token_t, p_t = next_token(logits, self.sampling, generator)
         token = int(token_t)
         done = stopper.push(token)
         end = clock.now()
         yield from clock.emit(
-            BonusEvent(step=0, t=end, token=self.token_info(token, len(prompt_ids), p=float(p_t))),
+            BonusEvent(step=0, t=end, token=self.token_info(token, prompt_len, p=float(p_t))),
             commit_event(0, 0.0, end, 0.0, now, 1, cache.memory().bytes_used))
         return token, done
 

@@ -1,11 +1,12 @@
-"""`python -m playground.train draft [options]`: train a draft model for speculative decoding."""
+"""`python -m playground.train draft|medusa [options]`: train a draft model for speculative decoding, or Medusa
+heads for a target."""
 
 from __future__ import annotations
 
 import sys
 
 from ..__main__ import OneLineParser, run_cli
-from . import draft
+from . import draft, medusa
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_parser = commands.add_parser("draft", help="distil a draft model for speculative decoding")
     draft.add_args(draft_parser)
     draft_parser.set_defaults(func=draft.main)
+    medusa_parser = commands.add_parser("medusa", help="self-distil Medusa heads for a frozen target")
+    medusa.add_args(medusa_parser)
+    medusa_parser.set_defaults(func=medusa.main)
     return run_cli(parser, argv)
 
 

@@ -273,14 +273,10 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
     return corpus, seconds
 
 
-def main(args: argparse.Namespace) -> int:
-    from ..models import load_model
-
-    check_int("hidden", args.hidden, 32, 1024)
-    check_int("layers", args.layers, 1, 32)
+def training_setup(args: argparse.Namespace) -> list[str]:
+    """Check the options every trainer shares, seed torch, and return the training prompts (--limit applied)."""
     check_int("answer_tokens", args.answer_tokens, 8, 512)
     check_int("epochs", args.epochs, 1, 100)
-    check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
     prompts = training_prompts()
@@ -288,6 +284,16 @@ def main(args: argparse.Namespace) -> int:
         check_int("limit", args.limit, 1, len(prompts))
         prompts = prompts[: args.limit]
     torch.manual_seed(args.seed)
+    return prompts
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..models import load_model
+
+    check_int("hidden", args.hidden, 32, 1024)
+    check_int("layers", args.layers, 1, 32)
+    check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
+    prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     start = time.perf_counter()
     corpus, generation_s = load_or_generate_corpus(target, prompts, args)

@@ -12,10 +12,11 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (ConfigError, GenerationParams, LookaheadParams, PromptLookupParams,
+from ..config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams,
                       SamplingParams, SpeculativeParams)
-from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder,
-                        encode_prompt, stream_generate)
+from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
+                        SpeculativeDecoder, encode_prompt, stream_generate)
+from ..decoding.tree import DEFAULT_TREE, TREES
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, Trace, TraceError
@@ -25,12 +26,14 @@ from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_draft, get_model, target_spec
 
 ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
-         "prompt lookup": "prompt-lookup", "lookahead": "lookahead"}
+         "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa"}
+ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical", "greedy (temperature 0)": "greedy"}
 EXAMPLES = [
     ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
      "two miles. The council said the extension will be finished next spring.", "prompt lookup"],
     ["Write a Python function that returns the n-th Fibonacci number.", "speculative (draft model)"],
     ["List the days of the week, one per line.", "lookahead"],
+    ["Give three tips for staying focused while studying.", "Medusa (tree)"],
     ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
 ]
 FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
@@ -49,7 +52,8 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
 
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
-                  window: Any, ngram: Any, guesses: Any) -> Any:
+                  window: Any, ngram: Any, guesses: Any, tree: str = "small",
+                  acceptance: str = "lossless (exact)") -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass."""
     if algo == "speculative":
         params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive))
@@ -62,6 +66,11 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
                                  guesses=as_int("guesses G", guesses))
         return LookaheadDecoder(target, sampling, generation, params)
+    if algo == "medusa":
+        if acceptance not in ACCEPTANCE:
+            raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
+        params = MedusaParams(tree=tree, acceptance=ACCEPTANCE[acceptance])
+        return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
 
@@ -123,7 +132,7 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, model_source: str, draft_source: str, device: str, dtype: str, quant: str,
+               ngram: Any, guesses: Any, tree: str, acceptance: str, model_source: str, draft_source: str, device: str, dtype: str, quant: str,
                history: list[dict[str, Any]] | None, progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
     slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
@@ -140,7 +149,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses)
+                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -217,6 +226,10 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     window = gr.Number(4, label="window W (1..16)", step=1)
                     ngram = gr.Number(3, label="n-gram N (2..8)", step=1)
                     guesses = gr.Number(3, label="guesses G", step=1)
+                with gr.Row():
+                    tree = gr.Dropdown(list(TREES), value=DEFAULT_TREE, label="Medusa tree")
+                    acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
+                                          label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
             with gr.Accordion("Sampling", open=False):
                 max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
@@ -244,7 +257,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, *model, history]
+              num_draft, window, ngram, guesses, tree, acceptance, *model, history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")

@@ -8,7 +8,7 @@ import html
 from collections.abc import Callable, Iterable
 
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, LookaheadEvent,
-                     RejectEvent, VerifyEvent)
+                     RejectEvent, TreeEvent, VerifyEvent)
 from .palette import token_css
 from .tokens import decision_of
 
@@ -63,7 +63,34 @@ def detail_css() -> str:
             "font-family:ui-monospace,monospace;white-space:pre;}"
             ".pg-cell{font-family:ui-monospace,monospace;white-space:pre;padding:0 2px;}"
             ".pg-ngram{display:inline-block;border:1px solid #c9ccd1;border-radius:4px;margin:1px 3px;}"
-            ".pg-ngram.pg-verified{border:2px solid #009E73;}")
+            ".pg-ngram.pg-verified{border:2px solid #009E73;}"
+            ".pg-tree,.pg-tree ul{list-style:none;margin:0;padding-left:1.1rem;border-left:1px dotted #c9ccd1;}"
+            ".pg-tree{padding-left:0.3rem;}.pg-tree li{margin:1px 0;white-space:nowrap;}"
+            ".pg-tree .pg-meta{color:#6e6e6e;font-size:0.75rem;margin-left:0.3rem;}")
+
+
+def render_tree(event: TreeEvent, token_text: TokenText | None = None) -> str:
+    """A Medusa candidate tree as nested lists under the last committed token: each node's token, the head and
+    rank that proposed it, its head probability q and target probability p; the accepted path in the accepted
+    style, every other node as not judged."""
+    accepted = set(event.accepted)
+    children: dict[tuple[int, ...], list[int]] = {}
+    for node, path in enumerate(event.paths, start=1):
+        children.setdefault(tuple(path[:-1]), []).append(node)
+
+    def branch(prefix: tuple[int, ...]) -> str:
+        items = []
+        for node in children.get(prefix, []):
+            path = tuple(event.paths[node - 1])
+            state = "accepted" if node in accepted else "discarded"
+            items.append(f'<li><span class="pg-tok pg-{state}">{_text(event.tokens[node - 1], token_text)}</span>'
+                         f'<span class="pg-meta">head {len(path) - 1} #{path[-1] + 1} · q {event.probs[node - 1]:.2f}'
+                         f' · p {event.target_probs[node - 1]:.2f}</span>{branch(path)}</li>')
+        return f"<ul>{''.join(items)}</ul>" if items else ""
+
+    return (f"<div>Candidate tree ({len(event.paths)} nodes, {len(accepted)} accepted; q: head probability, "
+            f"p: target probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>"
+            f"{branch(())}</div>")
 
 
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None) -> str:
@@ -82,7 +109,8 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
         parts.append("nothing proposed")
     else:
         origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
-                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards else "")
+                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards
+                  else " by the Medusa heads (the judged nodes)" if any(isinstance(e, TreeEvent) for e in mine) else "")
         parts.append(f"proposed {_ngram((t.id for t in draft.tokens), token_text)}{origin}; "
                      f"{verdicts[0]} accepted, {verdicts[1]} rejected")
     if commit is not None:
@@ -98,5 +126,8 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
                      f"n-gram for the pool):</div><table>{rows}</table>"
                      f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s) for the last token"
                      f"{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
+    tree = next((e for e in mine if isinstance(e, TreeEvent)), None)
+    if tree is not None:
+        parts.append(render_tree(tree, token_text))
     parts.append("</div>")
     return "".join(parts)

@@ -36,7 +36,8 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through)."""
     views: list[TokenView] = []
-    pending: dict[int, TokenView] = {}  # position -> proposal of the current step not yet judged
+    # (position, token id) -> proposal of the current step not yet judged; siblings of a tree share a position
+    pending: dict[tuple[int, int], TokenView] = {}
     proposed_steps: set[int] = set()
     for event in events:
         if upto_step is not None and event.step > upto_step:
@@ -45,10 +46,10 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
             proposed_steps.add(event.step)
             for info in event.tokens:
                 view = TokenView(info, "pending", event.step)
-                pending[info.position] = view
+                pending[info.position, info.id] = view
                 views.append(view)
         elif isinstance(event, (AcceptEvent, RejectEvent)):
-            view = pending.pop(event.token.position, None)
+            view = pending.pop((event.token.position, event.token.id), None)
             if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
                 view = TokenView(event.token, "pending", event.step)
                 views.append(view)

@@ -1,0 +1,174 @@
+"""Medusa decoding (Cai et al. 2024): heads on the target's last hidden state propose a tree of continuations,
+one target forward with a tree attention mask verifies every node at once.
+
+Each step: the heads read the final hidden state of the position that predicted `last` (the last committed
+token, not yet in the cache) and give each depth's top-k; the tree's paths pick tokens from them. One forward
+runs [last, node 1, ..., node n] at positions P + depth, each node seeing the prefix, its ancestors and itself.
+Acceptance walks down from `last` (greedy: the child equal to the target's argmax; lossless: children verified
+in turn as one-hot proposals; typical: the root-to-leaf path whose longest prefix passes the typical test),
+then emits the correction or bonus token. Commit: `last` and the accepted nodes move into consecutive cache
+slots; the rest of the tree is dropped. The prompt's forward gives the first hidden state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, GenerationParams, MedusaParams, SamplingParams
+from ..models import LoadedModel
+from ..models.medusa import LoadedHeads, load_heads
+from ..sampling import TreeVerdict, probabilities, sample, verify_tree_greedy, verify_tree_lossless
+from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
+from .base import Decoder, EventStream, commit_event, new_cache
+from .tree import TreeBuffers, load_tree
+
+def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
+                        alpha: float, generator: torch.Generator,
+                        children: tuple[tuple[int, ...], ...]) -> TreeVerdict:
+    """Typical acceptance (lossy): node x after node n is accepted if p_n(x) > min(epsilon, alpha * exp(-H(p_n))).
+    The root-to-leaf path with the longest accepted prefix wins (the earliest on ties); the next token is drawn
+    from p at its last accepted node. p (n+1, V)."""
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n+1,)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy)).tolist()
+    best: list[int] = []
+    failed: int | None = None  # the first node of the best path that failed the test, if any
+    for chain in retrieve:
+        kept, miss = [], None
+        for parent, node in zip(chain, chain[1:]):
+            if float(p[parent, tokens[node]]) <= threshold[parent]:
+                miss = node
+                break
+            kept.append(node)
+        if len(kept) > len(best) or failed is None and not best and miss is not None:
+            best, failed = kept, miss
+    last = best[-1] if best else 0
+    judged = [(n, True, None) for n in best] + ([(failed, False, None)] if failed is not None else [])
+    return TreeVerdict(tuple(best), tuple(judged), int(sample(p[last], generator)), bool(children[last]))
+
+
+class MedusaDecoder(Decoder):
+    algo = "medusa"
+
+    def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
+                 params: MedusaParams | None = None, heads: LoadedHeads | None = None) -> None:
+        super().__init__(target, sampling, generation)
+        self.spec = params or MedusaParams()
+        if self.spec.acceptance == "greedy" and not sampling.greedy:
+            raise ConfigError("acceptance greedy needs temperature 0; sample with lossless (exact) or typical (lossy)")
+        self.heads = heads or load_heads(self.spec.heads, target)
+        self.tree: TreeBuffers = load_tree(self.spec.tree)
+        if self.tree.depth > self.heads.heads.num_heads:
+            raise ConfigError(f"tree: depth {self.tree.depth} needs that many heads; the heads have "
+                              f"{self.heads.heads.num_heads}")
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
+                "tree_nodes": self.tree.num_nodes, "acceptance": self.spec.acceptance,
+                "epsilon": self.spec.epsilon, "alpha": self.spec.alpha}
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`."""
+        model, tree = self.target.model, self.tree
+        head_probs = model.project(self.heads.heads(hidden)).softmax(-1)  # (K, V)
+        top = [head_probs[d].topk(k) for d, k in enumerate(tree.top_k())]  # per depth: (k,) values, indices
+        tokens, probs = [], []
+        for path in tree.paths:
+            values, indices = top[len(path) - 1]
+            tokens.append(int(indices[path[-1]]))
+            probs.append(float(values[path[-1]]))
+        return tokens, probs
+
+    @torch.inference_mode()
+    def forward(self, cache: Any, tree: TreeBuffers | None, ids: list[int],
+                base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward: over [last, nodes] with the tree's mask, or causally over a prompt (tree None).
+        Logits (T, V) and final hidden states (T, E) of every token; the prompt needs only the last logits."""
+        model = self.target.model
+        tokens = torch.tensor([ids], device=model.device)  # (1, T)
+        if tree is None:
+            positions = torch.arange(base, base + len(ids), device=model.device).unsqueeze(0)  # (1, T)
+            logits, hidden = model(tokens, positions, cache, (0,), num_logits=1)
+            return logits[0], hidden[0]
+        positions = (torch.tensor(tree.depths[: len(ids)], device=model.device) + base).unsqueeze(0)  # (1, T)
+        mask = tree.mask[: len(ids), : len(ids)].to(model.device)  # (T, T)
+        logits, hidden = model(tokens, positions, cache, (0,), attn_mask=mask)
+        return logits[0], hidden[0]
+
+    def verify(self, logits: torch.Tensor, tree: TreeBuffers, ids: list[int],
+               generator: torch.Generator) -> tuple[TreeVerdict, torch.Tensor]:
+        """The acceptance rule for this decoder's settings, and the distributions it judged by (n+1, V)."""
+        if self.sampling.greedy:
+            # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
+            return verify_tree_greedy(logits, tree.children, ids), logits.softmax(-1)
+        p = probabilities(logits, self.sampling)  # (n+1, V)
+        if self.spec.acceptance == "typical":
+            return verify_tree_typical(p, tree.retrieve, ids, self.spec.epsilon, self.spec.alpha, generator,
+                                       tree.children), p
+        return verify_tree_lossless(p, tree.children, ids, generator), p
+
+    def run(self, prompt_ids: list[int]) -> EventStream:
+        clock, generator, stopper = self.start()
+        target = self.target.model
+        capacity = len(prompt_ids) + self.generation.max_new_tokens + self.tree.num_nodes + 1
+        cache = new_cache(target, capacity, self.generation)
+        logits, hidden_all = self.forward(cache, None, prompt_ids, 0)  # causal: (T, V), (T, E)
+        last, done = yield from self.first_token(logits[-1], cache, len(prompt_ids), clock, generator, stopper)
+        hidden = hidden_all[-1]  # (E,) final hidden state of the position that predicted `last`
+        step = 0
+        while not done:
+            step += 1
+            step_start = clock.now()
+            base = cache.length(0)  # position of `last`
+            tree = self.tree
+            nodes, head_probs = self.propose(hidden)  # accepted nodes past max_new_tokens are cut by the stopper
+            ids = [last, *nodes]
+            draft_end = clock.now()
+            logits, hidden_all = self.forward(cache, tree, ids, base)  # (n+1, V), (n+1, E)
+            verify_end = clock.now()
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(ids),
+                                              wall_s=verify_end - draft_end, target_forwards=1))
+            verdict, p = self.verify(logits, tree, ids, generator)
+            events, kept_nodes, done = self.outcome(step, clock.now(), base, tree, ids, head_probs, p, verdict,
+                                                    draft_end - step_start, stopper)
+            cache.keep(0, base, [0, *kept_nodes])  # node i of the forward sits in slot base + i
+            hidden = hidden_all[kept_nodes[-1] if kept_nodes else 0]
+            last = verdict.token
+            yield from clock.emit(*events, commit_event(step, step_start, clock.now(), draft_end - step_start,
+                                                        verify_end - draft_end, len(kept_nodes) + 1,
+                                                        cache.memory().bytes_used))
+        event, output = self.finish(stopper, clock, step)
+        yield from clock.emit(event)
+        return output
+
+    def outcome(self, step: int, t: float, base: int, tree: TreeBuffers, ids: list[int], head_probs: list[float],
+                p: torch.Tensor, verdict: TreeVerdict, draft_s: float,
+                stopper: Any) -> tuple[list[Event], list[int], bool]:
+        """The step's events (judged nodes as a draft, the tree, decisions), the nodes kept, and whether a stop
+        rule fired. Accepted tokens past a stop are not kept."""
+        def info(node: int) -> Any:
+            return self.token_info(ids[node], base + tree.depths[node], p=float(p[tree.parents[node], ids[node]]),
+                                   q=head_probs[node - 1])
+
+        target_probs = [float(p[tree.parents[n], ids[n]]) for n in range(1, len(ids))]
+        events: list[Event] = [
+            DraftEvent(step=step, t=t, tokens=[info(n) for n, _, _ in verdict.judged], wall_s=draft_s,
+                       draft_forwards=0),
+            TreeEvent(step=step, t=t, paths=[list(path) for path in tree.paths], tokens=ids[1:], probs=head_probs,
+                      target_probs=target_probs, accepted=list(verdict.path))]
+        kept: list[int] = []
+        for node, accepted, u in verdict.judged:
+            if accepted:
+                events.append(AcceptEvent(step=step, t=t, token=info(node), u=u))
+                kept.append(node)
+                if stopper.push(ids[node]):
+                    return events, kept, True
+            else:
+                events.append(RejectEvent(step=step, t=t, token=info(node), u=u))
+        last = verdict.path[-1] if verdict.path else 0
+        final = self.token_info(verdict.token, base + tree.depths[last] + 1, p=float(p[last, verdict.token]))
+        events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=final))
+        return events, kept, stopper.push(verdict.token)
+

@@ -1,0 +1,91 @@
+"""Medusa heads (Cai et al. 2024): K small residual blocks on the target's final hidden state; head k guesses
+the token k + 2 positions ahead (the target's own logits give the token 1 ahead), through the target's frozen
+output projection. Stored as safetensors plus a config.json beside them (never pickled)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .loader import LoadedModel, ModelLoadError
+
+EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
+WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
+
+
+class MedusaHeads(nn.Module):
+    """Head k: h -> h + silu(W_k h + b_k), then the target's output projection. Zero-initialised W_k makes every
+    head start as a copy of the target's next-token prediction, which training then shifts further ahead."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., E) final-norm states -> (K, ..., E) head states, to project with the target's head."""
+        return torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks])
+
+
+@dataclass(frozen=True)
+class LoadedHeads:
+    heads: MedusaHeads
+    folder: Path
+    target_name: str
+
+
+def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}, str(folder / WEIGHTS))
+    config = {"num_heads": heads.num_heads, "hidden_size": target.model.config.hidden_size,
+              "vocab_size": target.model.config.vocab_size, "target": target.name}
+    (folder / CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def default_heads(target_source: str) -> str | None:
+    """The shipped heads for a target spec, if the project has them."""
+    if target_source == "embedded" and (EMBEDDED_MEDUSA / WEIGHTS).is_file():
+        return str(EMBEDDED_MEDUSA)
+    return None
+
+
+def load_heads(source: str | None, target: LoadedModel) -> LoadedHeads:
+    """Heads from a folder (config.json + medusa.safetensors), checked against the target's sizes; None means
+    the shipped heads of the embedded target."""
+    source = source or default_heads(target.spec.source)
+    if not source:
+        raise ModelLoadError("medusa heads: none ship for this target; train them with `python -m playground.train "
+                             "medusa --model SPEC --out FOLDER` and pass --medusa-heads FOLDER")
+    folder = Path(source).expanduser()
+    if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
+        raise ModelLoadError(f"medusa heads: {source!r} is not a folder with {CONFIG} and {WEIGHTS}")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        num_heads, hidden, vocab = int(config["num_heads"]), int(config["hidden_size"]), int(config["vocab_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"medusa heads: {folder / CONFIG} is malformed ({exc})") from exc
+    tcfg = target.model.config
+    if (hidden, vocab) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ModelLoadError(f"medusa heads: made for hidden size {hidden} and vocabulary {vocab}, the target has "
+                             f"{tcfg.hidden_size} and {tcfg.vocab_size}")
+    if not 1 <= num_heads <= 16:
+        raise ModelLoadError(f"medusa heads: num_heads must be in [1, 16], got {num_heads}")
+    heads = MedusaHeads(hidden, num_heads)
+    try:
+        heads.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS)).items()}, strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"medusa heads: {folder / WEIGHTS} does not match its config ({exc})") from exc
+    heads = heads.to(device=target.model.device, dtype=target.model.dtype).eval().requires_grad_(False)
+    return LoadedHeads(heads, folder, str(config.get("target", "")))

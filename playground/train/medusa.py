@@ -1,0 +1,168 @@
+"""Train Medusa heads for a frozen target by self-distillation: `python -m playground.train medusa`.
+
+1. The target answers the project's training prompts greedily (the same corpus as the draft's; `--corpus`
+   caches it), so the heads learn the target's own continuations.
+2. One pass of the frozen target over every sequence gives the final hidden state at each answer position.
+3. Head k at position t learns the token at t + k + 2 with the draft's distillation loss (half the target's
+   greedy token, half its top-k distribution at that position), through the frozen output projection.
+4. A report: each head's top-1 and top-5 accuracy on the held-out prompts' answers.
+Everything is seeded; the run is reproducible up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelSpec, check_int
+from ..models.loader import TORCH_DTYPES
+from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
+from .draft import TOP_K, Corpus, distillation_loss, generate_corpus, load_or_generate_corpus, training_setup
+from .prompts import held_out_prompts
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded", help="target model spec (default: embedded)")
+    parser.add_argument("--out", default=str(EMBEDDED_MEDUSA), help="output folder")
+    parser.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
+    parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the corpus (default 1)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    parser.add_argument("--batch", type=int, default=512, help="positions per optimiser step (default 512)")
+    parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
+                        help="dtype the weights are saved in (default float16)")
+    parser.add_argument("--corpus", default=None,
+                        help="safetensors file caching the target's answers: reused when it exists, else written")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def log(message: str) -> None:
+    print(f"[train medusa] {message}", file=sys.stderr, flush=True)
+
+
+def hidden_states(target: Any, corpus: Corpus, batch: int = 32) -> tuple[torch.Tensor, list[int]]:
+    """Final-norm hidden states (N, E) at every position that predicts an answer token, in corpus order
+    (sequence by sequence, position answer_start - 1 onwards), and each sequence's count of such positions."""
+    from ..bench import load_hf_peer
+
+    hf = load_hf_peer(target)
+    pad = target.eos_token_ids[0]
+    states, counts = [], []
+    start = time.perf_counter()
+    for first in range(0, len(corpus.sequences), batch):
+        seqs = corpus.sequences[first : first + batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # right padding: (B, T), causal
+        with torch.inference_mode():
+            hidden = hf.model(input_ids=ids).last_hidden_state.float()  # (B, T, E), after the final norm
+        for row, seq in enumerate(seqs):
+            answer_start = corpus.answer_starts[first + row]
+            states.append(hidden[row, answer_start - 1 : len(seq) - 1].clone())  # predicts answer tokens
+            counts.append(len(seq) - answer_start)
+        if (first // batch) % 10 == 0:
+            log(f"hidden states: {first + len(seqs)}/{len(corpus.sequences)} sequences "
+                f"({time.perf_counter() - start:.0f} s)")
+    return torch.cat(states), counts
+
+
+def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For head k: (rows of the hidden states, rows of the corpus labels) pairing position t with the answer
+    token k + 1 further on than the target's own next token. Both index arrays are (n,)."""
+    rows, labels, offset = [], [], 0
+    for count in counts:
+        # state i of a sequence predicts answer token i; head k predicts answer token i + k + 1
+        usable = max(0, count - head - 1)
+        rows.append(torch.arange(offset, offset + usable))
+        labels.append(torch.arange(offset + head + 1, offset + head + 1 + usable))
+        offset += count
+    return torch.cat(rows), torch.cat(labels)
+
+
+def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[int], corpus: Corpus,
+          args: argparse.Namespace) -> None:
+    examples = [head_examples(counts, k) for k in range(heads.num_heads)]
+    total = args.epochs * math.ceil(len(examples[0][0]) / args.batch)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.05)
+    output = target.model.output_weight.detach().float()  # (V, E), frozen
+    generator = torch.Generator().manual_seed(args.seed)
+    heads.train()
+    step, start = 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        orders = [torch.randperm(len(rows), generator=generator) for rows, _ in examples]
+        losses = []
+        for b in range(math.ceil(len(examples[0][0]) / args.batch)):
+            loss = torch.zeros(())
+            for k, block in enumerate(heads.blocks):
+                rows, labels = examples[k]
+                pick = orders[k][b * args.batch : (b + 1) * args.batch]
+                if len(pick) == 0:
+                    continue
+                h = states[rows[pick]]  # (n, E)
+                logits = (h + torch.nn.functional.silu(block(h))) @ output.T  # (n, V)
+                loss = loss + distillation_loss(logits, corpus.topk_ids[labels[pick]],
+                                                corpus.topk_logprobs[labels[pick]])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+            losses.append(loss.item() / heads.num_heads)
+            if step % 50 == 0:
+                log(f"epoch {epoch + 1}, step {step}/{total}: loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
+                    f"({time.perf_counter() - start:.0f} s)")
+        log(f"epoch {epoch + 1}/{args.epochs}: loss {sum(losses) / len(losses):.3f}")
+    heads.eval()
+
+
+@torch.inference_mode()
+def evaluate(target: Any, heads: MedusaHeads, answer_tokens: int) -> dict[str, Any]:
+    """Each head's top-1 and top-5 accuracy against the target's own greedy answers to the held-out prompts."""
+    corpus = generate_corpus(target, held_out_prompts(), answer_tokens)
+    states, counts = hidden_states(target, corpus)
+    output = target.model.output_weight.detach().float()
+    tokens = [t for s, a in zip(corpus.sequences, corpus.answer_starts) for t in s[a:]]
+    truth = torch.tensor(tokens)
+    report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "heads": []}
+    for k, head_state in enumerate(heads.float()(states)):
+        rows, labels = head_examples(counts, k)
+        top5 = (head_state[rows] @ output.T).topk(5, dim=-1).indices  # (n, 5)
+        hits = top5 == truth[labels].unsqueeze(1)  # (n, 5)
+        report["heads"].append({"head": k, "predicts": f"t+{k + 2}", "positions": len(rows),
+                                "top1": hits[:, 0].float().mean().item(), "top5": hits.any(1).float().mean().item()})
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..models import load_model
+
+    check_int("heads", args.heads, 1, 16)
+    check_int("batch", args.batch, 1, 1 << 16)
+    prompts = training_setup(args)
+    start = time.perf_counter()
+    target = load_model(ModelSpec(source=args.model, device="cpu"))
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args)
+    states, counts = hidden_states(target, corpus)
+    log(f"{len(states)} answer positions; training {args.heads} heads")
+    heads = MedusaHeads(target.model.config.hidden_size, args.heads)
+    train(target, heads, states, counts, corpus, args)
+    out = Path(args.out)
+    save_heads(heads, out, target, TORCH_DTYPES[args.weights_dtype])
+    report = evaluate(target, heads, args.answer_tokens)
+    report.update({"train_prompts": len(prompts), "train_positions": len(states), "heads_count": args.heads,
+                   "epochs": args.epochs, "lr": args.lr, "batch": args.batch, "top_k_soft_labels": TOP_K,
+                   "weights_dtype": args.weights_dtype, "seed": args.seed,
+                   # a reused corpus was generated in an earlier run: its time counts towards a full run
+                   "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start,
+                   "size_mb": (out / "medusa.safetensors").stat().st_size / 1e6})
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+    return 0

@@ -1,0 +1,221 @@
+"""Medusa: tree buffers against hand-computed trees, the committed KV against a recomputation after every step,
+greedy exactness on every test prompt with three trees and both caches, the lossless tree sampler against the
+analytic distribution (synthetic and on the real model), typical acceptance labelled lossy, bad settings."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from playground.config import ConfigError, GenerationParams, MedusaParams, SamplingParams
+from playground.decoding import MedusaDecoder, encode_prompt, generate
+from playground.decoding import medusa as medusa_module
+from playground.decoding.base import forward_tokens, new_cache
+from playground.decoding.tree import TREES, build_tree, load_tree
+from playground.metrics import compute
+from playground.models import ModelLoadError
+from playground.models.medusa import load_heads
+from playground.sampling import verify_tree_greedy, verify_tree_lossless
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, TreeEvent
+
+from .prompts import NEW_TOKENS, PROMPTS
+from .stats import CHI2_999, assert_follows_target
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    return load_heads(None, target)  # the heads shipped for the embedded model
+
+
+def test_tree_buffers_of_a_small_tree_by_hand() -> None:
+    # given out of order: nodes become 1 = (0,), 2 = (1,), 3 = (0, 0), 4 = (0, 1)
+    tree = build_tree([[0, 1], [1], [0], [0, 0]])
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1))
+    assert tree.parents == (-1, 0, 0, 1, 1) and tree.depths == (0, 1, 1, 2, 2)
+    assert tree.children == ((1, 2), (3, 4), (), (), ())
+    assert tree.mask.int().tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [1, 0, 1, 0, 0],
+                                        [1, 1, 0, 1, 0],
+                                        [1, 1, 0, 0, 1]]
+    assert tree.retrieve == ((0, 2), (0, 1, 3), (0, 1, 4))
+    assert tree.top_k() == [2, 2] and tree.num_nodes == 4 and tree.depth == 2
+
+
+def test_tree_buffers_of_a_chain_and_the_named_trees() -> None:
+    chain = build_tree(TREES["chain"])
+    assert chain.depths == (0, 1, 2, 3, 4) and chain.retrieve == ((0, 1, 2, 3, 4),)
+    assert torch.equal(chain.mask, torch.ones(5, 5, dtype=torch.bool).tril())  # a chain is causal
+    for name, paths in TREES.items():
+        tree = build_tree(paths)
+        assert tree.num_nodes == len(paths) and all(len(r) - 1 == tree.depths[r[-1]] for r in tree.retrieve)
+        # every node appears on some root-to-leaf path, and sees exactly its depth + 1 tokens
+        assert {n for r in tree.retrieve for n in r} == set(range(tree.num_nodes + 1)), name
+        assert tree.mask.sum(1).tolist() == [d + 1 for d in tree.depths]
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([], "a non-empty list of paths"),
+    ([[0], [0]], "appears twice"),
+    ([[0], [1, 0]], "needs its parent [1]"),
+    ([[0], [-1]], "ranks in [0, 63]"),
+    ([[0], []], "list of 1..16 ranks"),
+    ("small", "a non-empty list of paths"),
+])
+def test_bad_trees_are_refused_with_the_reason(paths, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_tree(paths)
+
+
+def test_custom_tree_from_a_json_file(tmp_path) -> None:
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps([[0], [1], [0, 0]]))
+    assert load_tree(str(path)).paths == ((0,), (1,), (0, 0))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a JSON list of paths"):
+        load_tree(str(path))
+    with pytest.raises(ConfigError, match="tree must be one of chain, small, medium, wide"):
+        load_tree("bushy")  # the message lists chain, small, medium, wide
+
+
+@pytest.mark.parametrize("tree", ["small", "medium", "wide"])
+def test_greedy_equals_plain_decoding(target, heads, plain_outputs, tree) -> None:
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                            MedusaParams(tree=tree), heads)
+    accepted = 0
+    for prompt in PROMPTS:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        accepted += compute(trace).accepted
+    assert accepted > 0  # the heads really proposed tokens the target kept
+
+
+def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"),
+                            MedusaParams(), heads)
+    for prompt in PROMPTS[:8]:
+        assert generate(decoder, prompt)[0].token_ids == plain_outputs[prompt], prompt
+
+
+def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, monkeypatch) -> None:
+    caches = []
+
+    def keep_cache(*args, **kwargs):
+        caches.append(new_cache(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(medusa_module, "new_cache", keep_cache)
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=20), MedusaParams(tree="wide"),
+                            heads)
+    prompt_ids = encode_prompt(target, "Explain what a hash table is.", decoder.generation)
+    committed: list[int] = []
+    checked = 0
+    for event in decoder.run(prompt_ids):
+        if isinstance(event, (AcceptEvent, CorrectEvent, BonusEvent)):
+            committed.append(event.token.id)
+        if isinstance(event, CommitEvent) and event.step > 0:
+            cache = caches[0]
+            length = cache.length(0)
+            assert length == len(prompt_ids) + len(committed) - 1  # the newest token is not in the cache yet
+            fresh = new_cache(target.model, length, GenerationParams())
+            forward_tokens(target.model, fresh, prompt_ids + committed[:-1])
+            for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
+                torch.testing.assert_close(mine[:, 0, :, :length], theirs[:, 0, :, :length], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 3
+
+
+def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=16), MedusaParams(), heads)
+    _, trace = generate(decoder, "List the numbers from one to ten.")
+    trees = [e for e in trace.events if isinstance(e, TreeEvent)]
+    assert trees and all(len(e.paths) == len(e.tokens) == len(e.probs) == 5 for e in trees)
+    assert all(0 <= p <= 1 for e in trees for p in e.probs + e.target_probs)
+    # accepted nodes form a root-to-node path: each one's path extends the previous one's
+    for event in trees:
+        paths = [event.paths[n - 1] for n in event.accepted]
+        assert all(len(p) == i + 1 and p[:-1] == (paths[i - 1] if i else []) for i, p in enumerate(paths))
+    assert trace.params["tree"] == "small" and trace.params["acceptance"] == "lossless"
+
+
+@pytest.mark.parametrize("case", ["mixed", "proposal is certain", "proposals cover everything"])
+def test_lossless_tree_sampler_follows_the_target_distribution(case) -> None:
+    """Root with children (a, b, c), node a with children (d, e). The first token must follow p_root and, when it
+    is a, the second must follow p_a, whatever the proposals are."""
+    torch.manual_seed(0)
+    vocab = 6
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1]])
+    p = torch.distributions.Dirichlet(torch.full((vocab,), 0.8)).sample((6,))  # (n+1, V) rows sum to 1
+    tokens = [0, 2, 4, 1, 3, 5]  # node -> token
+    if case == "proposal is certain":
+        p[0] = torch.nn.functional.one_hot(torch.tensor(2), vocab).float()  # the root surely emits node 1's token
+    if case == "proposals cover everything":
+        p[0] = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.5, 0.0])  # all mass on two of the root's children
+    generator = torch.Generator().manual_seed(1)
+    runs = 20_000
+    first, second = Counter(), Counter()
+    for _ in range(runs):
+        verdict = verify_tree_lossless(p, tree.children, tokens, generator)
+        emitted = [tokens[n] for n in verdict.path] + [verdict.token]
+        first[emitted[0]] += 1
+        if verdict.path[:1] == (1,):
+            second[emitted[1]] += 1
+    for counts, dist in ((first, p[0]), (second, p[1])):
+        n = sum(counts.values())
+        if n == 0:
+            continue
+        cells = [t for t in range(vocab) if dist[t] * n >= 5]
+        assert all(counts[t] == 0 for t in range(vocab) if dist[t] == 0)
+        stat = sum((counts[t] - dist[t] * n) ** 2 / (dist[t] * n) for t in cells)
+        assert stat < CHI2_999[max(1, len(cells) - 1)], (case, stat, dict(counts), dist.tolist())
+
+
+def test_greedy_tree_walk_by_hand() -> None:
+    tree = build_tree([[0], [1], [0, 0]])  # nodes 1 = (0,), 2 = (1,), 3 = (0, 0)
+    tokens = [9, 5, 6, 7]
+    logits = torch.full((4, 10), -5.0)
+    logits[0, 6] = logits[2, 8] = 5.0  # root's argmax is node 2's token; node 2 (a leaf) predicts 8
+    verdict = verify_tree_greedy(logits, tree.children, tokens)
+    assert verdict.path == (2,) and verdict.token == 8 and not verdict.corrected
+    logits[0, 6], logits[0, 3] = -5.0, 5.0  # no child matches: the top-ranked child is shown rejected
+    verdict = verify_tree_greedy(logits, tree.children, tokens)
+    assert verdict.path == () and verdict.token == 3 and verdict.corrected and verdict.judged == ((1, False, None),)
+
+
+def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(target, heads) -> None:
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+    proposed = assert_follows_target(
+        target, lambda s: MedusaDecoder(target, s, generation, MedusaParams(tree="chain"), heads),
+        "The best thing about summer is", sampling)
+    assert proposed == 300  # every run verified a tree in its first step
+
+
+def test_same_seed_same_output_and_typical_differs_from_lossless(target, heads) -> None:
+    def run(seed: int, acceptance: str) -> tuple[int, ...]:
+        decoder = MedusaDecoder(target, SamplingParams(temperature=0.8, seed=seed), GenerationParams(max_new_tokens=24),
+                                MedusaParams(acceptance=acceptance), heads)
+        return generate(decoder, "Write a sentence about the sea.")[0].token_ids
+
+    assert run(3, "lossless") == run(3, "lossless") and run(3, "typical") == run(3, "typical")
+    assert run(3, "lossless") != run(4, "lossless")
+
+
+def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="acceptance greedy needs temperature 0"):
+        MedusaDecoder(target, SamplingParams(temperature=0.7), GenerationParams(), MedusaParams(acceptance="greedy"),
+                      heads)
+    with pytest.raises(ConfigError, match="acceptance must be one of"):
+        MedusaParams(acceptance="optimistic")
+    with pytest.raises(ConfigError, match=r"epsilon must be in \(0, 1\]"):
+        MedusaParams(epsilon=0)
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
+    with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; the heads have 4"):
+        MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree=str(deep)), heads)
+    with pytest.raises(ModelLoadError, match="is not a folder with config.json and medusa.safetensors"):
+        load_heads(str(tmp_path), target)
