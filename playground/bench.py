@@ -34,7 +34,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
-    parser.add_argument("--tree", default="small", help="Medusa candidate tree: chain, small (default), medium, wide or a "
+    parser.add_argument("--tree", default="small",
+                        help="Medusa candidate tree: chain, small (default), medium, wide or a "
                                                         "JSON file of top-k paths")
     parser.add_argument("--algos", default=",".join(ALGOS),
                         help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
@@ -401,7 +402,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # On a CPU a forward over gamma + 1 tokens is not nearly free as on a GPU: it bounds the speedup.
             info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
         if name == "medusa":
-            info["verify_cost_ratio"] = decode_step_seconds(target.model, width=contender.decoder.tree.num_nodes + 1) / step
+            width = contender.decoder.tree.num_nodes + 1
+            info["verify_cost_ratio"] = decode_step_seconds(target.model, width=width) / step
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
 

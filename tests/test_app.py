@@ -120,6 +120,10 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     detail, stats = outputs[2], outputs[3]
     assert "Candidate tree (5 nodes" in detail and detail.count("<li>") == 5 and "head 0 #1" in detail
     assert "tokens per target forward" in stats
+    _, _, replayed = client.predict(2, api_name="/replay_step")  # replay reads token texts from the trace alone
+    assert "<b>step 2</b>" in replayed and "Candidate tree (5 nodes" in replayed
+    _, _, uploaded, summary, *_ = client.predict(handle_file(outputs[4]), api_name="/load_trace")
+    assert "replayed trace of **medusa**" in summary and "Candidate tree" in uploaded
 
 
 def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
@@ -184,7 +188,8 @@ def test_memory_tab_names_the_bad_field(client, changes, message):
 def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target, tmp_path):
     summary = client.predict("embedded", "", "cpu", "float32", "none", api_name="/load_model")
     assert "Target: **SmolLM2-135M-Instruct**: llama, 30 layers, 135M parameters, float32 on cpu" in summary
-    assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes and "tokenizer matches the target's" in summary
+    assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+    assert "tokenizer matches the target's" in summary
     other = write_draft_copy(target.folder, tmp_path / "other-tokenizer", num_layers=2)
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     tokenizer["added_tokens"].append({"id": target.model.config.vocab_size, "content": "<other>", "single_word": False,

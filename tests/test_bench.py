@@ -38,7 +38,8 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
-            assert result["same_tokens_as_ar"] is (None if name in ("medusa-lossless", "medusa-typical") else True), name
+            sampled = name in ("medusa-lossless", "medusa-typical")
+            assert result["same_tokens_as_ar"] is (None if sampled else True), name
     spec = report["prompts"][0]["algos"]["speculative"]
     assert spec["acceptance_rate"] == 1.0  # the target drafting for itself
     assert spec["peer"]["tokens"] >= 1 and spec["ratio_vs_peer"] > 0
@@ -49,7 +50,8 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert "median_speedup_vs_ar_grounded" in summary["prompt-lookup"]
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
-    assert "## medusa (tree small (5 nodes)" in text and "typical acceptance (LOSSY)" in text and "n/a (sampled)" in text
+    assert "## medusa (tree small (5 nodes)" in text and "typical acceptance (LOSSY)" in text
+    assert "n/a (sampled)" in text
     assert report["algos"]["medusa"]["verify_cost_ratio"] > 0
 
 

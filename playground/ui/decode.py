@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, 
 from ..decoding.tree import DEFAULT_TREE, TREES
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
-from ..trace import DraftEvent, Event, Trace, TraceError
+from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
@@ -110,7 +110,7 @@ def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool) -> Toke
     texts = dict(zip(trace.prompt_ids, prompt_tokens)) if tokenized else {}
     for event in trace.events:
         for info in getattr(event, "tokens", None) or [getattr(event, "token", None)]:
-            if info is not None:
+            if isinstance(info, TokenInfo):  # a tree event's tokens are bare ids
                 texts[info.id] = info.text
     return lambda token_id: texts.get(token_id, f"#{token_id}")
 
@@ -132,8 +132,9 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, tree: str, acceptance: str, model_source: str, draft_source: str, device: str, dtype: str, quant: str,
-               history: list[dict[str, Any]] | None, progress: gr.Progress = gr.Progress()):
+               ngram: Any, guesses: Any, tree: str, acceptance: str, model_source: str, draft_source: str,
+               device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
+               progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
     slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
     run has finished."""

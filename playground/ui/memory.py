@@ -55,7 +55,8 @@ def _summary(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, model_source: str, device: str, dtype: str, quant: str, progress: gr.Progress = gr.Progress()):
+               prefix_caching: bool, model_source: str, device: str, dtype: str, quant: str,
+               progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
     try:
@@ -132,5 +133,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, _, device, dtype, quant = model  # the engine decodes plainly: no draft
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   source, device, dtype, quant], [block_map, chart, status, table, state, step], api_name="memory")
+                                   source, device, dtype, quant],
+              [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

@@ -52,7 +52,8 @@ def _row(name: str, trace: Trace, m: Metrics, plain: Trace, base: Metrics, greed
 
 
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
-             model_source: str, draft_source: str, device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
+             model_source: str, draft_source: str, device: str, dtype: str, quant: str,
+             history: list[dict[str, Any]] | None,
              progress: gr.Progress = gr.Progress()):
     """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay."""
     try:
@@ -124,4 +125,5 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True,
                          column_widths=["19%", "8%", "9%", "9%", "10%", "12%", "10%", "10%", "13%"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
-    run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history], [lanes, status, table, chart, history], api_name="race")
+    run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
+              [lanes, status, table, chart, history], api_name="race")
