@@ -126,6 +126,15 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     assert "replayed trace of **medusa**" in summary and "Candidate tree" in uploaded
 
 
+def test_two_browser_sessions_never_see_each_others_runs(client, target):
+    decode(client, "Name a fruit.", algo="plain (autoregressive)", max_new_tokens=4)
+    other = Client(client.src, verbose=False)  # a second session: its own state
+    with pytest.raises(Exception, match="run a decode or upload a trace first"):
+        other.predict(1, api_name="/replay_step")
+    _, tokens_html, _ = client.predict(1, api_name="/replay_step")  # the first session still has its run
+    assert 'class="pg-tok ' in tokens_html
+
+
 def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
     plot, summary = client.predict(0.7, 4, 0.15, api_name="/theory")
     # (1 - 0.7^5) / 0.3 = 2.773 tokens per forward; / (4 * 0.15 + 1) = 1.733x
