@@ -20,7 +20,7 @@ from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads
 from playground.sampling import verify_tree_greedy, verify_tree_lossless
-from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, TreeEvent
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, Trace, TreeEvent
 
 from .prompts import NEW_TOKENS, PROMPTS
 from .stats import CHI2_999, assert_follows_target
@@ -140,6 +140,7 @@ def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
         paths = [event.paths[n - 1] for n in event.accepted]
         assert all(len(p) == i + 1 and p[:-1] == (paths[i - 1] if i else []) for i, p in enumerate(paths))
     assert trace.params["tree"] == "small" and trace.params["acceptance"] == "lossless"
+    assert Trace.from_json(trace.to_json()) == trace  # tree events round-trip exactly
 
 
 @pytest.mark.parametrize("case", ["mixed", "proposal is certain", "proposals cover everything"])
