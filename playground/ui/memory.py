@@ -14,7 +14,7 @@ from ..config import ConfigError, EngineParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
-from ..viz.memory import memory_figure, render_block_map
+from ..viz.memory import memory_figure, render_block_map, statuses_at
 from .decode import as_int
 from .models import get_model, target_spec
 
@@ -25,14 +25,6 @@ CHART_S = 1.0
 MAX_REQUESTS = 16
 TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preempted", "output"]
 COLUMN_WIDTHS = ["9%", "10%", "11%", "10%", "10%", "50%"]
-
-
-def statuses_at(event: MemoryEvent, request_ids: list[int]) -> dict[int, str]:
-    """Every request's status after a step: all are queued at the start, so one neither running nor waiting
-    has finished."""
-    running, waiting = set(event.running), set(event.waiting)
-    return {rid: "running" if rid in running else "waiting" if rid in waiting else "finished"
-            for rid in request_ids}
 
 
 def _table(engine: Engine) -> list[list[Any]]:

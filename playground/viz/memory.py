@@ -35,6 +35,14 @@ def memory_css() -> str:
             "vertical-align:-0.1rem;}")
 
 
+def statuses_at(event: MemoryEvent, request_ids: list[int]) -> dict[int, str]:
+    """Every request's status after a step: all are queued at the start, so one neither running nor waiting
+    has finished."""
+    running, waiting = set(event.running), set(event.waiting)
+    return {rid: "running" if rid in running else "waiting" if rid in waiting else "finished"
+            for rid in request_ids}
+
+
 def render_block_map(event: MemoryEvent | None, statuses: Mapping[int, str] | None = None) -> str:
     """The pool after one step: a cell per physical block; below, each request's colour and status."""
     if event is None:
