@@ -157,9 +157,9 @@ def test_race_lanes_replay_each_run_on_its_own_clock():
     assert start.count('class="pg-lane"') == 2 and "0 tokens · 0.00 s" in start and 'class="pg-tok ' not in start
     mid = render_race([fast, slow], 0.3)
     assert "8 tokens · done in 0.20 s" in mid and "1 tokens · 0.30 s" in mid
-    assert mid.count("pg-lane-done") == 1 and 'style="width:100.0%"' in mid and 'style="width:33.3%"' in mid
+    assert mid.count("pg-lane pg-lane-done") == 1 and 'style="width:100.0%"' in mid and 'style="width:33.3%"' in mid
     end = render_race([fast, slow])
-    assert end.count("pg-lane-done") == 2 and "s2" in end and "fast &lt;b&gt;" in end and "fast <b>" not in end
+    assert end.count("pg-lane pg-lane-done") == 2 and "s2" in end and "fast &lt;b&gt;" in end and "fast <b>" not in end
 
 
 def memory_event(step: int, t: float, owners: list[int], shared: list[int], used: int, contiguous: int):

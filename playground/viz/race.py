@@ -31,9 +31,23 @@ def events_until(events: Sequence[Event], t: float) -> list[Event]:
     return [e for e in events if e.t <= t]
 
 
+def race_css() -> str:
+    """Lane styles; colours come from the Gradio theme's variables when there is one (fallbacks for notebooks)."""
+    border, fill = "var(--border-color-primary,#d0d7de)", "var(--background-fill-secondary,#f6f8fa)"
+    return (".pg-race{display:grid;grid-template-columns:1fr;gap:0.6rem;}"
+            f".pg-lane{{border:1px solid {border};border-radius:8px;padding:0.4rem 0.6rem;background:{fill};}}"
+            ".pg-lane-done{border-color:#009E73;}"
+            ".pg-lane-head{display:flex;justify-content:space-between;gap:0.5rem;font-size:0.9rem;}"
+            ".pg-lane-head span{font-variant-numeric:tabular-nums;color:var(--body-text-color-subdued,#57606a);}"
+            f".pg-bar{{height:4px;background:{border};border-radius:2px;margin:0.3rem 0;}}"
+            ".pg-bar>div{height:100%;background:#009E73;border-radius:2px;}"
+            # column-reverse keeps the newest tokens in view as a lane outgrows its box
+            ".pg-lane-tokens{height:6.5rem;overflow-y:auto;display:flex;flex-direction:column-reverse;}")
+
+
 def render_race(lanes: Sequence[Lane], t: float | None = None) -> str:
     """Every lane as it stood at engine time t (the end when None); a finished lane shows its final time."""
-    parts = ['<div class="pg-race">']
+    parts = [f'<style>{race_css()}</style><div class="pg-race">']
     for lane in lanes:
         seen = list(lane.events) if t is None else events_until(lane.events, t)
         done = t is None or t >= lane.wall_s
