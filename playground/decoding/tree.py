@@ -86,8 +86,9 @@ def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     return TreeBuffers(tuple(ordered), parents, depths, tuple(tuple(c) for c in children), mask, tuple(retrieve))
 
 
-# Named trees. On the 2-core CPU a target forward over 1 + n tokens costs 1.7x a one-token step for the 4-node
-# chain, 1.95x for "small" and about 3.5x for the 9-node "medium" (bench `verify cost ratio`); with the shipped
+# Named trees. On the 2-core CPU a target forward over 1 + n tokens cost 1.7x a one-token step for the 4-node
+# chain, 1.95x for "small" and about 3.5x for the 9-node "medium" (bench `verify cost ratio`, measured before
+# `linear` made its input contiguous, which lowered every wide forward's cost); with the shipped
 # heads "small" and "chain" were fastest (0.57x plain on 6 suite prompts), "small" committing more per forward,
 # so it is the default. On a GPU, where a wider forward is nearly free, "wide" suits better.
 TREES: dict[str, list[tuple[int, ...]]] = {
