@@ -1,7 +1,7 @@
 """Step-through widgets for the notebooks: play/pause and a slider over any of the web app's renderers.
 
-The renderer receives the selected step (or time index) and returns HTML; the widget shows the last value first,
-so a notebook read without a live kernel still shows the finished run.
+The renderer receives the selected step (or time index) and returns HTML; the player opens on the last value, the
+finished run, and replays from the first. Widgets need a live kernel: outputs are never committed.
 """
 
 from __future__ import annotations
