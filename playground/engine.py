@@ -2,8 +2,9 @@
 
 `add_request` queues a prompt with its own sampling settings; every `step()` does three things:
 schedule (first-come first-served: running requests first, then waiting ones while the token budget, the
-running limit and the free blocks allow), run (one batched forward over every request that has one token to
-compute, and one forward per prefill chunk, so a step mixes prefills and decodes), and postprocess (each
+running limit and the free blocks allow; a waiting request whose prompt blocks a running request is computing
+right now waits until they are written and shares them), run (one batched forward over every request that has
+one token to compute, and one forward per prefill chunk, so a step mixes prefills and decodes), and postprocess (each
 request whose tokens are all computed draws its next token from its own random stream; finished requests
 release their blocks). When a running request needs a block and none is free, the newest running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed (prompt and
@@ -203,6 +204,12 @@ class Engine:
         while self.waiting and (budget > 0 or static) and len(self.running) < self.params.max_running:
             request = self.waiting[0]
             prompt = request.tokens if self.params.prefix_caching else []
+            cached_blocks, promised_blocks = self.cache.prefix_blocks(prompt)
+            if promised_blocks > cached_blocks and not static:
+                # A running request is computing blocks of this prompt right now (requests arriving together share
+                # a system prompt): admit it once they are written and share them instead of computing them twice.
+                # A static batch is formed whole instead: waiting would shrink it.
+                break
             cached = self.cache.add_sequence(request.id, prompt)
             n = min(len(request.tokens) - cached, budget)
             need = self.cache.blocks_needed(request.id, n)

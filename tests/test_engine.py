@@ -82,17 +82,26 @@ def test_shared_prompt_prefixes_are_cached_and_give_identical_outputs(target) ->
                  "When did the keeper light the lamp?"]
     generation = GenerationParams(max_new_tokens=12)
     results = {}
-    for caching in (True, False):
+    for caching, together in ((True, False), (True, True), (False, True)):
         engine = Engine(target, EngineParams(block_size=8, prefix_caching=caching))
         ids = [engine.add_request(passage + questions[0], generation=generation)]
-        engine.step()  # the first prompt's prefill writes the passage's blocks; later prompts can share them
+        if not together:
+            engine.step()  # the first prompt's prefill writes the passage's blocks; later prompts can share them
         ids += [engine.add_request(passage + q, generation=generation) for q in questions[1:]]
         outputs = engine.run_all()
-        results[caching] = [outputs[i].token_ids for i in ids]
+        results[caching, together] = [outputs[i].token_ids for i in ids]
+        # Arriving together, the later requests wait for the first one's prefill and then share its blocks.
         assert (max(len(e.shared) for e in memory_events(engine)) > 0) == caching
+        computed = sum(e.num_tokens for e in memory_events(engine))
+        results["computed", caching, together] = computed
         check_no_leak(engine)
-    assert results[True] == results[False]
-    for question, got in zip(questions, results[True]):
+    assert results[True, False] == results[True, True] == results[False, True]
+    # Each later prompt skips exactly the full blocks it has in common with the first one.
+    prompts = [encode_prompt(target, passage + q, generation) for q in questions]
+    common = [next(i for i, (a, b) in enumerate(zip(prompts[0], p)) if a != b) for p in prompts[1:]]
+    saved = results["computed", False, True] - results["computed", True, True]
+    assert saved == sum(8 * (n // 8) for n in common) > 0
+    for question, got in zip(questions, results[True, True]):
         prompt_ids = encode_prompt(target, passage + question, generation)
         assert solo(target, prompt_ids, SamplingParams(), generation) == got
 

@@ -99,6 +99,26 @@ def test_prefix_blocks_are_shared_and_copied_on_write() -> None:
     assert contents(cache, 2) == prompt[:8] and contents(cache, 0) == prompt and contents(cache, 1)[-2:] == [99, 98]
 
 
+def test_prefix_blocks_reports_blocks_still_being_computed_as_promised() -> None:
+    cache = paged()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert cache.prefix_blocks(prompt) == (0, 0)
+    cache.add_sequence(0, prompt)  # its two full blocks are promised until written
+    assert cache.prefix_blocks(prompt) == (0, 2)
+    assert cache.prefix_blocks(prompt[:4] + [0, 0, 0, 0]) == (0, 1)  # the chain stops at the first difference
+    write(cache, 0, prompt[:6])  # the first block is written (and registered), the second not yet
+    assert cache.prefix_blocks(prompt) == (1, 2)
+    write(cache, 0, prompt[6:])
+    assert cache.prefix_blocks(prompt) == (2, 2)
+    assert cache.add_sequence(1, prompt) == 8
+    cache.free(0)
+    cache.free(1)
+    assert cache.prefix_blocks(prompt) == (2, 2)  # freed blocks stay findable until handed out
+    cache.add_sequence(2, [7, 7, 7, 7])
+    cache.free(2)  # freed before writing: nothing is promised any more
+    assert cache.prefix_blocks([7, 7, 7, 7]) == (0, 0)
+
+
 def test_a_freed_prefix_stays_reusable_until_its_blocks_are_handed_out() -> None:
     cache = paged(num_blocks=3)
     cache.add_sequence(0, [1, 2, 3, 4, 5])

@@ -7,8 +7,9 @@ with one `index_copy_` and reads with one `index_select` per layer (gather-based
 code runs on CPU and GPU). Keys come back in logical order, so masks are the ones the contiguous cache builds.
 
 Prefix caching: `add_sequence` looks the prompt's full blocks up by chained hash (token ids rechecked) and
-shares the blocks it finds; the blocks a prompt fills itself are registered once they are written. A write
-into a block another sequence also holds copies it first (copy on write).
+shares the blocks it finds; the blocks a prompt fills itself are registered once they are written (until then
+`prefix_blocks` reports them as promised, so a scheduler can wait for them rather than compute them twice). A
+write into a block another sequence also holds copies it first (copy on write).
 """
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ class PagedKVCache(KVCache):
         self._lengths[seq_id] = min(len(table) * bs, len(prompt_ids) - 1) if prompt_ids else 0
         self._pending[seq_id] = pending
         return self._lengths[seq_id]
+
+    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """(cached, promised): leading full blocks of this prompt that `add_sequence` would share now, and that it
+        could share once the sequences now computing the rest of them have written them."""
+        self._register_written()
+        pending = {key for keys in self._pending.values() for _, key in keys}
+        bs = self.block_size
+        cached = promised = 0
+        parent = ROOT_HASH
+        for i in range(len(prompt_ids) // bs):
+            tokens = tuple(prompt_ids[i * bs : (i + 1) * bs])
+            key = BlockKey(block_hash(parent, tokens), parent, tokens)
+            found = self.allocator.lookup(key) is not None
+            if not found and key not in pending:
+                break
+            if found and cached == promised:
+                cached += 1
+            promised += 1
+            parent = key.hash
+        return cached, promised
 
     def free(self, seq_id: int) -> None:
         """Release every block of a sequence and forget it."""

@@ -248,5 +248,6 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     model = build_model(hf_config, load_weights(folder), TORCH_DTYPES[spec.dtype], device)
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
+    model.pack_linears()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)
