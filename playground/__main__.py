@@ -99,7 +99,8 @@ def algo_params(args: argparse.Namespace) -> Any:
                               "(a default draft ships only for the embedded model)")
         return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
     if args.algo == "prompt-lookup":
-        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft)
+        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft,
+                                  verify_overhead=args.verify_overhead)
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
                                prompt_pool=not args.no_prompt_pool)
@@ -198,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
-    lookup.add_argument("--num-draft", type=int, default=8, help="tokens copied after a match, 1..16 (default 8)")
+    lookup.add_argument("--num-draft", type=int, default=8,
+                        help="most tokens copied after a match, 1..16 (default 8)")
+    lookup.add_argument("--verify-overhead", type=float, default=None,
+                        help="extra cost of a verification forward over a one-token step, 0..4: a match is "
+                             "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
+                             "default 0.4 on a CPU, 0.1 on a GPU)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
     ahead.add_argument("--window", type=int, default=4, help="Jacobi window width W, 1..16 (default 4)")
     ahead.add_argument("--ngram", type=int, default=3, help="n-gram size N (window of N - 1 rows), 2..8 (default 3)")

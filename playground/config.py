@@ -14,6 +14,7 @@ QUANTS = ("int8", "nf4")
 MAX_NEW_TOKENS_LIMIT = 4096
 KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
+MAX_VERIFY_OVERHEAD = 4.0
 
 
 class ConfigError(ValueError):
@@ -132,14 +133,22 @@ class SpeculativeParams:
 @dataclass(frozen=True, slots=True)
 class PromptLookupParams:
     """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
-    shorter ones, down to 1); num_draft: tokens proposed after a match."""
+    shorter ones, down to 1); num_draft: the most tokens proposed after a match; verify_overhead: the extra
+    cost of a verification forward over a one-token step, as a fraction of that step (a match is proposed only
+    when its expected accepted tokens pay for it; 0 proposes every match, None picks the device's default:
+    0.4 on a CPU, 0.1 on a GPU)."""
 
     max_ngram: int = 3
     num_draft: int = 8
+    verify_overhead: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, 8)
         check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
+        if self.verify_overhead is not None:
+            overhead = _check_finite("verify_overhead", self.verify_overhead)
+            if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
+                raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,10 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
-from playground.decoding.prompt_lookup import find_continuation
+from playground.decoding.prompt_lookup import ProposalGate, find_continuation
 from playground.metrics import compute
 
-from .prompts import NEW_TOKENS, assert_greedy_exact
+from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
 from .stats import assert_follows_target
 
 
@@ -33,11 +33,46 @@ def test_lookup_limits() -> None:
     assert find_continuation([4, 4], max_ngram=2, num_draft=5).tokens == [4]
 
 
+def test_gate_lets_through_what_pays_for_the_forward() -> None:
+    gate = ProposalGate(overhead=0.4, max_ngram=3)
+    assert gate.worth(1, 8) and gate.worth(1, 1)  # the optimistic prior (a = 2/3) tries copying on a new text
+    for _ in range(6):
+        gate.record(1, accepted=0, judged=1)  # single-token matches keep being refused
+        gate.record(3, accepted=4, judged=4)  # three-token matches keep being copied whole
+    assert gate.acceptance(1) == pytest.approx((2 / 3) / 7) and gate.acceptance(3) == pytest.approx((24 + 2 / 3) / 25)
+    assert not gate.worth(1, 8)  # 1 + a + a^2 + ... < 1.11 for a = 0.095: not worth a forward costing 1.4 steps
+    assert gate.worth(3, 1) and gate.worth(3, 8)
+    for _ in range(150):
+        gate.decay()  # nothing observed for a while: estimates return to the prior, single-token matches retry
+    assert gate.acceptance(1) == pytest.approx(2 / 3, abs=0.01) and gate.worth(1, 8)
+    # a = 2/3 with one token: 1.67 expected tokens pay for an overhead of 0.5, not of 0.7
+    assert ProposalGate(0.5, 3).worth(2, 1) and not ProposalGate(0.7, 3).worth(2, 1)
+    assert ProposalGate(0.0, 3).worth(2, 1)  # no overhead: every match is proposed
+
+
+def test_gate_skips_matches_on_free_text(target) -> None:
+    """On open-ended text most matches are short and wrong: the gate turns most of them into plain steps, on
+    a passage to repeat it lets them through."""
+    generation = GenerationParams(max_new_tokens=48)
+    open_prompt, copy_prompt = PROMPTS[1], "Repeat exactly: " + "the quick brown fox jumps over the lazy dog. " * 2
+
+    def proposing_steps(prompt: str, overhead: float) -> int:
+        params = PromptLookupParams(verify_overhead=overhead)
+        decoder = PromptLookupDecoder(target, SamplingParams(), generation, params)
+        _, trace = generate(decoder, prompt)
+        return sum(e.KIND == "draft" for e in trace.events)
+
+    assert proposing_steps(open_prompt, 0.4) < 0.7 * proposing_steps(open_prompt, 0.0)
+    assert proposing_steps(copy_prompt, 0.4) >= proposing_steps(copy_prompt, 0.0) - 1
+
+
 SETTINGS = [PromptLookupParams(), PromptLookupParams(max_ngram=1, num_draft=2),
-            PromptLookupParams(max_ngram=5, num_draft=16)]
+            PromptLookupParams(max_ngram=5, num_draft=16, verify_overhead=0.0),
+            PromptLookupParams(max_ngram=2, num_draft=4, verify_overhead=1.0)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"n{p.max_ngram}-k{p.num_draft}")
+@pytest.mark.parametrize("params", SETTINGS,
+                         ids=lambda p: f"n{p.max_ngram}-k{p.num_draft}-overhead{p.verify_overhead}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
     decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
@@ -81,7 +116,9 @@ def test_same_seed_same_output(target) -> None:
 
 
 @pytest.mark.parametrize("field, value, message", [("max_ngram", 0, r"max_ngram must be an integer in \[1, 8\]"),
-                                                   ("num_draft", 17, r"num_draft must be an integer in \[1, 16\]")])
+                                                   ("num_draft", 17, r"num_draft must be an integer in \[1, 16\]"),
+                                                   ("verify_overhead", -0.1, r"verify_overhead must be in \[0, 4\]"),
+                                                   ("verify_overhead", float("nan"), "verify_overhead must be a")])
 def test_parameter_ranges(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         PromptLookupParams(**{field: value})

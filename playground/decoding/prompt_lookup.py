@@ -4,6 +4,13 @@ Each step: propose -> the longest suffix of the text so far (up to max_ngram tok
 earlier; copy the num_draft tokens that followed its latest earlier occurrence (cut after an end-of-sequence
 token) -> verify them with one target forward -> accept (greedy match, or the lossless rule with one-hot q) ->
 commit: truncate the cache to the kept tokens. With no match the step is a plain decoding step.
+
+A verification forward over several tokens is not free (on a CPU about 1.3-1.8x a one-token step for 2 to 17
+tokens, nearly flat in their number), so a wrong proposal costs time. `ProposalGate` keeps, per matched n-gram
+length, a running estimate of how often a copied token is accepted, and lets a match through only when the
+expected tokens it commits pay for the forward's overhead; otherwise the step is a plain step. It changes which
+steps propose, never which tokens come out (greedy stays exact, sampling stays lossless), and it depends only on
+the tokens, so the same seed gives the same output.
 """
 
 from __future__ import annotations
@@ -48,6 +55,44 @@ def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
     return None
 
 
+class ProposalGate:
+    """Proposes a match only when 1 + a + ... + a^K, the expected tokens a step commits with K copied tokens each
+    accepted with probability a (given the previous one was), exceeds the step's cost, 1 + overhead one-token
+    steps. a is estimated per matched n-gram length from accepted / judged copied tokens, starting from an
+    optimistic prior of 2 / 3 so that copying is tried on every new text; every step the counts decay towards
+    the prior, so estimates follow the text and a length that was gated off is tried again after a while."""
+
+    PRIOR_ACCEPTED, PRIOR_JUDGED = 2 / 3, 1.0
+    DECAY = 0.95
+
+    def __init__(self, overhead: float, max_ngram: int) -> None:
+        self.overhead = overhead
+        self.accepted = [self.PRIOR_ACCEPTED] * (max_ngram + 1)  # indexed by matched n-gram length
+        self.judged = [self.PRIOR_JUDGED] * (max_ngram + 1)
+
+    def acceptance(self, ngram: int) -> float:
+        return self.accepted[ngram] / self.judged[ngram]
+
+    def worth(self, ngram: int, length: int) -> bool:
+        a = self.acceptance(ngram)
+        return sum(a**i for i in range(length + 1)) > 1.0 + self.overhead
+
+    def record(self, ngram: int, accepted: int, judged: int) -> None:
+        self.accepted[ngram] += accepted
+        self.judged[ngram] += judged
+
+    def decay(self) -> None:
+        d = self.DECAY
+        self.accepted = [self.PRIOR_ACCEPTED + d * (x - self.PRIOR_ACCEPTED) for x in self.accepted]
+        self.judged = [self.PRIOR_JUDGED + d * (x - self.PRIOR_JUDGED) for x in self.judged]
+
+
+# Verification overhead over a one-token step when PromptLookupParams leaves it to the device: measured on a
+# 2-core CPU (README, benchmark section); on a GPU a forward over a few tokens costs about the same as over one.
+DEFAULT_VERIFY_OVERHEAD = {"cpu": 0.4}
+GPU_VERIFY_OVERHEAD = 0.1
+
+
 class PromptLookupDecoder(Decoder):
     algo = "prompt-lookup"
 
@@ -56,8 +101,15 @@ class PromptLookupDecoder(Decoder):
         super().__init__(target, sampling, generation)
         self.lookup = params or PromptLookupParams()
 
+    @property
+    def verify_overhead(self) -> float:
+        if self.lookup.verify_overhead is not None:
+            return self.lookup.verify_overhead
+        return DEFAULT_VERIFY_OVERHEAD.get(self.target.model.device.type, GPU_VERIFY_OVERHEAD)
+
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft}
+        return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
+                "verify_overhead": self.verify_overhead}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
@@ -66,6 +118,7 @@ class PromptLookupDecoder(Decoder):
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1,
                           self.generation)
         vocab = target.config.vocab_size
+        gate = ProposalGate(self.verify_overhead, self.lookup.max_ngram)
 
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
         sequence = list(prompt_ids) + [last]  # prompt + generated: what the lookup searches
@@ -77,6 +130,9 @@ class PromptLookupDecoder(Decoder):
             # Never propose past max_new_tokens: those tokens could only be thrown away.
             budget = min(self.lookup.num_draft, self.generation.max_new_tokens - len(stopper.tokens))
             found = find_continuation(sequence, self.lookup.max_ngram, budget, eos_ids)
+            gate.decay()
+            if found and not gate.worth(found.ngram, len(found.tokens)):
+                found = None
             proposals = found.tokens if found else []
             # q is one-hot: a copied token was proposed with certainty (shown only when sampling, where it is used)
             q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
@@ -98,6 +154,9 @@ class PromptLookupDecoder(Decoder):
             outcome = accept_chain(self, step, clock.now(), base, target_logits, proposals, q, q_shown, generator,
                                    stopper)
             done = outcome.done
+            if found:
+                # copied tokens judged: the accepted ones and the first refused one, if any
+                gate.record(found.ngram, outcome.accepted, min(outcome.accepted + 1, len(proposals)))
             # commit: keep `last` and the accepted proposals in the cache; the new `last` is not fed yet.
             cache.truncate(0, base + 1 + outcome.accepted)
             sequence += proposals[: outcome.accepted] + [outcome.token]

@@ -222,7 +222,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     adaptive = gr.Checkbox(False, label="adaptive gamma")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
-                    num_draft = gr.Number(8, label="tokens per proposal (1..16)", step=1)
+                    num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)
                 with gr.Row():
                     window = gr.Number(4, label="window W (1..16)", step=1)
                     ngram = gr.Number(3, label="n-gram N (2..8)", step=1)
