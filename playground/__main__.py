@@ -201,10 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
     lookup.add_argument("--num-draft", type=int, default=8,
                         help="most tokens copied after a match, 1..16 (default 8)")
-    lookup.add_argument("--verify-overhead", type=float, default=None,
+    lookup.add_argument("--verify-overhead", type=float, default=0.4,
                         help="extra cost of a verification forward over a one-token step, 0..4: a match is "
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
-                             "default 0.4 on a CPU, 0.1 on a GPU)")
+                             "default 0.4)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
     ahead.add_argument("--window", type=int, default=4, help="Jacobi window width W, 1..16 (default 4)")
     ahead.add_argument("--ngram", type=int, default=3, help="n-gram size N (window of N - 1 rows), 2..8 (default 3)")

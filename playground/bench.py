@@ -255,10 +255,10 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
                  "assistant_confidence_threshold": 0.0}))
     if "prompt-lookup" in args.algos:
         lookup = PromptLookupParams()
-        decoder = PromptLookupDecoder(target, sampling, generation, lookup)
         contenders.append(Contender(
-            "prompt-lookup", decoder, f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per "
-            f"proposal, verify overhead {decoder.verify_overhead:g}", "prompt lookup",
+            "prompt-lookup", PromptLookupDecoder(target, sampling, generation, lookup),
+            f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per proposal, verify overhead "
+            f"{lookup.verify_overhead:g}", "prompt lookup",
             {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
     if "lookahead" in args.algos:
         ahead = LookaheadParams()

@@ -5,8 +5,8 @@ earlier; copy the num_draft tokens that followed its latest earlier occurrence (
 token) -> verify them with one target forward -> accept (greedy match, or the lossless rule with one-hot q) ->
 commit: truncate the cache to the kept tokens. With no match the step is a plain decoding step.
 
-A verification forward over several tokens is not free (on a CPU about 1.3-1.8x a one-token step for 2 to 17
-tokens, nearly flat in their number), so a wrong proposal costs time. `ProposalGate` keeps, per matched n-gram
+A verification forward over several tokens is not free (on a 2-core CPU about 1.3-1.8x a one-token step for 2
+to 17 tokens, nearly flat in their number; 1.5x for 5 tokens on an H100 at batch 1), so a wrong proposal costs time. `ProposalGate` keeps, per matched n-gram
 length, a running estimate of how often a copied token is accepted, and lets a match through only when the
 expected tokens it commits pay for the forward's overhead; otherwise the step is a plain step. It changes which
 steps propose, never which tokens come out (greedy stays exact, sampling stays lossless), and it depends only on
@@ -87,11 +87,6 @@ class ProposalGate:
         self.judged = [self.PRIOR_JUDGED + d * (x - self.PRIOR_JUDGED) for x in self.judged]
 
 
-# Verification overhead over a one-token step when PromptLookupParams leaves it to the device: measured on a
-# 2-core CPU (README, benchmark section); on a GPU a forward over a few tokens costs about the same as over one.
-DEFAULT_VERIFY_OVERHEAD = {"cpu": 0.4}
-GPU_VERIFY_OVERHEAD = 0.1
-
 
 class PromptLookupDecoder(Decoder):
     algo = "prompt-lookup"
@@ -101,15 +96,9 @@ class PromptLookupDecoder(Decoder):
         super().__init__(target, sampling, generation)
         self.lookup = params or PromptLookupParams()
 
-    @property
-    def verify_overhead(self) -> float:
-        if self.lookup.verify_overhead is not None:
-            return self.lookup.verify_overhead
-        return DEFAULT_VERIFY_OVERHEAD.get(self.target.model.device.type, GPU_VERIFY_OVERHEAD)
-
     def params(self) -> dict[str, Any]:
         return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
-                "verify_overhead": self.verify_overhead}
+                "verify_overhead": self.lookup.verify_overhead}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
@@ -118,7 +107,7 @@ class PromptLookupDecoder(Decoder):
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1,
                           self.generation)
         vocab = target.config.vocab_size
-        gate = ProposalGate(self.verify_overhead, self.lookup.max_ngram)
+        gate = ProposalGate(self.lookup.verify_overhead, self.lookup.max_ngram)
 
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
         sequence = list(prompt_ids) + [last]  # prompt + generated: what the lookup searches
