@@ -400,7 +400,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if name == "speculative":
             info["draft_cost_ratio"] = decode_step_seconds(draft.model) / step
-            # On a CPU a forward over gamma + 1 tokens is not nearly free as on a GPU: it bounds the speedup.
+            # A forward over gamma + 1 tokens is not free (on a CPU, or a launch-bound GPU): it bounds the speedup.
             info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
         if name == "medusa":
             width = contender.decoder.tree.num_nodes + 1

@@ -90,7 +90,8 @@ def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
 # chain, 1.95x for "small" and about 3.5x for the 9-node "medium" (bench `verify cost ratio`, measured before
 # `linear` made its input contiguous, which lowered every wide forward's cost); with the shipped
 # heads "small" and "chain" were fastest (0.57x plain on 6 suite prompts), "small" committing more per forward,
-# so it is the default. On a GPU, where a wider forward is nearly free, "wide" suits better.
+# so it is the default. Where a wider forward is nearly free (a GPU with a model large enough to be bound by
+# reading weights), "wide" suits better.
 TREES: dict[str, list[tuple[int, ...]]] = {
     "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "small": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
