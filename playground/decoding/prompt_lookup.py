@@ -6,11 +6,11 @@ token) -> verify them with one target forward -> accept (greedy match, or the lo
 commit: truncate the cache to the kept tokens. With no match the step is a plain decoding step.
 
 A verification forward over several tokens is not free (on a 2-core CPU about 1.3-1.8x a one-token step for 2
-to 17 tokens, nearly flat in their number; 1.5x for 5 tokens on an H100 at batch 1), so a wrong proposal costs time. `ProposalGate` keeps, per matched n-gram
-length, a running estimate of how often a copied token is accepted, and lets a match through only when the
-expected tokens it commits pay for the forward's overhead; otherwise the step is a plain step. It changes which
-steps propose, never which tokens come out (greedy stays exact, sampling stays lossless), and it depends only on
-the tokens, so the same seed gives the same output.
+to 17 tokens, nearly flat in their number; 1.5x for 5 tokens on an H100 at batch 1), so a wrong proposal costs
+time. `ProposalGate` keeps, per matched n-gram length, a running estimate of how often a copied token is
+accepted, and lets a match through only when the expected tokens it commits pay for the forward's overhead;
+otherwise the step is a plain step. It changes which steps propose, never which tokens come out (greedy stays
+exact, sampling stays lossless), and it depends only on the tokens, so the same seed gives the same output.
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ class ProposalGate:
         d = self.DECAY
         self.accepted = [self.PRIOR_ACCEPTED + d * (x - self.PRIOR_ACCEPTED) for x in self.accepted]
         self.judged = [self.PRIOR_JUDGED + d * (x - self.PRIOR_JUDGED) for x in self.judged]
-
 
 
 class PromptLookupDecoder(Decoder):

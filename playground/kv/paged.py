@@ -14,6 +14,8 @@ write into a block another sequence also holds copies it first (copy on write).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
@@ -56,22 +58,17 @@ class PagedKVCache(KVCache):
         if seq_id in self._lengths:
             raise ValueError(f"sequence {seq_id} is already in the KV cache")
         self._register_written()
-        bs = self.block_size
         table: list[int] = []
         pending: list[tuple[int, BlockKey]] = []
-        parent = ROOT_HASH
-        for i in range(len(prompt_ids) // bs):
-            tokens = tuple(prompt_ids[i * bs : (i + 1) * bs])
-            key = BlockKey(block_hash(parent, tokens), parent, tokens)
+        for i, key in enumerate(self._prompt_block_keys(prompt_ids)):
             block = self.allocator.lookup(key) if len(table) == i else None
             if block is None:
                 pending.append((i, key))
             else:
                 self.allocator.share(block)
                 table.append(block)
-            parent = key.hash
         self._tables[seq_id] = table
-        self._lengths[seq_id] = min(len(table) * bs, len(prompt_ids) - 1) if prompt_ids else 0
+        self._lengths[seq_id] = min(len(table) * self.block_size, len(prompt_ids) - 1) if prompt_ids else 0
         self._pending[seq_id] = pending
         return self._lengths[seq_id]
 
@@ -80,20 +77,25 @@ class PagedKVCache(KVCache):
         could share once the sequences now computing the rest of them have written them."""
         self._register_written()
         pending = {key for keys in self._pending.values() for _, key in keys}
-        bs = self.block_size
         cached = promised = 0
-        parent = ROOT_HASH
-        for i in range(len(prompt_ids) // bs):
-            tokens = tuple(prompt_ids[i * bs : (i + 1) * bs])
-            key = BlockKey(block_hash(parent, tokens), parent, tokens)
+        for key in self._prompt_block_keys(prompt_ids):
             found = self.allocator.lookup(key) is not None
             if not found and key not in pending:
                 break
             if found and cached == promised:
                 cached += 1
             promised += 1
-            parent = key.hash
         return cached, promised
+
+    def _prompt_block_keys(self, prompt_ids: list[int]) -> Iterator[BlockKey]:
+        """The chained keys of the prompt's full blocks, first block first."""
+        bs = self.block_size
+        parent = ROOT_HASH
+        for i in range(len(prompt_ids) // bs):
+            tokens = tuple(prompt_ids[i * bs : (i + 1) * bs])
+            key = BlockKey(block_hash(parent, tokens), parent, tokens)
+            yield key
+            parent = key.hash
 
     def free(self, seq_id: int) -> None:
         """Release every block of a sequence and forget it."""
