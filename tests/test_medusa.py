@@ -113,16 +113,19 @@ def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, mon
                             heads)
     prompt_ids = encode_prompt(target, "Explain what a hash table is.", decoder.generation)
     committed: list[int] = []
-    checked = 0
+    checked = pending = 0
     for event in decoder.run(prompt_ids):
         if isinstance(event, (AcceptEvent, CorrectEvent, BonusEvent)):
             committed.append(event.token.id)
+            # A step's correction or bonus token enters the cache with the next step's forward; an accepted node
+            # is there already, and a run that stops on one ends with it in the cache.
+            pending = 0 if isinstance(event, AcceptEvent) else 1
         if isinstance(event, CommitEvent) and event.step > 0:
             cache = caches[0]
             length = cache.length(0)
-            assert length == len(prompt_ids) + len(committed) - 1  # the newest token is not in the cache yet
+            assert length == len(prompt_ids) + len(committed) - pending
             fresh = new_cache(target.model, length, GenerationParams())
-            forward_tokens(target.model, fresh, prompt_ids + committed[:-1])
+            forward_tokens(target.model, fresh, (prompt_ids + committed)[:length])
             for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
                 torch.testing.assert_close(mine[:, 0, :, :length], theirs[:, 0, :, :length], atol=1e-4, rtol=1e-4)
             checked += 1
@@ -220,3 +223,18 @@ def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
         MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree=str(deep)), heads)
     with pytest.raises(ModelLoadError, match="is not a folder with config.json and medusa.safetensors"):
         load_heads(str(tmp_path), target)
+    old = tmp_path / "old"  # heads saved before they read the next token's embedding
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"num_heads": 4, "hidden_size": 576, "vocab_size": 49152}))
+    (old / "medusa.safetensors").write_bytes((heads.folder / "medusa.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match="read only the hidden state .an earlier format.; retrain"):
+        load_heads(str(old), target)
+
+
+def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
+    """The same hidden state with a different next token gives a different tree: the heads see that token."""
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="chain"), heads)
+    _, hidden = decoder.forward(new_cache(target.model, 64, GenerationParams()), None,
+                                encode_prompt(target, "The capital of France is", GenerationParams()), 0)
+    answers = {tuple(decoder.propose(hidden[-1], last)[0]) for last in target.tokenizer.encode(" Paris London cat")}
+    assert len(answers) == 3

@@ -15,7 +15,7 @@ from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.train.draft import Corpus, batches, distillation_loss
-from playground.train.medusa import head_examples
+from playground.train.medusa import answer_ids, head_examples
 
 
 def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
@@ -103,6 +103,12 @@ def test_medusa_examples_pair_each_state_with_the_token_its_head_predicts() -> N
     assert rows.tolist() == [0, 1, 3, 4, 5] and labels.tolist() == [1, 2, 4, 5, 6]
     rows, labels = head_examples([3, 4], 2)
     assert rows.tolist() == [3] and labels.tolist() == [6]
+
+
+def test_medusa_next_token_ids_follow_the_hidden_state_rows() -> None:
+    """Row i of the hidden states predicted answer token i; the heads read that token's embedding."""
+    corpus = Corpus([[1, 2, 3, 4], [5, 6, 7]], [2, 1], torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
+    assert answer_ids(corpus).tolist() == [3, 4, 6, 7]
 
 
 def test_shipped_medusa_heads_contract(target) -> None:

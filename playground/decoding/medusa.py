@@ -2,8 +2,9 @@
 one target forward with a tree attention mask verifies every node at once.
 
 Each step: the heads read the final hidden state of the position that predicted `last` (the last committed
-token, not yet in the cache) and give each depth's top-k; the tree's paths pick tokens from them. One forward
-runs [last, node 1, ..., node n] at positions P + depth, each node seeing the prefix, its ancestors and itself.
+token, not yet in the cache) and the embedding of `last`, and give each depth's top-k; the tree's paths pick
+tokens from them. One forward runs [last, node 1, ..., node n] at positions P + depth, each node seeing the
+prefix, its ancestors and itself.
 Acceptance walks down from `last` (greedy: the child equal to the target's argmax; lossless: children verified
 in turn as one-hot proposals; typical: the root-to-leaf path whose longest prefix passes the typical test),
 then emits the correction or bonus token. Commit: `last` and the accepted nodes move into consecutive cache
@@ -69,10 +70,10 @@ class MedusaDecoder(Decoder):
                 "epsilon": self.spec.epsilon, "alpha": self.spec.alpha}
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+    def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
         """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`."""
         model, tree = self.target.model, self.tree
-        head_probs = model.project(self.heads.heads(hidden)).softmax(-1)  # (K, V)
+        head_probs = model.project(self.heads.heads(hidden, model.embed_tokens.weight[last])).softmax(-1)  # (K, V)
         top = [head_probs[d].topk(k) for d, k in enumerate(tree.top_k())]  # per depth: (k,) values, indices
         tokens, probs = [], []
         for path in tree.paths:
@@ -123,7 +124,7 @@ class MedusaDecoder(Decoder):
             step_start = clock.now()
             base = cache.length(0)  # position of `last`
             tree = self.tree
-            nodes, head_probs = self.propose(hidden)  # accepted nodes past max_new_tokens are cut by the stopper
+            nodes, head_probs = self.propose(hidden, last)  # accepted nodes past max_new_tokens are cut by the stopper
             ids = [last, *nodes]
             draft_end = clock.now()
             logits, hidden_all = self.forward(cache, tree, ids, base)  # (n+1, V), (n+1, E)

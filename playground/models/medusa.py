@@ -1,6 +1,8 @@
 """Medusa heads (Cai et al. 2024): K small residual blocks on the target's final hidden state; head k guesses
 the token k + 2 positions ahead (the target's own logits give the token 1 ahead), through the target's frozen
-output projection. Stored as safetensors plus a config.json beside them (never pickled)."""
+output projection. Unlike Medusa-1, each head also reads the embedding of that next token: it is decided before
+the heads run, so knowing it costs nothing, and it spares the heads guessing it (the input EAGLE, Li et al.
+2024, feeds its draft). Stored as safetensors plus a config.json beside them (never pickled)."""
 
 from __future__ import annotations
 
@@ -17,15 +19,19 @@ from .loader import LoadedModel, ModelLoadError
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
 WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
+# What a head reads, recorded in config.json: heads saved before the next-token embedding was an input cannot load.
+INPUTS = "hidden+next_embedding"
 
 
 class MedusaHeads(nn.Module):
-    """Head k: h -> h + silu(W_k h + b_k), then the target's output projection. Zero-initialised W_k makes every
-    head start as a copy of the target's next-token prediction, which training then shifts further ahead."""
+    """Head k: (h, e) -> h + silu(W_k [h; e] + b_k), then the target's output projection, where h is the final
+    hidden state that predicted the next token and e the target's input embedding of that token. Zero-initialised
+    W_k makes every head start as a copy of the target's next-token prediction, which training then shifts
+    further ahead."""
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        self.blocks = nn.ModuleList(nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads))
         for block in self.blocks:
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
@@ -34,9 +40,11 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., E) final-norm states -> (K, ..., E) head states, to project with the target's head."""
-        return torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks])
+    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """hidden (..., E) final-norm states and next_embedding (..., E) the input embeddings of the tokens they
+        predicted -> (K, ..., E) head states, to project with the target's head."""
+        both = torch.cat((hidden, next_embedding), dim=-1)  # (..., 2E)
+        return torch.stack([hidden + F.silu(block(both)) for block in self.blocks])
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class LoadedHeads:
 def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}, str(folder / WEIGHTS))
-    config = {"num_heads": heads.num_heads, "hidden_size": target.model.config.hidden_size,
+    config = {"num_heads": heads.num_heads, "inputs": INPUTS, "hidden_size": target.model.config.hidden_size,
               "vocab_size": target.model.config.vocab_size, "target": target.name}
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
@@ -76,6 +84,9 @@ def load_heads(source: str | None, target: LoadedModel) -> LoadedHeads:
         num_heads, hidden, vocab = int(config["num_heads"]), int(config["hidden_size"]), int(config["vocab_size"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"medusa heads: {folder / CONFIG} is malformed ({exc})") from exc
+    if config.get("inputs") != INPUTS:
+        raise ModelLoadError(f"medusa heads: {folder} holds heads that read only the hidden state (an earlier "
+                             "format); retrain them with `python -m playground.train medusa`")
     tcfg = target.model.config
     if (hidden, vocab) != (tcfg.hidden_size, tcfg.vocab_size):
         raise ModelLoadError(f"medusa heads: made for hidden size {hidden} and vocabulary {vocab}, the target has "

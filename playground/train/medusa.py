@@ -3,8 +3,9 @@
 1. The target answers the project's training prompts greedily (the same corpus as the draft's; `--corpus`
    caches it), so the heads learn the target's own continuations.
 2. One pass of the frozen target over every sequence gives the final hidden state at each answer position.
-3. Head k at position t learns the token at t + k + 2 with the draft's distillation loss (half the target's
-   greedy token, half its top-k distribution at that position), through the frozen output projection.
+3. Head k at position t, given that state and the embedding of the answer token it predicted (t + 1), learns the
+   token at t + k + 2 with the draft's distillation loss (half the target's greedy token, half its top-k
+   distribution at that position), through the frozen output projection.
 4. A report: each head's top-1 and top-5 accuracy on the held-out prompts' answers.
 Everything is seeded; the run is reproducible up to floating-point reduction order.
 """
@@ -33,7 +34,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(EMBEDDED_MEDUSA), help="output folder")
     parser.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
     parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
-    parser.add_argument("--epochs", type=int, default=1, help="passes over the corpus (default 1)")
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the corpus (default 2)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--batch", type=int, default=512, help="positions per optimiser step (default 512)")
@@ -73,6 +74,11 @@ def hidden_states(target: Any, corpus: Corpus, batch: int = 32) -> tuple[torch.T
     return torch.cat(states), counts
 
 
+def answer_ids(corpus: Corpus) -> torch.Tensor:
+    """Every answer token (N,) in corpus order: row i of the hidden states predicted token i."""
+    return torch.tensor([t for s, a in zip(corpus.sequences, corpus.answer_starts) for t in s[a:]])
+
+
 def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For head k: (rows of the hidden states, rows of the corpus labels) pairing position t with the answer
     token k + 1 further on than the target's own next token. Both index arrays are (n,)."""
@@ -93,6 +99,8 @@ def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[in
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.05)
     output = target.model.output_weight.detach().float()  # (V, E), frozen
+    embedding = target.model.embed_tokens.weight.detach().float()  # (V, E), frozen
+    next_ids = answer_ids(corpus)  # (N,)
     generator = torch.Generator().manual_seed(args.seed)
     heads.train()
     step, start = 0, time.perf_counter()
@@ -107,7 +115,8 @@ def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[in
                 if len(pick) == 0:
                     continue
                 h = states[rows[pick]]  # (n, E)
-                logits = (h + torch.nn.functional.silu(block(h))) @ output.T  # (n, V)
+                both = torch.cat((h, embedding[next_ids[rows[pick]]]), dim=-1)  # (n, 2E)
+                logits = (h + torch.nn.functional.silu(block(both))) @ output.T  # (n, V)
                 loss = loss + distillation_loss(logits, corpus.topk_ids[labels[pick]],
                                                 corpus.topk_logprobs[labels[pick]])
             optimizer.zero_grad()
@@ -129,10 +138,9 @@ def evaluate(target: Any, heads: MedusaHeads, answer_tokens: int) -> dict[str, A
     corpus = generate_corpus(target, held_out_prompts(), answer_tokens)
     states, counts = hidden_states(target, corpus)
     output = target.model.output_weight.detach().float()
-    tokens = [t for s, a in zip(corpus.sequences, corpus.answer_starts) for t in s[a:]]
-    truth = torch.tensor(tokens)
+    truth = answer_ids(corpus)  # (N,)
     report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "heads": []}
-    for k, head_state in enumerate(heads.float()(states)):
+    for k, head_state in enumerate(heads.float()(states, target.model.embed_tokens.weight.float()[truth])):
         rows, labels = head_examples(counts, k)
         top5 = (head_state[rows] @ output.T).topk(5, dim=-1).indices  # (n, 5)
         hits = top5 == truth[labels].unsqueeze(1)  # (n, 5)
