@@ -40,11 +40,15 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
-        """hidden (..., E) final-norm states and next_embedding (..., E) the input embeddings of the tokens they
-        predicted -> (K, ..., E) head states, to project with the target's head."""
+    def head(self, k: int, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Head k's state (..., E) from final-norm states (..., E) and the input embeddings (..., E) of the tokens
+        they predicted, to project with the target's head."""
         both = torch.cat((hidden, next_embedding), dim=-1)  # (..., 2E)
-        return torch.stack([hidden + F.silu(block(both)) for block in self.blocks])
+        return hidden + F.silu(self.blocks[k](both))
+
+    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Every head's state: (K, ..., E) for the (..., E) inputs of `head`."""
+        return torch.stack([self.head(k, hidden, next_embedding) for k in range(self.num_heads)])
 
 
 @dataclass(frozen=True)

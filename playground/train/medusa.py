@@ -109,14 +109,12 @@ def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[in
         losses = []
         for b in range(math.ceil(len(examples[0][0]) / args.batch)):
             loss = torch.zeros(())
-            for k, block in enumerate(heads.blocks):
+            for k in range(heads.num_heads):
                 rows, labels = examples[k]
                 pick = orders[k][b * args.batch : (b + 1) * args.batch]
                 if len(pick) == 0:
                     continue
-                h = states[rows[pick]]  # (n, E)
-                both = torch.cat((h, embedding[next_ids[rows[pick]]]), dim=-1)  # (n, 2E)
-                logits = (h + torch.nn.functional.silu(block(both))) @ output.T  # (n, V)
+                logits = heads.head(k, states[rows[pick]], embedding[next_ids[rows[pick]]]) @ output.T  # (n, V)
                 loss = loss + distillation_loss(logits, corpus.topk_ids[labels[pick]],
                                                 corpus.topk_logprobs[labels[pick]])
             optimizer.zero_grad()
