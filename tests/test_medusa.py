@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from itertools import combinations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from playground.config import ConfigError, GenerationParams, MedusaParams, SamplingParams
 from playground.decoding import MedusaDecoder, encode_prompt, generate
@@ -18,7 +20,7 @@ from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.tree import TREES, build_tree, load_tree
 from playground.metrics import compute
 from playground.models import ModelLoadError
-from playground.models.medusa import load_heads
+from playground.models.medusa import load_heads, save_heads
 from playground.sampling import verify_tree_greedy, verify_tree_lossless
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, Trace, TreeEvent
 
@@ -236,5 +238,56 @@ def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
     decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="chain"), heads)
     _, hidden = decoder.forward(new_cache(target.model, 64, GenerationParams()), None,
                                 encode_prompt(target, "The capital of France is", GenerationParams()), 0)
-    answers = {tuple(decoder.propose(hidden[-1], last)[0]) for last in target.tokenizer.encode(" Paris London cat")}
-    assert len(answers) == 3
+    lasts = target.tokenizer.encode(" Paris London cat")
+    assert len({tuple(decoder.propose(hidden[-1], last)[0]) for last in lasts}) > 1
+    logits = [heads.logits(hidden[-1], target.model.embed_tokens.weight[last]) for last in lasts]  # each (K, V')
+    assert not any(torch.allclose(a, b, atol=1e-3) for a, b in combinations(logits, 2))
+
+
+@pytest.fixture(scope="module")
+def narrow_heads(target, heads, plain_outputs, tmp_path_factory):
+    """The shipped heads' weights restricted to a small vocabulary: ids 0-99 and the tokens of six plain answers."""
+    keep = {t for prompt in PROMPTS[:6] for t in plain_outputs[prompt]} | set(range(100))
+    folder = tmp_path_factory.mktemp("narrow")
+    save_heads(heads.heads, folder, target, torch.float32, torch.tensor(sorted(keep)))
+    return load_heads(str(folder), target)
+
+
+def test_reduced_vocabulary_logits_are_the_full_projection_restricted(target, heads, narrow_heads) -> None:
+    hidden, embedding = torch.randn(576), target.model.embed_tokens.weight[42]
+    full = target.model.project(heads.heads(hidden, embedding))  # (K, V)
+    narrow = narrow_heads.logits(hidden, embedding)  # (K, V')
+    assert narrow.shape == (4, narrow_heads.vocab_size)
+    torch.testing.assert_close(narrow, full[:, narrow_heads.vocab_ids], atol=1e-4, rtol=1e-4)
+
+
+def test_reduced_vocabulary_heads_propose_only_their_tokens_and_stay_exact(target, narrow_heads,
+                                                                           plain_outputs) -> None:
+    allowed = set(narrow_heads.vocab_ids.tolist())
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), MedusaParams(),
+                            narrow_heads)
+    accepted = 0
+    for prompt in PROMPTS[:6]:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        assert all(set(e.tokens) <= allowed for e in trace.events if isinstance(e, TreeEvent))
+        accepted += compute(trace).accepted
+    assert accepted > 0
+
+
+def test_malformed_reduced_vocabularies_are_refused(target, heads, tmp_path) -> None:
+    for name, ids in {"unsorted": [5, 3], "repeated": [3, 3], "out-of-range": [3, 49152],
+                      "floats": torch.tensor([1.0, 2.0])}.items():
+        save_heads(heads.heads, tmp_path / name, target, torch.float32, torch.tensor([0]))
+        tensors = load_file(str(tmp_path / name / "medusa.safetensors"))
+        tensors["vocab_ids"] = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids)
+        save_file(tensors, str(tmp_path / name / "medusa.safetensors"))
+        with pytest.raises(ModelLoadError, match="malformed 'vocab_ids' tensor; it must list 1 to 49152 distinct"):
+            load_heads(str(tmp_path / name), target)
+
+
+def test_a_tree_wider_than_the_heads_vocabulary_is_refused(target, heads, tmp_path) -> None:
+    save_heads(heads.heads, tmp_path, target, torch.float32, torch.tensor([4, 8, 15]))
+    with pytest.raises(ConfigError, match="tree: a depth takes the top 5 tokens; the heads score only 3"):
+        MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="wide"),
+                      load_heads(str(tmp_path), target))

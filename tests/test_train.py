@@ -15,7 +15,10 @@ from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.train.draft import Corpus, batches, distillation_loss
-from playground.train.medusa import answer_ids, head_examples
+from playground.train.medusa import answer_ids, head_examples, head_vocabulary
+from playground.train.prompts import (CODE_TEMPLATES, held_out_prompts, maths_prompt, second_stage_prompts,
+                                      training_prompts)
+from playground.bench_suite import SUITE
 
 
 def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
@@ -25,7 +28,7 @@ def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     assert main(small + ["--answer-tokens", "8"]) == 0
     assert Corpus.load(corpus).answer_tokens() <= 2 * 8
     report = json.loads((out / "train_report.json").read_text())
-    assert report["train_prompts"] == 2 and report["layers"] == 1
+    assert report["first_stage_prompts"] == 2 and report["train_prompts"] >= 2 and report["layers"] == 1
     assert 0 <= report["held_out_token_acceptance"] <= 1 and report["draft_target_cost_ratio"] > 0
     draft = load_model(ModelSpec(source=str(out), device="cpu"))
     check_compatible(target, draft)
@@ -67,6 +70,53 @@ def test_distillation_loss_is_lowest_when_the_draft_matches_the_target() -> None
     assert distillation_loss(matching, topk_ids, target_logprobs) < distillation_loss(wrong, topk_ids, target_logprobs)
 
 
+def test_distillation_loss_over_a_reduced_vocabulary_ignores_ids_outside_it() -> None:
+    """Soft labels outside the covered ids neither count nor break the loss; all-covered equals no mask."""
+    logits = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -1.0]])  # (N=2, V'=3)
+    ids = torch.tensor([[2, 0], [1, 0]])
+    logprobs = torch.tensor([[-0.2, -1.8], [-0.5, -1.0]])
+    everything = torch.ones(2, 2, dtype=torch.bool)
+    assert torch.equal(distillation_loss(logits, ids, logprobs, everything), distillation_loss(logits, ids, logprobs))
+    known = torch.tensor([[True, False], [False, False]])  # row 1 lies wholly outside the vocabulary
+    loss = distillation_loss(logits, ids, logprobs, known)
+    assert torch.isfinite(loss)
+    moved = logprobs.clone()
+    moved[0, 1] = 5.0  # an alternative outside the vocabulary, now the target's favourite: ignored all the same
+    assert torch.equal(loss, distillation_loss(logits, ids, moved, known))
+    expected = -logits.log_softmax(-1)[0, 2] / 2  # row 0: hard and soft terms both on token 2; row 1 adds nothing
+    torch.testing.assert_close(loss, expected)
+
+
+def test_head_vocabulary_ranks_answers_then_alternatives_then_low_ids() -> None:
+    # answers 7, 7, 3 (7 most frequent); alternatives add 5 (twice) and 9 (once) beside the answers
+    corpus = Corpus([[1, 7, 7, 3]], [1], torch.tensor([[7, 5], [7, 9], [3, 5]]), torch.zeros(3, 2))
+    assert head_vocabulary(corpus, 2, 12).tolist() == [3, 7]
+    assert head_vocabulary(corpus, 3, 12).tolist() == [3, 5, 7]
+    assert head_vocabulary(corpus, 6, 12).tolist() == [0, 1, 3, 5, 7, 9]  # then the lowest unused ids, 0 and 1
+    assert head_vocabulary(corpus, 12, 12).tolist() == list(range(12))
+
+
+def test_second_stage_prompts_ground_tasks_in_first_stage_answers() -> None:
+    prompts = training_prompts()
+    story = "Mina found a map in the attic. It showed a river that no longer exists! She decided to look"
+    code = "```python\ndef area(r):\n    return 3.14 * r * r\n```\nThis computes a circle's area."
+    answers = [code if "Python function" in p else story for p in prompts]
+    second = second_stage_prompts(prompts, answers)
+    assert second == second_stage_prompts(prompts, answers)  # deterministic
+    grounded = [p for p in second if "Mina found a map" in p or code[:20] in p]
+    assert len(grounded) == len(prompts) // 4 and len(second) == len(grounded) + 105
+    # the answer is cut after its last complete sentence; code answers get a code-editing task
+    assert any(p.endswith("no longer exists!") for p in grounded) and not any("She decided" in p for p in grounded)
+    assert all(any(p.startswith(t.split("{")[0]) for t in CODE_TEMPLATES) for p in grounded if code[:20] in p)
+    assert any(p.startswith("Translate into French: 'Mina found a map in the attic.'") for p in grounded)
+    assert maths_prompt(3) == maths_prompt(3) and maths_prompt(4) is None
+    # too short to ground a task on: skipped
+    assert second_stage_prompts(prompts[:2], ["Yes.", "Short."]) == []
+    # nothing the benchmark or the held-out report asks is ever trained on
+    suite = {p for _, p in SUITE}
+    assert not (set(prompts) | set(second)) & (suite | set(held_out_prompts()))
+
+
 def test_bad_training_arguments_are_refused(capsys) -> None:
     assert main(["draft", "--epochs", "0"]) == 2
     assert "epochs must be an integer in [1, 100]" in capsys.readouterr().err
@@ -87,13 +137,19 @@ def test_shipped_draft_contract(target) -> None:
     assert report["size_mb"] <= 30 and report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
 
 
-def test_medusa_training_pipeline_smoke(tmp_path, target) -> None:
+def test_medusa_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     out = tmp_path / "heads"
-    assert main(["medusa", "--limit", "2", "--answer-tokens", "8", "--batch", "8", "--out", str(out)]) == 0
+    small = ["medusa", "--limit", "2", "--answer-tokens", "8", "--batch", "8", "--out", str(out)]
+    assert main(small + ["--head-vocab", "300"]) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert [h["predicts"] for h in report["heads"]] == ["t+2", "t+3", "t+4", "t+5"]
-    assert all(0 <= h["top1"] <= h["top5"] <= 1 for h in report["heads"]) and report["train_prompts"] == 2
-    assert load_heads(str(out), target).heads.num_heads == 4
+    assert all(0 <= h["top1"] <= h["top5"] <= 1 for h in report["heads"]) and report["first_stage_prompts"] == 2
+    assert report["head_vocab_size"] == 300 and 0 < report["held_out_answers_in_head_vocab"] < 1
+    heads = load_heads(str(out), target)
+    assert heads.heads.num_heads == 4 and heads.vocab_size == 300
+    for bad in ("0", "49153"):
+        assert main(small + ["--head-vocab", bad]) == 2
+        assert "head_vocab must be an integer in [1, 49152]" in capsys.readouterr().err
 
 
 def test_medusa_examples_pair_each_state_with_the_token_its_head_predicts() -> None:
@@ -116,4 +172,6 @@ def test_shipped_medusa_heads_contract(target) -> None:
     assert (EMBEDDED_MEDUSA / "medusa.safetensors").stat().st_size <= 30 * 2**20
     report = json.loads((EMBEDDED_MEDUSA / "train_report.json").read_text())
     assert [h["head"] for h in report["heads"]] == [0, 1, 2, 3] and report["heads"][0]["top5"] > 0.5
-    assert load_heads(None, target).heads.num_heads == 4
+    assert report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
+    shipped = load_heads(None, target)
+    assert shipped.heads.num_heads == 4 and shipped.vocab_size == report["head_vocab_size"] == 8192

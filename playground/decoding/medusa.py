@@ -63,6 +63,9 @@ class MedusaDecoder(Decoder):
         if self.tree.depth > self.heads.heads.num_heads:
             raise ConfigError(f"tree: depth {self.tree.depth} needs that many heads; the heads have "
                               f"{self.heads.heads.num_heads}")
+        if max(self.tree.top_k()) > self.heads.vocab_size:
+            raise ConfigError(f"tree: a depth takes the top {max(self.tree.top_k())} tokens; the heads score only "
+                              f"{self.heads.vocab_size}")
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
@@ -71,14 +74,15 @@ class MedusaDecoder(Decoder):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
-        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`."""
-        model, tree = self.target.model, self.tree
-        head_probs = model.project(self.heads.heads(hidden, model.embed_tokens.weight[last])).softmax(-1)  # (K, V)
+        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`. A
+        head's probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one)."""
+        model, tree, heads = self.target.model, self.tree, self.heads
+        head_probs = heads.logits(hidden, model.embed_tokens.weight[last]).softmax(-1)  # (K, V') over vocab_ids
         top = [head_probs[d].topk(k) for d, k in enumerate(tree.top_k())]  # per depth: (k,) values, indices
         tokens, probs = [], []
         for path in tree.paths:
             values, indices = top[len(path) - 1]
-            tokens.append(int(indices[path[-1]]))
+            tokens.append(int(heads.vocab_ids[indices[path[-1]]]))
             probs.append(float(values[path[-1]]))
         return tokens, probs
 

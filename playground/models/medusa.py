@@ -2,7 +2,10 @@
 the token k + 2 positions ahead (the target's own logits give the token 1 ahead), through the target's frozen
 output projection. Unlike Medusa-1, each head also reads the embedding of that next token: it is decided before
 the heads run, so knowing it costs nothing, and it spares the heads guessing it (the input EAGLE, Li et al.
-2024, feeds its draft). Stored as safetensors plus a config.json beside them (never pickled)."""
+2024, feeds its draft). The heads may score a reduced vocabulary: the rows of the output projection for the tokens
+the target actually writes, which makes proposing and training several times cheaper (a token outside it can only
+come from the target's own prediction, never from a head). Stored as safetensors plus a config.json beside them
+(never pickled)."""
 
 from __future__ import annotations
 
@@ -16,11 +19,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
+from .transformer import can_pack, linear, pack
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
 WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
 # What a head reads, recorded in config.json: heads saved before the next-token embedding was an input cannot load.
 INPUTS = "hidden+next_embedding"
+VOCAB_IDS = "vocab_ids"  # the tensor in the weights file listing the token ids the heads score, ascending
 
 
 class MedusaHeads(nn.Module):
@@ -56,13 +61,34 @@ class LoadedHeads:
     heads: MedusaHeads
     folder: Path
     target_name: str
+    vocab_ids: torch.Tensor  # (V',) int64 ascending: the token ids the heads score
+    output: torch.Tensor  # (V', E) the target's output projection rows for those ids
+    packed: torch.Tensor | None  # `output` prepacked for the CPU (see transformer.pack), or None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab_ids)
+
+    def logits(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Every head's logits (K, ..., V') over `vocab_ids`, in float32, for the inputs of `MedusaHeads.head`."""
+        return linear(self.heads(hidden, next_embedding), self.output, packed=self.packed).float()
 
 
-def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
+def head_output(output_weight: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The rows (V', E) of a target's output projection (V, E) that heads restricted to `vocab_ids` score."""
+    if len(vocab_ids) == len(output_weight):
+        return output_weight
+    return output_weight[vocab_ids.to(output_weight.device)].contiguous()
+
+
+def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype,
+               vocab_ids: torch.Tensor) -> None:
+    """Weights in `dtype` plus the (V',) token ids they score, and config.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}, str(folder / WEIGHTS))
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    save_file({**tensors, VOCAB_IDS: vocab_ids.to(torch.int64).contiguous()}, str(folder / WEIGHTS))
     config = {"num_heads": heads.num_heads, "inputs": INPUTS, "hidden_size": target.model.config.hidden_size,
-              "vocab_size": target.model.config.vocab_size, "target": target.name}
+              "vocab_size": target.model.config.vocab_size, "head_vocab_size": len(vocab_ids), "target": target.name}
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
 
@@ -98,9 +124,28 @@ def load_heads(source: str | None, target: LoadedModel) -> LoadedHeads:
     if not 1 <= num_heads <= 16:
         raise ModelLoadError(f"medusa heads: num_heads must be in [1, 16], got {num_heads}")
     heads = MedusaHeads(hidden, num_heads)
+    tensors = load_file(str(folder / WEIGHTS))
+    # heads saved before reduced vocabularies existed score the whole vocabulary
+    vocab_ids = tensors.pop(VOCAB_IDS, torch.arange(vocab))
     try:
-        heads.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS)).items()}, strict=True)
+        heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     except RuntimeError as exc:
         raise ModelLoadError(f"medusa heads: {folder / WEIGHTS} does not match its config ({exc})") from exc
-    heads = heads.to(device=target.model.device, dtype=target.model.dtype).eval().requires_grad_(False)
-    return LoadedHeads(heads, folder, str(config.get("target", "")))
+    check_vocab_ids(vocab_ids, vocab, folder / WEIGHTS)
+    model = target.model
+    heads = heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+    output = head_output(model.output_weight, vocab_ids)
+    if output is model.output_weight:
+        packed = model.packed_output
+    else:  # a packed copy only where the target packs its own (see Transformer.pack_linears)
+        packed = pack(output) if model.packed_output is not None and can_pack(output) else None
+    return LoadedHeads(heads, folder, str(config.get("target", "")), vocab_ids.to(model.device), output, packed)
+
+
+def check_vocab_ids(vocab_ids: torch.Tensor, vocab: int, where: Path) -> None:
+    """Reduced-vocabulary ids must be distinct, ascending int64 token ids of the target."""
+    ok = (vocab_ids.dtype == torch.int64 and vocab_ids.dim() == 1 and 1 <= len(vocab_ids) <= vocab
+          and int(vocab_ids.min()) >= 0 and int(vocab_ids.max()) < vocab and bool((vocab_ids.diff() > 0).all()))
+    if not ok:
+        raise ModelLoadError(f"medusa heads: {where} holds a malformed {VOCAB_IDS!r} tensor; it must list 1 to "
+                             f"{vocab} distinct ascending int64 token ids in [0, {vocab})")

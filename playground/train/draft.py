@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
-from .prompts import held_out_prompts, training_prompts
+from .prompts import held_out_prompts, second_stage_prompts, training_prompts
 
 GAMMA = 4  # draft length of the acceptance report
 TOP_K = 16  # target alternatives kept per answer position as soft labels
@@ -42,7 +42,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=192, help="draft hidden size (default 192)")
     parser.add_argument("--layers", type=int, default=4, help="draft decoder layers (default 4)")
     parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
-    parser.add_argument("--epochs", type=int, default=9, help="passes over the corpus (default 9)")
+    parser.add_argument("--epochs", type=int, default=7, help="passes over the corpus (default 7)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -77,6 +77,14 @@ class Corpus:
         save_file({"tokens": torch.tensor([t for s in self.sequences for t in s]), "lengths": lengths,
                    "answer_starts": torch.tensor(self.answer_starts), "topk_ids": self.topk_ids,
                    "topk_logprobs": self.topk_logprobs}, str(path), metadata=metadata)
+
+    def answers(self, tokenizer: Any) -> list[str]:
+        """Each sequence's answer as text, special tokens dropped."""
+        return [tokenizer.decode(s[a:], skip_special_tokens=True) for s, a in zip(self.sequences, self.answer_starts)]
+
+    def __add__(self, other: "Corpus") -> "Corpus":
+        return Corpus(self.sequences + other.sequences, self.answer_starts + other.answer_starts,
+                      torch.cat((self.topk_ids, other.topk_ids)), torch.cat((self.topk_logprobs, other.topk_logprobs)))
 
     @classmethod
     def load(cls, path: Path) -> "Corpus":
@@ -184,15 +192,20 @@ def batches(corpus: Corpus, size: int, generator: torch.Generator, pad: int):
         yield ids, (torch.tensor(rows), torch.tensor(columns)), torch.tensor(labels)
 
 
-def distillation_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+def distillation_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                      known: torch.Tensor | None = None) -> torch.Tensor:
     """Half cross-entropy on the target's greedy token, half on its top-k distribution renormalised.
 
-    logits (N, V) from the draft; topk_ids, topk_logprobs (N, K) from the target, best first. The hard term
-    is what greedy acceptance scores; the soft term tells the draft how the target ranks the alternatives,
-    which generalises better from a small corpus."""
+    logits (N, V) from the draft; topk_ids, topk_logprobs (N, K) from the target, best first, ids indexing the
+    logits. The hard term is what greedy acceptance scores; the soft term tells the draft how the target ranks
+    the alternatives, which generalises better from a small corpus. `known` (N, K) bool, for logits over a
+    reduced vocabulary, marks the ids it covers: the others (any in-range index) leave both terms."""
     logq = logits.log_softmax(-1).gather(1, topk_ids)  # (N, K)
-    soft = topk_logprobs.softmax(-1)  # (N, K)
-    return -(0.5 * logq[:, 0] + 0.5 * (soft * logq).sum(-1)).mean()
+    if known is None:
+        known = torch.ones_like(topk_ids, dtype=torch.bool)
+    # a row whose alternatives all lie outside gets an all -inf row: its NaN softmax becomes zero weights
+    soft = topk_logprobs.masked_fill(~known, float("-inf")).softmax(-1).nan_to_num(0.0)  # (N, K)
+    return -(0.5 * logq[:, 0] * known[:, 0] + 0.5 * (soft * logq).sum(-1)).mean()
 
 
 def train(target: Any, corpus: Corpus, args: argparse.Namespace) -> Any:
@@ -249,12 +262,20 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
             "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
 
 
+def two_stage_corpus(target: Any, prompts: list[str], answer_tokens: int) -> Corpus:
+    """The target's answers to `prompts`, then to the second-stage prompts built on those answers (see prompts.py)."""
+    first = generate_corpus(target, prompts, answer_tokens)
+    second = second_stage_prompts(prompts, first.answers(target.tokenizer))
+    log(f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} answers")
+    return first + generate_corpus(target, second, answer_tokens) if second else first
+
+
 def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Namespace) -> tuple[Corpus, float]:
     """The corpus from `--corpus` when that file exists and was made with the same settings, else a fresh one
     (saved there when `--corpus` is given), so training variants can reuse one generation run. Also returns
     the seconds its generation took (then or now)."""
     settings = {"model": args.model, "prompts": str(len(prompts)), "answer_tokens": str(args.answer_tokens),
-                "top_k": str(TOP_K)}
+                "top_k": str(TOP_K), "stages": "2"}
     path = Path(args.corpus) if args.corpus else None
     if path is not None and path.is_file():
         with safe_open(str(path), "pt") as handle:
@@ -265,7 +286,7 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
         log(f"reusing the corpus in {path}")
         return Corpus.load(path), seconds
     start = time.perf_counter()
-    corpus = generate_corpus(target, prompts, args.answer_tokens)
+    corpus = two_stage_corpus(target, prompts, args.answer_tokens)
     seconds = time.perf_counter() - start
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,7 +326,8 @@ def main(args: argparse.Namespace) -> int:
         if (target.folder / name).is_file():
             shutil.copy(target.folder / name, out / name)
     report = evaluate(target, out, held_out_prompts()[: args.eval_prompts])
-    report.update({"train_prompts": len(prompts), "train_tokens": corpus.answer_tokens(),
+    report.update({"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
+                   "train_tokens": corpus.answer_tokens(),
                    "hidden": args.hidden, "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
                    "weights_dtype": args.weights_dtype, "seed": args.seed,
                    # a reused corpus was generated in an earlier run: its time counts towards a full run

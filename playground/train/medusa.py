@@ -3,10 +3,13 @@
 1. The target answers the project's training prompts greedily (the same corpus as the draft's; `--corpus`
    caches it), so the heads learn the target's own continuations.
 2. One pass of the frozen target over every sequence gives the final hidden state at each answer position.
-3. Head k at position t, given that state and the embedding of the answer token it predicted (t + 1), learns the
+3. The heads' vocabulary (`--head-vocab`): the target's most frequent answer tokens, then its most frequent
+   top-k alternatives; heads score only those rows of the frozen output projection.
+4. Head k at position t, given that state and the embedding of the answer token it predicted (t + 1), learns the
    token at t + k + 2 with the draft's distillation loss (half the target's greedy token, half its top-k
-   distribution at that position), through the frozen output projection.
-4. A report: each head's top-1 and top-5 accuracy on the held-out prompts' answers.
+   distribution at that position, both restricted to the heads' vocabulary).
+5. A report: each head's top-1 and top-5 accuracy on the held-out prompts' answers (a token outside the heads'
+   vocabulary counts as a miss) and the share of those answers the vocabulary covers.
 Everything is seeded; the run is reproducible up to floating-point reduction order.
 """
 
@@ -24,7 +27,7 @@ import torch
 
 from ..config import ModelSpec, check_int
 from ..models.loader import TORCH_DTYPES
-from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
+from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, head_output, save_heads
 from .draft import TOP_K, Corpus, distillation_loss, generate_corpus, load_or_generate_corpus, training_setup
 from .prompts import held_out_prompts
 
@@ -34,10 +37,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(EMBEDDED_MEDUSA), help="output folder")
     parser.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
     parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
-    parser.add_argument("--epochs", type=int, default=2, help="passes over the corpus (default 2)")
+    parser.add_argument("--epochs", type=int, default=4, help="passes over the corpus (default 4)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--batch", type=int, default=512, help="positions per optimiser step (default 512)")
+    parser.add_argument("--head-vocab", type=int, default=8192,
+                        help="tokens the heads score, from 1 to the target's vocabulary size (all of it; "
+                             "default 8192)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
                         help="dtype the weights are saved in (default float16)")
     parser.add_argument("--corpus", default=None,
@@ -92,14 +98,31 @@ def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Ten
     return torch.cat(rows), torch.cat(labels)
 
 
-def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[int], corpus: Corpus,
-          args: argparse.Namespace) -> None:
+def head_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` token ids (ascending, int64) heads will score: the target's answer tokens, most frequent first,
+    then the alternatives in its top-k soft labels, most frequent first, then the lowest remaining ids."""
+    answers = torch.bincount(answer_ids(corpus), minlength=vocab_size).double()  # (V,)
+    alternatives = torch.bincount(corpus.topk_ids.flatten(), minlength=vocab_size).double()  # (V,)
+    score = answers * (alternatives.max() + 1) + alternatives  # answer counts first, ties by alternatives
+    return torch.sort(score.argsort(descending=True, stable=True)[:size]).values
+
+
+def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(V,) int64: each token's index in `vocab_ids`, -1 for a token outside it."""
+    position = torch.full((vocab_size,), -1, dtype=torch.int64)
+    position[vocab_ids] = torch.arange(len(vocab_ids))
+    return position
+
+
+def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torch.Tensor, counts: list[int],
+          corpus: Corpus, args: argparse.Namespace) -> None:
     examples = [head_examples(counts, k) for k in range(heads.num_heads)]
     total = args.epochs * math.ceil(len(examples[0][0]) / args.batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.05)
-    output = target.model.output_weight.detach().float()  # (V, E), frozen
+    output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E), frozen
     embedding = target.model.embed_tokens.weight.detach().float()  # (V, E), frozen
+    position = vocabulary_position(vocab_ids, len(embedding))[corpus.topk_ids]  # (N, K) soft labels in V', or -1
     next_ids = answer_ids(corpus)  # (N,)
     generator = torch.Generator().manual_seed(args.seed)
     heads.train()
@@ -114,9 +137,10 @@ def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[in
                 pick = orders[k][b * args.batch : (b + 1) * args.batch]
                 if len(pick) == 0:
                     continue
-                logits = heads.head(k, states[rows[pick]], embedding[next_ids[rows[pick]]]) @ output.T  # (n, V)
-                loss = loss + distillation_loss(logits, corpus.topk_ids[labels[pick]],
-                                                corpus.topk_logprobs[labels[pick]])
+                logits = heads.head(k, states[rows[pick]], embedding[next_ids[rows[pick]]]) @ output.T  # (n, V')
+                label = position[labels[pick]]  # (n, K)
+                loss = loss + distillation_loss(logits, label.clamp_min(0), corpus.topk_logprobs[labels[pick]],
+                                                known=label >= 0)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -131,16 +155,19 @@ def train(target: Any, heads: MedusaHeads, states: torch.Tensor, counts: list[in
 
 
 @torch.inference_mode()
-def evaluate(target: Any, heads: MedusaHeads, answer_tokens: int) -> dict[str, Any]:
-    """Each head's top-1 and top-5 accuracy against the target's own greedy answers to the held-out prompts."""
+def evaluate(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, answer_tokens: int) -> dict[str, Any]:
+    """Each head's top-1 and top-5 accuracy against the target's own greedy answers to the held-out prompts, and
+    the share of those answer tokens inside the heads' vocabulary."""
     corpus = generate_corpus(target, held_out_prompts(), answer_tokens)
     states, counts = hidden_states(target, corpus)
-    output = target.model.output_weight.detach().float()
+    output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
     truth = answer_ids(corpus)  # (N,)
-    report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "heads": []}
+    inside = vocabulary_position(vocab_ids, target.model.config.vocab_size)[truth] >= 0  # (N,)
+    report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "head_vocab_size": len(vocab_ids),
+                              "held_out_answers_in_head_vocab": inside.float().mean().item(), "heads": []}
     for k, head_state in enumerate(heads.float()(states, target.model.embed_tokens.weight.float()[truth])):
         rows, labels = head_examples(counts, k)
-        top5 = (head_state[rows] @ output.T).topk(5, dim=-1).indices  # (n, 5)
+        top5 = vocab_ids[(head_state[rows] @ output.T).topk(5, dim=-1).indices]  # (n, 5) token ids
         hits = top5 == truth[labels].unsqueeze(1)  # (n, 5)
         report["heads"].append({"head": k, "predicts": f"t+{k + 2}", "positions": len(rows),
                                 "top1": hits[:, 0].float().mean().item(), "top5": hits.any(1).float().mean().item()})
@@ -155,15 +182,20 @@ def main(args: argparse.Namespace) -> int:
     prompts = training_setup(args)
     start = time.perf_counter()
     target = load_model(ModelSpec(source=args.model, device="cpu"))
+    check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args)
     states, counts = hidden_states(target, corpus)
     log(f"{len(states)} answer positions; training {args.heads} heads")
+    vocab_ids = head_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
+    covered = vocabulary_position(vocab_ids, target.model.config.vocab_size)[answer_ids(corpus)] >= 0
+    log(f"the heads score {len(vocab_ids)} tokens: {covered.float().mean().item():.1%} of the training answers")
     heads = MedusaHeads(target.model.config.hidden_size, args.heads)
-    train(target, heads, states, counts, corpus, args)
+    train(target, heads, vocab_ids, states, counts, corpus, args)
     out = Path(args.out)
-    save_heads(heads, out, target, TORCH_DTYPES[args.weights_dtype])
-    report = evaluate(target, heads, args.answer_tokens)
-    report.update({"train_prompts": len(prompts), "train_positions": len(states), "heads_count": args.heads,
+    save_heads(heads, out, target, TORCH_DTYPES[args.weights_dtype], vocab_ids)
+    report = evaluate(target, heads, vocab_ids, args.answer_tokens)
+    report.update({"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
+                   "train_positions": len(states), "heads_count": args.heads,
                    "epochs": args.epochs, "lr": args.lr, "batch": args.batch, "top_k_soft_labels": TOP_K,
                    "weights_dtype": args.weights_dtype, "seed": args.seed,
                    # a reused corpus was generated in an earlier run: its time counts towards a full run

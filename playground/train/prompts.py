@@ -1,9 +1,17 @@
-"""Prompts for distillation, written for this project: task templates crossed with topics.
+"""Prompts for distillation, written for this project: task templates crossed with topics, then a second stage
+built on the target's own answers to those.
 
-Training and held-out prompts use disjoint topics, so the held-out acceptance measures generalisation.
+The first stage asks open questions. The second turns some of its answers into the source text of input-grounded
+tasks (summarise, answer from, rewrite, translate, edit code: answers that copy from a long prompt) and adds
+arithmetic word problems with seeded numbers; a draft or heads trained on the first stage alone learn neither the
+copying nor positions far beyond a short prompt. Training and held-out prompts use disjoint topics, so the
+held-out acceptance measures generalisation; the benchmark suite's passages and problems appear in neither.
 """
 
 from __future__ import annotations
+
+import random
+import re
 
 TEMPLATES = (
     "Explain {topic} in simple terms.",
@@ -58,3 +66,78 @@ def training_prompts() -> list[str]:
 
 def held_out_prompts() -> list[str]:
     return [t.format(topic=topic) for topic in HELD_OUT_TOPICS for t in TEMPLATES[:12:3]]
+
+
+# Every GROUNDED_EVERY-th first-stage answer (offset 1) becomes a grounded prompt, every MATHS_EVERY-th prompt index
+# (offset 3) adds a word problem: about a quarter more prompts, whose answers run at longer positions.
+GROUNDED_EVERY, MATHS_EVERY = 4, 20
+
+PASSAGE_TEMPLATES = (
+    "Summarise the following text in two sentences.\n\n{text}",
+    "{text}\n\nUsing only the text above, answer: what is the main idea, and which detail supports it?",
+    "Rewrite the following paragraph in simpler words.\n\n{text}",
+    "Turn the text below into a bulleted list of its key points.\n\n{text}",
+    "Translate into French: '{sentence}'",
+    "Translate into Spanish: '{sentence}'",
+    "Translate into German: '{sentence}'",
+    "Rewrite this sentence to be more formal: '{sentence}'",
+)
+
+CODE_TEMPLATES = (
+    "Add comments to the code below and explain what it does.\n\n{text}",
+    "Improve the names and add type hints to this code, keeping its behaviour.\n\n{text}",
+)
+
+
+def _passage(answer: str) -> str:
+    """An answer cut after its last complete sentence (answers stop at a token budget, often mid-sentence)."""
+    text = answer.strip()
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    return text[: ends[-1]] if ends else text
+
+
+def _first_sentence(text: str) -> str:
+    match = re.search(r"[.!?](?=\s|$)", text)
+    return text[: match.end()] if match else text
+
+
+def grounded_prompt(index: int, prompt: str, answer: str) -> str | None:
+    """The second-stage prompt built on first-stage answer `index` (None when it gets none): code answers get a
+    code-editing task, others cycle through the passage templates."""
+    if index % GROUNDED_EVERY != 1:
+        return None
+    text = _passage(answer)
+    if len(text) < 40:
+        return None
+    if "```" in answer or "Python function" in prompt:
+        return CODE_TEMPLATES[(index // GROUNDED_EVERY) % len(CODE_TEMPLATES)].format(text=text)
+    template = PASSAGE_TEMPLATES[(index // GROUNDED_EVERY) % len(PASSAGE_TEMPLATES)]
+    return template.format(text=text, sentence=_first_sentence(text).replace("\n", " "))
+
+
+def maths_prompt(index: int) -> str | None:
+    """An arithmetic word problem for prompt index `index` (None for most indices), numbers seeded by the index."""
+    if index % MATHS_EVERY != 3:
+        return None
+    rng = random.Random(index)
+    a, b, n = rng.randint(2, 12), rng.randint(2, 40), rng.randint(2, 15)
+    item = rng.choice(("notebook", "apple", "ticket", "candle", "stamp", "marble"))
+    name = rng.choice(("Maria", "Tom", "Aisha", "Kenji", "Lucas", "Priya"))
+    problems = (
+        f"Solve for y: {a}y - {b} = {a * n - b}. Show each step.",
+        f"One {item} costs {b} cents. How much do {n} of them cost? Explain step by step.",
+        f"{name} has {a * n + b} {item}s and shares them equally among {n} friends. How many does each friend get, "
+        f"and how many are left over? Explain.",
+        f"A cyclist rides {a * n} km in {n} hours. What is the average speed? Explain step by step.",
+        f"What is {b}% of {a * 50}? Show your working.",
+        f"A rectangle is {a} m wide and {b} m long. What are its area and its perimeter? Show each step.",
+    )
+    return problems[(index // MATHS_EVERY) % len(problems)]
+
+
+def second_stage_prompts(prompts: list[str], answers: list[str]) -> list[str]:
+    """The second-stage prompts for first-stage `prompts` and the target's `answers` to them, in order."""
+    made = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        made += [p for p in (grounded_prompt(i, prompt, answer), maths_prompt(i)) if p is not None]
+    return made
