@@ -4,6 +4,7 @@ shipped draft and heads meet their contracts."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,7 +15,8 @@ from playground.models import load_model
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
-from playground.train.draft import Corpus, batches, distillation_loss
+from playground.train import draft as draft_module
+from playground.train.draft import Corpus, batches, distillation_loss, two_stage_corpus
 from playground.train.medusa import answer_ids, head_examples, head_vocabulary
 from playground.train.prompts import (CODE_TEMPLATES, held_out_prompts, maths_prompt, second_stage_prompts,
                                       training_prompts)
@@ -115,6 +117,24 @@ def test_second_stage_prompts_ground_tasks_in_first_stage_answers() -> None:
     # nothing the benchmark or the held-out report asks is ever trained on
     suite = {p for _, p in SUITE}
     assert not (set(prompts) | set(second)) & (suite | set(held_out_prompts()))
+
+
+def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(monkeypatch) -> None:
+    asked = []
+
+    def answer(target, prompts, answer_tokens):  # stands in for the target: one answer token per prompt
+        asked.append(list(prompts))
+        n = len(prompts)
+        return Corpus([[0, 5 + i] for i in range(n)], [1] * n, torch.full((n, 2), 5), torch.zeros(n, 2))
+
+    text = "The river runs south to the sea. Boats carry grain along it."
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: text)
+    monkeypatch.setattr(draft_module, "generate_corpus", answer)
+    prompts = training_prompts()[:8]
+    corpus = two_stage_corpus(SimpleNamespace(tokenizer=tokenizer), prompts, 8)
+    assert asked[0] == prompts and asked[1] == second_stage_prompts(prompts, [text] * 8)
+    assert len(asked[1]) == 3  # prompts 1 and 5 grounded on their answers, a word problem at 3
+    assert len(corpus.sequences) == len(corpus.answer_starts) == len(corpus.topk_ids) == 11
 
 
 def test_bad_training_arguments_are_refused(capsys) -> None:
