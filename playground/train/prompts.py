@@ -89,15 +89,18 @@ CODE_TEMPLATES = (
 )
 
 
+SENTENCE_END = re.compile(r"[.!?](?=\s|$)")  # a full stop, ! or ? before whitespace or the end: not "3.14"
+
+
 def _passage(answer: str) -> str:
     """An answer cut after its last complete sentence (answers stop at a token budget, often mid-sentence)."""
     text = answer.strip()
-    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    ends = [m.end() for m in SENTENCE_END.finditer(text)]
     return text[: ends[-1]] if ends else text
 
 
 def _first_sentence(text: str) -> str:
-    match = re.search(r"[.!?](?=\s|$)", text)
+    match = SENTENCE_END.search(text)
     return text[: match.end()] if match else text
 
 
