@@ -114,6 +114,11 @@ def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tenso
     return position
 
 
+def vocabulary_share(vocab_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> float:
+    """The share of `tokens` (N,) that lie inside `vocab_ids`."""
+    return (vocabulary_position(vocab_ids, vocab_size)[tokens] >= 0).float().mean().item()
+
+
 def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torch.Tensor, counts: list[int],
           corpus: Corpus, args: argparse.Namespace) -> None:
     examples = [head_examples(counts, k) for k in range(heads.num_heads)]
@@ -162,9 +167,9 @@ def evaluate(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, answer_to
     states, counts = hidden_states(target, corpus)
     output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
     truth = answer_ids(corpus)  # (N,)
-    inside = vocabulary_position(vocab_ids, target.model.config.vocab_size)[truth] >= 0  # (N,)
+    inside = vocabulary_share(vocab_ids, truth, target.model.config.vocab_size)
     report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "head_vocab_size": len(vocab_ids),
-                              "held_out_answers_in_head_vocab": inside.float().mean().item(), "heads": []}
+                              "held_out_answers_in_head_vocab": inside, "heads": []}
     for k, head_state in enumerate(heads.float()(states, target.model.embed_tokens.weight.float()[truth])):
         rows, labels = head_examples(counts, k)
         top5 = vocab_ids[(head_state[rows] @ output.T).topk(5, dim=-1).indices]  # (n, 5) token ids
@@ -187,8 +192,8 @@ def main(args: argparse.Namespace) -> int:
     states, counts = hidden_states(target, corpus)
     log(f"{len(states)} answer positions; training {args.heads} heads")
     vocab_ids = head_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
-    covered = vocabulary_position(vocab_ids, target.model.config.vocab_size)[answer_ids(corpus)] >= 0
-    log(f"the heads score {len(vocab_ids)} tokens: {covered.float().mean().item():.1%} of the training answers")
+    covered = vocabulary_share(vocab_ids, answer_ids(corpus), target.model.config.vocab_size)
+    log(f"the heads score {len(vocab_ids)} tokens: {covered:.1%} of the training answers")
     heads = MedusaHeads(target.model.config.hidden_size, args.heads)
     train(target, heads, vocab_ids, states, counts, corpus, args)
     out = Path(args.out)
