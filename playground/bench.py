@@ -145,7 +145,7 @@ def load_hf_peer(loaded: Any) -> Any:
     return AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=dtype).to(loaded.model.device).eval()
 
 
-GROUNDED = ("summarisation", "qa", "code", "rewriting")  # categories whose prompts carry the text to reuse
+GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
@@ -279,6 +279,30 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
     return contenders, draft
 
 
+def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list[tuple[list[int], list[int]]],
+                    entry: dict[str, Any], verify_cost: float) -> float:
+    """Put next to prompt lookup's measured figures what the best copy per step could reach on plain decoding's
+    output (`copy_bound`): per prompt in `rows`, and as grounded-prompt medians in the summary `entry`.
+
+    verify_cost prices a verifying forward in one-token steps: the caller passes the cheapest over 2 to
+    num_draft + 1 tokens, so the bound stays an upper one. Returns it for the report.
+    """
+    from .decoding.prompt_lookup import copy_bound
+
+    grounded = []
+    for row, (prompt_ids, output_ids) in zip(rows, plain_outputs):
+        bound = copy_bound(prompt_ids, output_ids, lookup.max_ngram, lookup.num_draft, verify_cost)
+        row["algos"]["prompt-lookup"]["copy_bound"] = {"tokens_per_forward": bound.tokens_per_forward,
+                                                       "speedup_vs_ar": bound.speedup}
+        if row["category"] in GROUNDED:
+            grounded.append(bound)
+    if grounded:
+        entry["copy_bound_median_tokens_per_forward_grounded"] = statistics.median(
+            b.tokens_per_forward for b in grounded)
+        entry["copy_bound_median_speedup_grounded"] = statistics.median(b.speedup for b in grounded)
+    return verify_cost
+
+
 def parse_algos(text: str) -> tuple[str, ...]:
     names = tuple(a.strip() for a in text.split(",") if a.strip())
     unknown = [a for a in names if a not in ALGOS]
@@ -326,12 +350,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if contender.peer_kwargs is not None:
                 run_hf(hf_model, warm_ids, target, warm, **contender.peer_kwargs)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
     for index, (category, prompt) in enumerate(prompts):
         prompt_ids = encode_prompt(target, prompt, generation)
         ours, _, _ = run_ours(plain, prompt)
         row: dict[str, Any] = {"category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
                                "ar": run_stats(ours), "algos": {}}
+        plain_outputs.append((prompt_ids, list(ours.token_ids)))
         progress = f"[{index + 1}/{len(prompts)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
         if hf_model is not None:
             peer = run_hf(hf_model, prompt_ids, target, generation)
@@ -405,6 +431,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if name == "medusa":
             width = contender.decoder.tree.num_nodes + 1
             info["verify_cost_ratio"] = decode_step_seconds(target.model, width=width) / step
+        if name == "prompt-lookup":
+            lookup = contender.decoder.lookup
+            cheapest = min(decode_step_seconds(target.model, width=w) for w in range(2, lookup.num_draft + 2))
+            info["verify_cost_ratio"] = add_copy_bounds(lookup, rows, plain_outputs, entry, cheapest / step)
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
 

@@ -35,7 +35,7 @@ SUITE: tuple[tuple[str, str], ...] = (
     ("chat", "What are three good habits for staying focused while studying?"),
     ("chat", "Suggest a short plan for a relaxing Sunday afternoon at home."),
     ("code", "Write a Python function that returns the n-th Fibonacci number using a loop."),
-    ("code", "Add type hints and a docstring to this function, and make it return 0.0 for an empty list:\n\n"
+    ("code editing", "Add type hints and a docstring to this function, and make it return 0.0 for an empty list:\n\n"
              + CODE_SNIPPET),
     ("summarisation", "Summarise the following text in three sentences.\n\n" + PASSAGE_TIDES),
     ("summarisation", "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY),

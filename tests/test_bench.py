@@ -49,6 +49,13 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert report["algos"]["speculative"]["draft_cost_ratio"] > 0
     summary = report["summary"]["algos"]
     assert "median_speedup_vs_ar_grounded" in summary["prompt-lookup"]
+    assert summary["prompt-lookup"]["copy_bound_median_tokens_per_forward_grounded"] >= 1
+    for row in report["prompts"]:
+        lookup = row["algos"]["prompt-lookup"]
+        # no proposer copying one span per step commits more per forward than the best copy every step
+        assert lookup["copy_bound"]["tokens_per_forward"] >= lookup["mean_accepted_tokens"] - 1e-9
+        assert lookup["copy_bound"]["speedup_vs_ar"] >= 1
+    assert report["algos"]["prompt-lookup"]["verify_cost_ratio"] > 0
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     assert "## medusa (tree small (5 nodes)" in text and "typical acceptance (LOSSY)" in text

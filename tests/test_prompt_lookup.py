@@ -6,7 +6,7 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
-from playground.decoding.prompt_lookup import ProposalGate, find_continuation
+from playground.decoding.prompt_lookup import ProposalGate, best_copy, copy_bound, find_continuation
 from playground.metrics import compute
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
@@ -31,6 +31,32 @@ def test_lookup_limits() -> None:
     found = find_continuation([1, 2, 0, 6, 6, 1], max_ngram=2, num_draft=5, eos_ids=frozenset({0}))
     assert found.tokens == [2, 0]
     assert find_continuation([4, 4], max_ngram=2, num_draft=5).tokens == [4]
+
+
+def test_best_copy_looks_at_every_occurrence() -> None:
+    #           0  1  2  3  4  5  6
+    sequence = [1, 2, 8, 1, 2, 9, 1]
+    # the latest occurrence of [1] is followed by 2, 9, 1: the proposer copies that and one token agrees ...
+    assert find_continuation(sequence, max_ngram=2, num_draft=3).tokens == [2, 9, 1]
+    # ... while the earlier one, followed by 2, 8, 1, agrees on three
+    assert best_copy(sequence, [2, 8, 1, 5], max_ngram=2, num_draft=3) == 3
+    assert best_copy(sequence, [2, 8, 1, 5], max_ngram=2, num_draft=2) == 2  # at most num_draft tokens
+    assert best_copy(sequence, [7], max_ngram=2, num_draft=3) == 0
+    assert best_copy([4], [4], max_ngram=2, num_draft=3) == 0  # nothing before the suffix
+
+
+def test_copy_bound_on_a_hand_checked_output() -> None:
+    prompt, output = [1, 2, 3, 4], [9, 1, 2, 3, 4, 7]
+    # step 1 sees [..., 9]: 9 never occurred before, one token; step 2 sees [..., 9, 1]: the prompt's 1 is
+    # followed by 2, 3, 4, which agree, plus the target's own token: 5 tokens in 2 forwards
+    free = copy_bound(prompt, output, max_ngram=1, num_draft=8, verify_cost=1.5)
+    assert free.tokens_per_forward == pytest.approx(5 / 2)
+    assert free.speedup == pytest.approx(5 / (1 + 1.5))  # step 1 is a plain step, step 2 a verification
+    # when verifying costs 5 steps no copy here pays: every step is plain
+    assert copy_bound(prompt, output, max_ngram=1, num_draft=8, verify_cost=5.0).speedup == pytest.approx(1.0)
+    assert copy_bound(prompt, [9], max_ngram=1, num_draft=8, verify_cost=1.5).tokens_per_forward == 1.0
+    with pytest.raises(ValueError, match="output_ids"):
+        copy_bound(prompt, [], max_ngram=1, num_draft=8, verify_cost=1.5)
 
 
 def test_gate_lets_through_what_pays_for_the_forward() -> None:

@@ -55,6 +55,61 @@ def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
     return None
 
 
+def best_copy(sequence: list[int], future: list[int], max_ngram: int, num_draft: int) -> int:
+    """How many of `future`'s first tokens the best single copy proposal could match: over every suffix of
+    `sequence` of 1..max_ngram tokens and every earlier occurrence of it, the longest agreement between the
+    num_draft tokens that followed and `future`. An oracle: `find_continuation` must commit to one occurrence
+    without seeing `future`."""
+    length, best = len(sequence), 0
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = sequence[length - n :]
+        for end in range(n, length):
+            if sequence[end - n : end] == suffix:
+                agree = 0
+                for copied, wanted in zip(sequence[end : end + num_draft], future):
+                    if copied != wanted:
+                        break
+                    agree += 1
+                best = max(best, agree)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBound:
+    tokens_per_forward: float  # proposing the best copy every step; bonus included, as metrics count it
+    speedup: float  # over plain decoding, proposing only copies that pay for a forward costing verify_cost steps
+
+
+def copy_bound(prompt_ids: list[int], output_ids: list[int], max_ngram: int, num_draft: int,
+               verify_cost: float) -> CopyBound:
+    """What any prompt-lookup proposer that copies one earlier span per step could reach on this output (plain
+    decoding's tokens for this prompt), taking each step the best copy (`best_copy`).
+
+    It bounds the tokens a step can commit, not how a proposer picks its span. The speedup proposes a copy only
+    when its tokens plus the target's own exceed verify_cost one-token steps (else the step is plain), leaves
+    prefill out and prices every verification alike: an estimate, shown next to the measured figures.
+    """
+    if not output_ids:
+        raise ValueError("output_ids must hold at least one token")
+
+    def walk(cost_per_verify: float) -> tuple[int, float]:
+        known, forwards, cost = 1, 0, 0.0  # the first output token comes from the prefill
+        while known < len(output_ids):
+            agree = best_copy(list(prompt_ids) + list(output_ids[:known]), list(output_ids[known:]), max_ngram,
+                              num_draft)
+            committed = min(agree + 1, len(output_ids) - known)
+            proposes = committed > cost_per_verify
+            known += committed if proposes else 1
+            cost += cost_per_verify if proposes else 1.0
+            forwards += 1
+        return forwards, cost
+
+    generated = len(output_ids) - 1
+    forwards, _ = walk(1.0)  # a copy that commits anything is worth proposing when verifying is free
+    _, cost = walk(verify_cost)
+    return CopyBound(generated / forwards if forwards else 1.0, generated / cost if cost else 1.0)
+
+
 class ProposalGate:
     """Proposes a match only when 1 + a + ... + a^K, the expected tokens a step commits with K copied tokens each
     accepted with probability a (given the previous one was), exceeds the step's cost, 1 + overhead one-token
