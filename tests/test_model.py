@@ -83,8 +83,9 @@ def test_tiny_families_match_transformers(family: str, packed: bool) -> None:
 @pytest.mark.parametrize("packed", [False, True], ids=["split-bmm", "onednn-packed"])
 @torch.inference_mode()
 def test_linear_matches_f_linear(rows: int, packed: bool) -> None:
-    """Every route of `linear` (split bmm for few rows, F.linear for many, the packed weight) computes x W^T + b,
-    also for inputs whose rows are not contiguous (a transposed view, as attention outputs are)."""
+    """Every route of `linear` (split bmm for few rows, F.linear for many, the packed weight, 2 rows padded to 3)
+    computes x W^T + b, also for inputs whose rows are not contiguous (a transposed view, as attention outputs
+    are)."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 48), torch.randn(96)
     x = torch.randn(48, rows).t()  # (rows, 48), non-contiguous
