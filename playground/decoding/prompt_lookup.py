@@ -15,6 +15,7 @@ exact, sampling stays lossless), and it depends only on the tokens, so the same 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,45 +33,47 @@ class Lookup:
     ngram: int  # length of the matched suffix
 
 
+def occurrences(sequence: list[int], max_ngram: int) -> Iterator[tuple[int, int]]:
+    """(n, end) for every earlier occurrence sequence[end - n : end] of the last n tokens, n = max_ngram, ..., 1,
+    each n's occurrences from the most recent backwards; end < len(sequence), so a token follows each one."""
+    length = len(sequence)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = sequence[length - n :]
+        for end in range(length - 1, n - 1, -1):
+            if sequence[end - n : end] == suffix:
+                yield n, end
+
+
 def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
                       eos_ids: frozenset[int] = frozenset()) -> Lookup | None:
     """The tokens that followed the latest earlier occurrence of the longest matching suffix of `sequence`.
 
     Suffix lengths max_ngram, ..., 1 are tried in turn; for each, occurrences are scanned from the most recent
-    backwards (recent text is the likeliest to be repeated next) and the first with at least one following
-    token wins. The copy stops after an end-of-sequence token, which can only be followed by another turn.
+    backwards (recent text is the likeliest to be repeated next) and the first wins. The copy stops after an
+    end-of-sequence token, which can only be followed by another turn.
     """
-    length = len(sequence)
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = sequence[length - n :]
-        # an occurrence ending at `end` (exclusive) needs end < length, so that a token follows it
-        for end in range(length - 1, n - 1, -1):
-            if sequence[end - n : end] == suffix:
-                copied = sequence[end : end + num_draft]
-                for i, token in enumerate(copied):
-                    if token in eos_ids:
-                        copied = copied[: i + 1]
-                        break
-                return Lookup(copied, end, n)
+    for n, end in occurrences(sequence, max_ngram):
+        copied = sequence[end : end + num_draft]
+        for i, token in enumerate(copied):
+            if token in eos_ids:
+                copied = copied[: i + 1]
+                break
+        return Lookup(copied, end, n)
     return None
 
 
 def best_copy(sequence: list[int], future: list[int], max_ngram: int, num_draft: int) -> int:
-    """How many of `future`'s first tokens the best single copy proposal could match: over every suffix of
-    `sequence` of 1..max_ngram tokens and every earlier occurrence of it, the longest agreement between the
-    num_draft tokens that followed and `future`. An oracle: `find_continuation` must commit to one occurrence
-    without seeing `future`."""
-    length, best = len(sequence), 0
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = sequence[length - n :]
-        for end in range(n, length):
-            if sequence[end - n : end] == suffix:
-                agree = 0
-                for copied, wanted in zip(sequence[end : end + num_draft], future):
-                    if copied != wanted:
-                        break
-                    agree += 1
-                best = max(best, agree)
+    """How many of `future`'s first tokens the best single copy proposal could match: over every occurrence
+    `find_continuation` considers, the longest agreement between the num_draft tokens that followed it and
+    `future`. An oracle: `find_continuation` must commit to one occurrence without seeing `future`."""
+    best = 0
+    for _, end in occurrences(sequence, max_ngram):
+        agree = 0
+        for copied, wanted in zip(sequence[end : end + num_draft], future):
+            if copied != wanted:
+                break
+            agree += 1
+        best = max(best, agree)
     return best
 
 
