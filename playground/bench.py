@@ -280,12 +280,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
 
 
 def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list[tuple[list[int], list[int]]],
-                    entry: dict[str, Any], verify_cost: float) -> float:
+                    entry: dict[str, Any], verify_cost: float) -> None:
     """Put next to prompt lookup's measured figures what the best copy per step could reach on plain decoding's
     output (`copy_bound`): per prompt in `rows`, and as grounded-prompt medians in the summary `entry`.
 
     verify_cost prices a verifying forward in one-token steps: the caller passes the cheapest over 2 to
-    num_draft + 1 tokens, so the bound stays an upper one. Returns it for the report.
+    num_draft + 1 tokens, so the bound stays an upper one.
     """
     from .decoding.prompt_lookup import copy_bound
 
@@ -300,7 +300,6 @@ def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list
         entry["copy_bound_median_tokens_per_forward_grounded"] = statistics.median(
             b.tokens_per_forward for b in grounded)
         entry["copy_bound_median_speedup_grounded"] = statistics.median(b.speedup for b in grounded)
-    return verify_cost
 
 
 def parse_algos(text: str) -> tuple[str, ...]:
@@ -434,7 +433,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if name == "prompt-lookup":
             lookup = contender.decoder.lookup
             cheapest = min(decode_step_seconds(target.model, width=w) for w in range(2, lookup.num_draft + 2))
-            info["verify_cost_ratio"] = add_copy_bounds(lookup, rows, plain_outputs, entry, cheapest / step)
+            info["verify_cost_ratio"] = cheapest / step
+            add_copy_bounds(lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
 
