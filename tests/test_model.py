@@ -81,17 +81,18 @@ def test_tiny_families_match_transformers(family: str, packed: bool) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
 @pytest.mark.parametrize("packed", [False, True], ids=["split-bmm", "onednn-packed"])
+@pytest.mark.parametrize("out_features", [96, 95], ids=["splittable", "odd"])
 @torch.inference_mode()
-def test_linear_matches_f_linear(rows: int, packed: bool) -> None:
-    """Every route of `linear` (split bmm for few rows, F.linear for many, the packed weight, 2 rows padded to 3)
-    computes x W^T + b, also for inputs whose rows are not contiguous (a transposed view, as attention outputs
-    are)."""
+def test_linear_matches_f_linear(rows: int, packed: bool, out_features: int) -> None:
+    """Every route of `linear` (split bmm for few rows, F.linear for many, the packed weight from 3 rows, or from 2
+    when an odd output size cannot be split between the threads) computes x W^T + b, also for inputs whose rows are
+    not contiguous (a transposed view, as attention outputs are)."""
     torch.manual_seed(0)
-    weight, bias = torch.randn(96, 48), torch.randn(96)
+    weight, bias = torch.randn(out_features, 48), torch.randn(out_features)
     x = torch.randn(48, rows).t()  # (rows, 48), non-contiguous
     got = linear(x.view(1, rows, 48) if rows > 1 else x, weight, bias, pack(weight) if packed else None)
-    assert got.shape == ((1, rows, 96) if rows > 1 else (1, 96))
-    assert (got.reshape(rows, 96) - F.linear(x, weight, bias)).abs().max().item() <= TOL
+    assert got.shape == ((1, rows, out_features) if rows > 1 else (1, out_features))
+    assert (got.reshape(rows, out_features) - F.linear(x, weight, bias)).abs().max().item() <= TOL
 
 
 @torch.inference_mode()

@@ -98,6 +98,8 @@ def rope_frequencies(hf_config: Any) -> tuple[torch.Tensor, float]:
 
 # Up to this many rows, a CPU matrix product is memory-bound and runs as split batched matrix-vector products.
 SMALL_ROWS = 32
+# From this many rows, a prepacked oneDNN weight beats the split batched matrix-vector products (see `pack`).
+PACKED_MIN_ROWS = 3
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -111,16 +113,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
     Measured on a 2-core AVX2 CPU with SmolLM2-135M's shapes: against MKL (F.linear or the split bmm below), the
     packed weight makes 2-16 rows 1.3-2x faster (a verify forward, a batch of decode rows; the output projection
-    over 16 rows 2x) and prefills ~10% faster, but one row ~20% slower, so one row keeps the split bmm. The
-    packing layout is tuned for 16 rows and serves every row count.
+    over 16 rows 2x) and prefills ~10% faster, but one row ~20% slower. On a 2-core AVX-512 EPYC the split bmm
+    also wins at 2 rows, on every SmolLM2-135M shape (e.g. gate/up 0.26 ms against 0.40 packed, the output
+    projection 3.9 against 5.3 ms; a 2-token forward 30 ms against 39), so up to `PACKED_MIN_ROWS` - 1 rows keep
+    the split bmm. The packing layout is tuned for 16 rows and serves every row count.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight, 16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T (+ bias): through the packed copy of the weight for several rows when there
-    is one (see `pack`), else fast for the few rows of a decode or verify step on the CPU.
+    """x (..., in) @ weight (out, in)^T (+ bias): through the packed copy of the weight, when there is one, for
+    `PACKED_MIN_ROWS` rows or more (see `pack`), else fast for the few rows of a decode or verify step on the CPU.
 
     Measured on a 2-core CPU, for 1-32 rows MKL runs F.linear as a single-threaded GEMV (or a poorly parallel
     GEMM) at ~14 GB/s; splitting the weight into one block of rows per thread and calling bmm streams the weight
@@ -128,17 +132,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if packed is not None and rows == 2:
-        # oneDNN's kernel for exactly 2 rows is slower than for 3. On a 2-core AVX-512 EPYC with SmolLM2-135M,
-        # interleaved runs: a 2-token forward took 39.6-43.8 ms against 34.4-40.7 for 3 tokens; with a zero
-        # third row, 35.2-41.7 ms, as fast as 3.
-        padded = F.pad(x.reshape(2, in_features), (0, 0, 0, 1))  # (3, in)
-        y = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:2]  # (2, out)
-        return y.reshape(*x.shape[:-1], out_features)
-    if packed is not None and rows > 1:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     splits = torch.get_num_threads()
-    if not x.is_cpu or rows > SMALL_ROWS or splits < 2 or out_features % splits:
+    can_split = x.is_cpu and rows <= SMALL_ROWS and splits > 1 and out_features % splits == 0
+    if packed is not None and (rows >= PACKED_MIN_ROWS or (rows > 1 and not can_split)):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if not can_split:
         return F.linear(x, weight, bias)
     # Every op here costs microseconds of dispatch, ~120 times per decode step: keep the chain short.
     blocks = weight.view(splits, out_features // splits, in_features)  # (S, out/S, in)
