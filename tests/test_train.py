@@ -18,8 +18,8 @@ from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.train import draft as draft_module
 from playground.train.draft import Corpus, batches, distillation_loss, two_stage_corpus
 from playground.train.medusa import answer_ids, head_examples, head_vocabulary
-from playground.train.prompts import (CODE_TEMPLATES, held_out_prompts, maths_prompt, second_stage_prompts,
-                                      training_prompts)
+from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, TEMPLATES, TRAIN_TOPICS, held_out_prompts,
+                                      maths_prompt, second_stage_prompts, training_prompts)
 from playground.bench_suite import SUITE
 
 
@@ -122,7 +122,7 @@ def test_second_stage_prompts_ground_tasks_in_first_stage_answers() -> None:
 def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(monkeypatch) -> None:
     asked = []
 
-    def answer(target, prompts, answer_tokens):  # stands in for the target: one answer token per prompt
+    def answer(target, prompts, answer_tokens, dtype):  # stands in for the target: one answer token per prompt
         asked.append(list(prompts))
         n = len(prompts)
         return Corpus([[0, 5 + i] for i in range(n)], [1] * n, torch.full((n, 2), 5), torch.zeros(n, 2))
@@ -131,7 +131,7 @@ def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: text)
     monkeypatch.setattr(draft_module, "generate_corpus", answer)
     prompts = training_prompts()[:8]
-    corpus = two_stage_corpus(SimpleNamespace(tokenizer=tokenizer), prompts, 8)
+    corpus = two_stage_corpus(SimpleNamespace(tokenizer=tokenizer), prompts, 8, "float32")
     assert asked[0] == prompts and asked[1] == second_stage_prompts(prompts, [text] * 8)
     assert len(asked[1]) == 3  # prompts 1 and 5 grounded on their answers, a word problem at 3
     assert len(corpus.sequences) == len(corpus.answer_starts) == len(corpus.topk_ids) == 11
@@ -140,6 +140,24 @@ def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(
 def test_bad_training_arguments_are_refused(capsys) -> None:
     assert main(["draft", "--epochs", "0"]) == 2
     assert "epochs must be an integer in [1, 100]" in capsys.readouterr().err
+    assert main(["draft", "--extra-templates", str(len(EXTRA_TEMPLATES) + 1)]) == 2
+    assert f"extra_templates must be an integer in [0, {len(EXTRA_TEMPLATES)}]" in capsys.readouterr().err
+
+
+def test_extra_templates_are_a_seeded_sample_per_topic_after_every_base_prompt() -> None:
+    base = training_prompts()
+    assert len(base) == len(TEMPLATES) * len(TRAIN_TOPICS)
+    wider = training_prompts(5, seed=0)
+    assert wider[: len(base)] == base and len(wider) == len(base) + 5 * len(TRAIN_TOPICS)
+    assert wider == training_prompts(5, seed=0) and wider != training_prompts(5, seed=1)
+    extra = wider[len(base):]
+    for i, topic in enumerate(TRAIN_TOPICS):  # five distinct extra templates, each about its topic
+        mine = extra[5 * i : 5 * i + 5]
+        assert len(set(mine)) == 5 and all(topic in p for p in mine)
+    # every extra template is used for some topic at the shipped setting, and none is a suite or held-out prompt
+    shipped = training_prompts(10)
+    assert all(set(shipped) & {t.format(topic=topic) for topic in TRAIN_TOPICS} for t in EXTRA_TEMPLATES)
+    assert not set(shipped) & ({p for _, p in SUITE} | set(held_out_prompts()))
 
 
 def test_shipped_draft_contract(target) -> None:

@@ -163,7 +163,7 @@ def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torc
 def evaluate(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, answer_tokens: int) -> dict[str, Any]:
     """Each head's top-1 and top-5 accuracy against the target's own greedy answers to the held-out prompts, and
     the share of those answer tokens inside the heads' vocabulary."""
-    corpus = generate_corpus(target, held_out_prompts(), answer_tokens)
+    corpus = generate_corpus(target, held_out_prompts(), answer_tokens, "float32")
     states, counts = hidden_states(target, corpus)
     output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
     truth = answer_ids(corpus)  # (N,)
@@ -188,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
-    corpus, generation_s = load_or_generate_corpus(target, prompts, args)
+    # float32: the shipped heads were trained on a float32 corpus (the draft's default is bfloat16, see --dtype)
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args, "float32")
     states, counts = hidden_states(target, corpus)
     log(f"{len(states)} answer positions; training {args.heads} heads")
     vocab_ids = head_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)

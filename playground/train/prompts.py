@@ -57,11 +57,46 @@ TRAIN_TOPICS = (
     "the violin", "composting", "satellites",
 )
 
+# More task types, for the draft: a seeded sample of these per topic (`--extra-templates`) widens what it sees
+# beyond the held-out report's templates, towards the benchmark's mix of chat, code, rewriting and translation.
+EXTRA_TEMPLATES = (
+    "Suggest a weekend plan for a family that loves {topic}.",
+    "Write a short FAQ about {topic} with four questions and answers.",
+    "Explain the most important idea behind {topic} in two sentences.",
+    "Give a checklist for someone starting a project about {topic}.",
+    "Write a tweet announcing a public talk about {topic}.",
+    "Describe a typical day for a person whose job involves {topic}.",
+    "What tips would you give someone who wants to get better at understanding {topic}?",
+    "Write a limerick about {topic}.",
+    "Write a short news report about a new discovery related to {topic}.",
+    "Explain {topic} using an analogy from everyday life.",
+    "What would change in the world if {topic} disappeared tomorrow?",
+    "Write the opening paragraph of an essay about {topic}.",
+    "Give a short glossary of five terms related to {topic}.",
+    "Write a Python class that models something related to {topic}, with a short example of its use.",
+    "Design a small SQL table for data about {topic} and write one query on it.",
+    "Explain {topic} to a grandparent in a warm, friendly tone.",
+    "Give two arguments for and two against spending public money on {topic}.",
+    "Write an encouraging message for a student who finds {topic} hard.",
+    "Summarise {topic} as a numbered list of key points.",
+    "Describe {topic} from the point of view of a curious cat.",
+    "Correct the mistakes in this sentence and explain each one: 'Their is many thing to learn about {topic}.'",
+    "Translate into French: 'My sister is reading a book about {topic}.'",
+    "Translate into Spanish: 'Our teacher talked about {topic} for the whole lesson.'",
+    "Rewrite this sentence to be more polite: 'Tell me everything about {topic} right now.'",
+)
+
 HELD_OUT_TOPICS = ("glaciers", "jazz music", "octopuses", "binary search", "the Silk Road", "wind turbines")
 
 
-def training_prompts() -> list[str]:
-    return [t.format(topic=topic) for topic in TRAIN_TOPICS for t in TEMPLATES]
+def training_prompts(extra_templates: int = 0, seed: int = 0) -> list[str]:
+    """Every template for every training topic, then `extra_templates` of EXTRA_TEMPLATES per topic, drawn
+    without replacement by a generator seeded with `seed` (the same draw for the same arguments)."""
+    prompts = [t.format(topic=topic) for topic in TRAIN_TOPICS for t in TEMPLATES]
+    rng = random.Random(seed)
+    for topic in TRAIN_TOPICS:
+        prompts += [t.format(topic=topic) for t in rng.sample(EXTRA_TEMPLATES, extra_templates)]
+    return prompts
 
 
 def held_out_prompts() -> list[str]:
