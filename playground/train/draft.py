@@ -44,24 +44,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(EMBEDDED_DRAFT), help="output folder (Hugging Face format)")
     parser.add_argument("--hidden", type=int, default=192, help="draft hidden size (default 192)")
     parser.add_argument("--layers", type=int, default=4, help="draft decoder layers (default 4)")
-    parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
     parser.add_argument("--epochs", type=int, default=6, help="passes over the corpus (default 6)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
                         help="dtype the weights are saved in (default float16, to fit 30 MB); loaders cast to the "
                              "dtype they run in")
+    add_corpus_args(parser, "precision of the target writing the corpus and of the draft's output projection in "
+                            "training (default bfloat16: 1.6x and 1.2x faster on a CPU with AVX512-BF16 or AMX; "
+                            "pass float32 on others)")
+    parser.add_argument("--eval-prompts", type=int, default=len(held_out_prompts()),
+                        help=f"held-out prompts for the acceptance report (default all {len(held_out_prompts())})")
+
+
+def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str) -> None:
+    """The options that decide the corpus, shared by both trainers so that they can share one `--corpus` file."""
+    parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--extra-templates", type=int, default=10,
                         help=f"extra task templates per topic, 0..{len(EXTRA_TEMPLATES)} (default 10)")
-    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16",
-                        help="precision of the target writing the corpus and of the draft's output projection in "
-                             "training (default bfloat16: 1.6x and 1.2x faster on a CPU with AVX512-BF16 or AMX; "
-                             "pass float32 on others)")
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16", help=dtype_help)
     parser.add_argument("--corpus", default=None,
                         help="safetensors file caching the target's answers: reused when it exists, else written")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-prompts", type=int, default=len(held_out_prompts()),
-                        help=f"held-out prompts for the acceptance report (default all {len(held_out_prompts())})")
 
 
 def log(message: str) -> None:
@@ -314,14 +318,15 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
     return corpus, seconds
 
 
-def training_setup(args: argparse.Namespace, extra_templates: int = 0) -> list[str]:
-    """Check the options every trainer shares, seed torch, and return the training prompts with `extra_templates`
-    extra task templates per topic (--limit applied)."""
+def training_setup(args: argparse.Namespace) -> list[str]:
+    """Check the options every trainer shares, seed torch, and return the training prompts with
+    `--extra-templates` extra task templates per topic (--limit applied)."""
     check_int("answer_tokens", args.answer_tokens, 8, 512)
     check_int("epochs", args.epochs, 1, 100)
+    check_int("extra_templates", args.extra_templates, 0, len(EXTRA_TEMPLATES))
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
-    prompts = training_prompts(extra_templates, args.seed)
+    prompts = training_prompts(args.extra_templates, args.seed)
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(prompts))
         prompts = prompts[: args.limit]
@@ -335,8 +340,7 @@ def main(args: argparse.Namespace) -> int:
     check_int("hidden", args.hidden, 32, 1024)
     check_int("layers", args.layers, 1, 32)
     check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
-    check_int("extra_templates", args.extra_templates, 0, len(EXTRA_TEMPLATES))
-    prompts = training_setup(args, args.extra_templates)
+    prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     start = time.perf_counter()
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
