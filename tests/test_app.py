@@ -17,7 +17,7 @@ from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
-            "window": 4, "ngram": 3, "guesses": 3, "tree": "small",
+            "window": 2, "ngram": 3, "guesses": 2, "tree": "small",
             "acceptance": "lossless (exact)", "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 

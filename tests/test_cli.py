@@ -100,7 +100,7 @@ def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp
     assert trace.params["max_ngram"] == 3 and any(e.KIND == "draft" and e.source for e in trace.events)
     assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "lookahead.json")
-    assert trace.params["window"] == 4 and any(e.KIND == "lookahead" and e.candidates for e in trace.events)
+    assert trace.params["window"] == 2 and any(e.KIND == "lookahead" and e.candidates for e in trace.events)
 
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -227,7 +228,6 @@ def distillation_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprob
 
 
 def train(target: Any, corpus: Corpus, args: argparse.Namespace) -> Any:
-    import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(args.seed)

@@ -36,6 +36,7 @@ EXAMPLES = [
     ["Give three tips for staying focused while studying.", "Medusa (tree)"],
     ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
 ]
+LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
 
 
@@ -224,9 +225,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)
                 with gr.Row():
-                    window = gr.Number(4, label="window W (1..16)", step=1)
-                    ngram = gr.Number(3, label="n-gram N (2..8)", step=1)
-                    guesses = gr.Number(3, label="guesses G", step=1)
+                    window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
+                    ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)
+                    guesses = gr.Number(LOOKAHEAD.guesses, label="guesses G", step=1)
                 with gr.Row():
                     tree = gr.Dropdown(list(TREES), value=DEFAULT_TREE, label="Medusa tree")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",

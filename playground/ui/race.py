@@ -17,12 +17,12 @@ from ..models import ModelLoadError
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, as_int, build_decoder, history_entry
+from .decode import FRAME_S, LOOKAHEAD, as_int, build_decoder, history_entry
 from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters: gamma, adaptive, max_ngram, num_draft, window, ngram,
 # guesses)
-DEFAULTS = (4, False, 3, 8, 4, 3, 3)
+DEFAULTS = (4, False, 3, 8, LOOKAHEAD.window, LOOKAHEAD.ngram, LOOKAHEAD.guesses)
 PLAIN = "plain"
 RACERS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
     "speculative (gamma 4)": ("speculative", "contiguous", DEFAULTS),
