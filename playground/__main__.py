@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     ahead.add_argument("--ngram", type=int, default=LOOKAHEAD.ngram,
                        help=f"n-gram size N (window of N - 1 rows), 2..8 (default {LOOKAHEAD.ngram})")
     ahead.add_argument("--guesses", type=int, default=LOOKAHEAD.guesses,
-                       help=f"n-grams kept per first token and verified per step G, 1..16 (default {LOOKAHEAD.guesses})")
+                       help="n-grams kept per first token and verified per step G, 1..16 "
+                            f"(default {LOOKAHEAD.guesses})")
     ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
     tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
     tree.add_argument("--medusa-heads", default=None,

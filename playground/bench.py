@@ -119,9 +119,10 @@ def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
 
 
-def decode_step_seconds(model: Any, width: int = 1, steps: int = 20) -> float:
+def decode_step_seconds(model: Any, width: int = 1, steps: int = 20, rows: Any = None) -> float:
     """Median wall time of a forward over `width` new tokens after a 32-token prefill: one decode step for
-    width 1, one verification of width - 1 drafted tokens otherwise."""
+    width 1, one verification of width - 1 drafted tokens otherwise. `rows`: score only these output rows, as a
+    draft with a proposal vocabulary does."""
     from .decoding.base import forward_tokens, new_cache
 
     cache = new_cache(model, 32 + width, GenerationParams())
@@ -129,7 +130,7 @@ def decode_step_seconds(model: Any, width: int = 1, steps: int = 20) -> float:
     times = []
     for i in range(steps):
         start = time.perf_counter()
-        forward_tokens(model, cache, list(range(200 + i, 200 + i + width)))
+        forward_tokens(model, cache, list(range(200 + i, 200 + i + width)), rows=rows)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -246,13 +247,19 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            spec = SpeculativeParams(gamma=args.gamma)
-            contenders.append(Contender(
-                "speculative", SpeculativeDecoder(target, draft, sampling, generation, spec),
-                f"draft {draft.name}, gamma {spec.gamma}", "assisted generation",
-                # transformers' assisted generation at the same fixed draft length as ours
-                {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": "constant",
-                 "assistant_confidence_threshold": 0.0}))
+            for adaptive in (False, True):
+                spec = SpeculativeParams(gamma=args.gamma, adaptive=adaptive)
+                # transformers' assisted generation with the same draft length rule as ours: fixed, or its
+                # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call
+                # as ours is
+                schedule = "heuristic_transient" if adaptive else "constant"
+                contenders.append(Contender(
+                    "speculative-adaptive" if adaptive else "speculative",
+                    SpeculativeDecoder(target, draft, sampling, generation, spec),
+                    f"draft {draft.name}, gamma {spec.gamma}" + (", adaptive" if adaptive else ""),
+                    f"assisted generation ({schedule})",
+                    {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
+                     "assistant_confidence_threshold": 0.0}))
     if "prompt-lookup" in args.algos:
         lookup = PromptLookupParams()
         contenders.append(Contender(
@@ -312,7 +319,7 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .__main__ import model_spec
-    from .decoding import AutoregressiveDecoder, encode_prompt
+    from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
 
@@ -335,7 +342,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     contenders, draft = build_contenders(args, target, sampling, generation)
     hf_model = None if args.no_peers else load_hf_peer(target)
     if hf_model is not None and draft is not None:
-        next(c for c in contenders if c.name == "speculative").peer_kwargs["assistant_model"] = load_hf_peer(draft)
+        assistant = load_hf_peer(draft)
+        for contender in contenders:
+            if isinstance(contender.decoder, SpeculativeDecoder):
+                contender.peer_kwargs["assistant_model"] = assistant
     device = target.model.device
 
     warm = GenerationParams(max_new_tokens=8)
@@ -372,7 +382,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "acceptance_rate": metrics.acceptance_rate,
                 "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
                 "target_forwards": metrics.target_forwards}
-            if contender.name == "speculative":
+            if isinstance(contender.decoder, SpeculativeDecoder):
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
             progress += f", {contender.name} {fast.tokens_per_s:.1f}"
@@ -424,7 +434,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         summary["algos"][name] = entry
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if name == "speculative":
-            info["draft_cost_ratio"] = decode_step_seconds(draft.model) / step
+            info["draft_cost_ratio"] = decode_step_seconds(draft.model, rows=contender.decoder.proposal) / step
             # A forward over gamma + 1 tokens is not free (on a CPU, or a launch-bound GPU): it bounds the speedup.
             info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
         if name == "medusa":

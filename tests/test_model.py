@@ -11,6 +11,7 @@ from playground.kv import ContiguousKVCache
 from playground.models import Transformer, UnsupportedModelError
 from playground.models.loader import build_model
 from playground.models.transformer import linear, pack
+from playground.models.vocab import output_rows
 
 TOL = 1e-4
 # The embedded model's packed (oneDNN) matrix products sum in another order than transformers' MKL ones: 30 layers
@@ -117,6 +118,24 @@ def test_embedded_model_matches_transformers(target) -> None:
         theirs.append(out.logits)
         past = out.past_key_values
     assert (torch.cat(ours, 1) - torch.cat(theirs, 1)).abs().max().item() <= tol
+
+
+@torch.inference_mode()
+def test_output_rows_score_their_ids_and_nothing_else(target) -> None:
+    """A proposer with a reduced vocabulary: num_logits=0 skips the projection and the rows score the hidden
+    states as the whole projection does on their ids, -inf elsewhere (never sampled, never an argmax)."""
+    model, vocab = target.model, target.model.config.vocab_size
+    ids = target.tokenizer("Rows of the output projection.", return_tensors="pt").input_ids
+    positions = torch.arange(ids.shape[1])[None]
+    logits, hidden = model(ids, positions, new_cache(model), (0,), num_logits=2)  # (1, 2, V), (1, T, E)
+    empty, same = model(ids, positions, new_cache(model), (0,), num_logits=0)
+    assert empty.shape == (1, 0, vocab) and torch.equal(same, hidden)
+    kept = torch.tensor([0, 17, 400, vocab - 1])
+    for rows in (output_rows(model, kept), output_rows(model, torch.arange(vocab))):
+        scored = rows.full_logits(hidden[0, -2:], vocab)  # (2, V)
+        torch.testing.assert_close(scored[:, rows.ids], logits[0][:, rows.ids], atol=1e-4, rtol=1e-4)
+        assert int(torch.isinf(scored).sum()) == 2 * (vocab - len(rows))
+    assert output_rows(model, torch.arange(vocab)).weight is model.output_weight  # no copy for the whole
 
 
 @torch.inference_mode()

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from playground.config import ConfigError, GenerationParams, SamplingParams, SpeculativeParams
-from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, generate
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams
+from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate
+from playground.decoding.base import forward_tokens, new_cache
 from playground.metrics import compute
+from playground.models import LoadedModel, ModelLoadError, load_model
+from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
 from .stats import assert_follows_target
+
+SAMPLED_PROMPT = "The best thing about summer is"
 
 
 
@@ -71,10 +79,69 @@ def test_speculative_sampling_matches_the_target_distribution(target, noisy_draf
     """The first two tokens of the real model, sampled 300 times each way, follow the analytic joint."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
     generation = GenerationParams(max_new_tokens=2, raw=True)
-    prompt = "The best thing about summer is"
+    prompt = SAMPLED_PROMPT
     assert_follows_target(target, lambda s: AutoregressiveDecoder(target, s, generation), prompt, sampling)
     assert_follows_target(target, lambda s: SpeculativeDecoder(target, noisy_draft, s, generation,
                                                                SpeculativeParams(gamma=2)), prompt, sampling)
+
+
+@pytest.fixture(scope="module")
+def narrow_draft(target, noisy_draft, plain_outputs, tmp_path_factory) -> LoadedModel:
+    """The noisy draft proposing from a few hundred tokens only: the 100 lowest ids and what plain decoding writes
+    for every other exactness prompt, but never the target's likeliest first token for the sampling test's
+    prompt, so that some tokens the target writes can come only from its own correction or bonus."""
+    folder = tmp_path_factory.mktemp("draft") / "narrow"
+    shutil.copytree(noisy_draft.folder, folder)
+    kept = set(range(100)) | {t for prompt in PROMPTS[::2] for t in plain_outputs[prompt]}
+    kept.discard(int(first_logits(target, SAMPLED_PROMPT).argmax()))
+    save_file({VOCAB_IDS: torch.tensor(sorted(kept))}, str(folder / PROPOSAL_VOCAB))
+    return load_model(ModelSpec(source=str(folder), device="cpu", dtype="float32"))
+
+
+def first_logits(target, prompt: str) -> torch.Tensor:
+    """The target's logits (V,) for the first token after a raw prompt."""
+    ids = encode_prompt(target, prompt, GenerationParams(raw=True))
+    cache = new_cache(target.model, len(ids), GenerationParams())
+    return forward_tokens(target.model, cache, ids)[-1]
+
+
+def test_a_draft_with_a_proposal_vocabulary_proposes_only_from_it_and_stays_exact(target, narrow_draft,
+                                                                                  plain_outputs) -> None:
+    decoder = SpeculativeDecoder(target, narrow_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                                 SpeculativeParams(gamma=3))
+    allowed = set(decoder.proposal.ids.tolist())
+    assert 100 < len(allowed) < 2000 and decoder.params()["draft_vocab"] == len(allowed)
+    assert any(t not in allowed for output in plain_outputs.values() for t in output)  # the restriction bites
+    assert_greedy_exact(decoder, plain_outputs)
+    output, trace = generate(decoder, PROMPTS[1])
+    drafted = [t.id for e in trace.events if e.KIND == "draft" for t in e.tokens]
+    assert drafted and set(drafted) <= allowed
+
+
+def test_sampling_with_a_proposal_vocabulary_matches_the_target_distribution(target, narrow_draft) -> None:
+    """q is zero outside the draft's vocabulary, which lacks the target's likeliest first token: that token can
+    come from the residual alone, and the joint still matches."""
+    likeliest = int(first_logits(target, SAMPLED_PROMPT).argmax())
+    assert likeliest not in set(SpeculativeDecoder(target, narrow_draft, SamplingParams(), GenerationParams())
+                                .proposal.ids.tolist())
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+    proposed = assert_follows_target(target, lambda s: SpeculativeDecoder(target, narrow_draft, s, generation,
+                                                                          SpeculativeParams(gamma=2)),
+                                     SAMPLED_PROMPT, sampling)
+    assert proposed > 0
+
+
+def test_a_malformed_proposal_vocabulary_is_refused(target, noisy_draft, tmp_path) -> None:
+    folder = tmp_path / "draft"
+    shutil.copytree(noisy_draft.folder, folder)
+    save_file({VOCAB_IDS: torch.tensor([5, 3])}, str(folder / PROPOSAL_VOCAB))  # not ascending
+    draft = load_model(ModelSpec(source=str(folder), device="cpu"))
+    with pytest.raises(ModelLoadError, match="draft: .*proposal_vocab.safetensors holds a malformed 'vocab_ids'"):
+        SpeculativeDecoder(target, draft, SamplingParams(), GenerationParams())
+    save_file({"ids": torch.tensor([3, 5])}, str(folder / PROPOSAL_VOCAB))
+    with pytest.raises(ModelLoadError, match="has no 'vocab_ids' tensor"):
+        SpeculativeDecoder(target, draft, SamplingParams(), GenerationParams())
 
 
 class OtherTokenizer:

@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from playground.config import ModelSpec
@@ -15,9 +16,11 @@ from playground.models import load_model
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
 from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
+from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
-from playground.train.draft import Corpus, batches, distillation_loss, two_stage_corpus
-from playground.train.medusa import answer_ids, head_examples, head_vocabulary
+from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
+                                    two_stage_corpus)
+from playground.train.medusa import head_examples
 from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, TEMPLATES, TRAIN_TOPICS, held_out_prompts,
                                       maths_prompt, second_stage_prompts, training_prompts)
 from playground.bench_suite import SUITE
@@ -35,9 +38,15 @@ def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     draft = load_model(ModelSpec(source=str(out), device="cpu"))
     check_compatible(target, draft)
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
-    # the cached corpus is reused only for the settings that made it
-    assert main(small + ["--answer-tokens", "8", "--weights-dtype", "float16"]) == 0
-    assert "reusing the corpus" in capsys.readouterr().err
+    # the draft proposes from the 8192 tokens the corpus ranks first, which our engine reads beside its weights
+    proposal = load_file(out / PROPOSAL_VOCAB)[VOCAB_IDS]
+    assert len(proposal) == report["proposal_vocab"] == 8192
+    assert set(answer_ids(Corpus.load(corpus)).tolist()) <= set(proposal.tolist())
+    # the cached corpus is reused only for the settings that made it; the whole vocabulary writes no file
+    assert main(small + ["--answer-tokens", "8", "--weights-dtype", "float16", "--proposal-vocab", "49152"]) == 0
+    assert "reusing the corpus" in capsys.readouterr().err and not (out / PROPOSAL_VOCAB).exists()
+    assert main(small + ["--answer-tokens", "8", "--proposal-vocab", "0"]) == 2
+    assert "proposal_vocab must be an integer in [1, 49152]" in capsys.readouterr().err
     assert main(small + ["--answer-tokens", "9"]) == 2
     assert "corpus:" in capsys.readouterr().err
 
@@ -89,13 +98,13 @@ def test_distillation_loss_over_a_reduced_vocabulary_ignores_ids_outside_it() ->
     torch.testing.assert_close(loss, expected)
 
 
-def test_head_vocabulary_ranks_answers_then_alternatives_then_low_ids() -> None:
+def test_frequent_vocabulary_ranks_answers_then_alternatives_then_low_ids() -> None:
     # answers 7, 7, 3 (7 most frequent); alternatives add 5 (twice) and 9 (once) beside the answers
     corpus = Corpus([[1, 7, 7, 3]], [1], torch.tensor([[7, 5], [7, 9], [3, 5]]), torch.zeros(3, 2))
-    assert head_vocabulary(corpus, 2, 12).tolist() == [3, 7]
-    assert head_vocabulary(corpus, 3, 12).tolist() == [3, 5, 7]
-    assert head_vocabulary(corpus, 6, 12).tolist() == [0, 1, 3, 5, 7, 9]  # then the lowest unused ids, 0 and 1
-    assert head_vocabulary(corpus, 12, 12).tolist() == list(range(12))
+    assert frequent_vocabulary(corpus, 2, 12).tolist() == [3, 7]
+    assert frequent_vocabulary(corpus, 3, 12).tolist() == [3, 5, 7]
+    assert frequent_vocabulary(corpus, 6, 12).tolist() == [0, 1, 3, 5, 7, 9]  # then the lowest unused ids, 0 and 1
+    assert frequent_vocabulary(corpus, 12, 12).tolist() == list(range(12))
 
 
 def test_second_stage_prompts_ground_tasks_in_first_stage_answers() -> None:
@@ -172,6 +181,7 @@ def test_shipped_draft_contract(target) -> None:
     report = json.loads((EMBEDDED_DRAFT / "train_report.json").read_text())
     keys = {"held_out_token_acceptance", "held_out_accepted_per_drafted", "draft_target_cost_ratio", "seed"}
     assert keys <= set(report)
+    assert len(proposal_rows(draft)) == report["proposal_vocab"] == 8192
     assert report["size_mb"] <= 30 and report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
 
 

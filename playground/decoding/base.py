@@ -18,6 +18,7 @@ import torch
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..kv import ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..models import LoadedModel, Transformer
+from ..models.vocab import OutputRows
 from ..sampling import make_generator, next_token
 from ..trace import BonusEvent, CommitEvent, Event, FinishEvent, KVAllocEvent, PrefillEvent, TokenInfo, Trace
 
@@ -68,9 +69,10 @@ def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -
 
 
 @torch.inference_mode()
-def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int],
-                   num_logits: int = 1) -> torch.Tensor:
-    """Append tokens to sequence 0 of the cache in one forward; logits (num_logits, V) of the last positions.
+def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int], num_logits: int = 1,
+                   rows: OutputRows | None = None) -> torch.Tensor:
+    """Append tokens to sequence 0 of the cache in one forward; logits (num_logits, V) of the last positions,
+    scored on `rows` only (-inf elsewhere) when given.
 
     Inference mode wraps each forward, not a decoder's loop: a generator suspended at `yield` must not leave
     the consumer's code running in it.
@@ -78,8 +80,11 @@ def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int],
     start = cache.length(0)
     ids = torch.tensor([token_ids], device=model.device)  # (1, T)
     positions = torch.arange(start, start + len(token_ids), device=model.device).unsqueeze(0)  # (1, T)
-    logits, _ = model(ids, positions, cache, (0,), num_logits=num_logits)  # (1, n, V)
-    return logits[0]
+    if rows is None:
+        logits, _ = model(ids, positions, cache, (0,), num_logits=num_logits)  # (1, n, V)
+        return logits[0]
+    _, hidden = model(ids, positions, cache, (0,), num_logits=0)  # hidden: (1, T, E)
+    return rows.full_logits(hidden[0, -num_logits:], model.config.vocab_size)  # (n, V)
 
 
 def commit_event(step: int, step_start: float, end: float, draft_s: float, verify_s: float, num_tokens: int,

@@ -15,6 +15,7 @@ import torch
 from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
 from ..kv import KVCache
 from ..models import LoadedModel
+from ..models.vocab import proposal_rows
 from ..sampling import next_token, probabilities, sample
 from ..trace import DraftEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
@@ -42,10 +43,12 @@ class SpeculativeDecoder(Decoder):
         check_compatible(target, draft)
         self.draft = draft
         self.spec = params or SpeculativeParams()
+        self.proposal = proposal_rows(draft)  # the tokens the draft may propose; None: all of them
 
     def params(self) -> dict[str, Any]:
+        vocab = self.draft.model.config.vocab_size if self.proposal is None else len(self.proposal)
         return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
-                "adaptive_gamma": self.spec.adaptive}
+                "adaptive_gamma": self.spec.adaptive, "draft_vocab": vocab}
 
     def propose(self, cache: KVCache, pending: list[int], gamma: int,
                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None, list[float]]:
@@ -53,10 +56,11 @@ class SpeculativeDecoder(Decoder):
 
         Returns the tokens, q (gamma, V) the distributions they were drawn from (None under greedy, where only
         the argmax matters), and each token's draft probability for the trace. The last drafted token is not
-        fed to the draft (saves a forward).
+        fed to the draft (saves a forward). With a proposal vocabulary the draft scores only its rows: q is zero
+        elsewhere, which the lossless rule allows (the target's residual covers those tokens).
         """
         model = self.draft.model
-        logits = forward_tokens(model, cache, pending)[-1]  # (V,)
+        logits = forward_tokens(model, cache, pending, rows=self.proposal)[-1]  # (V,)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         shown: list[float] = []
@@ -71,7 +75,7 @@ class SpeculativeDecoder(Decoder):
             tokens.append(int(token))
             shown.append(float(q_x))
             if i < gamma - 1:
-                logits = forward_tokens(model, cache, [tokens[-1]])[-1]
+                logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal)[-1]
         return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
 
     def run(self, prompt_ids: list[int]) -> EventStream:

@@ -19,13 +19,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
-from .transformer import can_pack, linear, pack
+from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
 WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
 # What a head reads, recorded in config.json: heads saved before the next-token embedding was an input cannot load.
 INPUTS = "hidden+next_embedding"
-VOCAB_IDS = "vocab_ids"  # the tensor in the weights file listing the token ids the heads score, ascending
 
 
 class MedusaHeads(nn.Module):
@@ -61,24 +60,19 @@ class LoadedHeads:
     heads: MedusaHeads
     folder: Path
     target_name: str
-    vocab_ids: torch.Tensor  # (V',) int64 ascending: the token ids the heads score
-    output: torch.Tensor  # (V', E) the target's output projection rows for those ids
-    packed: torch.Tensor | None  # `output` prepacked for the CPU (see transformer.pack), or None
+    output: OutputRows  # the target's output projection rows for the token ids the heads score
+
+    @property
+    def vocab_ids(self) -> torch.Tensor:
+        return self.output.ids  # (V',) int64 ascending
 
     @property
     def vocab_size(self) -> int:
-        return len(self.vocab_ids)
+        return len(self.output)
 
     def logits(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
         """Every head's logits (K, ..., V') over `vocab_ids`, in float32, for the inputs of `MedusaHeads.head`."""
-        return linear(self.heads(hidden, next_embedding), self.output, packed=self.packed).float()
-
-
-def head_output(output_weight: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """The rows (V', E) of a target's output projection (V, E) that heads restricted to `vocab_ids` score."""
-    if len(vocab_ids) == len(output_weight):
-        return output_weight
-    return output_weight[vocab_ids.to(output_weight.device)].contiguous()
+        return self.output.logits(self.heads(hidden, next_embedding))
 
 
 def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype,
@@ -131,21 +125,7 @@ def load_heads(source: str | None, target: LoadedModel) -> LoadedHeads:
         heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     except RuntimeError as exc:
         raise ModelLoadError(f"medusa heads: {folder / WEIGHTS} does not match its config ({exc})") from exc
-    check_vocab_ids(vocab_ids, vocab, folder / WEIGHTS)
+    check_vocab_ids(vocab_ids, vocab, f"medusa heads: {folder / WEIGHTS}")
     model = target.model
     heads = heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
-    output = head_output(model.output_weight, vocab_ids)
-    if output is model.output_weight:
-        packed = model.packed_output
-    else:  # a packed copy only where the target packs its own (see Transformer.pack_linears)
-        packed = pack(output) if model.packed_output is not None and can_pack(output) else None
-    return LoadedHeads(heads, folder, str(config.get("target", "")), vocab_ids.to(model.device), output, packed)
-
-
-def check_vocab_ids(vocab_ids: torch.Tensor, vocab: int, where: Path) -> None:
-    """Reduced-vocabulary ids must be distinct, ascending int64 token ids of the target."""
-    ok = (vocab_ids.dtype == torch.int64 and vocab_ids.dim() == 1 and 1 <= len(vocab_ids) <= vocab
-          and int(vocab_ids.min()) >= 0 and int(vocab_ids.max()) < vocab and bool((vocab_ids.diff() > 0).all()))
-    if not ok:
-        raise ModelLoadError(f"medusa heads: {where} holds a malformed {VOCAB_IDS!r} tensor; it must list 1 to "
-                             f"{vocab} distinct ascending int64 token ids in [0, {vocab})")
+    return LoadedHeads(heads, folder, str(config.get("target", "")), output_rows(model, vocab_ids))

@@ -304,7 +304,8 @@ class Transformer(nn.Module):
 
         token_ids, positions: (B, T) int64; positions feed RoPE only (tree nodes share depths).
         attn_mask: (T, T) or (B, T, T) bool visibility among the new tokens; None means causal.
-        num_logits: compute logits for the last n tokens only (prefill needs one).
+        num_logits: compute logits for the last n tokens only (prefill needs one); 0 computes none, for a caller
+        that scores the hidden states itself (see models.vocab).
         Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E).
         """
         b, t = token_ids.shape
@@ -322,6 +323,8 @@ class Transformer(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin, cache, layout, mask)
         hidden = self.norm(x)  # (B, T, E)
+        if num_logits == 0:
+            return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
         tail = hidden if num_logits is None else hidden[:, -num_logits:]
         return self.project(tail), hidden
 

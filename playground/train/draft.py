@@ -8,8 +8,10 @@
    greedy token plus on the target's top-k distribution. Its tied embedding starts from the target's
    embedding projected on its top principal directions; the output projection, two thirds of a training
    step, runs in `--dtype` too.
-3. It is saved in Hugging Face format with a report: greedy acceptance on held-out prompts and the
-   draft/target decode-step cost ratio.
+3. It is saved in Hugging Face format, with its proposal vocabulary beside it (`--proposal-vocab`: the tokens
+   the corpus ranks first, the same ranking as the Medusa heads'; our engine scores only those rows of the
+   draft's output projection, transformers ignores the file) and a report: greedy acceptance on held-out prompts
+   and the draft/target decode-step cost ratio, both with that vocabulary.
 Everything is seeded; the run is reproducible up to floating-point reduction order.
 """
 
@@ -32,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
+from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS
 from .prompts import EXTRA_TEMPLATES, held_out_prompts, second_stage_prompts, training_prompts
 
 GAMMA = 4  # draft length of the acceptance report
@@ -45,6 +48,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(EMBEDDED_DRAFT), help="output folder (Hugging Face format)")
     parser.add_argument("--hidden", type=int, default=192, help="draft hidden size (default 192)")
     parser.add_argument("--layers", type=int, default=4, help="draft decoder layers (default 4)")
+    parser.add_argument("--proposal-vocab", type=int, default=8192,
+                        help="tokens the draft proposes from, 1 to the target's vocabulary size (all of it: no "
+                             "file); our engine scores only those rows of its output projection (default 8192)")
     parser.add_argument("--epochs", type=int, default=6, help="passes over the corpus (default 6)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -166,6 +172,20 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     return Corpus(sequences, starts, torch.cat(top_ids), torch.cat(top_logprobs))
 
 
+def answer_ids(corpus: Corpus) -> torch.Tensor:
+    """Every answer token (N,) in corpus order (for Medusa: row i of the hidden states predicted token i)."""
+    return torch.tensor([t for s, a in zip(corpus.sequences, corpus.answer_starts) for t in s[a:]])
+
+
+def frequent_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` token ids (ascending, int64) a proposer will score: the target's answer tokens, most frequent
+    first, then the alternatives in its top-k soft labels, most frequent first, then the lowest remaining ids."""
+    answers = torch.bincount(answer_ids(corpus), minlength=vocab_size).double()  # (V,)
+    alternatives = torch.bincount(corpus.topk_ids.flatten(), minlength=vocab_size).double()  # (V,)
+    score = answers * (alternatives.max() + 1) + alternatives  # answer counts first, ties by alternatives
+    return torch.sort(score.argsort(descending=True, stable=True)[:size]).values
+
+
 def draft_config(target: Any, hidden: int, layers: int) -> Any:
     from transformers import LlamaConfig
 
@@ -280,7 +300,7 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
         accepted += metrics.accepted
         drafted += metrics.drafted
         judged += metrics.accepted + metrics.rejected
-    cost = decode_step_seconds(draft.model) / decode_step_seconds(target.model)
+    cost = decode_step_seconds(draft.model, rows=decoder.proposal) / decode_step_seconds(target.model)
     return {"held_out_token_acceptance": accepted / judged, "held_out_accepted_per_drafted": accepted / drafted,
             "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
 
@@ -342,12 +362,18 @@ def main(args: argparse.Namespace) -> int:
     check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
     prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
+    vocab_size = target.model.config.vocab_size
+    check_int("proposal_vocab", args.proposal_vocab, 1, vocab_size)
     start = time.perf_counter()
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     model = train(target, corpus, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.to(TORCH_DTYPES[args.weights_dtype]).save_pretrained(out)
+    (out / PROPOSAL_VOCAB).unlink(missing_ok=True)  # a previous run's, which this draft may not use
+    if args.proposal_vocab < vocab_size:
+        save_file({VOCAB_IDS: frequent_vocabulary(corpus, args.proposal_vocab, vocab_size)},
+                  str(out / PROPOSAL_VOCAB))
     for name in TOKENIZER_FILES:
         if (target.folder / name).is_file():
             shutil.copy(target.folder / name, out / name)
@@ -355,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
     report.update({"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
                    "train_tokens": corpus.answer_tokens(),
                    "extra_templates_per_topic": args.extra_templates, "dtype": args.dtype,
+                   "proposal_vocab": args.proposal_vocab,
                    "hidden": args.hidden, "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
                    "weights_dtype": args.weights_dtype, "seed": args.seed,
                    # a reused corpus was generated in an earlier run: its time counts towards a full run

@@ -27,9 +27,10 @@ import torch
 
 from ..config import ModelSpec, check_int
 from ..models.loader import TORCH_DTYPES
-from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, head_output, save_heads
-from .draft import (TOP_K, Corpus, add_corpus_args, distillation_loss, generate_corpus, load_or_generate_corpus,
-                    training_setup)
+from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
+from ..models.vocab import rows_of
+from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
+                    generate_corpus, load_or_generate_corpus, training_setup)
 from .prompts import held_out_prompts
 
 
@@ -70,7 +71,8 @@ def hidden_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32) -> t
     for first in range(0, len(order), batch):
         picked = order[first : first + batch]
         width = max(len(sequences[i]) for i in picked)
-        ids = torch.tensor([sequences[i] + [pad] * (width - len(sequences[i])) for i in picked])  # right padding: (B, T)
+        # right padding, which a causal model never attends to from the real positions
+        ids = torch.tensor([sequences[i] + [pad] * (width - len(sequences[i])) for i in picked])  # (B, T)
         with torch.inference_mode():
             hidden = hf.model(input_ids=ids).last_hidden_state.float()  # (B, T, E), after the final norm
         for row, i in enumerate(picked):
@@ -79,11 +81,6 @@ def hidden_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32) -> t
         if (first // batch) % 10 == 0:
             log(f"hidden states: {first + len(picked)}/{len(order)} sequences ({time.perf_counter() - start:.0f} s)")
     return torch.cat(states), [len(s) - a for s, a in zip(sequences, corpus.answer_starts)]
-
-
-def answer_ids(corpus: Corpus) -> torch.Tensor:
-    """Every answer token (N,) in corpus order: row i of the hidden states predicted token i."""
-    return torch.tensor([t for s, a in zip(corpus.sequences, corpus.answer_starts) for t in s[a:]])
 
 
 def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,15 +94,6 @@ def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Ten
         labels.append(torch.arange(offset + head + 1, offset + head + 1 + usable))
         offset += count
     return torch.cat(rows), torch.cat(labels)
-
-
-def head_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` token ids (ascending, int64) heads will score: the target's answer tokens, most frequent first,
-    then the alternatives in its top-k soft labels, most frequent first, then the lowest remaining ids."""
-    answers = torch.bincount(answer_ids(corpus), minlength=vocab_size).double()  # (V,)
-    alternatives = torch.bincount(corpus.topk_ids.flatten(), minlength=vocab_size).double()  # (V,)
-    score = answers * (alternatives.max() + 1) + alternatives  # answer counts first, ties by alternatives
-    return torch.sort(score.argsort(descending=True, stable=True)[:size]).values
 
 
 def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -126,7 +114,7 @@ def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torc
     total = args.epochs * math.ceil(len(examples[0][0]) / args.batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.05)
-    output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E), frozen
+    output = rows_of(target.model.output_weight.detach().float(), vocab_ids)  # (V', E), frozen
     embedding = target.model.embed_tokens.weight.detach().float()  # (V, E), frozen
     position = vocabulary_position(vocab_ids, len(embedding))[corpus.topk_ids]  # (N, K) soft labels in V', or -1
     next_ids = answer_ids(corpus)  # (N,)
@@ -167,7 +155,7 @@ def evaluate(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, answer_to
     # float32: the heads are judged against what the target writes when it decodes, whatever wrote the corpus
     corpus = generate_corpus(target, held_out_prompts(), answer_tokens, "float32")
     states, counts = hidden_states(target, corpus, "float32")
-    output = head_output(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
+    output = rows_of(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
     truth = answer_ids(corpus)  # (N,)
     inside = vocabulary_share(vocab_ids, truth, target.model.config.vocab_size)
     report: dict[str, Any] = {"held_out_prompts": len(corpus.sequences), "head_vocab_size": len(vocab_ids),
@@ -193,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     states, counts = hidden_states(target, corpus, args.dtype)
     log(f"{len(states)} answer positions; training {args.heads} heads")
-    vocab_ids = head_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
+    vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     covered = vocabulary_share(vocab_ids, answer_ids(corpus), target.model.config.vocab_size)
     log(f"the heads score {len(vocab_ids)} tokens: {covered:.1%} of the training answers")
     heads = MedusaHeads(target.model.config.hidden_size, args.heads)

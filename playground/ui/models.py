@@ -10,6 +10,7 @@ from ..config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
 from ..decoding.speculative import check_compatible
 from ..models import LoadedModel, ModelLoadError, load_model
 from ..models.loader import default_draft
+from ..models.vocab import proposal_rows
 
 _models: dict[ModelSpec, LoadedModel] = {}
 _lock = threading.Lock()
@@ -61,7 +62,11 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
         lines = [f"Target: {describe(target)}"]
         if (draft_source or "").strip() or default_draft(target.spec.source):
             progress(0.6, desc="loading the draft and checking its tokenizer against the target's")
-            lines.append(f"Draft: {describe(get_draft(target, draft_source))}; tokenizer matches the target's")
+            draft = get_draft(target, draft_source)
+            rows = proposal_rows(draft)
+            vocab = ("" if rows is None else
+                     f"; proposes from {len(rows):,} of its {draft.model.config.vocab_size:,} tokens")
+            lines.append(f"Draft: {describe(draft)}{vocab}; tokenizer matches the target's")
         else:
             lines.append("No draft: speculative decoding needs one with the target's tokenizer.")
     except (ConfigError, ModelLoadError, ValueError) as exc:

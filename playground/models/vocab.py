@@ -1,0 +1,81 @@
+"""Reduced output vocabularies: a proposer (Medusa heads, a draft model) that scores only the rows of an output
+projection for the tokens a target actually writes pays len(ids) / V of the full product, which for a small
+proposer over a 49k vocabulary is most of its step. A token outside the ids is never proposed; the target still
+emits it when it chooses it, so greedy output stays exact and sampling stays lossless (q is zero there).
+
+The ids are stored as an int64 safetensors tensor named `vocab_ids` (never pickled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from .loader import LoadedModel, ModelLoadError
+from .transformer import Transformer, can_pack, linear, pack
+
+VOCAB_IDS = "vocab_ids"  # the tensor listing the token ids a proposer scores, ascending
+# Beside a draft's Hugging Face weights, written by `python -m playground.train draft`; transformers ignores it.
+PROPOSAL_VOCAB = "proposal_vocab.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRows:
+    """The rows of a model's output projection for some token ids."""
+
+    ids: torch.Tensor  # (V',) int64 ascending, on the model's device
+    weight: torch.Tensor  # (V', E)
+    packed: torch.Tensor | None  # `weight` prepacked for the CPU (see transformer.pack), or None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V') over `ids`, in float32, for hidden states (..., E)."""
+        return linear(hidden, self.weight, packed=self.packed).float()
+
+    def full_logits(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Logits (..., V) over the whole vocabulary, -inf outside `ids`: sampling and argmax never pick those."""
+        scored = self.logits(hidden)  # (..., V')
+        full = scored.new_full((*scored.shape[:-1], vocab_size), float("-inf"))  # (..., V)
+        return full.index_copy_(-1, self.ids, scored)
+
+
+def rows_of(output_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rows (V', E) of an output projection (V, E) for `ids` (the projection itself when ids cover it)."""
+    if len(ids) == len(output_weight):
+        return output_weight
+    return output_weight[ids.to(output_weight.device)].contiguous()
+
+
+def output_rows(model: Transformer, ids: torch.Tensor) -> OutputRows:
+    """The model's output rows for checked `ids`, packed where the model packs its own projection."""
+    weight = rows_of(model.output_weight, ids)
+    if weight is model.output_weight:
+        packed = model.packed_output
+    else:
+        packed = pack(weight) if model.packed_output is not None and can_pack(weight) else None
+    return OutputRows(ids.to(model.device), weight, packed)
+
+
+def check_vocab_ids(ids: torch.Tensor, vocab: int, where: str) -> None:
+    """Reduced-vocabulary ids must be distinct, ascending int64 token ids of the model."""
+    ok = (ids.dtype == torch.int64 and ids.dim() == 1 and 1 <= len(ids) <= vocab
+          and int(ids.min()) >= 0 and int(ids.max()) < vocab and bool((ids.diff() > 0).all()))
+    if not ok:
+        raise ModelLoadError(f"{where} holds a malformed {VOCAB_IDS!r} tensor; it must list 1 to {vocab} distinct "
+                             f"ascending int64 token ids in [0, {vocab})")
+
+
+def proposal_rows(draft: LoadedModel) -> OutputRows | None:
+    """The draft's proposal vocabulary from `proposal_vocab.safetensors` in its folder, or None (no such file:
+    the draft scores every token)."""
+    path = draft.folder / PROPOSAL_VOCAB
+    if not path.is_file():
+        return None
+    tensors = load_file(str(path))
+    if VOCAB_IDS not in tensors:
+        raise ModelLoadError(f"draft: {path} has no {VOCAB_IDS!r} tensor")
+    check_vocab_ids(tensors[VOCAB_IDS], draft.model.config.vocab_size, f"draft: {path}")
+    return output_rows(draft.model, tensors[VOCAB_IDS])
