@@ -2,7 +2,8 @@
 
 1. The target answers the project's training prompts greedily (the same corpus as the draft's with the same
    options; `--corpus` caches it), so the heads learn the target's own continuations.
-2. One pass of the frozen target over every sequence gives the final hidden state at each answer position.
+2. One pass of the frozen target (in `--dtype`) over every sequence gives the final hidden state at each answer
+   position.
 3. The heads' vocabulary (`--head-vocab`): the target's most frequent answer tokens, then its most frequent
    top-k alternatives; heads score only those rows of the frozen output projection.
 4. Head k at position t, given that state and the embedding of the answer token it predicted (t + 1), learns the
@@ -46,8 +47,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "default 8192)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
                         help="dtype the weights are saved in (default float16)")
-    add_corpus_args(parser, "precision of the target writing the corpus (default bfloat16, as the draft's, so one "
-                            "--corpus file serves both; the hidden states the heads learn from are float32)")
+    add_corpus_args(parser, "precision of the target writing the corpus and computing the hidden states the heads "
+                            "learn from (default bfloat16, as the draft's, so one --corpus file serves both; the "
+                            "held-out report uses float32 states, as decoding does)")
 
 
 def log(message: str) -> None:
