@@ -22,7 +22,6 @@ from .stats import assert_follows_target
 SAMPLED_PROMPT = "The best thing about summer is"
 
 
-
 @pytest.mark.parametrize("gamma, adaptive", [(1, False), (3, False), (5, False), (8, False), (2, True)])
 def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive) -> None:
     decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
