@@ -1,8 +1,8 @@
 """Reduced output vocabularies: a proposer (Medusa heads, a draft model) that scores only the rows of an output
 projection for the tokens a target actually writes pays len(ids) / V of the full product, which for a small
 proposer over a 49k vocabulary is a large share of its step (most of the Medusa heads', 40% of the shipped
-draft's). A token outside the ids is never proposed; the target still
-emits it when it chooses it, so greedy output stays exact and sampling stays lossless (q is zero there).
+draft's). A token outside the ids is never proposed; the target still emits it when it chooses it, so greedy
+output stays exact and sampling stays lossless (q is zero there).
 
 The ids are stored as an int64 safetensors tensor named `vocab_ids` (never pickled)."""
 
