@@ -110,6 +110,8 @@ def test_a_draft_with_a_proposal_vocabulary_proposes_only_from_it_and_stays_exac
                                  SpeculativeParams(gamma=3))
     allowed = set(decoder.proposal.ids.tolist())
     assert 100 < len(allowed) < 2000 and decoder.params()["draft_vocab"] == len(allowed)
+    # read and packed once per loaded draft, shared by every decoder over it
+    assert SpeculativeDecoder(target, narrow_draft, SamplingParams(), GenerationParams()).proposal is decoder.proposal
     assert any(t not in allowed for output in plain_outputs.values() for t in output)  # the restriction bites
     assert_greedy_exact(decoder, plain_outputs)
     output, trace = generate(decoder, PROMPTS[1])

@@ -82,18 +82,15 @@ def test_distillation_loss_is_lowest_when_the_draft_matches_the_target() -> None
 
 
 def test_distillation_loss_over_a_reduced_vocabulary_ignores_ids_outside_it() -> None:
-    """Soft labels outside the covered ids neither count nor break the loss; all-covered equals no mask."""
+    """Soft labels outside the covered ids (-1) neither count nor break the loss."""
     logits = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -1.0]])  # (N=2, V'=3)
-    ids = torch.tensor([[2, 0], [1, 0]])
+    ids = torch.tensor([[2, -1], [-1, -1]])  # row 1 lies wholly outside the vocabulary
     logprobs = torch.tensor([[-0.2, -1.8], [-0.5, -1.0]])
-    everything = torch.ones(2, 2, dtype=torch.bool)
-    assert torch.equal(distillation_loss(logits, ids, logprobs, everything), distillation_loss(logits, ids, logprobs))
-    known = torch.tensor([[True, False], [False, False]])  # row 1 lies wholly outside the vocabulary
-    loss = distillation_loss(logits, ids, logprobs, known)
+    loss = distillation_loss(logits, ids, logprobs)
     assert torch.isfinite(loss)
     moved = logprobs.clone()
     moved[0, 1] = 5.0  # an alternative outside the vocabulary, now the target's favourite: ignored all the same
-    assert torch.equal(loss, distillation_loss(logits, ids, moved, known))
+    assert torch.equal(loss, distillation_loss(logits, ids, moved))
     expected = -logits.log_softmax(-1)[0, 2] / 2  # row 0: hard and soft terms both on token 2; row 1 adds nothing
     torch.testing.assert_close(loss, expected)
 

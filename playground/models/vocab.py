@@ -8,6 +8,7 @@ The ids are stored as an int64 safetensors tensor named `vocab_ids` (never pickl
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,20 @@ def check_vocab_ids(ids: torch.Tensor, vocab: int, where: str) -> None:
                              f"ascending int64 token ids in [0, {vocab})")
 
 
+# One entry per loaded draft model, dropped with it: every decoder built over a draft (the app builds one per run,
+# the bench two) shares its rows instead of reading the file and copying and packing ~6 MB of weights again.
+_PROPOSALS: weakref.WeakKeyDictionary[Transformer, OutputRows | None] = weakref.WeakKeyDictionary()
+
+
 def proposal_rows(draft: LoadedModel) -> OutputRows | None:
     """The draft's proposal vocabulary from `proposal_vocab.safetensors` in its folder, or None (no such file:
-    the draft scores every token)."""
+    the draft scores every token); read once per loaded draft."""
+    if draft.model not in _PROPOSALS:
+        _PROPOSALS[draft.model] = read_proposal_rows(draft)
+    return _PROPOSALS[draft.model]
+
+
+def read_proposal_rows(draft: LoadedModel) -> OutputRows | None:
     path = draft.folder / PROPOSAL_VOCAB
     if not path.is_file():
         return None

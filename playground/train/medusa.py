@@ -31,7 +31,7 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
-                    generate_corpus, load_or_generate_corpus, training_setup)
+                    generate_corpus, load_or_generate_corpus, training_setup, vocabulary_position)
 from .prompts import held_out_prompts
 
 
@@ -98,13 +98,6 @@ def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Ten
     return torch.cat(rows), torch.cat(labels)
 
 
-def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(V,) int64: each token's index in `vocab_ids`, -1 for a token outside it."""
-    position = torch.full((vocab_size,), -1, dtype=torch.int64)
-    position[vocab_ids] = torch.arange(len(vocab_ids))
-    return position
-
-
 def vocabulary_share(vocab_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> float:
     """The share of `tokens` (N,) that lie inside `vocab_ids`."""
     return (vocabulary_position(vocab_ids, vocab_size)[tokens] >= 0).float().mean().item()
@@ -134,9 +127,7 @@ def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torc
                 if len(pick) == 0:
                     continue
                 logits = heads.head(k, states[rows[pick]], embedding[next_ids[rows[pick]]]) @ output.T  # (n, V')
-                label = position[labels[pick]]  # (n, K)
-                loss = loss + distillation_loss(logits, label.clamp_min(0), corpus.topk_logprobs[labels[pick]],
-                                                known=label >= 0)
+                loss = loss + distillation_loss(logits, position[labels[pick]], corpus.topk_logprobs[labels[pick]])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
