@@ -269,7 +269,7 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
     total = args.epochs * math.ceil(len(corpus.sequences) / batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.1)
     generator = torch.Generator().manual_seed(args.seed)
-    position = vocabulary_position(vocab_ids, target.model.config.vocab_size)  # (V,)
+    labels_in_vocab = vocabulary_position(vocab_ids, target.model.config.vocab_size)[corpus.topk_ids]  # (N, K)
     # Over all 49,152 rows the output projection and its two gradients were most of a step (in bfloat16, 0.6 s of
     # 1.06 for 1,100 positions); over the 8,192 proposal rows an epoch of the shipped draft takes 110 s, not 245.
     # The other tokens still train as inputs, and the full-vocabulary argmax that transformers' assisted
@@ -283,7 +283,7 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
             output = rows_of(model.lm_head.weight, vocab_ids)  # (V', H), differentiable
             # only where an answer token is predicted, in the product's dtype; the softmax stays in float32
             logits = F.linear(hidden[rows, columns].to(low), output.to(low)).float()  # (N, V')
-            loss = distillation_loss(logits, position[corpus.topk_ids[labels]], corpus.topk_logprobs[labels])
+            loss = distillation_loss(logits, labels_in_vocab[labels], corpus.topk_logprobs[labels])
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
