@@ -19,7 +19,7 @@ from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
 from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
-                                    two_stage_corpus)
+                                    one_cycle, two_stage_corpus)
 from playground.train.medusa import head_examples
 from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, TEMPLATES, TRAIN_TOPICS, held_out_prompts,
                                       maths_prompt, second_stage_prompts, training_prompts)
@@ -141,6 +141,29 @@ def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(
     assert asked[0] == prompts and asked[1] == second_stage_prompts(prompts, [text] * 8)
     assert len(asked[1]) == 3  # prompts 1 and 5 grounded on their answers, a word problem at 3
     assert len(corpus.sequences) == len(corpus.answer_starts) == len(corpus.topk_ids) == 11
+
+
+def schedule_rates(total: int, warmup: float, reference: bool = False) -> list[float]:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=total, pct_start=warmup)
+                if reference else one_cycle(optimizer, 1e-3, total, warmup))
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_one_cycle_runs_any_number_of_steps_and_keeps_pytorchs_schedule_otherwise() -> None:
+    # PyTorch's OneCycleLR divides by zero at exactly one warmup step: 10 steps at 0.1 (the draft), 20 at 0.05
+    for warmup in (0.1, 0.05):
+        for total in range(1, 45):
+            rates = schedule_rates(total, warmup)
+            assert len(rates) == total and max(rates) <= 1e-3
+    assert max(schedule_rates(10, 0.1)) == 1e-3  # warmed up over two steps to the peak
+    for total, warmup in ((100, 0.1), (37, 0.05)):
+        assert schedule_rates(total, warmup) == schedule_rates(total, warmup, reference=True)
 
 
 def test_bad_training_arguments_are_refused(capsys) -> None:

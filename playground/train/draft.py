@@ -194,6 +194,17 @@ def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tenso
     return position
 
 
+def one_cycle(optimizer: torch.optim.Optimizer, lr: float, total: int, warmup: float) -> Any:
+    """A one-cycle schedule (warm up over the first `warmup` fraction of `total` steps, then cosine decay).
+
+    PyTorch's OneCycleLR divides by zero when the warmup comes to exactly one step (e.g. 10 steps at 0.1, a run
+    on 160 prompts for one epoch); such a run warms up over two steps instead. Other runs get PyTorch's
+    schedule unchanged, so earlier runs stay reproducible."""
+    if total > 2 and math.isclose(warmup * total, 1.0):
+        warmup = 2 / total
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total, pct_start=warmup)
+
+
 def draft_config(target: Any, hidden: int, layers: int) -> Any:
     from transformers import LlamaConfig
 
@@ -267,7 +278,7 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     batch_size = 16
     total = args.epochs * math.ceil(len(corpus.sequences) / batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.1)
+    schedule = one_cycle(optimizer, args.lr, total, 0.1)
     generator = torch.Generator().manual_seed(args.seed)
     labels_in_vocab = vocabulary_position(vocab_ids, target.model.config.vocab_size)[corpus.topk_ids]  # (N, K)
     # Over all 49,152 rows the output projection and its two gradients were most of a step (in bfloat16, 0.6 s of

@@ -31,7 +31,7 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
-                    generate_corpus, load_or_generate_corpus, training_setup, vocabulary_position)
+                    generate_corpus, load_or_generate_corpus, one_cycle, training_setup, vocabulary_position)
 from .prompts import held_out_prompts
 
 
@@ -108,7 +108,7 @@ def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torc
     examples = [head_examples(counts, k) for k in range(heads.num_heads)]
     total = args.epochs * math.ceil(len(examples[0][0]) / args.batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total, pct_start=0.05)
+    schedule = one_cycle(optimizer, args.lr, total, 0.05)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids)  # (V', E), frozen
     embedding = target.model.embed_tokens.weight.detach().float()  # (V, E), frozen
     position = vocabulary_position(vocab_ids, len(embedding))[corpus.topk_ids]  # (N, K) soft labels in V', or -1
