@@ -30,7 +30,7 @@ def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     out, corpus = tmp_path / "draft", tmp_path / "corpus.safetensors"
     small = ["draft", "--limit", "2", "--epochs", "1", "--hidden", "32", "--layers", "1", "--eval-prompts", "1",
              "--out", str(out), "--corpus", str(corpus)]
-    assert main(small + ["--answer-tokens", "8"]) == 0
+    assert main(small + ["--answer-tokens", "8", "--generate-batch", "1"]) == 0
     assert Corpus.load(corpus).answer_tokens() <= 2 * 8
     report = json.loads((out / "train_report.json").read_text())
     assert report["first_stage_prompts"] == 2 and report["train_prompts"] >= 2 and report["layers"] == 1
@@ -128,8 +128,9 @@ def test_second_stage_prompts_ground_tasks_in_first_stage_answers() -> None:
 def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(monkeypatch) -> None:
     asked = []
 
-    def answer(target, prompts, answer_tokens, dtype):  # stands in for the target: one answer token per prompt
+    def answer(target, prompts, answer_tokens, dtype, batch):  # stands in for the target: one answer token per prompt
         asked.append(list(prompts))
+        assert batch == 3
         n = len(prompts)
         return Corpus([[0, 5 + i] for i in range(n)], [1] * n, torch.full((n, 2), 5), torch.zeros(n, 2))
 
@@ -137,7 +138,7 @@ def test_two_stage_corpus_appends_answers_to_prompts_built_on_the_first_answers(
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: text)
     monkeypatch.setattr(draft_module, "generate_corpus", answer)
     prompts = training_prompts()[:8]
-    corpus = two_stage_corpus(SimpleNamespace(tokenizer=tokenizer), prompts, 8, "float32")
+    corpus = two_stage_corpus(SimpleNamespace(tokenizer=tokenizer), prompts, 8, "float32", batch=3)
     assert asked[0] == prompts and asked[1] == second_stage_prompts(prompts, [text] * 8)
     assert len(asked[1]) == 3  # prompts 1 and 5 grounded on their answers, a word problem at 3
     assert len(corpus.sequences) == len(corpus.answer_starts) == len(corpus.topk_ids) == 11
@@ -169,6 +170,8 @@ def test_one_cycle_runs_any_number_of_steps_and_keeps_pytorchs_schedule_otherwis
 def test_bad_training_arguments_are_refused(capsys) -> None:
     assert main(["draft", "--epochs", "0"]) == 2
     assert "epochs must be an integer in [1, 100]" in capsys.readouterr().err
+    assert main(["draft", "--generate-batch", "0"]) == 2
+    assert "generate_batch must be an integer in [1, 512], got 0" in capsys.readouterr().err
     assert main(["draft", "--extra-templates", str(len(EXTRA_TEMPLATES) + 1)]) == 2
     assert f"extra_templates must be an integer in [0, {len(EXTRA_TEMPLATES)}]" in capsys.readouterr().err
 

@@ -71,6 +71,10 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str) -> None:
     parser.add_argument("--extra-templates", type=int, default=10,
                         help=f"extra task templates per topic, 0..{len(EXTRA_TEMPLATES)} (default 10)")
     parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16", help=dtype_help)
+    parser.add_argument("--generate-batch", type=int, default=64,
+                        help="prompts the target answers together, 1..512 (default 64, which wrote the shipped "
+                             "corpus; 128 answered 18%% faster on a 2-core CPU, 256 faster still, and may tip a "
+                             "bfloat16 near-tie another way, so the corpus can differ slightly)")
     parser.add_argument("--corpus", default=None,
                         help="safetensors file caching the target's answers: reused when it exists, else written")
     parser.add_argument("--seed", type=int, default=0)
@@ -329,12 +333,13 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
             "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
 
 
-def two_stage_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: str) -> Corpus:
-    """The target's answers to `prompts`, then to the second-stage prompts built on those answers (see prompts.py)."""
-    first = generate_corpus(target, prompts, answer_tokens, dtype)
+def two_stage_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: str, batch: int = 64) -> Corpus:
+    """The target's answers to `prompts`, then to the second-stage prompts built on those answers (see prompts.py),
+    `batch` prompts at a time."""
+    first = generate_corpus(target, prompts, answer_tokens, dtype, batch)
     second = second_stage_prompts(prompts, first.answers(target.tokenizer))
     log(f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} answers")
-    return first + generate_corpus(target, second, answer_tokens, dtype) if second else first
+    return first + generate_corpus(target, second, answer_tokens, dtype, batch) if second else first
 
 
 def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Namespace,
@@ -354,7 +359,7 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
         log(f"reusing the corpus in {path}")
         return Corpus.load(path), seconds
     start = time.perf_counter()
-    corpus = two_stage_corpus(target, prompts, args.answer_tokens, dtype)
+    corpus = two_stage_corpus(target, prompts, args.answer_tokens, dtype, args.generate_batch)
     seconds = time.perf_counter() - start
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,6 +372,7 @@ def training_setup(args: argparse.Namespace) -> list[str]:
     `--extra-templates` extra task templates per topic (--limit applied)."""
     check_int("answer_tokens", args.answer_tokens, 8, 512)
     check_int("epochs", args.epochs, 1, 100)
+    check_int("generate_batch", args.generate_batch, 1, 512)
     check_int("extra_templates", args.extra_templates, 0, len(EXTRA_TEMPLATES))
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
