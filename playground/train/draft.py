@@ -201,9 +201,9 @@ def vocabulary_position(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tenso
 def one_cycle(optimizer: torch.optim.Optimizer, lr: float, total: int, warmup: float) -> Any:
     """A one-cycle schedule (warm up over the first `warmup` fraction of `total` steps, then cosine decay).
 
-    PyTorch's OneCycleLR divides by zero when the warmup comes to exactly one step (e.g. 10 steps at 0.1, a run
-    on 160 prompts for one epoch); such a run warms up over two steps instead. Other runs get PyTorch's
-    schedule unchanged, so earlier runs stay reproducible."""
+    PyTorch's OneCycleLR divides by zero when the warmup comes to exactly one step (10 steps at 0.1: one epoch
+    over 160 sequences); such a run warms up over two steps instead. Other runs get PyTorch's schedule unchanged,
+    so earlier runs stay reproducible."""
     if total > 2 and math.isclose(warmup * total, 1.0):
         warmup = 2 / total
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total, pct_start=warmup)
