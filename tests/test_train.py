@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from playground.config import ModelSpec
+from playground.config import ConfigError, ModelSpec
 from playground.decoding.speculative import check_compatible
 from playground.models import load_model
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
@@ -19,10 +21,11 @@ from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
 from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
-                                    one_cycle, two_stage_corpus)
+                                    generate_corpus, load_or_generate_corpus, one_cycle, two_stage_corpus)
 from playground.train.medusa import head_examples
-from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, TEMPLATES, TRAIN_TOPICS, held_out_prompts,
-                                      maths_prompt, second_stage_prompts, training_prompts)
+from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, HELD_OUT_TOPICS, TEMPLATES, TRAIN_TOPICS,
+                                      WIDE_TOPICS, held_out_prompts, maths_prompt, second_stage_prompts,
+                                      training_prompts)
 from playground.bench_suite import SUITE
 
 
@@ -174,6 +177,10 @@ def test_bad_training_arguments_are_refused(capsys) -> None:
     assert "generate_batch must be an integer in [1, 512], got 0" in capsys.readouterr().err
     assert main(["draft", "--extra-templates", str(len(EXTRA_TEMPLATES) + 1)]) == 2
     assert f"extra_templates must be an integer in [0, {len(EXTRA_TEMPLATES)}]" in capsys.readouterr().err
+    assert main(["medusa", "--wide-topics", "-1"]) == 2
+    assert f"wide_topics must be an integer in [0, {len(WIDE_TOPICS)}], got -1" in capsys.readouterr().err
+    assert main(["draft", "--templates-per-wide-topic", "0"]) == 2
+    assert "templates_per_wide_topic must be an integer in [1, 48], got 0" in capsys.readouterr().err
 
 
 def test_extra_templates_are_a_seeded_sample_per_topic_after_every_base_prompt() -> None:
@@ -190,6 +197,66 @@ def test_extra_templates_are_a_seeded_sample_per_topic_after_every_base_prompt()
     shipped = training_prompts(10)
     assert all(set(shipped) & {t.format(topic=topic) for topic in TRAIN_TOPICS} for t in EXTRA_TEMPLATES)
     assert not set(shipped) & ({p for _, p in SUITE} | set(held_out_prompts()))
+
+
+def test_wide_topics_follow_the_other_prompts_with_a_seeded_sample_of_all_templates() -> None:
+    shipped = training_prompts(10)
+    wide = training_prompts(10, seed=0, wide_topics=5, templates_per_wide_topic=4)
+    assert wide[: len(shipped)] == shipped and len(wide) == len(shipped) + 5 * 4
+    assert wide == training_prompts(10, 0, 5, 4) and wide != training_prompts(10, 1, 5, 4)
+    templates = set(TEMPLATES + EXTRA_TEMPLATES)
+    for i, topic in enumerate(WIDE_TOPICS[:5]):
+        mine = wide[len(shipped) + 4 * i : len(shipped) + 4 * i + 4]
+        assert len(set(mine)) == 4 and all(any(t.format(topic=topic) == p for t in templates) for p in mine)
+    # new subjects only: none trained on before, held out, or asked by the benchmark
+    assert len(set(WIDE_TOPICS)) == len(WIDE_TOPICS) and not set(WIDE_TOPICS) & set(TRAIN_TOPICS + HELD_OUT_TOPICS)
+    every = training_prompts(24, 0, len(WIDE_TOPICS), len(templates))
+    assert not set(every) & ({p for _, p in SUITE} | set(held_out_prompts()))
+
+
+class FakePeer:
+    """Stands in for the transformers peer: answers each row with its last prompt token + 100, then, for rows whose
+    last token is even, end-of-sequence and padding; records every batch it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[list[int]]] = []
+
+    def to(self, dtype):
+        return self
+
+    def generate(self, ids, attention_mask, max_new_tokens, logits_processor, **_):
+        self.batches.append([row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask)])
+        last = ids[:, -1]  # (B,): left padding puts every prompt's last token in the last column
+        answers = torch.stack([last + 100, torch.where(last % 2 == 0, 2, last + 101), last * 0 + 2], 1)  # (B, 3)
+        for step in range(3):
+            logits_processor[0](None, F.one_hot(answers[:, step], 400).float())  # (B, V)
+        return torch.cat((ids, answers), 1)
+
+
+def test_generate_corpus_batches_prompts_by_length_and_keeps_their_order(monkeypatch) -> None:
+    peer = FakePeer()
+    monkeypatch.setattr("playground.bench.load_hf_peer", lambda target: peer)
+    monkeypatch.setattr("playground.decoding.encode_prompt", lambda target, prompt, generation: json.loads(prompt))
+    prompts = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [18], [19, 20, 21]]
+    corpus = generate_corpus(SimpleNamespace(eos_token_ids=(2,)), [json.dumps(p) for p in prompts], 3, "float32",
+                             batch=2)
+    assert peer.batches == [[[9], [18]], [[10, 11], [19, 20, 21]], [[5, 6, 7, 8], [12, 13, 14, 15, 16, 17]]]
+    # in the prompts' order: an even last token ends at end-of-sequence, padding dropped; an odd one runs to 3
+    assert corpus.sequences == [p + ([p[-1] + 100, 2] if p[-1] % 2 == 0 else [p[-1] + 100, p[-1] + 101, 2])
+                                for p in prompts]
+    assert corpus.answer_starts == [len(p) for p in prompts]
+    assert corpus.topk_ids[:, 0].tolist() == answer_ids(corpus).tolist()  # soft labels follow their tokens
+
+
+def test_a_cached_corpus_is_refused_for_other_prompts_of_the_same_number(tmp_path, monkeypatch) -> None:
+    made = Corpus([[1, 5]], [1], torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2))
+    monkeypatch.setattr(draft_module, "two_stage_corpus", lambda *args: made)
+    args = SimpleNamespace(model="embedded", answer_tokens=8, corpus=str(tmp_path / "c.safetensors"),
+                           generate_batch=4)
+    assert load_or_generate_corpus(None, ["a", "b"], args, "float32")[0] is made
+    assert load_or_generate_corpus(None, ["a", "b"], args, "float32")[0].sequences == [[1, 5]]  # reused
+    with pytest.raises(ConfigError, match="prompts_sha256"):
+        load_or_generate_corpus(None, ["a", "c"], args, "float32")
 
 
 def test_shipped_draft_contract(target) -> None:

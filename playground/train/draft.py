@@ -18,6 +18,7 @@ Everything is seeded; the run is reproducible up to floating-point reduction ord
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -35,7 +36,8 @@ from safetensors.torch import load_file, save_file
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, rows_of
-from .prompts import EXTRA_TEMPLATES, held_out_prompts, second_stage_prompts, training_prompts
+from .prompts import (EXTRA_TEMPLATES, TEMPLATES, WIDE_TOPICS, held_out_prompts, second_stage_prompts,
+                      training_prompts)
 
 GAMMA = 4  # draft length of the acceptance report
 TOP_K = 16  # target alternatives kept per answer position as soft labels
@@ -70,6 +72,11 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str) -> None:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--extra-templates", type=int, default=10,
                         help=f"extra task templates per topic, 0..{len(EXTRA_TEMPLATES)} (default 10)")
+    parser.add_argument("--wide-topics", type=int, default=0,
+                        help=f"further topics, 0..{len(WIDE_TOPICS)}, each asked --templates-per-wide-topic "
+                             "prompts drawn from all the templates (default 0)")
+    parser.add_argument("--templates-per-wide-topic", type=int, default=6,
+                        help=f"1..{len(TEMPLATES) + len(EXTRA_TEMPLATES)} (default 6)")
     parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16", help=dtype_help)
     parser.add_argument("--generate-batch", type=int, default=64,
                         help="prompts the target answers together, 1..512 (default 64, which wrote the shipped "
@@ -136,11 +143,14 @@ class _RecordTopK:
 
 def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: str, batch: int = 64) -> Corpus:
     """The target, cast to `dtype`, answers every prompt greedily (batched transformers `generate`), recording
-    soft labels.
+    soft labels; the corpus keeps the prompts' order.
 
-    bfloat16 answers 1.6x faster on a 2-core AVX-512 EPYC (294 against 182 tokens/s, 64 prompts) and is still
-    the target writing: its answers follow float32's for about half their tokens before a near tie tips another
-    way, and its labels are the same distribution to bfloat16's precision."""
+    Batches are cut from the prompts sorted by length (stable), since a batch is padded to its longest prompt: the
+    grounded prompts of the second stage run from one sentence to a paragraph, and answering them in their own
+    order at 256 a batch wrote 174 tokens/s against the first stage's ~420. bfloat16 answers 1.6x faster than
+    float32 on a 2-core AVX-512 EPYC (294 against 182 tokens/s, 64 prompts) and is still the target writing: its
+    answers follow float32's for about half their tokens before a near tie tips another way, and its labels are
+    the same distribution to bfloat16's precision."""
     from transformers import LogitsProcessorList
 
     from ..bench import load_hf_peer
@@ -149,13 +159,15 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     hf = load_hf_peer(target).to(TORCH_DTYPES[dtype])
     pad = target.eos_token_ids[0]
     generation = GenerationParams(max_new_tokens=answer_tokens)
-    sequences, starts, top_ids, top_logprobs = [], [], [], []
+    encoded = [encode_prompt(target, p, generation) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    answers: list[Any] = [None] * len(prompts)  # per prompt: (answer ids, top-k ids (A, K), top-k log-probs (A, K))
     tokens, start = 0, time.perf_counter()
-    for first in range(0, len(prompts), batch):
-        encoded = [encode_prompt(target, p, generation) for p in prompts[first : first + batch]]
-        width = max(len(e) for e in encoded)
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])  # left padding: (B, W)
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    for first in range(0, len(order), batch):
+        chosen = order[first : first + batch]
+        width = max(len(encoded[i]) for i in chosen)
+        ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in chosen])  # left padding: (B, W)
+        mask = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in chosen])
         record = _RecordTopK()
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, do_sample=False,
@@ -163,18 +175,16 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
                               logits_processor=LogitsProcessorList([record]))
         step_ids = torch.stack([i for i, _ in record.steps], 1)  # (B, steps, K)
         step_logprobs = torch.stack([v for _, v in record.steps], 1)  # (B, steps, K)
-        for row, prompt_ids in enumerate(encoded):
+        for row, i in enumerate(chosen):
             answer = out[row, width:].tolist()
-            ends = [i for i, t in enumerate(answer) if t in target.eos_token_ids]
+            ends = [j for j, t in enumerate(answer) if t in target.eos_token_ids]
             answer = answer[: ends[0] + 1] if ends else answer  # keep the end-of-sequence token, drop padding
-            sequences.append(prompt_ids + answer)
-            starts.append(len(prompt_ids))
-            top_ids.append(step_ids[row, : len(answer)])
-            top_logprobs.append(step_logprobs[row, : len(answer)])
+            answers[i] = (answer, step_ids[row, : len(answer)], step_logprobs[row, : len(answer)])
             tokens += len(answer)
-        done = first + len(encoded)
+        done = first + len(chosen)
         log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)")
-    return Corpus(sequences, starts, torch.cat(top_ids), torch.cat(top_logprobs))
+    return Corpus([e + a for e, (a, _, _) in zip(encoded, answers)], [len(e) for e in encoded],
+                  torch.cat([i for _, i, _ in answers]), torch.cat([v for _, _, v in answers]))
 
 
 def answer_ids(corpus: Corpus) -> torch.Tensor:
@@ -347,8 +357,10 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
     """The corpus from `--corpus` when that file exists and was made with the same settings, else a fresh one
     written by the target in `dtype` (saved there when `--corpus` is given), so training variants can reuse one
     generation run. Also returns the seconds its generation took (then or now)."""
-    settings = {"model": args.model, "prompts": str(len(prompts)), "answer_tokens": str(args.answer_tokens),
-                "top_k": str(TOP_K), "stages": "2", "dtype": dtype}
+    # the digest tells apart prompt sets of one size (another seed, --limit, or wide-topic split)
+    digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]
+    settings = {"model": args.model, "prompts": str(len(prompts)), "prompts_sha256": digest,
+                "answer_tokens": str(args.answer_tokens), "top_k": str(TOP_K), "stages": "2", "dtype": dtype}
     path = Path(args.corpus) if args.corpus else None
     if path is not None and path.is_file():
         with safe_open(str(path), "pt") as handle:
@@ -369,19 +381,32 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
 
 def training_setup(args: argparse.Namespace) -> list[str]:
     """Check the options every trainer shares, seed torch, and return the training prompts with
-    `--extra-templates` extra task templates per topic (--limit applied)."""
+    `--extra-templates` extra task templates per topic and `--wide-topics` further topics (--limit applied)."""
     check_int("answer_tokens", args.answer_tokens, 8, 512)
     check_int("epochs", args.epochs, 1, 100)
     check_int("generate_batch", args.generate_batch, 1, 512)
     check_int("extra_templates", args.extra_templates, 0, len(EXTRA_TEMPLATES))
+    check_int("wide_topics", args.wide_topics, 0, len(WIDE_TOPICS))
+    check_int("templates_per_wide_topic", args.templates_per_wide_topic, 1, len(TEMPLATES) + len(EXTRA_TEMPLATES))
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
-    prompts = training_prompts(args.extra_templates, args.seed)
+    prompts = training_prompts(args.extra_templates, args.seed, args.wide_topics, args.templates_per_wide_topic)
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(prompts))
         prompts = prompts[: args.limit]
     torch.manual_seed(args.seed)
     return prompts
+
+
+def run_report(args: argparse.Namespace, prompts: list[str], corpus: Corpus, generation_s: float,
+               start: float) -> dict[str, Any]:
+    """The report entries both trainers share: the corpus, the common options and the time taken."""
+    return {"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
+            "extra_templates_per_topic": args.extra_templates, "wide_topics": args.wide_topics,
+            "templates_per_wide_topic": args.templates_per_wide_topic, "dtype": args.dtype, "epochs": args.epochs,
+            "lr": args.lr, "weights_dtype": args.weights_dtype, "seed": args.seed,
+            # a reused corpus was generated in an earlier run: its time counts towards a full run
+            "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -408,14 +433,8 @@ def main(args: argparse.Namespace) -> int:
         if (target.folder / name).is_file():
             shutil.copy(target.folder / name, out / name)
     report = evaluate(target, out, held_out_prompts()[: args.eval_prompts])
-    report.update({"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
-                   "train_tokens": corpus.answer_tokens(),
-                   "extra_templates_per_topic": args.extra_templates, "dtype": args.dtype,
-                   "proposal_vocab": args.proposal_vocab,
-                   "hidden": args.hidden, "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
-                   "weights_dtype": args.weights_dtype, "seed": args.seed,
-                   # a reused corpus was generated in an earlier run: its time counts towards a full run
-                   "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start,
+    report.update({**run_report(args, prompts, corpus, generation_s, start), "train_tokens": corpus.answer_tokens(),
+                   "proposal_vocab": args.proposal_vocab, "hidden": args.hidden, "layers": args.layers,
                    "size_mb": sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))

@@ -31,7 +31,8 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
-                    generate_corpus, load_or_generate_corpus, one_cycle, training_setup, vocabulary_position)
+                    generate_corpus, load_or_generate_corpus, one_cycle, run_report, training_setup,
+                    vocabulary_position)
 from .prompts import held_out_prompts
 
 
@@ -182,13 +183,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     save_heads(heads, out, target, TORCH_DTYPES[args.weights_dtype], vocab_ids)
     report = evaluate(target, heads, vocab_ids, args.answer_tokens)
-    report.update({"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
-                   "train_positions": len(states), "heads_count": args.heads,
-                   "extra_templates_per_topic": args.extra_templates, "dtype": args.dtype,
-                   "epochs": args.epochs, "lr": args.lr, "batch": args.batch, "top_k_soft_labels": TOP_K,
-                   "weights_dtype": args.weights_dtype, "seed": args.seed,
-                   # a reused corpus was generated in an earlier run: its time counts towards a full run
-                   "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start,
+    report.update({**run_report(args, prompts, corpus, generation_s, start), "train_positions": len(states),
+                   "heads_count": args.heads, "batch": args.batch, "top_k_soft_labels": TOP_K,
                    "size_mb": (out / "medusa.safetensors").stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))

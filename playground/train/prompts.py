@@ -88,14 +88,62 @@ EXTRA_TEMPLATES = (
 
 HELD_OUT_TOPICS = ("glaciers", "jazz music", "octopuses", "binary search", "the Silk Road", "wind turbines")
 
+# More subjects, for the draft (`--wide-topics`): a draft trained on the topics above alone agreed with the target on
+# 92-98% of its training answers but on 48% of the held-out topics' answers. None is a held-out topic or a near
+# neighbour of one (ice, jazz, cephalopods, searching, trade routes, wind power), nor a benchmark suite subject.
+WIDE_TOPICS = (
+    "ants", "owls", "sharks", "horses", "frogs", "parrots", "spiders", "camels", "kangaroos", "salmon migration",
+    "bird songs", "tigers", "jellyfish", "earthworms", "bats", "dolphins", "crows", "tortoises", "foxes",
+    "hummingbirds", "oak trees", "cactuses", "bamboo", "sunflowers", "seaweed", "wetlands", "caves", "islands",
+    "rivers and deltas", "thunderstorms", "fog", "hurricanes", "the seasons", "soil", "fossils", "crystals",
+    "sand dunes", "waterfalls", "the northern lights", "comets", "Mars", "Jupiter", "telescopes", "the Big Bang",
+    "space stations", "rockets", "exoplanets", "eclipses", "atoms", "electricity", "sound waves", "light and colour",
+    "friction", "temperature", "chemical reactions", "acids and bases", "DNA", "evolution", "cells", "the skeleton",
+    "muscles", "the lungs", "digestion", "blood types", "allergies", "the five senses", "dreams", "memory",
+    "habits", "emotions", "friendship", "laughter", "first aid", "nutrition", "vitamins", "hydration", "running shoes",
+    "swimming", "tennis", "basketball", "cricket", "rock climbing", "skiing", "cycling races", "table tennis",
+    "martial arts", "chess openings", "board games", "card tricks", "jigsaw puzzles", "crossword puzzles", "knitting",
+    "pottery", "woodworking", "painting with watercolours", "sculpture", "calligraphy", "comic books", "animation",
+    "film making", "theatre", "opera", "ballet", "drums", "the flute", "choirs", "folk songs", "movie soundtracks",
+    "podcasts", "radio", "newspapers", "museums", "zoos", "theme parks", "city parks", "skyscrapers", "castles",
+    "fountains", "canals", "tunnels", "roads", "traffic lights", "maps", "compasses", "clocks", "calendars",
+    "the metric system", "money", "banks", "taxes", "inflation", "small businesses", "advertising", "supermarkets",
+    "online shopping", "shipping containers", "farming", "tractors", "rice", "wheat", "chocolate", "spices",
+    "soup", "sandwiches", "noodles", "ice cream", "fermentation", "vegetarian cooking", "breakfast around the world",
+    "kitchen knives", "table manners", "weddings", "birthdays", "holidays in winter", "camping", "hiking trails",
+    "packing a suitcase", "airports", "passports", "hotels", "learning a new language", "sign language", "alphabets",
+    "dictionaries", "punctuation", "storytelling", "fairy tales", "myths and legends", "science fiction",
+    "detective novels", "writing letters", "handwriting", "public speaking", "job interviews", "teamwork",
+    "leadership", "time management", "saving money", "renting a flat", "moving house", "cleaning", "laundry",
+    "houseplants", "pets", "dog training", "cats", "aquariums", "beekeeping tools", "fire fighters", "nurses",
+    "architects", "pilots", "librarians", "teachers", "farmers", "chefs", "journalists", "engineers", "lawyers",
+    "the ancient Maya", "the Vikings", "medieval knights", "samurai", "the Industrial Revolution", "the steam engine",
+    "the telephone", "the light bulb", "the wheel", "writing systems", "the compass", "paper", "glass", "steel",
+    "plastic", "concrete", "cotton", "wool", "rubber", "batteries", "computer memory", "operating systems",
+    "web browsers", "passwords", "encryption", "email", "open-source software", "version control", "unit testing",
+    "regular expressions", "stacks and queues", "the command line", "graphs in computer science",
+    "object-oriented programming", "functional programming", "APIs", "JSON", "cloud computing", "computer viruses",
+    "pixels", "3D printing", "drones", "virtual reality", "spelling", "fractions", "percentages", "geometry",
+    "probability", "statistics", "negative numbers", "the number zero", "infinity", "symmetry", "triangles",
+    "circles", "graphs and charts", "logic puzzles", "elections", "human rights", "the United Nations", "cities",
+    "villages", "immigration", "population growth", "clean water", "pollution", "endangered species",
+    "national parks", "forest fires", "floods", "droughts", "electric bicycles", "buses", "ships", "submarines",
+    "hot air balloons", "motorcycles", "car engines", "road safety",
+)
 
-def training_prompts(extra_templates: int = 0, seed: int = 0) -> list[str]:
-    """Every template for every training topic, then `extra_templates` of EXTRA_TEMPLATES per topic, drawn
-    without replacement by a generator seeded with `seed` (the same draw for the same arguments)."""
+
+def training_prompts(extra_templates: int = 0, seed: int = 0, wide_topics: int = 0,
+                     templates_per_wide_topic: int = 0) -> list[str]:
+    """Every template for every training topic; then `extra_templates` of EXTRA_TEMPLATES per topic; then, for each
+    of the first `wide_topics` of WIDE_TOPICS, `templates_per_wide_topic` of all the templates. Samples are drawn
+    without replacement by one generator seeded with `seed` (the same prompts for the same arguments; a run
+    without wide topics gets the prompts it got before they existed)."""
     prompts = [t.format(topic=topic) for topic in TRAIN_TOPICS for t in TEMPLATES]
     rng = random.Random(seed)
     for topic in TRAIN_TOPICS:
         prompts += [t.format(topic=topic) for t in rng.sample(EXTRA_TEMPLATES, extra_templates)]
+    for topic in WIDE_TOPICS[:wide_topics]:
+        prompts += [t.format(topic=topic) for t in rng.sample(TEMPLATES + EXTRA_TEMPLATES, templates_per_wide_topic)]
     return prompts
 
 
