@@ -79,7 +79,7 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str) -> None:
                         help=f"1..{len(TEMPLATES) + len(EXTRA_TEMPLATES)} (default 6)")
     parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16", help=dtype_help)
     parser.add_argument("--generate-batch", type=int, default=64,
-                        help="prompts the target answers together, 1..512 (default 64, which wrote the shipped "
+                        help="prompts the target answers together, 1..512 (default 64, as for the shipped "
                              "corpus; 128 answered 18%% faster on a 2-core CPU, 256 faster still, and may tip a "
                              "bfloat16 near-tie another way, so the corpus can differ slightly)")
     parser.add_argument("--corpus", default=None,
@@ -147,7 +147,7 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
 
     Batches are cut from the prompts sorted by length (stable), since a batch is padded to its longest prompt: the
     grounded prompts of the second stage run from one sentence to a paragraph, and answering them in their own
-    order at 256 a batch wrote 174 tokens/s against the first stage's ~420. bfloat16 answers 1.6x faster than
+    order at 256 a batch wrote 174 tokens/s, sorted 264, against the first stage's ~370. bfloat16 answers 1.6x faster than
     float32 on a 2-core AVX-512 EPYC (294 against 182 tokens/s, 64 prompts) and is still the target writing: its
     answers follow float32's for about half their tokens before a near tie tips another way, and its labels are
     the same distribution to bfloat16's precision."""

@@ -90,7 +90,8 @@ HELD_OUT_TOPICS = ("glaciers", "jazz music", "octopuses", "binary search", "the 
 
 # More subjects, for the draft (`--wide-topics`): a draft trained on the topics above alone agreed with the target on
 # 92-98% of its training answers but on 48% of the held-out topics' answers. None is a held-out topic or a near
-# neighbour of one (ice, jazz, cephalopods, searching, trade routes, wind power), nor a benchmark suite subject.
+# neighbour of one (ice, jazz, cephalopods, searching, trade routes, wind power), and no prompt built on them is a
+# benchmark prompt; "habits" and "time management" do touch the suite's chat question on study habits.
 WIDE_TOPICS = (
     "ants", "owls", "sharks", "horses", "frogs", "parrots", "spiders", "camels", "kangaroos", "salmon migration",
     "bird songs", "tigers", "jellyfish", "earthworms", "bats", "dolphins", "crows", "tortoises", "foxes",
