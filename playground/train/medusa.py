@@ -50,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="dtype the weights are saved in (default float16)")
     add_corpus_args(parser, "precision of the target writing the corpus and computing the hidden states the heads "
                             "learn from (default bfloat16, as the draft's, so one --corpus file serves both; the "
-                            "held-out report uses float32 states, as decoding does)")
+                            "held-out report uses float32 states, as decoding does)", wide_topics=0, generate_batch=64)
 
 
 def log(message: str) -> None:
