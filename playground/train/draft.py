@@ -54,7 +54,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens the draft proposes from, 1 to the target's vocabulary size (all of it: no "
                              "file); it trains on and our engine scores only those rows of its output projection "
                              "(default 8192)")
-    parser.add_argument("--epochs", type=int, default=8, help="passes over the corpus (default 8)")
+    parser.add_argument("--epochs", type=int, default=7, help="passes over the corpus (default 7)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
                         help="dtype the weights are saved in (default float16, to fit 30 MB); loaders cast to the "
