@@ -3,6 +3,7 @@ shipped draft and heads meet their contracts."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
+from playground.train import medusa as medusa_module
 from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
                                     generate_corpus, load_or_generate_corpus, one_cycle, two_stage_corpus)
 from playground.train.medusa import head_examples
@@ -273,6 +275,28 @@ def test_shipped_draft_contract(target) -> None:
     assert keys <= set(report)
     assert len(proposal_rows(draft)) == report["proposal_vocab"] == 8192
     assert report["size_mb"] <= 30 and report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
+
+
+def shipped_settings_match_defaults(add_args, report: dict, keys: tuple[str, ...]) -> None:
+    """The trainer's defaults reproduce the shipped asset: its report records the settings it was trained with."""
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    defaults = vars(parser.parse_args([]))
+    assert {key: defaults[key] for key in keys} == {key: report[key] for key in keys}
+    assert defaults["extra_templates"] == report["extra_templates_per_topic"]
+
+
+def test_draft_trainer_defaults_reproduce_the_shipped_draft() -> None:
+    report = json.loads((EMBEDDED_DRAFT / "train_report.json").read_text())
+    shipped_settings_match_defaults(draft_module.add_args, report, (
+        "epochs", "lr", "wide_topics", "templates_per_wide_topic", "dtype", "weights_dtype", "seed", "hidden",
+        "layers", "proposal_vocab"))
+
+
+def test_medusa_trainer_defaults_reproduce_the_shipped_heads() -> None:
+    report = json.loads((EMBEDDED_MEDUSA / "train_report.json").read_text())
+    shipped_settings_match_defaults(medusa_module.add_args, report, (
+        "epochs", "lr", "batch", "dtype", "weights_dtype", "seed"))
 
 
 def test_medusa_training_pipeline_smoke(tmp_path, target, capsys) -> None:
