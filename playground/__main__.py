@@ -98,7 +98,8 @@ def algo_params(args: argparse.Namespace) -> Any:
         if not args.draft:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
-        return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma)
+        return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
+                                 copy_tokens=args.copy_tokens)
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft,
                                   verify_overhead=args.verify_overhead)
@@ -197,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
     spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
+    spec.add_argument("--copy-ngram", type=int, default=0,
+                      help="0..8 (default 0: off): a step may propose a copy of earlier text matching the last "
+                           "1..N tokens instead of drafting, when copies are accepted at least as well")
+    spec.add_argument("--copy-tokens", type=int, default=8, help="most tokens a copy proposes, 1..16 (default 8)")
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")

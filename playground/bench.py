@@ -148,9 +148,11 @@ def load_hf_peer(loaded: Any) -> Any:
 
 GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
+COPY_NGRAM, COPY_TOKENS = 3, 8  # speculative-copy's settings: prompt lookup's defaults
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
+    "speculative-copy": [("median_speedup_vs_ar", 1.8)],
     "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
     "lookahead": [("median_speedup_vs_ar", 1.3)],
     "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
@@ -247,17 +249,19 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            for adaptive in (False, True):
-                spec = SpeculativeParams(gamma=args.gamma, adaptive=adaptive)
+            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=COPY_NGRAM, copy_tokens=COPY_TOKENS)
+            variants = (("speculative", SpeculativeParams(gamma=args.gamma), ""),
+                        ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
+                        ("speculative-copy", copying,
+                         f", copies of up to {COPY_TOKENS} tokens after a {COPY_NGRAM}..1-gram match"))
+            for name, spec, label in variants:
                 # transformers' assisted generation with the same draft length rule as ours: fixed, or its
                 # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call
-                # as ours is
-                schedule = "heuristic_transient" if adaptive else "constant"
+                # as ours is; it has no copy proposals, so the copying variant meets the fixed schedule
+                schedule = "heuristic_transient" if spec.adaptive else "constant"
                 contenders.append(Contender(
-                    "speculative-adaptive" if adaptive else "speculative",
-                    SpeculativeDecoder(target, draft, sampling, generation, spec),
-                    f"draft {draft.name}, gamma {spec.gamma}" + (", adaptive" if adaptive else ""),
-                    f"assisted generation ({schedule})",
+                    name, SpeculativeDecoder(target, draft, sampling, generation, spec),
+                    f"draft {draft.name}, gamma {spec.gamma}{label}", f"assisted generation ({schedule})",
                     {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
                      "assistant_confidence_threshold": 0.0}))
     if "prompt-lookup" in args.algos:

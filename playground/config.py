@@ -15,6 +15,7 @@ MAX_NEW_TOKENS_LIMIT = 4096
 KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
 MAX_VERIFY_OVERHEAD = 4.0
+MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 
 
 class ConfigError(ValueError):
@@ -119,15 +120,22 @@ MAX_GAMMA = 16
 @dataclass(frozen=True, slots=True)
 class SpeculativeParams:
     """Draft-model speculative decoding. gamma: draft tokens per step (the starting value when adaptive);
-    adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]."""
+    adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]. copy_ngram: when above 0, a
+    step whose last 1..copy_ngram tokens occur earlier in the prompt or output may propose up to copy_tokens
+    tokens copied from there (as prompt lookup does) instead of drafting, when copies have lately been
+    accepted at least as well as the draft's tokens; 0 always drafts."""
 
     gamma: int = 4
     adaptive: bool = False
+    copy_ngram: int = 0
+    copy_tokens: int = 8
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, 1, MAX_GAMMA)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
+        check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +151,7 @@ class PromptLookupParams:
     verify_overhead: float = 0.4
 
     def __post_init__(self) -> None:
-        check_int("max_ngram", self.max_ngram, 1, 8)
+        check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
         check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:

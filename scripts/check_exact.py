@@ -43,6 +43,8 @@ def main() -> int:
             f"speculative-g5/{kv}": SpeculativeDecoder(target, draft, greedy, generation, SpeculativeParams(gamma=5)),
             f"speculative-adaptive/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
                                                              SpeculativeParams(gamma=3, adaptive=True)),
+            f"speculative-copy/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
+                                                         SpeculativeParams(gamma=4, copy_ngram=3)),
             f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))

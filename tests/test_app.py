@@ -18,7 +18,7 @@ from .conftest import write_draft_copy
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
             "window": 2, "ngram": 3, "guesses": 2, "tree": "small",
-            "acceptance": "lossless (exact)", "model": "embedded", "draft": "", "device": "cpu",
+            "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 
 
@@ -75,6 +75,7 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"temperature": -1}, "temperature must be in [0, 100]"),
     ("hi", {"top_p": 1.5}, "top_p"),
     ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
+    ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
     ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
     ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
@@ -146,12 +147,12 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
-        "Repeat exactly: one two three, one two three.", ["speculative (gamma 4)", "prompt lookup", "lookahead",
-                                                          "plain, paged KV"],
+        "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "prompt lookup",
+                                                          "lookahead", "plain, paged KV"],
         12, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
-    assert [r[0] for r in table] == ["plain", "speculative (gamma 4)", "prompt lookup", "lookahead",
+    assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "prompt lookup", "lookahead",
                                      "plain, paged KV"]
     assert all(r[-1] == "yes" for r in table) and float(table[0][4]) == 1.0
     assert chart is not None

@@ -62,6 +62,10 @@ def unsupported_folder(tmp_path):
      "draft: --algo speculative needs --draft SPEC"),
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--gamma", "0"],
      r"gamma must be an integer in \[1, 16\]"),
+    (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--copy-ngram", "9"],
+     r"copy_ngram must be an integer in \[0, 8\]"),
+    (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--copy-tokens", "0"],
+     r"copy_tokens must be an integer in \[1, 16\]"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
     (["--prompt", "hi", "--kv", "paged", "--block-size", "0"], r"block_size must be an integer in \[1, 256\]"),
@@ -77,13 +81,22 @@ def test_bad_input_is_one_line(args, message, unsupported_folder) -> None:
     assert re.search(message, errors[0]), errors[0]
 
 
-def test_speculative_json_reports_acceptance(target) -> None:
+def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     result = cli("generate", "--algo", "speculative", "--draft", "embedded", "--gamma", "3", "--prompt",
                  "Say hello.", "--max-new-tokens", "8", "--json")
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
     assert metrics["acceptance_rate"] == 1.0  # the target drafting for itself: every proposal is accepted
     assert metrics["mean_accepted_tokens"] > 1.0
+    # the shipped draft (the default): the target as its own draft would out-propose every copy
+    result = cli("generate", "--algo", "speculative", "--copy-ngram", "2", "--copy-tokens", "5", "--prompt",
+                 "Repeat exactly: one two three four five six. one two three four five six.", "--max-new-tokens", "16",
+                 "--json", "--trace-out", str(tmp_path / "copy.json"))
+    assert result.returncode == 0, result.stderr
+    trace = Trace.load(tmp_path / "copy.json")
+    assert trace.params["copy_ngram"] == 2 and trace.params["copy_tokens"] == 5
+    copies = [e for e in trace.events if e.KIND == "draft" and e.source]
+    assert copies and all(len(e.tokens) <= 5 and e.draft_forwards == 0 for e in copies)
 
 
 def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp_path) -> None:

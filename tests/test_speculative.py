@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from playground.bench_suite import PASSAGE_LIBRARY
 from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams
 from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate
 from playground.decoding.base import forward_tokens, new_cache
+from playground.decoding.prompt_lookup import find_continuation
 from playground.metrics import compute
 from playground.models import LoadedModel, ModelLoadError, load_model
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS
@@ -22,12 +24,69 @@ from .stats import assert_follows_target
 SAMPLED_PROMPT = "The best thing about summer is"
 
 
-@pytest.mark.parametrize("gamma, adaptive", [(1, False), (3, False), (5, False), (8, False), (2, True)])
-def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive) -> None:
+@pytest.mark.parametrize("gamma, adaptive, copy_ngram",
+                         [(1, False, 0), (3, False, 0), (5, False, 0), (8, False, 0), (2, True, 0), (4, False, 3),
+                          (2, True, 1)])
+def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive, copy_ngram) -> None:
     decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                                 SpeculativeParams(gamma=gamma, adaptive=adaptive))
+                                 SpeculativeParams(gamma=gamma, adaptive=adaptive, copy_ngram=copy_ngram))
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
     assert 0.1 < accepted / drafted < 0.95  # the runs really mixed acceptances and rejections
+
+
+def steps_by_source(trace) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(accepted, proposed) per step, for the steps that copied and for those that drafted."""
+    accepted: dict[int, int] = {}
+    for event in trace.events:
+        if event.KIND == "accept":
+            accepted[event.step] = accepted.get(event.step, 0) + 1
+    copied, drafted = [], []
+    for event in trace.events:
+        if event.KIND == "draft":
+            (copied if event.source else drafted).append((accepted.get(event.step, 0), len(event.tokens)))
+    return copied, drafted
+
+
+class CopyWheneverAMatchIs(SpeculativeDecoder):
+    """Copies at every match, however the draft fares: a perfect draft would otherwise win every step."""
+
+    def copy_proposal(self, sequence, budget, gamma, copies, drafted):
+        return find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget))
+
+
+def test_copy_steps_keep_the_draft_cache_in_step(target) -> None:
+    """The target drafting for itself accepts every drafted token, also after copy steps that the draft did not
+    see (it reads their tokens with its next proposal): a draft cache out of step would break that."""
+    decoder = CopyWheneverAMatchIs(target, target, SamplingParams(), GenerationParams(max_new_tokens=40),
+                                   SpeculativeParams(gamma=3, copy_ngram=3, copy_tokens=6))
+    prompts = list(PROMPTS[:4]) + ["Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"]
+    copied_total = 0
+    for prompt in prompts:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == generate(AutoregressiveDecoder(target, SamplingParams(),
+                                                                  decoder.generation), prompt)[0].token_ids
+        copied, drafted = steps_by_source(trace)
+        # the last step may stop at an end-of-sequence token before judging the rest
+        assert drafted and all(a == n for a, n in drafted[:-1]), prompt
+        assert all(n <= 6 for _, n in copied)
+        copied_total += len(copied)
+        sequence = trace.prompt_ids + list(output.token_ids)
+        for event in trace.events:
+            if event.KIND == "draft" and event.source:
+                start, end = event.source  # a copy of that span, proposed with certainty, no draft forward
+                assert [t.id for t in event.tokens] == sequence[start:end] and event.draft_forwards == 0
+                assert all(t.q == 1.0 for t in event.tokens)
+    assert copied_total >= 10
+
+
+def test_copies_are_proposed_where_they_are_accepted_better_than_drafts(target, weak_draft) -> None:
+    """A draft that is never right loses the comparison: on a passage to repeat, copies make most proposals."""
+    decoder = SpeculativeDecoder(target, weak_draft, SamplingParams(), GenerationParams(max_new_tokens=48),
+                                 SpeculativeParams(gamma=4, copy_ngram=3))
+    _, trace = generate(decoder, "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY)
+    copied, drafted = steps_by_source(trace)
+    assert len(copied) > len(drafted) and sum(a for a, _ in copied) > 10
+    assert compute(trace).mean_accepted_tokens > 1.5
 
 
 @pytest.mark.parametrize("draft_name, gamma", [("weak", 5), ("self", 8)])
@@ -73,6 +132,14 @@ def test_same_seed_same_output_different_seed_different(target, noisy_draft) -> 
     assert run(5) == run(5)
     assert run(5) != run(6)
 
+    def run_copying(seed: int) -> tuple[int, ...]:
+        decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(temperature=1.0, seed=seed),
+                                     GenerationParams(max_new_tokens=20), SpeculativeParams(gamma=3, copy_ngram=2))
+        return generate(decoder, "Say 'la la la' ten times.")[0].token_ids
+
+    assert run_copying(1) == run_copying(1)
+    assert run_copying(1) != run_copying(2)
+
 
 def test_speculative_sampling_matches_the_target_distribution(target, noisy_draft) -> None:
     """The first two tokens of the real model, sampled 300 times each way, follow the analytic joint."""
@@ -82,6 +149,21 @@ def test_speculative_sampling_matches_the_target_distribution(target, noisy_draf
     assert_follows_target(target, lambda s: AutoregressiveDecoder(target, s, generation), prompt, sampling)
     assert_follows_target(target, lambda s: SpeculativeDecoder(target, noisy_draft, s, generation,
                                                                SpeculativeParams(gamma=2)), prompt, sampling)
+
+
+def test_sampling_with_copies_matches_the_target_distribution(target, noisy_draft) -> None:
+    """On a repetitive prompt the second token is usually a copied, one-hot proposal; the joint still matches."""
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+    prompt = "red green blue red green blue red green"
+
+    def make(s: SamplingParams) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, noisy_draft, s, generation, SpeculativeParams(gamma=2, copy_ngram=3))
+
+    assert_follows_target(target, make, prompt, sampling)
+    copied = sum(bool(steps_by_source(generate(make(dataclasses.replace(sampling, seed=seed)), prompt)[1])[0])
+                 for seed in range(40))
+    assert copied > 20
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +246,12 @@ def test_incompatible_draft_is_refused_before_decoding(target) -> None:
 def test_gamma_range(gamma) -> None:
     with pytest.raises(ConfigError, match=r"gamma must be an integer in \[1, 16\]"):
         SpeculativeParams(gamma=gamma)
+
+
+@pytest.mark.parametrize("field, value, message", [("copy_ngram", -1, r"copy_ngram must be an integer in \[0, 8\]"),
+                                                   ("copy_ngram", 9, r"copy_ngram must be an integer in \[0, 8\]"),
+                                                   ("copy_tokens", 0, r"copy_tokens must be an integer in \[1, 16\]"),
+                                                   ("copy_ngram", 2.0, "copy_ngram must be an integer, got 2.0")])
+def test_copy_parameter_ranges(field, value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeParams(**{field: value})

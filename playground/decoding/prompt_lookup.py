@@ -113,36 +113,60 @@ def copy_bound(prompt_ids: list[int], output_ids: list[int], max_ngram: int, num
     return CopyBound(generated / forwards if forwards else 1.0, generated / cost if cost else 1.0)
 
 
-class ProposalGate:
-    """Proposes a match only when 1 + a + ... + a^K, the expected tokens a step commits with K copied tokens each
-    accepted with probability a (given the previous one was), exceeds the step's cost, 1 + overhead one-token
-    steps. a is estimated per matched n-gram length from accepted / judged copied tokens, starting from an
-    optimistic prior of 2 / 3 so that copying is tried on every new text; every step the counts decay towards
-    the prior, so estimates follow the text and a length that was gated off is tried again after a while."""
+class RunningAcceptance:
+    """How often proposed tokens are accepted: accepted / judged proposals, starting from an optimistic prior
+    of 2 / 3 (so that proposing is tried on every new text) and decaying towards it every step, so the estimate
+    follows the text and a source that fell out of favour is tried again after a while."""
 
     PRIOR_ACCEPTED, PRIOR_JUDGED = 2 / 3, 1.0
     DECAY = 0.95
 
-    def __init__(self, overhead: float, max_ngram: int) -> None:
-        self.overhead = overhead
-        self.accepted = [self.PRIOR_ACCEPTED] * (max_ngram + 1)  # indexed by matched n-gram length
-        self.judged = [self.PRIOR_JUDGED] * (max_ngram + 1)
+    def __init__(self) -> None:
+        self.accepted, self.judged = self.PRIOR_ACCEPTED, self.PRIOR_JUDGED
 
-    def acceptance(self, ngram: int) -> float:
-        return self.accepted[ngram] / self.judged[ngram]
+    def rate(self) -> float:
+        return self.accepted / self.judged
 
-    def worth(self, ngram: int, length: int) -> bool:
-        a = self.acceptance(ngram)
-        return sum(a**i for i in range(length + 1)) > 1.0 + self.overhead
+    def expected_tokens(self, length: int) -> float:
+        """1 + a + ... + a^length: the tokens a step commits, bonus included, when each of `length` proposals is
+        accepted with probability a given the previous one was."""
+        a = self.rate()
+        return sum(a**i for i in range(length + 1))
 
-    def record(self, ngram: int, accepted: int, judged: int) -> None:
-        self.accepted[ngram] += accepted
-        self.judged[ngram] += judged
+    def record(self, accepted: int, judged: int) -> None:
+        self.accepted += accepted
+        self.judged += judged
 
     def decay(self) -> None:
         d = self.DECAY
-        self.accepted = [self.PRIOR_ACCEPTED + d * (x - self.PRIOR_ACCEPTED) for x in self.accepted]
-        self.judged = [self.PRIOR_JUDGED + d * (x - self.PRIOR_JUDGED) for x in self.judged]
+        self.accepted = self.PRIOR_ACCEPTED + d * (self.accepted - self.PRIOR_ACCEPTED)
+        self.judged = self.PRIOR_JUDGED + d * (self.judged - self.PRIOR_JUDGED)
+
+
+class ProposalGate:
+    """Proposes a match only when the expected tokens a step commits with its K copied tokens
+    (`RunningAcceptance.expected_tokens`, estimated per matched n-gram length) exceed the step's cost,
+    1 + overhead one-token steps."""
+
+    def __init__(self, overhead: float, max_ngram: int) -> None:
+        self.overhead = overhead
+        self.by_ngram = [RunningAcceptance() for _ in range(max_ngram + 1)]  # indexed by matched n-gram length
+
+    def acceptance(self, ngram: int) -> float:
+        return self.by_ngram[ngram].rate()
+
+    def expected_tokens(self, ngram: int, length: int) -> float:
+        return self.by_ngram[ngram].expected_tokens(length)
+
+    def worth(self, ngram: int, length: int) -> bool:
+        return self.expected_tokens(ngram, length) > 1.0 + self.overhead
+
+    def record(self, ngram: int, accepted: int, judged: int) -> None:
+        self.by_ngram[ngram].record(accepted, judged)
+
+    def decay(self) -> None:
+        for estimate in self.by_ngram:
+            estimate.decay()
 
 
 class PromptLookupDecoder(Decoder):

@@ -4,6 +4,10 @@ Each step: propose gamma tokens with the draft model -> verify them with one tar
 [last token, drafts] -> accept a prefix (greedy match or lossless rejection sampling, both in `sampling`) ->
 commit: roll both KV caches back to the kept tokens. Greedy output equals plain decoding token for token;
 sampled output follows the target's distribution exactly.
+
+With `copy_ngram` a step may propose a span copied from earlier text instead (prompt lookup's proposal, one-hot
+q), which the small draft rarely predicts: it does not learn to copy. Verification is the same either way, so
+exactness and losslessness hold; which source proposes is chosen from the tokens alone.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from ..models.vocab import proposal_rows
 from ..sampling import next_token, probabilities, sample
 from ..trace import DraftEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
-from .chain import accept_chain
+from .chain import accept_chain, one_hot
+from .prompt_lookup import Lookup, ProposalGate, RunningAcceptance, find_continuation
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -48,7 +53,8 @@ class SpeculativeDecoder(Decoder):
     def params(self) -> dict[str, Any]:
         vocab = self.draft.model.config.vocab_size if self.proposal is None else len(self.proposal)
         return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
-                "adaptive_gamma": self.spec.adaptive, "draft_vocab": vocab}
+                "adaptive_gamma": self.spec.adaptive, "draft_vocab": vocab, "copy_ngram": self.spec.copy_ngram,
+                "copy_tokens": self.spec.copy_tokens}
 
     def propose(self, cache: KVCache, pending: list[int], gamma: int,
                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None, list[float]]:
@@ -78,49 +84,85 @@ class SpeculativeDecoder(Decoder):
                 logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal)[-1]
         return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
 
+    def copy_proposal(self, sequence: list[int], budget: int, gamma: int, copies: ProposalGate,
+                      drafted: RunningAcceptance) -> Lookup | None:
+        """The copy to propose this step instead of drafting, if any: the prompt-lookup match for the text so
+        far, when copies of its n-gram length are expected to commit at least as many tokens as gamma drafts
+        (a copy step also saves the draft's forwards). Depends only on the tokens, so seeds stay reproducible."""
+        if not self.spec.copy_ngram:
+            return None
+        copies.decay()
+        drafted.decay()
+        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget),
+                                  frozenset(self.target.eos_token_ids))
+        if found and copies.expected_tokens(found.ngram, len(found.tokens)) >= drafted.expected_tokens(gamma):
+            return found
+        return None
+
     def run(self, prompt_ids: list[int]) -> EventStream:
         target, draft = self.target.model, self.draft.model
         clock, generator, stopper = self.start()
-        capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1
+        capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1  # copy_tokens <= MAX_GAMMA
         target_cache = new_cache(target, capacity, self.generation)
         draft_cache = new_cache(draft, capacity, self.generation)
+        vocab = target.config.vocab_size
+        copies, drafted = ProposalGate(0.0, self.spec.copy_ngram), RunningAcceptance()
 
         last, done = yield from self.prefill(target_cache, prompt_ids, clock, generator, stopper)
         # The draft sees the prompt now and the first token with its first proposal.
         draft_pending = list(prompt_ids) + [last]
+        sequence = list(prompt_ids) + [last]  # prompt + generated: what a copy is looked up in
         gamma, step = self.spec.gamma, 0
         while not done:
             step += 1
             step_start = clock.now()
-            # Never draft past max_new_tokens: those tokens could only be thrown away.
-            gamma = min(gamma, self.generation.max_new_tokens - len(stopper.tokens))
+            # Never propose past max_new_tokens: those tokens could only be thrown away.
+            budget = self.generation.max_new_tokens - len(stopper.tokens)
+            gamma = min(gamma, budget)
             base = target_cache.length(0)  # position of `last`
             draft_base = draft_cache.length(0)
-            drafts, q, q_shown = self.propose(draft_cache, draft_pending, gamma, generator)
+            found = self.copy_proposal(sequence, budget, gamma, copies, drafted)
+            if found:
+                # q is one-hot: a copied token was proposed with certainty
+                proposals, q_shown = found.tokens, [1.0] * len(found.tokens)
+                q = None if self.sampling.greedy else one_hot(proposals, vocab, target.device)
+                forwards, source, ngram = 0, [found.start, found.start + len(proposals)], found.ngram
+            else:
+                proposals, q, q_shown = self.propose(draft_cache, draft_pending, gamma, generator)
+                forwards, source, ngram = gamma, None, None
             draft_end = clock.now()
-            draft_tokens = [self.token_info(x, base + 1 + i, q=q_shown[i]) for i, x in enumerate(drafts)]
-            yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=draft_tokens,
-                                             wall_s=draft_end - step_start, draft_forwards=gamma))
+            infos = [self.token_info(x, base + 1 + i, q=q_shown[i]) for i, x in enumerate(proposals)]
+            yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=infos, wall_s=draft_end - step_start,
+                                             draft_forwards=forwards, source=source, ngram=ngram))
 
             verify_start = clock.now()
-            target_logits = forward_tokens(target, target_cache, [last] + drafts, num_logits=gamma + 1)  # (g+1, V)
+            count = len(proposals)
+            target_logits = forward_tokens(target, target_cache, [last] + proposals, num_logits=count + 1)  # (K+1, V)
             verify_end = clock.now()
-            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=gamma + 1,
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=count + 1,
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
-            outcome = accept_chain(self, step, clock.now(), base, target_logits, drafts, q, q_shown, generator,
+            outcome = accept_chain(self, step, clock.now(), base, target_logits, proposals, q, q_shown, generator,
                                    stopper)
             done = outcome.done
-
-            # commit: keep `last` and the accepted drafts in the target cache; the new `last` is not fed yet.
             accepted = outcome.accepted
+            # proposals judged: the accepted ones and the first refused one, if any
+            judged = min(accepted + 1, count)
+            # commit: keep `last` and the accepted proposals in the target cache; the new `last` is not fed yet.
             target_cache.truncate(0, base + 1 + accepted)
-            # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
-            draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
-            draft_pending = ([drafts[-1]] if accepted == gamma else []) + [outcome.token]
+            if found:
+                copies.record(found.ngram, accepted, judged)
+                # the draft saw none of this step's tokens: it reads them with its next proposal
+                draft_pending = draft_pending + proposals[:accepted] + [outcome.token]
+            else:
+                drafted.record(accepted, judged)
+                # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
+                draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
+                draft_pending = ([proposals[-1]] if accepted == gamma else []) + [outcome.token]
+                if self.spec.adaptive:
+                    gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
+            sequence += proposals[:accepted] + [outcome.token]
             last = outcome.token
-            if self.spec.adaptive:
-                gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
             kv_bytes = target_cache.memory().bytes_used + draft_cache.memory().bytes_used
             yield from clock.emit(*outcome.events, commit_event(
                 step, step_start, clock.now(), draft_end - step_start, verify_end - verify_start, outcome.kept,

@@ -54,10 +54,13 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
                   window: Any, ngram: Any, guesses: Any, tree: str = "small",
-                  acceptance: str = "lossless (exact)") -> Any:
-    """The decoder for the form's settings; every parameter is validated by its dataclass."""
+                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0) -> Any:
+    """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative copies
+    propose at most num_draft tokens, as prompt lookup does."""
     if algo == "speculative":
-        params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive))
+        params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive),
+                                   copy_ngram=as_int("copy n-gram", copy_ngram),
+                                   copy_tokens=as_int("tokens per proposal", num_draft))
         return SpeculativeDecoder(target, get_draft(target, draft_source), sampling, generation, params)
     if algo == "prompt-lookup":
         params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram),
@@ -76,10 +79,9 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
 
 
 def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
-    """The prompt-lookup source of the latest proposal up to a step."""
-    drafts = [e for e in events if isinstance(e, DraftEvent) and e.source
-              and (upto_step is None or e.step <= upto_step)]
-    return (drafts[-1].source[0], drafts[-1].source[1]) if drafts else None
+    """The copied source of the latest proposal up to a step; none when that proposal was drafted by a model."""
+    drafts = [e for e in events if isinstance(e, DraftEvent) and (upto_step is None or e.step <= upto_step)]
+    return (drafts[-1].source[0], drafts[-1].source[1]) if drafts and drafts[-1].source else None
 
 
 def _stats(m: Metrics) -> str:
@@ -133,7 +135,8 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, tree: str, acceptance: str, model_source: str, draft_source: str,
+               ngram: Any, guesses: Any, tree: str, acceptance: str, copy_ngram: Any, model_source: str,
+               draft_source: str,
                device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
@@ -151,7 +154,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance)
+                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -221,6 +224,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
                     adaptive = gr.Checkbox(False, label="adaptive gamma")
+                    copy_ngram = gr.Number(0, label="copy n-gram matches instead of drafting (0 = off, 1..8)",
+                                           step=1)
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)
@@ -259,7 +264,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, tree, acceptance, *model, history]
+              num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, *model, history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")

@@ -20,19 +20,20 @@ from ..viz.race import Lane, render_race
 from .decode import FRAME_S, LOOKAHEAD, as_int, build_decoder, history_entry
 from .models import get_model, target_spec
 
-# name -> (algorithm, KV cache, build_decoder's parameters: gamma, adaptive, max_ngram, num_draft, window, ngram,
-# guesses)
-DEFAULTS = (4, False, 3, 8, LOOKAHEAD.window, LOOKAHEAD.ngram, LOOKAHEAD.guesses)
+# name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
+DEFAULTS: dict[str, Any] = {"gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
+                            "window": LOOKAHEAD.window, "ngram": LOOKAHEAD.ngram, "guesses": LOOKAHEAD.guesses}
 PLAIN = "plain"
-RACERS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
-    "speculative (gamma 4)": ("speculative", "contiguous", DEFAULTS),
-    "speculative (adaptive gamma)": ("speculative", "contiguous", (4, True, *DEFAULTS[2:])),
-    "prompt lookup": ("prompt-lookup", "contiguous", DEFAULTS),
-    "lookahead": ("lookahead", "contiguous", DEFAULTS),
-    "Medusa (small tree)": ("medusa", "contiguous", DEFAULTS),
-    "plain, paged KV": ("ar", "paged", DEFAULTS),
+RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "speculative (gamma 4)": ("speculative", "contiguous", {}),
+    "speculative (adaptive gamma)": ("speculative", "contiguous", {"adaptive": True}),
+    "speculative + prompt copies": ("speculative", "contiguous", {"copy_ngram": 3}),
+    "prompt lookup": ("prompt-lookup", "contiguous", {}),
+    "lookahead": ("lookahead", "contiguous", {}),
+    "Medusa (small tree)": ("medusa", "contiguous", {}),
+    "plain, paged KV": ("ar", "paged", {}),
 }
-ENTRANTS = {PLAIN: ("ar", "contiguous", DEFAULTS), **RACERS}
+ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}
 MAX_RIVALS = 4  # plain plus four lanes fit a laptop screen and keep a race under a minute
 MAX_REPLAY_S = 12.0  # longer races replay faster than measured, by a factor the tab states
 TABLE_HEADERS = ["algorithm", "tokens", "engine s", "tokens/s", "speedup vs plain", "tokens per target forward",
@@ -72,10 +73,11 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         names = [PLAIN, *chosen]
         decoders, warmups = [], []
         for name in names:
-            algo, kv, params = ENTRANTS[name]
+            algo, kv, overrides = ENTRANTS[name]
             for budget, into in ((tokens, decoders), (WARMUP_TOKENS, warmups)):
                 generation = GenerationParams(max_new_tokens=budget, kv=kv)
-                into.append(build_decoder(algo, target, draft_source, sampling, generation, *params))
+                into.append(build_decoder(algo, target, draft_source, sampling, generation,
+                                          **{**DEFAULTS, **overrides}))
         yield gr.update(), "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 3
         for warmup in warmups:
             generate(warmup, prompt)
