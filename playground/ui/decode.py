@@ -224,8 +224,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
                     adaptive = gr.Checkbox(False, label="adaptive gamma")
-                    copy_ngram = gr.Number(0, label="copy n-gram matches instead of drafting (0 = off, 1..8)",
-                                           step=1)
+                    copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
+                                           info="copy earlier text after a match instead of drafting")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)
