@@ -49,6 +49,7 @@ class SpeculativeDecoder(Decoder):
         self.draft = draft
         self.spec = params or SpeculativeParams()
         self.proposal = proposal_rows(draft)  # the tokens the draft may propose; None: all of them
+        self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
 
     def params(self) -> dict[str, Any]:
         vocab = self.draft.model.config.vocab_size if self.proposal is None else len(self.proposal)
@@ -93,8 +94,7 @@ class SpeculativeDecoder(Decoder):
             return None
         copies.decay()
         drafted.decay()
-        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget),
-                                  frozenset(self.target.eos_token_ids))
+        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget), self.eos_ids)
         if found and copies.expected_tokens(found.ngram, len(found.tokens)) >= drafted.expected_tokens(gamma):
             return found
         return None
