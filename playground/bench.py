@@ -148,7 +148,6 @@ def load_hf_peer(loaded: Any) -> Any:
 
 GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
-COPY_NGRAM, COPY_TOKENS = 3, 8  # speculative-copy's settings: prompt lookup's defaults
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
@@ -249,11 +248,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=COPY_NGRAM, copy_tokens=COPY_TOKENS)
+            like = PromptLookupParams()  # the copying variant copies as prompt lookup does by default
+            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
             variants = (("speculative", SpeculativeParams(gamma=args.gamma), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
                         ("speculative-copy", copying,
-                         f", copies of up to {COPY_TOKENS} tokens after a {COPY_NGRAM}..1-gram match"))
+                         f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"))
             for name, spec, label in variants:
                 # transformers' assisted generation with the same draft length rule as ours: fixed, or its
                 # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call

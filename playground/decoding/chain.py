@@ -16,6 +16,7 @@ from .base import Decoder, Stopper
 class ChainOutcome:
     events: list[Event]  # accept*, then reject + correct or bonus (unless a stop rule ended it early)
     accepted: int  # proposals the rule accepted (some may lie past a stop and not be kept)
+    judged: int  # proposals the rule judged: the accepted ones and the first refused one, if any
     token: int  # the correction or bonus token: the next token no cache has seen yet
     done: bool  # a stop rule fired
     kept: int  # tokens committed this step
@@ -76,4 +77,5 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
         events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=info))
         kept += 1
         done = stopper.push(verdict.token)
-    return ChainOutcome(events, verdict.num_accepted, verdict.token, done, kept)
+    return ChainOutcome(events, verdict.num_accepted, verdict.num_accepted + int(verdict.corrected), verdict.token,
+                        done, kept)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -201,5 +201,4 @@ class LookaheadDecoder(Decoder):
         outcome = accept_chain(self, step, t, base, chains[chosen], proposals, q, q_shown, generator, stopper)
         infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0) for i, x in enumerate(proposals)]
         draft = DraftEvent(step=step, t=t, tokens=infos, wall_s=draft_s, draft_forwards=0)
-        return chosen, ChainOutcome([draft, *outcome.events], outcome.accepted, outcome.token, outcome.done,
-                                    outcome.kept)
+        return chosen, replace(outcome, events=[draft, *outcome.events])

@@ -225,8 +225,7 @@ class PromptLookupDecoder(Decoder):
                                    stopper)
             done = outcome.done
             if found:
-                # copied tokens judged: the accepted ones and the first refused one, if any
-                gate.record(found.ngram, outcome.accepted, min(outcome.accepted + 1, len(proposals)))
+                gate.record(found.ngram, outcome.accepted, outcome.judged)
             # commit: keep `last` and the accepted proposals in the cache; the new `last` is not fed yet.
             cache.truncate(0, base + 1 + outcome.accepted)
             sequence += proposals[: outcome.accepted] + [outcome.token]

@@ -146,16 +146,14 @@ class SpeculativeDecoder(Decoder):
                                    stopper)
             done = outcome.done
             accepted = outcome.accepted
-            # proposals judged: the accepted ones and the first refused one, if any
-            judged = min(accepted + 1, count)
             # commit: keep `last` and the accepted proposals in the target cache; the new `last` is not fed yet.
             target_cache.truncate(0, base + 1 + accepted)
             if found:
-                copies.record(found.ngram, accepted, judged)
+                copies.record(found.ngram, accepted, outcome.judged)
                 # the draft saw none of this step's tokens: it reads them with its next proposal
                 draft_pending = draft_pending + proposals[:accepted] + [outcome.token]
             else:
-                drafted.record(accepted, judged)
+                drafted.record(accepted, outcome.judged)
                 # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
                 draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
                 draft_pending = ([proposals[-1]] if accepted == gamma else []) + [outcome.token]
