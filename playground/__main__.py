@@ -108,7 +108,8 @@ def algo_params(args: argparse.Namespace) -> Any:
                                prompt_pool=not args.no_prompt_pool)
     if args.algo == "medusa":
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
-                            epsilon=args.typical_epsilon, alpha=args.typical_alpha)
+                            epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
+                            copy_tokens=args.copy_tokens)
     return None
 
 
@@ -198,10 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
     spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
-    spec.add_argument("--copy-ngram", type=int, default=0,
-                      help="0..8 (default 0: off): a step may propose a copy of earlier text matching the last "
-                           "1..N tokens instead of drafting, when copies are accepted at least as well")
-    spec.add_argument("--copy-tokens", type=int, default=8, help="most tokens a copy proposes, 1..16 (default 8)")
+    copy = gen.add_argument_group("prompt copies (--algo speculative or medusa)")
+    copy.add_argument("--copy-ngram", type=int, default=0,
+                      help="0..8 (default 0: off): a step may also propose a copy of earlier text matching the last "
+                           "1..N tokens: speculative proposes it instead of drafting when copies are accepted at "
+                           "least as well; Medusa grafts it onto its tree")
+    copy.add_argument("--copy-tokens", type=int, default=8, help="most tokens a copy proposes, 1..16 (default 8)")
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")

@@ -155,6 +155,7 @@ GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to 
     "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
     "lookahead": [("median_speedup_vs_ar", 1.3)],
     "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
+    "medusa-copy": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
 }
 
 
@@ -243,12 +244,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
     from .models.loader import default_draft
 
     contenders, draft = [], None
+    like = PromptLookupParams()  # the copying variants copy as prompt lookup does by default
     if "speculative" in args.algos:
         draft_source = default_draft(args.model) if args.draft is None else args.draft
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            like = PromptLookupParams()  # the copying variant copies as prompt lookup does by default
             copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
             variants = (("speculative", SpeculativeParams(gamma=args.gamma), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
@@ -280,6 +281,10 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         greedy = MedusaDecoder(target, sampling, generation, MedusaParams(tree=args.tree))
         setting = f"tree {args.tree} ({greedy.tree.num_nodes} nodes), heads {greedy.heads.folder.name}"
         contenders.append(Contender("medusa", greedy, setting))
+        copying = MedusaParams(tree=args.tree, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
+        contenders.append(Contender("medusa-copy", MedusaDecoder(target, sampling, generation, copying, greedy.heads),
+                                    f"{setting}, copies of up to {copying.copy_tokens} tokens after a "
+                                    f"{copying.copy_ngram}..1-gram match grafted on"))
         for acceptance in ("lossless", "typical"):  # the same heads and tree, sampled: what lossy buys
             decoder = MedusaDecoder(target, SAMPLED, generation, MedusaParams(tree=args.tree, acceptance=acceptance),
                                     greedy.heads)

@@ -188,13 +188,18 @@ class MedusaParams:
     tree: a named tree or a JSON file of top-k paths; acceptance, which matters only when sampling:
     "lossless" (each node's candidates verified in turn as one-hot proposals with the residual rule: exact),
     "typical" (Cai et al.: accept x if p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, faster), or "greedy"
-    (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact."""
+    (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact.
+    copy_ngram: when above 0, a step whose last 1..copy_ngram tokens occur earlier in the prompt or output
+    grafts up to copy_tokens tokens copied from there (as prompt lookup proposes them) onto the tree; 0
+    proposes the heads' tree alone."""
 
     heads: str | None = None
     tree: str = "small"
     acceptance: str = "lossless"
     epsilon: float = 0.3
     alpha: float = 0.09
+    copy_ngram: int = 0
+    copy_tokens: int = 8
 
     def __post_init__(self) -> None:
         check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
@@ -204,6 +209,8 @@ class MedusaParams:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
         if not isinstance(self.tree, str) or not self.tree.strip():
             raise ConfigError("tree must be a tree name or a JSON file of paths")
+        check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
+        check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
 
 
 SCHEDULING_POLICIES = ("continuous", "static")

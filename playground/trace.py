@@ -80,7 +80,10 @@ class TreeEvent:
     """A Medusa step's whole candidate tree, after verification. Node i has the top-k path paths[i] (head
     len(path) - 1 proposed it at rank path[-1]; its parent is the node whose path is path[:-1], or the last
     committed token for a path of length 1), token tokens[i] with head probability probs[i] and target
-    probability target_probs[i]. accepted: the nodes kept, in depth order."""
+    probability target_probs[i]. accepted: the nodes kept, in depth order. A step that grafted a copy of earlier
+    text has more tokens than paths: the nodes past the paths form a chain below node copy_parent (0: the last
+    committed token), their probs 1 (a copy is a one-hot proposal); copy_source is the [start, end) positions of
+    those tokens in prompt + generated tokens and copy_ngram the length of the match that ends at start."""
 
     KIND: ClassVar[str] = "tree"
     step: int
@@ -90,6 +93,9 @@ class TreeEvent:
     probs: list[float]
     target_probs: list[float]
     accepted: list[int]
+    copy_parent: int | None = None
+    copy_source: list[int] | None = None
+    copy_ngram: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +364,24 @@ def _event_from_dict(data: Any, path: str) -> Event:
     kind = data.get("kind")
     if kind not in EVENT_TYPES:
         raise TraceError(f"{path}.kind: must be one of {', '.join(EVENT_TYPES)}; got {kind!r}")
-    return _from_fields(EVENT_TYPES[kind], data, path, skip={"kind"})
+    event = _from_fields(EVENT_TYPES[kind], data, path, skip={"kind"})
+    if isinstance(event, TreeEvent):
+        _check_tree(event, path)
+    return event
+
+
+def _check_tree(event: TreeEvent, path: str) -> None:
+    """A tree event's lists must describe one tree, or the UI could not draw it."""
+    heads, nodes = len(event.paths), len(event.tokens)
+    if len(event.probs) != nodes or len(event.target_probs) != nodes:
+        raise TraceError(f"{path}: tokens, probs and target_probs must have one entry per node ({nodes})")
+    if nodes < heads:
+        raise TraceError(f"{path}.tokens: {nodes} tokens for {heads} paths; every path needs its token")
+    if (event.copy_parent is None) != (nodes == heads) or not 0 <= (event.copy_parent or 0) <= heads:
+        raise TraceError(f"{path}.copy_parent: a node in [0, {heads}] exactly when tokens has more entries than "
+                         f"paths (a grafted copy), got {event.copy_parent!r}")
+    if not all(1 <= node <= nodes for node in event.accepted):
+        raise TraceError(f"{path}.accepted: nodes must be in [1, {nodes}]")
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:

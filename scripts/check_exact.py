@@ -49,6 +49,7 @@ def main() -> int:
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
                for tree in ("small", "wide")},
+            f"medusa-copy/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(copy_ngram=3)),
         }
 
     plain = AutoregressiveDecoder(target, greedy, GenerationParams(max_new_tokens=args.new_tokens))

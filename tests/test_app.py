@@ -125,6 +125,11 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     assert "<b>step 2</b>" in replayed and "Candidate tree (5 nodes" in replayed
     _, _, uploaded, summary, *_ = client.predict(handle_file(outputs[4]), api_name="/load_trace")
     assert "replayed trace of **medusa**" in summary and "Candidate tree" in uploaded
+    prompt_html, _, detail, *_ = decode(client, "Repeat exactly: red green blue, red green blue, red green blue.",
+                                        algo="Medusa (tree)", copy_ngram=3, num_draft=4, max_new_tokens=4)
+    # the first steps graft a copy of the prompt: the tree draws it and the prompt highlights its source
+    assert re.search(r"Candidate tree \(\d+ nodes; [1-4] copied after a [1-3]-token match", detail)
+    assert "copy of position" in detail and "pg-source" in prompt_html.split("</style>")[-1]
 
 
 def test_two_browser_sessions_never_see_each_others_runs(client, target):
@@ -147,12 +152,12 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
-        "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "prompt lookup",
+        "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",
                                                           "lookahead", "plain, paged KV"],
         12, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
-    assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "prompt lookup", "lookahead",
+    assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "Medusa + prompt copies", "lookahead",
                                      "plain, paged KV"]
     assert all(r[-1] == "yes" for r in table) and float(table[0][4]) == 1.0
     assert chart is not None

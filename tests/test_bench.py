@@ -34,7 +34,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "prompt-lookup",
-                                    "lookahead", "medusa", "medusa-lossless", "medusa-typical"}
+                                    "lookahead", "medusa", "medusa-copy", "medusa-lossless", "medusa-typical"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
@@ -64,6 +64,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     assert "## medusa (tree small (5 nodes)" in text and "typical acceptance (LOSSY)" in text
+    assert "## medusa-copy (tree small (5 nodes), heads medusa-smollm2-135m, copies of up to 8 tokens" in text
     assert "n/a (sampled)" in text
     assert report["algos"]["medusa"]["verify_cost_ratio"] > 0
 

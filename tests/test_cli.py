@@ -66,6 +66,7 @@ def unsupported_folder(tmp_path):
      r"copy_ngram must be an integer in \[0, 8\]"),
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--copy-tokens", "0"],
      r"copy_tokens must be an integer in \[1, 16\]"),
+    (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[0, 8\]"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
     (["--prompt", "hi", "--kv", "paged", "--block-size", "0"], r"block_size must be an integer in \[1, 256\]"),
@@ -99,11 +100,12 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     assert copies and all(len(e.tokens) <= 5 and e.draft_forwards == 0 for e in copies)
 
 
-def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
+def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
-    for algo in ("ar", "prompt-lookup", "lookahead"):
-        result = cli("generate", "--algo", algo, "--prompt", prompt, "--max-new-tokens", "16", "--json",
+    for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", []),
+                        ("medusa", ["--copy-ngram", "2", "--copy-tokens", "5"])):
+        result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
         assert result.returncode == 0, result.stderr
         outputs[algo] = json.loads(result.stdout)
@@ -114,6 +116,10 @@ def test_draft_free_algorithms_match_plain_and_trace_their_proposals(target, tmp
     assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "lookahead.json")
     assert trace.params["window"] == 2 and any(e.KIND == "lookahead" and e.candidates for e in trace.events)
+    assert outputs["medusa"]["token_ids"] == outputs["ar"]["token_ids"]
+    trace = Trace.load(tmp_path / "medusa.json")
+    assert trace.params["copy_ngram"] == 2 and trace.params["copy_tokens"] == 5
+    assert any(e.KIND == "tree" and e.copy_source for e in trace.events)  # copies were grafted onto trees
 
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:

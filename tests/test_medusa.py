@@ -1,12 +1,14 @@
-"""Medusa: tree buffers against hand-computed trees, the committed KV against a recomputation after every step,
-greedy exactness on every test prompt with three trees and both caches, the lossless tree sampler against the
-analytic distribution (synthetic and on the real model), typical acceptance labelled lossy, bad settings."""
+"""Medusa: tree buffers against hand-computed trees (grafted copies too), the committed KV against a
+recomputation after every step, greedy exactness on every test prompt with three trees, with copies and on both
+caches, the lossless tree sampler against the analytic distribution (synthetic and on the real model, with and
+without copies), typical acceptance labelled lossy, bad settings."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -17,7 +19,7 @@ from playground.config import ConfigError, GenerationParams, MedusaParams, Sampl
 from playground.decoding import MedusaDecoder, encode_prompt, generate
 from playground.decoding import medusa as medusa_module
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.tree import TREES, build_tree, load_tree
+from playground.decoding.tree import TREES, build_tree, follow, graft_chain, load_tree
 from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads, save_heads
@@ -26,6 +28,8 @@ from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent,
 
 from .prompts import NEW_TOKENS, PROMPTS
 from .stats import CHI2_999, assert_follows_target
+
+REPEATING = "red green blue red green blue red green"  # its continuation is mostly a copy of itself
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,32 @@ def test_tree_buffers_of_a_chain_and_the_named_trees() -> None:
         # every node appears on some root-to-leaf path, and sees exactly its depth + 1 tokens
         assert {n for r in tree.retrieve for n in r} == set(range(tree.num_nodes + 1)), name
         assert tree.mask.sum(1).tolist() == [d + 1 for d in tree.depths]
+
+
+def test_a_grafted_chain_by_hand() -> None:
+    tree = build_tree([[0], [1], [0, 0]])  # nodes 1 = (0,), 2 = (1,), 3 = (0, 0)
+    grafted = graft_chain(tree, 1, 2)  # nodes 4 and 5: a chain below node 1
+    assert grafted.paths == tree.paths and grafted.num_nodes == 5
+    assert grafted.parents == (-1, 0, 0, 1, 1, 4) and grafted.depths == (0, 1, 1, 2, 2, 3)
+    assert grafted.children == ((1, 2), (3, 4), (), (), (5,), ())
+    assert grafted.retrieve == ((0, 2), (0, 1, 3), (0, 1, 4, 5))
+    assert grafted.mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                           [1, 1, 0, 0, 0, 0],
+                                           [1, 0, 1, 0, 0, 0],
+                                           [1, 1, 0, 1, 0, 0],
+                                           [1, 1, 0, 0, 1, 0],
+                                           [1, 1, 0, 0, 1, 1]]
+    assert graft_chain(tree, 0, 1).parents == (-1, 0, 0, 1, 0)  # below the root: a sibling of the heads' nodes
+    with pytest.raises(ValueError, match=r"attach must be a node in \[0, 3\]"):
+        graft_chain(tree, 4, 1)
+
+
+def test_a_copy_follows_the_tree_as_far_as_its_tokens_match() -> None:
+    tree = build_tree([[0], [1], [0, 0]])
+    ids = [9, 5, 6, 7]  # node -> token
+    assert follow(tree, ids, [5, 7, 8]) == (3, 2)  # through nodes 1 and 3; token 8 would hang below node 3
+    assert follow(tree, ids, [6, 7]) == (2, 1)  # node 2 is a leaf
+    assert follow(tree, ids, [8]) == (0, 0)
 
 
 @pytest.mark.parametrize("paths, message", [
@@ -96,14 +126,30 @@ def test_greedy_equals_plain_decoding(target, heads, plain_outputs, tree) -> Non
     assert accepted > 0  # the heads really proposed tokens the target kept
 
 
+@pytest.mark.parametrize("tree, copy_ngram", [("small", 3), ("wide", 1), ("chain", 8)])
+def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, tree, copy_ngram) -> None:
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                            MedusaParams(tree=tree, copy_ngram=copy_ngram, copy_tokens=6), heads)
+    grafted = 0
+    for prompt in PROMPTS:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        grafted += sum(e.copy_parent is not None for e in trace.events if isinstance(e, TreeEvent))
+    assert grafted > 0  # copies really were grafted onto trees
+
+
 def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"),
-                            MedusaParams(), heads)
-    for prompt in PROMPTS[:8]:
-        assert generate(decoder, prompt)[0].token_ids == plain_outputs[prompt], prompt
+    for copy_ngram in (0, 3):
+        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"),
+                                MedusaParams(copy_ngram=copy_ngram), heads)
+        for prompt in PROMPTS[:8]:
+            assert generate(decoder, prompt)[0].token_ids == plain_outputs[prompt], prompt
 
 
-def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, monkeypatch) -> None:
+@pytest.mark.parametrize("copy_ngram, prompt", [(0, "Explain what a hash table is."),
+                                                 (3, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")])
+def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, monkeypatch, copy_ngram,
+                                                              prompt) -> None:
     caches = []
 
     def keep_cache(*args, **kwargs):
@@ -111,12 +157,15 @@ def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, mon
         return caches[-1]
 
     monkeypatch.setattr(medusa_module, "new_cache", keep_cache)
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=20), MedusaParams(tree="wide"),
-                            heads)
-    prompt_ids = encode_prompt(target, "Explain what a hash table is.", decoder.generation)
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=20),
+                            MedusaParams(tree="wide", copy_ngram=copy_ngram), heads)
+    prompt_ids = encode_prompt(target, prompt, decoder.generation)
     committed: list[int] = []
     checked = pending = 0
+    trees = []
     for event in decoder.run(prompt_ids):
+        if isinstance(event, TreeEvent):
+            trees.append(event)
         if isinstance(event, (AcceptEvent, CorrectEvent, BonusEvent)):
             committed.append(event.token.id)
             # A step's correction or bonus token enters the cache with the next step's forward; an accepted node
@@ -132,6 +181,8 @@ def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, mon
                 torch.testing.assert_close(mine[:, 0, :, :length], theirs[:, 0, :, :length], atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked >= 3
+    assert not copy_ngram or any(e.copy_parent is not None and e.accepted and max(e.accepted) > len(e.paths)
+                                 for e in trees)  # a grafted copy node was committed and checked
 
 
 def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
@@ -146,6 +197,24 @@ def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
         assert all(len(p) == i + 1 and p[:-1] == (paths[i - 1] if i else []) for i, p in enumerate(paths))
     assert trace.params["tree"] == "small" and trace.params["acceptance"] == "lossless"
     assert Trace.from_json(trace.to_json()) == trace  # tree events round-trip exactly
+
+
+def test_trace_carries_the_grafted_copy(target, heads) -> None:
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
+                            MedusaParams(copy_ngram=3, copy_tokens=5), heads)
+    output, trace = generate(decoder, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")
+    grafts = [e for e in trace.events if isinstance(e, TreeEvent) and e.copy_parent is not None]
+    assert grafts
+    sequence = trace.prompt_ids + list(output.token_ids)
+    for event in grafts:
+        copied = event.tokens[len(event.paths):]
+        start, end = event.copy_source
+        assert 1 <= len(copied) <= 5 and end - start == len(copied) and 1 <= event.copy_ngram <= 3
+        assert copied == sequence[start:end]  # the chain holds the tokens of its source span
+        assert event.probs[len(event.paths):] == [1.0] * len(copied)  # one-hot proposals
+        assert 0 <= event.copy_parent <= len(event.paths)
+    assert trace.params["copy_ngram"] == 3 and trace.params["copy_tokens"] == 5
+    assert Trace.from_json(trace.to_json()) == trace
 
 
 @pytest.mark.parametrize("case", ["mixed", "proposal is certain", "proposals cover everything"])
@@ -201,6 +270,20 @@ def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(targe
     assert proposed == 300  # every run verified a tree in its first step
 
 
+def test_lossless_medusa_with_copies_matches_the_target_distribution(target, heads) -> None:
+    """On a repetitive prompt most first steps graft a copy; the first two tokens still follow the target."""
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=2, raw=True)
+
+    def make(s: SamplingParams) -> MedusaDecoder:
+        return MedusaDecoder(target, s, generation, MedusaParams(tree="chain", copy_ngram=3), heads)
+
+    assert_follows_target(target, make, REPEATING, sampling)
+    grafted = sum(any(e.copy_parent is not None for e in generate(make(replace(sampling, seed=seed)), REPEATING)[1]
+                      .events if isinstance(e, TreeEvent)) for seed in range(40))
+    assert grafted > 20
+
+
 def test_same_seed_same_output_and_typical_differs_from_lossless(target, heads) -> None:
     def run(seed: int, acceptance: str) -> tuple[int, ...]:
         decoder = MedusaDecoder(target, SamplingParams(temperature=0.8, seed=seed), GenerationParams(max_new_tokens=24),
@@ -209,6 +292,13 @@ def test_same_seed_same_output_and_typical_differs_from_lossless(target, heads) 
 
     assert run(3, "lossless") == run(3, "lossless") and run(3, "typical") == run(3, "typical")
     assert run(3, "lossless") != run(4, "lossless")
+
+    def run_copying(seed: int) -> tuple[int, ...]:
+        decoder = MedusaDecoder(target, SamplingParams(temperature=1.0, seed=seed), GenerationParams(max_new_tokens=20),
+                                MedusaParams(copy_ngram=2), heads)
+        return generate(decoder, "Say 'la la la' ten times.")[0].token_ids
+
+    assert run_copying(1) == run_copying(1) and run_copying(1) != run_copying(2)
 
 
 def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
@@ -219,6 +309,10 @@ def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
         MedusaParams(acceptance="optimistic")
     with pytest.raises(ConfigError, match=r"epsilon must be in \(0, 1\]"):
         MedusaParams(epsilon=0)
+    with pytest.raises(ConfigError, match=r"copy_ngram must be an integer in \[0, 8\]"):
+        MedusaParams(copy_ngram=9)
+    with pytest.raises(ConfigError, match=r"copy_tokens must be an integer in \[1, 16\]"):
+        MedusaParams(copy_ngram=2, copy_tokens=17)
     deep = tmp_path / "deep.json"
     deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
     with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; the heads have 4"):

@@ -10,7 +10,7 @@ from playground.config import GenerationParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, generate
 from playground.metrics import compute
 from playground.trace import (SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace,
-                              TraceError)
+                              TraceError, TreeEvent)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,29 @@ def mutate(path: str, value) -> str:
 def test_malformed_traces_are_rejected(text: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         Trace.from_json(text)
+
+
+def tree_trace(**change) -> str:
+    """A trace with one Medusa tree event: two head nodes and a copied node below node 1, with `change` applied."""
+    tree = dict(step=1, t=0.1, paths=[[0], [1]], tokens=[5, 6, 7], probs=[0.5, 0.2, 1.0],
+                target_probs=[0.4, 0.1, 0.9], accepted=[1, 3], copy_parent=1, copy_source=[0, 1], copy_ngram=2)
+    trace = Trace(algo="medusa", model="m", prompt="p", prompt_ids=[7, 2], params={},
+                  events=[TreeEvent(**{**tree, **change})])
+    return trace.to_json()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"probs": [0.5, 0.2]}, "one entry per node"),
+    ({"tokens": [5], "probs": [0.5], "target_probs": [0.4], "accepted": [], "copy_parent": None},
+     "1 tokens for 2 paths"),
+    ({"copy_parent": None}, r"events\[0\]\.copy_parent: a node in \[0, 2\]"),
+    ({"copy_parent": 3}, r"copy_parent: a node in \[0, 2\].*got 3"),
+    ({"accepted": [4]}, r"events\[0\]\.accepted: nodes must be in \[1, 3\]"),
+])
+def test_inconsistent_tree_events_are_rejected(change, message) -> None:
+    assert Trace.from_json(tree_trace()).events[0].copy_parent == 1
+    with pytest.raises(TraceError, match=message):
+        Trace.from_json(tree_trace(**change))
 
 
 def test_load_rejects_missing_and_binary_files(tmp_path) -> None:

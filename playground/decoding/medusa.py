@@ -9,10 +9,16 @@ Acceptance walks down from `last` (greedy: the child equal to the target's argma
 in turn as one-hot proposals; typical: the root-to-leaf path whose longest prefix passes the typical test),
 then emits the correction or bonus token. Commit: `last` and the accepted nodes move into consecutive cache
 slots; the rest of the tree is dropped. The prompt's forward gives the first hidden state.
+
+With `copy_ngram` a step also grafts prompt lookup's copy of earlier text onto the tree: the copied tokens
+follow the tree's nodes as far as those hold the same tokens, and the rest hang below as a chain (one-hot
+proposals, verified like every node, so greedy stays exact and sampling lossless). Heads predict poorly what a
+text repeats from its prompt; a copy reaches further there than any head.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +29,9 @@ from ..models.medusa import LoadedHeads, load_heads
 from ..sampling import TreeVerdict, probabilities, sample, verify_tree_greedy, verify_tree_lossless
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, new_cache
-from .tree import TreeBuffers, load_tree
+from .prompt_lookup import Lookup, find_continuation
+from .tree import TreeBuffers, follow, graft_chain, load_tree
+
 
 def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
                         alpha: float, generator: torch.Generator,
@@ -49,6 +57,20 @@ def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], 
     return TreeVerdict(tuple(best), tuple(judged), int(sample(p[last], generator)), bool(children[last]))
 
 
+@dataclass(frozen=True, slots=True)
+class Graft:
+    """A copy grafted onto a step's tree: `found` is prompt lookup's match, of which the first `matched` tokens
+    are already tree nodes (ending at node `attach`) and the rest are new nodes in a chain below it."""
+
+    found: Lookup
+    attach: int
+    matched: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.found.tokens[self.matched :]
+
+
 class MedusaDecoder(Decoder):
     algo = "medusa"
 
@@ -66,11 +88,14 @@ class MedusaDecoder(Decoder):
         if max(self.tree.top_k()) > self.heads.vocab_size:
             raise ConfigError(f"tree: a depth takes the top {max(self.tree.top_k())} tokens; the heads score only "
                               f"{self.heads.vocab_size}")
+        self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
+        self.grafted: dict[tuple[int, int], TreeBuffers] = {}  # (attach node, chain length) -> tree with the chain
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
                 "tree_nodes": self.tree.num_nodes, "acceptance": self.spec.acceptance,
-                "epsilon": self.spec.epsilon, "alpha": self.spec.alpha}
+                "epsilon": self.spec.epsilon, "alpha": self.spec.alpha, "copy_ngram": self.spec.copy_ngram,
+                "copy_tokens": self.spec.copy_tokens}
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
@@ -85,6 +110,24 @@ class MedusaDecoder(Decoder):
             tokens.append(int(heads.vocab_ids[indices[path[-1]]]))
             probs.append(float(values[path[-1]]))
         return tokens, probs
+
+    def graft(self, sequence: list[int], ids: list[int], budget: int) -> Graft | None:
+        """The copy to graft onto this step's tree (node i holds ids[i]), if any: prompt lookup's match for the
+        text so far. Every match is grafted: on the benchmark suite (CPU, `small` tree) grafting only copies
+        whose n-gram length had lately been accepted well committed fewer tokens per forward and ran slower."""
+        if not self.spec.copy_ngram:
+            return None
+        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget), self.eos_ids)
+        return Graft(found, *follow(self.tree, ids, found.tokens)) if found else None
+
+    def tree_with(self, graft: Graft | None) -> TreeBuffers:
+        """The step's tree: the heads' tree, with the graft's new nodes (built once per attach node and length)."""
+        if graft is None or not graft.tokens:
+            return self.tree
+        key = (graft.attach, len(graft.tokens))
+        if key not in self.grafted:
+            self.grafted[key] = graft_chain(self.tree, *key)
+        return self.grafted[key]
 
     @torch.inference_mode()
     def forward(self, cache: Any, tree: TreeBuffers | None, ids: list[int],
@@ -117,19 +160,26 @@ class MedusaDecoder(Decoder):
     def run(self, prompt_ids: list[int]) -> EventStream:
         clock, generator, stopper = self.start()
         target = self.target.model
-        capacity = len(prompt_ids) + self.generation.max_new_tokens + self.tree.num_nodes + 1
+        copies = self.spec.copy_tokens if self.spec.copy_ngram else 0
+        capacity = len(prompt_ids) + self.generation.max_new_tokens + self.tree.num_nodes + copies + 1
         cache = new_cache(target, capacity, self.generation)
         logits, hidden_all = self.forward(cache, None, prompt_ids, 0)  # causal: (T, V), (T, E)
         last, done = yield from self.first_token(logits[-1], cache, len(prompt_ids), clock, generator, stopper)
         hidden = hidden_all[-1]  # (E,) final hidden state of the position that predicted `last`
+        sequence = list(prompt_ids) + [last]  # prompt + generated: what a copy is looked up in
         step = 0
         while not done:
             step += 1
             step_start = clock.now()
             base = cache.length(0)  # position of `last`
-            tree = self.tree
             nodes, head_probs = self.propose(hidden, last)  # accepted nodes past max_new_tokens are cut by the stopper
             ids = [last, *nodes]
+            # a copy, unlike the heads' nodes, is never proposed past max_new_tokens
+            graft = self.graft(sequence, ids, self.generation.max_new_tokens - len(stopper.tokens))
+            tree = self.tree_with(graft)
+            if graft:
+                ids += graft.tokens
+                head_probs += [1.0] * len(graft.tokens)  # a copied token was proposed with certainty
             draft_end = clock.now()
             logits, hidden_all = self.forward(cache, tree, ids, base)  # (n+1, V), (n+1, E)
             verify_end = clock.now()
@@ -137,8 +187,9 @@ class MedusaDecoder(Decoder):
                                               wall_s=verify_end - draft_end, target_forwards=1))
             verdict, p = self.verify(logits, tree, ids, generator)
             events, kept_nodes, done = self.outcome(step, clock.now(), base, tree, ids, head_probs, p, verdict,
-                                                    draft_end - step_start, stopper)
+                                                    draft_end - step_start, stopper, graft)
             cache.keep(0, base, [0, *kept_nodes])  # node i of the forward sits in slot base + i
+            sequence += [ids[n] for n in verdict.path] + [verdict.token]
             hidden = hidden_all[kept_nodes[-1] if kept_nodes else 0]
             last = verdict.token
             yield from clock.emit(*events, commit_event(step, step_start, clock.now(), draft_end - step_start,
@@ -149,8 +200,8 @@ class MedusaDecoder(Decoder):
         return output
 
     def outcome(self, step: int, t: float, base: int, tree: TreeBuffers, ids: list[int], head_probs: list[float],
-                p: torch.Tensor, verdict: TreeVerdict, draft_s: float,
-                stopper: Any) -> tuple[list[Event], list[int], bool]:
+                p: torch.Tensor, verdict: TreeVerdict, draft_s: float, stopper: Any,
+                graft: Graft | None) -> tuple[list[Event], list[int], bool]:
         """The step's events (judged nodes as a draft, the tree, decisions), the nodes kept, and whether a stop
         rule fired. Accepted tokens past a stop are not kept."""
         def info(node: int) -> Any:
@@ -158,11 +209,16 @@ class MedusaDecoder(Decoder):
                                    q=head_probs[node - 1])
 
         target_probs = [float(p[tree.parents[n], ids[n]]) for n in range(1, len(ids))]
+        copy: dict[str, Any] = {}
+        if graft and graft.tokens:
+            start = graft.found.start + graft.matched
+            copy = {"copy_parent": graft.attach, "copy_source": [start, start + len(graft.tokens)],
+                    "copy_ngram": graft.found.ngram}
         events: list[Event] = [
             DraftEvent(step=step, t=t, tokens=[info(n) for n, _, _ in verdict.judged], wall_s=draft_s,
                        draft_forwards=0),
             TreeEvent(step=step, t=t, paths=[list(path) for path in tree.paths], tokens=ids[1:], probs=head_probs,
-                      target_probs=target_probs, accepted=list(verdict.path))]
+                      target_probs=target_probs, accepted=list(verdict.path), **copy)]
         kept: list[int] = []
         for node, accepted, u in verdict.judged:
             if accepted:

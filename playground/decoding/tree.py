@@ -4,6 +4,7 @@ Path (i0, i1, ..., id) is the node reached by taking rank i0 of head 0's top-k a
 committed token), then rank i1 of head 1's top-k, and so on; its depth is its length. The buffers are built once
 per tree: node order, parents, the attention mask among the new tokens, position offsets and the
 root-to-leaf paths used to pick the accepted one. Node 0 is the root; nodes 1..n follow in (depth, path) order.
+A step may graft a chain of copied tokens below one node (`graft_chain`); its nodes come after the heads'.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ MAX_TREE_DEPTH = 16
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    paths: tuple[tuple[int, ...], ...]  # node i + 1 -> its path of ranks (the root has none)
+    paths: tuple[tuple[int, ...], ...]  # head node i + 1 -> its path of ranks (the root has none)
     parents: tuple[int, ...]  # node -> parent node; the root's is -1
     depths: tuple[int, ...]  # node -> depth (root 0): its position offset from the root's position
-    children: tuple[tuple[int, ...], ...]  # node -> its children, by rank
+    children: tuple[tuple[int, ...], ...]  # node -> its children, by rank (a grafted chain's node last)
     mask: torch.Tensor  # (n + 1, n + 1) bool: node i sees node j iff j is i or one of its ancestors
     retrieve: tuple[tuple[int, ...], ...]  # every root-to-leaf path as node indices, root first
 
     @property
     def num_nodes(self) -> int:
-        """Tree nodes, root excluded: the tokens proposed per step."""
-        return len(self.paths)
+        """Tree nodes, root excluded: the tokens proposed per step (the heads' and any grafted chain's)."""
+        return len(self.parents) - 1
 
     @property
     def depth(self) -> int:
@@ -40,10 +41,33 @@ class TreeBuffers:
 
     def top_k(self) -> list[int]:
         """How many top-k candidates each head must supply: head d needs 1 + the largest rank at depth d + 1."""
-        need = [0] * self.depth
+        need = [0] * max(len(path) for path in self.paths)
         for path in self.paths:
             need[len(path) - 1] = max(need[len(path) - 1], path[-1] + 1)
         return need
+
+
+def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> TreeBuffers:
+    """Buffers for nodes given by their parents, each parent before its children (node 0, the root, first)."""
+    size = len(parents)
+    depths = [0] * size
+    children: list[list[int]] = [[] for _ in range(size)]
+    for node in range(1, size):
+        depths[node] = depths[parents[node]] + 1
+        children[parents[node]].append(node)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for node in range(size):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, ancestor] = True
+            ancestor = parents[ancestor]
+    retrieve = []
+    for leaf in (n for n in range(size) if not children[n]):
+        chain = [leaf]
+        while chain[-1] != 0:
+            chain.append(parents[chain[-1]])
+        retrieve.append(tuple(reversed(chain)))
+    return TreeBuffers(paths, parents, tuple(depths), tuple(tuple(c) for c in children), mask, tuple(retrieve))
 
 
 def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
@@ -63,27 +87,34 @@ def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     for node in nodes:
         if len(node) > 1 and node[:-1] not in nodes:
             raise ConfigError(f"tree: path {list(node)} needs its parent {list(node[:-1])} in the tree")
-    ordered = sorted(nodes, key=lambda p: (len(p), p))
+    ordered = tuple(sorted(nodes, key=lambda p: (len(p), p)))
     index = {path: i + 1 for i, path in enumerate(ordered)}
     parents = (-1, *(index[p[:-1]] if len(p) > 1 else 0 for p in ordered))
-    depths = (0, *(len(p) for p in ordered))
-    size = len(ordered) + 1
-    children: list[list[int]] = [[] for _ in range(size)]
-    for node in range(1, size):
-        children[parents[node]].append(node)  # in (depth, path) order, so by rank within a parent
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    for node in range(size):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, ancestor] = True
-            ancestor = parents[ancestor]
-    retrieve = []
-    for leaf in (n for n in range(size) if not children[n]):
-        chain = [leaf]
-        while chain[-1] != 0:
-            chain.append(parents[chain[-1]])
-        retrieve.append(tuple(reversed(chain)))
-    return TreeBuffers(tuple(ordered), parents, depths, tuple(tuple(c) for c in children), mask, tuple(retrieve))
+    return _buffers(ordered, parents)
+
+
+def graft_chain(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
+    """`tree` with a chain of `length` more nodes below node `attach` (0: the root): nodes n + 1, ..., n + length,
+    each the child of the one before. The chain carries tokens from elsewhere (a copy of earlier text), so it
+    has no paths of ranks; `paths` stays the heads' nodes."""
+    if not 0 <= attach <= tree.num_nodes or length < 1:
+        raise ValueError(f"graft_chain: attach must be a node in [0, {tree.num_nodes}] and length >= 1")
+    n = tree.num_nodes
+    chain = (attach, *range(n + 1, n + length))
+    return _buffers(tree.paths, tree.parents + chain)
+
+
+def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int]:
+    """How far `span` runs down the tree whose node i holds token ids[i] (ids[0]: the root's): from the root,
+    step to the child holding the next token of `span` while there is one. Returns (node reached, tokens
+    matched); the rest of `span` would be new nodes below that node."""
+    node, matched = 0, 0
+    for token in span:
+        child = next((c for c in tree.children[node] if ids[c] == token), None)
+        if child is None:
+            break
+        node, matched = child, matched + 1
+    return node, matched
 
 
 # Named trees. On the 2-core CPU a target forward over 1 + n tokens cost 1.7x a one-token step for the 4-node

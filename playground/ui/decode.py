@@ -19,7 +19,7 @@ from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, 
 from ..decoding.tree import DEFAULT_TREE, TREES
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
-from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
+from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError, TreeEvent
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
@@ -55,8 +55,8 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
                   window: Any, ngram: Any, guesses: Any, tree: str = "small",
                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0) -> Any:
-    """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative copies
-    propose at most num_draft tokens, as prompt lookup does."""
+    """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
+    Medusa copies propose at most num_draft tokens, as prompt lookup does."""
     if algo == "speculative":
         params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive),
                                    copy_ngram=as_int("copy n-gram", copy_ngram),
@@ -73,15 +73,23 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
     if algo == "medusa":
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
-        params = MedusaParams(tree=tree, acceptance=ACCEPTANCE[acceptance])
+        params = MedusaParams(tree=tree, acceptance=ACCEPTANCE[acceptance],
+                              copy_ngram=as_int("copy n-gram", copy_ngram),
+                              copy_tokens=as_int("tokens per proposal", num_draft))
         return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
 
 def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
-    """The copied source of the latest proposal up to a step; none when that proposal was drafted by a model."""
-    drafts = [e for e in events if isinstance(e, DraftEvent) and (upto_step is None or e.step <= upto_step)]
-    return (drafts[-1].source[0], drafts[-1].source[1]) if drafts and drafts[-1].source else None
+    """The copied source of the latest proposal up to a step (a copied chain, or the copy grafted onto a Medusa
+    tree, whose tree event follows its draft event); none when that proposal came from a model alone."""
+    proposals = [e for e in events
+                 if isinstance(e, (DraftEvent, TreeEvent)) and (upto_step is None or e.step <= upto_step)]
+    if not proposals:
+        return None
+    latest = proposals[-1]
+    source = latest.source if isinstance(latest, DraftEvent) else latest.copy_source
+    return (source[0], source[1]) if source else None
 
 
 def _stats(m: Metrics) -> str:
@@ -225,7 +233,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
                     adaptive = gr.Checkbox(False, label="adaptive gamma")
                     copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
-                                           info="copy earlier text after a match instead of drafting")
+                                           info="speculative, Medusa: also propose earlier text after a match")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)

@@ -31,6 +31,7 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "prompt lookup": ("prompt-lookup", "contiguous", {}),
     "lookahead": ("lookahead", "contiguous", {}),
     "Medusa (small tree)": ("medusa", "contiguous", {}),
+    "Medusa + prompt copies": ("medusa", "contiguous", {"copy_ngram": 3}),
     "plain, paged KV": ("ar", "paged", {}),
 }
 ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}

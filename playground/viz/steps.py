@@ -69,28 +69,48 @@ def detail_css() -> str:
             ".pg-tree .pg-meta{color:#6e6e6e;font-size:0.75rem;margin-left:0.3rem;}")
 
 
+def tree_parents(event: TreeEvent) -> list[int]:
+    """Each node's parent (0: the last committed token), node i + 1 at index i: a head's node hangs below the
+    node of its path's prefix; a grafted copy's nodes form a chain below copy_parent."""
+    index = {tuple(path): node for node, path in enumerate(event.paths, start=1)}
+    parents = [index.get(tuple(path[:-1]), 0) for path in event.paths]
+    copied = len(event.tokens) - len(event.paths)
+    if copied > 0:
+        first = len(event.paths) + 1
+        parents += [event.copy_parent or 0, *range(first, first + copied - 1)]
+    return parents
+
+
 def render_tree(event: TreeEvent, token_text: TokenText | None = None) -> str:
     """A Medusa candidate tree as nested lists under the last committed token: each node's token, the head and
-    rank that proposed it, its head probability q and target probability p; the accepted path in the accepted
-    style, every other node as not judged."""
+    rank that proposed it (or the copy it came from), its proposal probability q and target probability p; the
+    accepted path in the accepted style, every other node as not judged."""
     accepted = set(event.accepted)
-    children: dict[tuple[int, ...], list[int]] = {}
-    for node, path in enumerate(event.paths, start=1):
-        children.setdefault(tuple(path[:-1]), []).append(node)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree_parents(event), start=1):
+        children.setdefault(parent, []).append(node)
+    source = event.copy_source[0] if event.copy_source else None
 
-    def branch(prefix: tuple[int, ...]) -> str:
+    def meta(node: int) -> str:
+        if node <= len(event.paths):
+            path = event.paths[node - 1]
+            return f"head {len(path) - 1} #{path[-1] + 1}"
+        return "copy" if source is None else f"copy of position {source + node - len(event.paths) - 1}"
+
+    def branch(parent: int) -> str:
         items = []
-        for node in children.get(prefix, []):
-            path = tuple(event.paths[node - 1])
+        for node in children.get(parent, []):
             state = "accepted" if node in accepted else "discarded"
             items.append(f'<li><span class="pg-tok pg-{state}">{_text(event.tokens[node - 1], token_text)}</span>'
-                         f'<span class="pg-meta">head {len(path) - 1} #{path[-1] + 1} · q {event.probs[node - 1]:.2f}'
-                         f' · p {event.target_probs[node - 1]:.2f}</span>{branch(path)}</li>')
+                         f'<span class="pg-meta">{meta(node)} · q {event.probs[node - 1]:.2f}'
+                         f' · p {event.target_probs[node - 1]:.2f}</span>{branch(node)}</li>')
         return f"<ul>{''.join(items)}</ul>" if items else ""
 
-    return (f"<div>Candidate tree ({len(event.paths)} nodes, {len(accepted)} accepted; q: head probability, "
-            f"p: target probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>"
-            f"{branch(())}</div>")
+    copied = (f"; {len(event.tokens) - len(event.paths)} copied after a {event.copy_ngram}-token match"
+              if len(event.tokens) > len(event.paths) else "")
+    return (f"<div>Candidate tree ({len(event.tokens)} nodes{copied}, {len(accepted)} accepted; q: proposal "
+            f"probability, p: target probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>"
+            f"{branch(0)}</div>")
 
 
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None) -> str:
