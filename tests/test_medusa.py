@@ -146,8 +146,10 @@ def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
             assert generate(decoder, prompt)[0].token_ids == plain_outputs[prompt], prompt
 
 
-@pytest.mark.parametrize("copy_ngram, prompt", [(0, "Explain what a hash table is."),
-                                                 (3, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")])
+@pytest.mark.parametrize("copy_ngram, prompt", [
+    (0, "Explain what a hash table is."),
+    (3, "Repeat exactly: the cat sat on the mat, the dog sat on the log."),
+])
 def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, monkeypatch, copy_ngram,
                                                               prompt) -> None:
     caches = []

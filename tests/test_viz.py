@@ -216,6 +216,7 @@ def test_a_grafted_copy_is_drawn_in_the_tree_and_highlights_its_source():
     detail = render_step_detail([draft, tree], 1, {5: "a", 6: "b", 7: "c", 8: "<d>", 9: "e"}.get)
     assert "Candidate tree (5 nodes; 2 copied after a 3-token match, 2 accepted" in detail
     assert "copy of position 2" in detail and "copy of position 3" in detail and "&lt;d&gt;" in detail
+    assert "by the Medusa heads and a copy of positions 2..3 grafted on (the judged nodes)" in detail
     # the copied chain hangs below node 1 ("a"), beside node 3 ("c"), and its second node below its first
     nested = re.sub(r'<span class="pg-meta">.*?</span>', "", detail.split("pg-tree'>")[1])
     assert re.sub(r"<[^>]*>", "|", nested).replace("|", "") == "last tokenac&lt;d&gt;eb"
@@ -224,7 +225,8 @@ def test_a_grafted_copy_is_drawn_in_the_tree_and_highlights_its_source():
     plain_tree = replace(tree, tokens=tree.tokens[:3], probs=tree.probs[:3], target_probs=tree.target_probs[:3],
                          accepted=[1], copy_parent=None, copy_source=None, copy_ngram=None)
     assert _source_span([draft, tree, replace(draft, step=2), replace(plain_tree, step=2)], 2) is None
-    assert "copied" not in render_step_detail([plain_tree], 1)
+    assert "copied" not in render_step_detail([draft, plain_tree], 1)
+    assert "by the Medusa heads (the judged nodes)" in render_step_detail([draft, plain_tree], 1)
 
 
 def test_step_player_shows_the_last_step_and_rerenders_on_every_move():

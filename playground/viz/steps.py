@@ -125,12 +125,15 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
     draft = next((e for e in mine if isinstance(e, DraftEvent)), None)
     commit = next((e for e in mine if isinstance(e, CommitEvent)), None)
     verdicts = sum(isinstance(e, AcceptEvent) for e in mine), sum(isinstance(e, RejectEvent) for e in mine)
+    tree = next((e for e in mine if isinstance(e, TreeEvent)), None)
     if draft is None:
         parts.append("nothing proposed")
     else:
+        grafted = (f" and a copy of positions {tree.copy_source[0]}..{tree.copy_source[1] - 1} grafted on"
+                   if tree is not None and tree.copy_source else "")
         origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
                   if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards
-                  else " by the Medusa heads (the judged nodes)" if any(isinstance(e, TreeEvent) for e in mine) else "")
+                  else f" by the Medusa heads{grafted} (the judged nodes)" if tree is not None else "")
         parts.append(f"proposed {_ngram((t.id for t in draft.tokens), token_text)}{origin}; "
                      f"{verdicts[0]} accepted, {verdicts[1]} rejected")
     if commit is not None:
@@ -146,7 +149,6 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
                      f"n-gram for the pool):</div><table>{rows}</table>"
                      f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s) for the last token"
                      f"{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
-    tree = next((e for e in mine if isinstance(e, TreeEvent)), None)
     if tree is not None:
         parts.append(render_tree(tree, token_text))
     parts.append("</div>")
