@@ -377,11 +377,22 @@ def _check_tree(event: TreeEvent, path: str) -> None:
         raise TraceError(f"{path}: tokens, probs and target_probs must have one entry per node ({nodes})")
     if nodes < heads:
         raise TraceError(f"{path}.tokens: {nodes} tokens for {heads} paths; every path needs its token")
-    if (event.copy_parent is None) != (nodes == heads) or not 0 <= (event.copy_parent or 0) <= heads:
-        raise TraceError(f"{path}.copy_parent: a node in [0, {heads}] exactly when tokens has more entries than "
-                         f"paths (a grafted copy), got {event.copy_parent!r}")
     if not all(1 <= node <= nodes for node in event.accepted):
         raise TraceError(f"{path}.accepted: nodes must be in [1, {nodes}]")
+    copied = nodes - heads
+    if not copied:
+        if (event.copy_parent, event.copy_source, event.copy_ngram) != (None, None, None):
+            raise TraceError(f"{path}.copy_parent: copy_parent, copy_source and copy_ngram are set only when tokens "
+                             "has more entries than paths (a grafted copy)")
+        return
+    if event.copy_parent is None or not 0 <= event.copy_parent <= heads:
+        raise TraceError(f"{path}.copy_parent: the node in [0, {heads}] the {copied} copied nodes hang below, got "
+                         f"{event.copy_parent!r}")
+    source = event.copy_source
+    if source is None or len(source) != 2 or source[0] < 0 or source[1] - source[0] != copied:
+        raise TraceError(f"{path}.copy_source: [start, end) with end - start = {copied} copied nodes, got {source!r}")
+    if event.copy_ngram is None or event.copy_ngram < 1:
+        raise TraceError(f"{path}.copy_ngram: the matched n-gram length (>= 1), got {event.copy_ngram!r}")
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:

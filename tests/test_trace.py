@@ -94,9 +94,14 @@ def tree_trace(**change) -> str:
     ({"probs": [0.5, 0.2]}, "one entry per node"),
     ({"tokens": [5], "probs": [0.5], "target_probs": [0.4], "accepted": [], "copy_parent": None},
      "1 tokens for 2 paths"),
-    ({"copy_parent": None}, r"events\[0\]\.copy_parent: a node in \[0, 2\]"),
-    ({"copy_parent": 3}, r"copy_parent: a node in \[0, 2\].*got 3"),
     ({"accepted": [4]}, r"events\[0\]\.accepted: nodes must be in \[1, 3\]"),
+    ({"copy_parent": None}, r"events\[0\]\.copy_parent: the node in \[0, 2\] the 1 copied nodes hang below"),
+    ({"copy_parent": 3}, r"copy_parent: the node in \[0, 2\].*got 3"),
+    ({"copy_source": [0, 2]}, r"events\[0\]\.copy_source: \[start, end\) with end - start = 1 copied nodes"),
+    ({"copy_source": None}, r"copy_source: .*got None"),
+    ({"copy_ngram": 0}, r"events\[0\]\.copy_ngram: the matched n-gram length"),
+    ({"tokens": [5, 6], "probs": [0.5, 0.2], "target_probs": [0.4, 0.1], "accepted": [1]},
+     "set only when tokens has more entries than paths"),
 ])
 def test_inconsistent_tree_events_are_rejected(change, message) -> None:
     assert Trace.from_json(tree_trace()).events[0].copy_parent == 1
