@@ -12,7 +12,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,48 @@ def run_ours(decoder: Any, prompt: str) -> tuple[Run, Any, Any]:
     output, trace = generate(decoder, prompt)
     metrics = compute(trace)
     return Run(metrics.tokens, metrics.wall_s, output.token_ids), metrics, trace
+
+
+@dataclass
+class Costs:
+    """What one algorithm's steps cost over the suite, read from its traces: the wall time of every verifying
+    target forward (with its width) and of every draft forward. Priced against plain decoding's forwards in
+    the same run, these are what the runs actually paid, context lengths and all, unlike a forward timed apart."""
+
+    verify: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per verifying forward
+    draft: list[float] = field(default_factory=list)  # seconds per draft forward, one entry per drafting step
+
+    def add(self, trace: Any) -> None:
+        from .trace import DraftEvent, VerifyEvent
+
+        for event in trace.events:
+            if isinstance(event, VerifyEvent) and event.target_forwards == 1:
+                self.verify.append((event.num_tokens, event.wall_s))
+            elif isinstance(event, DraftEvent) and event.draft_forwards:
+                self.draft.append(event.wall_s / event.draft_forwards)
+
+    def ratios(self, plain_forward_s: float) -> dict[str, float]:
+        """Median costs in plain decode forwards: of a verifying forward over more than one token (and its median
+        width), and of one draft forward, where the algorithm had any."""
+        wide = [(tokens, wall) for tokens, wall in self.verify if tokens > 1]
+        out: dict[str, float] = {}
+        if wide:
+            out["verify_cost_ratio"] = statistics.median(wall for _, wall in wide) / plain_forward_s
+            out["verify_tokens"] = statistics.median(tokens for tokens, _ in wide)
+        if self.draft:
+            out["draft_cost_ratio"] = statistics.median(self.draft) / plain_forward_s
+        return out
+
+
+def seconds_per_step(trace: Any) -> float:
+    """Engine seconds per step after the first token (proposing, verifying and bookkeeping; prefill excluded):
+    speedup over plain decoding is about tokens per target forward / (this over plain decoding's)."""
+    from .metrics import compute
+    from .trace import VerifyEvent
+
+    metrics = compute(trace)
+    steps = sum(1 for event in trace.events if isinstance(event, VerifyEvent))
+    return (metrics.wall_s - (metrics.ttft_s or 0.0)) / steps if steps else 0.0
 
 
 def run_hf(hf_model: Any, prompt_ids: list[int], target: Any, generation: GenerationParams, **extra: Any) -> Run:
@@ -200,6 +242,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
         f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
         f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)")
+    if report.get("algos"):
+        lines += ["", "Costs come from the runs themselves, in plain decoding's steps and forwards of this run: step "
+                  "cost is an algorithm's seconds per step after the first token over plain decoding's on the same "
+                  "prompt, so its speedup is about tokens per target forward / step cost; verify cost ratio is the "
+                  "median wall time of its verifying forwards over more than one token (their median width: verify "
+                  "tokens) over a plain decode forward's; draft cost ratio the same for one draft forward."]
     for name, info in report.get("algos", {}).items():
         lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
     return "\n".join(lines) + "\n"
@@ -209,8 +257,9 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
     peer = info.get("peer")
     lines = ["", f"## {name} ({info['setting']})", "",
              "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | "
-             "tokens per target forward | same tokens as plain |" + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
+             "tokens per target forward | step cost (plain steps) | same tokens as plain |"
+             + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
     for i, row in enumerate(rows):
         r = row["algos"][name]
         acceptance = ("-" if r["acceptance_rate"] is None else
@@ -219,8 +268,9 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
         if "predicted_tokens_per_forward" in r:
             forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"
         same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["same_tokens_as_ar"]]
+        cost = "-" if r["step_cost"] is None else f"{r['step_cost']:.2f}"
         line = (f"| {i} | {row['category']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {acceptance} | "
-                f"{forward} | {same} |")
+                f"{forward} | {cost} | {same} |")
         if peer:
             line += (f" {r['peer']['tokens_per_s']:.1f} | {r['ratio_vs_peer']:.2f}x |" if "peer" in r else " - | - |")
         lines.append(line)
@@ -300,8 +350,8 @@ def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list
     """Put next to prompt lookup's measured figures what the best copy per step could reach on plain decoding's
     output (`copy_bound`): per prompt in `rows`, and as grounded-prompt medians in the summary `entry`.
 
-    verify_cost prices a verifying forward in one-token steps: the caller passes the cheapest over 2 to
-    num_draft + 1 tokens, so the bound stays an upper one.
+    verify_cost prices a verifying forward in one-token steps: the caller passes what prompt lookup's own
+    verifying forwards cost in the runs (median), so the bound's speedup is an estimate at this machine's prices.
     """
     from .decoding.prompt_lookup import copy_bound
 
@@ -369,10 +419,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 run_hf(hf_model, warm_ids, target, warm, **contender.peer_kwargs)
 
     rows: list[dict[str, Any]] = []
+    plain_costs, costs = Costs(), {contender.name: Costs() for contender in contenders}
     plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
     for index, (category, prompt) in enumerate(prompts):
         prompt_ids = encode_prompt(target, prompt, generation)
-        ours, _, _ = run_ours(plain, prompt)
+        ours, _, plain_trace = run_ours(plain, prompt)
+        plain_costs.add(plain_trace)
+        plain_step_s = seconds_per_step(plain_trace)
         row: dict[str, Any] = {"category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
                                "ar": run_stats(ours), "algos": {}}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
@@ -390,7 +443,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "same_tokens_as_ar": None if contender.sampled else fast.token_ids == ours.token_ids,
                 "acceptance_rate": metrics.acceptance_rate,
                 "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
-                "target_forwards": metrics.target_forwards}
+                "target_forwards": metrics.target_forwards,
+                "step_cost": seconds_per_step(trace) / plain_step_s if plain_step_s else None}
+            costs[contender.name].add(trace)
             if isinstance(contender.decoder, SpeculativeDecoder):
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
@@ -424,7 +479,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "algos": {},
         "prompts": rows,
     }
-    step = decode_step_seconds(target.model) if contenders else 0.0
+    # one plain decode forward, the unit every cost below is given in
+    plain_forward_s = statistics.median(wall for _, wall in plain_costs.verify) if plain_costs.verify else 0.0
     for contender in contenders:
         name = contender.name
         results = [r["algos"][name] for r in rows]
@@ -437,23 +493,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
         if all("ratio_vs_peer" in r for r in results):
             entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
+        steps = [r["step_cost"] for r in results if r["step_cost"] is not None]
+        if steps:
+            entry["median_step_cost"] = statistics.median(steps)
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)
         summary["algos"][name] = entry
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
-        if name == "speculative":
-            info["draft_cost_ratio"] = decode_step_seconds(draft.model, rows=contender.decoder.proposal) / step
-            # A forward over gamma + 1 tokens is not free (on a CPU, or a launch-bound GPU): it bounds the speedup.
-            info["verify_cost_ratio"] = decode_step_seconds(target.model, width=args.gamma + 1) / step
-        if name == "medusa":
-            width = contender.decoder.tree.num_nodes + 1
-            info["verify_cost_ratio"] = decode_step_seconds(target.model, width=width) / step
-        if name == "prompt-lookup":
-            lookup = contender.decoder.lookup
-            cheapest = min(decode_step_seconds(target.model, width=w) for w in range(2, lookup.num_draft + 2))
-            info["verify_cost_ratio"] = cheapest / step
-            add_copy_bounds(lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
+        if plain_forward_s:
+            info.update(costs[name].ratios(plain_forward_s))
+        if name == "prompt-lookup" and "verify_cost_ratio" in info:
+            add_copy_bounds(contender.decoder.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
 

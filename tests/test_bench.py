@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from playground.__main__ import main
+from playground.bench import Costs
 
 
 def test_bench_writes_report(tmp_path, target) -> None:
@@ -61,12 +64,24 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
         assert lookup["copy_bound"]["tokens_per_forward"] >= lookup["mean_accepted_tokens"] - 1e-9
         assert lookup["copy_bound"]["speedup_vs_ar"] >= 1
     assert report["algos"]["prompt-lookup"]["verify_cost_ratio"] > 0
+    assert 2 <= report["algos"]["prompt-lookup"]["verify_tokens"] <= 9
+    for row in report["prompts"]:
+        assert all(result["step_cost"] > 0 for result in row["algos"].values())
+    assert all(entry["median_step_cost"] > 0 for entry in summary.values())
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     assert "## medusa (tree small (5 nodes)" in text and "typical acceptance (LOSSY)" in text
     assert "## medusa-copy (tree small (5 nodes), heads medusa-smollm2-135m, copies of up to 8 tokens" in text
     assert "n/a (sampled)" in text
-    assert report["algos"]["medusa"]["verify_cost_ratio"] > 0
+    assert report["algos"]["medusa"]["verify_cost_ratio"] > 0 and report["algos"]["medusa"]["verify_tokens"] == 6
+    assert "Costs come from the runs themselves" in text and "step cost (plain steps)" in text
+
+
+def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:
+    costs = Costs(verify=[(1, 0.03), (5, 0.04), (9, 0.05), (9, 0.06)], draft=[0.002, 0.003, 0.004])
+    # one-token forwards (a step that proposed nothing) are left out of the verify cost
+    assert costs.ratios(0.02) == pytest.approx({"verify_cost_ratio": 2.5, "verify_tokens": 9, "draft_cost_ratio": 0.15})
+    assert Costs(verify=[(1, 0.03)]).ratios(0.02) == {}
 
 
 def test_bench_rejects_unknown_algorithms(capsys) -> None:
