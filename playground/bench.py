@@ -219,7 +219,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Benchmark: {report['model']} ({env['device']}, {env['dtype']}, batch 1, greedy, "
         f"{report['max_new_tokens']} new tokens)",
         "",
-        f"torch {env['torch']}, {env['threads']} threads, {env['machine']}.",
+        f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernel: "
+        f"{env['native_kernel']}.",
         "",
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",
         "|---|---|---|---|---|---|---|---|",
@@ -518,9 +519,12 @@ def write_report(args: argparse.Namespace, report: dict[str, Any], text: str) ->
 
 
 def environment(model: Any) -> dict[str, Any]:
+    from .models import native
+
     return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()} {platform.processor() or platform.system()}"}
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+            "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)"}
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:

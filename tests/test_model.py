@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from playground.kv import ContiguousKVCache
-from playground.models import Transformer, UnsupportedModelError
+from playground.models import Transformer, UnsupportedModelError, native
 from playground.models.loader import build_model
 from playground.models.transformer import linear, pack
 from playground.models.vocab import output_rows
 
 TOL = 1e-4
-# The embedded model's packed (oneDNN) matrix products sum in another order than transformers' MKL ones: 30 layers
+# The embedded model's packed (native or oneDNN) matrix products sum in another order than transformers' MKL ones: 30 layers
 # of float32 rounding leave differences of ~4e-6 of the logit scale (1.4e-4 on logits up to 34).
 EMBEDDED_REL_TOL = 1e-5
 
@@ -33,6 +33,19 @@ FAMILIES = {
 }
 
 
+ROUTES = ["split-bmm", "onednn-packed", "native-panels"]
+
+
+def use_route(route: str, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Set up a route of `linear` and say whether to pack: oneDNN's prepacked weights are what `pack` gives
+    without the native kernel; the native kernel's panels need it built (a C compiler with OpenMP)."""
+    if route == "onednn-packed":
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    elif route == "native-panels" and native.kernel() is None:
+        pytest.skip(f"native kernel {native.status()}")
+    return route != "split-bmm"
+
+
 def tiny_pair(name: str) -> tuple[torch.nn.Module, Transformer]:
     kwargs = dict(TINY, **FAMILIES[name])
     model_type = kwargs.pop("model_type")
@@ -44,8 +57,8 @@ def tiny_pair(name: str) -> tuple[torch.nn.Module, Transformer]:
             if "norm" in pname or pname.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
-    native = build_model(config, state, torch.float32, torch.device("cpu"))
-    return reference, native
+    model = build_model(config, state, torch.float32, torch.device("cpu"))
+    return reference, model
 
 
 def new_cache(model: Transformer, capacity: int = 128, rows: int = 1) -> ContiguousKVCache:
@@ -62,32 +75,36 @@ def prefill_then_decode(model: Transformer, ids: torch.Tensor, split: int) -> to
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["split-bmm", "onednn-packed"])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.inference_mode()
-def test_tiny_families_match_transformers(family: str, packed: bool) -> None:
-    reference, native = tiny_pair(family)
+def test_tiny_families_match_transformers(family: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = use_route(route, monkeypatch)
+    reference, model = tiny_pair(family)
     if packed:
-        native.pack_linears()
-        assert native.packed_output is not None and native.layers[0].mlp.down_proj.packed is not None
+        model.pack_linears()
+        kind = native.Panels if route == "native-panels" else torch.Tensor
+        assert isinstance(model.packed_output, kind) and isinstance(model.layers[0].mlp.down_proj.packed, kind)
     torch.manual_seed(1)
     ids = torch.randint(0, TINY["vocab_size"], (2, 40))
     expected = reference(ids).logits
-    logits, hidden = native(ids, torch.arange(40).expand(2, 40), new_cache(native, rows=2), (0, 1))
+    logits, hidden = model(ids, torch.arange(40).expand(2, 40), new_cache(model, rows=2), (0, 1))
     assert hidden.shape == (2, 40, TINY["hidden_size"])
     assert (logits - expected).abs().max().item() <= TOL
-    incremental = prefill_then_decode(native, ids[:1], split=7)
+    incremental = prefill_then_decode(model, ids[:1], split=7)
     assert (incremental - expected[:1]).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
-@pytest.mark.parametrize("packed", [False, True], ids=["split-bmm", "onednn-packed"])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("out_features", [96, 95], ids=["splittable", "odd"])
 @torch.inference_mode()
-def test_linear_matches_f_linear(rows: int, packed: bool, out_features: int) -> None:
-    """Every route of `linear` (split bmm for few rows, F.linear for many, the packed weight from 3 rows, or from 2
-    when an odd output size cannot be split between the threads) computes x W^T + b, also for inputs whose rows are
-    not contiguous (a transposed view, as attention outputs are)."""
+def test_linear_matches_f_linear(rows: int, route: str, out_features: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every route of `linear` (split bmm for few rows, F.linear for many, oneDNN's packed weight from 3 rows, or
+    from 2 when an odd output size cannot be split between the threads, the native kernel's panels, padded when
+    the output size is not a multiple of their width) computes x W^T + b, also for inputs whose rows are not
+    contiguous (a transposed view, as attention outputs are)."""
+    packed = use_route(route, monkeypatch)
     torch.manual_seed(0)
     weight, bias = torch.randn(out_features, 48), torch.randn(out_features)
     x = torch.randn(48, rows).t()  # (rows, 48), non-contiguous
@@ -141,20 +158,20 @@ def test_output_rows_score_their_ids_and_nothing_else(target) -> None:
 @torch.inference_mode()
 def test_tree_mask_equals_separate_chains() -> None:
     """Two branches verified in one forward with a tree mask give each branch's own chain logits."""
-    _, native = tiny_pair("llama-tied")
+    _, model = tiny_pair("llama-tied")
     prefix = torch.tensor([[5, 17, 42, 7]])
     branch_a, branch_b = [11, 12], [21, 22]
     chain_logits = []
     for branch in (branch_a, branch_b):
         ids = torch.cat([prefix, torch.tensor([branch])], dim=1)
-        chain_logits.append(native(ids, torch.arange(6)[None], new_cache(native), (0,))[0][0, 4:])
-    cache = new_cache(native)
-    native(prefix, torch.arange(4)[None], cache, (0,))
+        chain_logits.append(model(ids, torch.arange(6)[None], new_cache(model), (0,))[0][0, 4:])
+    cache = new_cache(model)
+    model(prefix, torch.arange(4)[None], cache, (0,))
     # Nodes: a1, a2 (child of a1), b1, b2 (child of b1); each sees the prefix, its ancestors and itself.
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
     tree_ids = torch.tensor([branch_a + branch_b])
     positions = torch.tensor([[4, 5, 4, 5]])
-    logits, _ = native(tree_ids, positions, cache, (0,), attn_mask=mask)
+    logits, _ = model(tree_ids, positions, cache, (0,), attn_mask=mask)
     assert (logits[0, :2] - chain_logits[0]).abs().max().item() <= TOL
     assert (logits[0, 2:] - chain_logits[1]).abs().max().item() <= TOL
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv import AttentionLayout, KVCache
+from . import native
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose frequencies do not depend on the sequence length; transformers computes them for us.
@@ -103,33 +104,43 @@ PACKED_MIN_ROWS = 3
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold this weight prepacked: float32 on a CPU whose PyTorch build has oneDNN's linear."""
-    return (weight.is_cpu and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether `pack` can prepack this weight: float32 on a CPU with the native kernel (see `native`) or a
+    PyTorch build with oneDNN's linear."""
+    return (weight.is_cpu and weight.dtype == torch.float32
+            and (native.kernel() is not None or (torch.backends.mkldnn.is_available()
+                                                  and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-packed copy of a (out, in) float32 CPU weight for `linear(..., packed=)`; opaque to other ops.
+def pack(weight: torch.Tensor) -> native.Panels | torch.Tensor:
+    """A prepacked copy of a (out, in) float32 CPU weight for `linear(..., packed=)`: panels for the native kernel
+    where it is built (every row count then runs there: on the 2-core AVX-512 EPYC it matched the row-blocked bmm
+    below on one row and beat oneDNN by 20-35% on 2-16 rows (the body's products over 9 rows 13-15 ms against
+    19-21, the output projection 3.5-4.0 ms against 4.6-5.5); a 300-row prefill product ran 10% faster than
+    F.linear and 10% slower than oneDNN), else for oneDNN.
 
-    Measured on a 2-core AVX2 CPU with SmolLM2-135M's shapes: against MKL (F.linear or the split bmm below), the
-    packed weight makes 2-16 rows 1.3-2x faster (a verify forward, a batch of decode rows; the output projection
-    over 16 rows 2x) and prefills ~10% faster, but one row ~20% slower. On a 2-core AVX-512 EPYC the split bmm
-    also wins at 2 rows, on every SmolLM2-135M shape (e.g. gate/up 0.26 ms against 0.40 packed, the output
-    projection 3.9 against 5.3 ms; a 2-token forward 30 ms against 39), so up to `PACKED_MIN_ROWS` - 1 rows keep
-    the split bmm. The packing layout is tuned for 16 rows and serves every row count.
+    oneDNN, measured on a 2-core AVX2 CPU with SmolLM2-135M's shapes: against MKL (F.linear or the split bmm
+    below), the packed weight makes 2-16 rows 1.3-2x faster and prefills ~10% faster, but one row ~20% slower. On
+    the AVX-512 EPYC the split bmm also wins at 2 rows, so up to `PACKED_MIN_ROWS` - 1 rows keep the split bmm.
+    The oneDNN layout is tuned for 16 rows and serves every row count; it is opaque to other ops.
     """
+    kernel = native.kernel()
+    if kernel is not None:
+        return native.pack_panels(weight, kernel)
     return torch.ops.mkldnn._reorder_linear_weight(weight, 16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T (+ bias): through the packed copy of the weight, when there is one, for
-    `PACKED_MIN_ROWS` rows or more (see `pack`), else fast for the few rows of a decode or verify step on the CPU.
+           packed: native.Panels | torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in)^T (+ bias): through the packed copy of the weight when there is one (the
+    native kernel's panels for any row count; oneDNN's for `PACKED_MIN_ROWS` rows or more, see `pack`), else fast
+    for the few rows of a decode or verify step on the CPU.
 
     Measured on a 2-core CPU, for 1-32 rows MKL runs F.linear as a single-threaded GEMV (or a poorly parallel
     GEMM) at ~14 GB/s; splitting the weight into one block of rows per thread and calling bmm streams the weight
-    at ~29 GB/s. Large row counts (prefill) and GPUs keep F.linear.
+    at ~29 GB/s. Large row counts (prefill) and GPUs keep F.linear. Inputs that need gradients keep F.linear.
     """
+    if isinstance(packed, native.Panels) and not x.requires_grad:
+        return native.panel_linear(x, packed, bias)
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     splits = torch.get_num_threads()
@@ -160,7 +171,7 @@ class Linear(nn.Linear):
     after the weights are on their device.
     """
 
-    packed: torch.Tensor | None = None
+    packed: native.Panels | torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -256,7 +267,7 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
         self.rope_scale = rope_scale
-        self.packed_output: torch.Tensor | None = None  # the output projection's packed weight, see pack_linears
+        self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -283,7 +294,7 @@ class Transformer(nn.Module):
         return linear(hidden, self.output_weight, packed=self.packed_output).float()  # (..., V)
 
     def pack_linears(self) -> None:
-        """Prepack every float32 CPU weight of a matrix product for oneDNN (see `pack`); the model must stay on
+        """Prepack every float32 CPU weight of a matrix product (see `pack`); the model must stay on
         its device and keep its weights afterwards. Costs a second copy of those weights in memory."""
         for module in self.modules():
             if isinstance(module, Linear) and can_pack(module.weight):

@@ -8,7 +8,7 @@ import gradio as gr
 
 from ..config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
 from ..decoding.speculative import check_compatible
-from ..models import LoadedModel, ModelLoadError, load_model
+from ..models import LoadedModel, ModelLoadError, load_model, native
 from ..models.loader import default_draft
 from ..models.vocab import proposal_rows
 
@@ -69,6 +69,8 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
             lines.append(f"Draft: {describe(draft)}{vocab}; tokenizer matches the target's")
         else:
             lines.append("No draft: speculative decoding needs one with the target's tokenizer.")
+        if target.model.device.type == "cpu":
+            lines.append(f"Float32 matrix products on the CPU: native kernel {native.status()}.")
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     return "\n\n".join(lines)

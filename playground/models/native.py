@@ -1,0 +1,158 @@
+"""The native CPU matrix product (`gemm.c`): built once per machine with the system C compiler, loaded with ctypes.
+
+On the 2-core AVX-512 CPU this project measures on, a forward over 9 new tokens of SmolLM2-135M cost about 1.5
+one-token steps through PyTorch's kernels (oneDNN for several rows, a row-blocked bmm for one) and about 1.2
+through this kernel, whose products over 1-12 rows all take about the time of reading the weights once. Every
+fast decoding algorithm verifies several tokens per step, so this is their main cost on a CPU.
+
+The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
+model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
+($PLAYGROUND_CACHE or ~/.cache/decoding-playground)/native, keyed by the source, the compiler and this CPU's
+model and flags: it is built with -march=native, so a library built on another CPU is never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemm.c")
+SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    library: ctypes.CDLL
+    panel_width: int  # output rows per packed panel
+    path: Path
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A (out, in) float32 CPU weight packed for `Kernel`: (ceil(out / W), in, W), panel p holding output rows
+    [p * W, (p + 1) * W) transposed, zero past `out`."""
+
+    data: torch.Tensor
+    out: int
+    kernel: Kernel
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+
+def cpu_signature() -> str:
+    """What a -march=native build depends on: the machine, and the CPU's model name and feature flags."""
+    lines = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith(("model name", "flags", "Features", "CPU part")):
+                lines.append(line)
+                if len(lines) >= 2:
+                    break
+    except OSError:
+        pass
+    return "\n".join([platform.machine(), platform.processor(), *lines])
+
+
+def build(cache_dir: Path, compiler: str) -> Path:
+    """Compile `gemm.c` into cache_dir (once per source, compiler and CPU); raises OSError or CalledProcessError."""
+    found = shutil.which(compiler)
+    if found is None:
+        raise OSError(f"no C compiler {compiler!r} on PATH")
+    key = hashlib.sha256("\n".join([SOURCE.read_text(encoding="utf-8"), found, *FLAGS, cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    target = cache_dir / f"gemm-{key}.so"
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: another process building the same library never sees half a file.
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run([found, *FLAGS, str(SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(partial, target)
+    return target
+
+
+def load(path: Path) -> Kernel:
+    library = ctypes.CDLL(str(path))
+    library.playground_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_int]
+    library.playground_gemm.restype = None
+    library.playground_panel_width.restype = ctypes.c_int
+    return Kernel(library, int(library.playground_panel_width()), path)
+
+
+def default_cache_dir() -> Path:
+    from .loader import CACHE_ENV
+
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground"
+    return Path(root) / "native"
+
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "kernel": Kernel | None, "status": str, once tried
+
+
+def kernel() -> Kernel | None:
+    """The kernel for this process, built or loaded on the first call; None where it is off or unavailable."""
+    with _LOCK:
+        if "status" not in _STATE:
+            _STATE["kernel"], _STATE["status"] = _try_kernel()
+        return _STATE["kernel"]  # type: ignore[return-value]
+
+
+def status() -> str:
+    """One line for reports: whether the native kernel is in use, and why not."""
+    kernel()
+    return str(_STATE["status"])
+
+
+def _try_kernel() -> tuple[Kernel | None, str]:
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return None, f"off ({SWITCH_ENV}=0): PyTorch's kernels"
+    try:
+        loaded = load(build(default_cache_dir(), os.environ.get("CC", "cc")))
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or "").strip().splitlines()
+        return None, f"unavailable (the C build failed: {detail[-1] if detail else exc}): PyTorch's kernels"
+    except (OSError, subprocess.TimeoutExpired, AttributeError) as exc:
+        return None, f"unavailable ({exc}): PyTorch's kernels"
+    return loaded, f"on ({loaded.panel_width}-row panels, {loaded.path.name})"
+
+
+def pack_panels(weight: torch.Tensor, kernel: Kernel) -> Panels:
+    """`weight` (out, in) float32 on the CPU, packed for `kernel` (a copy: the weight itself is unchanged)."""
+    out, in_features = weight.shape
+    width = kernel.panel_width
+    padded = -(-out // width) * width
+    source = weight.detach()
+    if padded != out:
+        source = torch.cat((source, source.new_zeros(padded - out, in_features)))  # (padded, in)
+    data = source.reshape(padded // width, width, in_features).transpose(1, 2).contiguous()  # (P, in, W)
+    return Panels(data, out, kernel)
+
+
+def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) float32 on the CPU @ the packed weight^T (+ bias): (..., out)."""
+    in_features = panels.in_features
+    rows = x.numel() // in_features
+    flat = x.reshape(rows, in_features).contiguous()  # (N, in): the kernel reads whole rows
+    y = torch.empty(rows, panels.out, dtype=torch.float32)  # (N, out)
+    if rows:
+        panels.kernel.library.playground_gemm(flat.data_ptr(), rows, in_features, panels.data.data_ptr(),
+                                              panels.out, y.data_ptr(), torch.get_num_threads())
+    y = y.reshape(*x.shape[:-1], panels.out)
+    return y if bias is None else y + bias
