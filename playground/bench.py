@@ -129,13 +129,12 @@ class Costs:
         return out
 
 
-def seconds_per_step(trace: Any) -> float:
-    """Engine seconds per step after the first token (proposing, verifying and bookkeeping; prefill excluded):
-    speedup over plain decoding is about tokens per target forward / (this over plain decoding's)."""
-    from .metrics import compute
+def seconds_per_step(trace: Any, metrics: Any) -> float:
+    """Engine seconds per step after the first token (proposing, verifying and bookkeeping; prefill excluded) of a
+    run and its metrics: speedup over plain decoding is about tokens per target forward / (this over plain
+    decoding's)."""
     from .trace import VerifyEvent
 
-    metrics = compute(trace)
     steps = sum(1 for event in trace.events if isinstance(event, VerifyEvent))
     return (metrics.wall_s - (metrics.ttft_s or 0.0)) / steps if steps else 0.0
 
@@ -424,9 +423,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
     for index, (category, prompt) in enumerate(prompts):
         prompt_ids = encode_prompt(target, prompt, generation)
-        ours, _, plain_trace = run_ours(plain, prompt)
+        ours, plain_metrics, plain_trace = run_ours(plain, prompt)
         plain_costs.add(plain_trace)
-        plain_step_s = seconds_per_step(plain_trace)
+        plain_step_s = seconds_per_step(plain_trace, plain_metrics)
         row: dict[str, Any] = {"category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
                                "ar": run_stats(ours), "algos": {}}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
@@ -445,7 +444,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "acceptance_rate": metrics.acceptance_rate,
                 "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
                 "target_forwards": metrics.target_forwards,
-                "step_cost": seconds_per_step(trace) / plain_step_s if plain_step_s else None}
+                "step_cost": seconds_per_step(trace, metrics) / plain_step_s if plain_step_s else None}
             costs[contender.name].add(trace)
             if isinstance(contender.decoder, SpeculativeDecoder):
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
