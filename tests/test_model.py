@@ -14,8 +14,8 @@ from playground.models.transformer import linear, pack
 from playground.models.vocab import output_rows
 
 TOL = 1e-4
-# The embedded model's packed (native or oneDNN) matrix products sum in another order than transformers' MKL ones: 30 layers
-# of float32 rounding leave differences of ~4e-6 of the logit scale (1.4e-4 on logits up to 34).
+# The embedded model's packed (native or oneDNN) matrix products sum in another order than transformers' MKL
+# ones: 30 layers of float32 rounding leave differences of ~4e-6 of the logit scale (1.4e-4 on logits up to 34).
 EMBEDDED_REL_TOL = 1e-5
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
