@@ -51,6 +51,16 @@ def test_non_contiguous_input(kernel: native.Kernel) -> None:
                                atol=1e-4, rtol=1e-4)
 
 
+def test_inputs_needing_gradients_go_through_pytorch(kernel: native.Kernel) -> None:
+    from playground.models.transformer import linear
+
+    weight = torch.randn(64, 48)
+    x = torch.randn(5, 48, requires_grad=True)
+    y = linear(x, weight, packed=native.pack_panels(weight, kernel))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(5, 48))
+
+
 def test_build_is_cached_per_source_and_cpu(kernel: native.Kernel, tmp_path) -> None:
     first = native.build(tmp_path, "cc")
     stamp = first.stat().st_mtime_ns

@@ -137,10 +137,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Measured on a 2-core CPU, for 1-32 rows MKL runs F.linear as a single-threaded GEMV (or a poorly parallel
     GEMM) at ~14 GB/s; splitting the weight into one block of rows per thread and calling bmm streams the weight
-    at ~29 GB/s. Large row counts (prefill) and GPUs keep F.linear. Inputs that need gradients keep F.linear.
+    at ~29 GB/s. Large row counts (prefill) and GPUs keep F.linear. Inputs that need gradients bypass the
+    native kernel.
     """
-    if isinstance(packed, native.Panels) and not x.requires_grad:
-        return native.panel_linear(x, packed, bias)
+    if isinstance(packed, native.Panels):
+        if not x.requires_grad:
+            return native.panel_linear(x, packed, bias)
+        packed = None  # the native kernel has no backward: gradients go through PyTorch's products
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     splits = torch.get_num_threads()
