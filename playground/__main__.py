@@ -105,7 +105,7 @@ def algo_params(args: argparse.Namespace) -> Any:
                                   verify_overhead=args.verify_overhead)
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
-                               prompt_pool=not args.no_prompt_pool)
+                               prompt_pool=not args.no_prompt_pool, output_pool=not args.no_output_pool)
     if args.algo == "medusa":
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="n-grams kept per first token and verified per step G, 1..16 "
                             f"(default {LOOKAHEAD.guesses})")
     ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
+    ahead.add_argument("--no-output-pool", action="store_true",
+                       help="do not add the committed text's n-grams to the pool (only the window's)")
     tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
     tree.add_argument("--medusa-heads", default=None,
                       help="folder of heads trained by `python -m playground.train medusa` (default: the heads "

@@ -6,7 +6,10 @@ Each step is one target forward over three branches, kept apart by the attention
   position P + 1 + i + l and sees x, row 0 up to column i and rows 1..l of column i: a consecutive text. The
   target's argmax after the last row gives a new row; each column read top to bottom plus its new token is an
   n-gram for the pool, and the window slides up one row;
-- the verification branch: up to G n-grams from the pool that start with x, each seeing x and itself.
+- the verification branch: up to G n-grams from the pool that start with x, each seeing x and itself. Besides
+  the window's n-grams, the pool holds the prompt's (`prompt_pool`) and those of the text committed so far
+  (`output_pool`): an answer repeats its own phrases and its prompt's more often than a small model's Jacobi
+  window guesses them.
 Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
 the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
 of that candidate, moved into place; the window and the other candidates are dropped.
@@ -43,6 +46,12 @@ class NGramPool:
         entries.move_to_end(ngram[1:])
         if len(entries) > self.guesses:
             entries.popitem(last=False)
+
+    def add_text(self, text: list[int], n: int, start: int = 0) -> None:
+        """Insert every n-gram of `text` that ends past index `start` (the n-grams a text gained when it grew from
+        `start` tokens), in text order, so the latest occurrence is the most recently used."""
+        for end in range(max(start + 1, n), len(text) + 1):
+            self.add(tuple(text[end - n : end]))
 
     def candidates(self, first: int) -> list[tuple[int, ...]]:
         """Continuations of `first`, most recently used first."""
@@ -121,8 +130,8 @@ class LookaheadDecoder(Decoder):
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         pool = NGramPool(la.guesses)
         if la.prompt_pool:
-            for start in range(len(prompt_ids) - la.ngram + 1):
-                pool.add(tuple(prompt_ids[start : start + la.ngram]))
+            pool.add_text(prompt_ids, la.ngram)
+        text = list(prompt_ids)  # prompt + committed tokens, for the output pool
         # The window starts as prompt tokens drawn with a fixed seed: any guess is correct, good ones are faster.
         chooser = random.Random(0 if self.sampling.seed is None else self.sampling.seed)
         window = [[chooser.choice(prompt_ids) for _ in range(la.window)] for _ in range(la.ngram - 1)]
@@ -163,6 +172,10 @@ class LookaheadDecoder(Decoder):
             # commit: token index i of this forward sits in slot base + i; x and the accepted tokens move to
             # slots base, base + 1, ..., everything else is dropped
             cache.keep(0, base, [layout.x_index] + accepted)
+            if la.output_pool:  # the answer's own phrases are likely to come back
+                grown = len(text)
+                text += [last] + [layout.tokens[i] for i in accepted]
+                pool.add_text(text, la.ngram, grown)
             last = outcome.token
             yield from clock.emit(*outcome.events, commit_event(step, step_start, clock.now(), draft_s, verify_s,
                                                                 outcome.kept, cache.memory().bytes_used))
