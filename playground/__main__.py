@@ -20,6 +20,7 @@ from .trace import TraceError
 
 USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
+LOOKUP = PromptLookupParams()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -101,7 +102,7 @@ def algo_params(args: argparse.Namespace) -> Any:
         return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
                                  copy_tokens=args.copy_tokens)
     if args.algo == "prompt-lookup":
-        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft,
+        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
                                   verify_overhead=args.verify_overhead)
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
     lookup.add_argument("--num-draft", type=int, default=8,
                         help="most tokens copied after a match, 1..16 (default 8)")
+    lookup.add_argument("--branches", type=int, default=LOOKUP.branches,
+                        help="distinct copies (of different earlier occurrences) verified together in one forward "
+                             f"under greedy decoding, 1..8 (default {LOOKUP.branches})")
     lookup.add_argument("--verify-overhead", type=float, default=0.4,
                         help="extra cost of a verification forward over a one-token step, 0..4: a match is "
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "

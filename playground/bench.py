@@ -319,8 +319,8 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         lookup = PromptLookupParams()
         contenders.append(Contender(
             "prompt-lookup", PromptLookupDecoder(target, sampling, generation, lookup),
-            f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per proposal, verify overhead "
-            f"{lookup.verify_overhead:g}", "prompt lookup",
+            f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per proposal, "
+            f"{lookup.branches} per step, verify overhead {lookup.verify_overhead:g}", "prompt lookup",
             {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
     if "lookahead" in args.algos:
         ahead = LookaheadParams()

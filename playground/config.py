@@ -16,6 +16,7 @@ KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
 MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
+MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 
 
 class ConfigError(ValueError):
@@ -141,18 +142,22 @@ class SpeculativeParams:
 @dataclass(frozen=True, slots=True)
 class PromptLookupParams:
     """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
-    shorter ones, down to 1); num_draft: the most tokens proposed after a match; verify_overhead: the extra
+    shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: under greedy
+    acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree,
+    the longest match winning; verify_overhead: the extra
     cost of a verification forward over a one-token step, as a fraction of that step (a match is proposed only
     when its expected accepted tokens pay for it; 0 proposes every match). The default is measured: a forward
     over 5 tokens cost 1.3-1.5x a one-token step on a 2-core CPU and 1.5x on an H100 at batch 1."""
 
     max_ngram: int = 3
     num_draft: int = 8
+    branches: int = 1
     verify_overhead: float = 0.4
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
         check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
+        check_int("branches", self.branches, 1, MAX_BRANCHES)
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")

@@ -6,7 +6,9 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
-from playground.decoding.prompt_lookup import ProposalGate, best_copy, copy_bound, find_continuation
+from playground.decoding.prompt_lookup import (ProposalGate, best_copy, copy_bound, find_continuation,
+                                               find_continuations, merge_proposals)
+from playground.decoding.tree import tree_from_parents
 from playground.metrics import compute
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
@@ -31,6 +33,29 @@ def test_lookup_limits() -> None:
     found = find_continuation([1, 2, 0, 6, 6, 1], max_ngram=2, num_draft=5, eos_ids=frozenset({0}))
     assert found.tokens == [2, 0]
     assert find_continuation([4, 4], max_ngram=2, num_draft=5).tokens == [4]
+
+
+def test_several_distinct_copies_best_first() -> None:
+    #           0  1  2  3  4  5  6
+    sequence = [1, 2, 8, 1, 2, 9, 1]
+    found = find_continuations(sequence, max_ngram=2, num_draft=3, limit=3)  # only two occurrences of [1]
+    assert [(f.tokens, f.start, f.ngram) for f in found] == [([2, 9, 1], 4, 1), ([2, 8, 1], 1, 1)]
+    assert find_continuations(sequence, max_ngram=2, num_draft=3) == found[:1]  # one by default
+    # [2, 1] occurred once before (copy [2, 1]); [1] twice, and its latest copy repeats the first: skipped
+    found = find_continuations([1, 2, 1, 2, 1], max_ngram=2, num_draft=3, limit=2)
+    assert [(f.tokens, f.start, f.ngram) for f in found] == [([2, 1], 3, 2), ([2, 1, 2], 1, 1)]
+    assert find_continuations([1, 2, 3], max_ngram=2, num_draft=3, limit=2) == []
+
+
+def test_copies_merge_into_a_tree_sharing_prefixes() -> None:
+    tokens, parents, paths = merge_proposals([[5, 6, 7], [5, 8], [9]])
+    assert tokens == [5, 6, 7, 8, 9] and parents == [-1, 0, 1, 2, 1, 0]
+    assert paths == [[1, 2, 3], [1, 4], [5]]
+    tree = tree_from_parents(parents)
+    assert tree.depths == (0, 1, 2, 3, 2, 1)
+    sees = {i: [j for j in range(6) if tree.mask[i, j]] for i in range(6)}
+    assert sees == {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 4], 5: [0, 5]}
+    assert merge_proposals([]) == ([], [-1], [])
 
 
 def test_best_copy_looks_at_every_occurrence() -> None:
@@ -94,11 +119,12 @@ def test_gate_skips_matches_on_free_text(target) -> None:
 
 SETTINGS = [PromptLookupParams(), PromptLookupParams(max_ngram=1, num_draft=2),
             PromptLookupParams(max_ngram=5, num_draft=16, verify_overhead=0.0),
-            PromptLookupParams(max_ngram=2, num_draft=4, verify_overhead=1.0)]
+            PromptLookupParams(max_ngram=2, num_draft=4, verify_overhead=1.0),
+            PromptLookupParams(num_draft=5, branches=2), PromptLookupParams(branches=4, verify_overhead=0.0)]
 
 
-@pytest.mark.parametrize("params", SETTINGS,
-                         ids=lambda p: f"n{p.max_ngram}-k{p.num_draft}-overhead{p.verify_overhead}")
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"n{p.max_ngram}-k{p.num_draft}-b{p.branches}"
+                                                            f"-overhead{p.verify_overhead}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
     decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
@@ -119,6 +145,29 @@ def test_trace_points_at_the_copied_span(target) -> None:
         assert sequence[here - event.ngram : here] == sequence[start - event.ngram : start]
     metrics = compute(trace)
     assert metrics.mean_accepted_tokens > 1.5  # copying a repeated sentence is what prompt lookup is for
+
+
+def test_branches_verify_several_copies_and_keep_the_longest(target) -> None:
+    """Two continuations of "the cat" in the prompt: with two branches one forward verifies both copies, the
+    trace shows the one kept, and the tokens are those of one branch."""
+    prompt = ("Repeat exactly: the cat sat on the mat. the cat ran to the door. the cat sat on the mat. "
+              "the cat ran to the door.")
+    generation = GenerationParams(max_new_tokens=32)
+    runs = {}
+    for branches in (1, 2):
+        params = PromptLookupParams(branches=branches, verify_overhead=0.0)
+        runs[branches] = generate(PromptLookupDecoder(target, SamplingParams(), generation, params), prompt)
+    output, trace = runs[2]
+    assert output.token_ids == runs[1][0].token_ids
+    sequence = trace.prompt_ids + list(output.token_ids)
+    width = {e.step: e.num_tokens for e in trace.events if e.KIND == "verify"}
+    drafts = [e for e in trace.events if e.KIND == "draft"]
+    assert any(width[e.step] > len(e.tokens) + 1 for e in drafts)  # a step verified more than the copy shown
+    for event in drafts:
+        start, end = event.source
+        assert [t.id for t in event.tokens] == sequence[start:end]
+    forwards = {b: sum(e.KIND == "verify" for e in run[1].events) for b, run in runs.items()}
+    assert forwards[2] < forwards[1]
 
 
 def test_sampling_matches_the_target_distribution(target) -> None:
@@ -143,6 +192,7 @@ def test_same_seed_same_output(target) -> None:
 
 @pytest.mark.parametrize("field, value, message", [("max_ngram", 0, r"max_ngram must be an integer in \[1, 8\]"),
                                                    ("num_draft", 17, r"num_draft must be an integer in \[1, 16\]"),
+                                                   ("branches", 0, r"branches must be an integer in \[1, 8\]"),
                                                    ("verify_overhead", -0.1, r"verify_overhead must be in \[0, 4\]"),
                                                    ("verify_overhead", float("nan"), "verify_overhead must be a")])
 def test_parameter_ranges(field, value, message) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +85,19 @@ def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int], num
         return logits[0]
     _, hidden = model(ids, positions, cache, (0,), num_logits=0)  # hidden: (1, T, E)
     return rows.full_logits(hidden[0, -num_logits:], model.config.vocab_size)  # (n, V)
+
+
+@torch.inference_mode()
+def forward_tree(model: Transformer, cache: KVCache, token_ids: list[int], depths: Sequence[int],
+                 mask: torch.Tensor, num_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append tokens to sequence 0 of the cache in one forward where they are not one text: token i sits at
+    position (cache length + depths[i]) and sees the prefix and the new tokens marked in mask[i] (T, T).
+    Returns logits (n, V) of the last num_logits tokens (all by default) and hidden states (T, E)."""
+    start = cache.length(0)
+    ids = torch.tensor([token_ids], device=model.device)  # (1, T)
+    positions = (torch.tensor(list(depths), device=model.device) + start).unsqueeze(0)  # (1, T)
+    logits, hidden = model(ids, positions, cache, (0,), attn_mask=mask.to(model.device), num_logits=num_logits)
+    return logits[0], hidden[0]
 
 
 def commit_event(step: int, step_start: float, end: float, draft_s: float, verify_s: float, num_tokens: int,

@@ -34,6 +34,13 @@ def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
     return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
 
 
+def longest_match(chains: list[torch.Tensor], candidates: list[list[int]]) -> int:
+    """Index of the candidate chain the target's argmaxes keep longest, the earliest on ties (greedy).
+    chains[i] (K_i + 1, V): the target's logits at the root and after each token of candidates[i]."""
+    matches = [verify_greedy(chain, list(candidate)).num_accepted for chain, candidate in zip(chains, candidates)]
+    return matches.index(max(matches))
+
+
 def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits: torch.Tensor,
                  proposals: list[int], q: torch.Tensor | None, q_shown: list[float] | None,
                  generator: torch.Generator, stopper: Stopper) -> ChainOutcome:

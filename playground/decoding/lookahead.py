@@ -26,10 +26,9 @@ import torch
 
 from ..config import GenerationParams, LookaheadParams, SamplingParams
 from ..models import LoadedModel
-from ..sampling import verify_greedy
 from ..trace import DraftEvent, LookaheadEvent, VerifyEvent
-from .base import Decoder, EventStream, Stopper, commit_event, new_cache
-from .chain import ChainOutcome, accept_chain, one_hot
+from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new_cache
+from .chain import ChainOutcome, accept_chain, longest_match, one_hot
 
 
 class NGramPool:
@@ -120,7 +119,7 @@ class LookaheadDecoder(Decoder):
     def params(self) -> dict[str, Any]:
         la = self.lookahead
         return {**super().params(), "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
-                "prompt_pool": la.prompt_pool}
+                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
@@ -153,7 +152,8 @@ class LookaheadDecoder(Decoder):
                                                  pool_size=len(pool), candidates=[list(c) for c in candidates]))
 
             verify_start = clock.now()
-            logits = self.forward(cache, layout, base)  # (num_logits, V)
+            # one forward over every branch: logits (num_logits, V) of the last num_logits tokens
+            logits, _ = forward_tree(target, cache, layout.tokens, layout.positions, layout.mask, layout.num_logits)
             verify_end = clock.now()
             yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(layout.tokens),
                                               wall_s=verify_end - verify_start, target_forwards=1))
@@ -183,16 +183,6 @@ class LookaheadDecoder(Decoder):
         yield from clock.emit(event)
         return output
 
-    @torch.inference_mode()
-    def forward(self, cache: Any, layout: StepLayout, base: int) -> torch.Tensor:
-        """One target forward over every branch; logits (num_logits, V) of the last num_logits tokens."""
-        model = self.target.model
-        ids = torch.tensor([layout.tokens], device=model.device)  # (1, T)
-        positions = (torch.tensor(layout.positions, device=model.device) + base).unsqueeze(0)  # (1, T)
-        logits, _ = model(ids, positions, cache, (0,), attn_mask=layout.mask.to(model.device),
-                          num_logits=layout.num_logits)
-        return logits[0]
-
     def accept(self, step: int, t: float, draft_s: float, base: int, logits: torch.Tensor, first: int,
                layout: StepLayout, candidates: list[tuple[int, ...]], generator: torch.Generator,
                stopper: Stopper) -> tuple[int | None, ChainOutcome]:
@@ -204,10 +194,8 @@ class LookaheadDecoder(Decoder):
             return None, accept_chain(self, step, t, base, logits[x_row : x_row + 1], [], None, None, generator,
                                       stopper)
         chains = [logits[[x_row] + [i - first for i in row]] for row in layout.candidate_rows]  # each (K+1, V)
-        chosen = 0  # under sampling the one candidate verified; under greedy the longest match, earliest on ties
-        if self.sampling.greedy:
-            matches = [verify_greedy(chain, list(c)).num_accepted for chain, c in zip(chains, candidates)]
-            chosen = matches.index(max(matches))
+        # under sampling the one candidate verified; under greedy the longest match, earliest on ties
+        chosen = longest_match(chains, [list(c) for c in candidates]) if self.sampling.greedy else 0
         proposals = list(candidates[chosen])
         q = None if self.sampling.greedy else one_hot(proposals, logits.shape[-1], logits.device)
         q_shown = None if self.sampling.greedy else [1.0] * len(proposals)

@@ -28,7 +28,7 @@ from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
 from ..sampling import TreeVerdict, probabilities, sample, verify_tree_greedy, verify_tree_lossless
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, new_cache
+from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .prompt_lookup import Lookup, find_continuation
 from .tree import TreeBuffers, follow, graft_chain, load_tree
 
@@ -140,10 +140,7 @@ class MedusaDecoder(Decoder):
             positions = torch.arange(base, base + len(ids), device=model.device).unsqueeze(0)  # (1, T)
             logits, hidden = model(tokens, positions, cache, (0,), num_logits=1)
             return logits[0], hidden[0]
-        positions = (torch.tensor(tree.depths[: len(ids)], device=model.device) + base).unsqueeze(0)  # (1, T)
-        mask = tree.mask[: len(ids), : len(ids)].to(model.device)  # (T, T)
-        logits, hidden = model(tokens, positions, cache, (0,), attn_mask=mask)
-        return logits[0], hidden[0]
+        return forward_tree(model, cache, ids, tree.depths[: len(ids)], tree.mask[: len(ids), : len(ids)])
 
     def verify(self, logits: torch.Tensor, tree: TreeBuffers, ids: list[int],
                generator: torch.Generator) -> tuple[TreeVerdict, torch.Tensor]:

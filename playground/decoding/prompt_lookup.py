@@ -22,8 +22,9 @@ from typing import Any
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
 from ..models import LoadedModel
 from ..trace import DraftEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
-from .chain import accept_chain, one_hot
+from .base import Decoder, EventStream, commit_event, forward_tokens, forward_tree, new_cache
+from .chain import accept_chain, longest_match, one_hot
+from .tree import tree_from_parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +45,55 @@ def occurrences(sequence: list[int], max_ngram: int) -> Iterator[tuple[int, int]
                 yield n, end
 
 
-def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
-                      eos_ids: frozenset[int] = frozenset()) -> Lookup | None:
-    """The tokens that followed the latest earlier occurrence of the longest matching suffix of `sequence`.
+def find_continuations(sequence: list[int], max_ngram: int, num_draft: int,
+                       eos_ids: frozenset[int] = frozenset(), limit: int = 1) -> list[Lookup]:
+    """Up to `limit` distinct copies: the tokens that followed earlier occurrences of the longest matching suffix
+    of `sequence`, best first.
 
     Suffix lengths max_ngram, ..., 1 are tried in turn; for each, occurrences are scanned from the most recent
-    backwards (recent text is the likeliest to be repeated next) and the first wins. The copy stops after an
-    end-of-sequence token, which can only be followed by another turn.
+    backwards (recent text is the likeliest to be repeated next), so the first copy is that of the latest
+    occurrence of the longest match; an occurrence whose copy equals an earlier pick is skipped. A copy stops
+    after an end-of-sequence token, which can only be followed by another turn.
     """
+    found: list[Lookup] = []
     for n, end in occurrences(sequence, max_ngram):
         copied = sequence[end : end + num_draft]
         for i, token in enumerate(copied):
             if token in eos_ids:
                 copied = copied[: i + 1]
                 break
-        return Lookup(copied, end, n)
-    return None
+        if all(copied != other.tokens for other in found):
+            found.append(Lookup(copied, end, n))
+            if len(found) == limit:
+                break
+    return found
+
+
+def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
+                      eos_ids: frozenset[int] = frozenset()) -> Lookup | None:
+    """The best copy `find_continuations` ranks first, if any."""
+    found = find_continuations(sequence, max_ngram, num_draft, eos_ids)
+    return found[0] if found else None
+
+
+def merge_proposals(proposals: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Proposals as one tree below the root (node 0, the last committed token), a shared prefix verified once:
+    the tokens of nodes 1..n, the parents of nodes 0..n (the root's -1) and each proposal's nodes in order."""
+    tokens: list[int] = []
+    parents = [-1]
+    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    paths: list[list[int]] = []
+    for proposal in proposals:
+        node, path = 0, []
+        for token in proposal:
+            if (node, token) not in node_of:
+                tokens.append(token)
+                parents.append(node)
+                node_of[node, token] = len(parents) - 1
+            node = node_of[node, token]
+            path.append(node)
+        paths.append(path)
+    return tokens, parents, paths
 
 
 def best_copy(sequence: list[int], future: list[int], max_ngram: int, num_draft: int) -> int:
@@ -179,19 +213,21 @@ class PromptLookupDecoder(Decoder):
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
-                "verify_overhead": self.lookup.verify_overhead}
+                "branches": self.lookup.branches, "verify_overhead": self.lookup.verify_overhead}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
         clock, generator, stopper = self.start()
         eos_ids = frozenset(self.target.eos_token_ids)
-        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + self.lookup.num_draft + 1,
-                          self.generation)
+        widest = self.lookup.branches * self.lookup.num_draft + 1
+        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         vocab = target.config.vocab_size
         gate = ProposalGate(self.lookup.verify_overhead, self.lookup.max_ngram)
 
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
         sequence = list(prompt_ids) + [last]  # prompt + generated: what the lookup searches
+        # Several copies only under greedy acceptance: sampling verifies one chain with the lossless rule.
+        branches = self.lookup.branches if self.sampling.greedy else 1
         step = 0
         while not done:
             step += 1
@@ -199,35 +235,47 @@ class PromptLookupDecoder(Decoder):
             base = cache.length(0)  # position of `last`
             # Never propose past max_new_tokens: those tokens could only be thrown away.
             budget = min(self.lookup.num_draft, self.generation.max_new_tokens - len(stopper.tokens))
-            found = find_continuation(sequence, self.lookup.max_ngram, budget, eos_ids)
+            found = find_continuations(sequence, self.lookup.max_ngram, budget, eos_ids, branches)
             gate.decay()
-            if found and not gate.worth(found.ngram, len(found.tokens)):
-                found = None
-            proposals = found.tokens if found else []
-            # q is one-hot: a copied token was proposed with certainty (shown only when sampling, where it is used)
-            q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
+            if found and not gate.worth(found[0].ngram, len(found[0].tokens)):
+                found = []
             draft_end = clock.now()
-            if found:
-                infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0)
-                         for i, x in enumerate(proposals)]
-                yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=infos, wall_s=draft_end - step_start,
-                                                 draft_forwards=0, source=[found.start, found.start + len(proposals)],
-                                                 ngram=found.ngram))
 
             verify_start = clock.now()
-            target_logits = forward_tokens(target, cache, [last] + proposals, num_logits=len(proposals) + 1)
-            verify_end = clock.now()  # target_logits: (K+1, V)
-            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(proposals) + 1,
+            nodes, parents, paths = merge_proposals([f.tokens for f in found])
+            if len(found) > 1:
+                tree = tree_from_parents(parents)
+                tree_logits, _ = forward_tree(target, cache, [last] + nodes, tree.depths, tree.mask)  # (n+1, V)
+                chains = [tree_logits[[0, *path]] for path in paths]  # each (K_i + 1, V)
+                chosen = longest_match(chains, [f.tokens for f in found])
+                target_logits = chains[chosen]
+            else:
+                target_logits = forward_tokens(target, cache, [last] + nodes, num_logits=len(nodes) + 1)  # (K+1, V)
+                chosen = 0
+            verify_end = clock.now()
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(nodes) + 1,
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
+            lookup = found[chosen] if found else None
+            proposals = lookup.tokens if lookup else []
+            # q is one-hot: a copied token was proposed with certainty (shown only when sampling, where it is used)
+            q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
+            if lookup:  # the copy verified and judged, known once the forward has scored every candidate
+                infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0)
+                         for i, x in enumerate(proposals)]
+                yield from clock.emit(DraftEvent(step=step, t=clock.now(), tokens=infos,
+                                                 wall_s=draft_end - step_start, draft_forwards=0,
+                                                 source=[lookup.start, lookup.start + len(proposals)],
+                                                 ngram=lookup.ngram))
             q = None if self.sampling.greedy else one_hot(proposals, vocab, target.device)
             outcome = accept_chain(self, step, clock.now(), base, target_logits, proposals, q, q_shown, generator,
                                    stopper)
             done = outcome.done
-            if found:
-                gate.record(found.ngram, outcome.accepted, outcome.judged)
-            # commit: keep `last` and the accepted proposals in the cache; the new `last` is not fed yet.
-            cache.truncate(0, base + 1 + outcome.accepted)
+            if lookup:
+                gate.record(lookup.ngram, outcome.accepted, outcome.judged)
+            # commit: keep `last` and the accepted tokens of the chosen copy (node i of the forward sits in slot
+            # base + i); the new `last` is not fed yet.
+            cache.keep(0, base, [0, *(paths[chosen][: outcome.accepted] if paths else [])])
             sequence += proposals[: outcome.accepted] + [outcome.token]
             last = outcome.token
             yield from clock.emit(*outcome.events, commit_event(

@@ -70,6 +70,12 @@ def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> Tr
     return TreeBuffers(paths, parents, tuple(depths), tuple(tuple(c) for c in children), mask, tuple(retrieve))
 
 
+def tree_from_parents(parents: list[int] | tuple[int, ...]) -> TreeBuffers:
+    """Buffers for a tree of proposed tokens given by node parents (the root's -1 first, every parent before its
+    children), with no paths of ranks: candidates merged by prefix rather than the heads' top-k."""
+    return _buffers((), tuple(parents))
+
+
 def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     """Buffers for a tree given by its paths; every prefix of a path must be a path too (a tree, not a forest)."""
     if not isinstance(paths, (list, tuple)) or not paths:
