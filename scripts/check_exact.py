@@ -46,6 +46,8 @@ def main() -> int:
             f"speculative-copy/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
                                                          SpeculativeParams(gamma=4, copy_ngram=3)),
             f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
+            f"prompt-lookup-branches/{kv}": PromptLookupDecoder(target, greedy, generation,
+                                                                PromptLookupParams(num_draft=5, branches=2)),
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
                for tree in ("small", "wide")},
