@@ -143,11 +143,12 @@ class SpeculativeParams:
 class PromptLookupParams:
     """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
     shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: under greedy
-    acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree,
-    the longest match winning; verify_overhead: the extra
-    cost of a verification forward over a one-token step, as a fraction of that step (a match is proposed only
-    when its expected accepted tokens pay for it; 0 proposes every match). The default is measured: a forward
-    over 5 tokens cost 1.3-1.5x a one-token step on a 2-core CPU and 1.5x on an H100 at batch 1."""
+    acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree, the
+    longest match winning (1 by default: on a 2-core CPU the wider forwards cost more than the extra tokens buy);
+    verify_overhead: the extra cost of a verification forward over a one-token step, as a fraction of that step
+    (a match is proposed only when its expected accepted tokens pay for it; 0 proposes every match). The default
+    is measured: a forward over 5 tokens cost 1.3-1.5x a one-token step on a 2-core CPU with PyTorch's kernels
+    and 1.5x on an H100 at batch 1."""
 
     max_ngram: int = 3
     num_draft: int = 8
