@@ -63,9 +63,14 @@ class LoadedModel:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
+def default_cache_root() -> Path:
+    """Where converted weights and the native kernel are kept unless a spec says otherwise: $PLAYGROUND_CACHE, else
+    ~/.cache/decoding-playground."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground")
+
+
 def cache_root(spec: ModelSpec) -> Path:
-    root = spec.cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground"
-    return Path(root)
+    return Path(spec.cache_dir) if spec.cache_dir else default_cache_root()
 
 
 def embedded_gguf() -> Path:

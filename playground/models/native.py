@@ -96,10 +96,9 @@ def load(path: Path) -> Kernel:
 
 
 def default_cache_dir() -> Path:
-    from .loader import CACHE_ENV
+    from .loader import default_cache_root  # the loader imports the model, which imports this module
 
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground"
-    return Path(root) / "native"
+    return default_cache_root() / "native"
 
 
 _LOCK = threading.Lock()
