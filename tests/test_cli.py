@@ -69,6 +69,7 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[0, 8\]"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
+    (["--prompt", "hi", "--algo", "lookahead", "--text-ngram", "17"], r"text_ngram must be an integer in \[2, 16\]"),
     (["--prompt", "hi", "--kv", "paged", "--block-size", "0"], r"block_size must be an integer in \[1, 256\]"),
     (["--prompt", "hi", "--kv", "pages"], "argument --kv: invalid choice"),
 ])
@@ -103,7 +104,7 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
 def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
-    for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", []),
+    for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", ["--text-ngram", "4"]),
                         ("medusa", ["--copy-ngram", "2", "--copy-tokens", "5"])):
         result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
@@ -115,7 +116,7 @@ def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_pro
     assert trace.params["max_ngram"] == 3 and any(e.KIND == "draft" and e.source for e in trace.events)
     assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "lookahead.json")
-    assert trace.params["window"] == 1 and trace.params["output_pool"]
+    assert trace.params["window"] == 1 and trace.params["output_pool"] and trace.params["text_ngram"] == 4
     assert any(e.KIND == "lookahead" and e.candidates for e in trace.events)
     assert outputs["medusa"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "medusa.json")

@@ -26,6 +26,18 @@ def test_pool_keys_lru_and_bound() -> None:
     assert len(pool) == 3
 
 
+def test_pool_keeps_the_longer_of_two_continuations_where_one_starts_the_other() -> None:
+    pool = NGramPool(guesses=2)
+    pool.add((1, 2, 3, 4, 5))  # a text n-gram (M = 5)
+    pool.add((1, 6, 7))
+    pool.add((1, 2, 3))  # a window n-gram the text one already guesses: refreshes it, takes no slot
+    assert pool.candidates(1) == [(2, 3, 4, 5), (6, 7)]
+    pool.add((1, 6, 7, 8, 9))  # guesses more than (6, 7): replaces it
+    assert pool.candidates(1) == [(6, 7, 8, 9), (2, 3, 4, 5)] and len(pool) == 2
+    pool.add((1, 2, 3, 9))  # shares a prefix only: a new guess, evicting the least recently used
+    assert pool.candidates(1) == [(2, 3, 9), (6, 7, 8, 9)]
+
+
 def test_pool_takes_every_ngram_a_text_gained() -> None:
     whole = NGramPool(guesses=4)
     whole.add_text([1, 2, 3, 1, 2, 4], 3)  # (1, 2, 3), (2, 3, 1), (3, 1, 2), (1, 2, 4)
@@ -62,10 +74,11 @@ def test_step_layout_on_a_small_case() -> None:
 
 SETTINGS = [LookaheadParams(),
             LookaheadParams(window=2, ngram=2, guesses=1, prompt_pool=False, output_pool=False),
-            LookaheadParams(window=6, ngram=5, guesses=6)]
+            LookaheadParams(window=6, ngram=5, guesses=6),
+            LookaheadParams(text_ngram=6)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}")
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
     decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
@@ -99,6 +112,20 @@ def test_output_pool_supplies_the_answers_own_phrases(target) -> None:
     assert accepted[True] >= accepted[False] + 5  # measured 25 against 18
 
 
+def test_text_ngrams_longer_than_the_windows_verify_longer_copies(target) -> None:
+    generation = GenerationParams(max_new_tokens=40, raw=True)
+    prompt = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday,"
+    longest = {}
+    for text_ngram in (None, 6):
+        params = LookaheadParams(window=1, ngram=3, guesses=2, text_ngram=text_ngram)
+        output, trace = generate(LookaheadDecoder(target, SamplingParams(), generation, params), prompt)
+        assert output.text.startswith(" Tuesday, Wednesday, Thursday") and trace.params["text_ngram"] == params.text_n
+        runs = [len(e.tokens) for e in trace.events if e.KIND == "draft"]
+        assert all(n <= params.text_n - 1 for n in runs)
+        longest[text_ngram] = max(runs)
+    assert longest[None] == 2 and longest[6] == 5  # copies of the day names, M - 1 tokens at a time
+
+
 def test_sampling_matches_the_target_distribution(target) -> None:
     sampling = SamplingParams(temperature=1.0, top_k=4)
     generation = GenerationParams(max_new_tokens=2, raw=True)
@@ -111,7 +138,8 @@ def test_sampling_matches_the_target_distribution(target) -> None:
 
 @pytest.mark.parametrize("field, value, message", [("window", 0, r"window must be an integer in \[1, 16\]"),
                                                    ("ngram", 1, r"ngram must be an integer in \[2, 8\]"),
-                                                   ("guesses", 17, r"guesses must be an integer in \[1, 16\]")])
+                                                   ("guesses", 17, r"guesses must be an integer in \[1, 16\]"),
+                                                   ("text_ngram", 1, r"text_ngram must be an integer in \[2, 16\]")])
 def test_parameter_ranges(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         LookaheadParams(**{field: value})

@@ -9,7 +9,8 @@ Each step is one target forward over three branches, kept apart by the attention
 - the verification branch: up to G n-grams from the pool that start with x, each seeing x and itself. Besides
   the window's n-grams, the pool holds the prompt's (`prompt_pool`) and those of the text committed so far
   (`output_pool`): an answer repeats its own phrases and its prompt's more often than a small model's Jacobi
-  window guesses them.
+  window guesses them. Those two take n-grams of `text_ngram` M tokens (default N), so a guess from the text
+  may run longer than the window's.
 Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
 the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
 of that candidate, moved into place; the window and the other candidates are dropped.
@@ -39,10 +40,21 @@ class NGramPool:
         self._by_first: dict[int, OrderedDict[tuple[int, ...], None]] = {}
 
     def add(self, ngram: tuple[int, ...]) -> None:
-        """Insert (or refresh) an n-gram: its first token is the key, the rest the continuation."""
+        """Insert (or refresh) an n-gram: its first token is the key, the rest the continuation.
+
+        Continuations of different lengths share a key (the window's n-grams and the longer ones taken from the
+        text): one that starts another guesses nothing more, so the longer of the two stays, refreshed, and the
+        G guesses of a key stay distinct."""
         entries = self._by_first.setdefault(ngram[0], OrderedDict())
-        entries[ngram[1:]] = None
-        entries.move_to_end(ngram[1:])
+        continuation = ngram[1:]
+        for known in list(entries):
+            if known[: len(continuation)] == continuation:  # already guessed, maybe with more after it
+                continuation = known
+                break
+            if continuation[: len(known)] == known:  # the new one guesses more: it replaces the shorter one
+                del entries[known]
+        entries[continuation] = None
+        entries.move_to_end(continuation)
         if len(entries) > self.guesses:
             entries.popitem(last=False)
 
@@ -119,17 +131,17 @@ class LookaheadDecoder(Decoder):
     def params(self) -> dict[str, Any]:
         la = self.lookahead
         return {**super().params(), "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
-                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool}
+                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool, "text_ngram": la.text_n}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
         la = self.lookahead
         clock, generator, stopper = self.start()
-        widest = 1 + (la.ngram - 1) * (la.window + la.guesses)
+        widest = 1 + (la.ngram - 1) * la.window + la.guesses * (max(la.ngram, la.text_n) - 1)
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         pool = NGramPool(la.guesses)
         if la.prompt_pool:
-            pool.add_text(prompt_ids, la.ngram)
+            pool.add_text(prompt_ids, la.text_n)
         text = list(prompt_ids)  # prompt + committed tokens, for the output pool
         # The window starts as prompt tokens drawn with a fixed seed: any guess is correct, good ones are faster.
         chooser = random.Random(0 if self.sampling.seed is None else self.sampling.seed)
@@ -175,7 +187,7 @@ class LookaheadDecoder(Decoder):
             if la.output_pool:  # the answer's own phrases are likely to come back
                 grown = len(text)
                 text += [last] + [layout.tokens[i] for i in accepted]
-                pool.add_text(text, la.ngram, grown)
+                pool.add_text(text, la.text_n, grown)
             last = outcome.token
             yield from clock.emit(*outcome.events, commit_event(step, step_start, clock.now(), draft_s, verify_s,
                                                                 outcome.kept, cache.memory().bytes_used))
