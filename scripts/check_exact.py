@@ -49,6 +49,7 @@ def main() -> int:
             f"prompt-lookup-branches/{kv}": PromptLookupDecoder(target, greedy, generation,
                                                                 PromptLookupParams(num_draft=5, branches=2)),
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
+            f"lookahead-text6/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(text_ngram=6)),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
                for tree in ("small", "wide")},
             f"medusa-copy/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(copy_ngram=3)),

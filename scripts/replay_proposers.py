@@ -1,0 +1,177 @@
+"""Tokens per target forward of the copying proposers, replayed over plain decoding's greedy tokens.
+
+Under greedy acceptance a step commits the longest agreement between a proposal and the target's own output, plus
+one token from the target. Given plain decoding's tokens for a prompt, how many forwards a proposer that reads
+only the text needs therefore follows without running the model per step: a proposer idea is measured in seconds
+and free of the machine's timing noise. Replayed over the benchmark suite: prompt lookup (`--max-ngram`,
+`--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
+n-gram sizes M (`--text-ngrams`, G = `--guesses`), without the Jacobi window, whose guesses need the model.
+
+    python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
+
+`--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
+replays skip the model. Speed is not replayed: a wider verification costs more (see README, Command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from playground.bench import GROUNDED  # noqa: E402
+from playground.config import ConfigError, GenerationParams, LookaheadParams, PromptLookupParams  # noqa: E402
+from playground.bench_suite import SUITE  # noqa: E402
+from playground.decoding.lookahead import NGramPool  # noqa: E402
+from playground.decoding.prompt_lookup import ProposalGate, find_continuation  # noqa: E402
+
+
+class LookupProposer:
+    """Prompt lookup's proposal: the copy after the latest occurrence of the longest matching suffix, let
+    through by its gate (`overhead` None: every match, as classic prompt lookup does)."""
+
+    def __init__(self, max_ngram: int, num_draft: int, overhead: float | None) -> None:
+        self.max_ngram, self.num_draft = max_ngram, num_draft
+        self.gate = None if overhead is None else ProposalGate(overhead, max_ngram)
+        self.ngram = 0
+
+    def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
+        lookup = find_continuation(sequence, self.max_ngram, min(self.num_draft, budget))
+        if self.gate is not None:
+            self.gate.decay()
+            if lookup and not self.gate.worth(lookup.ngram, len(lookup.tokens)):
+                lookup = None
+        self.ngram = lookup.ngram if lookup else 0
+        return [lookup.tokens] if lookup else []
+
+    def judged(self, proposal: list[int], agreed: int) -> None:
+        if self.gate is not None:
+            self.gate.record(self.ngram, agreed, min(agreed + 1, len(proposal)))
+
+
+class TextPoolProposer:
+    """Lookahead's verification branch fed by the prompt's and the committed text's M-grams only: up to G
+    continuations of the last token, as `NGramPool` keeps them."""
+
+    def __init__(self, prompt_ids: list[int], text_ngram: int, guesses: int) -> None:
+        self.n = text_ngram
+        self.pool = NGramPool(guesses)
+        self.pool.add_text(prompt_ids, text_ngram)
+        self.seen = len(prompt_ids)
+
+    def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
+        # The last token is not committed to the text yet (the decoder feeds it with the step).
+        committed = sequence[:-1]
+        self.pool.add_text(committed, self.n, self.seen)
+        self.seen = len(committed)
+        return [list(c[:budget]) for c in self.pool.candidates(sequence[-1])]
+
+    def judged(self, proposal: list[int], agreed: int) -> None:
+        pass
+
+
+def agreement(proposal: list[int], future: list[int]) -> int:
+    """How many of the proposal's first tokens equal the target's next tokens."""
+    agreed = 0
+    for proposed, wanted in zip(proposal, future):
+        if proposed != wanted:
+            break
+        agreed += 1
+    return agreed
+
+
+def replay(prompt_ids: list[int], output_ids: list[int], proposer: LookupProposer | TextPoolProposer) -> float:
+    """Tokens per target forward after the first token (which the prefill commits), bonus tokens included, as
+    the metrics count them: each step keeps the proposal that agrees longest, plus the target's next token."""
+    if len(output_ids) < 2:
+        raise ValueError("output_ids must hold at least two tokens")
+    known, forwards = 1, 0
+    while known < len(output_ids):
+        left = len(output_ids) - known
+        proposals = proposer.propose(list(prompt_ids) + list(output_ids[:known]), left)
+        agreed = [agreement(p, output_ids[known:]) for p in proposals]
+        if proposals:
+            best = max(range(len(proposals)), key=agreed.__getitem__)
+            proposer.judged(proposals[best], agreed[best])
+        known += min(max(agreed, default=0) + 1, left)
+        forwards += 1
+    return (len(output_ids) - 1) / forwards
+
+
+def plain_outputs(new_tokens: int) -> list[dict[str, object]]:
+    """Plain decoding's greedy tokens for every suite prompt on the embedded model."""
+    from playground.config import ModelSpec, SamplingParams
+    from playground.decoding import AutoregressiveDecoder, generate
+    from playground.decoding.base import encode_prompt
+    from playground.models import load_model
+
+    target = load_model(ModelSpec())
+    generation = GenerationParams(max_new_tokens=new_tokens)
+    decoder = AutoregressiveDecoder(target, SamplingParams(), generation)
+    runs = []
+    for i, (category, prompt) in enumerate(SUITE, 1):
+        output, _ = generate(decoder, prompt)
+        runs.append({"category": category, "prompt_ids": encode_prompt(target, prompt, generation),
+                     "output_ids": list(output.token_ids)})
+        print(f"plain decoding {i}/{len(SUITE)}", file=sys.stderr)
+    return runs
+
+
+def sizes(text: str) -> list[int]:
+    """A comma-separated list of n-gram sizes."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,4,5, got {text!r}") from None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--outputs", type=Path, default=None)
+    parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--num-draft", type=int, default=8)
+    parser.add_argument("--verify-overhead", type=float, default=0.4)
+    parser.add_argument("--text-ngrams", type=sizes, default=[3, 4, 5, 6])
+    parser.add_argument("--guesses", type=int, default=2)
+    args = parser.parse_args()
+    try:  # the decoders' own checks name the field and its range
+        PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, verify_overhead=args.verify_overhead)
+        for m in args.text_ngrams:
+            LookaheadParams(guesses=args.guesses, text_ngram=m)
+        GenerationParams(max_new_tokens=args.new_tokens)
+    except ConfigError as error:
+        parser.error(str(error))
+
+    if args.outputs and args.outputs.exists():
+        runs = json.loads(args.outputs.read_text())
+    else:
+        runs = plain_outputs(args.new_tokens)
+        if args.outputs:
+            args.outputs.write_text(json.dumps(runs))
+    runs = [r for r in runs if len(r["output_ids"]) >= 2]
+
+    proposers = {
+        f"prompt lookup, gated at {args.verify_overhead}":
+            lambda run: LookupProposer(args.max_ngram, args.num_draft, args.verify_overhead),
+        "prompt lookup, ungated": lambda run: LookupProposer(args.max_ngram, args.num_draft, None),
+        **{f"lookahead text pools, M {m}, G {args.guesses}":
+           (lambda run, m=m: TextPoolProposer(run["prompt_ids"], m, args.guesses))
+           for m in args.text_ngrams},
+    }
+    print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
+    print(f"{'proposer':44s} {'median':>7s} {'grounded':>9s}  per prompt")
+    for name, make in proposers.items():
+        rates = [replay(r["prompt_ids"], r["output_ids"], make(r)) for r in runs]
+        grounded = [x for x, r in zip(rates, runs) if r["category"] in GROUNDED]
+        print(f"{name:44s} {statistics.median(rates):7.2f} {statistics.median(grounded):9.2f}  "
+              + " ".join(f"{x:.2f}" for x in rates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
