@@ -107,7 +107,8 @@ def algo_params(args: argparse.Namespace) -> Any:
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
                                prompt_pool=not args.no_prompt_pool, output_pool=not args.no_output_pool,
-                               text_ngram=args.text_ngram)
+                               text_ngram=args.text_ngram, corpus_pool=not args.no_corpus_pool,
+                               corpus=args.corpus)
     if args.algo == "medusa":
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
@@ -231,8 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     ahead.add_argument("--no-output-pool", action="store_true",
                        help="do not add the committed text's n-grams to the pool (only the window's)")
     ahead.add_argument("--text-ngram", type=int, default=LOOKAHEAD.text_ngram,
-                       help="size M of the n-grams the prompt and output pools take from the text, 2..16 "
+                       help="size M of the n-grams the prompt, output and corpus pools take from text, 2..16 "
                             "(default: N; a longer M verifies longer copies in wider forwards)")
+    ahead.add_argument("--corpus", default=None,
+                       help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed "
+                            "the pool (default: the one shipped for the embedded model)")
+    ahead.add_argument("--no-corpus-pool", action="store_true",
+                       help="do not seed the pool from the target's answers to other prompts")
     tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
     tree.add_argument("--medusa-heads", default=None,
                       help="folder of heads trained by `python -m playground.train medusa` (default: the heads "

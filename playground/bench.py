@@ -324,9 +324,10 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
             {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
     if "lookahead" in args.algos:
         ahead = LookaheadParams()
-        contenders.append(Contender(
-            "lookahead", LookaheadDecoder(target, sampling, generation, ahead),
-            f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}"))
+        decoder = LookaheadDecoder(target, sampling, generation, ahead)
+        seeded = f", pool seeded from {Path(decoder.corpus).parent.name}" if decoder.corpus else ""
+        contenders.append(Contender("lookahead", decoder,
+                                    f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}{seeded}"))
     if "medusa" in args.algos:
         greedy = MedusaDecoder(target, sampling, generation, MedusaParams(tree=args.tree))
         setting = f"tree {args.tree} ({greedy.tree.num_nodes} nodes), heads {greedy.heads.folder.name}"

@@ -169,10 +169,13 @@ class LookaheadParams:
     """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
     yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step;
     prompt_pool: seed the pool with the prompt's own n-grams; output_pool: add every n-gram of the committed text;
-    text_ngram: M, the size of the n-grams those two take from the text (None: N). A longer M verifies longer
-    copies, since text repeats in longer runs than the window guesses, in wider forwards. The defaults are
-    measured (README, Command line): on a 2-core CPU a forward's cost grows with its
-    1 + (N - 1) W + G (max(N, M) - 1) tokens, and W 1 with M = N ran fastest over the benchmark suite.
+    text_ngram: M, the size of the n-grams those two and the corpus pool take from text (None: N); a longer M
+    verifies longer copies, since text repeats in longer runs than the window guesses, in wider forwards.
+    corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
+    target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
+    for the embedded target, and no seeding for a target without one). The defaults are measured (README,
+    Command line): on a 2-core CPU a forward's cost grows with its 1 + (N - 1) W + G (max(N, M) - 1) tokens,
+    and W 1 with M = N ran fastest over the benchmark suite.
     """
 
     window: int = 1
@@ -181,6 +184,8 @@ class LookaheadParams:
     prompt_pool: bool = True
     output_pool: bool = True
     text_ngram: int | None = None
+    corpus_pool: bool = True
+    corpus: str | None = None
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, 16)
@@ -188,13 +193,15 @@ class LookaheadParams:
         check_int("guesses", self.guesses, 1, 16)
         if self.text_ngram is not None:
             check_int("text_ngram", self.text_ngram, 2, 16)
-        for name in ("prompt_pool", "output_pool"):
+        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
+            raise ConfigError(f"corpus must be a file path or None, got {self.corpus!r}")
+        for name in ("prompt_pool", "output_pool", "corpus_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def text_n(self) -> int:
-        """M, the size of the n-grams the prompt and output pools take."""
+        """M, the size of the n-grams the prompt, output and corpus pools take."""
         return self.ngram if self.text_ngram is None else self.text_ngram
 
 

@@ -5,7 +5,8 @@ one token from the target. Given plain decoding's tokens for a prompt, how many 
 only the text needs therefore follows without running the model per step: a proposer idea is measured in seconds
 and free of the machine's timing noise. Replayed over the benchmark suite: prompt lookup (`--max-ngram`,
 `--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
-n-gram sizes M (`--text-ngrams`, G = `--guesses`), without the Jacobi window, whose guesses need the model.
+n-gram sizes M (`--text-ngrams`, G = `--guesses`), without and with its corpus pool (`--corpus`), without the
+Jacobi window, whose guesses need the model.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
 
@@ -26,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from playground.bench import GROUNDED  # noqa: E402
 from playground.config import ConfigError, GenerationParams, LookaheadParams, PromptLookupParams  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
-from playground.decoding.lookahead import NGramPool  # noqa: E402
+from playground.decoding.lookahead import NGramPool, frequent_ngrams  # noqa: E402
+from playground.models import ModelLoadError  # noqa: E402
+from playground.models.answers import default_answers, read_answers  # noqa: E402
 from playground.decoding.prompt_lookup import ProposalGate, find_continuation  # noqa: E402
 
 
@@ -54,12 +57,15 @@ class LookupProposer:
 
 
 class TextPoolProposer:
-    """Lookahead's verification branch fed by the prompt's and the committed text's M-grams only: up to G
-    continuations of the last token, as `NGramPool` keeps them."""
+    """Lookahead's verification branch fed by the prompt's and the committed text's M-grams only (and the corpus
+    pool's `seeds`, when given): up to G continuations of the last token, as `NGramPool` keeps them."""
 
-    def __init__(self, prompt_ids: list[int], text_ngram: int, guesses: int) -> None:
+    def __init__(self, prompt_ids: list[int], text_ngram: int, guesses: int,
+                 seeds: list[tuple[int, ...]] | None = None) -> None:
         self.n = text_ngram
         self.pool = NGramPool(guesses)
+        for ngram in seeds or []:  # the corpus pool's, before the prompt's, as the decoder adds them
+            self.pool.add(ngram)
         self.pool.add_text(prompt_ids, text_ngram)
         self.seen = len(prompt_ids)
 
@@ -138,13 +144,17 @@ def main() -> int:
     parser.add_argument("--verify-overhead", type=float, default=0.4)
     parser.add_argument("--text-ngrams", type=sizes, default=[3, 4, 5, 6])
     parser.add_argument("--guesses", type=int, default=2)
+    parser.add_argument("--corpus", default=default_answers("embedded"),
+                        help="answers file whose M-grams seed the pools, as lookahead's corpus pool does (default: "
+                             "the shipped one); 'none' to replay without")
     args = parser.parse_args()
     try:  # the decoders' own checks name the field and its range
         PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, verify_overhead=args.verify_overhead)
         for m in args.text_ngrams:
             LookaheadParams(guesses=args.guesses, text_ngram=m)
         GenerationParams(max_new_tokens=args.new_tokens)
-    except ConfigError as error:
+        corpus = read_answers(args.corpus)[0] if args.corpus and args.corpus != "none" else None
+    except (ConfigError, ModelLoadError) as error:
         parser.error(str(error))
 
     if args.outputs and args.outputs.exists():
@@ -162,6 +172,10 @@ def main() -> int:
         **{f"lookahead text pools, M {m}, G {args.guesses}":
            (lambda run, m=m: TextPoolProposer(run["prompt_ids"], m, args.guesses))
            for m in args.text_ngrams},
+        **({f"lookahead text pools and corpus, M {m}, G {args.guesses}":
+            (lambda run, m=m, seeds=frequent_ngrams(corpus, m, args.guesses):
+             TextPoolProposer(run["prompt_ids"], m, args.guesses, seeds))
+            for m in args.text_ngrams} if corpus else {}),
     }
     print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
     print(f"{'proposer':44s} {'median':>7s} {'grounded':>9s}  per prompt")

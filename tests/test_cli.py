@@ -70,6 +70,8 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--text-ngram", "17"], r"text_ngram must be an integer in \[2, 16\]"),
+    (["--prompt", "hi", "--algo", "lookahead", "--corpus", "/no/such/answers.safetensors"],
+     r"corpus: '/no/such/answers.safetensors' is not a file"),
     (["--prompt", "hi", "--kv", "paged", "--block-size", "0"], r"block_size must be an integer in \[1, 256\]"),
     (["--prompt", "hi", "--kv", "pages"], "argument --kv: invalid choice"),
 ])

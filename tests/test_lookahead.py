@@ -6,7 +6,9 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
-from playground.decoding.lookahead import NGramPool, step_layout
+from playground.decoding.lookahead import NGramPool, frequent_ngrams, step_layout
+from playground.models import ModelLoadError
+from playground.models.answers import EMBEDDED_ANSWERS, save_answers
 
 from .prompts import NEW_TOKENS, assert_greedy_exact
 from .stats import assert_follows_target
@@ -50,6 +52,17 @@ def test_pool_takes_every_ngram_a_text_gained() -> None:
     short = NGramPool(guesses=4)
     short.add_text([5, 6], 3)
     assert len(short) == 0
+
+
+def test_frequent_ngrams_keep_the_most_common_per_first_token_least_frequent_first() -> None:
+    answers = [[1, 2, 3, 1, 2, 3, 1, 2, 4], [1, 2, 4, 1, 2, 4, 5, 6, 7]]
+    # 3-grams: (1,2,4) x3; (1,2,3), (2,3,1), (3,1,2) x2 each, in order of first appearance; the rest once
+    assert frequent_ngrams(answers, 3, per_key=1) == [(3, 1, 2), (2, 3, 1), (1, 2, 4)]
+    assert frequent_ngrams(answers, 3, per_key=2) == [(3, 1, 2), (2, 3, 1), (1, 2, 3), (1, 2, 4)]
+    pool = NGramPool(guesses=2)
+    for ngram in frequent_ngrams(answers, 3, per_key=2):
+        pool.add(ngram)
+    assert pool.candidates(1) == [(2, 4), (2, 3)]  # the most frequent is the most recently used
 
 
 def test_step_layout_on_a_small_case() -> None:
@@ -124,6 +137,41 @@ def test_text_ngrams_longer_than_the_windows_verify_longer_copies(target) -> Non
         assert all(n <= params.text_n - 1 for n in runs)
         longest[text_ngram] = max(runs)
     assert longest[None] == 2 and longest[6] == 5  # copies of the day names, M - 1 tokens at a time
+
+
+def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tmp_path) -> None:
+    phrase = target.tokenizer(" Here are three ideas for a calm afternoon").input_ids
+    corpus = tmp_path / "answers.safetensors"
+    save_answers(corpus, [phrase, phrase, [5, 6]], target.model.config.vocab_size, "test")
+    generation = GenerationParams(max_new_tokens=12)
+    only_corpus = LookaheadParams(prompt_pool=False, output_pool=False, corpus=str(corpus))
+    decoder = LookaheadDecoder(target, SamplingParams(), generation, only_corpus)
+    assert decoder.params()["corpus"] == str(corpus) and len(decoder.seeds) == len(phrase) - 2
+    output, trace = generate(decoder, "Suggest a short plan for a relaxing Sunday afternoon at home.")
+    assert next(e for e in trace.events if e.KIND == "lookahead").pool_size == len(phrase) - 2
+    plain, _ = generate(AutoregressiveDecoder(target, SamplingParams(), generation),
+                        "Suggest a short plan for a relaxing Sunday afternoon at home.")
+    assert output.token_ids == plain.token_ids
+    # by default the embedded target's shipped answers seed the pool; switched off, nothing does
+    assert LookaheadDecoder(target, SamplingParams(), generation).corpus == str(EMBEDDED_ANSWERS)
+    off = LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus_pool=False))
+    assert off.corpus is None and off.seeds == [] and off.params()["corpus"] is None
+
+
+def test_a_bad_corpus_names_the_field(target, tmp_path) -> None:
+    generation = GenerationParams(max_new_tokens=4)
+    with pytest.raises(ModelLoadError, match="corpus: .* is not a file"):
+        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(tmp_path / "none")))
+    wrong_vocab = tmp_path / "other.safetensors"
+    save_answers(wrong_vocab, [[1, 2, 3]], 1000, "another model")
+    with pytest.raises(ModelLoadError, match="written for a vocabulary of 1000 tokens, the target has 49152"):
+        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(wrong_vocab)))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="is not an answers file"):
+        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(garbage)))
+    with pytest.raises(ConfigError, match="corpus must be a file path or None"):
+        LookaheadParams(corpus=" ")
 
 
 def test_sampling_matches_the_target_distribution(target) -> None:

@@ -21,10 +21,13 @@ from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
+from playground.models.answers import ANSWERS, EMBEDDED_ANSWERS, load_answers
 from playground.train import medusa as medusa_module
+from playground.train import ngrams as ngrams_module
 from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
                                     generate_corpus, load_or_generate_corpus, one_cycle, two_stage_corpus)
 from playground.train.medusa import head_examples
+from playground.train.ngrams import sample_prompts
 from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, HELD_OUT_TOPICS, TEMPLATES, TRAIN_TOPICS,
                                       WIDE_TOPICS, held_out_prompts, maths_prompt, second_stage_prompts,
                                       training_prompts)
@@ -337,3 +340,27 @@ def test_shipped_medusa_heads_contract(target) -> None:
     assert report["corpus_generation_s"] + report["wall_s_this_run"] <= 45 * 60
     shipped = load_heads(None, target)
     assert shipped.heads.num_heads == 4 and shipped.vocab_size == report["head_vocab_size"] == 8192
+
+
+def test_ngrams_writer_saves_the_targets_answers_for_lookahead(tmp_path, target, capsys) -> None:
+    out = tmp_path / "ngrams"
+    small = ["ngrams", "--prompts", "2", "--answer-tokens", "8", "--generate-batch", "2", "--out", str(out)]
+    assert main(small) == 0
+    report = json.loads((out / "report.json").read_text())
+    answers = load_answers(str(out / ANSWERS), target)
+    assert len(answers) == report["prompts"] == 2 and 0 < sum(map(len, answers)) == report["tokens"] <= 16
+    # the same seed samples the same prompts, none of them the benchmark's
+    assert sample_prompts(2, 0) == sample_prompts(2, 0) != sample_prompts(2, 1)
+    assert not set(sample_prompts(1024, 0)) & {prompt for _, prompt in SUITE}
+    assert main(["ngrams", "--prompts", "0", "--out", str(out)]) == 2
+    assert "prompts must be an integer in [1, " in capsys.readouterr().err
+
+
+def test_ngrams_writer_defaults_reproduce_the_shipped_answers(target) -> None:
+    report = json.loads((EMBEDDED_ANSWERS.parent / "report.json").read_text())
+    parser = argparse.ArgumentParser()
+    ngrams_module.add_args(parser)
+    defaults = vars(parser.parse_args([]))
+    assert {k: defaults[k] for k in ("prompts", "answer_tokens", "dtype", "generate_batch", "seed")} == {
+        k: report[k] for k in ("prompts", "answer_tokens", "dtype", "generate_batch", "seed")}
+    assert sum(map(len, load_answers(str(EMBEDDED_ANSWERS), target))) == report["tokens"]

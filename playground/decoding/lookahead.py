@@ -10,7 +10,9 @@ Each step is one target forward over three branches, kept apart by the attention
   the window's n-grams, the pool holds the prompt's (`prompt_pool`) and those of the text committed so far
   (`output_pool`): an answer repeats its own phrases and its prompt's more often than a small model's Jacobi
   window guesses them. Those two take n-grams of `text_ngram` M tokens (default N), so a guess from the text
-  may run longer than the window's.
+  may run longer than the window's. Before them the pool is seeded (`corpus_pool`) with the most frequent
+  M-grams of the target's own answers to other prompts: its habitual phrases, a static pool in the spirit of
+  retrieval-based drafting (REST, He et al. 2023), which no text so far may hold yet.
 Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
 the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
 of that candidate, moved into place; the window and the other candidates are dropped.
@@ -19,7 +21,7 @@ of that candidate, moved into place; the window and the other candidates are dro
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch
 
 from ..config import GenerationParams, LookaheadParams, SamplingParams
 from ..models import LoadedModel
+from ..models.answers import default_answers, load_answers
 from ..trace import DraftEvent, LookaheadEvent, VerifyEvent
 from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new_cache
 from .chain import ChainOutcome, accept_chain, longest_match, one_hot
@@ -70,6 +73,22 @@ class NGramPool:
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._by_first.values())
+
+
+def frequent_ngrams(answers: list[list[int]], n: int, per_key: int) -> list[tuple[int, ...]]:
+    """The `per_key` most frequent n-grams of the answers for each first token (n-grams seen once left out, as
+    chance), least frequent first, so that adding them to a pool in this order leaves the most frequent the most
+    recently used. Ties keep the order of first appearance."""
+    counts = Counter(tuple(a[i : i + n]) for a in answers for i in range(len(a) - n + 1))
+    kept: dict[int, int] = {}
+    chosen = []
+    for ngram, count in counts.most_common():
+        if count < 2:
+            break
+        if kept.get(ngram[0], 0) < per_key:
+            kept[ngram[0]] = kept.get(ngram[0], 0) + 1
+            chosen.append(ngram)
+    return chosen[::-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +145,16 @@ class LookaheadDecoder(Decoder):
     def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
                  params: LookaheadParams | None = None) -> None:
         super().__init__(target, sampling, generation)
-        self.lookahead = params or LookaheadParams()
+        la = self.lookahead = params or LookaheadParams()
+        self.corpus = (la.corpus or default_answers(target.spec.source)) if la.corpus_pool else None
+        # counted once per decoder: every run starts its pool from these
+        self.seeds = frequent_ngrams(load_answers(self.corpus, target), la.text_n, la.guesses) if self.corpus else []
 
     def params(self) -> dict[str, Any]:
         la = self.lookahead
         return {**super().params(), "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
-                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool, "text_ngram": la.text_n}
+                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool, "text_ngram": la.text_n,
+                "corpus": self.corpus}
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         target = self.target.model
@@ -140,6 +163,8 @@ class LookaheadDecoder(Decoder):
         widest = 1 + (la.ngram - 1) * la.window + la.guesses * (max(la.ngram, la.text_n) - 1)
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         pool = NGramPool(la.guesses)
+        for ngram in self.seeds:
+            pool.add(ngram)
         if la.prompt_pool:
             pool.add_text(prompt_ids, la.text_n)
         text = list(prompt_ids)  # prompt + committed tokens, for the output pool

@@ -1,12 +1,12 @@
-"""`python -m playground.train draft|medusa [options]`: train a draft model for speculative decoding, or Medusa
-heads for a target."""
+"""`python -m playground.train draft|medusa|ngrams [options]`: train a draft model for speculative decoding or
+Medusa heads for a target, or write the target's answers whose n-grams seed lookahead decoding's pool."""
 
 from __future__ import annotations
 
 import sys
 
 from ..__main__ import OneLineParser, run_cli
-from . import draft, medusa
+from . import draft, medusa, ngrams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     medusa_parser = commands.add_parser("medusa", help="self-distil Medusa heads for a frozen target")
     medusa.add_args(medusa_parser)
     medusa_parser.set_defaults(func=medusa.main)
+    ngrams_parser = commands.add_parser("ngrams", help="write the target's answers for lookahead's corpus pool")
+    ngrams.add_args(ngrams_parser)
+    ngrams_parser.set_defaults(func=ngrams.main)
     return run_cli(parser, argv)
 
 
