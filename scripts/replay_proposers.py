@@ -30,7 +30,7 @@ from playground.bench_suite import SUITE  # noqa: E402
 from playground.decoding.lookahead import NGramPool, frequent_ngrams  # noqa: E402
 from playground.models import ModelLoadError  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
-from playground.decoding.prompt_lookup import ProposalGate, find_continuation  # noqa: E402
+from playground.decoding.prompt_lookup import ProposalGate, agreement, find_continuation  # noqa: E402
 
 
 class LookupProposer:
@@ -78,16 +78,6 @@ class TextPoolProposer:
 
     def judged(self, proposal: list[int], agreed: int) -> None:
         pass
-
-
-def agreement(proposal: list[int], future: list[int]) -> int:
-    """How many of the proposal's first tokens equal the target's next tokens."""
-    agreed = 0
-    for proposed, wanted in zip(proposal, future):
-        if proposed != wanted:
-            break
-        agreed += 1
-    return agreed
 
 
 def replay(prompt_ids: list[int], output_ids: list[int], proposer: LookupProposer | TextPoolProposer) -> float:

@@ -99,19 +99,22 @@ def merge_proposals(proposals: list[list[int]]) -> tuple[list[int], list[int], l
     return tokens, parents, paths
 
 
+def agreement(proposal: list[int], future: list[int]) -> int:
+    """How many of the proposal's first tokens equal the target's next tokens: what greedy acceptance keeps."""
+    agreed = 0
+    for proposed, wanted in zip(proposal, future):
+        if proposed != wanted:
+            break
+        agreed += 1
+    return agreed
+
+
 def best_copy(sequence: list[int], future: list[int], max_ngram: int, num_draft: int) -> int:
     """How many of `future`'s first tokens the best single copy proposal could match: over every occurrence
     `find_continuation` considers, the longest agreement between the num_draft tokens that followed it and
     `future`. An oracle: `find_continuation` must commit to one occurrence without seeing `future`."""
-    best = 0
-    for _, end in occurrences(sequence, max_ngram):
-        agree = 0
-        for copied, wanted in zip(sequence[end : end + num_draft], future):
-            if copied != wanted:
-                break
-            agree += 1
-        best = max(best, agree)
-    return best
+    return max((agreement(sequence[end : end + num_draft], future) for _, end in occurrences(sequence, max_ngram)),
+               default=0)
 
 
 @dataclass(frozen=True, slots=True)
