@@ -108,7 +108,7 @@ def algo_params(args: argparse.Namespace) -> Any:
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
                                prompt_pool=not args.no_prompt_pool, output_pool=not args.no_output_pool,
                                text_ngram=args.text_ngram, corpus_pool=not args.no_corpus_pool,
-                               corpus=args.corpus)
+                               corpus=args.corpus, context=args.context)
     if args.algo == "medusa":
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the pool (default: the one shipped for the embedded model)")
     ahead.add_argument("--no-corpus-pool", action="store_true",
                        help="do not seed the pool from the target's answers to other prompts")
+    ahead.add_argument("--context", type=int, default=LOOKAHEAD.context,
+                       help="look candidates up by the last K tokens first, then fewer, down to the last one, "
+                            f"1..8 (default {LOOKAHEAD.context}; 1: keyed by the last token only, as in the paper)")
     tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
     tree.add_argument("--medusa-heads", default=None,
                       help="folder of heads trained by `python -m playground.train medusa` (default: the heads "

@@ -173,7 +173,10 @@ class LookaheadParams:
     verifies longer copies, since text repeats in longer runs than the window guesses, in wider forwards.
     corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
     target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
-    for the embedded target, and no seeding for a target without one). The defaults are measured (README,
+    for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
+    tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
+    step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
+    only); it changes which G n-grams are verified, not how many. The defaults are measured (README,
     Command line): on a 2-core CPU a forward's cost grows with its 1 + (N - 1) W + G (max(N, M) - 1) tokens,
     and W 1 with M = N ran fastest over the benchmark suite.
     """
@@ -186,6 +189,7 @@ class LookaheadParams:
     text_ngram: int | None = None
     corpus_pool: bool = True
     corpus: str | None = None
+    context: int = 3
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, 16)
@@ -193,6 +197,7 @@ class LookaheadParams:
         check_int("guesses", self.guesses, 1, 16)
         if self.text_ngram is not None:
             check_int("text_ngram", self.text_ngram, 2, 16)
+        check_int("context", self.context, 1, 8)
         if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
             raise ConfigError(f"corpus must be a file path or None, got {self.corpus!r}")
         for name in ("prompt_pool", "output_pool", "corpus_pool"):

@@ -65,7 +65,7 @@ class DraftEvent:
 @dataclass(frozen=True, slots=True)
 class LookaheadEvent:
     """A lookahead step before its forward: the Jacobi window (N - 1 rows of W token ids, oldest row first),
-    the number of n-grams in the pool, and the pool's candidates for the last token (its hits)."""
+    the number of n-grams in the pools, and the pools' candidates for the last tokens (its hits)."""
 
     KIND: ClassVar[str] = "lookahead"
     step: int
@@ -73,6 +73,7 @@ class LookaheadEvent:
     window: list[list[int]]
     pool_size: int
     candidates: list[list[int]]
+    keys: list[int] | None = None  # per candidate, how many trailing tokens it was keyed by (None: 1 each)
 
 
 @dataclass(frozen=True, slots=True)

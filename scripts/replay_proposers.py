@@ -5,8 +5,8 @@ one token from the target. Given plain decoding's tokens for a prompt, how many 
 only the text needs therefore follows without running the model per step: a proposer idea is measured in seconds
 and free of the machine's timing noise. Replayed over the benchmark suite: prompt lookup (`--max-ngram`,
 `--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
-n-gram sizes M (`--text-ngrams`, G = `--guesses`), without and with its corpus pool (`--corpus`), without the
-Jacobi window, whose guesses need the model.
+n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
+pool (`--corpus`), without the Jacobi window, whose guesses need the model.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from playground.bench import GROUNDED  # noqa: E402
 from playground.config import ConfigError, GenerationParams, LookaheadParams, PromptLookupParams  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
-from playground.decoding.lookahead import NGramPool, frequent_ngrams  # noqa: E402
+from playground.decoding.lookahead import TextPools  # noqa: E402
 from playground.models import ModelLoadError  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
 from playground.decoding.prompt_lookup import ProposalGate, agreement, find_continuation  # noqa: E402
@@ -57,24 +57,22 @@ class LookupProposer:
 
 
 class TextPoolProposer:
-    """Lookahead's verification branch fed by the prompt's and the committed text's M-grams only (and the corpus
-    pool's `seeds`, when given): up to G continuations of the last token, as `NGramPool` keeps them."""
+    """Lookahead's verification branch fed by the prompt's and the committed text's n-grams only (and the corpus
+    pool's `seeds`, when given): up to G continuations of the last 1..K tokens, as `TextPools` keeps them."""
 
-    def __init__(self, prompt_ids: list[int], text_ngram: int, guesses: int,
-                 seeds: list[tuple[int, ...]] | None = None) -> None:
-        self.n = text_ngram
-        self.pool = NGramPool(guesses)
-        for ngram in seeds or []:  # the corpus pool's, before the prompt's, as the decoder adds them
-            self.pool.add(ngram)
-        self.pool.add_text(prompt_ids, text_ngram)
+    def __init__(self, prompt_ids: list[int], text_ngram: int, guesses: int, context: int,
+                 seeds: TextPools | None = None) -> None:
+        # the corpus pool's seeds come before the prompt's n-grams, as in the decoder
+        self.pools = TextPools(guesses, text_ngram, context, base=seeds)
+        self.pools.add_text(prompt_ids)
         self.seen = len(prompt_ids)
 
     def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
         # The last token is not committed to the text yet (the decoder feeds it with the step).
         committed = sequence[:-1]
-        self.pool.add_text(committed, self.n, self.seen)
+        self.pools.add_text(committed, self.seen)
         self.seen = len(committed)
-        return [list(c[:budget]) for c in self.pool.candidates(sequence[-1])]
+        return [list(c[:budget]) for c in self.pools.candidates(sequence)[0]]
 
     def judged(self, proposal: list[int], agreed: int) -> None:
         pass
@@ -134,6 +132,8 @@ def main() -> int:
     parser.add_argument("--verify-overhead", type=float, default=0.4)
     parser.add_argument("--text-ngrams", type=sizes, default=[3, 4, 5, 6])
     parser.add_argument("--guesses", type=int, default=2)
+    parser.add_argument("--contexts", type=sizes, default=[1, 3],
+                        help="longest keys K of the text pools to replay (lookahead's --context), e.g. 1,2,3")
     parser.add_argument("--corpus", default=default_answers("embedded"),
                         help="answers file whose M-grams seed the pools, as lookahead's corpus pool does (default: "
                              "the shipped one); 'none' to replay without")
@@ -141,7 +141,8 @@ def main() -> int:
     try:  # the decoders' own checks name the field and its range
         PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, verify_overhead=args.verify_overhead)
         for m in args.text_ngrams:
-            LookaheadParams(guesses=args.guesses, text_ngram=m)
+            for k in args.contexts:
+                LookaheadParams(guesses=args.guesses, text_ngram=m, context=k)
         GenerationParams(max_new_tokens=args.new_tokens)
         corpus = read_answers(args.corpus)[0] if args.corpus and args.corpus != "none" else None
     except (ConfigError, ModelLoadError) as error:
@@ -159,20 +160,20 @@ def main() -> int:
         f"prompt lookup, gated at {args.verify_overhead}":
             lambda run: LookupProposer(args.max_ngram, args.num_draft, args.verify_overhead),
         "prompt lookup, ungated": lambda run: LookupProposer(args.max_ngram, args.num_draft, None),
-        **{f"lookahead text pools, M {m}, G {args.guesses}":
-           (lambda run, m=m: TextPoolProposer(run["prompt_ids"], m, args.guesses))
-           for m in args.text_ngrams},
-        **({f"lookahead text pools and corpus, M {m}, G {args.guesses}":
-            (lambda run, m=m, seeds=frequent_ngrams(corpus, m, args.guesses):
-             TextPoolProposer(run["prompt_ids"], m, args.guesses, seeds))
-            for m in args.text_ngrams} if corpus else {}),
+        **{f"lookahead text pools, M {m}, G {args.guesses}, K {k}":
+           (lambda run, m=m, k=k: TextPoolProposer(run["prompt_ids"], m, args.guesses, k))
+           for m in args.text_ngrams for k in args.contexts},
+        **({f"lookahead text pools and corpus, M {m}, G {args.guesses}, K {k}":
+            (lambda run, m=m, k=k, seeds=TextPools.seeded(args.guesses, m, k, corpus):
+             TextPoolProposer(run["prompt_ids"], m, args.guesses, k, seeds))
+            for m in args.text_ngrams for k in args.contexts} if corpus else {}),
     }
     print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
-    print(f"{'proposer':44s} {'median':>7s} {'grounded':>9s}  per prompt")
+    print(f"{'proposer':50s} {'median':>7s} {'grounded':>9s}  per prompt")
     for name, make in proposers.items():
         rates = [replay(r["prompt_ids"], r["output_ids"], make(r)) for r in runs]
         grounded = [x for x, r in zip(rates, runs) if r["category"] in GROUNDED]
-        print(f"{name:44s} {statistics.median(rates):7.2f} {statistics.median(grounded):9.2f}  "
+        print(f"{name:50s} {statistics.median(rates):7.2f} {statistics.median(grounded):9.2f}  "
               + " ".join(f"{x:.2f}" for x in rates))
     return 0
 

@@ -17,7 +17,7 @@ from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
-            "window": 2, "ngram": 3, "guesses": 2, "tree": "small",
+            "window": 2, "ngram": 3, "guesses": 2, "context": 3, "tree": "small",
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 
@@ -77,6 +77,7 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
     ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
     ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
+    ("hi", {"algo": "lookahead", "context": 0}, "context must be an integer in [1, 8]"),
     ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
@@ -110,6 +111,7 @@ def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_st
     detail, step = outputs[2], outputs[5]
     assert step["maximum"] > 1
     assert "Jacobi window" in detail and detail.count("<th>row ") == 2 and "n-grams;" in detail  # N - 1 rows
+    assert re.search(r"<sub>after [123]</sub>", detail)  # each hit says how many tokens it was found after
     _, tokens_html, first = client.predict(1, api_name="/replay_step")
     assert "<b>step 1</b>" in first and "Jacobi window" in first
     assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')

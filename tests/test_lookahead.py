@@ -6,7 +6,7 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
-from playground.decoding.lookahead import NGramPool, frequent_ngrams, step_layout
+from playground.decoding.lookahead import NGramPool, TextPools, frequent_ngrams, step_layout
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers
 
@@ -19,12 +19,12 @@ def test_pool_keys_lru_and_bound() -> None:
     pool.add((1, 2, 3))
     pool.add((1, 4, 5))
     pool.add((7, 8, 9))
-    assert pool.candidates(1) == [(4, 5), (2, 3)]  # most recent first
-    assert pool.candidates(7) == [(8, 9)] and pool.candidates(2) == []
+    assert pool.candidates([1]) == [(4, 5), (2, 3)]  # most recent first
+    assert pool.candidates([7]) == [(8, 9)] and pool.candidates([2]) == []
     pool.add((1, 2, 3))  # seen again: refreshed, not duplicated
-    assert pool.candidates(1) == [(2, 3), (4, 5)]
+    assert pool.candidates([1]) == [(2, 3), (4, 5)]
     pool.add((1, 6, 6))  # a third continuation of 1 evicts the least recently used, (4, 5)
-    assert pool.candidates(1) == [(6, 6), (2, 3)]
+    assert pool.candidates([1]) == [(6, 6), (2, 3)]
     assert len(pool) == 3
 
 
@@ -33,22 +33,22 @@ def test_pool_keeps_the_longer_of_two_continuations_where_one_starts_the_other()
     pool.add((1, 2, 3, 4, 5))  # a text n-gram (M = 5)
     pool.add((1, 6, 7))
     pool.add((1, 2, 3))  # a window n-gram the text one already guesses: refreshes it, takes no slot
-    assert pool.candidates(1) == [(2, 3, 4, 5), (6, 7)]
+    assert pool.candidates([1]) == [(2, 3, 4, 5), (6, 7)]
     pool.add((1, 6, 7, 8, 9))  # guesses more than (6, 7): replaces it
-    assert pool.candidates(1) == [(6, 7, 8, 9), (2, 3, 4, 5)] and len(pool) == 2
+    assert pool.candidates([1]) == [(6, 7, 8, 9), (2, 3, 4, 5)] and len(pool) == 2
     pool.add((1, 2, 3, 9))  # shares a prefix only: a new guess, evicting the least recently used
-    assert pool.candidates(1) == [(2, 3, 9), (6, 7, 8, 9)]
+    assert pool.candidates([1]) == [(2, 3, 9), (6, 7, 8, 9)]
 
 
 def test_pool_takes_every_ngram_a_text_gained() -> None:
     whole = NGramPool(guesses=4)
     whole.add_text([1, 2, 3, 1, 2, 4], 3)  # (1, 2, 3), (2, 3, 1), (3, 1, 2), (1, 2, 4)
-    assert whole.candidates(1) == [(2, 4), (2, 3)] and whole.candidates(2) == [(3, 1)]
-    assert whole.candidates(3) == [(1, 2)] and len(whole) == 4
+    assert whole.candidates([1]) == [(2, 4), (2, 3)] and whole.candidates([2]) == [(3, 1)]
+    assert whole.candidates([3]) == [(1, 2)] and len(whole) == 4
     grown = NGramPool(guesses=4)
     grown.add_text([1, 2, 3], 3)
     grown.add_text([1, 2, 3, 1, 2, 4], 3, start=3)  # only the n-grams ending in the three new tokens
-    assert {t: grown.candidates(t) for t in (1, 2, 3)} == {t: whole.candidates(t) for t in (1, 2, 3)}
+    assert {t: grown.candidates([t]) for t in (1, 2, 3)} == {t: whole.candidates([t]) for t in (1, 2, 3)}
     short = NGramPool(guesses=4)
     short.add_text([5, 6], 3)
     assert len(short) == 0
@@ -62,7 +62,58 @@ def test_frequent_ngrams_keep_the_most_common_per_first_token_least_frequent_fir
     pool = NGramPool(guesses=2)
     for ngram in frequent_ngrams(answers, 3, per_key=2):
         pool.add(ngram)
-    assert pool.candidates(1) == [(2, 4), (2, 3)]  # the most frequent is the most recently used
+    assert pool.candidates([1]) == [(2, 4), (2, 3)]  # the most frequent is the most recently used
+
+
+def test_frequent_ngrams_by_a_longer_key() -> None:
+    answers = [[1, 2, 3, 1, 2, 3, 1, 2, 4], [1, 2, 4, 1, 2, 4, 5, 6, 7]]
+    # key (1, 2): (1,2,4) x3 beats (1,2,3) x2; key (2, 3) and (3, 1): one n-gram each, seen twice
+    assert frequent_ngrams(answers, 3, per_key=1, key=2) == [(3, 1, 2), (2, 3, 1), (1, 2, 4)]
+    pool = NGramPool(guesses=2, key=2)
+    pool.add_text([9, 1, 2, 3, 1, 2, 4], 3)
+    assert pool.candidates([7, 1, 2]) == [(4,), (3,)]  # the continuations of the last two tokens
+    assert pool.candidates([2]) == [] and pool.candidates([5, 2]) == [] and len(pool) == 5
+
+
+def test_text_pools_back_off_from_the_longest_key() -> None:
+    """Text 1 2 3 5 2 4 9 (M 3): after "1 2" came "3 5", after "5 2" came "4 9"; after "2" alone, both."""
+    text = [1, 2, 3, 5, 2, 4, 9]
+    one = TextPools(guesses=1, text_ngram=3, context=2)
+    one.add_text(text)
+    assert one.candidates([1, 2]) == ([(3, 5)], [2])  # the key-1 pool would guess its latest, (4, 9)
+    assert one.candidates([5, 2]) == ([(4, 9)], [2])
+    assert one.candidates([7, 2]) == ([(4, 9)], [1])  # no "7 2" seen: backs off to the last token
+    assert one.candidates([8]) == ([], [])
+    two = TextPools(guesses=2, text_ngram=3, context=2)
+    two.add_text(text)
+    assert two.candidates([1, 2]) == ([(3, 5), (4, 9)], [2, 1])  # (3, 5) from the key-1 pool is not repeated
+    paper = TextPools(guesses=1, text_ngram=3, context=1)
+    paper.add_text(text)
+    assert paper.candidates([1, 2]) == ([(4, 9)], [1]) and len(paper) == 4 and len(one) == 4 + 4
+
+
+def test_a_pool_started_from_a_base_copies_a_key_only_when_it_changes() -> None:
+    base = NGramPool(guesses=2)
+    base.add_text([1, 2, 3, 1, 4, 5], 3)  # key 1: (4, 5), (2, 3); keys 2, 3: one each
+    run = NGramPool(guesses=2, base=base)
+    assert run.candidates([1]) == [(4, 5), (2, 3)] and len(run) == 4
+    run.add((1, 6, 7))  # evicts (2, 3) in this run's copy only
+    run.add((8, 9, 9))
+    assert run.candidates([1]) == [(6, 7), (4, 5)] and run.candidates([2]) == [(3, 1)] and len(run) == 5
+    assert base.candidates([1]) == [(4, 5), (2, 3)] and base.candidates([8]) == [] and len(base) == 4
+    with pytest.raises(ValueError, match="same guesses and key"):
+        NGramPool(guesses=3, base=base)
+    seeded = TextPools.seeded(guesses=1, text_ngram=3, context=2, answers=[[1, 2, 3, 5]] * 2)
+    pools = TextPools(guesses=1, text_ngram=3, context=2, base=seeded)
+    assert pools.candidates([1, 2]) == ([(3, 5)], [2]) and len(pools) == len(seeded) == 2 + 1
+
+
+def test_text_pools_let_a_longer_guess_replace_one_it_starts() -> None:
+    pools = TextPools(guesses=2, text_ngram=2, context=2)  # text continuations of one token
+    pools.add_window((2, 3, 5))  # the window's 3-grams go to the key-1 pool only
+    pools.add_text([1, 2, 3])
+    assert pools.pools[1].candidates([1, 2]) == [(3,)] and pools.pools[0].candidates([2]) == [(3, 5)]
+    assert pools.candidates([1, 2]) == ([(3, 5)], [1])  # guesses all that (3,) does, and more
 
 
 def test_step_layout_on_a_small_case() -> None:
@@ -88,10 +139,12 @@ def test_step_layout_on_a_small_case() -> None:
 SETTINGS = [LookaheadParams(),
             LookaheadParams(window=2, ngram=2, guesses=1, prompt_pool=False, output_pool=False),
             LookaheadParams(window=6, ngram=5, guesses=6),
-            LookaheadParams(text_ngram=6)]
+            LookaheadParams(text_ngram=6),
+            LookaheadParams(context=1),
+            LookaheadParams(window=2, ngram=4, context=5, corpus_pool=False)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}")
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}-K{p.context}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
     decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
@@ -105,6 +158,8 @@ def test_trace_shows_window_pool_and_the_verified_candidate(target) -> None:
     steps = [e for e in trace.events if e.KIND == "lookahead"]
     assert steps and all(len(e.window) == 2 and all(len(r) == 3 for r in e.window) for e in steps)
     assert all(len(e.candidates) <= 2 for e in steps) and steps[-1].pool_size > steps[0].pool_size
+    assert all(len(e.keys) == len(e.candidates) and all(1 <= k <= params.context for k in e.keys) for e in steps)
+    assert any(k > 1 for e in steps for k in e.keys)  # the counting repeats its own longer phrases
     for event in trace.events:
         if event.KIND == "draft":  # the verified candidate is one of the step's hits
             hit = next(e for e in steps if e.step == event.step)
@@ -146,16 +201,18 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     generation = GenerationParams(max_new_tokens=12)
     only_corpus = LookaheadParams(prompt_pool=False, output_pool=False, corpus=str(corpus))
     decoder = LookaheadDecoder(target, SamplingParams(), generation, only_corpus)
-    assert decoder.params()["corpus"] == str(corpus) and len(decoder.seeds) == len(phrase) - 2
+    # per key length k = 1, 2, 3: every (k + 2)-gram of the phrase, seen twice
+    assert decoder.params()["corpus"] == str(corpus)
+    assert [len(seeds) for seeds in decoder.seeds.pools] == [len(phrase) - 2, len(phrase) - 3, len(phrase) - 4]
     output, trace = generate(decoder, "Suggest a short plan for a relaxing Sunday afternoon at home.")
-    assert next(e for e in trace.events if e.KIND == "lookahead").pool_size == len(phrase) - 2
+    assert next(e for e in trace.events if e.KIND == "lookahead").pool_size == 3 * len(phrase) - 9
     plain, _ = generate(AutoregressiveDecoder(target, SamplingParams(), generation),
                         "Suggest a short plan for a relaxing Sunday afternoon at home.")
     assert output.token_ids == plain.token_ids
     # by default the embedded target's shipped answers seed the pool; switched off, nothing does
     assert LookaheadDecoder(target, SamplingParams(), generation).corpus == str(EMBEDDED_ANSWERS)
     off = LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus_pool=False))
-    assert off.corpus is None and off.seeds == [] and off.params()["corpus"] is None
+    assert off.corpus is None and len(off.seeds) == 0 and off.params()["corpus"] is None
 
 
 def test_a_bad_corpus_names_the_field(target, tmp_path) -> None:
@@ -187,7 +244,8 @@ def test_sampling_matches_the_target_distribution(target) -> None:
 @pytest.mark.parametrize("field, value, message", [("window", 0, r"window must be an integer in \[1, 16\]"),
                                                    ("ngram", 1, r"ngram must be an integer in \[2, 8\]"),
                                                    ("guesses", 17, r"guesses must be an integer in \[1, 16\]"),
-                                                   ("text_ngram", 1, r"text_ngram must be an integer in \[2, 16\]")])
+                                                   ("text_ngram", 1, r"text_ngram must be an integer in \[2, 16\]"),
+                                                   ("context", 9, r"context must be an integer in \[1, 8\]")])
 def test_parameter_ranges(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         LookaheadParams(**{field: value})

@@ -24,7 +24,7 @@ def test_agreement_counts_the_leading_equal_tokens() -> None:
 def test_text_pool_replay_on_a_hand_checked_case() -> None:
     # pool of the prompt's 3-grams: key 1 -> (2, 3). Step 1 proposes (2, 3): both agree, +1 token (known 4);
     # step 2 again (2, 3), +1 (known 7): 6 tokens in 2 forwards.
-    proposer = replay_proposers.TextPoolProposer(PROMPT, text_ngram=3, guesses=2)
+    proposer = replay_proposers.TextPoolProposer(PROMPT, text_ngram=3, guesses=2, context=1)
     assert replay_proposers.replay(PROMPT, OUTPUT, proposer) == 3.0
 
 

@@ -347,7 +347,7 @@ def test_ngrams_writer_saves_the_targets_answers_for_lookahead(tmp_path, target,
     small = ["ngrams", "--prompts", "2", "--answer-tokens", "8", "--generate-batch", "2", "--out", str(out)]
     assert main(small) == 0
     report = json.loads((out / "report.json").read_text())
-    answers = load_answers(str(out / ANSWERS), target)
+    answers = load_answers(str(out / ANSWERS), target.model.config.vocab_size)
     assert len(answers) == report["prompts"] == 2 and 0 < sum(map(len, answers)) == report["tokens"] <= 16
     # the same seed samples the same prompts, none of them the benchmark's
     assert sample_prompts(2, 0) == sample_prompts(2, 0) != sample_prompts(2, 1)
@@ -363,4 +363,4 @@ def test_ngrams_writer_defaults_reproduce_the_shipped_answers(target) -> None:
     defaults = vars(parser.parse_args([]))
     assert {k: defaults[k] for k in ("prompts", "answer_tokens", "dtype", "generate_batch", "seed")} == {
         k: report[k] for k in ("prompts", "answer_tokens", "dtype", "generate_batch", "seed")}
-    assert sum(map(len, load_answers(str(EMBEDDED_ANSWERS), target))) == report["tokens"]
+    assert sum(map(len, load_answers(str(EMBEDDED_ANSWERS), target.model.config.vocab_size))) == report["tokens"]

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from .loader import LoadedModel, ModelLoadError
+from .loader import ModelLoadError
 
 ANSWERS = "answers.safetensors"
 # The answers shipped for the embedded target.
@@ -56,10 +56,9 @@ def read_answers(source: str) -> tuple[list[list[int]], int]:
     return answers, vocab
 
 
-def load_answers(source: str, target: LoadedModel) -> list[list[int]]:
-    """The answers in a file written by `save_answers`, checked against the target's vocabulary."""
+def load_answers(source: str, vocab: int) -> list[list[int]]:
+    """The answers in a file written by `save_answers`, checked against the target's vocabulary size."""
     answers, written_for = read_answers(source)
-    vocab = target.model.config.vocab_size
     if written_for != vocab:
         raise ModelLoadError(f"corpus: {source} was written for a vocabulary of {written_for} tokens, the target "
                              f"has {vocab}")

@@ -54,7 +54,7 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
                   window: Any, ngram: Any, guesses: Any, tree: str = "small",
-                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0) -> Any:
+                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
     Medusa copies propose at most num_draft tokens, as prompt lookup does."""
     if algo == "speculative":
@@ -68,7 +68,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         return PromptLookupDecoder(target, sampling, generation, params)
     if algo == "lookahead":
         params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
-                                 guesses=as_int("guesses G", guesses))
+                                 guesses=as_int("guesses G", guesses), context=as_int("context K", context))
         return LookaheadDecoder(target, sampling, generation, params)
     if algo == "medusa":
         if acceptance not in ACCEPTANCE:
@@ -143,8 +143,8 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, tree: str, acceptance: str, copy_ngram: Any, model_source: str,
-               draft_source: str,
+               ngram: Any, guesses: Any, context: Any, tree: str, acceptance: str, copy_ngram: Any,
+               model_source: str, draft_source: str,
                device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
@@ -162,7 +162,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram)
+                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, context)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -240,7 +240,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
                     ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)
-                    guesses = gr.Number(LOOKAHEAD.guesses, label="guesses G", step=1)
+                    guesses = gr.Number(LOOKAHEAD.guesses, label="guesses G (1..16)", step=1)
+                    context = gr.Number(LOOKAHEAD.context, label="context K (1..8)", step=1,
+                                        info="lookahead: look guesses up by the last K tokens first, then fewer")
                 with gr.Row():
                     tree = gr.Dropdown(list(TREES), value=DEFAULT_TREE, label="Medusa tree")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
@@ -272,7 +274,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, *model, history]
+              num_draft, window, ngram, guesses, context, tree, acceptance, copy_ngram, *model, history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")

@@ -144,11 +144,13 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
         rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{_text(i, token_text)}</td>' for i in row)}</tr>"
                        for r, row in enumerate(look.window))
         chosen = [t.id for t in draft.tokens] if draft else None
-        hits = "".join(_ngram(c, token_text, "pg-verified" if c == chosen else "") for c in look.candidates)
+        keys = look.keys or [1] * len(look.candidates)
+        hits = "".join(f"{_ngram(c, token_text, 'pg-verified' if c == chosen else '')}<sub>after {k}</sub>"
+                       for c, k in zip(look.candidates, keys))
         parts.append(f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
                      f"n-gram for the pool):</div><table>{rows}</table>"
-                     f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s) for the last token"
-                     f"{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
+                     f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s), each found after the "
+                     f"last k tokens{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
     if tree is not None:
         parts.append(render_tree(tree, token_text))
     parts.append("</div>")
