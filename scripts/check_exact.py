@@ -50,6 +50,7 @@ def main() -> int:
                                                                 PromptLookupParams(num_draft=5, branches=2)),
             f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
             f"lookahead-text6/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(text_ngram=6)),
+            f"lookahead-context1/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(context=1)),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
                for tree in ("small", "wide")},
             f"medusa-copy/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(copy_ngram=3)),

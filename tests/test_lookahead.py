@@ -144,7 +144,8 @@ SETTINGS = [LookaheadParams(),
             LookaheadParams(window=2, ngram=4, context=5, corpus_pool=False)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}-K{p.context}")
+@pytest.mark.parametrize("params", SETTINGS,
+                         ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}-K{p.context}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
     decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)

@@ -12,7 +12,9 @@ Each step is one target forward over three branches, kept apart by the attention
   window guesses them. Those two take n-grams of `text_ngram` M tokens (default N), so a guess from the text
   may run longer than the window's. Before them the pool is seeded (`corpus_pool`) with the most frequent
   M-grams of the target's own answers to other prompts: its habitual phrases, a static pool in the spirit of
-  retrieval-based drafting (REST, He et al. 2023), which no text so far may hold yet.
+  retrieval-based drafting (REST, He et al. 2023), which no text so far may hold yet. The text's n-grams are
+  also kept keyed by their first 2..K tokens (`context`), and the candidates following the longest run of x and
+  the tokens before it come first (`TextPools`).
 Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
 the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
 of that candidate, moved into place; the window and the other candidates are dropped.
@@ -113,8 +115,8 @@ class TextPools:
     def __init__(self, guesses: int, text_ngram: int, context: int, base: TextPools | None = None) -> None:
         """`base`: pools of the same settings this one starts as a copy of (see `NGramPool`)."""
         self.guesses, self.text_ngram = guesses, text_ngram
-        bases = [None] * context if base is None else base.pools
-        self.pools = [NGramPool(guesses, key, base) for key, base in zip(range(1, context + 1), bases, strict=True)]
+        starts = [None] * context if base is None else base.pools
+        self.pools = [NGramPool(guesses, key, start) for key, start in zip(range(1, context + 1), starts, strict=True)]
 
     @classmethod
     def seeded(cls, guesses: int, text_ngram: int, context: int, answers: list[list[int]]) -> TextPools:
