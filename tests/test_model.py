@@ -180,3 +180,38 @@ def test_unsupported_architecture_lists_supported() -> None:
     config = AutoConfig.for_model("gpt2")
     with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3"):
         build_model(config, {}, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+@torch.inference_mode()
+def test_a_tokens_logits_are_the_same_bits_in_every_forward(target, kv: str) -> None:
+    """Greedy exactness by construction, on either cache: a chain's tokens decoded one per step, verified in one
+    forward, and verified as one branch of a tree whose other branch sits between them (hidden keys between a
+    token's ancestors) all give bit-identical logits, so no near-tie can tip a verifier's argmax away from plain
+    decoding's. Needs the native attention (PyTorch's differed in the last bits between these forwards)."""
+    kernel = native.kernel()
+    model = target.model
+    if kernel is None or not kernel.attends(model.config.head_dim, model.dtype, model.device):
+        pytest.skip(f"native attention unavailable: kernel {native.status()}")
+    from playground.config import GenerationParams
+    from playground.decoding.base import forward_tokens, forward_tree
+    from playground.decoding.base import new_cache as decoding_cache
+
+    prompt = target.tokenizer("Greedy decoding must not depend on how tokens are batched.").input_ids
+    chain, other = [330, 1345, 2810, 28, 4917], [1135, 47, 3016, 9016, 12]
+
+    def prefilled():
+        cache = decoding_cache(model, 64, GenerationParams(max_new_tokens=16, kv=kv))
+        forward_tokens(model, cache, prompt)
+        return cache
+
+    cache = prefilled()
+    plain = torch.stack([forward_tokens(model, cache, [token])[-1] for token in chain])  # (5, V)
+    verified = forward_tokens(model, prefilled(), chain, num_logits=len(chain))  # (5, V)
+    assert torch.equal(verified, plain)
+    # Nodes a1, b1, a2, b2, ...: the chain and another branch of the same depths, interleaved.
+    tokens = [t for pair in zip(chain, other) for t in pair]
+    depths = [i // 2 for i in range(len(tokens))]
+    mask = torch.tensor([[j <= i and j % 2 == i % 2 for j in range(len(tokens))] for i in range(len(tokens))])
+    tree_logits, _ = forward_tree(model, prefilled(), tokens, depths, mask)  # (10, V)
+    assert torch.equal(tree_logits[0::2], plain)

@@ -1,4 +1,4 @@
-"""The native CPU matrix product: built once, exact to float32 rounding, row-independent, optional."""
+"""The native CPU kernels: built once, exact to float32 rounding, a row's result independent of the other rows, optional."""
 
 from __future__ import annotations
 
@@ -79,9 +79,99 @@ def test_without_a_compiler_or_when_switched_off_pytorch_kernels_stay(monkeypatc
 
 
 def test_a_failing_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    broken = tmp_path / "gemm.c"
+    broken = tmp_path / "kernels.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setattr(native, "default_cache_dir", lambda: tmp_path / "cache")
     kernel, status = native._try_kernel()
     assert kernel is None and status.startswith("unavailable (the C build failed: ")
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                        new_tokens: int) -> torch.Tensor:
+    """PyTorch's attention on the kernel's layout: q (B, Hkv, G*T, D), visible (B, T, L) or None."""
+    b, hkv, rows, _ = q.shape
+    mask = None
+    if visible is not None:  # row r of q is new token r % T
+        mask = visible.unsqueeze(1).expand(b, rows // new_tokens, new_tokens, -1).reshape(b, 1, rows, -1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def random_tree(new_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Visibility (T, T) among the new tokens of a random tree: each sees its ancestors and itself."""
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(1, new_tokens)]
+    visible = torch.zeros(new_tokens, new_tokens, dtype=torch.bool)
+    for node in range(new_tokens):
+        at = node
+        while at >= 0:
+            visible[node, at] = True
+            at = parents[at]
+    return visible
+
+
+def cache_views(batch: int, hkv: int, key_len: int, d: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as the caches hand them over: slices of a longer contiguous cache, or the paged cache's
+    gathered (B, L, Hkv, D) read as (B, Hkv, L, D)."""
+    if layout == "contiguous":
+        full = torch.randn(2, batch, hkv, key_len + 13, d)
+        return full[0, :, :, :key_len], full[1, :, :, :key_len]
+    full = torch.randn(2, batch, key_len, hkv, d)
+    return full[0].transpose(1, 2), full[1].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("shape", [(1, 3, 3, 1, 300, 64), (1, 3, 3, 7, 301, 64), (2, 2, 2, 5, 40, 32),
+                                   (1, 1, 4, 33, 70, 128), (1, 2, 1, 3, 3, 16)],
+                         ids=lambda s: "B{}-Hkv{}-G{}-T{}-L{}-D{}".format(*s))
+@pytest.mark.parametrize("visibility", ["all", "causal", "tree"])
+def test_attention_matches_pytorch(kernel: native.Kernel, shape, layout: str, visibility: str) -> None:
+    batch, hkv, group, new_tokens, key_len, d = shape
+    generator = torch.Generator().manual_seed(key_len + new_tokens)
+    torch.manual_seed(key_len)
+    keys, values = cache_views(batch, hkv, key_len, d, layout)
+    q = torch.randn(batch, hkv, group * new_tokens, d)
+    visible = None
+    if visibility != "all":
+        among = (torch.ones(new_tokens, new_tokens, dtype=torch.bool).tril() if visibility == "causal"
+                 else random_tree(new_tokens, generator))
+        visible = torch.ones(batch, new_tokens, key_len, dtype=torch.bool)
+        visible[:, :, key_len - new_tokens :] = among
+    assert kernel.attends(d, torch.float32, torch.device("cpu"))
+    got = native.attention(kernel, q, keys, values, visible, new_tokens)
+    torch.testing.assert_close(got, reference_attention(q, keys, values, visible, new_tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_a_querys_attention_depends_on_its_visible_keys_alone(kernel: native.Kernel) -> None:
+    """A tree node's result in one call with other nodes, hidden keys between its ancestors and a second sequence
+    in the batch is bit-identical to its own call over the prefix, its ancestors and itself: what a plain decode
+    step would attend to after accepting that path."""
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    hkv, group, new_tokens, prefix, d = 3, 3, 11, 150, 64
+    key_len = prefix + new_tokens
+    among = random_tree(new_tokens, generator)
+    keys, values = torch.randn(2, hkv, key_len, d), torch.randn(2, hkv, key_len, d)
+    q = torch.randn(2, hkv, group * new_tokens, d)
+    visible = torch.ones(2, new_tokens, key_len, dtype=torch.bool)
+    visible[0, :, prefix:] = among
+    visible[1, :, prefix - 40 :] = False  # the other sequence: shorter, with one token of its own
+    visible[1, :, prefix - 40] = True
+    together = native.attention(kernel, q, keys, values, visible, new_tokens)  # (2, Hkv, G*T, D)
+    rows = q[0].view(hkv, group, new_tokens, d)
+    for node in range(new_tokens):
+        seen = torch.cat([torch.arange(prefix), prefix + among[node].nonzero().flatten()])  # in key order
+        alone = native.attention(kernel, rows[:, :, node].unsqueeze(0).contiguous(), keys[:1, :, seen],
+                                 values[:1, :, seen], None, 1)  # (1, Hkv, G, D)
+        assert torch.equal(alone[0], together[0].view(hkv, group, new_tokens, d)[:, :, node])
+    other = torch.arange(prefix - 40 + 1)
+    alone = native.attention(kernel, q[1:, :, :1].contiguous(), keys[1:, :, other], values[1:, :, other], None, 1)
+    assert torch.equal(alone[0, :, 0], together[1, :, 0])
+
+
+def test_attention_serves_float32_cpu_heads_of_whole_vectors_only(kernel: native.Kernel) -> None:
+    cpu, width = torch.device("cpu"), kernel.vector_width
+    assert kernel.attends(4 * width, torch.float32, cpu)
+    assert not kernel.attends(4 * width + width // 2, torch.float32, cpu)  # PyTorch's attention serves these
+    assert not kernel.attends((native.MAX_HEAD_VECTORS + 1) * width, torch.float32, cpu)
+    assert not kernel.attends(4 * width, torch.bfloat16, cpu)
+    assert not kernel.attends(4 * width, torch.float32, torch.device("meta"))

@@ -1,9 +1,13 @@
-"""The native CPU matrix product (`gemm.c`): built once per machine with the system C compiler, loaded with ctypes.
+"""The native CPU kernels (`kernels.c`): built once per machine with the system C compiler, loaded with ctypes.
 
-On the 2-core AVX-512 CPU this project measures on, a forward over 9 new tokens of SmolLM2-135M cost about 1.5
-one-token steps through PyTorch's kernels (oneDNN for several rows, a row-blocked bmm for one) and about 1.2
-through this kernel, whose products over 1-12 rows all take about the time of reading the weights once. Every
-fast decoding algorithm verifies several tokens per step, so this is their main cost on a CPU.
+Matrix product: on the 2-core AVX-512 CPU this project measures on, a forward over 9 new tokens of SmolLM2-135M
+cost about 1.5 one-token steps through PyTorch's kernels (oneDNN for several rows, a row-blocked bmm for one) and
+about 1.2 through this kernel, whose products over 1-12 rows all take about the time of reading the weights once.
+Every fast decoding algorithm verifies several tokens per step, so this is their main cost on a CPU.
+
+Attention: a query's result depends on its own visible keys alone (see kernels.c), so with both kernels a token's
+logits are bit-identical in a plain decode step, a verifying forward, a tree and a batch; PyTorch's attention
+differed in the last bits between those, and greedy exactness then rested on no near-tie falling there.
 
 The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
 model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
@@ -26,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class Kernel:
     library: ctypes.CDLL
     panel_width: int  # output rows per packed panel
     path: Path
+    vector_width: int = 16  # floats per vector register: attention needs head_dim a multiple of it
+
+    def attends(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `attention` serves this head size, dtype and device."""
+        return (device.type == "cpu" and dtype == torch.float32 and head_dim % self.vector_width == 0
+                and head_dim <= MAX_HEAD_VECTORS * self.vector_width)
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,13 @@ def cpu_signature() -> str:
 
 
 def build(cache_dir: Path, compiler: str) -> Path:
-    """Compile `gemm.c` into cache_dir (once per source, compiler and CPU); raises OSError or CalledProcessError."""
+    """Compile `kernels.c` into cache_dir (once per source, compiler and CPU); raises OSError or CalledProcessError."""
     found = shutil.which(compiler)
     if found is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
     key = hashlib.sha256("\n".join([SOURCE.read_text(encoding="utf-8"), found, *FLAGS, cpu_signature()])
                          .encode()).hexdigest()[:16]
-    target = cache_dir / f"gemm-{key}.so"
+    target = cache_dir / f"kernels-{key}.so"
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +103,11 @@ def load(path: Path) -> Kernel:
                                         ctypes.c_void_p, ctypes.c_int]
     library.playground_gemm.restype = None
     library.playground_panel_width.restype = ctypes.c_int
-    return Kernel(library, int(library.playground_panel_width()), path)
+    library.playground_vector_width.restype = ctypes.c_int
+    library.playground_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 3 + [
+        ctypes.c_float, ctypes.c_int]
+    library.playground_attention.restype = None
+    return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()))
 
 
 def default_cache_dir() -> Path:
@@ -155,3 +170,28 @@ def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = No
                                               panels.out, y.data_ptr(), torch.get_num_threads())
     y = y.reshape(*x.shape[:-1], panels.out)
     return y if bias is None else y + bias
+
+
+def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+              new_tokens: int) -> torch.Tensor:
+    """Softmax(q k^T / sqrt(D)) v over the keys each query sees; float32 on the CPU (see `Kernel.attends`).
+
+    q (B, Hkv, R, D), R = G * new_tokens with row r the query of new token r % new_tokens (query heads sharing a KV
+    head stacked); keys, values (B, Hkv, L, D) views of the cache with the same strides and contiguous rows;
+    visible (B, T, L) bool or None (every key). Returns (B, Hkv, R, D).
+    """
+    b, hkv, rows, d = q.shape
+    key_len = keys.shape[2]
+    if keys.stride() != values.stride() or keys.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    q = q.contiguous()
+    mask = None
+    if visible is not None:
+        mask = visible.contiguous().view(torch.uint8)  # (B, T, L): bool is one byte
+    out = torch.empty_like(q)  # (B, Hkv, R, D)
+    if q.numel():
+        kernel.library.playground_attention(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
+            out.data_ptr(), b, hkv, rows, new_tokens, key_len, d, keys.stride(0), keys.stride(1), keys.stride(2),
+            d ** -0.5, torch.get_num_threads())
+    return out

@@ -6,8 +6,9 @@ The module holds weights only; the KV cache and the attention layout are passed 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from . import native
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose frequencies do not depend on the sequence length; transformers computes them for us.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# One forward's attention: (q (B, Hkv, G*T, D), keys (B, Hkv, L, D), values (B, Hkv, L, D)) -> (B, Hkv, G*T, D).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class UnsupportedModelError(ValueError):
@@ -215,7 +218,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layout: AttentionLayout, mask: torch.Tensor | None) -> torch.Tensor:
+                layout: AttentionLayout, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, t, h + 2 * hkv, d)  # (B, T, H + 2*Hkv, D)
@@ -228,7 +231,7 @@ class Attention(nn.Module):
         keys, values = cache.update(self.layer, layout, k, v)  # (B, Hkv, L, D)
         # Grouped-query attention without copying K/V: the G query heads sharing a KV head become G*T rows.
         q = qk[:, :, :h].transpose(1, 2).reshape(b, hkv, (h // hkv) * t, d)  # (B, Hkv, G*T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G*T, D)
+        out = attend(q, keys, values)  # (B, Hkv, G*T, D)
         # reshape, not view: GPU attention kernels may return (B, Hkv, G*T, D) with permuted strides.
         out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
         return self.o_proj(out)
@@ -255,8 +258,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layout: AttentionLayout, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, mask)
+                layout: AttentionLayout, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -291,6 +294,25 @@ class Transformer(nn.Module):
         sin = freqs.sin() * self.rope_scale  # (B, T, D/2)
         sin_signed = torch.cat((-sin, sin), dim=-1)  # (B, T, D)
         return cos.to(dtype).unsqueeze(2), sin_signed.to(dtype).unsqueeze(2)
+
+    def attention(self, layout: AttentionLayout) -> Attend:
+        """How this forward's layers attend, decided once: the native kernel where it serves (float32 on a CPU that
+        built it, no gradients: it has no backward), which gives a token the same bits in any forward; else
+        PyTorch's attention with the visibility as an additive mask."""
+        cfg = self.config
+        b, t, key_len = len(layout.seq_ids), layout.num_new, layout.key_len
+        mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
+        kernel = native.kernel() if self.device.type == "cpu" else None
+        if (kernel is not None and not torch.is_grad_enabled()
+                and kernel.attends(cfg.head_dim, self.dtype, self.device)):
+            return partial(native.attention, kernel, visible=None if mask is None else mask[:, 0], new_tokens=t)
+        if mask is not None:
+            # Additive, built once: attention converts a boolean mask to this form on every call, which on the
+            # CPU made a 9-token forward's attention over 300 keys 1.2-1.5x slower, 30 times per forward.
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            group = cfg.num_heads // cfg.num_kv_heads
+            mask = mask.unsqueeze(2).expand(b, 1, group, t, key_len).reshape(b, 1, group * t, -1)  # (B, 1, G*T, L)
+        return partial(F.scaled_dot_product_attention, attn_mask=mask)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output logits (..., V) in float32 for hidden states (..., E)."""
@@ -328,17 +350,11 @@ class Transformer(nn.Module):
         if cfg.sliding_window is not None and layout.key_len > cfg.sliding_window:
             raise ValueError(f"sequence of {layout.key_len} tokens exceeds the model's sliding window "
                              f"({cfg.sliding_window}); sliding-window attention is not implemented")
-        mask = layout.mask  # (B, 1, T, L) bool
-        if mask is not None:
-            # Additive, built once: attention converts a boolean mask to this form on every call, which on the
-            # CPU made a 9-token forward's attention over 300 keys 1.2-1.5x slower, 30 times per forward.
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-            group = cfg.num_heads // cfg.num_kv_heads
-            mask = mask.unsqueeze(2).expand(b, 1, group, t, layout.key_len).reshape(b, 1, group * t, -1)
+        attend = self.attention(layout)
         x = self.embed_tokens(token_ids)  # (B, T, E)
         cos, sin = self.rope(positions, x.dtype)
         for block in self.layers:
-            x = block(x, cos, sin, cache, layout, mask)
+            x = block(x, cos, sin, cache, layout, attend)
         hidden = self.norm(x)  # (B, T, E)
         if num_logits == 0:
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden

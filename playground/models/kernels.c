@@ -1,0 +1,323 @@
+/* The CPU forward's float32 kernels: matrix products with prepacked weights, and attention.
+ *
+ * Matrix products: y (n, out) = x (n, in) @ W^T, with W prepacked in panels. Why they exist: a verifying forward over 2-16 tokens is what every fast decoding algorithm pays per step, and on
+ * a 2-core CPU PyTorch's kernels for so few rows either stream the weights at a fraction of the memory bandwidth
+ * (MKL's GEMV-like paths) or stay far below the FMA peak (oneDNN). Here each weight panel is read from memory once
+ * per call and used for up to NB rows held in registers, so up to NB rows cost about what one row costs.
+ *
+ * Layout (see playground/models/native.py): panel p holds output rows [p * PANEL, (p + 1) * PANEL) of W, transposed
+ * to (in, PANEL) and contiguous, zero past `out`. Each output is a dot product summed over k in order with fused
+ * multiply-adds, whatever n is: a row's result does not depend on which other rows share the call.
+ *
+ * Built by native.py with `cc -O3 -march=native -fopenmp`; the vector width follows the target's registers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VEC 16
+#define NB 12 /* 12 rows x 2 vectors = 24 accumulators of the 32 vector registers */
+#elif defined(__AVX__)
+#define VEC 8
+#define NB 6 /* 12 accumulators of 16 */
+#else
+#define VEC 4
+#define NB 6
+#endif
+#define NV 2 /* vectors per panel row */
+#define PANEL (NV * VEC)
+
+typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VEC * 4), aligned(4)));
+
+int playground_panel_width(void) { return PANEL; }
+int playground_vector_width(void) { return VEC; }
+
+/* Rows x[0..nb) of one panel; nb is a compile-time constant at every call site (see `rows`), so the accumulators
+ * stay in registers. `cols` < PANEL only for the last panel of a W whose out is not a multiple of PANEL. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, long in, const float *panel, float *y,
+                                                               long out, int nb, int cols) {
+    vf acc[NB][NV];
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+    for (long k = 0; k < in; k++) {
+        const vf *w = (const vf *)(panel + k * PANEL); /* vf is declared 4-byte aligned: unaligned loads */
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = w[j];
+#pragma GCC unroll 16
+        for (int i = 0; i < NB; i++) {
+            if (i < nb) {
+                float b = x[i * in + k];
+                for (int j = 0; j < NV; j++) acc[i][j] += b * wv[j];
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        if (cols == PANEL) {
+            for (int j = 0; j < NV; j++) *(vf *)(y + i * out + j * VEC) = acc[i][j];
+        } else {
+            float row[PANEL];
+            memcpy(row, acc[i], sizeof(row));
+            memcpy(y + i * out, row, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+#define ROWS_CASE(k) \
+    case k: panel_rows(x, in, panel, y, out, k, cols); break;
+
+static void rows(const float *x, long in, const float *panel, float *y, long out, int nb, int cols) {
+    switch (nb) {
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5)
+#if NB > 6
+        ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11)
+#endif
+        default: panel_rows(x, in, panel, y, out, NB, cols); break;
+    }
+}
+
+/* x (n, in) and y (n, out) row-major and contiguous; packed (ceil(out / PANEL), in, PANEL). The panels are split
+ * among `threads` threads in contiguous runs, so each thread streams its own part of the weights once. */
+void playground_gemm(const float *x, int n, int in, const float *packed, int out, float *y, int threads) {
+    long panels = (out + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < panels; p++) {
+        const float *panel = packed + p * (long)in * PANEL;
+        int cols = out - p * PANEL < PANEL ? (int)(out - p * PANEL) : PANEL;
+        for (int i0 = 0; i0 < n; i0 += NB) {
+            int nb = n - i0 < NB ? n - i0 : NB;
+            rows(x + (long)i0 * in, in, panel, y + (long)i0 * out + p * PANEL, out, nb, cols);
+        }
+    }
+}
+
+/* ---- Attention ----
+ * Every sum a query's result is made of runs over the keys it sees in key order (a key's dot product over its own
+ * lanes, the softmax normaliser and the weighted values over the visible keys' ranks), so the result depends on the
+ * query and its visible keys alone: a token gives the same bits in a one-token decode step, in a verifying forward
+ * beside other tokens, at any position of a tree with hidden keys between its ancestors, and in any batch. */
+#define KEY_BLOCK 32 /* keys per block: a block of K or V stays in L1 while every row of a task reads it */
+#define ROW_CHUNK 8  /* query rows per task */
+#define MAX_ND 16    /* head_dim up to 16 vectors */
+
+/* The sum of each of four vectors' lanes, each in a fixed order that involves only its own lanes. */
+static inline __attribute__((always_inline)) void lane_sums4(vf a0, vf a1, vf a2, vf a3, float *out) {
+#if VEC == 16
+    vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+         + __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    vf e = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    e = e + __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = e[0]; out[1] = e[4]; out[2] = e[8]; out[3] = e[12];
+#else
+    vf a[4] = {a0, a1, a2, a3};
+    for (int u = 0; u < 4; u++) {
+        float s = 0.0f;
+        for (int l = 0; l < VEC; l++) s += a[u][l];
+        out[u] = s;
+    }
+#endif
+}
+
+/* exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp); 0 below -87 and for -inf or NaN. */
+static inline vf vexp(vf x) {
+    const vf round = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * 1.44269504088896341f + round) - round;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
+    vf two_n;
+    memcpy(&two_n, &bits, sizeof(two_n));
+    vf y = p * two_n;
+    memcpy(&bits, &y, sizeof(bits));
+    bits &= (x >= -87.0f); /* all ones where kept */
+    memcpy(&y, &bits, sizeof(y));
+    return y;
+}
+
+/* Scaled scores of rows [0, rows) against keys [0, limit[row]): s (rows, stride). */
+static void attention_scores(const float *q, int rows, int d, const float *k, long key_stride, int keys,
+                             const int *limit, float scale, long stride, float *s) {
+    const int nd = d / VEC;
+    for (int jb = 0; jb < keys; jb += KEY_BLOCK) {
+        int block_end = jb + KEY_BLOCK < keys ? jb + KEY_BLOCK : keys;
+        for (int r = 0; r < rows; r++) {
+            int end = block_end < limit[r] ? block_end : limit[r];
+            const vf *qr = (const vf *)(q + (long)r * d);
+            float *sr = s + (long)r * stride;
+            int j = jb;
+            for (; j + 4 <= end; j += 4) {
+                const vf *k0 = (const vf *)(k + j * key_stride), *k1 = (const vf *)(k + (j + 1) * key_stride);
+                const vf *k2 = (const vf *)(k + (j + 2) * key_stride), *k3 = (const vf *)(k + (j + 3) * key_stride);
+                vf a0 = qr[0] * k0[0], a1 = qr[0] * k1[0], a2 = qr[0] * k2[0], a3 = qr[0] * k3[0];
+                for (int c = 1; c < nd; c++) {
+                    a0 += qr[c] * k0[c];
+                    a1 += qr[c] * k1[c];
+                    a2 += qr[c] * k2[c];
+                    a3 += qr[c] * k3[c];
+                }
+                lane_sums4(a0, a1, a2, a3, sr + j);
+            }
+            for (; j < end; j++) {
+                const vf *kj = (const vf *)(k + j * key_stride);
+                vf a = qr[0] * kj[0];
+                for (int c = 1; c < nd; c++) a += qr[c] * kj[c];
+                float sums[4];
+                lane_sums4(a, a, a, a, sums);
+                sr[j] = sums[0];
+            }
+            for (int i = jb; i < end; i++) sr[i] *= scale;
+        }
+    }
+}
+
+/* Softmax weights of one row over the keys it sees, in key order: w[0..n) for keys idx[0..n), summing to 1 after
+ * the scale `*inv` is applied. Every sum runs over the visible keys' order alone, so a token's row gives the same
+ * bits whatever else shares its forward and wherever hidden keys sit among the visible ones. Returns n. */
+static int softmax_row(const float *s, const uint8_t *visible, int limit, float *w, int *idx, float *inv) {
+    int n = 0;
+    float top = -INFINITY;
+    for (int j = 0; j < limit; j++) {
+        int seen = visible == NULL || visible[j];
+        idx[n] = j;
+        w[n] = s[j];
+        top = seen && s[j] > top ? s[j] : top;
+        n += seen;
+    }
+    int padded = (n + VEC - 1) / VEC * VEC;
+    for (int i = n; i < padded; i++) w[i] = -INFINITY;
+    vf total = {0};
+    for (int i = 0; i < padded; i += VEC) {
+        vf e = vexp(*(vf *)(w + i) - top);
+        *(vf *)(w + i) = e;
+        total += e;
+    }
+    float sums[4];
+    lane_sums4(total, total, total, total, sums);
+    *inv = 1.0f / sums[0];
+    return n;
+}
+
+/* Row r's visible keys in [.., block_end), from its next one on, into two accumulators taking alternate visible
+ * keys; nd is a constant at every call site (see `attention_values`), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) int values_block(const float *v, long key_stride, const float *w,
+                                                              const int *idx, int i, int n, int block_end,
+                                                              vf *even_acc, vf *odd_acc, const int nd) {
+    vf even[MAX_ND], odd[MAX_ND];
+    for (int c = 0; c < nd; c++) {
+        even[c] = even_acc[c];
+        odd[c] = odd_acc[c];
+    }
+    if (i < n && (i & 1) && idx[i] < block_end) {
+        const vf *vj = (const vf *)(v + idx[i] * key_stride);
+        for (int c = 0; c < nd; c++) odd[c] += w[i] * vj[c];
+        i++;
+    }
+    for (; i + 1 < n && idx[i + 1] < block_end; i += 2) {
+        const vf *v0 = (const vf *)(v + idx[i] * key_stride), *v1 = (const vf *)(v + idx[i + 1] * key_stride);
+        float w0 = w[i], w1 = w[i + 1];
+        for (int c = 0; c < nd; c++) {
+            even[c] += w0 * v0[c];
+            odd[c] += w1 * v1[c];
+        }
+    }
+    if (i < n && idx[i] < block_end) {
+        const vf *vj = (const vf *)(v + idx[i] * key_stride);
+        for (int c = 0; c < nd; c++) even[c] += w[i] * vj[c];
+        i++;
+    }
+    for (int c = 0; c < nd; c++) {
+        even_acc[c] = even[c];
+        odd_acc[c] = odd[c];
+    }
+    return i;
+}
+
+/* out[r] = sum over row r's visible keys of w * V, blocked over keys so that a block of V serves every row from
+ * L1. Each accumulator adds its keys in key order, so the sum depends on the visible keys alone. */
+static void attention_values(int rows, int d, const float *v, long key_stride, int keys, const float *w,
+                             const int *idx, const int *count, const float *inv, long stride, float *out) {
+    const int nd = d / VEC;
+    vf acc[ROW_CHUNK][2][MAX_ND];
+    int next[ROW_CHUNK];
+    for (int r = 0; r < rows; r++) {
+        next[r] = 0;
+        for (int c = 0; c < nd; c++) acc[r][0][c] = acc[r][1][c] = (vf){0};
+    }
+    for (int jb = 0; jb < keys; jb += KEY_BLOCK) {
+        for (int r = 0; r < rows; r++) {
+            const float *wr = w + (long)r * stride;
+            const int *ir = idx + (long)r * stride;
+#define VALUES_CASE(k) \
+    case k: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0], acc[r][1], k); break;
+            switch (nd) {
+                VALUES_CASE(4) VALUES_CASE(8)
+                default: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0],
+                                                acc[r][1], nd); break;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < nd; c++) ((vf *)(out + (long)r * d))[c] = (acc[r][0][c] + acc[r][1][c]) * inv[r];
+}
+
+/* Attention of the new tokens' queries over the cached keys, for the CPU forward in float32.
+ *
+ * q, out (batch, kv_heads, rows, d) contiguous, rows = group * new_tokens, row r belonging to new token
+ * r % new_tokens; key/value element (b, h, j, c) at b * batch_stride + h * head_stride + j * key_stride + c;
+ * visible (batch, new_tokens, keys) bytes, nonzero where a token sees a key, or NULL: every key. d a multiple of
+ * the vector width, at most MAX_ND vectors.
+ *
+ * Why not PyTorch's kernel: its result for a query depends on how many queries share the call and where hidden keys
+ * sit, so a token's logits in a verifying forward differed from its plain decode step's in the last bits (4e-5),
+ * and greedy exactness held only where no two tokens came that close. Here a query's result depends on its own
+ * visible keys alone, and the few queries of a decode or verify step cost less. */
+void playground_attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
+                          int batch, int kv_heads, int rows, int new_tokens, int keys, int d, long batch_stride,
+                          long head_stride, long key_stride, float scale, int threads) {
+    long chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK, tasks = (long)batch * kv_heads * chunks;
+    long stride = keys + VEC; /* per-row scratch length: padded to whole vectors */
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc(sizeof(float) * ROW_CHUNK * stride), *w = malloc(sizeof(float) * ROW_CHUNK * stride);
+        int *idx = malloc(sizeof(int) * ROW_CHUNK * stride);
+        int limit[ROW_CHUNK], count[ROW_CHUNK];
+        float inv[ROW_CHUNK];
+#pragma omp for schedule(static)
+        for (long task = 0; task < tasks; task++) {
+            long b = task / (kv_heads * chunks), h = task / chunks % kv_heads, r0 = task % chunks * ROW_CHUNK;
+            int n = rows - r0 < ROW_CHUNK ? (int)(rows - r0) : ROW_CHUNK;
+            const float *kh = k + b * batch_stride + h * head_stride, *vh = v + b * batch_stride + h * head_stride;
+            const float *qt = q + ((b * kv_heads + h) * rows + r0) * d;
+            for (int r = 0; r < n; r++) {
+                const uint8_t *seen = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
+                int last = keys;
+                if (seen)
+                    while (last > 0 && !seen[last - 1]) last--;
+                limit[r] = last;
+            }
+            attention_scores(qt, n, d, kh, key_stride, keys, limit, scale, stride, s);
+            for (int r = 0; r < n; r++) {
+                const uint8_t *seen = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
+                count[r] = softmax_row(s + r * stride, seen, limit[r], w + r * stride, idx + r * stride, &inv[r]);
+            }
+            attention_values(n, d, vh, key_stride, keys, w, idx, count, inv, stride,
+                             out + ((b * kv_heads + h) * rows + r0) * d);
+        }
+        free(s);
+        free(w);
+        free(idx);
+    }
+}
