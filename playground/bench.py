@@ -218,7 +218,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Benchmark: {report['model']} ({env['device']}, {env['dtype']}, batch 1, greedy, "
         f"{report['max_new_tokens']} new tokens)",
         "",
-        f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernel: "
+        f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernels: "
         f"{env['native_kernel']}.",
         "",
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",

@@ -207,7 +207,7 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     assert "Target: **SmolLM2-135M-Instruct**: llama, 30 layers, 135M parameters, float32 on cpu" in summary
     assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
     assert "proposes from 8,192 of its 49,152 tokens; tokenizer matches the target's" in summary
-    assert "Float32 matrix products on the CPU: native kernel " in summary  # on, or off with the reason
+    assert "Float32 matrix products and attention on the CPU: native kernels " in summary  # on, or off with the reason
     other = write_draft_copy(target.folder, tmp_path / "other-tokenizer", num_layers=2)
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     tokenizer["added_tokens"].append({"id": target.model.config.vocab_size, "content": "<other>", "single_word": False,

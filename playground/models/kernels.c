@@ -124,11 +124,19 @@ static inline __attribute__((always_inline)) void lane_sums4(vf a0, vf a1, vf a2
 #endif
 }
 
-/* exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp); 0 below -87 and for -inf or NaN. */
+/* exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp); 0 below -87 and for -inf or NaN. Lanes
+ * below -87 are computed at -87 and then zeroed, so no lane converts an out-of-range float to an integer. */
 static inline vf vexp(vf x) {
+    vi below = x < -87.0f, bits, floor_bits;
+    vf floor = (vf){0} - 87.0f;
+    memcpy(&bits, &x, sizeof(bits));
+    memcpy(&floor_bits, &floor, sizeof(floor_bits));
+    bits = (bits & ~below) | (floor_bits & below);
+    vf xc;
+    memcpy(&xc, &bits, sizeof(xc));
     const vf round = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * 1.44269504088896341f + round) - round;
-    vf r = x - n * 0.693359375f;
+    vf n = (xc * 1.44269504088896341f + round) - round;
+    vf r = xc - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -137,12 +145,12 @@ static inline vf vexp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
+    bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
     vf two_n;
     memcpy(&two_n, &bits, sizeof(two_n));
     vf y = p * two_n;
     memcpy(&bits, &y, sizeof(bits));
-    bits &= (x >= -87.0f); /* all ones where kept */
+    bits &= (x >= -87.0f); /* all ones where kept: not below -87, not NaN */
     memcpy(&y, &bits, sizeof(y));
     return y;
 }
@@ -187,10 +195,29 @@ static void attention_scores(const float *q, int rows, int d, const float *k, lo
  * the scale `*inv` is applied. Every sum runs over the visible keys' order alone, so a token's row gives the same
  * bits whatever else shares its forward and wherever hidden keys sit among the visible ones. Returns n. */
 static int softmax_row(const float *s, const uint8_t *visible, int limit, float *w, int *idx, float *inv) {
+    /* Keys [0, run) are all visible (the prefix, usually most of them): copied without a test per key. */
+    const uint8_t *hidden = visible ? memchr(visible, 0, (size_t)limit) : NULL;
+    int run = hidden ? (int)(hidden - visible) : limit;
+    vf tops = (vf){0} - INFINITY;
     int n = 0;
+    for (; n + VEC <= run; n += VEC) {
+        vf x = *(const vf *)(s + n);
+        *(vf *)(w + n) = x;
+        vi above = x > tops, xb, tb;
+        memcpy(&xb, &x, sizeof(xb));
+        memcpy(&tb, &tops, sizeof(tb));
+        tb = (xb & above) | (tb & ~above);
+        memcpy(&tops, &tb, sizeof(tops));
+    }
     float top = -INFINITY;
-    for (int j = 0; j < limit; j++) {
-        int seen = visible == NULL || visible[j];
+    for (int l = 0; l < VEC; l++) top = tops[l] > top ? tops[l] : top;
+    for (; n < run; n++) {
+        w[n] = s[n];
+        top = s[n] > top ? s[n] : top;
+    }
+    for (int i = 0; i < run; i++) idx[i] = i;
+    for (int j = run; j < limit; j++) {
+        int seen = visible[j] != 0;
         idx[n] = j;
         w[n] = s[j];
         top = seen && s[j] > top ? s[j] : top;

@@ -144,7 +144,8 @@ def _try_kernel() -> tuple[Kernel | None, str]:
         return None, f"unavailable (the C build failed: {detail[-1] if detail else exc}): PyTorch's kernels"
     except (OSError, subprocess.TimeoutExpired, AttributeError) as exc:
         return None, f"unavailable ({exc}): PyTorch's kernels"
-    return loaded, f"on ({loaded.panel_width}-row panels, {loaded.path.name})"
+    return loaded, (f"on ({loaded.panel_width}-row panels; attention for head sizes in multiples of "
+                    f"{loaded.vector_width}; {loaded.path.name})")
 
 
 def pack_panels(weight: torch.Tensor, kernel: Kernel) -> Panels:

@@ -70,7 +70,7 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
         else:
             lines.append("No draft: speculative decoding needs one with the target's tokenizer.")
         if target.model.device.type == "cpu":
-            lines.append(f"Float32 matrix products on the CPU: native kernel {native.status()}.")
+            lines.append(f"Float32 matrix products and attention on the CPU: native kernels {native.status()}.")
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     return "\n\n".join(lines)
