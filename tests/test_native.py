@@ -175,3 +175,21 @@ def test_attention_serves_float32_cpu_heads_of_whole_vectors_only(kernel: native
     assert not kernel.attends((native.MAX_HEAD_VECTORS + 1) * width, torch.float32, cpu)
     assert not kernel.attends(4 * width, torch.bfloat16, cpu)
     assert not kernel.attends(4 * width, torch.float32, torch.device("meta"))
+
+
+def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel, target) -> None:
+    """scripts/forward_costs.py times both attentions and reports the verify-vs-steps logit difference: zero with
+    the native kernel. Bad settings are refused with the flag's name and range."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "forward_costs.py"
+    done = subprocess.run([sys.executable, str(script), "--context", "24", "--widths", "1,3", "--rounds", "1",
+                           "--repeats", "2", "--exact-width", "5"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "native: 5-token verify vs one token per step, largest logit difference 0\n" in done.stdout
+    assert "round 1 pytorch: 1 tokens" in done.stdout and "3 tokens" in done.stdout
+    refused = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "--rounds must be in 1..4096, got 0" in refused.stderr

@@ -274,6 +274,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
         self.rope_scale = rope_scale
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
+        # False keeps PyTorch's attention where the native kernel would serve (scripts/forward_costs.py compares them)
+        self.native_attention = True
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -302,7 +304,7 @@ class Transformer(nn.Module):
         cfg = self.config
         b, t, key_len = len(layout.seq_ids), layout.num_new, layout.key_len
         mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
-        kernel = native.kernel() if self.device.type == "cpu" else None
+        kernel = native.kernel() if self.native_attention and self.device.type == "cpu" else None
         if (kernel is not None and not torch.is_grad_enabled()
                 and kernel.attends(cfg.head_dim, self.dtype, self.device)):
             return partial(native.attention, kernel, visible=None if mask is None else mask[:, 0], new_tokens=t)
