@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from playground.config import GenerationParams
+from playground.decoding.base import forward_tokens, forward_tree
+from playground.decoding.base import new_cache as decoding_cache
 from playground.kv import ContiguousKVCache
 from playground.models import Transformer, UnsupportedModelError, native
 from playground.models.loader import build_model
@@ -193,10 +196,6 @@ def test_a_tokens_logits_are_the_same_bits_in_every_forward(target, kv: str) -> 
     model = target.model
     if kernel is None or not kernel.attends(model.config.head_dim, model.dtype, model.device):
         pytest.skip(f"native attention unavailable: kernel {native.status()}")
-    from playground.config import GenerationParams
-    from playground.decoding.base import forward_tokens, forward_tree
-    from playground.decoding.base import new_cache as decoding_cache
-
     prompt = target.tokenizer("Greedy decoding must not depend on how tokens are batched.").input_ids
     chain, other = [330, 1345, 2810, 28, 4917], [1135, 47, 3016, 9016, 12]
 

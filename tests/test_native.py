@@ -1,4 +1,5 @@
-"""The native CPU kernels: built once, exact to float32 rounding, a row's result independent of the other rows, optional."""
+"""The native CPU kernels: built once, exact to float32 rounding, a row's result independent of the other rows,
+optional."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from playground.decoding.tree import ancestor_mask
 from playground.models import native
 
 
@@ -100,13 +102,7 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 def random_tree(new_tokens: int, generator: torch.Generator) -> torch.Tensor:
     """Visibility (T, T) among the new tokens of a random tree: each sees its ancestors and itself."""
     parents = [-1] + [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(1, new_tokens)]
-    visible = torch.zeros(new_tokens, new_tokens, dtype=torch.bool)
-    for node in range(new_tokens):
-        at = node
-        while at >= 0:
-            visible[node, at] = True
-            at = parents[at]
-    return visible
+    return ancestor_mask(parents)  # a forest: any node may have no parent among the new tokens
 
 
 def cache_views(batch: int, hkv: int, key_len: int, d: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:

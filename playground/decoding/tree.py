@@ -47,6 +47,19 @@ class TreeBuffers:
         return need
 
 
+def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """(N, N) bool: node i sees itself and its ancestors; parents[i] is i's parent, -1 for a root (each parent
+    numbered before its children)."""
+    size = len(parents)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for node in range(size):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, ancestor] = True
+            ancestor = parents[ancestor]
+    return mask
+
+
 def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> TreeBuffers:
     """Buffers for nodes given by their parents, each parent before its children (node 0, the root, first)."""
     size = len(parents)
@@ -55,12 +68,7 @@ def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> Tr
     for node in range(1, size):
         depths[node] = depths[parents[node]] + 1
         children[parents[node]].append(node)
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    for node in range(size):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, ancestor] = True
-            ancestor = parents[ancestor]
+    mask = ancestor_mask(parents)
     retrieve = []
     for leaf in (n for n in range(size) if not children[n]):
         chain = [leaf]

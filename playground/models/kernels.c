@@ -1,9 +1,10 @@
 /* The CPU forward's float32 kernels: matrix products with prepacked weights, and attention.
  *
- * Matrix products: y (n, out) = x (n, in) @ W^T, with W prepacked in panels. Why they exist: a verifying forward over 2-16 tokens is what every fast decoding algorithm pays per step, and on
- * a 2-core CPU PyTorch's kernels for so few rows either stream the weights at a fraction of the memory bandwidth
- * (MKL's GEMV-like paths) or stay far below the FMA peak (oneDNN). Here each weight panel is read from memory once
- * per call and used for up to NB rows held in registers, so up to NB rows cost about what one row costs.
+ * Matrix products: y (n, out) = x (n, in) @ W^T, with W prepacked in panels. Why they exist: a verifying forward
+ * over 2-16 tokens is what every fast decoding algorithm pays per step, and on a 2-core CPU PyTorch's kernels for so
+ * few rows either stream the weights at a fraction of the memory bandwidth (MKL's GEMV-like paths) or stay far below
+ * the FMA peak (oneDNN). Here each weight panel is read from memory once per call and used for up to NB rows held in
+ * registers, so up to NB rows cost about what one row costs.
  *
  * Layout (see playground/models/native.py): panel p holds output rows [p * PANEL, (p + 1) * PANEL) of W, transposed
  * to (in, PANEL) and contiguous, zero past `out`. Each output is a dot product summed over k in order with fused
@@ -288,7 +289,9 @@ static void attention_values(int rows, int d, const float *v, long key_stride, i
             const float *wr = w + (long)r * stride;
             const int *ir = idx + (long)r * stride;
 #define VALUES_CASE(k) \
-    case k: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0], acc[r][1], k); break;
+    case k: \
+        next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0], acc[r][1], k); \
+        break;
             switch (nd) {
                 VALUES_CASE(4) VALUES_CASE(8)
                 default: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0],

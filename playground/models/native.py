@@ -41,7 +41,7 @@ class Kernel:
     library: ctypes.CDLL
     panel_width: int  # output rows per packed panel
     path: Path
-    vector_width: int = 16  # floats per vector register: attention needs head_dim a multiple of it
+    vector_width: int  # floats per vector register: attention needs head_dim a multiple of it
 
     def attends(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `attention` serves this head size, dtype and device."""
