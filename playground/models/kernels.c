@@ -125,16 +125,20 @@ static inline __attribute__((always_inline)) void lane_sums4(vf a0, vf a1, vf a2
 #endif
 }
 
+/* Lane by lane: a where mask is all ones, b where it is zero. */
+static inline vf vselect(vi mask, vf a, vf b) {
+    vi ab, bb;
+    memcpy(&ab, &a, sizeof(ab));
+    memcpy(&bb, &b, sizeof(bb));
+    ab = (ab & mask) | (bb & ~mask);
+    memcpy(&a, &ab, sizeof(a));
+    return a;
+}
+
 /* exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp); 0 below -87 and for -inf or NaN. Lanes
  * below -87 are computed at -87 and then zeroed, so no lane converts an out-of-range float to an integer. */
 static inline vf vexp(vf x) {
-    vi below = x < -87.0f, bits, floor_bits;
-    vf floor = (vf){0} - 87.0f;
-    memcpy(&bits, &x, sizeof(bits));
-    memcpy(&floor_bits, &floor, sizeof(floor_bits));
-    bits = (bits & ~below) | (floor_bits & below);
-    vf xc;
-    memcpy(&xc, &bits, sizeof(xc));
+    vf xc = vselect(x < -87.0f, (vf){0} - 87.0f, x);
     const vf round = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     vf n = (xc * 1.44269504088896341f + round) - round;
     vf r = xc - n * 0.693359375f;
@@ -146,14 +150,10 @@ static inline vf vexp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
     vf two_n;
     memcpy(&two_n, &bits, sizeof(two_n));
-    vf y = p * two_n;
-    memcpy(&bits, &y, sizeof(bits));
-    bits &= (x >= -87.0f); /* all ones where kept: not below -87, not NaN */
-    memcpy(&y, &bits, sizeof(y));
-    return y;
+    return vselect(x >= -87.0f, p * two_n, (vf){0}); /* kept where not below -87 and not NaN */
 }
 
 /* Scaled scores of rows [0, rows) against keys [0, limit[row]): s (rows, stride). */
@@ -192,44 +192,37 @@ static void attention_scores(const float *q, int rows, int d, const float *k, lo
     }
 }
 
-/* Softmax weights of one row over the keys it sees, in key order: w[0..n) for keys idx[0..n), summing to 1 after
- * the scale `*inv` is applied. Every sum runs over the visible keys' order alone, so a token's row gives the same
- * bits whatever else shares its forward and wherever hidden keys sit among the visible ones. Returns n. */
-static int softmax_row(const float *s, const uint8_t *visible, int limit, float *w, int *idx, float *inv) {
-    /* Keys [0, run) are all visible (the prefix, usually most of them): copied without a test per key. */
+/* Softmax weights of one row over the keys it sees, in key order, in place: s[0..n) become the weights of keys
+ * idx[0..n) (compacted: n <= j, so no score is overwritten before it is read), summing to 1 after the scale `*inv`.
+ * Every sum runs over the visible keys' order alone, so a token's row gives the same bits whatever else shares its
+ * forward and wherever hidden keys sit among the visible ones. Returns n. */
+static int softmax_row(float *s, const uint8_t *visible, int limit, int *idx, float *inv) {
+    /* Keys [0, run) are all visible (the prefix, usually most of them): already in place, no test per key. */
     const uint8_t *hidden = visible ? memchr(visible, 0, (size_t)limit) : NULL;
     int run = hidden ? (int)(hidden - visible) : limit;
     vf tops = (vf){0} - INFINITY;
     int n = 0;
     for (; n + VEC <= run; n += VEC) {
         vf x = *(const vf *)(s + n);
-        *(vf *)(w + n) = x;
-        vi above = x > tops, xb, tb;
-        memcpy(&xb, &x, sizeof(xb));
-        memcpy(&tb, &tops, sizeof(tb));
-        tb = (xb & above) | (tb & ~above);
-        memcpy(&tops, &tb, sizeof(tops));
+        tops = vselect(x > tops, x, tops);
     }
     float top = -INFINITY;
     for (int l = 0; l < VEC; l++) top = tops[l] > top ? tops[l] : top;
-    for (; n < run; n++) {
-        w[n] = s[n];
-        top = s[n] > top ? s[n] : top;
-    }
+    for (; n < run; n++) top = s[n] > top ? s[n] : top;
     for (int i = 0; i < run; i++) idx[i] = i;
     for (int j = run; j < limit; j++) {
         int seen = visible[j] != 0;
         idx[n] = j;
-        w[n] = s[j];
+        s[n] = s[j];
         top = seen && s[j] > top ? s[j] : top;
         n += seen;
     }
     int padded = (n + VEC - 1) / VEC * VEC;
-    for (int i = n; i < padded; i++) w[i] = -INFINITY;
+    for (int i = n; i < padded; i++) s[i] = -INFINITY;
     vf total = {0};
     for (int i = 0; i < padded; i += VEC) {
-        vf e = vexp(*(vf *)(w + i) - top);
-        *(vf *)(w + i) = e;
+        vf e = vexp(*(vf *)(s + i) - top);
+        *(vf *)(s + i) = e;
         total += e;
     }
     float sums[4];
@@ -321,8 +314,9 @@ void playground_attention(const float *q, const float *k, const float *v, const 
     long stride = keys + VEC; /* per-row scratch length: padded to whole vectors */
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * ROW_CHUNK * stride), *w = malloc(sizeof(float) * ROW_CHUNK * stride);
+        float *s = malloc(sizeof(float) * ROW_CHUNK * stride); /* scores, then the softmax weights in place */
         int *idx = malloc(sizeof(int) * ROW_CHUNK * stride);
+        const uint8_t *seen[ROW_CHUNK];
         int limit[ROW_CHUNK], count[ROW_CHUNK];
         float inv[ROW_CHUNK];
 #pragma omp for schedule(static)
@@ -332,22 +326,19 @@ void playground_attention(const float *q, const float *k, const float *v, const 
             const float *kh = k + b * batch_stride + h * head_stride, *vh = v + b * batch_stride + h * head_stride;
             const float *qt = q + ((b * kv_heads + h) * rows + r0) * d;
             for (int r = 0; r < n; r++) {
-                const uint8_t *seen = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
+                seen[r] = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
                 int last = keys;
-                if (seen)
-                    while (last > 0 && !seen[last - 1]) last--;
+                if (seen[r])
+                    while (last > 0 && !seen[r][last - 1]) last--;
                 limit[r] = last;
             }
             attention_scores(qt, n, d, kh, key_stride, keys, limit, scale, stride, s);
-            for (int r = 0; r < n; r++) {
-                const uint8_t *seen = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
-                count[r] = softmax_row(s + r * stride, seen, limit[r], w + r * stride, idx + r * stride, &inv[r]);
-            }
-            attention_values(n, d, vh, key_stride, keys, w, idx, count, inv, stride,
+            for (int r = 0; r < n; r++)
+                count[r] = softmax_row(s + r * stride, seen[r], limit[r], idx + r * stride, &inv[r]);
+            attention_values(n, d, vh, key_stride, keys, s, idx, count, inv, stride,
                              out + ((b * kv_heads + h) * rows + r0) * d);
         }
         free(s);
-        free(w);
         free(idx);
     }
 }
