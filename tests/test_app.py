@@ -17,7 +17,8 @@ from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
-            "window": 2, "ngram": 3, "guesses": 2, "context": 3, "tree": "small",
+            "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
+            "pools": ["prompt", "output", "corpus"], "tree": "small",
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 
@@ -78,6 +79,9 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
     ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
     ("hi", {"algo": "lookahead", "context": 0}, "context must be an integer in [1, 8]"),
+    ("hi", {"algo": "lookahead", "text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "text_ngram": 3.5}, "text n-gram M must be a whole number"),
     ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
@@ -115,6 +119,27 @@ def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_st
     _, tokens_html, first = client.predict(1, api_name="/replay_step")
     assert "<b>step 1</b>" in first and "Jacobi window" in first
     assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')
+
+
+def test_lookahead_pools_and_text_ngram_reach_the_run(client):
+    prompt = "List the days of the week, one per line."
+    traces = {}
+    for pools, text_ngram in ((["prompt", "output", "corpus"], 0), ([], 0), (["output"], 5)):
+        trace_file = decode(client, prompt, algo="lookahead", max_new_tokens=24, pools=pools,
+                            text_ngram=text_ngram)[4]
+        traces[tuple(pools), text_ngram] = json.loads(open(trace_file, encoding="utf-8").read())
+    header = {key: trace["params"] for key, trace in traces.items()}
+    assert header[("prompt", "output", "corpus"), 0]["corpus"] is not None
+    assert header[(), 0]["prompt_pool"] is False and header[(), 0]["output_pool"] is False
+    assert header[(), 0]["corpus"] is None and header[(), 0]["text_ngram"] == 3  # M defaults to N
+    assert header[("output",), 5]["output_pool"] is True and header[("output",), 5]["text_ngram"] == 5
+    # whichever pools guess, greedy output stays plain decoding's; the window alone commits fewer per forward
+    plain_file = decode(client, prompt, algo="plain (autoregressive)", max_new_tokens=24)[4]
+    plain = json.loads(open(plain_file, encoding="utf-8").read())["events"][-1]["token_ids"]
+    assert all(trace["events"][-1]["token_ids"] == plain for trace in traces.values())
+    forwards = {key: sum(e.get("target_forwards", 0) for e in trace["events"] if e["kind"] == "verify")
+                for key, trace in traces.items()}
+    assert forwards[(), 0] > forwards[("prompt", "output", "corpus"), 0]
 
 
 def test_medusa_step_detail_draws_the_candidate_tree(client, target):

@@ -37,6 +37,7 @@ EXAMPLES = [
     ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
 ]
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
+POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
 FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
 
 
@@ -54,7 +55,8 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
                   window: Any, ngram: Any, guesses: Any, tree: str = "small",
-                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context) -> Any:
+                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
+                  text_ngram: Any = 0, pools: Any = POOLS) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
     Medusa copies propose at most num_draft tokens, as prompt lookup does."""
     if algo == "speculative":
@@ -67,8 +69,13 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
                                     num_draft=as_int("tokens per proposal", num_draft))
         return PromptLookupDecoder(target, sampling, generation, params)
     if algo == "lookahead":
+        unknown = sorted(set(pools or ()) - set(POOLS))
+        if unknown:
+            raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(map(str, unknown))}")
+        switches = {f"{pool}_pool": pool in (pools or ()) for pool in POOLS}
         params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
-                                 guesses=as_int("guesses G", guesses), context=as_int("context K", context))
+                                 guesses=as_int("guesses G", guesses), context=as_int("context K", context),
+                                 text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # 0: M = N
         return LookaheadDecoder(target, sampling, generation, params)
     if algo == "medusa":
         if acceptance not in ACCEPTANCE:
@@ -143,8 +150,8 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
-               ngram: Any, guesses: Any, context: Any, tree: str, acceptance: str, copy_ngram: Any,
-               model_source: str, draft_source: str,
+               ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
+               acceptance: str, copy_ngram: Any, model_source: str, draft_source: str,
                device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
@@ -162,7 +169,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, context)
+                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, context,
+                                text_ngram, pools)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -244,6 +252,12 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     context = gr.Number(LOOKAHEAD.context, label="context K (1..8)", step=1,
                                         info="lookahead: look guesses up by the last K tokens first, then fewer")
                 with gr.Row():
+                    text_ngram = gr.Number(0, label="text n-gram M (0 = N, 2..16)", step=1,
+                                           info="lookahead: size of the n-grams the pools take from text")
+                    pools = gr.CheckboxGroup(list(POOLS), value=list(POOLS), label="lookahead pools",
+                                             info="seed guesses from the prompt, the text so far, the target's "
+                                                  "habitual phrases")
+                with gr.Row():
                     tree = gr.Dropdown(list(TREES), value=DEFAULT_TREE, label="Medusa tree")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
@@ -274,7 +288,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
-              num_draft, window, ngram, guesses, context, tree, acceptance, copy_ngram, *model, history]
+              num_draft, window, ngram, guesses, context, text_ngram, pools, tree, acceptance, copy_ngram, *model,
+              history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")
