@@ -100,7 +100,7 @@ def algo_params(args: argparse.Namespace) -> Any:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
         return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
-                                 copy_tokens=args.copy_tokens)
+                                 copy_tokens=args.copy_tokens, confidence=args.draft_confidence)
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
                                   verify_overhead=args.verify_overhead)
@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "model: the draft trained by `python -m playground.train draft`")
     spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
     spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
+    spec.add_argument("--draft-confidence", type=float, default=0.0,
+                      help="stop drafting after a token the draft gave a probability below this, 0 <= X < 1 "
+                           "(default 0: always gamma tokens)")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
     copy = gen.add_argument_group("prompt copies (--algo speculative or medusa)")
     copy.add_argument("--copy-ngram", type=int, default=0,

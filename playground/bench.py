@@ -34,6 +34,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
+    parser.add_argument("--draft-confidence", type=float, default=0.5,
+                        help="adds a speculative row that stops drafting below this draft probability, against "
+                             "assisted generation with the same assistant_confidence_threshold; 0 <= X < 1 "
+                             "(default 0.5; 0 skips the row)")
     parser.add_argument("--tree", default="small",
                         help="Medusa candidate tree: chain, small (default), medium, wide or a "
                                                         "JSON file of top-k paths")
@@ -193,6 +197,7 @@ SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typica
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
+    "speculative-confident": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
     "lookahead": [("median_speedup_vs_ar", 1.3)],
     "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
@@ -301,20 +306,26 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
             copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
+            confident = SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)
             variants = (("speculative", SpeculativeParams(gamma=args.gamma), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
                         ("speculative-copy", copying,
-                         f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"))
+                         f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"),
+                        ("speculative-confident", confident,
+                         f", drafting stops after a token of draft probability below {confident.confidence:g}"))
             for name, spec, label in variants:
+                if name == "speculative-confident" and not spec.confidence:
+                    continue
                 # transformers' assisted generation with the same draft length rule as ours: fixed, or its
                 # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call
-                # as ours is; it has no copy proposals, so the copying variant meets the fixed schedule
+                # as ours is, stopping at the same draft probability; it has no copy proposals, so the copying
+                # variant meets the fixed schedule
                 schedule = "heuristic_transient" if spec.adaptive else "constant"
                 contenders.append(Contender(
                     name, SpeculativeDecoder(target, draft, sampling, generation, spec),
                     f"draft {draft.name}, gamma {spec.gamma}{label}", f"assisted generation ({schedule})",
                     {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
-                     "assistant_confidence_threshold": 0.0}))
+                     "assistant_confidence_threshold": spec.confidence}))
     if "prompt-lookup" in args.algos:
         lookup = PromptLookupParams()
         contenders.append(Contender(
@@ -379,6 +390,7 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .__main__ import model_spec
+    from .config import SpeculativeParams
     from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
@@ -389,7 +401,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.markdown = args.markdown or f"bench_results/{stem}.md"
     if args.suite == "serving":
         return cmd_bench_serving(args)
-    check_int("gamma", args.gamma, 1, 16)
+    SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)  # refuses a bad --gamma or confidence
     args.algos = parse_algos(args.algos)
     prompts = list(SUITE)
     if args.limit is not None:

@@ -124,12 +124,15 @@ class SpeculativeParams:
     adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]. copy_ngram: when above 0, a
     step whose last 1..copy_ngram tokens occur earlier in the prompt or output may propose up to copy_tokens
     tokens copied from there (as prompt lookup does) instead of drafting, when copies have lately been
-    accepted at least as well as the draft's tokens; 0 always drafts."""
+    accepted at least as well as the draft's tokens; 0 always drafts. confidence: stop drafting early, after a
+    token the draft gave a probability below this (that token is still proposed); 0 always drafts gamma. It is
+    decided from the draft's own distribution alone, so greedy output stays exact and sampling lossless."""
 
     gamma: int = 4
     adaptive: bool = False
     copy_ngram: int = 0
     copy_tokens: int = 8
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, 1, MAX_GAMMA)
@@ -137,6 +140,8 @@ class SpeculativeParams:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
         check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
+        if not 0.0 <= _check_finite("confidence", self.confidence) < 1.0:
+            raise ConfigError(f"confidence must be in [0, 1), got {self.confidence}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,8 @@ def main() -> int:
                                                              SpeculativeParams(gamma=3, adaptive=True)),
             f"speculative-copy/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
                                                          SpeculativeParams(gamma=4, copy_ngram=3)),
+            f"speculative-confident/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
+                                                              SpeculativeParams(gamma=6, confidence=0.5)),
             f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
             f"prompt-lookup-branches/{kv}": PromptLookupDecoder(target, greedy, generation,
                                                                 PromptLookupParams(num_draft=5, branches=2)),

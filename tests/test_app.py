@@ -16,7 +16,8 @@ from playground.ui import build_app, launch_options
 from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-            "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
+            "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "confidence": 0.0, "max_ngram": 3,
+            "num_draft": 8,
             "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
             "pools": ["prompt", "output", "corpus"], "tree": "small",
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
@@ -77,6 +78,8 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"top_p": 1.5}, "top_p"),
     ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
     ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
+    ("hi", {"algo": "speculative (draft model)", "confidence": 1}, "confidence must be in [0, 1), got 1.0"),
+    ("hi", {"algo": "speculative (draft model)", "confidence": None}, "stop drafting below: a number is required"),
     ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
     ("hi", {"algo": "lookahead", "context": 0}, "context must be an integer in [1, 8]"),
     ("hi", {"algo": "lookahead", "text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
@@ -140,6 +143,19 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     forwards = {key: sum(e.get("target_forwards", 0) for e in trace["events"] if e["kind"] == "verify")
                 for key, trace in traces.items()}
     assert forwards[(), 0] > forwards[("prompt", "output", "corpus"), 0]
+
+
+def test_speculative_with_a_confidence_stop_drafts_less_and_keeps_plain_decodings_tokens(client):
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    runs = {}
+    for confidence in (0.0, 0.5):
+        trace_file = decode(client, prompt, algo="speculative (draft model)", max_new_tokens=32,
+                            confidence=confidence)[4]
+        runs[confidence] = json.loads(open(trace_file, encoding="utf-8").read())
+    assert runs[0.5]["params"]["confidence"] == 0.5
+    assert runs[0.0]["events"][-1]["token_ids"] == runs[0.5]["events"][-1]["token_ids"]
+    drafted = {c: sum(e["draft_forwards"] for e in run["events"] if e["kind"] == "draft") for c, run in runs.items()}
+    assert drafted[0.5] < drafted[0.0]
 
 
 def test_medusa_step_detail_draws_the_candidate_tree(client, target):

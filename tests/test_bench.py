@@ -28,6 +28,8 @@ def test_bench_writes_report(tmp_path, target) -> None:
 def test_bench_rejects_bad_limit(capsys) -> None:
     assert main(["bench", "--limit", "0"]) == 2
     assert "limit must be an integer in [1, 14]" in capsys.readouterr().err
+    assert main(["bench", "--draft-confidence", "1"]) == 2
+    assert "confidence must be in [0, 1), got 1.0" in capsys.readouterr().err
 
 
 def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target) -> None:
@@ -36,8 +38,9 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert main(["bench", "--limit", "4", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "prompt-lookup",
-                                    "lookahead", "medusa", "medusa-copy", "medusa-lossless", "medusa-typical"}
+    assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "speculative-confident",
+                                    "prompt-lookup", "lookahead", "medusa", "medusa-copy", "medusa-lossless",
+                                    "medusa-typical"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
@@ -51,6 +54,8 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert report["algos"]["speculative-adaptive"]["peer"] == "assisted generation (heuristic_transient)"
     assert "copies of up to 8 tokens after a 3..1-gram match" in report["algos"]["speculative-copy"]["setting"]
     assert report["prompts"][3]["algos"]["speculative-copy"]["peer"]["tokens"] >= 1
+    assert "stops after a token of draft probability below 0.5" in report["algos"]["speculative-confident"]["setting"]
+    assert report["prompts"][0]["algos"]["speculative-confident"]["peer"]["tokens"] >= 1
     assert report["prompts"][0]["algos"]["prompt-lookup"]["peer"]["tokens"] >= 1
     assert "peer" not in report["prompts"][0]["algos"]["lookahead"]  # transformers has no lookahead decoding
     # same model, so about one on a quiet machine; a timing, so only its presence is checked (the CI machine is shared)

@@ -34,6 +34,39 @@ def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma,
     assert 0.1 < accepted / drafted < 0.95  # the runs really mixed acceptances and rejections
 
 
+@pytest.mark.parametrize("gamma, adaptive, copy_ngram", [(4, False, 0), (8, False, 0), (3, True, 0), (4, False, 3)])
+def test_greedy_with_a_confidence_stop_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive,
+                                                             copy_ngram) -> None:
+    decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                                 SpeculativeParams(gamma=gamma, adaptive=adaptive, copy_ngram=copy_ngram,
+                                                   confidence=0.6))
+    accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
+    assert 0.1 < accepted / drafted < 0.95
+
+
+def test_drafting_stops_right_after_the_first_unlikely_token(target, noisy_draft) -> None:
+    """Every drafted chain runs to gamma (or the token budget) unless its last token, and only its last, has a
+    draft probability below the threshold; each drafted token cost one draft forward; stopping saved some."""
+    prompt = "Explain how a bicycle gear works, in three short paragraphs."
+    generation = GenerationParams(max_new_tokens=64)
+    lengths = {}
+    for confidence in (0.0, 0.6):
+        decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), generation,
+                                     SpeculativeParams(gamma=5, confidence=confidence))
+        output, trace = generate(decoder, prompt)
+        drafts = [e for e in trace.events if e.KIND == "draft"]
+        for draft in drafts:
+            qs = [token.q for token in draft.tokens]
+            assert draft.draft_forwards == len(qs) and all(q >= confidence for q in qs[:-1])
+            budget = min(5, generation.max_new_tokens - (draft.tokens[0].position - len(trace.prompt_ids)))
+            assert len(qs) == budget or qs[-1] < confidence
+        lengths[confidence] = [len(draft.tokens) for draft in drafts]
+        tokens = output.token_ids if confidence == 0.0 else tokens
+        assert output.token_ids == tokens
+    assert all(length == 5 for length in lengths[0.0][:-1])
+    assert sum(lengths[0.6]) < sum(lengths[0.0]) and max(lengths[0.6]) > 1
+
+
 def steps_by_source(trace) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(accepted, proposed) per step, for the steps that copied and for those that drafted."""
     accepted: dict[int, int] = {}
@@ -151,6 +184,25 @@ def test_speculative_sampling_matches_the_target_distribution(target, noisy_draf
                                                                SpeculativeParams(gamma=2)), prompt, sampling)
 
 
+def test_sampling_with_a_confidence_stop_matches_the_target_distribution(target, noisy_draft) -> None:
+    """Whether the second drafted token is drafted depends on the first's draft probability; the first two
+    generated tokens (the second a verified proposal in every run) still follow the analytic joint."""
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=3, raw=True)
+    made: list[SpeculativeDecoder] = []
+
+    def make(s: SamplingParams) -> SpeculativeDecoder:
+        made.append(SpeculativeDecoder(target, noisy_draft, s, generation, SpeculativeParams(gamma=2, confidence=0.5)))
+        return made[-1]
+
+    assert_follows_target(target, make, SAMPLED_PROMPT, sampling)
+    lengths = set()
+    for decoder in made[1:41]:  # the runs are seeded: which of them stopped early is reproducible
+        trace = generate(decoder, SAMPLED_PROMPT)[1]
+        lengths |= {len(e.tokens) for e in trace.events if e.KIND == "draft"}
+    assert lengths == {1, 2}  # some runs stopped after one drafted token, others drafted two
+
+
 def test_sampling_with_copies_matches_the_target_distribution(target, noisy_draft) -> None:
     """On a repetitive prompt the second token is usually a copied, one-hot proposal; the joint still matches."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
@@ -246,6 +298,14 @@ def test_incompatible_draft_is_refused_before_decoding(target) -> None:
 def test_gamma_range(gamma) -> None:
     with pytest.raises(ConfigError, match=r"gamma must be an integer in \[1, 16\]"):
         SpeculativeParams(gamma=gamma)
+
+
+@pytest.mark.parametrize("value, message", [(-0.1, r"confidence must be in \[0, 1\)"),
+                                            (1.0, r"confidence must be in \[0, 1\)"),
+                                            (float("nan"), "confidence must be a finite number")])
+def test_confidence_range(value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeParams(confidence=value)
 
 
 @pytest.mark.parametrize("field, value, message", [("copy_ngram", -1, r"copy_ngram must be an integer in \[0, 8\]"),

@@ -55,16 +55,20 @@ class SpeculativeDecoder(Decoder):
         vocab = self.draft.model.config.vocab_size if self.proposal is None else len(self.proposal)
         return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
                 "adaptive_gamma": self.spec.adaptive, "draft_vocab": vocab, "copy_ngram": self.spec.copy_ngram,
-                "copy_tokens": self.spec.copy_tokens}
+                "copy_tokens": self.spec.copy_tokens, "confidence": self.spec.confidence}
 
     def propose(self, cache: KVCache, pending: list[int], gamma: int,
                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """Draft gamma tokens after feeding `pending` (tokens the draft has not seen yet).
+        """Draft up to gamma tokens after feeding `pending` (tokens the draft has not seen yet): fewer when one's
+        draft probability falls below `confidence`, since the tokens after an unlikely one are rarely accepted and
+        each costs a draft forward.
 
-        Returns the tokens, q (gamma, V) the distributions they were drawn from (None under greedy, where only
+        Returns the K tokens, q (K, V) the distributions they were drawn from (None under greedy, where only
         the argmax matters), and each token's draft probability for the trace. The last drafted token is not
         fed to the draft (saves a forward). With a proposal vocabulary the draft scores only its rows: q is zero
-        elsewhere, which the lossless rule allows (the target's residual covers those tokens).
+        elsewhere, which the lossless rule allows (the target's residual covers those tokens). Stopping looks
+        at the draft's own draws only, never at the target, so every proposed position is still verified
+        against p as it would be at a fixed length.
         """
         model = self.draft.model
         logits = forward_tokens(model, cache, pending, rows=self.proposal)[-1]  # (V,)
@@ -81,8 +85,9 @@ class SpeculativeDecoder(Decoder):
                 q_x = q_rows[-1][token]
             tokens.append(int(token))
             shown.append(float(q_x))
-            if i < gamma - 1:
-                logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal)[-1]
+            if i == gamma - 1 or shown[-1] < self.spec.confidence:
+                break
+            logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal)[-1]
         return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
 
     def copy_proposal(self, sequence: list[int], budget: int, gamma: int, copies: ProposalGate,
@@ -129,7 +134,7 @@ class SpeculativeDecoder(Decoder):
                 forwards, source, ngram = 0, [found.start, found.start + len(proposals)], found.ngram
             else:
                 proposals, q, q_shown = self.propose(draft_cache, draft_pending, gamma, generator)
-                forwards, source, ngram = gamma, None, None
+                forwards, source, ngram = len(proposals), None, None
             draft_end = clock.now()
             infos = [self.token_info(x, base + 1 + i, q=q_shown[i]) for i, x in enumerate(proposals)]
             yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=infos, wall_s=draft_end - step_start,
@@ -155,8 +160,9 @@ class SpeculativeDecoder(Decoder):
             else:
                 drafted.record(accepted, outcome.judged)
                 # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
-                draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, gamma - 1))
-                draft_pending = ([proposals[-1]] if accepted == gamma else []) + [outcome.token]
+                draft_cache.truncate(0, draft_base + len(draft_pending) + min(accepted, count - 1))
+                draft_pending = ([proposals[-1]] if accepted == count else []) + [outcome.token]
+                # the schedule grows only when a draft of the full gamma was accepted (as transformers' does)
                 if self.spec.adaptive:
                     gamma = min(MAX_GAMMA, gamma + 2) if accepted == gamma else max(1, gamma - 1)
             sequence += proposals[:accepted] + [outcome.token]

@@ -52,17 +52,25 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
     return int(float(value))
 
 
+def as_float(name: str, value: Any) -> float:
+    """A Gradio number as a float; an empty field is an error naming it (ranges are the dataclasses' to check)."""
+    if value is None or value == "":
+        raise ConfigError(f"{name}: a number is required")
+    return float(value)
+
+
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
                   window: Any, ngram: Any, guesses: Any, tree: str = "small",
                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
-                  text_ngram: Any = 0, pools: Any = POOLS) -> Any:
+                  text_ngram: Any = 0, pools: Any = POOLS, confidence: Any = 0.0) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
     Medusa copies propose at most num_draft tokens, as prompt lookup does."""
     if algo == "speculative":
         params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive),
                                    copy_ngram=as_int("copy n-gram", copy_ngram),
-                                   copy_tokens=as_int("tokens per proposal", num_draft))
+                                   copy_tokens=as_int("tokens per proposal", num_draft),
+                                   confidence=as_float("stop drafting below", confidence))
         return SpeculativeDecoder(target, get_draft(target, draft_source), sampling, generation, params)
     if algo == "prompt-lookup":
         params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram),
@@ -149,7 +157,8 @@ def _save(trace: Trace) -> str:
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
-               seed: Any, kv: str, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any, window: Any,
+               seed: Any, kv: str, gamma: Any, adaptive: bool, confidence: Any, max_ngram: Any, num_draft: Any,
+               window: Any,
                ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                acceptance: str, copy_ngram: Any, model_source: str, draft_source: str,
                device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
@@ -170,7 +179,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
                                 max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, context,
-                                text_ngram, pools)
+                                text_ngram, pools, confidence)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -240,6 +249,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
                     adaptive = gr.Checkbox(False, label="adaptive gamma")
+                    confidence = gr.Number(0.0, label="stop drafting below q (0 = never, <1)", step=0.05,
+                                           info="speculative: end a draft after a token the draft doubts")
                     copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
                                            info="speculative, Medusa: also propose earlier text after a match")
                 with gr.Row():
@@ -287,7 +298,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Accordion("Per-step table", open=False):
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
-    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, max_ngram,
+    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, confidence, max_ngram,
               num_draft, window, ngram, guesses, context, text_ngram, pools, tree, acceptance, copy_ngram, *model,
               history]
     run.click(on_gpu(run_decode), inputs,

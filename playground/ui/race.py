@@ -28,6 +28,7 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "speculative (gamma 4)": ("speculative", "contiguous", {}),
     "speculative (adaptive gamma)": ("speculative", "contiguous", {"adaptive": True}),
     "speculative + prompt copies": ("speculative", "contiguous", {"copy_ngram": 3}),
+    "speculative (stops below q 0.5)": ("speculative", "contiguous", {"confidence": 0.5}),
     "prompt lookup": ("prompt-lookup", "contiguous", {}),
     "lookahead": ("lookahead", "contiguous", {}),
     "Medusa (small tree)": ("medusa", "contiguous", {}),
