@@ -158,10 +158,9 @@ def _save(trace: Trace) -> str:
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, confidence: Any, max_ngram: Any, num_draft: Any,
-               window: Any,
-               ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
-               acceptance: str, copy_ngram: Any, model_source: str, draft_source: str,
-               device: str, dtype: str, quant: str, history: list[dict[str, Any]] | None,
+               window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
+               acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str, dtype: str,
+               quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
     slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
