@@ -63,6 +63,23 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
     assert html.unescape(kept).replace("↵\n", "\n") == "".join(target.tokenizer.decode([t]) for t in output)
 
 
+def test_seed_minus_one_samples_afresh_and_a_seed_repeats(client):
+    """The form's seed field: -1 asks for a fresh seed every run (the browser sends an empty number as 0, so
+    emptiness cannot), any other seed gives the same sample again."""
+    def sample(seed):
+        trace_file = decode(client, "Write one line of a poem about rain.", algo="plain (autoregressive)",
+                            max_new_tokens=12, temperature=1.5, seed=seed)[4]
+        trace = json.loads(open(trace_file, encoding="utf-8").read())
+        return trace["params"]["seed"], tuple(trace["events"][-1]["token_ids"])
+
+    seeded = [sample(7) for _ in range(2)]
+    assert seeded[0] == seeded[1] and seeded[0][0] == 7
+    fresh = [sample(-1) for _ in range(3)]
+    assert all(seed is None for seed, _ in fresh) and len({tokens for _, tokens in fresh}) > 1
+    with pytest.raises(Exception, match=re.escape("seed must be an integer in [0, 9223372036854775807], got -2")):
+        sample(-2)
+
+
 def test_html_in_the_prompt_is_shown_as_text(client):
     prompt_html, tokens_html, *_ = decode(client, "Say <script>alert(1)</script> and <b>bold</b> back to me.",
                                           algo="plain (autoregressive)", max_new_tokens=8)

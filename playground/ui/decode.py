@@ -52,6 +52,13 @@ def as_int(name: str, value: Any, optional: bool = False) -> int | None:
     return int(float(value))
 
 
+def as_seed(value: Any) -> int | None:
+    """The seed field: -1 draws a fresh seed every run (as does an empty value from the API). The browser shows an
+    empty number field as 0 and sends 0, so emptiness cannot be the form's way to ask for a random seed."""
+    seed = as_int("seed", value, optional=True)
+    return None if seed == -1 else seed
+
+
 def as_float(name: str, value: Any) -> float:
     """A Gradio number as a float; an empty field is an error naming it (ranges are the dataclasses' to check)."""
     if value is None or value == "":
@@ -171,7 +178,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
         sampling = SamplingParams(temperature=float(temperature), top_k=as_int("top_k", top_k),
-                                  top_p=float(top_p), seed=as_int("seed", seed, optional=True))
+                                  top_p=float(top_p), seed=as_seed(seed))
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
@@ -277,7 +284,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 temperature = gr.Number(0.0, label="temperature (0 = greedy, ..100)")
                 top_k = gr.Number(0, label="top-k (0 = off)", step=1)
                 top_p = gr.Number(1.0, label="top-p (0, 1]")
-                seed = gr.Number(None, label="seed (empty = random)", step=1)
+                seed = gr.Number(-1, label="seed (-1 = random)", step=1)
             run = gr.Button("Decode", variant="primary")
             gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):

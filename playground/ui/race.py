@@ -17,7 +17,7 @@ from ..models import ModelLoadError
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, LOOKAHEAD, as_int, build_decoder, history_entry
+from .decode import FRAME_S, LOOKAHEAD, as_int, as_seed, build_decoder, history_entry
 from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
@@ -67,7 +67,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
             raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(RACERS)} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-        sampling = SamplingParams(temperature=float(temperature), seed=as_int("seed", seed, optional=True))
+        sampling = SamplingParams(temperature=float(temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
@@ -121,7 +121,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 = greedy)")
-                seed = gr.Number(0, label="seed (empty = random)", step=1)
+                seed = gr.Number(0, label="seed (-1 = random)", step=1)
             run = gr.Button("Race", variant="primary")
         with gr.Column(scale=3, min_width=300):
             status = gr.Markdown(elem_id="pg-race-status")
