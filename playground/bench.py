@@ -306,16 +306,15 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
             copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
-            confident = SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)
-            variants = (("speculative", SpeculativeParams(gamma=args.gamma), ""),
+            variants = [("speculative", SpeculativeParams(gamma=args.gamma), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
                         ("speculative-copy", copying,
-                         f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"),
-                        ("speculative-confident", confident,
-                         f", drafting stops after a token of draft probability below {confident.confidence:g}"))
+                         f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match")]
+            if args.draft_confidence:
+                confident = SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)
+                variants.append(("speculative-confident", confident, ", drafting stops after a token of draft "
+                                 f"probability below {confident.confidence:g}"))
             for name, spec, label in variants:
-                if name == "speculative-confident" and not spec.confidence:
-                    continue
                 # transformers' assisted generation with the same draft length rule as ours: fixed, or its
                 # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call
                 # as ours is, stopping at the same draft probability; it has no copy proposals, so the copying

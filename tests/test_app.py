@@ -17,8 +17,7 @@ from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "confidence": 0.0, "max_ngram": 3,
-            "num_draft": 8,
-            "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
+            "num_draft": 8, "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
             "pools": ["prompt", "output", "corpus"], "tree": "small",
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
@@ -93,6 +92,7 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"max_new_tokens": 0}, "max_new_tokens must be an integer in [1, 4096]"),
     ("hi", {"temperature": -1}, "temperature must be in [0, 100]"),
     ("hi", {"top_p": 1.5}, "top_p"),
+    ("hi", {"temperature": None}, "temperature: a number is required"),
     ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
     ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
     ("hi", {"algo": "speculative (draft model)", "confidence": 1}, "confidence must be in [0, 1), got 1.0"),

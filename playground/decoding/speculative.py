@@ -88,7 +88,7 @@ class SpeculativeDecoder(Decoder):
             if i == gamma - 1 or shown[-1] < self.spec.confidence:
                 break
             logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal)[-1]
-        return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (gamma, V)
+        return tokens, torch.stack(q_rows) if q_rows else None, shown  # q: (K, V)
 
     def copy_proposal(self, sequence: list[int], budget: int, gamma: int, copies: ProposalGate,
                       drafted: RunningAcceptance) -> Lookup | None:

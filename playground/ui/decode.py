@@ -84,10 +84,11 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
                                     num_draft=as_int("tokens per proposal", num_draft))
         return PromptLookupDecoder(target, sampling, generation, params)
     if algo == "lookahead":
-        unknown = sorted(set(pools or ()) - set(POOLS))
+        chosen = set(pools or ())
+        unknown = sorted(map(str, chosen - set(POOLS)))
         if unknown:
-            raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(map(str, unknown))}")
-        switches = {f"{pool}_pool": pool in (pools or ()) for pool in POOLS}
+            raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(unknown)}")
+        switches = {f"{pool}_pool": pool in chosen for pool in POOLS}
         params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
                                  guesses=as_int("guesses G", guesses), context=as_int("context K", context),
                                  text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # 0: M = N
@@ -177,8 +178,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        sampling = SamplingParams(temperature=float(temperature), top_k=as_int("top_k", top_k),
-                                  top_p=float(top_p), seed=as_seed(seed))
+        sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
+                                  top_p=as_float("top_p", top_p), seed=as_seed(seed))
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")

@@ -17,7 +17,7 @@ from ..models import ModelLoadError
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, LOOKAHEAD, as_int, as_seed, build_decoder, history_entry
+from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_decoder, history_entry
 from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
@@ -67,7 +67,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
             raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(RACERS)} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-        sampling = SamplingParams(temperature=float(temperature), seed=as_seed(seed))
+        sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
