@@ -39,7 +39,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "speculative-confident",
-                                    "prompt-lookup", "lookahead", "medusa", "medusa-copy", "medusa-lossless",
+                                    "speculative-copy-confident", "prompt-lookup", "lookahead", "medusa", "medusa-copy", "medusa-lossless",
                                     "medusa-typical"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
@@ -56,6 +56,14 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert report["prompts"][3]["algos"]["speculative-copy"]["peer"]["tokens"] >= 1
     assert "stops after a token of draft probability below 0.5" in report["algos"]["speculative-confident"]["setting"]
     assert report["prompts"][0]["algos"]["speculative-confident"]["peer"]["tokens"] >= 1
+    both = report["algos"]["speculative-copy-confident"]["setting"]
+    assert "copies of up to 8 tokens" in both and "below 0.5" in both
+    for row in report["prompts"]:
+        # transformers has no copies: a copying row's peer is its copy-free row's, run once and shared
+        for copying, plain in (("speculative-copy", "speculative"),
+                               ("speculative-copy-confident", "speculative-confident")):
+            assert row["algos"][copying]["peer"] == row["algos"][plain]["peer"]
+        assert row["algos"]["speculative"]["peer"] != row["algos"]["speculative-confident"]["peer"]
     assert report["prompts"][0]["algos"]["prompt-lookup"]["peer"]["tokens"] >= 1
     assert "peer" not in report["prompts"][0]["algos"]["lookahead"]  # transformers has no lookahead decoding
     # same model, so about one on a quiet machine; a timing, so only its presence is checked (the CI machine is shared)
