@@ -202,12 +202,16 @@ def test_two_browser_sessions_never_see_each_others_runs(client, target):
 
 
 def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
-    plot, summary = client.predict(0.7, 4, 0.15, api_name="/theory")
+    plot, summary = client.predict(0.7, 4, 0.15, 0, api_name="/theory")
     # (1 - 0.7^5) / 0.3 = 2.773 tokens per forward; / (4 * 0.15 + 1) = 1.733x
     assert "**2.77 tokens per target forward**" in summary and "**1.73x**" in summary
     assert plot is not None
-    with pytest.raises(Exception):
-        client.predict(1.5, 4, 0.15, api_name="/theory")
+    # a verifying forward over 5 tokens costing 1.2 one-token forwards: 2.773 / (4 * 0.15 + 1 + 4 * 0.05) = 1.541x
+    _, summary = client.predict(0.7, 4, 0.15, 0.05, api_name="/theory")
+    assert "**2.77 tokens per target forward**" in summary and "**1.54x**" in summary
+    for bad in ((1.5, 4, 0.15, 0), (0.7, 4, 0.15, -0.1)):
+        with pytest.raises(Exception):
+            client.predict(*bad, api_name="/theory")
 
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):

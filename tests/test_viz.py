@@ -119,6 +119,7 @@ def test_charts_count_per_step_and_accumulate_tokens():
                            kv_bytes=0) for s, n in ((0, 1), (1, 2), (2, 3))]
     assert tokens_time_series(commits) == ([0.0, 0.0, 0.1, 0.2], [0, 1, 3, 6])
     assert abs(expected_speedup(0.7, 4, 0.15) - (1 - 0.7 ** 5) / 0.3 / 1.6) < 1e-12
+    assert abs(expected_speedup(0.7, 4, 0.15, 0.05) - (1 - 0.7 ** 5) / 0.3 / 1.8) < 1e-12
 
 
 def test_theory_overlays_speculative_runs_against_plain_runs_of_the_same_prompt():

@@ -25,36 +25,43 @@ def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]
     return points
 
 
-def update(acceptance: Any, gamma: Any, cost_ratio: Any, history: list[dict[str, Any]] | None):
+def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, history: list[dict[str, Any]] | None):
     try:
-        a, c = float(acceptance), float(cost_ratio)
+        a, c, v = float(acceptance), float(cost_ratio), float(verify_cost)
         if not 0 <= a <= 1:
             raise ConfigError(f"acceptance a must be in [0, 1], got {acceptance}")
         if not 0 <= c <= 2:
             raise ConfigError(f"cost ratio c must be in [0, 2], got {cost_ratio}")
+        if not 0 <= v <= 1:
+            raise ConfigError(f"verify cost v must be in [0, 1], got {verify_cost}")
         g = int(gamma)
         if g != float(gamma) or not 1 <= g <= MAX_GAMMA:
             raise ConfigError(f"draft length g must be a whole number in [1, {MAX_GAMMA}], got {gamma}")
     except (TypeError, ValueError) as exc:
         raise gr.Error(str(exc)) from exc
-    summary = (f"With a = {a:.2f}, g = {g}, c = {c:.2f}: **{expected_tokens_per_step(a, g):.2f} tokens per target "
-               f"forward**, expected speedup **{expected_speedup(a, g, c):.2f}x** (tokens per step / (g c + 1)).")
-    return theory_figure(a, g, c, measured_points(history)), summary
+    summary = (f"With a = {a:.2f}, g = {g}, c = {c:.2f}, v = {v:.2f}: **{expected_tokens_per_step(a, g):.2f} tokens "
+               f"per target forward**, expected speedup **{expected_speedup(a, g, c, v):.2f}x** (tokens per step / "
+               "(g c + 1 + g v)).")
+    return theory_figure(a, g, c, measured_points(history), v), summary
 
 
 def build_tab(app: gr.Blocks, history: gr.State) -> None:
     gr.Markdown("Each of g drafted tokens is accepted with probability a, independently: a step yields "
                 "(1 - a^(g+1)) / (1 - a) tokens (bonus included) for the cost of g draft forwards (each c of a "
-                "target forward) and one target forward. Diamonds are this session's speculative runs from the "
+                "target forward) and one target forward over g + 1 tokens. The classic model prices that forward "
+                "like a one-token one (v = 0): true where reading the weights bounds a step, as for a large model "
+                "on a GPU. On this project's 2-core CPUs it costs 1 + g v one-token forwards with v = 0.01-0.04 "
+                "(the benchmark's verify cost ratio). Diamonds are this session's speculative runs from the "
                 "Decode tab (x: mean draft length; speedup needs a plain run of the same prompt).")
     with gr.Row():
         acceptance = gr.Slider(0, 1, value=0.7, step=0.01, label="acceptance a")
         gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="draft length g")
         cost_ratio = gr.Slider(0, 1, value=0.15, step=0.01, label="cost ratio c (draft / target forward)")
+        verify_cost = gr.Slider(0, 1, value=0, step=0.005, label="verify cost v (per drafted token)")
     summary = gr.Markdown(elem_id="pg-theory-summary")
     plot = gr.Plot(elem_id="pg-theory-plot")
-    inputs = [acceptance, gamma, cost_ratio, history]
-    for control in (acceptance, gamma, cost_ratio):
+    inputs = [acceptance, gamma, cost_ratio, verify_cost, history]
+    for control in (acceptance, gamma, cost_ratio, verify_cost):
         control.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     history.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     app.load(update, inputs, [plot, summary], api_name="theory")
