@@ -41,8 +41,11 @@ def race_css() -> str:
             ".pg-lane-head span{font-variant-numeric:tabular-nums;color:var(--body-text-color-subdued,#57606a);}"
             f".pg-bar{{height:4px;background:{border};border-radius:2px;margin:0.3rem 0;}}"
             ".pg-bar>div{height:100%;background:#009E73;border-radius:2px;}"
-            # column-reverse keeps the newest tokens in view as a lane outgrows its box
-            ".pg-lane-tokens{height:6.5rem;overflow-y:auto;display:flex;flex-direction:column-reverse;}")
+            # column-reverse keeps the newest tokens in view as a lane outgrows its box; text sits at the bottom,
+            # so the top fade only touches a lane whose text has reached the top: the cue that it scrolls
+            ".pg-lane-tokens{height:6.5rem;overflow-y:auto;display:flex;flex-direction:column-reverse;"
+            "-webkit-mask-image:linear-gradient(to bottom,transparent 0,#000 1.2rem);"
+            "mask-image:linear-gradient(to bottom,transparent 0,#000 1.2rem);}")
 
 
 def render_race(lanes: Sequence[Lane], t: float | None = None) -> str:
