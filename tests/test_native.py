@@ -173,6 +173,40 @@ def test_attention_serves_float32_cpu_heads_of_whole_vectors_only(kernel: native
     assert not kernel.attends(4 * width, torch.float32, torch.device("meta"))
 
 
+def test_rms_norm_matches_pytorch_and_depends_on_its_row_alone(kernel: native.Kernel) -> None:
+    torch.manual_seed(0)
+    width = kernel.vector_width
+    weight = torch.randn(36 * width)
+    x = torch.randn(2, 7, 36 * width) * 3
+    got = native.rms_norm(kernel, x, weight, 1e-5)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, F.rms_norm(x, (x.shape[-1],), weight, 1e-5), atol=1e-5, rtol=1e-5)
+    for b in range(2):
+        for t in range(7):
+            assert torch.equal(native.rms_norm(kernel, x[b, t : t + 1], weight, 1e-5)[0], got[b, t])
+    strided = x.transpose(0, 1)  # (7, 2, D), not contiguous
+    assert torch.equal(native.rms_norm(kernel, strided, weight, 1e-5), got.transpose(0, 1))
+
+
+def test_the_models_norms_run_natively_without_gradients_only(kernel: native.Kernel, target) -> None:
+    """The loader's packing step hands the kernel to every norm it serves; with gradients on (training), the
+    norms go through PyTorch, whose result agrees."""
+    from playground.models.transformer import RMSNorm
+
+    norms = [m for m in target.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(norm.kernel is kernel for norm in norms)
+    assert not kernel.normalises(torch.ones(kernel.vector_width + 1))
+    assert not kernel.normalises(torch.ones(kernel.vector_width, dtype=torch.bfloat16))
+    norm = norms[0]
+    x = torch.randn(3, norm.weight.shape[0])
+    with torch.no_grad():
+        fast = norm(x)
+    with torch.enable_grad():
+        reference = norm(x.requires_grad_())
+    assert reference.requires_grad  # PyTorch's path, which has a backward
+    torch.testing.assert_close(fast, reference.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel, target) -> None:
     """scripts/forward_costs.py times both attentions and reports the verify-vs-steps logit difference: zero with
     the native kernel. Bad settings are refused with the flag's name and range."""

@@ -184,12 +184,17 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    # the native kernel, set by `Transformer.pack_linears` where it serves this weight
+    kernel: native.Kernel | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return native.rms_norm(self.kernel, x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and scale in the model dtype, as the reference implementation does.
@@ -321,11 +326,15 @@ class Transformer(nn.Module):
         return linear(hidden, self.output_weight, packed=self.packed_output).float()  # (..., V)
 
     def pack_linears(self) -> None:
-        """Prepack every float32 CPU weight of a matrix product (see `pack`); the model must stay on
-        its device and keep its weights afterwards. Costs a second copy of those weights in memory."""
+        """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
+        norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
+        those weights in memory."""
+        kernel = native.kernel()
         for module in self.modules():
             if isinstance(module, Linear) and can_pack(module.weight):
                 module.packed = pack(module.weight)
+            if isinstance(module, RMSNorm) and kernel is not None and kernel.normalises(module.weight):
+                module.kernel = kernel
         if can_pack(self.output_weight):
             self.packed_output = self.lm_head.packed if self.lm_head is not None else pack(self.output_weight)
 
