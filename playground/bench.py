@@ -35,9 +35,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
     parser.add_argument("--draft-confidence", type=float, default=0.5,
-                        help="adds a speculative row that stops drafting below this draft probability, against "
-                             "assisted generation with the same assistant_confidence_threshold; 0 <= X < 1 "
-                             "(default 0.5; 0 skips the row)")
+                        help="adds two speculative rows that stop drafting below this draft probability, alone "
+                             "and with prompt copies, against assisted generation with the same "
+                             "assistant_confidence_threshold; 0 <= X < 1 (default 0.5; 0 skips both rows)")
     parser.add_argument("--tree", default="small",
                         help="Medusa candidate tree: chain, small (default), medium, wide or a "
                                                         "JSON file of top-k paths")

@@ -39,8 +39,8 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "speculative-confident",
-                                    "speculative-copy-confident", "prompt-lookup", "lookahead", "medusa", "medusa-copy", "medusa-lossless",
-                                    "medusa-typical"}
+                                    "speculative-copy-confident", "prompt-lookup", "lookahead", "medusa",
+                                    "medusa-copy", "medusa-lossless", "medusa-typical"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
