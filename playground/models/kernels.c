@@ -31,8 +31,9 @@
 #define PANEL (NV * VEC)
 /* Panel rows fetched ahead of use. With several rows the loop is busy with FMAs and the hardware prefetcher fell
  * behind: on a 2-core Xeon (Emerald Rapids) a 12-token forward of SmolLM2-135M cost 1.67 one-token forwards without
- * this and 1.32 with it (16 to 192 rows ahead measured alike), a one-token forward the same. Hint 3 (all cache
- * levels): the non-temporal hint made one-token forwards 40% slower there. */
+ * this and 1.32 with it (16 to 192 rows ahead measured alike), a one-token forward the same; on a 2-core Zen 3
+ * EPYC (AVX2) 9 tokens cost 52-57 ms with it and 59-65 without, one token alike. Hint 3 (all cache levels): the
+ * non-temporal hint made one-token forwards 40% slower on the Xeon. */
 #define PREFETCH 64
 
 typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
@@ -188,6 +189,22 @@ static inline vf vexp(vf x) {
     return vselect(x >= -87.0f, p * two_n, (vf){0}); /* kept where not below -87 and not NaN */
 }
 
+/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over the lanes in order. Never
+ * inlined, so that a key's score comes out of the same machine code wherever it sits: inlined twice (for groups of
+ * four keys and for the last few), GCC 12 compiled the two copies into sums that differed in the last bit on an
+ * AVX2 build, and a key's score then depended on its position among the keys. */
+static __attribute__((noinline)) void dot4(const vf *q, const vf *k0, const vf *k1, const vf *k2, const vf *k3,
+                                           int nd, float *out) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int c = 0; c < nd; c++) {
+        a0 += q[c] * k0[c];
+        a1 += q[c] * k1[c];
+        a2 += q[c] * k2[c];
+        a3 += q[c] * k3[c];
+    }
+    lane_sums4(a0, a1, a2, a3, out);
+}
+
 /* Scaled scores of rows [0, rows) against keys [0, limit[row]): s (rows, stride). */
 static void attention_scores(const float *q, int rows, int d, const float *k, long key_stride, int keys,
                              const int *limit, float scale, long stride, float *s) {
@@ -198,28 +215,14 @@ static void attention_scores(const float *q, int rows, int d, const float *k, lo
             int end = block_end < limit[r] ? block_end : limit[r];
             const vf *qr = (const vf *)(q + (long)r * d);
             float *sr = s + (long)r * stride;
-            int j = jb;
-            for (; j + 4 <= end; j += 4) {
-                const vf *k0 = (const vf *)(k + j * key_stride), *k1 = (const vf *)(k + (j + 1) * key_stride);
-                const vf *k2 = (const vf *)(k + (j + 2) * key_stride), *k3 = (const vf *)(k + (j + 3) * key_stride);
-                vf a0 = qr[0] * k0[0], a1 = qr[0] * k1[0], a2 = qr[0] * k2[0], a3 = qr[0] * k3[0];
-                for (int c = 1; c < nd; c++) {
-                    a0 += qr[c] * k0[c];
-                    a1 += qr[c] * k1[c];
-                    a2 += qr[c] * k2[c];
-                    a3 += qr[c] * k3[c];
-                }
-                lane_sums4(a0, a1, a2, a3, sr + j);
-            }
-            for (; j < end; j++) {
-                const vf *kj = (const vf *)(k + j * key_stride);
-                vf a = qr[0] * kj[0];
-                for (int c = 1; c < nd; c++) a += qr[c] * kj[c];
+            for (int j = jb; j < end; j += 4) {
+                /* the last group repeats its last key where fewer than four are left */
+                const vf *kk[4];
+                for (int u = 0; u < 4; u++) kk[u] = (const vf *)(k + (j + u < end ? j + u : end - 1) * key_stride);
                 float sums[4];
-                lane_sums4(a, a, a, a, sums);
-                sr[j] = sums[0];
+                dot4(qr, kk[0], kk[1], kk[2], kk[3], nd, sums);
+                for (int u = 0; u < 4 && j + u < end; u++) sr[j + u] = sums[u] * scale;
             }
-            for (int i = jb; i < end; i++) sr[i] *= scale;
         }
     }
 }
@@ -374,3 +377,4 @@ void playground_attention(const float *q, const float *k, const float *v, const 
         free(idx);
     }
 }
+
