@@ -223,3 +223,81 @@ def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel
     refused = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "--rounds must be in 1..4096, got 0" in refused.stderr
+
+
+def test_attention_in_equals_norm_product_and_rope_bit_for_bit(kernel: native.Kernel) -> None:
+    """The layer half before attention: the same bits as the native norm, the packed product (+ bias) and
+    apply_rope (its products and sum rounded apart, no fused multiply-add), row by row."""
+    from playground.models.transformer import apply_rope
+
+    torch.manual_seed(0)
+    width, heads, d, rope_heads = kernel.vector_width, 5, 16, 3
+    hidden = 8 * width
+    norm_weight = torch.randn(hidden)
+    weight, bias = torch.randn(heads * d, hidden), torch.randn(heads * d)
+    panels = native.pack_panels(weight, kernel)
+    x = torch.randn(2, 7, hidden)
+    angles = torch.rand(2, 7, d // 2) * 6
+    cos = torch.cat((angles, angles), dim=-1).cos().unsqueeze(2)  # (B, T, 1, D)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).unsqueeze(2)
+    for b in (None, bias):
+        got = native.attention_in(kernel, x, norm_weight, 1e-5, panels, b, cos, sin, rope_heads, d)
+        product = native.panel_linear(native.rms_norm(kernel, x, norm_weight, 1e-5), panels, b)
+        product = product.view(2, 7, heads, d)
+        expected = torch.cat((apply_rope(product[:, :, :rope_heads], cos, sin), product[:, :, rope_heads:]), dim=2)
+        assert torch.equal(got.view(2, 7, heads, d), expected)
+        alone = native.attention_in(kernel, x[1, 4:5].contiguous(), norm_weight, 1e-5, panels, b,
+                                    cos[1, 4:5].contiguous(), sin[1, 4:5].contiguous(), rope_heads, d)
+        assert torch.equal(alone[0], got[1, 4])
+
+
+def test_mlp_block_matches_pytorch_and_depends_on_its_row_alone(kernel: native.Kernel) -> None:
+    """The layer half after attention, in place: x + o_proj(attn), then + down(silu(gate) * up) of its norm; the
+    native silu agrees with PyTorch's to float32 rounding, and each row's bits depend on that row alone."""
+    torch.manual_seed(0)
+    width = kernel.vector_width
+    hidden, inter, attn_dim = 8 * width, 12 * width + 3, 6 * width
+    w_o, w_gate_up, w_down = torch.randn(hidden, attn_dim), torch.randn(2 * inter, hidden), torch.randn(hidden, inter)
+    w_gate_up[:, :5] *= 40  # gates far into both tails of the sigmoid
+    norm_weight = torch.randn(hidden)
+    packs = [native.pack_panels(w, kernel) for w in (w_o, w_gate_up, w_down)]
+    x, attn = torch.randn(2, 5, hidden), torch.randn(2, 5, attn_dim)
+    got = x.clone()
+    assert native.mlp_block(kernel, got, attn, packs[0], norm_weight, 1e-5, packs[1], packs[2]) is None
+    mid = x + F.linear(attn, w_o)
+    gate, up = F.linear(F.rms_norm(mid, (hidden,), norm_weight, 1e-5), w_gate_up).split(inter, dim=-1)
+    torch.testing.assert_close(got, mid + F.linear(F.silu(gate) * up, w_down), atol=2e-3, rtol=1e-4)
+    assert torch.isfinite(got).all()
+    row = x[0, 3:4].clone()
+    native.mlp_block(kernel, row, attn[0, 3:4], packs[0], norm_weight, 1e-5, packs[1], packs[2])
+    assert torch.equal(row[0], got[0, 3])
+
+
+def test_the_models_layers_run_fused_without_gradients_only(kernel: native.Kernel, target, monkeypatch) -> None:
+    """Every layer of the embedded model runs its halves natively; with gradients on, the same layers go through
+    PyTorch's ops and agree; a layer the kernel cannot run (q/k norms) keeps PyTorch's ops."""
+    from playground.config import GenerationParams
+    from playground.decoding.base import new_cache
+
+    model = target.model
+    assert all(block.kernel is kernel for block in model.layers)
+    calls = []
+    fused = native.mlp_block
+    monkeypatch.setattr(native, "mlp_block", lambda *args: calls.append(1) or fused(*args))
+    tokens = torch.tensor([[100 + 7 * i for i in range(12)]])  # (1, T)
+    logits, counted = {}, {}
+    for grad in (False, True):
+        cache = new_cache(model, 16, GenerationParams())
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            logits[grad] = model(tokens, torch.arange(12).unsqueeze(0), cache, (0,))[0].detach()  # (1, T, V)
+        counted[grad] = len(calls)
+    assert counted == {False: len(model.layers), True: 0}
+    torch.testing.assert_close(logits[False], logits[True], atol=2e-4, rtol=1e-4)
+    block = model.layers[0]
+    block.self_attn.q_norm = torch.nn.Identity()  # as a Qwen3 layer has
+    try:
+        assert not block.fusable()
+    finally:
+        block.self_attn.q_norm = None
+    assert block.fusable()

@@ -12,6 +12,10 @@ differed in the last bits between those, and greedy exactness then rested on no 
 RMSNorm: one call instead of PyTorch's chain of small kernels, row by row in a fixed order (61 norms per SmolLM2
 forward: 2.0 ms of a 27 ms one-token step through PyTorch on the 2-core Xeon, 1.0 ms here).
 
+Decoder layer halves: the work before attention (norm, q/k/v product, RoPE) and after it (output product, residual
+adds, norm, gate/up product, SiLU, down product) in one call each instead of about twenty PyTorch ops per layer,
+whose dispatch cost a fifth of a one-token forward on a 2-core Zen 3 EPYC.
+
 The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
 model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
 ($PLAYGROUND_CACHE or ~/.cache/decoding-playground)/native, keyed by the source, the compiler and this CPU's
@@ -117,6 +121,15 @@ def load(path: Path) -> Kernel:
     library.playground_attention.restype = None
     library.playground_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     library.playground_rms_norm.restype = None
+    library.playground_attention_in.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [
+        ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    library.playground_attention_in.restype = None
+    library.playground_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                             ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p,
+                                                                                      ctypes.c_int] + [
+        ctypes.c_void_p] * 2 + [ctypes.c_int]
+    library.playground_mlp_block.restype = None
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()))
 
 
@@ -192,6 +205,37 @@ def rms_norm(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) 
     if flat.numel():
         kernel.library.playground_rms_norm(flat.data_ptr(), weight.data_ptr(), y.data_ptr(), flat.shape[0], d, eps)
     return y.view(x.shape)
+
+
+def attention_in(kernel: Kernel, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv: Panels,
+                 bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rope_heads: int,
+                 head_dim: int) -> torch.Tensor:
+    """A decoder layer before attention, in one call: rms_norm(x) @ Wqkv^T (+ bias), then RoPE (see
+    transformer.apply_rope, same bits) on the first rope_heads heads. x (..., E) float32 contiguous; cos and sin
+    (..., D), one row per row of x. Returns (..., out)."""
+    d = x.shape[-1]
+    rows = x.numel() // d
+    normed = torch.empty(rows, d, dtype=torch.float32)  # (N, E) scratch
+    y = torch.empty(*x.shape[:-1], qkv.out, dtype=torch.float32)  # (..., out)
+    kernel.library.playground_attention_in(
+        x.data_ptr(), rows, d, norm_weight.data_ptr(), eps, normed.data_ptr(), qkv.data.data_ptr(), qkv.out,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), cos.contiguous().data_ptr(),
+        sin.contiguous().data_ptr(), rope_heads, head_dim, torch.get_num_threads())
+    return y
+
+
+def mlp_block(kernel: Kernel, x: torch.Tensor, attn: torch.Tensor, o_proj: Panels, norm_weight: torch.Tensor,
+              eps: float, gate_up: Panels, down: Panels) -> None:
+    """A decoder layer after attention, in one call, x (..., E) float32 contiguous updated in place:
+    x += attn (..., H*D) @ Wo^T, then x += down(silu(gate) * up) over rms_norm(x), gate_up packing [gate | up]."""
+    d = x.shape[-1]
+    rows = x.numel() // d
+    inter = gate_up.out // 2
+    attn = attn.contiguous()
+    scratch = torch.empty(rows * (2 * d + 3 * inter), dtype=torch.float32)
+    kernel.library.playground_mlp_block(
+        x.data_ptr(), rows, d, attn.data_ptr(), o_proj.in_features, o_proj.data.data_ptr(), norm_weight.data_ptr(),
+        eps, gate_up.data.data_ptr(), inter, down.data.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
 
 
 def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,

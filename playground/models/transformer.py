@@ -232,14 +232,22 @@ class Attention(nn.Module):
         else:
             qk = qkv[:, :, : h + hkv]
         qk = apply_rope(qk, cos, sin)  # q and k rotated together: (B, T, H + Hkv, D)
-        k, v = qk[:, :, h:].transpose(1, 2), qkv[:, :, h + hkv :].transpose(1, 2)  # (B, Hkv, T, D)
+        return self.o_proj(self.attend(qk, qkv[:, :, h + hkv :], cache, layout, attend))
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, cache: KVCache, layout: AttentionLayout,
+               attend: Attend) -> torch.Tensor:
+        """Store the new keys and values and attend: qk (B, T, H + Hkv, D) rotated queries and keys, v (B, T, Hkv,
+        D). Returns (B, T, H*D), before the output projection."""
+        b, t = qk.shape[:2]
+        h, d = self.num_heads, self.head_dim
+        hkv = self.num_kv_heads
+        k, v = qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
         keys, values = cache.update(self.layer, layout, k, v)  # (B, Hkv, L, D)
         # Grouped-query attention without copying K/V: the G query heads sharing a KV head become G*T rows.
         q = qk[:, :, :h].transpose(1, 2).reshape(b, hkv, (h // hkv) * t, d)  # (B, Hkv, G*T, D)
         out = attend(q, keys, values)  # (B, Hkv, G*T, D)
         # reshape, not view: GPU attention kernels may return (B, Hkv, G*T, D) with permuted strides.
-        out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
-        return self.o_proj(out)
+        return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
 
 
 class MLP(nn.Module):
@@ -255,6 +263,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    # the native kernel, set by `Transformer.pack_linears` where it can run this layer's halves (see `fusable`)
+    kernel: native.Kernel | None = None
+
     def __init__(self, cfg: TransformerConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -262,10 +273,40 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def fusable(self) -> bool:
+        """Whether the native kernel can run the work around attention: every product packed for it, both norms
+        served by it, no q/k norms (Qwen3), a head that fits its RoPE buffer."""
+        attn, mlp = self.self_attn, self.mlp
+        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (all(isinstance(p.packed, native.Panels) for p in products) and attn.o_proj.bias is None
+                and self.input_layernorm.kernel is not None and self.post_attention_layernorm.kernel is not None
+                and attn.q_norm is None and attn.head_dim % 2 == 0
+                and attn.head_dim <= native.MAX_HEAD_VECTORS * self.input_layernorm.kernel.vector_width)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layout: AttentionLayout, attend: Attend) -> torch.Tensor:
+        """x (B, T, E) -> (B, T, E). Through the native kernel (float32, no gradients) x must be the forward's own
+        contiguous residual stream: it is updated in place and returned."""
+        if self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return self.fused_forward(x, cos, sin, cache, layout, attend)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                      layout: AttentionLayout, attend: Attend) -> torch.Tensor:
+        """The same layer in two native calls around attention: on a 2-core CPU the ~20 PyTorch ops between the
+        products of a layer cost more than its attention."""
+        attn, mlp, kernel = self.self_attn, self.mlp, self.kernel
+        b, t, _ = x.shape
+        h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        norm = self.input_layernorm
+        qkv = native.attention_in(kernel, x, norm.weight, norm.eps, attn.qkv_proj.packed, attn.qkv_proj.bias, cos,
+                                  sin, h + hkv, d).view(b, t, h + 2 * hkv, d)  # (B, T, H + 2*Hkv, D), q, k rotated
+        out = attn.attend(qkv[:, :, : h + hkv], qkv[:, :, h + hkv :], cache, layout, attend)  # (B, T, H*D)
+        norm = self.post_attention_layernorm
+        native.mlp_block(kernel, x, out, attn.o_proj.packed, norm.weight, norm.eps, mlp.gate_up_proj.packed,
+                         mlp.down_proj.packed)
+        return x
 
 
 class Transformer(nn.Module):
@@ -335,6 +376,8 @@ class Transformer(nn.Module):
                 module.packed = pack(module.weight)
             if isinstance(module, RMSNorm) and kernel is not None and kernel.normalises(module.weight):
                 module.kernel = kernel
+        for block in self.layers:
+            block.kernel = kernel if kernel is not None and block.fusable() else None
         if can_pack(self.output_weight):
             self.packed_output = self.lm_head.packed if self.lm_head is not None else pack(self.output_weight)
 
@@ -362,7 +405,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {layout.key_len} tokens exceeds the model's sliding window "
                              f"({cfg.sliding_window}); sliding-window attention is not implemented")
         attend = self.attention(layout)
-        x = self.embed_tokens(token_ids)  # (B, T, E)
+        x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
         cos, sin = self.rope(positions, x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, cache, layout, attend)
