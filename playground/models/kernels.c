@@ -10,7 +10,10 @@
  * to (in, PANEL) and contiguous, zero past `out`. Each output is a dot product summed over k in order with fused
  * multiply-adds, whatever n is: a row's result does not depend on which other rows share the call.
  *
- * Built by native.py with `cc -O3 -march=native -fopenmp`; the vector width follows the target's registers.
+ * Built by native.py with `cc -O3 -march=native -fopenmp -ffp-contract=off`; the vector width follows the target's
+ * registers. Fused multiply-adds are explicit (`vfma`) and the compiler may fuse nothing else: left free to fuse
+ * (GCC's default), GCC 12 fused a product into its sum in one inlined copy of a loop and not in another on an AVX2
+ * build, so the same dot product gave different last bits depending on where a key sat among the others.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,6 +42,26 @@
 typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VEC * 4), aligned(4)));
 
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* a * b + c rounded once where the CPU has fused multiply-add, else rounded twice; the same in every copy of a loop. */
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
+#if VEC == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VEC == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif VEC == 4 && defined(__FMA__)
+    return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* b in every lane (x - +0 is x for every x, -0 included, so this compiles to a broadcast alone). */
+static inline __attribute__((always_inline)) vf splat(float b) { return b - (vf){0}; }
+
 int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 
@@ -62,8 +85,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
 #pragma GCC unroll 16
         for (int i = 0; i < NB; i++) {
             if (i < nb) {
-                float b = x[i * in + k];
-                for (int j = 0; j < NV; j++) acc[i][j] += b * wv[j];
+                vf b = splat(x[i * in + k]);
+                for (int j = 0; j < NV; j++) acc[i][j] = vfma(b, wv[j], acc[i][j]);
             }
         }
     }
@@ -118,7 +141,7 @@ void playground_rms_norm(const float *x, const float *w, float *y, int n, int d,
         vf acc = {0};
         for (int k = 0; k < d; k += VEC) {
             vf v = *(const vf *)(xr + k);
-            acc += v * v;
+            acc = vfma(v, v, acc);
         }
         float sum = 0.0f;
         for (int l = 0; l < VEC; l++) sum += acc[l];
@@ -173,34 +196,32 @@ static inline vf vselect(vi mask, vf a, vf b) {
 static inline vf vexp(vf x) {
     vf xc = vselect(x < -87.0f, (vf){0} - 87.0f, x);
     const vf round = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (xc * 1.44269504088896341f + round) - round;
-    vf r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vf n = vfma(xc, splat(1.44269504088896341f), round) - round;
+    vf r = vfma(n, splat(-0.693359375f), xc);
+    r = vfma(n, splat(2.12194440e-4f), r);
+    vf p = splat(1.9875691500e-4f);
+    p = vfma(p, r, splat(1.3981999507e-3f));
+    p = vfma(p, r, splat(8.3334519073e-3f));
+    p = vfma(p, r, splat(4.1665795894e-2f));
+    p = vfma(p, r, splat(1.6666665459e-1f));
+    p = vfma(p, r, splat(5.0000001201e-1f));
+    p = vfma(p * r, r, r) + 1.0f;
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
     vf two_n;
     memcpy(&two_n, &bits, sizeof(two_n));
     return vselect(x >= -87.0f, p * two_n, (vf){0}); /* kept where not below -87 and not NaN */
 }
 
-/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over the lanes in order. Never
- * inlined, so that a key's score comes out of the same machine code wherever it sits: inlined twice (for groups of
- * four keys and for the last few), GCC 12 compiled the two copies into sums that differed in the last bit on an
- * AVX2 build, and a key's score then depended on its position among the keys. */
-static __attribute__((noinline)) void dot4(const vf *q, const vf *k0, const vf *k1, const vf *k2, const vf *k3,
-                                           int nd, float *out) {
+/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over the lanes in order; the
+ * one code path for every key's score (the last group of a block repeats a key), so a score never depends on the
+ * key's position. */
+static inline void dot4(const vf *q, const vf *k0, const vf *k1, const vf *k2, const vf *k3, int nd, float *out) {
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int c = 0; c < nd; c++) {
-        a0 += q[c] * k0[c];
-        a1 += q[c] * k1[c];
-        a2 += q[c] * k2[c];
-        a3 += q[c] * k3[c];
+        a0 = vfma(q[c], k0[c], a0);
+        a1 = vfma(q[c], k1[c], a1);
+        a2 = vfma(q[c], k2[c], a2);
+        a3 = vfma(q[c], k3[c], a3);
     }
     lane_sums4(a0, a1, a2, a3, out);
 }
@@ -278,20 +299,22 @@ static inline __attribute__((always_inline)) int values_block(const float *v, lo
     }
     if (i < n && (i & 1) && idx[i] < block_end) {
         const vf *vj = (const vf *)(v + idx[i] * key_stride);
-        for (int c = 0; c < nd; c++) odd[c] += w[i] * vj[c];
+        vf wi = splat(w[i]);
+        for (int c = 0; c < nd; c++) odd[c] = vfma(wi, vj[c], odd[c]);
         i++;
     }
     for (; i + 1 < n && idx[i + 1] < block_end; i += 2) {
         const vf *v0 = (const vf *)(v + idx[i] * key_stride), *v1 = (const vf *)(v + idx[i + 1] * key_stride);
-        float w0 = w[i], w1 = w[i + 1];
+        vf w0 = splat(w[i]), w1 = splat(w[i + 1]);
         for (int c = 0; c < nd; c++) {
-            even[c] += w0 * v0[c];
-            odd[c] += w1 * v1[c];
+            even[c] = vfma(w0, v0[c], even[c]);
+            odd[c] = vfma(w1, v1[c], odd[c]);
         }
     }
     if (i < n && idx[i] < block_end) {
         const vf *vj = (const vf *)(v + idx[i] * key_stride);
-        for (int c = 0; c < nd; c++) even[c] += w[i] * vj[c];
+        vf wi = splat(w[i]);
+        for (int c = 0; c < nd; c++) even[c] = vfma(wi, vj[c], even[c]);
         i++;
     }
     for (int c = 0; c < nd; c++) {
@@ -389,13 +412,9 @@ static void add_rows(const float *x, float *y, long count) {
 }
 
 /* RoPE in place on heads [0, heads) of each row of qkv (n, stride): h * cos + roll(h, D/2) * sin_signed, cos and
- * sin_signed (n, D). Each product and the sum are rounded apart, as apply_rope's three PyTorch ops round them, so
- * the bits equal PyTorch's: no contraction into a fused multiply-add (GCC's attribute, clang's pragma). */
-__attribute__((optimize("fp-contract=off"))) static void rope_rows(float *qkv, int n, long stride, int heads,
-                                                                     int d, const float *cos, const float *sin) {
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+ * sin_signed (n, D). Each product and the sum are rounded apart (nothing is contracted in this file), as apply_rope's
+ * three PyTorch ops round them, so the bits equal PyTorch's. */
+static void rope_rows(float *qkv, int n, long stride, int heads, int d, const float *cos, const float *sin) {
     int half = d / 2;
     float head[MAX_ND * VEC];
     for (long i = 0; i < n; i++) {

@@ -39,7 +39,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: the kernels' fused multiply-adds are explicit, so a sum's rounding never depends on which
+# copy of a loop the compiler chose to fuse (see kernels.c)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
 
 
