@@ -43,6 +43,7 @@ def test_bitsandbytes_quantization_generates(target, quant, layer_type) -> None:
     quantized = load_model(ModelSpec(source=str(target.folder), device="cpu", quant=quant))
     block = quantized.model.layers[0]
     assert isinstance(block.self_attn.qkv_proj, layer_type) and isinstance(block.mlp.down_proj, layer_type)
+    assert block.kernel is None  # the native layer halves need packed float32 products: PyTorch's ops run it
     ids = greedy_ids(quantized, "What is the capital of France?", 8)
     assert "Paris" in quantized.tokenizer.decode(list(ids))
 
@@ -50,6 +51,7 @@ def test_bitsandbytes_quantization_generates(target, quant, layer_type) -> None:
 def test_bfloat16_runs(target) -> None:
     half = load_model(ModelSpec(source=str(target.folder), device="cpu", dtype="bfloat16"))
     assert half.model.dtype == torch.bfloat16
+    assert all(block.kernel is None for block in half.model.layers)
     assert len(greedy_ids(half, tokens=4)) >= 1
 
 

@@ -249,6 +249,8 @@ def test_attention_in_equals_norm_product_and_rope_bit_for_bit(kernel: native.Ke
         alone = native.attention_in(kernel, x[1, 4:5].contiguous(), norm_weight, 1e-5, panels, b,
                                     cos[1, 4:5].contiguous(), sin[1, 4:5].contiguous(), rope_heads, d)
         assert torch.equal(alone[0], got[1, 4])
+    with pytest.raises(ValueError, match="cos and sin need one row of 16 per row of x"):
+        native.attention_in(kernel, x, norm_weight, 1e-5, panels, None, cos[:1], sin[:1], rope_heads, d)
 
 
 def test_mlp_block_matches_pytorch_and_depends_on_its_row_alone(kernel: native.Kernel) -> None:

@@ -222,9 +222,9 @@ static inline vf vexp(vf x) {
     return vselect(x >= -87.0f, p * two_n, (vf){0}); /* kept where not below -87 and not NaN */
 }
 
-/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over the lanes in order; the
- * one code path for every key's score (the last group of a block repeats a key), so a score never depends on the
- * key's position. */
+/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over each key's lanes (see
+ * `lane_sums4`); the one code path for every key's score (the last group of a block repeats a key), so a score
+ * never depends on the key's position. */
 static inline void dot4(const vf *q, const vf *k0, const vf *k1, const vf *k2, const vf *k3, int nd, float *out) {
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int c = 0; c < nd; c++) {

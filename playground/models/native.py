@@ -217,6 +217,8 @@ def attention_in(kernel: Kernel, x: torch.Tensor, norm_weight: torch.Tensor, eps
     (..., D), one row per row of x. Returns (..., out)."""
     d = x.shape[-1]
     rows = x.numel() // d
+    if cos.numel() != rows * head_dim or sin.numel() != rows * head_dim:
+        raise ValueError(f"cos and sin need one row of {head_dim} per row of x ({rows}), got {tuple(cos.shape)}")
     normed = torch.empty(rows, d, dtype=torch.float32)  # (N, E) scratch
     y = torch.empty(*x.shape[:-1], qkv.out, dtype=torch.float32)  # (..., out)
     kernel.library.playground_attention_in(

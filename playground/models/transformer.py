@@ -239,8 +239,7 @@ class Attention(nn.Module):
         """Store the new keys and values and attend: qk (B, T, H + Hkv, D) rotated queries and keys, v (B, T, Hkv,
         D). Returns (B, T, H*D), before the output projection."""
         b, t = qk.shape[:2]
-        h, d = self.num_heads, self.head_dim
-        hkv = self.num_kv_heads
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k, v = qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
         keys, values = cache.update(self.layer, layout, k, v)  # (B, Hkv, L, D)
         # Grouped-query attention without copying K/V: the G query heads sharing a KV head become G*T rows.
@@ -278,7 +277,9 @@ class Block(nn.Module):
         served by it, no q/k norms (Qwen3), a head that fits its RoPE buffer."""
         attn, mlp = self.self_attn, self.mlp
         products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (all(isinstance(p.packed, native.Panels) for p in products) and attn.o_proj.bias is None
+        # bitsandbytes layers (int8, nf4) have no packed weight
+        return (all(isinstance(getattr(p, "packed", None), native.Panels) for p in products)
+                and attn.o_proj.bias is None
                 and self.input_layernorm.kernel is not None and self.post_attention_layernorm.kernel is not None
                 and attn.q_norm is None and attn.head_dim % 2 == 0
                 and attn.head_dim <= native.MAX_HEAD_VECTORS * self.input_layernorm.kernel.vector_width)
