@@ -52,9 +52,7 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif VEC == 8 && defined(__FMA__)
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#elif VEC == 4 && defined(__FMA__)
-    return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
-#else
+#else /* 4-wide vectors: no AVX, so no FMA3 on x86 either */
     return a * b + c;
 #endif
 }
