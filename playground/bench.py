@@ -353,11 +353,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
             f"{lookup.branches} per step, verify overhead {lookup.verify_overhead:g}", "prompt lookup",
             {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
     if "lookahead" in args.algos:
-        ahead = LookaheadParams()
-        decoder = LookaheadDecoder(target, sampling, generation, ahead)
+        decoder = LookaheadDecoder(target, sampling, generation, LookaheadParams())
+        ahead = decoder.lookahead  # G and M as chosen for this machine
         seeded = f", pool seeded from {Path(decoder.corpus).parent.name}" if decoder.corpus else ""
         contenders.append(Contender("lookahead", decoder,
-                                    f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}{seeded}"))
+                                    f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}, M {ahead.text_n}"
+                                    f"{seeded}"))
     if "medusa" in args.algos:
         greedy = MedusaDecoder(target, sampling, generation, MedusaParams(tree=args.tree))
         setting = f"tree {args.tree} ({greedy.tree.num_nodes} nodes), heads {greedy.heads.folder.name}"

@@ -6,7 +6,7 @@ Every check names the field and the allowed range; nothing is silently clamped.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -17,6 +17,7 @@ MAX_BLOCK_SIZE = 256
 MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
+LOOKAHEAD_GUESSES = 2  # lookahead's G where a forward of that width costs no more than a narrower one
 
 
 class ConfigError(ValueError):
@@ -172,23 +173,24 @@ class PromptLookupParams:
 @dataclass(frozen=True, slots=True)
 class LookaheadParams:
     """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
-    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step;
-    prompt_pool: seed the pool with the prompt's own n-grams; output_pool: add every n-gram of the committed text;
-    text_ngram: M, the size of the n-grams those two and the corpus pool take from text (None: N); a longer M
-    verifies longer copies, since text repeats in longer runs than the window guesses, in wider forwards.
+    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (None:
+    chosen for the machine by `resolve`); prompt_pool: seed the pool with the prompt's own n-grams; output_pool:
+    add every n-gram of the committed text; text_ngram: M, the size of the n-grams those two and the corpus pool
+    take from text (None: N, or as `resolve` chooses); a longer M verifies longer copies, since text repeats in
+    longer runs than the window guesses, in wider forwards.
     corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
     target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
     for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
     tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
     step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
     only); it changes which G n-grams are verified, not how many. The defaults are measured (README,
-    Command line): on a 2-core CPU a forward's cost grows with its 1 + (N - 1) W + G (max(N, M) - 1) tokens,
-    and W 1 with M = N ran fastest over the benchmark suite.
+    Command line): on a 2-core CPU a forward's cost grows with its `width()` tokens, and W 1, N 3 ran fastest over
+    the benchmark suite, with G 2 and M = N where 7 tokens cost one pass of the CPU kernel (see `resolve`).
     """
 
     window: int = 1
     ngram: int = 3
-    guesses: int = 2
+    guesses: int | None = None
     prompt_pool: bool = True
     output_pool: bool = True
     text_ngram: int | None = None
@@ -199,7 +201,8 @@ class LookaheadParams:
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, 16)
         check_int("ngram", self.ngram, 2, 8)
-        check_int("guesses", self.guesses, 1, 16)
+        if self.guesses is not None:
+            check_int("guesses", self.guesses, 1, 16)
         if self.text_ngram is not None:
             check_int("text_ngram", self.text_ngram, 2, 16)
         check_int("context", self.context, 1, 8)
@@ -213,6 +216,28 @@ class LookaheadParams:
     def text_n(self) -> int:
         """M, the size of the n-grams the prompt, output and corpus pools take."""
         return self.ngram if self.text_ngram is None else self.text_ngram
+
+    def width(self, guesses: int, text_n: int) -> int:
+        """Tokens of a step's forward at most, with G guesses of M-grams: the last token, the window's (N - 1) W
+        and G guesses of max(N, M) - 1 tokens each."""
+        return 1 + (self.ngram - 1) * self.window + guesses * (max(self.ngram, text_n) - 1)
+
+    def resolve(self, rows_per_pass: int | None) -> LookaheadParams:
+        """These settings with G (and, when G is chosen here, M) fixed for a forward whose matrix products serve
+        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
+        GPU). G 2 where that forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and the forward
+        still fits, so that it fills the pass. Why: past a pass each token costs a second pass of arithmetic (with
+        AVX2 the kernel serves 6 rows: on a Zen 3 EPYC a forward's matrix products took 1.03-1.06 times their
+        one-token time over 6 tokens and 1.17-1.21 over the 7 of W 1, N 3, G 2), and there G 1, M 4 ran 1.30x and
+        1.38x plain decoding where G 2, M 3 ran 1.25x (README, Command line)."""
+        if self.guesses is not None:
+            return self
+        if rows_per_pass is None or self.width(LOOKAHEAD_GUESSES, self.text_n) <= rows_per_pass:
+            return replace(self, guesses=LOOKAHEAD_GUESSES)
+        longer = self.ngram + 1
+        if self.text_ngram is None and self.width(1, longer) <= rows_per_pass:
+            return replace(self, guesses=1, text_ngram=longer)
+        return replace(self, guesses=1)
 
 
 MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")

@@ -11,6 +11,7 @@ import re
 import pytest
 from gradio_client import Client, handle_file
 
+from playground.config import LookaheadParams
 from playground.ui import build_app, launch_options
 
 from .conftest import write_draft_copy
@@ -99,6 +100,7 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"algo": "speculative (draft model)", "confidence": None}, "stop drafting below: a number is required"),
     ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
     ("hi", {"algo": "lookahead", "context": 0}, "context must be an integer in [1, 8]"),
+    ("hi", {"algo": "lookahead", "guesses": 17}, "guesses must be an integer in [1, 16]"),
     ("hi", {"algo": "lookahead", "text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
     ("hi", {"algo": "lookahead", "text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
     ("hi", {"algo": "lookahead", "text_ngram": 3.5}, "text n-gram M must be a whole number"),
@@ -160,6 +162,13 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     forwards = {key: sum(e.get("target_forwards", 0) for e in trace["events"] if e["kind"] == "verify")
                 for key, trace in traces.items()}
     assert forwards[(), 0] > forwards[("prompt", "output", "corpus"), 0]
+
+
+def test_lookahead_guesses_zero_lets_the_machine_choose(client, target):
+    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, guesses=0)[4]
+    params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
+    chosen = LookaheadParams().resolve(target.model.rows_per_pass)
+    assert (params["guesses"], params["text_ngram"]) == (chosen.guesses, chosen.text_n)
 
 
 def test_speculative_with_a_confidence_stop_drafts_less_and_keeps_plain_decodings_tokens(client):

@@ -52,6 +52,7 @@ def test_bfloat16_runs(target) -> None:
     half = load_model(ModelSpec(source=str(target.folder), device="cpu", dtype="bfloat16"))
     assert half.model.dtype == torch.bfloat16
     assert all(block.kernel is None for block in half.model.layers)
+    assert half.model.rows_per_pass is None  # PyTorch's kernels: no pass of rows to fill
     assert len(greedy_ids(half, tokens=4)) >= 1
 
 

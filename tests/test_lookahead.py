@@ -136,7 +136,9 @@ def test_step_layout_on_a_small_case() -> None:
     }
 
 
-SETTINGS = [LookaheadParams(),
+# the first two: the automatic G and M where 7 tokens cost one pass of the CPU kernel, and where they do not (AVX2)
+SETTINGS = [LookaheadParams(guesses=2),
+            LookaheadParams(guesses=1, text_ngram=4),
             LookaheadParams(window=2, ngram=2, guesses=1, prompt_pool=False, output_pool=False),
             LookaheadParams(window=6, ngram=5, guesses=6),
             LookaheadParams(text_ngram=6),
@@ -200,7 +202,8 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     corpus = tmp_path / "answers.safetensors"
     save_answers(corpus, [phrase, phrase, [5, 6]], target.model.config.vocab_size, "test")
     generation = GenerationParams(max_new_tokens=12)
-    only_corpus = LookaheadParams(prompt_pool=False, output_pool=False, corpus=str(corpus))
+    # G 2 keeps M = N = 3 on any machine (see LookaheadParams.resolve)
+    only_corpus = LookaheadParams(guesses=2, prompt_pool=False, output_pool=False, corpus=str(corpus))
     decoder = LookaheadDecoder(target, SamplingParams(), generation, only_corpus)
     # per key length k = 1, 2, 3: every (k + 2)-gram of the phrase, seen twice
     assert decoder.params()["corpus"] == str(corpus)
@@ -250,3 +253,35 @@ def test_sampling_matches_the_target_distribution(target) -> None:
 def test_parameter_ranges(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         LookaheadParams(**{field: value})
+
+
+@pytest.mark.parametrize("params, rows_per_pass, expected", [
+    (LookaheadParams(), None, (2, 3, 7)),  # no native kernel (GPU, PyTorch's kernels): the paper's two guesses
+    (LookaheadParams(), 12, (2, 3, 7)),  # AVX-512: 7 tokens fit one pass
+    (LookaheadParams(), 7, (2, 3, 7)),
+    (LookaheadParams(), 6, (1, 4, 6)),  # AVX2: one guess, one token longer, fills the pass
+    (LookaheadParams(text_ngram=3), 6, (1, 3, 5)),  # a chosen M stays
+    (LookaheadParams(text_ngram=5), 12, (2, 5, 11)),
+    (LookaheadParams(window=3), 6, (1, 3, 9)),  # nothing fits: one guess of N - 1 tokens
+    (LookaheadParams(guesses=3), 6, (3, 3, 9)),  # a chosen G stays
+    (LookaheadParams(ngram=2, window=2), 6, (2, 2, 5)),
+])
+def test_automatic_guesses_fit_the_forward_to_one_pass(params, rows_per_pass, expected) -> None:
+    resolved = params.resolve(rows_per_pass)
+    assert (resolved.guesses, resolved.text_n, resolved.width(resolved.guesses, resolved.text_n)) == expected
+    assert resolved.resolve(rows_per_pass) == resolved
+    assert (resolved.window, resolved.ngram, resolved.context) == (params.window, params.ngram, params.context)
+
+
+def test_the_decoder_chooses_guesses_for_its_models_kernel(target, monkeypatch) -> None:
+    """The decoder resolves G and M from the model it runs; its trace parameters show what it chose."""
+    from playground.models.transformer import Transformer
+
+    generation = GenerationParams(max_new_tokens=4)
+    for rows, expected in ((6, (1, 4)), (12, (2, 3)), (None, (2, 3))):
+        monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
+        decoder = LookaheadDecoder(target, SamplingParams(), generation)
+        assert (decoder.params()["guesses"], decoder.params()["text_ngram"]) == expected
+        _, trace = generate(decoder, "Count to five.")
+        widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
+        assert widest <= 1 + 2 + expected[0] * (expected[1] - 1)

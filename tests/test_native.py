@@ -34,6 +34,12 @@ def test_panel_linear_matches_f_linear(kernel: native.Kernel, shape: tuple[int, 
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+def test_rows_per_pass_is_what_the_registers_hold(kernel: native.Kernel, target) -> None:
+    """12 rows with 32 vector registers (AVX-512), 6 with 16; the embedded model's forwards report it."""
+    assert kernel.rows_per_pass == (12 if kernel.vector_width == 16 else 6)
+    assert target.model.rows_per_pass == kernel.rows_per_pass
+
+
 def test_a_rows_product_does_not_depend_on_the_other_rows(kernel: native.Kernel) -> None:
     """Each output sums over the input in the same order whatever the batch: a token's logits in a verify forward
     are bit-identical to its logits in a forward of its own (up to the rest of the model)."""

@@ -241,7 +241,7 @@ class LookaheadDecoder(Decoder):
     def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
                  params: LookaheadParams | None = None) -> None:
         super().__init__(target, sampling, generation)
-        la = self.lookahead = params or LookaheadParams()
+        la = self.lookahead = (params or LookaheadParams()).resolve(target.model.rows_per_pass)
         self.corpus = (la.corpus or default_answers(target.spec.source)) if la.corpus_pool else None
         # every run starts its pools as copies of these
         self.seeds = corpus_pools(self.corpus, target.model.config.vocab_size, la) if self.corpus else \
@@ -257,7 +257,7 @@ class LookaheadDecoder(Decoder):
         target = self.target.model
         la = self.lookahead
         clock, generator, stopper = self.start()
-        widest = 1 + (la.ngram - 1) * la.window + la.guesses * (max(la.ngram, la.text_n) - 1)
+        widest = la.width(la.guesses, la.text_n)
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
         pool = TextPools(la.guesses, la.text_n, la.context, base=self.seeds)
         if la.prompt_pool:

@@ -62,6 +62,7 @@ static inline __attribute__((always_inline)) vf splat(float b) { return b - (vf)
 
 int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
+int playground_rows_per_pass(void) { return NB; }
 
 /* Rows x[0..nb) of one panel; nb is a compile-time constant at every call site (see `rows`), so the accumulators
  * stay in registers. `cols` < PANEL only for the last panel of a W whose out is not a multiple of PANEL. */

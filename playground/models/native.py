@@ -51,6 +51,9 @@ class Kernel:
     panel_width: int  # output rows per packed panel
     path: Path
     vector_width: int  # floats per vector register: attention needs head_dim a multiple of it
+    # rows a matrix product serves per pass over a weight panel: a forward over more tokens pays another pass
+    # of arithmetic (6 with AVX2, 12 with AVX-512)
+    rows_per_pass: int
 
     def normalises(self, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` serves this norm weight: float32 on the CPU, a whole number of vectors long."""
@@ -118,6 +121,7 @@ def load(path: Path) -> Kernel:
     library.playground_gemm.restype = None
     library.playground_panel_width.restype = ctypes.c_int
     library.playground_vector_width.restype = ctypes.c_int
+    library.playground_rows_per_pass.restype = ctypes.c_int
     library.playground_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 3 + [
         ctypes.c_float, ctypes.c_int]
     library.playground_attention.restype = None
@@ -132,7 +136,8 @@ def load(path: Path) -> Kernel:
                                                                                       ctypes.c_int] + [
         ctypes.c_void_p] * 2 + [ctypes.c_int]
     library.playground_mlp_block.restype = None
-    return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()))
+    return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
+                  int(library.playground_rows_per_pass()))
 
 
 def default_cache_dir() -> Path:

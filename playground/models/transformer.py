@@ -336,6 +336,13 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def rows_per_pass(self) -> int | None:
+        """Tokens a forward's matrix products serve per pass over the weights when the native CPU kernel runs
+        them (see `native.Kernel`); None where PyTorch's kernels do (GPU, quantised or unpacked weights)."""
+        packed = self.layers[0].self_attn.qkv_proj.packed if len(self.layers) else None
+        return packed.kernel.rows_per_pass if isinstance(packed, native.Panels) else None
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see `apply_rope`), each (B, T, 1, D) to broadcast over heads."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)
