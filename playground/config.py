@@ -17,7 +17,7 @@ MAX_BLOCK_SIZE = 256
 MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
-LOOKAHEAD_GUESSES = 2  # lookahead's G where a forward of that width costs no more than a narrower one
+LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
 
 
 class ConfigError(ValueError):
