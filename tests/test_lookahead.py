@@ -285,3 +285,23 @@ def test_the_decoder_chooses_guesses_for_its_models_kernel(target, monkeypatch) 
         _, trace = generate(decoder, "Count to five.")
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
         assert widest <= 1 + 2 + expected[0] * (expected[1] - 1)
+
+
+def test_compare_settings_script_races_settings_against_plain_decoding(target) -> None:
+    """scripts/compare_settings.py runs each setting right after plain decoding on the suite's prompts, checks the
+    tokens, and prints medians; a malformed setting is refused naming what is allowed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare_settings.py"
+    done = subprocess.run([sys.executable, str(script), "lookahead:guesses=1,text_ngram=4", "prompt-lookup:num_draft=5",
+                           "--limit", "2", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout
+    assert "[1] chat: 0:lookahead" in done.stdout and "\n1:prompt-lookup: " in done.stdout
+    for setting, message in (("bogus:x=1", "algorithm must be one of lookahead, prompt-lookup, medusa"),
+                             ("lookahead:gueses=2", "'gueses=2' must be field=value with a field of LookaheadParams"),
+                             ("lookahead:guesses=0", r"guesses must be an integer in [1, 16], got 0")):
+        refused = subprocess.run([sys.executable, str(script), setting], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
