@@ -284,7 +284,7 @@ def test_the_decoder_chooses_guesses_for_its_models_kernel(target, monkeypatch) 
         assert (decoder.params()["guesses"], decoder.params()["text_ngram"]) == expected
         _, trace = generate(decoder, "Count to five.")
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
-        assert widest <= 1 + 2 + expected[0] * (expected[1] - 1)
+        assert widest <= 1 + 2 + expected[0] * (expected[1] - 1)  # x, the window's N - 1 = 2, G guesses of M - 1
 
 
 def test_compare_settings_script_races_settings_against_plain_decoding(target) -> None:
