@@ -40,16 +40,26 @@ def test_rows_per_pass_is_what_the_registers_hold(kernel: native.Kernel, target)
     assert target.model.rows_per_pass == kernel.rows_per_pass
 
 
-def test_a_rows_product_does_not_depend_on_the_other_rows(kernel: native.Kernel) -> None:
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out", [200, 83, 16])
+def test_a_rows_product_does_not_depend_on_the_other_rows(kernel: native.Kernel, out: int, threads: int) -> None:
     """Each output sums over the input in the same order whatever the batch: a token's logits in a verify forward
-    are bit-identical to its logits in a forward of its own (up to the rest of the model)."""
-    torch.manual_seed(0)
-    weight = torch.randn(200, 96)
+    are bit-identical to its logits in a forward of its own (up to the rest of the model). Every row count up to
+    two and a half register blocks runs a different plan (panels per pass, rows per pass, passes per panel), and
+    the output sizes and thread counts leave threads a whole number of panel groups, a remainder or one panel."""
+    torch.manual_seed(out)
+    weight = torch.randn(out, 96)
     panels = native.pack_panels(weight, kernel)
-    x = torch.randn(30, 96)
-    together = native.panel_linear(x, panels)
-    for i in range(30):
-        assert torch.equal(together[i], native.panel_linear(x[i : i + 1], panels)[0])
+    x = torch.randn(2 * kernel.rows_per_pass + 3, 96)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([native.panel_linear(x[i : i + 1], panels) for i in range(len(x))])  # (N, out)
+        for rows in range(2, len(x) + 1):
+            assert torch.equal(native.panel_linear(x[:rows], panels), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(alone, x @ weight.t(), atol=1e-4, rtol=1e-4)
 
 
 def test_non_contiguous_input(kernel: native.Kernel) -> None:
