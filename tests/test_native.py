@@ -241,6 +241,33 @@ def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel
     assert refused.returncode == 2 and "--rounds must be in 1..4096, got 0" in refused.stderr
 
 
+def test_kernel_costs_script_compares_builds_and_their_bits(kernel: native.Kernel, target, tmp_path) -> None:
+    """scripts/kernel_costs.py times this checkout's matrix product against a baseline kernels.c (here the same
+    source, so the same bits) over the model's products; a baseline that is neither a file nor a revision, one that
+    does not build, and bad settings are refused with the flag's name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_costs.py"
+    baseline = tmp_path / "kernels.c"
+    baseline.write_text(native.SOURCE.read_text(encoding="utf-8"), encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), "--baseline", str(baseline), "--widths", "1,7", "--rounds",
+                           "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("121 products; current kernels-")  # 30 layers x 4 products and the output projection
+    assert [line.split()[0] for line in lines[2:]] == ["1", "7"]
+    assert all(line.split()[-1] == "yes" for line in lines[2:])
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n", encoding="utf-8")
+    for flags, message in ((["--baseline", str(tmp_path / "missing.c")], "is neither a file nor a git revision"),
+                           (["--baseline", str(broken)], "does not build"),
+                           (["--repeats", "0"], "--repeats must be in 1..4096, got 0")):
+        refused = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr
+
+
 def test_attention_in_equals_norm_product_and_rope_bit_for_bit(kernel: native.Kernel) -> None:
     """The layer half before attention: the same bits as the native norm, the packed product (+ bias) and
     apply_rope (its products and sum rounded apart, no fused multiply-add), row by row."""

@@ -94,12 +94,14 @@ def cpu_signature() -> str:
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
-def build(cache_dir: Path, compiler: str) -> Path:
-    """Compile `kernels.c` into cache_dir (once per source, compiler and CPU); raises OSError or CalledProcessError."""
+def build(cache_dir: Path, compiler: str, source: Path | None = None) -> Path:
+    """Compile `kernels.c` (or another version of it, as scripts/kernel_costs.py compares) into cache_dir, once per
+    source, compiler and CPU; raises OSError or CalledProcessError."""
+    source = SOURCE if source is None else source  # read at call time: tests swap SOURCE
     found = shutil.which(compiler)
     if found is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256("\n".join([SOURCE.read_text(encoding="utf-8"), found, *FLAGS, cpu_signature()])
+    key = hashlib.sha256("\n".join([source.read_text(encoding="utf-8"), found, *FLAGS, cpu_signature()])
                          .encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{key}.so"
     if target.is_file():
@@ -108,7 +110,7 @@ def build(cache_dir: Path, compiler: str) -> Path:
     # Build beside the target and rename: another process building the same library never sees half a file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([found, *FLAGS, str(SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
+        subprocess.run([found, *FLAGS, str(source), "-o", str(partial)], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(partial, target)
     return target

@@ -1,0 +1,113 @@
+"""The native matrix product of this checkout against a baseline build of kernels.c (a git revision or a file), over
+every packed weight of the embedded model (or --model), and whether the two give the same bits.
+
+    python scripts/kernel_costs.py [--baseline HEAD|REV|FILE] [--widths 1,2,3,6,7,9,12] [--rounds 12] [--repeats 5]
+
+Per row count: the median over rounds of the time of one pass over all of a forward's products (each round's time
+the median of --repeats passes) with each build, the rounds interleaving the builds since this machine's speed drifts.
+Kernel changes that keep every sum's order must show "yes" under "same bits".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from forward_costs import widths  # noqa: E402
+from playground.config import ModelSpec  # noqa: E402
+from playground.models import load_model, native  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def baseline_source(spec: str) -> str:
+    """kernels.c's text at a git revision, or a file's; raises ValueError naming what is missing."""
+    if Path(spec).is_file():
+        return Path(spec).read_text(encoding="utf-8")
+    shown = subprocess.run(["git", "show", f"{spec}:{native.SOURCE.relative_to(ROOT).as_posix()}"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise ValueError(f"--baseline {spec!r} is neither a file nor a git revision of this checkout "
+                         f"({shown.stderr.strip().splitlines()[-1] if shown.stderr.strip() else 'git failed'})")
+    return shown.stdout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision or kernels.c file (default HEAD)")
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--widths", type=widths, default=widths("1,2,3,6,7,9,12"))
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=5, help="passes over the products timed per build and round")
+    args = parser.parse_args()
+    for name in ("rounds", "repeats"):
+        if not 1 <= getattr(args, name) <= 4096:
+            parser.error(f"--{name} must be in 1..4096, got {getattr(args, name)}")
+    try:
+        source = baseline_source(args.baseline)
+    except ValueError as exc:
+        parser.error(str(exc))
+    current = native.kernel()
+    if current is None:
+        parser.error(f"the native kernel is {native.status()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernels.c"
+        path.write_text(source, encoding="utf-8")
+        try:
+            baseline = native.load(native.build(native.default_cache_dir(), os.environ.get("CC", "cc"), path))
+        except subprocess.CalledProcessError as exc:
+            parser.error(f"--baseline {args.baseline!r} does not build: {(exc.stderr or '').strip()[-300:]}")
+        except AttributeError as exc:  # a library from before one of the functions `native.load` binds
+            parser.error(f"--baseline {args.baseline!r} lacks a kernel function this checkout needs: {exc}")
+    if baseline.panel_width != current.panel_width:
+        parser.error(f"--baseline packs panels of {baseline.panel_width} rows, this checkout {current.panel_width}")
+    model = load_model(ModelSpec(source=args.model, device="cpu")).model
+    panels = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), native.Panels)]
+    if isinstance(model.packed_output, native.Panels) and all(p is not model.packed_output for p in panels):
+        panels.append(model.packed_output)  # a tied output projection has no Linear of its own
+    builds = {"baseline": baseline, "current": current}
+    print(f"{len(panels)} products; current {current.path.name}, baseline {args.baseline} {baseline.path.name}")
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    inputs = {(w, p.in_features): torch.randn(w, p.in_features, generator=generator)  # (N, in)
+              for w in args.widths for p in panels}
+
+    def one_pass(build: native.Kernel, rows: int) -> tuple[float, list[torch.Tensor]]:
+        outputs = []
+        start = time.perf_counter()
+        for p in panels:
+            y = torch.empty(rows, p.out)  # (N, out)
+            build.library.playground_gemm(inputs[rows, p.in_features].data_ptr(), rows, p.in_features,
+                                          p.data.data_ptr(), p.out, y.data_ptr(), threads)
+            outputs.append(y)
+        return time.perf_counter() - start, outputs
+
+    times: dict[tuple[str, int], list[float]] = {(b, w): [] for b in builds for w in args.widths}
+    same = dict.fromkeys(args.widths, True)
+    for _ in range(args.rounds):
+        for rows in args.widths:
+            results = {}
+            for name, build in builds.items():
+                passes = [one_pass(build, rows) for _ in range(args.repeats)]
+                times[name, rows].append(statistics.median(t for t, _ in passes))
+                results[name] = passes[-1][1]
+            same[rows] &= all(torch.equal(a, b) for a, b in zip(results["baseline"], results["current"]))
+    print("rows  baseline ms  current ms  current/baseline  same bits")
+    for rows in args.widths:
+        base, new = (statistics.median(times[b, rows]) for b in builds)
+        print(f"{rows:4d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  {'yes' if same[rows] else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
