@@ -34,8 +34,11 @@ def baseline_source(spec: str) -> str:
     """kernels.c's text at a git revision, or a file's; raises ValueError naming what is missing."""
     if Path(spec).is_file():
         return Path(spec).read_text(encoding="utf-8")
-    shown = subprocess.run(["git", "show", f"{spec}:{native.SOURCE.relative_to(ROOT).as_posix()}"], cwd=ROOT,
-                           capture_output=True, text=True)
+    try:
+        shown = subprocess.run(["git", "show", f"{spec}:{native.SOURCE.relative_to(ROOT).as_posix()}"], cwd=ROOT,
+                               capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ValueError(f"--baseline {spec!r} is not a file, and git is not installed to read a revision") from None
     if shown.returncode != 0:
         raise ValueError(f"--baseline {spec!r} is neither a file nor a git revision of this checkout "
                          f"({shown.stderr.strip().splitlines()[-1] if shown.stderr.strip() else 'git failed'})")
