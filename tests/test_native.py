@@ -319,26 +319,35 @@ def test_mlp_block_matches_pytorch_and_depends_on_its_row_alone(kernel: native.K
 
 
 def test_the_models_layers_run_fused_without_gradients_only(kernel: native.Kernel, target, monkeypatch) -> None:
-    """Every layer of the embedded model runs its halves natively; with gradients on, the same layers go through
-    PyTorch's ops and agree; a layer the kernel cannot run (q/k norms) keeps PyTorch's ops."""
+    """Without gradients, every layer of the embedded model runs natively: all of them in one call over a contiguous
+    cache, else each layer's halves; with gradients on, the same layers go through PyTorch's ops and agree; a layer
+    the kernel cannot run (q/k norms) keeps PyTorch's ops."""
     from playground.config import GenerationParams
     from playground.decoding.base import new_cache
 
     model = target.model
     assert all(block.kernel is kernel for block in model.layers)
-    calls = []
-    fused = native.mlp_block
-    monkeypatch.setattr(native, "mlp_block", lambda *args: calls.append(1) or fused(*args))
+    assert model.native_stack is not None and model.native_stack.num_layers == len(model.layers)
+    calls: list[str] = []
+    for name in ("mlp_block", "layers"):
+        monkeypatch.setattr(native, name, lambda *args, _name=name, _run=getattr(native, name):
+                            calls.append(_name) or _run(*args))
     tokens = torch.tensor([[100 + 7 * i for i in range(12)]])  # (1, T)
     logits, counted = {}, {}
-    for grad in (False, True):
+    stack = model.native_stack
+    for setting in ("stack", "halves", "gradients"):
         cache = new_cache(model, 16, GenerationParams())
         calls.clear()
-        with torch.set_grad_enabled(grad):
-            logits[grad] = model(tokens, torch.arange(12).unsqueeze(0), cache, (0,))[0].detach()  # (1, T, V)
-        counted[grad] = len(calls)
-    assert counted == {False: len(model.layers), True: 0}
-    torch.testing.assert_close(logits[False], logits[True], atol=2e-4, rtol=1e-4)
+        model.native_stack = None if setting == "halves" else stack
+        try:
+            with torch.set_grad_enabled(setting == "gradients"):
+                logits[setting] = model(tokens, torch.arange(12).unsqueeze(0), cache, (0,))[0].detach()  # (1, T, V)
+        finally:
+            model.native_stack = stack
+        counted[setting] = calls.copy()
+    assert counted == {"stack": ["layers"], "halves": ["mlp_block"] * len(model.layers), "gradients": []}
+    assert torch.equal(logits["stack"], logits["halves"])
+    torch.testing.assert_close(logits["stack"], logits["gradients"], atol=2e-4, rtol=1e-4)
     block = model.layers[0]
     block.self_attn.q_norm = torch.nn.Identity()  # as a Qwen3 layer has
     try:
@@ -346,3 +355,46 @@ def test_the_models_layers_run_fused_without_gradients_only(kernel: native.Kerne
     finally:
         block.self_attn.q_norm = None
     assert block.fusable()
+
+
+def forwards(model, stack: bool, cache, steps) -> list[torch.Tensor]:
+    """Logits, hidden states and every row's cache contents after each forward of `steps`: (seq_ids, tokens per
+    row, attn_mask or None, lengths to truncate rows to first)."""
+    saved = model.native_stack
+    model.native_stack = saved if stack else None
+    out = []
+    try:
+        with torch.inference_mode():
+            for seq_ids, new, mask, lengths in steps:
+                for row, length in lengths.items():
+                    cache.truncate(row, length)
+                ids = torch.randint(0, model.config.vocab_size, (len(seq_ids), new),
+                                    generator=torch.Generator().manual_seed(new))  # (B, T)
+                positions = torch.stack([torch.arange(cache.length(s), cache.length(s) + new) for s in seq_ids])
+                logits, hidden = model(ids, positions, cache, seq_ids, attn_mask=mask)
+                out += [logits, hidden]
+                out += [cache.k[:, s, :, : cache.length(s)].clone() for s in seq_ids]
+                out += [cache.v[:, s, :, : cache.length(s)].clone() for s in seq_ids]
+    finally:
+        model.native_stack = saved
+    return out
+
+
+def test_the_layer_stack_equals_the_layer_by_layer_forward_bit_for_bit(kernel: native.Kernel, target) -> None:
+    """The whole-stack call gives the same logits, hidden states and cache contents as the layers one by one: a
+    prompt, one-token steps, a chain, a tree, rows of different lengths (a shorter row sees nothing past its own
+    new tokens), rows that are not consecutive (these keep the layer-by-layer path)."""
+    from playground.kv import ContiguousKVCache
+
+    model = target.model
+    cfg = model.config
+    tree = ancestor_mask([-1, 0, 0, 2])  # (4, 4)
+    steps = [((0, 1), 9, None, {}), ((0, 1), 1, None, {}), ((0, 1), 5, None, {1: 6}), ((0, 1), 4, tree, {}),
+             ((1,), 1, None, {}), ((2, 0), 3, None, {}), ((0,), 1, None, {})]
+    results = []
+    for stack in (True, False):
+        cache = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, max_seqs=3)
+        results.append(forwards(model, stack, cache, steps))
+    assert len(results[0]) == len(results[1])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

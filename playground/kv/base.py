@@ -76,6 +76,12 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) of `layer` and return all keys and values (B, Hkv, L, D) to attend over."""
 
+    def contiguous_rows(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V (layers, B, Hkv, Tmax, D) of the forward's rows where they are consecutive rows of one slab,
+        slot j of a row holding its j-th token (the whole-stack native forward writes and reads them there; the
+        new tokens not yet stored); None where the layout is otherwise, and every write goes through `update`."""
+        return None
+
     @abstractmethod
     def length(self, seq_id: int) -> int:
         """Number of committed slots of a sequence."""

@@ -76,6 +76,13 @@ class ContiguousKVCache(KVCache):
         return (k_layer.index_select(0, index)[:, :, :key_len],
                 v_layer.index_select(0, index)[:, :, :key_len])  # (B, Hkv, L, D)
 
+    def contiguous_rows(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        first = layout.seq_ids[0]
+        if layout.seq_ids != tuple(range(first, first + len(layout.seq_ids))):
+            return None
+        rows = slice(first, first + len(layout.seq_ids))
+        return self.k[:, rows], self.v[:, rows]  # (layers, B, Hkv, Tmax, D)
+
     def memory(self) -> KVMemory:
         tokens = sum(self._lengths)
         reserved = self.k.shape[1] * self.max_len * self._bytes_per_token

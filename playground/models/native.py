@@ -16,6 +16,9 @@ Decoder layer halves: the work before attention (norm, q/k/v product, RoPE) and 
 adds, norm, gate/up product, SiLU, down product) in one call each instead of about twenty PyTorch ops per layer,
 whose dispatch cost a fifth of a one-token forward on a 2-core Zen 3 EPYC.
 
+Layer stack: over a contiguous KV cache, every layer in one call (`layers`), the cache writes included; the Python
+between the halves cost a small draft model more than its arithmetic.
+
 The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
 model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
 ($PLAYGROUND_CACHE or ~/.cache/decoding-playground)/native, keyed by the source, the compiler and this CPU's
@@ -138,6 +141,10 @@ def load(path: Path) -> Kernel:
                                                                                       ctypes.c_int] + [
         ctypes.c_void_p] * 2 + [ctypes.c_int]
     library.playground_mlp_block.restype = None
+    library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] + [
+        ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    library.playground_layers.restype = None
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
                   int(library.playground_rows_per_pass()))
 
@@ -272,3 +279,54 @@ def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch
             out.data_ptr(), b, hkv, rows, new_tokens, key_len, d, keys.stride(0), keys.stride(1), keys.stride(2),
             d ** -0.5, torch.get_num_threads())
     return out
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Every decoder layer's weights as the pointers `layers` reads: 7 per layer (input norm, q/k/v panels, q/k/v
+    bias or null, output panels, post-attention norm, gate/up panels, down panels). `keep` holds what they point
+    into, so the pointers stay valid while the stack lives."""
+
+    kernel: Kernel
+    pointers: ctypes.Array  # (layers * 7,) void pointers
+    keep: tuple[torch.Tensor, ...]
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.Tensor | None, Panels,
+                                                     torch.Tensor, Panels, Panels]],
+                heads: int, kv_heads: int, head_dim: int, eps: float) -> LayerStack:
+    """The stack for per-layer (input norm weight, qkv, qkv bias, o, post-attention norm weight, gate/up, down), every
+    product packed for `kernel` and every norm one it serves."""
+    keep = tuple(t.data if isinstance(t, Panels) else t for layer in weights for t in layer if t is not None)
+    flat = [None if t is None else (t.data if isinstance(t, Panels) else t).data_ptr()
+            for layer in weights for t in layer]
+    pointers = (ctypes.c_void_p * len(flat))(*flat)
+    return LayerStack(kernel, pointers, keep, len(weights), heads, kv_heads, head_dim, weights[0][5].out // 2, eps)
+
+
+def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+           values: torch.Tensor, starts: tuple[int, ...], key_len: int, visible: torch.Tensor | None) -> None:
+    """Run every layer of `stack` in one native call (see kernels.c), x (B, T, E) float32 contiguous updated in
+    place; cos, sin (B, T, 1, D) as `Transformer.rope` gives them; keys, values (layers, B, Hkv, Tmax, D) the cache
+    rows of this forward, the new tokens of row b written from slot starts[b]; visible (B, T, L) bool or None (every
+    key visible)."""
+    b, t, d = x.shape
+    n, hd = b * t, stack.heads * stack.head_dim
+    qkv_out = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
+    if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != stack.head_dim:
+        raise ValueError(f"keys and values need the same strides with contiguous slots, got {keys.stride()} and "
+                         f"{values.stride()}")
+    mask = None if visible is None else visible.contiguous().view(torch.uint8)  # (B, T, L): bool is one byte
+    scratch = torch.empty(n * (3 * d + qkv_out + 3 * hd + 3 * stack.intermediate), dtype=torch.float32)
+    stack.kernel.library.playground_layers(
+        x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.heads, stack.kv_heads, stack.head_dim,
+        stack.intermediate, stack.eps, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), keys.data_ptr(),
+        values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), (ctypes.c_int * b)(*starts), key_len,
+        None if mask is None else mask.data_ptr(), stack.head_dim ** -0.5, scratch.data_ptr(),
+        torch.get_num_threads())

@@ -323,6 +323,8 @@ class Transformer(nn.Module):
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
         # False keeps PyTorch's attention where the native kernel would serve (scripts/forward_costs.py compares them)
         self.native_attention = True
+        # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
+        self.native_stack: native.LayerStack | None = None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -351,16 +353,23 @@ class Transformer(nn.Module):
         sin_signed = torch.cat((-sin, sin), dim=-1)  # (B, T, D)
         return cos.to(dtype).unsqueeze(2), sin_signed.to(dtype).unsqueeze(2)
 
+    def attention_kernel(self) -> native.Kernel | None:
+        """The native kernel where its attention serves this forward (float32 on a CPU that built it, no gradients:
+        it has no backward), else None."""
+        kernel = native.kernel() if self.native_attention and self.device.type == "cpu" else None
+        if (kernel is not None and not torch.is_grad_enabled()
+                and kernel.attends(self.config.head_dim, self.dtype, self.device)):
+            return kernel
+        return None
+
     def attention(self, layout: AttentionLayout) -> Attend:
-        """How this forward's layers attend, decided once: the native kernel where it serves (float32 on a CPU that
-        built it, no gradients: it has no backward), which gives a token the same bits in any forward; else
-        PyTorch's attention with the visibility as an additive mask."""
+        """How this forward's layers attend, decided once: the native kernel where it serves, which gives a token
+        the same bits in any forward; else PyTorch's attention with the visibility as an additive mask."""
         cfg = self.config
         b, t, key_len = len(layout.seq_ids), layout.num_new, layout.key_len
         mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
-        kernel = native.kernel() if self.native_attention and self.device.type == "cpu" else None
-        if (kernel is not None and not torch.is_grad_enabled()
-                and kernel.attends(cfg.head_dim, self.dtype, self.device)):
+        kernel = self.attention_kernel()
+        if kernel is not None:
             return partial(native.attention, kernel, visible=None if mask is None else mask[:, 0], new_tokens=t)
         if mask is not None:
             # Additive, built once: attention converts a boolean mask to this form on every call, which on the
@@ -386,6 +395,13 @@ class Transformer(nn.Module):
                 module.kernel = kernel
         for block in self.layers:
             block.kernel = kernel if kernel is not None and block.fusable() else None
+        if kernel is not None and self.layers and all(block.kernel is not None for block in self.layers):
+            cfg = self.config
+            self.native_stack = native.layer_stack(kernel, [
+                (b.input_layernorm.weight, b.self_attn.qkv_proj.packed, b.self_attn.qkv_proj.bias,
+                 b.self_attn.o_proj.packed, b.post_attention_layernorm.weight, b.mlp.gate_up_proj.packed,
+                 b.mlp.down_proj.packed) for b in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                cfg.rms_norm_eps)
         if can_pack(self.output_weight):
             self.packed_output = self.lm_head.packed if self.lm_head is not None else pack(self.output_weight)
 
@@ -412,11 +428,17 @@ class Transformer(nn.Module):
         if cfg.sliding_window is not None and layout.key_len > cfg.sliding_window:
             raise ValueError(f"sequence of {layout.key_len} tokens exceeds the model's sliding window "
                              f"({cfg.sliding_window}); sliding-window attention is not implemented")
-        attend = self.attention(layout)
         x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
         cos, sin = self.rope(positions, x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, cache, layout, attend)
+        slabs = cache.contiguous_rows(layout) if self.native_stack is not None else None
+        if slabs is not None and self.attention_kernel() is not None:
+            mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
+            native.layers(self.native_stack, x, cos, sin, *slabs, layout.starts, layout.key_len,
+                          None if mask is None else mask[:, 0])
+        else:
+            attend = self.attention(layout)
+            for block in self.layers:
+                x = block(x, cos, sin, cache, layout, attend)
         hidden = self.norm(x)  # (B, T, E)
         if num_logits == 0:
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
