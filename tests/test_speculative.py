@@ -253,6 +253,24 @@ def test_a_draft_with_a_proposal_vocabulary_proposes_only_from_it_and_stays_exac
     assert drafted and set(drafted) <= allowed
 
 
+def test_greedy_drafting_over_the_proposal_rows_picks_what_the_whole_vocabulary_would(target, narrow_draft) -> None:
+    """Greedy drafting scores the proposal rows alone and maps the argmax back to its token id: the same tokens,
+    with the same draft probabilities, as spreading the rows over the whole vocabulary (-inf elsewhere)."""
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    compact = SpeculativeDecoder(target, narrow_draft, SamplingParams(), generation, SpeculativeParams(gamma=6))
+    spread = SpeculativeDecoder(target, narrow_draft, SamplingParams(), generation, SpeculativeParams(gamma=6))
+    spread.proposal_ids = None  # the whole-vocabulary path
+    for prompt in PROMPTS[:4]:
+        ids = encode_prompt(target, prompt, generation)
+        drafted = []
+        for decoder in (compact, spread):
+            cache = new_cache(narrow_draft.model, len(ids) + 8, generation)
+            drafted.append(decoder.propose(cache, ids, 6, torch.Generator()))
+        (tokens, _, shown), (want_tokens, _, want_shown) = drafted
+        assert tokens == want_tokens and len(tokens) == 6
+        assert shown == pytest.approx(want_shown, rel=1e-5)
+
+
 def test_sampling_with_a_proposal_vocabulary_matches_the_target_distribution(target, narrow_draft) -> None:
     """q is zero outside the draft's vocabulary, which lacks the target's likeliest first token: that token can
     come from the residual alone, and the joint still matches."""

@@ -70,9 +70,10 @@ def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -
 
 @torch.inference_mode()
 def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int], num_logits: int = 1,
-                   rows: OutputRows | None = None) -> torch.Tensor:
+                   rows: OutputRows | None = None, scored_only: bool = False) -> torch.Tensor:
     """Append tokens to sequence 0 of the cache in one forward; logits (num_logits, V) of the last positions,
-    scored on `rows` only (-inf elsewhere) when given.
+    scored on `rows` only (-inf elsewhere) when given, or with `scored_only` just those (num_logits, V'), in the
+    order of rows.ids.
 
     Inference mode wraps each forward, not a decoder's loop: a generator suspended at `yield` must not leave
     the consumer's code running in it.
@@ -84,6 +85,8 @@ def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int], num
         logits, _ = model(ids, positions, cache, (0,), num_logits=num_logits)  # (1, n, V)
         return logits[0]
     _, hidden = model(ids, positions, cache, (0,), num_logits=0)  # hidden: (1, T, E)
+    if scored_only:
+        return rows.logits(hidden[0, -num_logits:])  # (n, V')
     return rows.full_logits(hidden[0, -num_logits:], model.config.vocab_size)  # (n, V)
 
 
