@@ -1,10 +1,11 @@
 """What a forward over several new tokens costs, and whether its logits equal plain decoding's bit for bit, with
-the native attention kernel and with PyTorch's, on the embedded model (or --model).
+the native layer stack (every layer in one call), the native kernels layer by layer, and PyTorch's attention, on the
+embedded model (or --model, e.g. the draft: assets/draft-smollm2-135m).
 
     python scripts/forward_costs.py [--context 300] [--widths 1,5,7,9,12] [--rounds 3] [--repeats 30]
 
-Per attention and width: the median wall time of a forward over that many new tokens after a prefill of --context
-tokens (the rounds interleave the two attentions, since this machine's speed drifts), its ratio to the one-token
+Per path and width: the median wall time of a forward over that many new tokens after a prefill of --context
+tokens (the rounds interleave the paths, since this machine's speed drifts), its ratio to the one-token
 forward of the same round, and the largest difference between the logits of a --exact-width verifying forward and
 those of the same tokens decoded one per step (0 means greedy exactness holds whatever the prompt).
 """
@@ -25,7 +26,8 @@ from playground.config import GenerationParams, ModelSpec  # noqa: E402
 from playground.decoding.base import forward_tokens, new_cache  # noqa: E402
 from playground.models import load_model, native  # noqa: E402
 
-ATTENTIONS = {"native": True, "pytorch": False}
+# path -> (native attention, the whole-stack call): PyTorch's attention runs layer by layer
+PATHS = {"stack": (True, True), "layers": (True, False), "pytorch": (False, False)}
 
 
 def widths(text: str) -> list[int]:
@@ -49,6 +51,12 @@ def main() -> int:
             parser.error(f"--{name.replace('_', '-')} must be in 1..4096, got {getattr(args, name)}")
     model = load_model(ModelSpec(source=args.model, device="cpu")).model
     print(f"native kernels: {native.status()}")
+    stack = model.native_stack
+
+    def use(path: str) -> None:
+        attention, whole = PATHS[path]
+        model.native_attention = attention
+        model.native_stack = stack if whole else None
     capacity = args.context + max(*args.widths, args.exact_width)
     cache = new_cache(model, capacity, GenerationParams())
     forward_tokens(model, cache, [100 + i % 1000 for i in range(args.context)])
@@ -64,14 +72,14 @@ def main() -> int:
         return statistics.median(times)
 
     for round_ in range(1, args.rounds + 1):
-        for name, enabled in ATTENTIONS.items():
-            model.native_attention = enabled
+        for name in PATHS:
+            use(name)
             costs = {width: timed(width) for width in args.widths}
             one = costs.get(1)
             cells = [f"{w} tokens {s * 1e3:.2f} ms" + (f" ({s / one:.3f})" if one else "") for w, s in costs.items()]
             print(f"round {round_} {name:>7}: " + ", ".join(cells))
-    for name, enabled in ATTENTIONS.items():
-        model.native_attention = enabled
+    for name in PATHS:
+        use(name)
         width = args.exact_width
         steps = torch.stack([forward_tokens(model, cache, [token])[-1] for token in tokens[:width]])  # (W, V)
         cache.truncate(0, args.context)

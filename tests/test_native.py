@@ -223,9 +223,10 @@ def test_the_models_norms_run_natively_without_gradients_only(kernel: native.Ker
     torch.testing.assert_close(fast, reference.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel, target) -> None:
-    """scripts/forward_costs.py times both attentions and reports the verify-vs-steps logit difference: zero with
-    the native kernel. Bad settings are refused with the flag's name and range."""
+def test_forward_costs_script_shows_native_paths_exact(kernel: native.Kernel, target) -> None:
+    """scripts/forward_costs.py times the layer stack, the layers one by one and PyTorch's attention, and reports
+    the verify-vs-steps logit difference: zero on both native paths. Bad settings are refused with the flag's name
+    and range."""
     import subprocess
     import sys
     from pathlib import Path
@@ -234,7 +235,8 @@ def test_forward_costs_script_shows_native_attention_exact(kernel: native.Kernel
     done = subprocess.run([sys.executable, str(script), "--context", "24", "--widths", "1,3", "--rounds", "1",
                            "--repeats", "2", "--exact-width", "5"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "native: 5-token verify vs one token per step, largest logit difference 0\n" in done.stdout
+    for path in ("stack", "layers"):
+        assert f"\n{path}: 5-token verify vs one token per step, largest logit difference 0\n" in done.stdout
     assert "round 1 pytorch: 1 tokens" in done.stdout and "3 tokens" in done.stdout
     refused = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True,
                              timeout=120)
