@@ -92,10 +92,16 @@ def verify_greedy(target_logits: torch.Tensor, proposals: list[int]) -> ChainVer
     target_logits: (K+1, V), row i scoring the position of proposal i, row K the position after them all.
     """
     argmax = target_logits.argmax(-1).tolist()  # (K+1,)
+    accepted = greedy_matches(argmax, proposals)
+    return ChainVerdict(accepted, argmax[accepted], accepted < len(proposals), ())
+
+
+def greedy_matches(argmax: list[int], proposals: list[int]) -> int:
+    """How many leading proposals equal the target's argmax at their position (argmax[i] scores proposal i)."""
     accepted = 0
     while accepted < len(proposals) and argmax[accepted] == proposals[accepted]:
         accepted += 1
-    return ChainVerdict(accepted, argmax[accepted], accepted < len(proposals), ())
+    return accepted
 
 
 def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],

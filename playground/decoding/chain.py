@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import ChainVerdict, probabilities, sample, verify_greedy, verify_lossless
+from ..sampling import ChainVerdict, greedy_matches, probabilities, sample, verify_greedy, verify_lossless
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, Event, RejectEvent
 from .base import Decoder, Stopper
 
@@ -34,10 +34,11 @@ def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
     return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
 
 
-def longest_match(chains: list[torch.Tensor], candidates: list[list[int]]) -> int:
+def longest_match(argmax: list[int], rows: list[list[int]], candidates: list[list[int]]) -> int:
     """Index of the candidate chain the target's argmaxes keep longest, the earliest on ties (greedy).
-    chains[i] (K_i + 1, V): the target's logits at the root and after each token of candidates[i]."""
-    matches = [verify_greedy(chain, list(candidate)).num_accepted for chain, candidate in zip(chains, candidates)]
+    argmax: the target's argmax of each logits row of the forward, once for every candidate; rows[i]: the rows
+    at the root and after each token of candidates[i]."""
+    matches = [greedy_matches([argmax[r] for r in row], list(candidate)) for row, candidate in zip(rows, candidates)]
     return matches.index(max(matches))
 
 
@@ -53,8 +54,9 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
     sampling = decoder.sampling
     if sampling.greedy:
         verdict = verify_greedy(target_logits, proposals)
-        # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
-        p = target_logits.softmax(-1)  # (K+1, V)
+        # The trace shows the target's softmax at temperature 1, as plain decoding does under greedy, for the rows
+        # judged: up to the correction or bonus, often 1-2 of K+1 rows of the whole vocabulary.
+        p = target_logits[: verdict.num_accepted + 1].softmax(-1)  # (n+1, V)
     else:
         p = probabilities(target_logits, sampling)  # (K+1, V)
         if not proposals:  # nothing to judge: a plain decoding step
@@ -63,7 +65,7 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
             raise ValueError("q is required to verify sampled proposals")
         else:
             verdict = verify_lossless(p, q, proposals, generator)
-    p_shown = prob_of(p, proposals) if proposals else []
+    p_shown = prob_of(p, proposals[: len(p)]) if proposals else []  # the judged ones
     q_list: list[float | None] = list(q_shown) if q_shown is not None else [None] * len(proposals)
     uniforms = list(verdict.uniforms) + [None] * len(proposals)
     events: list[Event] = []

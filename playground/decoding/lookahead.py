@@ -293,14 +293,15 @@ class LookaheadDecoder(Decoder):
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
             first = len(layout.tokens) - layout.num_logits  # token index of logits row 0
-            new_row = logits[[i - first for i in layout.last_row]].argmax(-1).tolist()  # (W,)
+            argmax = logits.argmax(-1).tolist()  # (num_logits,) the target's next token after each
+            new_row = [argmax[i - first] for i in layout.last_row]  # (W,)
             for i, token in enumerate(new_row):
                 pool.add_window(tuple(window[r][i] for r in range(len(window))) + (token,))
             window = window[1:] + [new_row]
 
             draft_s, verify_s = draft_end - step_start, verify_end - verify_start
-            chosen, outcome = self.accept(step, clock.now(), draft_s, base, logits, first, layout, candidates,
-                                          generator, stopper)
+            chosen, outcome = self.accept(step, clock.now(), draft_s, base, logits, argmax, first, layout,
+                                          candidates, generator, stopper)
             done = outcome.done
             accepted = layout.candidate_rows[chosen][: outcome.accepted] if chosen is not None else []
             # commit: token index i of this forward sits in slot base + i; x and the accepted tokens move to
@@ -317,23 +318,23 @@ class LookaheadDecoder(Decoder):
         yield from clock.emit(event)
         return output
 
-    def accept(self, step: int, t: float, draft_s: float, base: int, logits: torch.Tensor, first: int,
-               layout: StepLayout, candidates: list[tuple[int, ...]], generator: torch.Generator,
+    def accept(self, step: int, t: float, draft_s: float, base: int, logits: torch.Tensor, argmax: list[int],
+               first: int, layout: StepLayout, candidates: list[tuple[int, ...]], generator: torch.Generator,
                stopper: Stopper) -> tuple[int | None, ChainOutcome]:
         """Judge the candidates; returns the index of the one kept (None when there were none) and the outcome.
         A DraftEvent for that candidate precedes the accept/reject events: it is the chain that was verified.
-        logits (num_logits, V): row i belongs to token index first + i of the forward."""
+        logits (num_logits, V) and their argmax: row i belongs to token index first + i of the forward."""
         x_row = layout.x_index - first
         if not candidates:
             return None, accept_chain(self, step, t, base, logits[x_row : x_row + 1], [], None, None, generator,
                                       stopper)
-        chains = [logits[[x_row] + [i - first for i in row]] for row in layout.candidate_rows]  # each (K+1, V)
+        rows = [[x_row] + [i - first for i in row] for row in layout.candidate_rows]  # each candidate's K+1 rows
         # under sampling the one candidate verified; under greedy the longest match, earliest on ties
-        chosen = longest_match(chains, [list(c) for c in candidates]) if self.sampling.greedy else 0
+        chosen = longest_match(argmax, rows, [list(c) for c in candidates]) if self.sampling.greedy else 0
         proposals = list(candidates[chosen])
         q = None if self.sampling.greedy else one_hot(proposals, logits.shape[-1], logits.device)
         q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
-        outcome = accept_chain(self, step, t, base, chains[chosen], proposals, q, q_shown, generator, stopper)
+        outcome = accept_chain(self, step, t, base, logits[rows[chosen]], proposals, q, q_shown, generator, stopper)
         infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0) for i, x in enumerate(proposals)]
         draft = DraftEvent(step=step, t=t, tokens=infos, wall_s=draft_s, draft_forwards=0)
         return chosen, replace(outcome, events=[draft, *outcome.events])

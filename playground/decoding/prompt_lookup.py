@@ -252,9 +252,9 @@ class PromptLookupDecoder(Decoder):
             if len(found) > 1:
                 tree = tree_from_parents(parents)
                 tree_logits, _ = forward_tree(target, cache, [last] + nodes, tree.depths, tree.mask)  # (n+1, V)
-                chains = [tree_logits[[0, *path]] for path in paths]  # each (K_i + 1, V)
-                chosen = longest_match(chains, [f.tokens for f in found])
-                target_logits = chains[chosen]
+                rows = [[0, *path] for path in paths]  # each candidate's chain of logits rows
+                chosen = longest_match(tree_logits.argmax(-1).tolist(), rows, [f.tokens for f in found])
+                target_logits = tree_logits[rows[chosen]]  # (K + 1, V)
             else:
                 target_logits = forward_tokens(target, cache, [last] + nodes, num_logits=len(nodes) + 1)  # (K+1, V)
                 chosen = 0
