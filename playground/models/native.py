@@ -235,10 +235,11 @@ def attention_in(kernel: Kernel, x: torch.Tensor, norm_weight: torch.Tensor, eps
         raise ValueError(f"cos and sin need one row of {head_dim} per row of x ({rows}), got {tuple(cos.shape)}")
     normed = torch.empty(rows, d, dtype=torch.float32)  # (N, E) scratch
     y = torch.empty(*x.shape[:-1], qkv.out, dtype=torch.float32)  # (..., out)
+    cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
     kernel.library.playground_attention_in(
         x.data_ptr(), rows, d, norm_weight.data_ptr(), eps, normed.data_ptr(), qkv.data.data_ptr(), qkv.out,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), cos.contiguous().data_ptr(),
-        sin.contiguous().data_ptr(), rope_heads, head_dim, torch.get_num_threads())
+        None if bias is None else bias.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), rope_heads,
+        head_dim, torch.get_num_threads())
     return y
 
 
@@ -324,9 +325,10 @@ def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                          f"{values.stride()}")
     mask = None if visible is None else visible.contiguous().view(torch.uint8)  # (B, T, L): bool is one byte
     scratch = torch.empty(n * (3 * d + qkv_out + 3 * hd + 3 * stack.intermediate), dtype=torch.float32)
+    cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
     stack.kernel.library.playground_layers(
         x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.heads, stack.kv_heads, stack.head_dim,
-        stack.intermediate, stack.eps, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), keys.data_ptr(),
+        stack.intermediate, stack.eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), (ctypes.c_int * b)(*starts), key_len,
         None if mask is None else mask.data_ptr(), stack.head_dim ** -0.5, scratch.data_ptr(),
         torch.get_num_threads())
