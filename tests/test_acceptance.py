@@ -35,7 +35,6 @@ def test_greedy_accepts_the_matching_prefix() -> None:
     assert verify_greedy(logits[:1], []).token == 2  # nothing proposed: plain decoding
 
 
-
 def test_the_longest_greedy_match_among_candidates_wins_the_earliest_on_ties() -> None:
     """Candidates read their rows of one forward's argmaxes: the one the target keeps longest is chosen."""
     from playground.decoding.chain import longest_match
@@ -48,6 +47,7 @@ def test_the_longest_greedy_match_among_candidates_wins_the_earliest_on_ties() -
     assert longest_match(argmax, rows, [[7, 3], [7, 9, 4], [7, 8]]) == 1  # 3 kept against 2 and 2
     assert longest_match(argmax, rows, [[7, 3], [7, 5, 4], [7, 8]]) == 0  # 2, 1, 2: the earliest of the longest
     assert longest_match(argmax, rows, [[1, 3], [2, 5, 4], [8, 8]]) == 0  # none matches
+
 
 Q_CASES = {
     "different": torch.tensor([0.10, 0.10, 0.30, 0.30, 0.10, 0.10]),

@@ -10,6 +10,14 @@ import torch
 from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
 
 
+def consecutive(seq_ids: tuple[int, ...]) -> slice | None:
+    """The slab rows of `seq_ids` as a slice where they are consecutive and in order (a view, no copy), else None."""
+    first = seq_ids[0]
+    if seq_ids != tuple(range(first, first + len(seq_ids))):
+        return None
+    return slice(first, first + len(seq_ids))
+
+
 class ContiguousKVCache(KVCache):
     def __init__(
         self,
@@ -68,19 +76,17 @@ class ContiguousKVCache(KVCache):
         for row, (seq, start) in enumerate(zip(layout.seq_ids, layout.starts)):
             k_layer[seq, :, start : start + t] = k[row]  # (Hkv, T, D)
             v_layer[seq, :, start : start + t] = v[row]
-        first = layout.seq_ids[0]
-        if layout.seq_ids == tuple(range(first, first + len(layout.seq_ids))):
-            rows = slice(first, first + len(layout.seq_ids))
+        rows = consecutive(layout.seq_ids)
+        if rows is not None:
             return k_layer[rows, :, :key_len], v_layer[rows, :, :key_len]
         index = torch.tensor(layout.seq_ids, device=self.device)
         return (k_layer.index_select(0, index)[:, :, :key_len],
                 v_layer.index_select(0, index)[:, :, :key_len])  # (B, Hkv, L, D)
 
     def contiguous_rows(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
-        first = layout.seq_ids[0]
-        if layout.seq_ids != tuple(range(first, first + len(layout.seq_ids))):
+        rows = consecutive(layout.seq_ids)
+        if rows is None:
             return None
-        rows = slice(first, first + len(layout.seq_ids))
         return self.k[:, rows], self.v[:, rows]  # (layers, B, Hkv, Tmax, D)
 
     def memory(self) -> KVMemory:
