@@ -204,6 +204,39 @@ def test_rms_norm_matches_pytorch_and_depends_on_its_row_alone(kernel: native.Ke
     assert torch.equal(native.rms_norm(kernel, strided, weight, 1e-5), got.transpose(0, 1))
 
 
+def _rows_with_hard_cases(cols: int) -> torch.Tensor:
+    """Random rows (8, cols), then rows with ties, NaNs and -inf in the vector body and in the scalar tail."""
+    torch.manual_seed(cols)
+    x = torch.randn(8, cols) * 4
+    x[1, :] = 2.5  # all equal: the first wins
+    x[2, cols // 3] = x[2, cols - 1] = 50.0  # a tie across body and tail
+    x[3, :] = float("-inf")
+    x[4, cols // 2 :] = float("-inf")
+    x[5, cols - 1] = float("nan")
+    x[6, [cols // 4, cols // 2]] = float("nan")  # the first NaN is the argmax
+    x[7, 0] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 33, 100, 49152])
+def test_row_top_matches_torch_argmax_and_logsumexp(kernel: native.Kernel, cols: int) -> None:
+    x = _rows_with_hard_cases(cols)
+    argmax, top, total = native.row_top(kernel, x, True)
+    assert argmax == x.argmax(-1).tolist()
+    torch.testing.assert_close(top, x.max(-1).values, equal_nan=True)
+    finite = torch.isfinite(top)
+    torch.testing.assert_close(top[finite] + total[finite].log(), torch.logsumexp(x[finite], -1))
+    assert torch.isnan(total[5:7]).all() and total[3] == 0
+    assert native.row_top(kernel, x, False)[0] == argmax and native.row_top(kernel, x, False)[2] is None
+
+
+def test_row_top_reads_strided_rows(kernel: native.Kernel) -> None:
+    """Rows a whole buffer row apart (a slice of a wider tensor), and a column view that needs a copy."""
+    wide = _rows_with_hard_cases(60)
+    for view in (wide[:, :45], wide[::2], wide.t().contiguous().t()):
+        assert native.row_top(kernel, view, False)[0] == view.argmax(-1).tolist()
+
+
 def test_the_models_norms_run_natively_without_gradients_only(kernel: native.Kernel, target) -> None:
     """The loader's packing step hands the kernel to every norm it serves; with gradients on (training), the
     norms go through PyTorch, whose result agrees."""

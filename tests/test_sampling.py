@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from playground.config import ConfigError, SamplingParams
-from playground.sampling import make_generator, next_token, probabilities, sample
+from playground.models import native
+from playground.sampling import argmax_rows, greedy_rows, make_generator, next_token, probabilities, sample, softmax_at
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -17,6 +18,32 @@ def test_greedy_is_one_hot_argmax_and_reports_model_probability() -> None:
     token, p = next_token(LOGITS, SamplingParams(), make_generator(0))
     assert int(token) == 0
     assert float(p) == pytest.approx(float(LOGITS.softmax(-1)[0]))
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "pytorch"])
+def test_greedy_rows_and_softmax_at_match_softmax(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Natively where the kernel serves, through PyTorch otherwise (switched off, or logits it does not take)."""
+    if not native_on:
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    torch.manual_seed(3)
+    logits = torch.randn(5, 1000) * 3
+    logits[2, 10] = logits[2, 20] = 40.0  # a tie: the first
+    argmax, normaliser = greedy_rows(logits)
+    assert argmax == logits.argmax(-1).tolist() == argmax_rows(logits)
+    torch.testing.assert_close(normaliser, torch.logsumexp(logits, -1))
+    cells = [(4, 3), (0, 999), (4, argmax[4]), (2, 10)]
+    want = [float(logits.softmax(-1)[row, token]) for row, token in cells]
+    assert softmax_at(logits, cells) == pytest.approx(want, rel=1e-5)
+    assert softmax_at(logits, []) == []
+    assert argmax_rows(logits.double()) == argmax  # float64: PyTorch's
+
+
+def test_greedy_next_token_keeps_batch_shape() -> None:
+    logits = torch.randn(2, 3, 50)
+    token, p = next_token(logits, SamplingParams(), make_generator(0))
+    assert token.shape == p.shape == (2, 3)
+    assert torch.equal(token, logits.argmax(-1))
+    torch.testing.assert_close(p, logits.softmax(-1).max(-1).values)
 
 
 def test_temperature_top_k_top_p() -> None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import ChainVerdict, greedy_matches, probabilities, sample, verify_greedy, verify_lossless
+from ..sampling import (ChainVerdict, greedy_matches, probabilities, sample, softmax_at, verify_greedy,
+                        verify_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, Event, RejectEvent
 from .base import Decoder, Stopper
 
@@ -26,12 +27,6 @@ def one_hot(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor
     """q (K, V) for proposals that were not sampled (n-grams, guesses): all mass on the proposed token."""
     index = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (K, 1)
     return torch.zeros(len(tokens), vocab, device=device).scatter_(1, index, 1.0)
-
-
-def prob_of(probs: torch.Tensor, tokens: list[int]) -> list[float]:
-    """probs[i, tokens[i]] for each i: probs (>= N, V) -> N floats."""
-    index = torch.tensor(tokens, device=probs.device).unsqueeze(1)  # (N, 1)
-    return probs[: len(tokens)].gather(1, index).squeeze(1).tolist()
 
 
 def longest_match(argmax: list[int], rows: list[list[int]], candidates: list[list[int]]) -> int:
@@ -54,9 +49,7 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
     sampling = decoder.sampling
     if sampling.greedy:
         verdict = verify_greedy(target_logits, proposals)
-        # The trace shows the target's softmax at temperature 1, as plain decoding does under greedy, for the rows
-        # judged: up to the correction or bonus, often 1-2 of K+1 rows of the whole vocabulary.
-        p = target_logits[: verdict.num_accepted + 1].softmax(-1)  # (n+1, V)
+        p = None
     else:
         p = probabilities(target_logits, sampling)  # (K+1, V)
         if not proposals:  # nothing to judge: a plain decoding step
@@ -65,7 +58,13 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
             raise ValueError("q is required to verify sampled proposals")
         else:
             verdict = verify_lossless(p, q, proposals, generator)
-    p_shown = prob_of(p, proposals[: len(p)]) if proposals else []  # the judged ones
+    n = verdict.num_accepted
+    # the probabilities shown: each judged proposal's (the accepted ones and the refused one), then the token's
+    cells = [*enumerate(proposals[: n + 1]), (n, verdict.token)]
+    # Under greedy the trace shows the target's softmax at temperature 1, as plain decoding does, on the rows judged:
+    # up to the correction or bonus, often 1-2 of K+1 rows of the whole vocabulary.
+    shown = softmax_at(target_logits, cells) if p is None else [float(p[row, token]) for row, token in cells]
+    p_shown, p_token = shown[:-1], shown[-1]
     q_list: list[float | None] = list(q_shown) if q_shown is not None else [None] * len(proposals)
     uniforms = list(verdict.uniforms) + [None] * len(proposals)
     events: list[Event] = []
@@ -78,11 +77,10 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
         if done:
             break
     if not done:
-        n = verdict.num_accepted
         if verdict.corrected:
             rejected = decoder.token_info(proposals[n], base + 1 + n, p=p_shown[n], q=q_list[n])
             events.append(RejectEvent(step=step, t=t, token=rejected, u=uniforms[n]))
-        info = decoder.token_info(verdict.token, base + 1 + n, p=float(p[n, verdict.token]))
+        info = decoder.token_info(verdict.token, base + 1 + n, p=p_token)
         events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=info))
         kept += 1
         done = stopper.push(verdict.token)

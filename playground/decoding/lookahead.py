@@ -34,6 +34,7 @@ import torch
 from ..config import GenerationParams, LookaheadParams, SamplingParams
 from ..models import LoadedModel
 from ..models.answers import default_answers, load_answers
+from ..sampling import argmax_rows
 from ..trace import DraftEvent, LookaheadEvent, VerifyEvent
 from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new_cache
 from .chain import ChainOutcome, accept_chain, longest_match, one_hot
@@ -293,7 +294,7 @@ class LookaheadDecoder(Decoder):
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
             first = len(layout.tokens) - layout.num_logits  # token index of logits row 0
-            argmax = logits.argmax(-1).tolist()  # (num_logits,) the target's next token after each
+            argmax = argmax_rows(logits)  # (num_logits,) the target's next token after each
             new_row = [argmax[i - first] for i in layout.last_row]  # (W,)
             for i, token in enumerate(new_row):
                 pool.add_window(tuple(window[r][i] for r in range(len(window))) + (token,))

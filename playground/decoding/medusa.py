@@ -26,7 +26,8 @@ import torch
 from ..config import ConfigError, GenerationParams, MedusaParams, SamplingParams
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
-from ..sampling import TreeVerdict, probabilities, sample, verify_tree_greedy, verify_tree_lossless
+from ..sampling import (TreeVerdict, probabilities, sample, softmax_at, verify_tree_greedy,
+                        verify_tree_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .prompt_lookup import Lookup, find_continuation
@@ -55,6 +56,13 @@ def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], 
     last = best[-1] if best else 0
     judged = [(n, True, None) for n in best] + ([(failed, False, None)] if failed is not None else [])
     return TreeVerdict(tuple(best), tuple(judged), int(sample(p[last], generator)), bool(children[last]))
+
+
+def shown_cells(tree: TreeBuffers, ids: list[int], verdict: TreeVerdict) -> list[tuple[int, int]]:
+    """(logits row, token) of the probabilities a step's trace shows: each node's token after its parent, then the
+    emitted token after the last accepted node (node i's successor is scored on row i)."""
+    last = verdict.path[-1] if verdict.path else 0
+    return [(tree.parents[node], ids[node]) for node in range(1, len(ids))] + [(last, verdict.token)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +151,20 @@ class MedusaDecoder(Decoder):
         return forward_tree(model, cache, ids, tree.depths[: len(ids)], tree.mask[: len(ids), : len(ids)])
 
     def verify(self, logits: torch.Tensor, tree: TreeBuffers, ids: list[int],
-               generator: torch.Generator) -> tuple[TreeVerdict, torch.Tensor]:
-        """The acceptance rule for this decoder's settings, and the distributions it judged by (n+1, V)."""
+               generator: torch.Generator) -> tuple[TreeVerdict, list[float]]:
+        """The acceptance rule for this decoder's settings, and the probabilities the trace shows: the target's of
+        each node's token after its parent (nodes 1..n), then of the emitted token after the last accepted node."""
         if self.sampling.greedy:
-            # the trace shows the target's softmax at temperature 1, as plain decoding does under greedy
-            return verify_tree_greedy(logits, tree.children, ids), logits.softmax(-1)
+            verdict = verify_tree_greedy(logits, tree.children, ids)
+            # the target's softmax at temperature 1, as plain decoding shows under greedy, on the rows named alone
+            return verdict, softmax_at(logits, shown_cells(tree, ids, verdict))
         p = probabilities(logits, self.sampling)  # (n+1, V)
         if self.spec.acceptance == "typical":
-            return verify_tree_typical(p, tree.retrieve, ids, self.spec.epsilon, self.spec.alpha, generator,
-                                       tree.children), p
-        return verify_tree_lossless(p, tree.children, ids, generator), p
+            verdict = verify_tree_typical(p, tree.retrieve, ids, self.spec.epsilon, self.spec.alpha, generator,
+                                          tree.children)
+        else:
+            verdict = verify_tree_lossless(p, tree.children, ids, generator)
+        return verdict, [float(p[row, token]) for row, token in shown_cells(tree, ids, verdict)]
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         clock, generator, stopper = self.start()
@@ -182,9 +194,9 @@ class MedusaDecoder(Decoder):
             verify_end = clock.now()
             yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(ids),
                                               wall_s=verify_end - draft_end, target_forwards=1))
-            verdict, p = self.verify(logits, tree, ids, generator)
-            events, kept_nodes, done = self.outcome(step, clock.now(), base, tree, ids, head_probs, p, verdict,
-                                                    draft_end - step_start, stopper, graft)
+            verdict, target_probs = self.verify(logits, tree, ids, generator)
+            events, kept_nodes, done = self.outcome(step, clock.now(), base, tree, ids, head_probs, target_probs,
+                                                    verdict, draft_end - step_start, stopper, graft)
             cache.keep(0, base, [0, *kept_nodes])  # node i of the forward sits in slot base + i
             sequence += [ids[n] for n in verdict.path] + [verdict.token]
             hidden = hidden_all[kept_nodes[-1] if kept_nodes else 0]
@@ -197,15 +209,14 @@ class MedusaDecoder(Decoder):
         return output
 
     def outcome(self, step: int, t: float, base: int, tree: TreeBuffers, ids: list[int], head_probs: list[float],
-                p: torch.Tensor, verdict: TreeVerdict, draft_s: float, stopper: Any,
+                target_probs: list[float], verdict: TreeVerdict, draft_s: float, stopper: Any,
                 graft: Graft | None) -> tuple[list[Event], list[int], bool]:
         """The step's events (judged nodes as a draft, the tree, decisions), the nodes kept, and whether a stop
-        rule fired. Accepted tokens past a stop are not kept."""
+        rule fired. Accepted tokens past a stop are not kept. target_probs: as `verify` gives them."""
         def info(node: int) -> Any:
-            return self.token_info(ids[node], base + tree.depths[node], p=float(p[tree.parents[node], ids[node]]),
+            return self.token_info(ids[node], base + tree.depths[node], p=target_probs[node - 1],
                                    q=head_probs[node - 1])
 
-        target_probs = [float(p[tree.parents[n], ids[n]]) for n in range(1, len(ids))]
         copy: dict[str, Any] = {}
         if graft and graft.tokens:
             start = graft.found.start + graft.matched
@@ -215,7 +226,7 @@ class MedusaDecoder(Decoder):
             DraftEvent(step=step, t=t, tokens=[info(n) for n, _, _ in verdict.judged], wall_s=draft_s,
                        draft_forwards=0),
             TreeEvent(step=step, t=t, paths=[list(path) for path in tree.paths], tokens=ids[1:], probs=head_probs,
-                      target_probs=target_probs, accepted=list(verdict.path), **copy)]
+                      target_probs=target_probs[:-1], accepted=list(verdict.path), **copy)]
         kept: list[int] = []
         for node, accepted, u in verdict.judged:
             if accepted:
@@ -226,7 +237,7 @@ class MedusaDecoder(Decoder):
             else:
                 events.append(RejectEvent(step=step, t=t, token=info(node), u=u))
         last = verdict.path[-1] if verdict.path else 0
-        final = self.token_info(verdict.token, base + tree.depths[last] + 1, p=float(p[last, verdict.token]))
+        final = self.token_info(verdict.token, base + tree.depths[last] + 1, p=target_probs[-1])
         events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=final))
         return events, kept, stopper.push(verdict.token)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
 from ..models import LoadedModel
+from ..sampling import argmax_rows
 from ..trace import DraftEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tokens, forward_tree, new_cache
 from .chain import accept_chain, longest_match, one_hot
@@ -253,7 +254,7 @@ class PromptLookupDecoder(Decoder):
                 tree = tree_from_parents(parents)
                 tree_logits, _ = forward_tree(target, cache, [last] + nodes, tree.depths, tree.mask)  # (n+1, V)
                 rows = [[0, *path] for path in paths]  # each candidate's chain of logits rows
-                chosen = longest_match(tree_logits.argmax(-1).tolist(), rows, [f.tokens for f in found])
+                chosen = longest_match(argmax_rows(tree_logits), rows, [f.tokens for f in found])
                 target_logits = tree_logits[rows[chosen]]  # (K + 1, V)
             else:
                 target_logits = forward_tokens(target, cache, [last] + nodes, num_logits=len(nodes) + 1)  # (K+1, V)

@@ -145,6 +145,9 @@ def load(path: Path) -> Kernel:
         ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     library.playground_layers.restype = None
+    library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
+        ctypes.c_void_p] * 3 + [ctypes.c_int]
+    library.playground_row_top.restype = None
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
                   int(library.playground_rows_per_pass()))
 
@@ -210,6 +213,22 @@ def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = No
                                               panels.out, y.data_ptr(), torch.get_num_threads())
     y = y.reshape(*x.shape[:-1], panels.out)
     return y if bias is None else y + bias
+
+
+def row_top(kernel: Kernel, logits: torch.Tensor,
+            normalise: bool) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    """Per row of logits (N, V) float32 on the CPU, V >= 1: the argmax (the first of equal maxima; the first NaN,
+    as torch.argmax), the maximum (N,) and, when `normalise`, the sum over the row of exp(logit - maximum) (N,)."""
+    rows, cols = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    argmax = torch.empty(rows, dtype=torch.int32)
+    top = torch.empty(rows)
+    total = torch.empty(rows) if normalise else None
+    kernel.library.playground_row_top(logits.data_ptr(), rows, cols, logits.stride(0), argmax.data_ptr(),
+                                      top.data_ptr(), None if total is None else total.data_ptr(),
+                                      torch.get_num_threads())
+    return argmax.tolist(), top, total
 
 
 def rms_norm(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
