@@ -20,7 +20,6 @@ from .trace import TraceError
 
 USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
-LOOKUP = PromptLookupParams()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -214,11 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
-    lookup.add_argument("--num-draft", type=int, default=8,
-                        help="most tokens copied after a match, 1..16 (default 8)")
-    lookup.add_argument("--branches", type=int, default=LOOKUP.branches,
+    lookup.add_argument("--num-draft", type=int, default=None,
+                        help="most tokens copied after a match, 1..16 (default 5 with more than one branch, else 8)")
+    lookup.add_argument("--branches", type=int, default=None,
                         help="distinct copies (of different earlier occurrences) verified together in one forward "
-                             f"under greedy decoding, 1..8 (default {LOOKUP.branches})")
+                             "under greedy decoding, 1..8 (default: 2 where two copies and the last token fit one "
+                             "pass of the native CPU kernel's rows, as with AVX-512; else 1)")
     lookup.add_argument("--verify-overhead", type=float, default=0.4,
                         help="extra cost of a verification forward over a one-token step, 0..4: a match is "
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "

@@ -316,7 +316,7 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
     from .models.loader import default_draft
 
     contenders, draft = [], None
-    like = PromptLookupParams()  # the copying variants copy as prompt lookup does by default
+    like = PromptLookupParams(branches=1).resolve(None)  # the copying variants copy as one-copy prompt lookup
     if "speculative" in args.algos:
         draft_source = default_draft(args.model) if args.draft is None else args.draft
         if draft_source and draft_source != "none":
@@ -346,9 +346,10 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
                     {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
                      "assistant_confidence_threshold": spec.confidence}))
     if "prompt-lookup" in args.algos:
-        lookup = PromptLookupParams()
+        copier = PromptLookupDecoder(target, sampling, generation, PromptLookupParams())
+        lookup = copier.lookup  # K and B as chosen for this machine
         contenders.append(Contender(
-            "prompt-lookup", PromptLookupDecoder(target, sampling, generation, lookup),
+            "prompt-lookup", copier,
             f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per proposal, "
             f"{lookup.branches} per step, verify overhead {lookup.verify_overhead:g}", "prompt lookup",
             {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))

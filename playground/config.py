@@ -150,24 +150,42 @@ class PromptLookupParams:
     """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
     shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: under greedy
     acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree, the
-    longest match winning (1 by default: on a 2-core CPU the wider forwards cost more than the extra tokens buy);
+    longest match winning; num_draft and branches left None are chosen for the machine by `resolve`;
     verify_overhead: the extra cost of a verification forward over a one-token step, as a fraction of that step
     (a match is proposed only when its expected accepted tokens pay for it; 0 proposes every match). The default
     is measured: a forward over 5 tokens cost 1.3-1.5x a one-token step on a 2-core CPU with PyTorch's kernels
     and 1.5x on an H100 at batch 1."""
 
     max_ngram: int = 3
-    num_draft: int = 8
-    branches: int = 1
+    num_draft: int | None = None
+    branches: int | None = None
     verify_overhead: float = 0.4
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
-        check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
-        check_int("branches", self.branches, 1, MAX_BRANCHES)
+        if self.num_draft is not None:
+            check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
+        if self.branches is not None:
+            check_int("branches", self.branches, 1, MAX_BRANCHES)
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
+
+    def resolve(self, rows_per_pass: int | None) -> PromptLookupParams:
+        """These settings with num_draft K and branches B fixed for a forward whose matrix products serve
+        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
+        GPU). B 2 where two copies of K tokens (K 5 unless given) and the last token fit one pass, otherwise 1;
+        K 5 with more than one copy, else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass) B 2, K 5 (11 tokens)
+        ran 1.73x and 1.68x plain decoding on the input-grounded suite prompts where B 1, K 8 ran 1.45x and 1.54x
+        (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a second pass."""
+        branches = self.branches
+        if branches is None:
+            fits = rows_per_pass is not None and 1 + 2 * (self.num_draft or 5) <= rows_per_pass
+            branches = 2 if fits else 1
+        num_draft = self.num_draft
+        if num_draft is None:
+            num_draft = 5 if branches > 1 else 8
+        return replace(self, num_draft=num_draft, branches=branches)
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,3 +198,37 @@ def test_same_seed_same_output(target) -> None:
 def test_parameter_ranges(field, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         PromptLookupParams(**{field: value})
+
+
+@pytest.mark.parametrize("params, rows_per_pass, expected", [
+    (PromptLookupParams(), None, (8, 1)),  # no native kernel (GPU, PyTorch's kernels): one copy of 8
+    (PromptLookupParams(), 12, (5, 2)),  # AVX-512: two copies of 5 and the last token fill one pass
+    (PromptLookupParams(), 11, (5, 2)),
+    (PromptLookupParams(), 10, (8, 1)),
+    (PromptLookupParams(), 6, (8, 1)),  # AVX2: a second copy would cost a second pass
+    (PromptLookupParams(num_draft=4), 12, (4, 2)),  # a chosen K stays, B fits it
+    (PromptLookupParams(num_draft=6), 12, (6, 1)),
+    (PromptLookupParams(branches=1), 12, (8, 1)),  # a chosen B stays
+    (PromptLookupParams(branches=3), None, (5, 3)),
+    (PromptLookupParams(num_draft=16, branches=8), 6, (16, 8)),
+])
+def test_automatic_copies_fit_the_forward_to_one_pass(params, rows_per_pass, expected) -> None:
+    resolved = params.resolve(rows_per_pass)
+    assert (resolved.num_draft, resolved.branches) == expected
+    assert resolved.resolve(rows_per_pass) == resolved
+    assert (resolved.max_ngram, resolved.verify_overhead) == (params.max_ngram, params.verify_overhead)
+
+
+def test_the_decoder_chooses_copies_for_its_models_kernel(target, monkeypatch) -> None:
+    """The decoder resolves K and B from the model it runs; its trace parameters show what it chose, and no
+    forward is wider than they allow."""
+    from playground.models.transformer import Transformer
+
+    prompt = "Repeat exactly: the cat sat on the mat. the cat ran to the dog. the cat sat on the mat. the cat"
+    for rows, expected in ((6, (8, 1)), (12, (5, 2)), (None, (8, 1))):
+        monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
+        decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24))
+        assert (decoder.params()["num_draft"], decoder.params()["branches"]) == expected
+        _, trace = generate(decoder, prompt)
+        widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
+        assert 1 < widest <= 1 + expected[0] * expected[1]

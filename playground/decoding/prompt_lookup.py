@@ -216,7 +216,7 @@ class PromptLookupDecoder(Decoder):
     def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
                  params: PromptLookupParams | None = None) -> None:
         super().__init__(target, sampling, generation)
-        self.lookup = params or PromptLookupParams()
+        self.lookup = (params or PromptLookupParams()).resolve(target.model.rows_per_pass)  # K and B set
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
