@@ -513,7 +513,7 @@ void playground_attention(const float *q, const float *k, const float *v, const 
 /* For each row of x (rows, cols), rows `stride` floats apart: argmax, the index of the largest value (the first of
  * equal ones; the first NaN where there is one, as torch.argmax), top, that value, and unless total is NULL, the
  * sum over the row of exp(x - top) (0 for a row of -inf; NaN with a NaN). The sum's pass of exponentials costs
- * about four times the argmax's pass: a step asks for it on the rows whose probabilities it shows. */
+ * four to five times the argmax's pass: a step asks for it on the rows whose probabilities it shows. */
 void playground_row_top(const float *x, int rows, int cols, long stride, int32_t *argmax, float *top, float *total,
                         int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
