@@ -310,13 +310,13 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
 def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingParams,
                      generation: GenerationParams) -> tuple[list[Contender], Any]:
     """The algorithms to race against plain decoding (and the draft model, when speculative is among them)."""
-    from .config import LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SpeculativeParams
+    from .config import LOOKUP_TOKENS, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SpeculativeParams
     from .decoding import LookaheadDecoder, MedusaDecoder, PromptLookupDecoder, SpeculativeDecoder
     from .models import load_model
     from .models.loader import default_draft
 
     contenders, draft = [], None
-    like = PromptLookupParams(branches=1).resolve(None)  # the copying variants copy as one-copy prompt lookup
+    like = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants copy one span
     if "speculative" in args.algos:
         draft_source = default_draft(args.model) if args.draft is None else args.draft
         if draft_source and draft_source != "none":

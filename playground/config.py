@@ -18,6 +18,9 @@ MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
+# prompt lookup's copies where two of them fit one pass of the CPU kernel, and its copy otherwise
+# (PromptLookupParams.resolve)
+LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
 
 
 class ConfigError(ValueError):
@@ -180,11 +183,11 @@ class PromptLookupParams:
         (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a second pass."""
         branches = self.branches
         if branches is None:
-            fits = rows_per_pass is not None and 1 + 2 * (self.num_draft or 5) <= rows_per_pass
-            branches = 2 if fits else 1
+            widest = 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS)
+            branches = LOOKUP_BRANCHES if rows_per_pass is not None and widest <= rows_per_pass else 1
         num_draft = self.num_draft
         if num_draft is None:
-            num_draft = 5 if branches > 1 else 8
+            num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 else LOOKUP_TOKENS
         return replace(self, num_draft=num_draft, branches=branches)
 
 
