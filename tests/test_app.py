@@ -11,7 +11,7 @@ import re
 import pytest
 from gradio_client import Client, handle_file
 
-from playground.config import LookaheadParams
+from playground.config import LookaheadParams, PromptLookupParams
 from playground.ui import build_app, launch_options
 
 from .conftest import write_draft_copy
@@ -105,6 +105,8 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"algo": "lookahead", "text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
     ("hi", {"algo": "lookahead", "text_ngram": 3.5}, "text n-gram M must be a whole number"),
     ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
+    ("hi", {"num_draft": -1}, "num_draft must be an integer in [1, 16], got -1"),
+    ("hi", {"algo": "speculative (draft model)", "num_draft": 17}, "copy_tokens must be an integer in [1, 16]"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
     ("hi", {"algo": "Medusa (tree)", "temperature": 0.5, "acceptance": "greedy (temperature 0)"},
@@ -169,6 +171,16 @@ def test_lookahead_guesses_zero_lets_the_machine_choose(client, target):
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     chosen = LookaheadParams().resolve(target.model.rows_per_pass)
     assert (params["guesses"], params["text_ngram"]) == (chosen.guesses, chosen.text_n)
+
+
+def test_tokens_per_proposal_zero_lets_the_machine_choose(client, target):
+    trace_file = decode(client, "Repeat: one two three, one two three.", max_new_tokens=8, num_draft=0)[4]
+    params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
+    chosen = PromptLookupParams().resolve(target.model.rows_per_pass)
+    assert (params["num_draft"], params["branches"]) == (chosen.num_draft, chosen.branches)
+    trace_file = decode(client, "Repeat: one two three.", algo="Medusa (tree)", max_new_tokens=4, copy_ngram=3,
+                        num_draft=0)[4]
+    assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_tokens"] == 8
 
 
 def test_speculative_with_a_confidence_stop_drafts_less_and_keeps_plain_decodings_tokens(client):

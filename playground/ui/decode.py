@@ -72,16 +72,17 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
                   text_ngram: Any = 0, pools: Any = POOLS, confidence: Any = 0.0) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
-    Medusa copies propose at most num_draft tokens, as prompt lookup does."""
+    Medusa copies propose at most num_draft tokens, as prompt lookup does; num_draft 0 leaves each its default
+    (prompt lookup's is chosen for the machine)."""
+    tokens = as_int("tokens per proposal", num_draft)
+    copying = {"copy_tokens": tokens} if tokens else {}  # 0: the dataclass's default
     if algo == "speculative":
         params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive),
                                    copy_ngram=as_int("copy n-gram", copy_ngram),
-                                   copy_tokens=as_int("tokens per proposal", num_draft),
-                                   confidence=as_float("stop drafting below", confidence))
+                                   confidence=as_float("stop drafting below", confidence), **copying)
         return SpeculativeDecoder(target, get_draft(target, draft_source), sampling, generation, params)
     if algo == "prompt-lookup":
-        params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram),
-                                    num_draft=as_int("tokens per proposal", num_draft))
+        params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram), num_draft=tokens or None)
         return PromptLookupDecoder(target, sampling, generation, params)
     if algo == "lookahead":
         chosen = set(pools or ())
@@ -97,8 +98,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
         params = MedusaParams(tree=tree, acceptance=ACCEPTANCE[acceptance],
-                              copy_ngram=as_int("copy n-gram", copy_ngram),
-                              copy_tokens=as_int("tokens per proposal", num_draft))
+                              copy_ngram=as_int("copy n-gram", copy_ngram), **copying)
         return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
@@ -262,7 +262,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                            info="speculative, Medusa: also propose earlier text after a match")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
-                    num_draft = gr.Number(8, label="most tokens per proposal (1..16)", step=1)
+                    num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
+                                          info="auto: copies of 8; prompt lookup's as suits the machine (two "
+                                               "copies of 5 with AVX-512)")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
                     ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)

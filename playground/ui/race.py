@@ -21,7 +21,7 @@ from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_decoder
 from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
-DEFAULTS: dict[str, Any] = {"gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 8,
+DEFAULTS: dict[str, Any] = {"gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 0,
                             "window": LOOKAHEAD.window, "ngram": LOOKAHEAD.ngram,
                             "guesses": 0}  # 0: G as suits the machine (LookaheadParams.resolve)
 PLAIN = "plain"
