@@ -111,7 +111,7 @@ def algo_params(args: argparse.Namespace) -> Any:
     if args.algo == "medusa":
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
-                            copy_tokens=args.copy_tokens)
+                            copy_tokens=args.copy_tokens, copy_in_pass=not args.copy_past_pass)
     return None
 
 
@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "(temperature 0 only); at temperature 0 all are greedy and exact")
     tree.add_argument("--typical-epsilon", type=float, default=0.3, help="typical acceptance epsilon, (0, 1]")
     tree.add_argument("--typical-alpha", type=float, default=0.09, help="typical acceptance alpha, (0, 1]")
+    tree.add_argument("--copy-past-pass", action="store_true",
+                      help="graft up to --copy-tokens new copy nodes even where they take the forward past one "
+                           "pass of the native CPU kernel's rows (default: at most the rows the pass has left "
+                           "beside the tree, e.g. 6 with AVX-512 and the small tree)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)

@@ -365,9 +365,11 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         setting = f"tree {args.tree} ({greedy.tree.num_nodes} nodes), heads {greedy.heads.folder.name}"
         contenders.append(Contender("medusa", greedy, setting))
         copying = MedusaParams(tree=args.tree, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
-        contenders.append(Contender("medusa-copy", MedusaDecoder(target, sampling, generation, copying, greedy.heads),
+        grafting = MedusaDecoder(target, sampling, generation, copying, greedy.heads)
+        room = "" if grafting.copy_room is None else f", at most {grafting.copy_room} new nodes (one pass)"
+        contenders.append(Contender("medusa-copy", grafting,
                                     f"{setting}, copies of up to {copying.copy_tokens} tokens after a "
-                                    f"{copying.copy_ngram}..1-gram match grafted on"))
+                                    f"{copying.copy_ngram}..1-gram match grafted on{room}"))
         for acceptance in ("lossless", "typical"):  # the same heads and tree, sampled: what lossy buys
             decoder = MedusaDecoder(target, SAMPLED, generation, MedusaParams(tree=args.tree, acceptance=acceptance),
                                     greedy.heads)

@@ -107,7 +107,7 @@ def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_pro
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
     for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", ["--text-ngram", "4"]),
-                        ("medusa", ["--copy-ngram", "2", "--copy-tokens", "5"])):
+                        ("medusa", ["--copy-ngram", "2", "--copy-tokens", "5", "--copy-past-pass"])):
         result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
         assert result.returncode == 0, result.stderr
@@ -123,6 +123,7 @@ def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_pro
     assert outputs["medusa"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "medusa.json")
     assert trace.params["copy_ngram"] == 2 and trace.params["copy_tokens"] == 5
+    assert not trace.params["copy_in_pass"] and trace.params["copy_room"] is None
     assert any(e.KIND == "tree" and e.copy_source for e in trace.events)  # copies were grafted onto trees
 
 

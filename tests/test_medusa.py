@@ -138,6 +138,26 @@ def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, 
     assert grafted > 0  # copies really were grafted onto trees
 
 
+@pytest.mark.parametrize("rows, copy_in_pass", [(9, True), (9, False), (6, True)])
+def test_copies_add_at_most_the_rows_left_in_one_pass(target, heads, plain_outputs, monkeypatch, rows,
+                                                      copy_in_pass) -> None:
+    """With copy_in_pass a copy adds no more nodes than one pass of the kernel's rows leaves beside the `small`
+    tree and the last token (9 rows: 3; 6 rows: none, so a copy only runs down the tree's own nodes); off, it adds
+    up to copy_tokens. Greedy output stays plain decoding's either way."""
+    from playground.models.transformer import Transformer
+
+    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                            MedusaParams(copy_ngram=3, copy_tokens=12, copy_in_pass=copy_in_pass), heads)
+    assert decoder.params()["copy_room"] == (rows - 6 if copy_in_pass else None)
+    widest = 0
+    for prompt in PROMPTS:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        widest = max([widest] + [e.num_tokens for e in trace.events if e.KIND == "verify"])
+    assert widest <= rows if copy_in_pass else widest > rows
+
+
 def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
     for copy_ngram in (0, 3):
         decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"),
@@ -315,6 +335,8 @@ def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
         MedusaParams(copy_ngram=9)
     with pytest.raises(ConfigError, match=r"copy_tokens must be an integer in \[1, 16\]"):
         MedusaParams(copy_ngram=2, copy_tokens=17)
+    with pytest.raises(ConfigError, match="copy_in_pass must be true or false, got 'yes'"):
+        MedusaParams(copy_in_pass="yes")
     deep = tmp_path / "deep.json"
     deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
     with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; the heads have 4"):

@@ -18,7 +18,7 @@ text repeats from its prompt; a copy reaches further there than any head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -97,13 +97,18 @@ class MedusaDecoder(Decoder):
             raise ConfigError(f"tree: a depth takes the top {max(self.tree.top_k())} tokens; the heads score only "
                               f"{self.heads.vocab_size}")
         self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
+        rows = target.model.rows_per_pass
+        spare = rows - 1 - self.tree.num_nodes if rows is not None else -1  # rows a pass has left beside the tree
+        # the most new nodes a copy may add (None: its copy_tokens), so that the forward stays one pass
+        self.copy_room = spare if self.spec.copy_in_pass and spare >= 0 else None
         self.grafted: dict[tuple[int, int], TreeBuffers] = {}  # (attach node, chain length) -> tree with the chain
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
                 "tree_nodes": self.tree.num_nodes, "acceptance": self.spec.acceptance,
                 "epsilon": self.spec.epsilon, "alpha": self.spec.alpha, "copy_ngram": self.spec.copy_ngram,
-                "copy_tokens": self.spec.copy_tokens}
+                "copy_tokens": self.spec.copy_tokens, "copy_in_pass": self.spec.copy_in_pass,
+                "copy_room": self.copy_room}
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
@@ -126,7 +131,12 @@ class MedusaDecoder(Decoder):
         if not self.spec.copy_ngram:
             return None
         found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget), self.eos_ids)
-        return Graft(found, *follow(self.tree, ids, found.tokens)) if found else None
+        if not found:
+            return None
+        attach, matched = follow(self.tree, ids, found.tokens)
+        if self.copy_room is not None:  # tokens on the tree's own nodes cost no row
+            found = replace(found, tokens=found.tokens[: matched + self.copy_room])
+        return Graft(found, attach, matched)
 
     def tree_with(self, graft: Graft | None) -> TreeBuffers:
         """The step's tree: the heads' tree, with the graft's new nodes (built once per attach node and length)."""
