@@ -11,8 +11,9 @@ then emits the correction or bonus token. Commit: `last` and the accepted nodes 
 slots; the rest of the tree is dropped. The prompt's forward gives the first hidden state.
 
 With `copy_ngram` a step also grafts prompt lookup's copy of earlier text onto the tree: the copied tokens
-follow the tree's nodes as far as those hold the same tokens, and the rest hang below as a chain (one-hot
-proposals, verified like every node, so greedy stays exact and sampling lossless). Heads predict poorly what a
+follow the tree's nodes as far as those hold the same tokens, and the rest hang below as a chain, cut to the rows
+one pass of the native CPU kernel has left beside the tree (`copy_in_pass`); they are one-hot proposals, verified
+like every node, so greedy stays exact and sampling lossless. Heads predict poorly what a
 text repeats from its prompt; a copy reaches further there than any head.
 """
 
