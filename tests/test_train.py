@@ -26,7 +26,7 @@ from playground.train import medusa as medusa_module
 from playground.train import ngrams as ngrams_module
 from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
                                     generate_corpus, load_or_generate_corpus, one_cycle, two_stage_corpus)
-from playground.train.medusa import head_examples, preceding_ids
+from playground.train.medusa import head_examples
 from playground.train.ngrams import sample_prompts
 from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, HELD_OUT_TOPICS, TEMPLATES, TRAIN_TOPICS,
                                       WIDE_TOPICS, held_out_prompts, maths_prompt, second_stage_prompts,
@@ -299,10 +299,7 @@ def test_draft_trainer_defaults_reproduce_the_shipped_draft() -> None:
 def test_medusa_trainer_defaults_reproduce_the_shipped_heads() -> None:
     report = json.loads((EMBEDDED_MEDUSA / "train_report.json").read_text())
     shipped_settings_match_defaults(medusa_module.add_args, report, (
-        "epochs", "lr", "batch", "dtype", "weights_dtype", "seed", "context", "wide_topics"))
-    parser = argparse.ArgumentParser()
-    medusa_module.add_args(parser)
-    assert parser.parse_args([]).limit == report["first_stage_prompts"] == 1200
+        "epochs", "lr", "batch", "dtype", "weights_dtype", "seed"))
 
 
 def test_medusa_training_pipeline_smoke(tmp_path, target, capsys) -> None:
@@ -312,16 +309,12 @@ def test_medusa_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     report = json.loads((out / "train_report.json").read_text())
     assert [h["predicts"] for h in report["heads"]] == ["t+2", "t+3", "t+4", "t+5"]
     assert all(0 <= h["top1"] <= h["top5"] <= 1 for h in report["heads"]) and report["first_stage_prompts"] == 2
-    assert 0 <= report["top1_chain_tokens"] <= 4 and report["context"] == 2
     assert report["head_vocab_size"] == 300 and 0 < report["held_out_answers_in_head_vocab"] < 1
     heads = load_heads(str(out), target)
     assert heads.heads.num_heads == 4 and heads.vocab_size == 300
     for bad in ("0", "49153"):
         assert main(small + ["--head-vocab", bad]) == 2
         assert "head_vocab must be an integer in [1, 49152]" in capsys.readouterr().err
-    for bad in ("0", "3"):
-        assert main(small + ["--context", bad]) == 2
-        assert "context must be an integer in [1, 2]" in capsys.readouterr().err
 
 
 def test_medusa_examples_pair_each_state_with_the_token_its_head_predicts() -> None:
@@ -334,19 +327,9 @@ def test_medusa_examples_pair_each_state_with_the_token_its_head_predicts() -> N
 
 
 def test_medusa_next_token_ids_follow_the_hidden_state_rows() -> None:
-    """Row i of the hidden states predicted answer token i."""
+    """Row i of the hidden states predicted answer token i; the heads read that token's embedding."""
     corpus = Corpus([[1, 2, 3, 4], [5, 6, 7]], [2, 1], torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
     assert answer_ids(corpus).tolist() == [3, 4, 6, 7]
-
-
-def test_medusa_heads_read_the_tokens_right_before_their_label() -> None:
-    """Sequences [1 2 | 3 4] and [5 | 6 7 8] (answers after the bar): a head guessing answer token 4 (index 1) reads
-    3 then 2; guessing 7 reads 6 then 5, the prompt token the first state was computed on; never another sequence's."""
-    corpus = Corpus([[1, 2, 3, 4], [5, 6, 7, 8]], [2, 1], torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, 2))
-    assert preceding_ids(corpus, torch.tensor([1, 3, 4]), 2).tolist() == [[3, 2], [6, 5], [7, 6]]
-    assert preceding_ids(corpus, torch.tensor([1, 3]), 1).tolist() == [[3], [6]]
-    rows, labels = head_examples([2, 3], 1)  # head 1 pairs state 2 (predicting 6) with 8, reading 7 and 6
-    assert rows.tolist() == [2] and preceding_ids(corpus, labels, 2).tolist() == [[7, 6]]
 
 
 def test_shipped_medusa_heads_contract(target) -> None:

@@ -2,10 +2,9 @@
 one target forward with a tree attention mask verifies every node at once.
 
 Each step: the heads read the final hidden state of the position that predicted `last` (the last committed
-token, not yet in the cache); depth by depth, the head of a depth reads the token of each node there with children
-(`last` for the root) and the token before it, and gives those children its top-k (the tree's paths pick the
-ranks), so a node's children are guessed knowing the path above them. One forward runs [last, node 1, ...,
-node n] at positions P + depth, each node seeing the prefix, its ancestors and itself.
+token, not yet in the cache) and the embedding of `last`, and give each depth's top-k; the tree's paths pick
+tokens from them. One forward runs [last, node 1, ..., node n] at positions P + depth, each node seeing the
+prefix, its ancestors and itself.
 Acceptance walks down from `last` (greedy: the child equal to the target's argmax; lossless: children verified
 in turn as one-hot proposals; typical: the root-to-leaf path whose longest prefix passes the typical test),
 then emits the correction or bonus token. Commit: `last` and the accepted nodes move into consecutive cache
@@ -98,9 +97,6 @@ class MedusaDecoder(Decoder):
         if max(self.tree.top_k()) > self.heads.vocab_size:
             raise ConfigError(f"tree: a depth takes the top {max(self.tree.top_k())} tokens; the heads score only "
                               f"{self.heads.vocab_size}")
-        # per depth: the nodes there with children, and how many top-k candidates that depth's head gives
-        self.levels = [([n for n in range(len(self.tree.depths)) if self.tree.depths[n] == depth
-                         and self.tree.children[n]], k) for depth, k in enumerate(self.tree.top_k())]
         self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
         rows = target.model.rows_per_pass
         spare = rows - 1 - self.tree.num_nodes if rows is not None else -1  # rows a pass has left beside the tree
@@ -116,27 +112,18 @@ class MedusaDecoder(Decoder):
                 "copy_room": self.copy_room}
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, last: int, before: int) -> tuple[list[int], list[float]]:
-        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`,
-        computed on the token `before` it. Depth by depth, the head of each depth reads the token of every node
-        there that has children (and that node's parent's token) and gives those children its top-k. A head's
-        probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one)."""
-        tree, heads = self.tree, self.heads
-        embedding = self.target.model.embed_tokens.weight  # (V, E)
-        ids = [last] + [0] * tree.num_nodes  # node -> token
-        probs = [0.0] * tree.num_nodes
-        for depth, (parents, k) in enumerate(self.levels):
-            context = [[ids[n], ids[tree.parents[n]] if n else before][: heads.heads.context] for n in parents]
-            preceding = torch.tensor(context, device=embedding.device)  # (m, context)
-            logits = heads.logits(depth, hidden.expand(len(parents), -1), preceding, embedding)  # (m, V')
-            values, indices = logits.topk(k)  # (m, k)
-            values = (values - logits.logsumexp(-1, keepdim=True)).exp().tolist()  # softmax at the top-k
-            tokens = heads.vocab_ids[indices].tolist()
-            for i, parent in enumerate(parents):
-                for child in tree.children[parent]:
-                    rank = tree.paths[child - 1][-1]
-                    ids[child], probs[child - 1] = tokens[i][rank], values[i][rank]
-        return ids[1:], probs
+    def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
+        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`. A
+        head's probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one)."""
+        model, tree, heads = self.target.model, self.tree, self.heads
+        head_probs = heads.logits(hidden, model.embed_tokens.weight[last]).softmax(-1)  # (K, V') over vocab_ids
+        top = [head_probs[d].topk(k) for d, k in enumerate(tree.top_k())]  # per depth: (k,) values, indices
+        tokens, probs = [], []
+        for path in tree.paths:
+            values, indices = top[len(path) - 1]
+            tokens.append(int(heads.vocab_ids[indices[path[-1]]]))
+            probs.append(float(values[path[-1]]))
+        return tokens, probs
 
     def graft(self, sequence: list[int], ids: list[int], budget: int) -> Graft | None:
         """The copy to graft onto this step's tree (node i holds ids[i]), if any: prompt lookup's match for the
@@ -205,8 +192,7 @@ class MedusaDecoder(Decoder):
             step += 1
             step_start = clock.now()
             base = cache.length(0)  # position of `last`
-            # accepted nodes past max_new_tokens are cut by the stopper
-            nodes, head_probs = self.propose(hidden, last, sequence[-2])
+            nodes, head_probs = self.propose(hidden, last)  # accepted nodes past max_new_tokens are cut by the stopper
             ids = [last, *nodes]
             # a copy, unlike the heads' nodes, is never proposed past max_new_tokens
             graft = self.graft(sequence, ids, self.generation.max_new_tokens - len(stopper.tokens))

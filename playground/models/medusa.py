@@ -1,13 +1,11 @@
 """Medusa heads (Cai et al. 2024): K small residual blocks on the target's final hidden state; head k guesses
 the token k + 2 positions ahead (the target's own logits give the token 1 ahead), through the target's frozen
-output projection. Unlike Medusa-1's heads, which see the hidden state alone, ours also read the embeddings of the
-tokens right before the one they guess, as Hydra's sequentially dependent heads do (Ankner et al. 2024): head 0
-reads the next token (decided before the heads run) and the token the hidden state was computed on; head k > 0 reads
-the tokens a tree path holds at depths k and k - 1, so in a tree each node's children are guessed knowing that node's
-token. The heads may score a reduced vocabulary: the rows of the output projection for the tokens the target
-actually writes, which makes proposing and training several times cheaper (a token outside it can only come from
-the target's own prediction, never from a head). Stored as safetensors plus a config.json beside them (never
-pickled)."""
+output projection. Unlike Medusa-1, each head also reads the embedding of that next token: it is decided before
+the heads run, so knowing it costs nothing, and it spares the heads guessing it (the input EAGLE, Li et al.
+2024, feeds its draft). The heads may score a reduced vocabulary: the rows of the output projection for the tokens
+the target actually writes, which makes proposing and training several times cheaper (a token outside it can only
+come from the target's own prediction, never from a head). Stored as safetensors plus a config.json beside them
+(never pickled)."""
 
 from __future__ import annotations
 
@@ -25,22 +23,19 @@ from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
 WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
-# What a head reads, recorded in config.json: heads saved in an earlier format (the hidden state alone, or with the
-# next token's embedding for every head) cannot load.
-INPUTS = "hidden+preceding_tokens"
-MAX_CONTEXT = 2  # preceding tokens a head may read: head 0's second is the token its hidden state was computed on
+# What a head reads, recorded in config.json: heads saved before the next-token embedding was an input cannot load.
+INPUTS = "hidden+next_embedding"
 
 
 class MedusaHeads(nn.Module):
-    """Head k: (h, e) -> h + silu(W_k [h; e_1; ...; e_c] + b_k), then the target's output projection, where h is the
-    final hidden state that predicted the next token and e_1..e_c the target's input embeddings of the `context`
-    tokens right before the one head k guesses, nearest first. Zero-initialised W_k makes every head start as a
-    copy of the target's next-token prediction, which training then shifts further ahead."""
+    """Head k: (h, e) -> h + silu(W_k [h; e] + b_k), then the target's output projection, where h is the final
+    hidden state that predicted the next token and e the target's input embedding of that token. Zero-initialised
+    W_k makes every head start as a copy of the target's next-token prediction, which training then shifts
+    further ahead."""
 
-    def __init__(self, hidden_size: int, num_heads: int, context: int) -> None:
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.context = context
-        self.blocks = nn.ModuleList(nn.Linear((1 + context) * hidden_size, hidden_size) for _ in range(num_heads))
+        self.blocks = nn.ModuleList(nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads))
         for block in self.blocks:
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
@@ -49,11 +44,15 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def head(self, k: int, hidden: torch.Tensor, preceding: torch.Tensor) -> torch.Tensor:
-        """Head k's state (..., E), to project with the target's head, from final-norm states (..., E) and the input
-        embeddings (..., context, E) of the tokens before the one it guesses, nearest first."""
-        both = torch.cat((hidden, preceding.flatten(-2)), dim=-1)  # (..., (1 + context) E)
+    def head(self, k: int, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Head k's state (..., E) from final-norm states (..., E) and the input embeddings (..., E) of the tokens
+        they predicted, to project with the target's head."""
+        both = torch.cat((hidden, next_embedding), dim=-1)  # (..., 2E)
         return hidden + F.silu(self.blocks[k](both))
+
+    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Every head's state: (K, ..., E) for the (..., E) inputs of `head`."""
+        return torch.stack([self.head(k, hidden, next_embedding) for k in range(self.num_heads)])
 
 
 @dataclass(frozen=True)
@@ -71,10 +70,9 @@ class LoadedHeads:
     def vocab_size(self) -> int:
         return len(self.output)
 
-    def logits(self, k: int, hidden: torch.Tensor, preceding: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        """Head k's logits (..., V') over `vocab_ids`, in float32, from final-norm states (..., E) and the ids
-        (..., context) of the tokens before the one it guesses, nearest first, embedded by `embedding` (V, E)."""
-        return self.output.logits(self.heads.head(k, hidden, embedding[preceding]))
+    def logits(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """Every head's logits (K, ..., V') over `vocab_ids`, in float32, for the inputs of `MedusaHeads.head`."""
+        return self.output.logits(self.heads(hidden, next_embedding))
 
 
 def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype,
@@ -83,7 +81,7 @@ def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: tor
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
     save_file({**tensors, VOCAB_IDS: vocab_ids.to(torch.int64).contiguous()}, str(folder / WEIGHTS))
-    config = {"num_heads": heads.num_heads, "inputs": INPUTS, "context": heads.context, "hidden_size": target.model.config.hidden_size,
+    config = {"num_heads": heads.num_heads, "inputs": INPUTS, "hidden_size": target.model.config.hidden_size,
               "vocab_size": target.model.config.vocab_size, "head_vocab_size": len(vocab_ids), "target": target.name}
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
@@ -108,22 +106,18 @@ def load_heads(source: str | None, target: LoadedModel) -> LoadedHeads:
     try:
         config = json.loads((folder / CONFIG).read_text())
         num_heads, hidden, vocab = int(config["num_heads"]), int(config["hidden_size"]), int(config["vocab_size"])
-        context = int(config.get("context", 0))
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"medusa heads: {folder / CONFIG} is malformed ({exc})") from exc
     if config.get("inputs") != INPUTS:
-        raise ModelLoadError(f"medusa heads: {folder} holds heads of an earlier format (inputs "
-                             f"{config.get('inputs', 'hidden state only')!r}, not {INPUTS!r}); retrain them with "
-                             "`python -m playground.train medusa`")
+        raise ModelLoadError(f"medusa heads: {folder} holds heads that read only the hidden state (an earlier "
+                             "format); retrain them with `python -m playground.train medusa`")
     tcfg = target.model.config
     if (hidden, vocab) != (tcfg.hidden_size, tcfg.vocab_size):
         raise ModelLoadError(f"medusa heads: made for hidden size {hidden} and vocabulary {vocab}, the target has "
                              f"{tcfg.hidden_size} and {tcfg.vocab_size}")
     if not 1 <= num_heads <= 16:
         raise ModelLoadError(f"medusa heads: num_heads must be in [1, 16], got {num_heads}")
-    if not 1 <= context <= MAX_CONTEXT:
-        raise ModelLoadError(f"medusa heads: context must be in [1, {MAX_CONTEXT}], got {context}")
-    heads = MedusaHeads(hidden, num_heads, context)
+    heads = MedusaHeads(hidden, num_heads)
     tensors = load_file(str(folder / WEIGHTS))
     # heads saved before reduced vocabularies existed score the whole vocabulary
     vocab_ids = tensors.pop(VOCAB_IDS, torch.arange(vocab))

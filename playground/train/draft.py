@@ -66,13 +66,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help=f"held-out prompts for the acceptance report (default all {len(held_out_prompts())})")
 
 
-def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topics: int, generate_batch: int,
-                    dtype: str = "bfloat16", limit: int | None = None) -> None:
+def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topics: int, generate_batch: int) -> None:
     """The options that decide the corpus, shared by both trainers so that they can share one `--corpus` file.
-    The defaults that differ are each shipped asset's own: the Medusa heads were trained on a narrower corpus."""
+    The defaults that differ are each shipped asset's own: the Medusa heads were trained on the narrower corpus."""
     parser.add_argument("--answer-tokens", type=int, default=80, help="target tokens generated per prompt (default 80)")
-    parser.add_argument("--limit", type=int, default=limit,
-                        help=f"use only the first N first-stage training prompts (default {limit or 'all'})")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     parser.add_argument("--extra-templates", type=int, default=10,
                         help=f"extra task templates per topic, 0..{len(EXTRA_TEMPLATES)} (default 10)")
     parser.add_argument("--wide-topics", type=int, default=wide_topics,
@@ -80,7 +78,7 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topic
                              f"prompts drawn from all the templates (default {wide_topics})")
     parser.add_argument("--templates-per-wide-topic", type=int, default=6,
                         help=f"1..{len(TEMPLATES) + len(EXTRA_TEMPLATES)} (default 6)")
-    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default=dtype, help=dtype_help)
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="bfloat16", help=dtype_help)
     parser.add_argument("--generate-batch", type=int, default=generate_batch,
                         help=f"prompts the target answers together, 1..512 (default {generate_batch}; a larger "
                              "batch answers faster on a 2-core CPU (first stage: 64 wrote 294 tokens/s, 256 about "
