@@ -80,11 +80,13 @@ def softmax_at(logits: torch.Tensor, cells: list[tuple[int, int]]) -> list[float
     shows, from one normaliser per row named instead of the softmax of whole rows."""
     if not cells:
         return []
-    named = sorted({row for row, _ in cells})
-    normaliser = dict(zip(named, greedy_rows(logits[named])[1].tolist()))
+    first = min(row for row, _ in cells)
+    # the span of rows named is a view: normalising its few unnamed rows costs less than gathering the named ones
+    normaliser = greedy_rows(logits[first : max(row for row, _ in cells) + 1])[1].tolist()
     rows = torch.tensor([row for row, _ in cells], device=logits.device)  # (C,)
     tokens = torch.tensor([token for _, token in cells], device=logits.device)  # (C,)
-    return [math.exp(value - normaliser[row]) for (row, _), value in zip(cells, logits[rows, tokens].tolist())]
+    return [math.exp(value - normaliser[row - first])
+            for (row, _), value in zip(cells, logits[rows, tokens].tolist())]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

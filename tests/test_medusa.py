@@ -362,6 +362,23 @@ def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
     assert not any(torch.allclose(a, b, atol=1e-3) for a, b in combinations(logits, 2))
 
 
+def test_fused_blocks_and_one_top_k_propose_what_the_heads_module_does(target, heads) -> None:
+    """Decoding runs the heads' blocks as one stacked product and takes every depth's candidates from one top-k;
+    the tree must hold the tokens the module's heads rank at each node's depth and rank."""
+    torch.manual_seed(5)
+    hidden, lasts = torch.randn(3, 576), [42, 1000, 7]
+    embedding = target.model.embed_tokens.weight[lasts]  # (3, E)
+    reference = heads.output.logits(heads.heads(hidden, embedding))  # (K, 3, V'), head by head
+    torch.testing.assert_close(heads.logits(hidden, embedding), reference, atol=1e-4, rtol=1e-4)
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="medium"), heads)
+    for row, last in enumerate(lasts):
+        probs = reference[:, row].softmax(-1)  # (K, V')
+        tokens, head_probs = decoder.propose(hidden[row], last)
+        ranked = [probs[len(path) - 1].topk(path[-1] + 1) for path in decoder.tree.paths]
+        assert tokens == [int(heads.vocab_ids[top.indices[-1]]) for top in ranked]
+        assert head_probs == pytest.approx([float(top.values[-1]) for top in ranked], abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def narrow_heads(target, heads, plain_outputs, tmp_path_factory):
     """The shipped heads' weights restricted to a small vocabulary: ids 0-99 and the tokens of six plain answers."""

@@ -34,6 +34,8 @@ def test_greedy_rows_and_softmax_at_match_softmax(native_on: bool, monkeypatch: 
     cells = [(4, 3), (0, 999), (4, argmax[4]), (2, 10)]
     want = [float(logits.softmax(-1)[row, token]) for row, token in cells]
     assert softmax_at(logits, cells) == pytest.approx(want, rel=1e-5)
+    inner = [(3, 5), (1, 7), (3, 0)]  # rows neither first nor consecutive: normalised over the span they name
+    assert softmax_at(logits, inner) == pytest.approx([float(logits.softmax(-1)[r, x]) for r, x in inner], rel=1e-5)
     assert softmax_at(logits, []) == []
     assert argmax_rows(logits.double()) == argmax  # float64: PyTorch's
 

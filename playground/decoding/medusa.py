@@ -116,14 +116,13 @@ class MedusaDecoder(Decoder):
         """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`. A
         head's probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one)."""
         model, tree, heads = self.target.model, self.tree, self.heads
-        head_probs = heads.logits(hidden, model.embed_tokens.weight[last]).softmax(-1)  # (K, V') over vocab_ids
-        top = [head_probs[d].topk(k) for d, k in enumerate(tree.top_k())]  # per depth: (k,) values, indices
-        tokens, probs = [], []
-        for path in tree.paths:
-            values, indices = top[len(path) - 1]
-            tokens.append(int(heads.vocab_ids[indices[path[-1]]]))
-            probs.append(float(values[path[-1]]))
-        return tokens, probs
+        logits = heads.logits(hidden, model.embed_tokens.weight[last])[: tree.depth]  # (D, V') over vocab_ids
+        # one top-k for every depth (a depth past its own k never reads the extra ranks), normalised on its values
+        top = logits.topk(max(tree.top_k()), dim=-1)  # values, indices: (D, k)
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp().tolist()  # (D, k)
+        token_ids = heads.vocab_ids[top.indices].tolist()  # (D, k)
+        nodes = [(len(path) - 1, path[-1]) for path in tree.paths]  # (depth index, rank) of nodes 1..n
+        return [token_ids[d][rank] for d, rank in nodes], [probs[d][rank] for d, rank in nodes]
 
     def graft(self, sequence: list[int], ids: list[int], budget: int) -> Graft | None:
         """The copy to graft onto this step's tree (node i holds ids[i]), if any: prompt lookup's match for the
