@@ -1,4 +1,5 @@
-"""Tokens per target forward of the copying proposers, replayed over plain decoding's greedy tokens.
+"""Tokens per target forward of the copying proposers (and of Medusa's tree), replayed over plain decoding's greedy
+tokens.
 
 Under greedy acceptance a step commits the longest agreement between a proposal and the target's own output, plus
 one token from the target. Given plain decoding's tokens for a prompt, how many forwards a proposer that reads
@@ -6,9 +7,12 @@ only the text needs therefore follows without running the model per step: a prop
 and free of the machine's timing noise. Replayed over the benchmark suite: prompt lookup (`--max-ngram`,
 `--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
 n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
-pool (`--corpus`), without the Jacobi window, whose guesses need the model.
+pool (`--corpus`), without the Jacobi window, whose guesses need the model; and with `--medusa-trees`, Medusa's
+tree for each named tree, alone and with prompt copies grafted on, proposed by the decoder's own code from the
+heads (`--medusa-heads`, default the shipped ones) reading the target's hidden states over plain decoding's tokens.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
+        [--medusa-trees small,medium] [--medusa-heads FOLDER]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
 replays skip the model. Speed is not replayed: a wider verification costs more (see README, Command line).
@@ -25,10 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench import GROUNDED  # noqa: E402
-from playground.config import ConfigError, GenerationParams, LookaheadParams, PromptLookupParams  # noqa: E402
+from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
+                               ModelSpec, PromptLookupParams, SamplingParams)
+from playground.decoding import AutoregressiveDecoder, encode_prompt, generate  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
+from playground.decoding.base import new_cache  # noqa: E402
 from playground.decoding.lookahead import TextPools  # noqa: E402
-from playground.models import ModelLoadError  # noqa: E402
+from playground.decoding.medusa import MedusaDecoder  # noqa: E402
+from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
 from playground.decoding.prompt_lookup import ProposalGate, agreement, find_continuation  # noqa: E402
 
@@ -78,7 +86,35 @@ class TextPoolProposer:
         pass
 
 
-def replay(prompt_ids: list[int], output_ids: list[int], proposer: LookupProposer | TextPoolProposer) -> float:
+class MedusaProposer:
+    """Medusa's step as the decoder builds it (its `propose`, `graft` and `tree_with`): every root-to-leaf path of
+    the step's tree, the heads' nodes and any grafted copy, as a proposal. The heads read the final hidden state of
+    the position that predicted the last token, from one forward of the target over the prompt and the output;
+    the native kernel's rows are independent of the other rows of a forward, so on the CPU these are the bits a
+    decode step sees and the replay commits what the decoder does."""
+
+    def __init__(self, decoder: MedusaDecoder, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.decoder = decoder
+        text = list(prompt_ids) + list(output_ids)
+        cache = new_cache(decoder.target.model, len(text), decoder.generation)
+        self.hidden = decoder.forward(cache, None, text, 0)[1]  # (T, E): row i predicted token i + 1
+
+    def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
+        decoder, last = self.decoder, sequence[-1]
+        nodes, _ = decoder.propose(self.hidden[len(sequence) - 2], last)
+        ids = [last, *nodes]
+        graft = decoder.graft(sequence, ids, budget)
+        tree = decoder.tree_with(graft)
+        if graft:
+            ids += graft.tokens
+        return [[ids[node] for node in chain[1:]] for chain in tree.retrieve]
+
+    def judged(self, proposal: list[int], agreed: int) -> None:
+        pass
+
+
+def replay(prompt_ids: list[int], output_ids: list[int],
+           proposer: LookupProposer | TextPoolProposer | MedusaProposer) -> float:
     """Tokens per target forward after the first token (which the prefill commits), bonus tokens included, as
     the metrics count them: each step keeps the proposal that agrees longest, plus the target's next token."""
     if len(output_ids) < 2:
@@ -96,14 +132,8 @@ def replay(prompt_ids: list[int], output_ids: list[int], proposer: LookupPropose
     return (len(output_ids) - 1) / forwards
 
 
-def plain_outputs(new_tokens: int) -> list[dict[str, object]]:
-    """Plain decoding's greedy tokens for every suite prompt on the embedded model."""
-    from playground.config import ModelSpec, SamplingParams
-    from playground.decoding import AutoregressiveDecoder, generate
-    from playground.decoding.base import encode_prompt
-    from playground.models import load_model
-
-    target = load_model(ModelSpec())
+def plain_outputs(target: LoadedModel, new_tokens: int) -> list[dict[str, object]]:
+    """Plain decoding's greedy tokens for every suite prompt."""
     generation = GenerationParams(max_new_tokens=new_tokens)
     decoder = AutoregressiveDecoder(target, SamplingParams(), generation)
     runs = []
@@ -123,6 +153,11 @@ def sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,4,5, got {text!r}") from None
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated list of names."""
+    return [x for x in text.split(",") if x]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -137,6 +172,10 @@ def main() -> int:
     parser.add_argument("--corpus", default=default_answers("embedded"),
                         help="answers file whose M-grams seed the pools, as lookahead's corpus pool does (default: "
                              "the shipped one); 'none' to replay without")
+    parser.add_argument("--medusa-trees", type=names, default=[],
+                        help="Medusa trees to replay, comma-separated names or JSON files (default: none)")
+    parser.add_argument("--medusa-heads", default=None,
+                        help="Medusa heads folder (default: the shipped heads of the embedded model)")
     args = parser.parse_args()
     try:  # the decoders' own checks name the field and its range
         PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, verify_overhead=args.verify_overhead)
@@ -145,13 +184,20 @@ def main() -> int:
                 LookaheadParams(guesses=args.guesses, text_ngram=m, context=k)
         GenerationParams(max_new_tokens=args.new_tokens)
         corpus = read_answers(args.corpus)[0] if args.corpus and args.corpus != "none" else None
+        cached = args.outputs is not None and args.outputs.exists()
+        target = None if cached and not args.medusa_trees else load_model(ModelSpec())
+        generation = GenerationParams(max_new_tokens=args.new_tokens)
+        # copies as the benchmark grafts them: prompt lookup's n-gram size and proposal length
+        medusa = {(tree, copies): MedusaDecoder(target, SamplingParams(), generation, MedusaParams(
+                      heads=args.medusa_heads, tree=tree, copy_ngram=copies, copy_tokens=args.num_draft))
+                  for tree in args.medusa_trees for copies in (0, args.max_ngram)}
     except (ConfigError, ModelLoadError) as error:
         parser.error(str(error))
 
-    if args.outputs and args.outputs.exists():
+    if cached:
         runs = json.loads(args.outputs.read_text())
     else:
-        runs = plain_outputs(args.new_tokens)
+        runs = plain_outputs(target, args.new_tokens)
         if args.outputs:
             args.outputs.write_text(json.dumps(runs))
     runs = [r for r in runs if len(r["output_ids"]) >= 2]
@@ -167,6 +213,9 @@ def main() -> int:
             (lambda run, m=m, k=k, seeds=TextPools.seeded(args.guesses, m, k, corpus):
              TextPoolProposer(run["prompt_ids"], m, args.guesses, k, seeds))
             for m in args.text_ngrams for k in args.contexts} if corpus else {}),
+        **{f"medusa, tree {tree}" + (f", copies ({copies}-gram, {args.num_draft} tokens)" if copies else ""):
+           (lambda run, decoder=decoder: MedusaProposer(decoder, run["prompt_ids"], run["output_ids"]))
+           for (tree, copies), decoder in medusa.items()},
     }
     print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
     print(f"{'proposer':50s} {'median':>7s} {'grounded':>9s}  per prompt")
