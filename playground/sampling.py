@@ -89,6 +89,13 @@ def softmax_at(logits: torch.Tensor, cells: list[tuple[int, int]]) -> list[float
             for (row, _), value in zip(cells, logits[rows, tokens].tolist())]
 
 
+def shown_probabilities(logits: torch.Tensor, p: torch.Tensor | None, cells: list[tuple[int, int]]) -> list[float]:
+    """The probability a trace shows for each (row, token) of `cells`: under the sampling distribution p (N, V)
+    when sampling, and under greedy (p None) the target's softmax at temperature 1 of logits (N, V), as plain
+    decoding shows it."""
+    return softmax_at(logits, cells) if p is None else [float(p[row, token]) for row, token in cells]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs (..., V) -> (...) int64."""
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)

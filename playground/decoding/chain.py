@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import (ChainVerdict, greedy_matches, probabilities, sample, softmax_at, verify_greedy,
+from ..sampling import (ChainVerdict, greedy_matches, probabilities, sample, shown_probabilities, verify_greedy,
                         verify_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, Event, RejectEvent
 from .base import Decoder, Stopper
@@ -61,9 +61,8 @@ def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits
     n = verdict.num_accepted
     # the probabilities shown: each judged proposal's (the accepted ones and the refused one), then the token's
     cells = [*enumerate(proposals[: n + 1]), (n, verdict.token)]
-    # Under greedy the trace shows the target's softmax at temperature 1, as plain decoding does, on the rows judged:
-    # up to the correction or bonus, often 1-2 of K+1 rows of the whole vocabulary.
-    shown = softmax_at(target_logits, cells) if p is None else [float(p[row, token]) for row, token in cells]
+    # under greedy normalised on the rows judged alone: up to the correction or bonus, often 1-2 of K+1 rows
+    shown = shown_probabilities(target_logits, p, cells)
     p_shown, p_token = shown[:-1], shown[-1]
     q_list: list[float | None] = list(q_shown) if q_shown is not None else [None] * len(proposals)
     uniforms = list(verdict.uniforms) + [None] * len(proposals)

@@ -27,7 +27,7 @@ import torch
 from ..config import ConfigError, GenerationParams, MedusaParams, SamplingParams
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
-from ..sampling import (TreeVerdict, probabilities, sample, softmax_at, verify_tree_greedy,
+from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities, verify_tree_greedy,
                         verify_tree_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
@@ -164,17 +164,15 @@ class MedusaDecoder(Decoder):
                generator: torch.Generator) -> tuple[TreeVerdict, list[float]]:
         """The acceptance rule for this decoder's settings, and the probabilities the trace shows: the target's of
         each node's token after its parent (nodes 1..n), then of the emitted token after the last accepted node."""
-        if self.sampling.greedy:
+        p = None if self.sampling.greedy else probabilities(logits, self.sampling)  # (n+1, V) when sampling
+        if p is None:
             verdict = verify_tree_greedy(logits, tree.children, ids)
-            # the target's softmax at temperature 1, as plain decoding shows under greedy, on the rows named alone
-            return verdict, softmax_at(logits, shown_cells(tree, ids, verdict))
-        p = probabilities(logits, self.sampling)  # (n+1, V)
-        if self.spec.acceptance == "typical":
+        elif self.spec.acceptance == "typical":
             verdict = verify_tree_typical(p, tree.retrieve, ids, self.spec.epsilon, self.spec.alpha, generator,
                                           tree.children)
         else:
             verdict = verify_tree_lossless(p, tree.children, ids, generator)
-        return verdict, [float(p[row, token]) for row, token in shown_cells(tree, ids, verdict)]
+        return verdict, shown_probabilities(logits, p, shown_cells(tree, ids, verdict))
 
     def run(self, prompt_ids: list[int]) -> EventStream:
         clock, generator, stopper = self.start()
