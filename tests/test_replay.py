@@ -54,10 +54,9 @@ def test_medusa_replay_commits_what_the_decoder_does(target, copy_ngram: int) ->
     decoder = MedusaDecoder(target, SamplingParams(), generation, MedusaParams(copy_ngram=copy_ngram))
     for prompt in (*PROMPTS[:4], "Repeat exactly: red green blue red green blue red green blue"):
         output, trace = generate(decoder, prompt)
-        proposer = replay_proposers.MedusaProposer(decoder, encode_prompt(target, prompt, generation),
-                                                   list(output.token_ids))
-        replayed = replay_proposers.replay(encode_prompt(target, prompt, generation), list(output.token_ids),
-                                           proposer)
+        prompt_ids, output_ids = encode_prompt(target, prompt, generation), list(output.token_ids)
+        proposer = replay_proposers.MedusaProposer(decoder, prompt_ids, output_ids)
+        replayed = replay_proposers.replay(prompt_ids, output_ids, proposer)
         assert replayed == pytest.approx(compute(trace).mean_accepted_tokens), prompt
 
 
