@@ -20,7 +20,7 @@ from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
 from .native import Panels
-from .transformer import Transformer, can_pack, linear, pack
+from .transformer import Transformer, linear
 from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
@@ -72,8 +72,7 @@ class FusedBlocks:
     def of(cls, heads: MedusaHeads, pack_like: Transformer) -> "FusedBlocks":
         weight = torch.cat([block.weight for block in heads.blocks])  # (K*E, 2E)
         bias = torch.cat([block.bias for block in heads.blocks])  # (K*E,)
-        packed = pack(weight) if pack_like.packed_output is not None and can_pack(weight) else None
-        return cls(weight, bias, packed)
+        return cls(weight, bias, pack_like.pack_like_own(weight))
 
 
 @dataclass(frozen=True)

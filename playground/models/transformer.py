@@ -383,6 +383,11 @@ class Transformer(nn.Module):
         """Output logits (..., V) in float32 for hidden states (..., E)."""
         return linear(hidden, self.output_weight, packed=self.packed_output).float()  # (..., V)
 
+    def pack_like_own(self, weight: torch.Tensor) -> native.Panels | torch.Tensor | None:
+        """A prepacked copy of `weight` (out, in) for a product run beside this model's own (reduced output rows,
+        Medusa blocks): packed where the model packed its weights and `weight` can be, else None."""
+        return pack(weight) if self.packed_output is not None and can_pack(weight) else None
+
     def pack_linears(self) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from .loader import LoadedModel, ModelLoadError
-from .transformer import Transformer, can_pack, linear, pack
+from .transformer import Transformer, linear
 
 VOCAB_IDS = "vocab_ids"  # the tensor listing the token ids a proposer scores, ascending
 # Beside a draft's Hugging Face weights, written by `python -m playground.train draft`; transformers ignores it.
@@ -57,7 +57,7 @@ def output_rows(model: Transformer, ids: torch.Tensor) -> OutputRows:
     if weight is model.output_weight:
         packed = model.packed_output
     else:
-        packed = pack(weight) if model.packed_output is not None and can_pack(weight) else None
+        packed = model.pack_like_own(weight)
     return OutputRows(ids.to(model.device), weight, packed)
 
 
