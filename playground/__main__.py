@@ -99,7 +99,8 @@ def algo_params(args: argparse.Namespace) -> Any:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
         return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
-                                 copy_tokens=args.copy_tokens, confidence=args.draft_confidence)
+                                 copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
+                                 siblings=args.siblings)
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
                                   verify_overhead=args.verify_overhead)
@@ -203,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--draft-confidence", type=float, default=0.0,
                       help="stop drafting after a token the draft gave a probability below this, 0 <= X < 1 "
                            "(default 0: always gamma tokens)")
+    spec.add_argument("--siblings", type=int, default=None,
+                      help="greedy only: the draft's runners-up at the first drafted position verified beside its "
+                           "chain in the same forward, 0..4 (default: 1 where gamma + 2 tokens fit one pass of the "
+                           "native CPU kernel's rows, as with AVX-512; else 0)")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
     copy = gen.add_argument_group("prompt copies (--algo speculative or medusa)")
     copy.add_argument("--copy-ngram", type=int, default=0,

@@ -196,6 +196,7 @@ ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
+    "speculative-chain": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
     "speculative-confident": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy-confident": [("median_speedup_vs_ar", 1.8)],
@@ -325,6 +326,7 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
             copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
             copies = f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"
             variants = [("speculative", SpeculativeParams(gamma=args.gamma), ""),
+                        ("speculative-chain", SpeculativeParams(gamma=args.gamma, siblings=0), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
                         ("speculative-copy", copying, copies)]
             if args.draft_confidence:
@@ -340,9 +342,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
                 # as ours is, stopping at the same draft probability; it has no copy proposals, so the copying
                 # variants meet the fixed schedule (the same peer run as their copy-free rows: see `PeerRuns`)
                 schedule = "heuristic_transient" if spec.adaptive else "constant"
+                decoder = SpeculativeDecoder(target, draft, sampling, generation, spec)
+                siblings = decoder.spec.siblings  # as resolved for this machine
+                beside = f", {siblings} sibling(s) beside the first draft" if siblings else ", chain only"
                 contenders.append(Contender(
-                    name, SpeculativeDecoder(target, draft, sampling, generation, spec),
-                    f"draft {draft.name}, gamma {spec.gamma}{label}", f"assisted generation ({schedule})",
+                    name, decoder, f"draft {draft.name}, gamma {spec.gamma}{beside}{label}",
+                    f"assisted generation ({schedule})",
                     {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
                      "assistant_confidence_threshold": spec.confidence}))
     if "prompt-lookup" in args.algos:

@@ -120,6 +120,7 @@ class GenerationParams:
 
 
 MAX_GAMMA = 16
+MAX_SIBLINGS = 4  # the draft's runners-up at the first drafted position verified beside its chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +131,18 @@ class SpeculativeParams:
     tokens copied from there (as prompt lookup does) instead of drafting, when copies have lately been
     accepted at least as well as the draft's tokens; 0 always drafts. confidence: stop drafting early, after a
     token the draft gave a probability below this (that token is still proposed); 0 always drafts gamma. It is
-    decided from the draft's own distribution alone, so greedy output stays exact and sampling lossless."""
+    decided from the draft's own distribution alone, so greedy output stays exact and sampling lossless.
+    siblings: under greedy acceptance, the draft's runners-up at the first drafted position (its 2nd, 3rd, ...
+    choices there) verified as extra leaves beside the chain in the same forward; when the target takes one, the
+    step keeps it and the target's token after it (None: chosen for the machine by `resolve`). Sampling verifies
+    the chain alone, so it takes 0 or None."""
 
     gamma: int = 4
     adaptive: bool = False
     copy_ngram: int = 0
     copy_tokens: int = 8
     confidence: float = 0.0
+    siblings: int | None = None
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, 1, MAX_GAMMA)
@@ -146,6 +152,22 @@ class SpeculativeParams:
         check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
         if not 0.0 <= _check_finite("confidence", self.confidence) < 1.0:
             raise ConfigError(f"confidence must be in [0, 1), got {self.confidence}")
+        if self.siblings is not None:
+            check_int("siblings", self.siblings, 0, MAX_SIBLINGS)
+
+    def resolve(self, rows_per_pass: int | None, greedy: bool) -> SpeculativeParams:
+        """These settings with `siblings` fixed: 1 under greedy acceptance where the last token, gamma drafts and
+        one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`; None: no such step, as on
+        a GPU), else 0. Why: with AVX-512 (12 rows per pass) a sixth row costs next to nothing, and replaying the
+        shipped draft over the suite's plain outputs, its runner-up at the first position raised gamma 4's tokens
+        per target forward from 1.43 to 1.55 (runners-up at every position: 1.58; README)."""
+        if self.siblings and not greedy:
+            raise ConfigError(f"siblings: only greedy decoding (temperature 0) verifies siblings, got "
+                              f"{self.siblings}; use 0 when sampling")
+        siblings = self.siblings
+        if siblings is None:
+            siblings = int(greedy and rows_per_pass is not None and self.gamma + 2 <= rows_per_pass)
+        return replace(self, siblings=siblings)
 
 
 @dataclass(frozen=True, slots=True)

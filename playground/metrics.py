@@ -15,7 +15,8 @@ class Metrics:
     """tokens_per_s: generated tokens / engine wall time, prefill included, model loading excluded.
     ttft_s: engine time until the first generated token was known.
     mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
-    drafted, accepted, rejected: proposed tokens, how many the target accepted, and how many it rejected;
+    drafted, accepted, rejected: positions proposed, how many proposals the target accepted, and how many it
+    rejected (a sibling, another guess at a position already proposed, is not another drafted position);
     acceptance_rate: accepted / drafted (proposals after a rejection count as drafted, never judged);
     token_acceptance: accepted / (accepted + rejected), the probability that a proposal the target judged was
     accepted: the a of the theory formula (1 - a^(g+1)) / (1 - a).
@@ -46,7 +47,7 @@ def compute(trace: Trace) -> Metrics:
     first_token = next((e.t for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))), None)
     prefills = sum(1 for e in trace.events if isinstance(e, PrefillEvent))
     verify_forwards = sum(e.target_forwards for e in trace.events if isinstance(e, VerifyEvent))
-    drafted = sum(len(e.tokens) for e in trace.events if isinstance(e, DraftEvent))
+    drafted = sum(drafted_positions(e) for e in trace.events if isinstance(e, DraftEvent))
     accepted = sum(1 for e in trace.events if isinstance(e, AcceptEvent))
     rejected = sum(1 for e in trace.events if isinstance(e, RejectEvent))
     kv_bytes = next((e.kv_bytes if isinstance(e, CommitEvent) else e.bytes_used for e in reversed(trace.events)
@@ -80,6 +81,11 @@ def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
+def drafted_positions(event: DraftEvent) -> int:
+    """The positions a step proposed tokens for: its chain's length, siblings beside a chain token not counted."""
+    return len({token.position for token in event.tokens})
+
+
 def mean_draft_length(trace: Trace) -> float | None:
-    drafts = [len(e.tokens) for e in trace.events if isinstance(e, DraftEvent)]
+    drafts = [drafted_positions(e) for e in trace.events if isinstance(e, DraftEvent)]
     return sum(drafts) / len(drafts) if drafts else None

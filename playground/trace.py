@@ -26,8 +26,9 @@ class TraceError(ValueError):
 @dataclass(frozen=True, slots=True)
 class TokenInfo:
     """One token as the UI shows it. p: target probability (under the model's softmax at temperature 1 when
-    decoding greedily); q: proposal probability (None where nothing was proposed); parent: index of the parent
-    node within the step's draft tree (None for chains)."""
+    decoding greedily); q: proposal probability (None where nothing was proposed); parent: the node this proposal
+    follows in the step's draft tree, node 0 being the last committed token and node i the event's i-th token
+    (None in a plain chain, where each proposal follows the one before)."""
 
     id: int
     text: str

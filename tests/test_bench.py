@@ -38,9 +38,9 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert main(["bench", "--limit", "4", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["algos"]) == {"speculative", "speculative-adaptive", "speculative-copy", "speculative-confident",
-                                    "speculative-copy-confident", "prompt-lookup", "lookahead", "medusa",
-                                    "medusa-copy", "medusa-lossless", "medusa-typical"}
+    assert set(report["algos"]) == {"speculative", "speculative-chain", "speculative-adaptive", "speculative-copy",
+                                    "speculative-confident", "speculative-copy-confident", "prompt-lookup", "lookahead",
+                                    "medusa", "medusa-copy", "medusa-lossless", "medusa-typical"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
@@ -52,6 +52,9 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     adaptive = report["prompts"][0]["algos"]["speculative-adaptive"]
     assert adaptive["peer"]["tokens"] >= 1 and adaptive["predicted_tokens_per_forward"] > 1
     assert report["algos"]["speculative-adaptive"]["peer"] == "assisted generation (heuristic_transient)"
+    # the chain-only row meets the same peer run; whether the default row has a sibling depends on the machine
+    assert "chain only" in report["algos"]["speculative-chain"]["setting"]
+    assert report["prompts"][0]["algos"]["speculative-chain"]["peer"] == spec["peer"]
     assert "copies of up to 8 tokens after a 3..1-gram match" in report["algos"]["speculative-copy"]["setting"]
     assert report["prompts"][3]["algos"]["speculative-copy"]["peer"]["tokens"] >= 1
     assert "stops after a token of draft probability below 0.5" in report["algos"]["speculative-confident"]["setting"]

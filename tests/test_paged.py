@@ -210,7 +210,7 @@ def test_every_algorithm_is_greedy_exact_on_the_paged_cache(target, noisy_draft,
     decoder = {
         "ar": lambda: AutoregressiveDecoder(target, SamplingParams(), GREEDY_PAGED),
         "speculative": lambda: SpeculativeDecoder(target, noisy_draft, SamplingParams(), GREEDY_PAGED,
-                                                  SpeculativeParams(gamma=3)),
+                                                  SpeculativeParams(gamma=3, siblings=1)),
         "prompt-lookup": lambda: PromptLookupDecoder(target, SamplingParams(), GREEDY_PAGED),
         "lookahead": lambda: LookaheadDecoder(target, SamplingParams(), GREEDY_PAGED),
     }[algo]()

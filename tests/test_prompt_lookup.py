@@ -6,8 +6,9 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
+from playground.decoding.chain import merge_proposals
 from playground.decoding.prompt_lookup import (ProposalGate, best_copy, copy_bound, find_continuation,
-                                               find_continuations, merge_proposals)
+                                               find_continuations)
 from playground.decoding.tree import tree_from_parents
 from playground.metrics import compute
 

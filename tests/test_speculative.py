@@ -24,22 +24,25 @@ from .stats import assert_follows_target
 SAMPLED_PROMPT = "The best thing about summer is"
 
 
-@pytest.mark.parametrize("gamma, adaptive, copy_ngram",
-                         [(1, False, 0), (3, False, 0), (5, False, 0), (8, False, 0), (2, True, 0), (4, False, 3),
-                          (2, True, 1)])
-def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive, copy_ngram) -> None:
+@pytest.mark.parametrize("gamma, adaptive, copy_ngram, siblings",
+                         [(1, False, 0, 0), (3, False, 0, 1), (5, False, 0, 0), (8, False, 0, 2), (2, True, 0, 1),
+                          (4, False, 3, 0), (4, False, 3, 1), (2, True, 1, 3)])
+def test_greedy_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive, copy_ngram,
+                                      siblings) -> None:
     decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                                 SpeculativeParams(gamma=gamma, adaptive=adaptive, copy_ngram=copy_ngram))
+                                 SpeculativeParams(gamma=gamma, adaptive=adaptive, copy_ngram=copy_ngram,
+                                                   siblings=siblings))
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
     assert 0.1 < accepted / drafted < 0.95  # the runs really mixed acceptances and rejections
 
 
-@pytest.mark.parametrize("gamma, adaptive, copy_ngram", [(4, False, 0), (8, False, 0), (3, True, 0), (4, False, 3)])
+@pytest.mark.parametrize("gamma, adaptive, copy_ngram, siblings",
+                         [(4, False, 0, 0), (8, False, 0, 1), (3, True, 0, 2), (4, False, 3, 1)])
 def test_greedy_with_a_confidence_stop_equals_plain_decoding(target, noisy_draft, plain_outputs, gamma, adaptive,
-                                                             copy_ngram) -> None:
+                                                             copy_ngram, siblings) -> None:
     decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
                                  SpeculativeParams(gamma=gamma, adaptive=adaptive, copy_ngram=copy_ngram,
-                                                   confidence=0.6))
+                                                   confidence=0.6, siblings=siblings))
     accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
     assert 0.1 < accepted / drafted < 0.95
 
@@ -133,6 +136,54 @@ def test_greedy_exact_with_always_rejecting_and_always_accepting_drafts(
         assert output.token_ids == plain_outputs[prompt]
         if draft_name == "self":  # every draft accepted: the draft must catch up on its last token each step
             assert compute(trace).acceptance_rate == 1.0
+
+
+def draft_choices(draft: LoadedModel, sequence: list[int]) -> tuple[list[int], list[int]]:
+    """The draft's first and second choices after every prefix of `sequence` (index i: after sequence[: i + 1]),
+    from one forward over it: what an in-step draft cache proposes on that text."""
+    cache = new_cache(draft.model, len(sequence), GenerationParams())
+    top = forward_tokens(draft.model, cache, sequence, num_logits=len(sequence)).topk(2).indices  # (T, 2)
+    return top[:, 0].tolist(), top[:, 1].tolist()
+
+
+def test_a_sibling_the_target_takes_keeps_two_tokens_and_the_draft_cache_in_step(target, noisy_draft,
+                                                                                   plain_outputs) -> None:
+    """With one sibling, a step whose first drafted token the target refuses for the draft's runner-up shows the
+    refusal, the runner-up accepted at the same position and the target's next token as a bonus. Every step's
+    runner-up and chain (as far as it follows the output) are the draft's choices for the text so far: the draft
+    cache was rolled back to before its chain, and the runner-up fed, after each such step."""
+    decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
+                                 SpeculativeParams(gamma=4, siblings=1))
+    assert decoder.params()["siblings"] == 1
+    wins = 0
+    for prompt in PROMPTS[:5]:
+        output, trace = generate(decoder, prompt)
+        assert output.token_ids == plain_outputs[prompt], prompt
+        sequence = trace.prompt_ids + list(output.token_ids)
+        first, second = draft_choices(noisy_draft, sequence)
+        known = len(trace.prompt_ids) + 1  # the prefill gave the first token
+        for step in range(1, max(e.step for e in trace.events) + 1):
+            events = [e for e in trace.events if e.step == step]
+            draft = next(e for e in events if e.KIND == "draft")
+            chain = [t for i, t in enumerate(draft.tokens) if t.parent == i]
+            siblings = [t for i, t in enumerate(draft.tokens) if i > 0 and t.parent == 0]
+            assert len(siblings) == 1 and len(draft.tokens) == len(chain) + 1
+            assert siblings[0].position == chain[0].position == known
+            assert (chain[0].id, siblings[0].id) == (first[known - 1], second[known - 1]), (prompt, step)
+            for j in range(1, len(chain)):
+                if chain[j - 1].id != sequence[known + j - 1]:
+                    break  # past the output, the draft read its own tokens
+                assert chain[j].id == first[known + j - 1], (prompt, step, j)
+            decisions = [(e.KIND, e.token.id, e.token.position) for e in events
+                         if e.KIND in ("accept", "reject", "correct", "bonus")]
+            if ("accept", siblings[0].id, known) in decisions:
+                assert decisions[:2] == [("reject", chain[0].id, known), ("accept", siblings[0].id, known)]
+                assert len(decisions) == 2 or decisions[2][::2] == ("bonus", known + 1)
+                wins += 1
+            known += next(e for e in events if e.KIND == "commit").num_tokens
+    assert wins >= 3
+    # drafted counts positions: a sibling is another guess at its chain's first position
+    assert compute(trace).drafted == sum(len(e.tokens) - 1 for e in trace.events if e.KIND == "draft")
 
 
 def test_trace_records_every_decision(target, noisy_draft) -> None:
@@ -265,10 +316,14 @@ def test_greedy_drafting_over_the_proposal_rows_picks_what_the_whole_vocabulary_
         drafted = []
         for decoder in (compact, spread):
             cache = new_cache(narrow_draft.model, len(ids) + 8, generation)
-            drafted.append(decoder.propose(cache, ids, 6, torch.Generator()))
-        (tokens, _, shown), (want_tokens, _, want_shown) = drafted
-        assert tokens == want_tokens and len(tokens) == 6
-        assert shown == pytest.approx(want_shown, rel=1e-5)
+            drafted.append(decoder.propose(cache, ids, 6, torch.Generator(), siblings=2))
+        compact_drafted, spread_drafted = drafted
+        assert compact_drafted.tokens == spread_drafted.tokens and len(compact_drafted.tokens) == 6
+        assert compact_drafted.shown == pytest.approx(spread_drafted.shown, rel=1e-5)
+        assert compact_drafted.siblings == spread_drafted.siblings and len(compact_drafted.siblings) == 2
+        assert compact_drafted.tokens[0] not in compact_drafted.siblings
+        assert compact_drafted.sibling_q == pytest.approx(spread_drafted.sibling_q, rel=1e-5)
+        assert compact_drafted.shown[0] >= compact_drafted.sibling_q[0] >= compact_drafted.sibling_q[1]
 
 
 def test_sampling_with_a_proposal_vocabulary_matches_the_target_distribution(target, narrow_draft) -> None:
@@ -324,6 +379,18 @@ def test_gamma_range(gamma) -> None:
 def test_confidence_range(value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         SpeculativeParams(confidence=value)
+
+
+def test_siblings_range_and_default() -> None:
+    with pytest.raises(ConfigError, match=r"siblings must be an integer in \[0, 4\]"):
+        SpeculativeParams(siblings=5)
+    with pytest.raises(ConfigError, match="siblings: only greedy decoding"):
+        SpeculativeParams(siblings=1).resolve(12, greedy=False)
+    assert SpeculativeParams().resolve(12, greedy=False).siblings == 0
+    assert SpeculativeParams(gamma=4).resolve(12, greedy=True).siblings == 1  # 6 rows in one pass
+    assert SpeculativeParams(gamma=11).resolve(12, greedy=True).siblings == 0  # 13 rows: a second pass
+    assert SpeculativeParams().resolve(None, greedy=True).siblings == 0  # no CPU kernel (a GPU)
+    assert SpeculativeParams(siblings=2).resolve(None, greedy=True).siblings == 2
 
 
 @pytest.mark.parametrize("field, value, message", [("copy_ngram", -1, r"copy_ngram must be an integer in \[0, 8\]"),

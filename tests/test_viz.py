@@ -201,6 +201,38 @@ def test_step_table_counts_each_decision_and_the_detail_names_the_proposals():
     assert "nothing proposed" in render_step_detail(speculative_events(), 3)
 
 
+def sibling_events() -> list:
+    """Step 1: a chain of 2 with a sibling of its first token (parent 0, same position); the target refuses the
+    first choice and takes the sibling, then a bonus. Step 2: the same shape, the chain accepted whole."""
+    def node(token_id: int, position: int, parent: int) -> TokenInfo:
+        return replace(tok(token_id, position), parent=parent)
+
+    return [
+        BonusEvent(step=0, t=0.0, token=tok(10, 5)), commit(0),
+        DraftEvent(step=1, t=0.1, tokens=[node(11, 6, 0), node(12, 7, 1), node(13, 6, 0)], wall_s=0.1,
+                   draft_forwards=2),
+        RejectEvent(step=1, t=0.2, token=tok(11, 6), u=None),
+        AcceptEvent(step=1, t=0.2, token=tok(13, 6), u=None),
+        BonusEvent(step=1, t=0.2, token=tok(14, 7)), commit(1),
+        DraftEvent(step=2, t=0.3, tokens=[node(15, 8, 0), node(16, 9, 1), node(17, 8, 0)], wall_s=0.1,
+                   draft_forwards=2),
+        AcceptEvent(step=2, t=0.4, token=tok(15, 8), u=None),
+        AcceptEvent(step=2, t=0.4, token=tok(16, 9), u=None),
+        BonusEvent(step=2, t=0.4, token=tok(18, 10)), commit(2),
+    ]
+
+
+def test_a_sibling_that_lost_leaves_the_text_and_the_detail_names_it():
+    events = sibling_events()
+    # while a step is judged its sibling is pending beside the chain; once decided, a sibling that lost is gone
+    assert states(token_views(events[:3])) == [(10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
+    assert states(token_views(events)) == [
+        (10, "generated"), (11, "rejected"), (12, "discarded"), (13, "accepted"), (14, "bonus"),
+        (15, "accepted"), (16, "accepted"), (18, "bonus")]
+    detail = render_step_detail(events, 1, {11: "a", 12: "b", 13: "c<"}.get)
+    assert "the draft's runner-up" in detail and "c&lt;" in detail and "1 accepted, 1 rejected" in detail
+
+
 def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
     events = [LookaheadEvent(step=1, t=0.0, window=[[1, 2, 3], [4, 5, 6]], pool_size=7, candidates=[[8, 9], [8, 7]]),
               DraftEvent(step=1, t=0.0, tokens=[tok(8, 3), tok(7, 4)], wall_s=0.0, draft_forwards=0)]

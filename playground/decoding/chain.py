@@ -1,5 +1,6 @@
-"""Accepting a proposed chain, shared by every algorithm that proposes one (draft model, prompt lookup,
-lookahead): the acceptance rule from `sampling` and the accept / reject / correct / bonus events it implies."""
+"""Verifying and accepting proposed chains, shared by every algorithm that proposes them (draft model, prompt
+lookup, lookahead): several candidate chains verified in one forward as a tree, the acceptance rule from
+`sampling`, and the accept / reject / correct / bonus events it implies."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import (ChainVerdict, greedy_matches, probabilities, sample, shown_probabilities, verify_greedy,
-                        verify_lossless)
+from ..kv import KVCache
+from ..models import Transformer
+from ..sampling import (ChainVerdict, argmax_rows, greedy_matches, probabilities, sample, shown_probabilities,
+                        verify_greedy, verify_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, Event, RejectEvent
-from .base import Decoder, Stopper
+from .base import Decoder, Stopper, forward_tokens, forward_tree
+from .tree import tree_from_parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,49 @@ def longest_match(argmax: list[int], rows: list[list[int]], candidates: list[lis
     at the root and after each token of candidates[i]."""
     matches = [greedy_matches([argmax[r] for r in row], list(candidate)) for row, candidate in zip(rows, candidates)]
     return matches.index(max(matches))
+
+
+def merge_proposals(proposals: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Proposals as one tree below the root (node 0, the last committed token), a shared prefix verified once:
+    the tokens of nodes 1..n, the parents of nodes 0..n (the root's -1) and each proposal's nodes in order."""
+    tokens: list[int] = []
+    parents = [-1]
+    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    paths: list[list[int]] = []
+    for proposal in proposals:
+        node, path = 0, []
+        for token in proposal:
+            if (node, token) not in node_of:
+                tokens.append(token)
+                parents.append(node)
+                node_of[node, token] = len(parents) - 1
+            node = node_of[node, token]
+            path.append(node)
+        paths.append(path)
+    return tokens, parents, paths
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    logits: torch.Tensor  # (K+1, V): the chosen candidate's rows, at the root and after each of its K tokens
+    chosen: int  # index of the chosen candidate
+    paths: list[list[int]]  # each candidate's nodes in order; node i of the forward sits in slot cache length + i
+    width: int  # tokens the forward took: the root and every distinct node
+
+
+def verify_candidates(model: Transformer, cache: KVCache, last: int, candidates: list[list[int]]) -> Verified:
+    """One target forward over the last committed token and the candidate chains after it. One candidate (or
+    none) is verified as a chain; several, merged into one tree (`merge_proposals`), are judged greedily: the one
+    the target's argmaxes keep longest wins, the earliest on ties (`longest_match`)."""
+    nodes, parents, paths = merge_proposals(candidates)
+    if len(candidates) > 1:
+        tree = tree_from_parents(parents)
+        tree_logits, _ = forward_tree(model, cache, [last] + nodes, tree.depths, tree.mask)  # (n+1, V)
+        rows = [[0, *path] for path in paths]  # each candidate's chain of logits rows
+        chosen = longest_match(argmax_rows(tree_logits), rows, candidates)
+        return Verified(tree_logits[rows[chosen]], chosen, paths, len(nodes) + 1)
+    logits = forward_tokens(model, cache, [last] + nodes, num_logits=len(nodes) + 1)  # (K+1, V)
+    return Verified(logits, 0, paths, len(nodes) + 1)
 
 
 def accept_chain(decoder: Decoder, step: int, t: float, base: int, target_logits: torch.Tensor,

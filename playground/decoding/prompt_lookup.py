@@ -24,11 +24,9 @@ from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
 from ..models import LoadedModel
-from ..sampling import argmax_rows
 from ..trace import DraftEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, forward_tokens, forward_tree, new_cache
-from .chain import accept_chain, longest_match, one_hot
-from .tree import tree_from_parents
+from .base import Decoder, EventStream, commit_event, new_cache
+from .chain import accept_chain, one_hot, verify_candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,26 +76,6 @@ def find_continuation(sequence: list[int], max_ngram: int, num_draft: int,
     """The best copy `find_continuations` ranks first, if any."""
     found = find_continuations(sequence, max_ngram, num_draft, eos_ids)
     return found[0] if found else None
-
-
-def merge_proposals(proposals: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
-    """Proposals as one tree below the root (node 0, the last committed token), a shared prefix verified once:
-    the tokens of nodes 1..n, the parents of nodes 0..n (the root's -1) and each proposal's nodes in order."""
-    tokens: list[int] = []
-    parents = [-1]
-    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    paths: list[list[int]] = []
-    for proposal in proposals:
-        node, path = 0, []
-        for token in proposal:
-            if (node, token) not in node_of:
-                tokens.append(token)
-                parents.append(node)
-                node_of[node, token] = len(parents) - 1
-            node = node_of[node, token]
-            path.append(node)
-        paths.append(path)
-    return tokens, parents, paths
 
 
 def agreement(proposal: list[int], future: list[int]) -> int:
@@ -249,18 +227,10 @@ class PromptLookupDecoder(Decoder):
             draft_end = clock.now()
 
             verify_start = clock.now()
-            nodes, parents, paths = merge_proposals([f.tokens for f in found])
-            if len(found) > 1:
-                tree = tree_from_parents(parents)
-                tree_logits, _ = forward_tree(target, cache, [last] + nodes, tree.depths, tree.mask)  # (n+1, V)
-                rows = [[0, *path] for path in paths]  # each candidate's chain of logits rows
-                chosen = longest_match(argmax_rows(tree_logits), rows, [f.tokens for f in found])
-                target_logits = tree_logits[rows[chosen]]  # (K + 1, V)
-            else:
-                target_logits = forward_tokens(target, cache, [last] + nodes, num_logits=len(nodes) + 1)  # (K+1, V)
-                chosen = 0
+            verified = verify_candidates(target, cache, last, [f.tokens for f in found])
+            target_logits, chosen, paths = verified.logits, verified.chosen, verified.paths  # logits (K+1, V)
             verify_end = clock.now()
-            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(nodes) + 1,
+            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=verified.width,
                                               wall_s=verify_end - verify_start, target_forwards=1))
 
             lookup = found[chosen] if found else None

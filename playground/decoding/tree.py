@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -81,7 +82,14 @@ def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> Tr
 def tree_from_parents(parents: list[int] | tuple[int, ...]) -> TreeBuffers:
     """Buffers for a tree of proposed tokens given by node parents (the root's -1 first, every parent before its
     children), with no paths of ranks: candidates merged by prefix rather than the heads' top-k."""
-    return _buffers((), tuple(parents))
+    return _parents_tree(tuple(parents))
+
+
+@lru_cache(maxsize=256)
+def _parents_tree(parents: tuple[int, ...]) -> TreeBuffers:
+    """Built once per shape: steps verifying candidates as a tree repeat a few shapes, and building one took
+    ~0.2 ms (the mask node by node), 0.7% of a decode step on the 2-core CPU."""
+    return _buffers((), parents)
 
 
 def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:

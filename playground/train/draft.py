@@ -332,8 +332,9 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
     from ..models import load_model
 
     draft = load_model(ModelSpec(source=str(folder), device=str(target.model.device)))
+    # the draft's own chain, no sibling: a runner-up the target takes would count as the draft's token accepted
     decoder = SpeculativeDecoder(target, draft, SamplingParams(), GenerationParams(max_new_tokens=64),
-                                 SpeculativeParams(gamma=GAMMA))
+                                 SpeculativeParams(gamma=GAMMA, siblings=0))
     accepted = drafted = judged = 0
     for prompt in prompts:
         metrics = compute(generate(decoder, prompt)[1])

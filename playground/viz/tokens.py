@@ -34,10 +34,14 @@ def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, pr
 
 def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
-    plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through)."""
+    plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
+    A proposal left undecided at a position where a sibling of it was decided lost to that sibling (a
+    speculative step's runner-up beside the draft's first choice): it is dropped from the text; the step detail
+    shows it."""
     views: list[TokenView] = []
     # (position, token id) -> proposal of the current step not yet judged; siblings of a tree share a position
     pending: dict[tuple[int, int], TokenView] = {}
+    decided: set[int] = set()  # positions with a decision in the current step
     proposed_steps: set[int] = set()
     for event in events:
         if upto_step is not None and event.step > upto_step:
@@ -55,12 +59,17 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
                 views.append(view)
             view.state = decision_of(event, proposed_steps)
             view.u = event.u
+            decided.add(event.token.position)
         elif isinstance(event, (CorrectEvent, BonusEvent)):
             views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
         elif isinstance(event, CommitEvent):
-            for view in pending.values():  # proposals behind a rejection: never judged
-                view.state = "discarded"
+            for (position, _), view in pending.items():
+                if position in decided:  # a sibling that lost
+                    views.remove(view)
+                else:  # behind a rejection: never judged
+                    view.state = "discarded"
             pending.clear()
+            decided.clear()
     return views
 
 
