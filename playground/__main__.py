@@ -98,9 +98,11 @@ def algo_params(args: argparse.Namespace) -> Any:
         if not args.draft:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
-        return SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
-                                 copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
-                                 siblings=args.siblings)
+        params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
+                                   copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
+                                   siblings=args.siblings)
+        params.resolve(None, greedy=args.temperature == 0)  # refuses siblings under sampling before loading
+        return params
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
                                   verify_overhead=args.verify_overhead)
