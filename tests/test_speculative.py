@@ -14,7 +14,7 @@ from playground.config import ConfigError, GenerationParams, ModelSpec, Sampling
 from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.prompt_lookup import find_continuation
-from playground.metrics import compute
+from playground.metrics import compute, drafted_positions
 from playground.models import LoadedModel, ModelLoadError, load_model
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS
 
@@ -54,8 +54,9 @@ def test_drafting_stops_right_after_the_first_unlikely_token(target, noisy_draft
     generation = GenerationParams(max_new_tokens=64)
     lengths, outputs = {}, {}
     for confidence in (0.0, 0.6):
+        # the chain alone: a sibling's draft probability plays no part in the stop
         decoder = SpeculativeDecoder(target, noisy_draft, SamplingParams(), generation,
-                                     SpeculativeParams(gamma=5, confidence=confidence))
+                                     SpeculativeParams(gamma=5, confidence=confidence, siblings=0))
         output, trace = generate(decoder, prompt)
         drafts = [e for e in trace.events if e.KIND == "draft"]
         for draft in drafts:
@@ -79,7 +80,7 @@ def steps_by_source(trace) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     copied, drafted = [], []
     for event in trace.events:
         if event.KIND == "draft":
-            (copied if event.source else drafted).append((accepted.get(event.step, 0), len(event.tokens)))
+            (copied if event.source else drafted).append((accepted.get(event.step, 0), drafted_positions(event)))
     return copied, drafted
 
 
@@ -116,9 +117,10 @@ def test_copy_steps_keep_the_draft_cache_in_step(target) -> None:
 
 
 def test_copies_are_proposed_where_they_are_accepted_better_than_drafts(target, weak_draft) -> None:
-    """A draft that is never right loses the comparison: on a passage to repeat, copies make most proposals."""
+    """A draft that is never right loses the comparison: on a passage to repeat, copies make most proposals. (Its
+    chain alone: the weak draft's runner-up is right often enough to make a sibling worth a comparison of its own.)"""
     decoder = SpeculativeDecoder(target, weak_draft, SamplingParams(), GenerationParams(max_new_tokens=48),
-                                 SpeculativeParams(gamma=4, copy_ngram=3))
+                                 SpeculativeParams(gamma=4, copy_ngram=3, siblings=0))
     _, trace = generate(decoder, "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY)
     copied, drafted = steps_by_source(trace)
     assert len(copied) > len(drafted) and sum(a for a, _ in copied) > 10
