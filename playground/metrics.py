@@ -15,8 +15,8 @@ class Metrics:
     """tokens_per_s: generated tokens / engine wall time, prefill included, model loading excluded.
     ttft_s: engine time until the first generated token was known.
     mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
-    drafted, accepted, rejected: positions proposed, how many proposals the target accepted, and how many it
-    rejected (a sibling, another guess at a position already proposed, is not another drafted position);
+    drafted, accepted, rejected: tokens proposed, how many proposals the target accepted, and how many it
+    rejected (a speculative step's sibling, another guess beside a drafted token, is not another drafted token);
     acceptance_rate: accepted / drafted (proposals after a rejection count as drafted, never judged);
     token_acceptance: accepted / (accepted + rejected), the probability that a proposal the target judged was
     accepted: the a of the theory formula (1 - a^(g+1)) / (1 - a).
@@ -82,8 +82,9 @@ def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
 
 
 def drafted_positions(event: DraftEvent) -> int:
-    """The positions a step proposed tokens for: its chain's length, siblings beside a chain token not counted."""
-    return len({token.position for token in event.tokens})
+    """The positions a step proposed tokens for: its tokens less the siblings beside them (`DraftEvent.is_sibling`).
+    A Medusa step's judged nodes (no parents given) each count, siblings of one depth judged in turn included."""
+    return sum(not event.is_sibling(i) for i in range(len(event.tokens)))
 
 
 def mean_draft_length(trace: Trace) -> float | None:

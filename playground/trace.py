@@ -62,6 +62,13 @@ class DraftEvent:
     source: list[int] | None = None
     ngram: int | None = None
 
+    def is_sibling(self, index: int) -> bool:
+        """Whether tokens[index] is a second guess beside an earlier token for the same position (a speculative
+        step's runner-up of the draft's first token: parent 0 at index > 0) rather than the next token of the
+        chain (parent None, or node `index`: the token before it). The one rule for metrics, text and detail."""
+        parent = self.tokens[index].parent
+        return parent is not None and parent != index
+
 
 @dataclass(frozen=True, slots=True)
 class LookaheadEvent:

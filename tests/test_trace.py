@@ -8,7 +8,7 @@ import pytest
 
 from playground.config import GenerationParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, generate
-from playground.metrics import compute
+from playground.metrics import compute, drafted_positions
 from playground.trace import (SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace,
                               TraceError, TreeEvent)
 
@@ -116,3 +116,18 @@ def test_load_rejects_missing_and_binary_files(tmp_path) -> None:
     binary.write_bytes(b"\x80\x04\x95\xff\xfe")
     with pytest.raises(TraceError, match="not UTF-8"):
         Trace.load(binary)
+
+
+def test_siblings_are_told_apart_by_parent_alone() -> None:
+    """One rule (`DraftEvent.is_sibling`) serves the metrics, the coloured text and the step detail."""
+    def draft(*tokens: TokenInfo) -> DraftEvent:
+        return DraftEvent(step=1, t=0.0, tokens=list(tokens), wall_s=0.0, draft_forwards=0)
+
+    # a speculative step's chain of two with the draft's runner-up beside its first token
+    speculative = draft(TokenInfo(5, "a", 4, parent=0), TokenInfo(6, "b", 5, parent=1), TokenInfo(7, "c", 4, parent=0))
+    assert [speculative.is_sibling(i) for i in range(3)] == [False, False, True]
+    assert drafted_positions(speculative) == 2
+    # a chain written without parents (prompt lookup, lookahead)
+    assert drafted_positions(draft(TokenInfo(5, "a", 4), TokenInfo(6, "b", 5))) == 2
+    # a lossless Medusa step judges two one-hot proposals at one depth in turn: two proposals, each judged
+    assert drafted_positions(draft(TokenInfo(5, "a", 4), TokenInfo(7, "c", 4), TokenInfo(8, "d", 5))) == 3

@@ -134,9 +134,8 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
         origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
                   if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards
                   else f" by the Medusa heads{grafted} (the judged nodes)" if tree is not None else "")
-        # a chain token i has parent i (node 0 is the last committed token); a sibling of the first, parent 0
-        chain = [t.id for i, t in enumerate(draft.tokens) if t.parent in (None, i)]
-        siblings = [t.id for i, t in enumerate(draft.tokens) if i > 0 and t.parent == 0]
+        chain = [t.id for i, t in enumerate(draft.tokens) if not draft.is_sibling(i)]
+        siblings = [t.id for i, t in enumerate(draft.tokens) if draft.is_sibling(i)]
         label = "runner-up" if len(siblings) == 1 else "runners-up"
         beside = f"; beside its first token the draft's {label} {_ngram(siblings, token_text)}" if siblings else ""
         parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; "

@@ -35,23 +35,25 @@ def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, pr
 def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
-    A proposal left undecided at a position where a sibling of it was decided lost to that sibling (a
-    speculative step's runner-up beside the draft's first choice): it is dropped from the text; the step detail
-    shows it."""
+    A sibling (`DraftEvent.is_sibling`: a speculative step's runner-up beside the draft's first choice) left
+    undecided lost to the token beside it: it is dropped from the text; the step detail shows it. Any other
+    proposal left undecided stood behind a rejection."""
     views: list[TokenView] = []
-    # (position, token id) -> proposal of the current step not yet judged; siblings of a tree share a position
+    # (position, token id) -> proposal of the current step not yet judged; siblings share a position
     pending: dict[tuple[int, int], TokenView] = {}
-    decided: set[int] = set()  # positions with a decision in the current step
+    siblings: set[tuple[int, int]] = set()  # the keys in `pending` of the current step's siblings
     proposed_steps: set[int] = set()
     for event in events:
         if upto_step is not None and event.step > upto_step:
             break
         if isinstance(event, DraftEvent):
             proposed_steps.add(event.step)
-            for info in event.tokens:
+            for index, info in enumerate(event.tokens):
                 view = TokenView(info, "pending", event.step)
                 pending[info.position, info.id] = view
                 views.append(view)
+                if event.is_sibling(index):
+                    siblings.add((info.position, info.id))
         elif isinstance(event, (AcceptEvent, RejectEvent)):
             view = pending.pop((event.token.position, event.token.id), None)
             if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
@@ -59,17 +61,16 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
                 views.append(view)
             view.state = decision_of(event, proposed_steps)
             view.u = event.u
-            decided.add(event.token.position)
         elif isinstance(event, (CorrectEvent, BonusEvent)):
             views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
         elif isinstance(event, CommitEvent):
-            for (position, _), view in pending.items():
-                if position in decided:  # a sibling that lost
+            for key, view in pending.items():
+                if key in siblings:
                     views.remove(view)
-                else:  # behind a rejection: never judged
+                else:
                     view.state = "discarded"
             pending.clear()
-            decided.clear()
+            siblings.clear()
     return views
 
 
