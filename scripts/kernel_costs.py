@@ -1,11 +1,15 @@
-"""The native matrix product of this checkout against a baseline build of kernels.c (a git revision or a file), over
-every packed weight of the embedded model (or --model), and whether the two give the same bits.
+"""The native matrix product and attention of this checkout against a baseline build of kernels.c (a git revision or
+a file), over every packed weight and the attention shapes of the embedded model (or --model), and whether the two
+give the same bits.
 
-    python scripts/kernel_costs.py [--baseline HEAD|REV|FILE] [--widths 1,2,3,6,7,9,12] [--rounds 12] [--repeats 5]
+    python scripts/kernel_costs.py [--baseline HEAD|REV|FILE] [--widths 1,2,3,6,7,9,12] [--contexts 300]
+        [--rounds 12] [--repeats 5]
 
 Per row count: the median over rounds of the time of one pass over all of a forward's products (each round's time
 the median of --repeats passes) with each build, the rounds interleaving the builds since this machine's speed drifts.
-Kernel changes that keep every sum's order must show "yes" under "same bits".
+Then per row count (new tokens) and context (keys before them): the same for one forward's attention, one call per
+layer over random queries, keys and values of the model's shapes, the new tokens a causal chain as a verification
+sees them. Kernel changes that keep every sum's order must show "yes" under "same bits".
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from playground.models import load_model, native  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def widths_of_contexts(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1 or max(values) > 8192:
+        raise argparse.ArgumentTypeError(f"contexts must be integers in 1..8192, got {text!r}")
+    return values
+
+
 def baseline_source(spec: str) -> str:
     """kernels.c's text at a git revision, or a file's; raises ValueError naming what is missing."""
     if Path(spec).is_file():
@@ -50,6 +61,8 @@ def main() -> int:
     parser.add_argument("--baseline", default="HEAD", help="git revision or kernels.c file (default HEAD)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--widths", type=widths, default=widths("1,2,3,6,7,9,12"))
+    parser.add_argument("--contexts", type=widths_of_contexts, default=[300],
+                        help="keys before the new tokens in the attention timings, comma-separated")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5, help="passes over the products timed per build and round")
     args = parser.parse_args()
@@ -109,7 +122,51 @@ def main() -> int:
     for rows in args.widths:
         base, new = (statistics.median(times[b, rows]) for b in builds)
         print(f"{rows:4d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  {'yes' if same[rows] else 'NO'}")
+    attention_costs(builds, model.config, args)
     return 0
+
+
+def attention_costs(builds: dict[str, native.Kernel], cfg, args: argparse.Namespace) -> None:
+    """The attention table: one forward's calls (one per layer) per new-token count and context, each build."""
+    if not builds["current"].attends(cfg.head_dim, torch.float32, torch.device("cpu")):
+        print(f"attention: head size {cfg.head_dim} is not the native kernel's (PyTorch's attention serves it)")
+        return
+    generator = torch.Generator().manual_seed(1)
+    hkv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    cases = {}
+    for tokens in args.widths:
+        for context in args.contexts:
+            keys = context + tokens
+            visible = None
+            if tokens > 1:  # (1, T, L): the prefix, then a causal chain among the new tokens
+                visible = torch.ones(1, tokens, keys, dtype=torch.bool)
+                visible[0, :, context:] = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+            cases[tokens, context] = (torch.randn(1, hkv, group * tokens, d, generator=generator),  # (1, Hkv, G*T, D)
+                                      torch.randn(1, hkv, keys, d, generator=generator),
+                                      torch.randn(1, hkv, keys, d, generator=generator), visible)
+
+    def one_forward(build: native.Kernel, case: tuple) -> tuple[float, torch.Tensor]:
+        q, k, v, visible = case
+        start = time.perf_counter()
+        for _ in range(cfg.num_layers):
+            out = native.attention(build, q, k, v, visible, q.shape[2] // group)
+        return time.perf_counter() - start, out
+
+    times: dict[tuple[str, tuple[int, int]], list[float]] = {(b, c): [] for b in builds for c in cases}
+    same = dict.fromkeys(cases, True)
+    for _ in range(args.rounds):
+        for key, case in cases.items():
+            results = {}
+            for name, build in builds.items():
+                runs = [one_forward(build, case) for _ in range(args.repeats)]
+                times[name, key].append(statistics.median(t for t, _ in runs))
+                results[name] = runs[-1][1]
+            same[key] &= torch.equal(results["baseline"], results["current"])
+    print(f"attention, {cfg.num_layers} layers: tokens  context  baseline ms  current ms  current/baseline  same bits")
+    for key in cases:
+        base, new = (statistics.median(times[b, key]) for b in builds)
+        print(f"{key[0]:6d}  {key[1]:7d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  "
+              f"{'yes' if same[key] else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -153,13 +153,16 @@ def test_attention_matches_pytorch(kernel: native.Kernel, shape, layout: str, vi
     torch.testing.assert_close(got, reference_attention(q, keys, values, visible, new_tokens), atol=1e-5, rtol=1e-5)
 
 
-def test_a_querys_attention_depends_on_its_visible_keys_alone(kernel: native.Kernel) -> None:
+@pytest.mark.parametrize("vectors, prefix", [(1, 45), (3, 150), (4, 150), (4, 61), (8, 150)])
+def test_a_querys_attention_depends_on_its_visible_keys_alone(kernel: native.Kernel, vectors: int,
+                                                              prefix: int) -> None:
     """A tree node's result in one call with other nodes, hidden keys between its ancestors and a second sequence
     in the batch is bit-identical to its own call over the prefix, its ancestors and itself: what a plain decode
-    step would attend to after accepting that path."""
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    hkv, group, new_tokens, prefix, d = 3, 3, 11, 150, 64
+    step would attend to after accepting that path. Head sizes of 1 to 8 vectors (rows go two at a time over the
+    keys they both see in full where registers allow, else one by one), prefixes in and off the key blocks."""
+    generator = torch.Generator().manual_seed(prefix)
+    torch.manual_seed(vectors)
+    hkv, group, new_tokens, d = 3, 3, 11, vectors * kernel.vector_width
     key_len = prefix + new_tokens
     among = random_tree(new_tokens, generator)
     keys, values = torch.randn(2, hkv, key_len, d), torch.randn(2, hkv, key_len, d)
@@ -287,18 +290,21 @@ def test_kernel_costs_script_compares_builds_and_their_bits(kernel: native.Kerne
     script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_costs.py"
     baseline = tmp_path / "kernels.c"
     baseline.write_text(native.SOURCE.read_text(encoding="utf-8"), encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script), "--baseline", str(baseline), "--widths", "1,7", "--rounds",
-                           "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--baseline", str(baseline), "--widths", "1,7", "--contexts",
+                           "5,40", "--rounds", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("121 products; current kernels-")  # 30 layers x 4 products and the output projection
-    assert [line.split()[0] for line in lines[2:]] == ["1", "7"]
-    assert all(line.split()[-1] == "yes" for line in lines[2:])
+    assert [line.split()[0] for line in lines[2:4]] == ["1", "7"]
+    assert lines[4].startswith("attention, 30 layers: tokens  context")
+    assert [line.split()[:2] for line in lines[5:]] == [["1", "5"], ["1", "40"], ["7", "5"], ["7", "40"]]
+    assert all(line.split()[-1] == "yes" for line in lines[2:4] + lines[5:])
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n", encoding="utf-8")
     for flags, message in ((["--baseline", str(tmp_path / "missing.c")], "is neither a file nor a git revision"),
                            (["--baseline", str(broken)], "does not build"),
-                           (["--repeats", "0"], "--repeats must be in 1..4096, got 0")):
+                           (["--repeats", "0"], "--repeats must be in 1..4096, got 0"),
+                           (["--contexts", "0"], "contexts must be integers in 1..8192")):
         refused = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and message in refused.stderr
 

@@ -312,37 +312,79 @@ static inline vf vexp(vf x) {
     return vselect(x >= -87.0f, p * two_n, (vf){0}); /* kept where not below -87 and not NaN */
 }
 
-/* The dot products of q (nd vectors) with four keys, summed lane by lane and then over each key's lanes (see
- * `lane_sums4`); the one code path for every key's score (the last group of a block repeats a key), so a score
- * never depends on the key's position. */
-static inline void dot4(const vf *q, const vf *k0, const vf *k1, const vf *k2, const vf *k3, int nd, float *out) {
-    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int c = 0; c < nd; c++) {
-        a0 = vfma(q[c], k0[c], a0);
-        a1 = vfma(q[c], k1[c], a1);
-        a2 = vfma(q[c], k2[c], a2);
-        a3 = vfma(q[c], k3[c], a3);
-    }
-    lane_sums4(a0, a1, a2, a3, out);
+/* Lane u of the result: the sum of a[u]'s lanes, in the same tree as `lane_sums4` (lane l + lane l + VEC / 2, then
+ * half that apart, ..., then neighbours), so a key's score has the same bits as before this was vectorised. One
+ * score per lane instead of one per vector: the pairs of every level are gathered across the VEC vectors by
+ * two-source shuffles, VEC - 1 additions in all, where summing four vectors at a time and reading their sums out
+ * lane by lane had cost about 12 cycles per key and query row on an AVX-512 Xeon, most of the attention's time. */
+static inline __attribute__((always_inline)) vf key_sums(const vf *a) {
+#if VEC == 16
+    vf b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif VEC == 8
+    vf b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    float sums[4];
+    lane_sums4(a[0], a[1], a[2], a[3], sums);
+    return (vf){sums[0], sums[1], sums[2], sums[3]};
+#endif
 }
 
-/* Scaled scores of rows [0, rows) against keys [0, limit[row]): s (rows, stride). */
+/* Scaled scores of rows [0, rows) against keys [0, limit[row]): s (rows, stride), stride >= keys + VEC - 1. Each
+ * key's dot product with q (nd vectors) is summed lane by lane over q's vectors in order and then over its lanes
+ * (see `key_sums`), VEC keys at a time, every row of the task against one group of keys before the next (the
+ * keys' addresses are worked out once for the rows that see the whole block). A row's last group repeats its last
+ * key where fewer are left and writes scores past the row's end that nothing reads. The one code path for every
+ * key's score, so a score never depends on the key's position. On the AVX-512 Xeon of Benchmark run 12 this took
+ * 7.0 cycles per key and query row against 10.0 for four keys at a time summed by `lane_sums4` (8 rows, 600 keys
+ * in L2), the same bits. */
 static void attention_scores(const float *q, int rows, int d, const float *k, long key_stride, int keys,
                              const int *limit, float scale, long stride, float *s) {
     const int nd = d / VEC;
     for (int jb = 0; jb < keys; jb += KEY_BLOCK) {
         int block_end = jb + KEY_BLOCK < keys ? jb + KEY_BLOCK : keys;
-        for (int r = 0; r < rows; r++) {
-            int end = block_end < limit[r] ? block_end : limit[r];
-            const vf *qr = (const vf *)(q + (long)r * d);
-            float *sr = s + (long)r * stride;
-            for (int j = jb; j < end; j += 4) {
-                /* the last group repeats its last key where fewer than four are left */
-                const vf *kk[4];
-                for (int u = 0; u < 4; u++) kk[u] = (const vf *)(k + (j + u < end ? j + u : end - 1) * key_stride);
-                float sums[4];
-                dot4(qr, kk[0], kk[1], kk[2], kk[3], nd, sums);
-                for (int u = 0; u < 4 && j + u < end; u++) sr[j + u] = sums[u] * scale;
+        for (int j = jb; j < block_end; j += VEC) {
+            const vf *whole[VEC], *cut[VEC]; /* the group's keys up to the block's end, or up to a row's own end */
+            for (int u = 0; u < VEC; u++)
+                whole[u] = (const vf *)(k + (j + u < block_end ? j + u : block_end - 1) * key_stride);
+            for (int r = 0; r < rows; r++) {
+                int end = block_end < limit[r] ? block_end : limit[r];
+                if (j >= end) continue;
+                const vf **kk = whole;
+                if (end != block_end) {
+                    for (int u = 0; u < VEC; u++) cut[u] = (const vf *)(k + (j + u < end ? j + u : end - 1) * key_stride);
+                    kk = cut;
+                }
+                const vf *qr = (const vf *)(q + (long)r * d);
+                vf acc[VEC];
+                for (int u = 0; u < VEC; u++) acc[u] = (vf){0};
+                for (int c = 0; c < nd; c++) {
+                    vf qc = qr[c];
+#pragma GCC unroll 16
+                    for (int u = 0; u < VEC; u++) acc[u] = vfma(qc, kk[u][c], acc[u]);
+                }
+                *(vf *)(s + (long)r * stride + j) = key_sums(acc) * scale;
             }
         }
     }
@@ -351,11 +393,13 @@ static void attention_scores(const float *q, int rows, int d, const float *k, lo
 /* Softmax weights of one row over the keys it sees, in key order, in place: s[0..n) become the weights of keys
  * idx[0..n) (compacted: n <= j, so no score is overwritten before it is read), summing to 1 after the scale `*inv`.
  * Every sum runs over the visible keys' order alone, so a token's row gives the same bits whatever else shares its
- * forward and wherever hidden keys sit among the visible ones. Returns n. */
-static int softmax_row(float *s, const uint8_t *visible, int limit, int *idx, float *inv) {
+ * forward and wherever hidden keys sit among the visible ones. Returns n; *prefix: how many keys come before the
+ * first hidden one (their ranks are their indices). */
+static int softmax_row(float *s, const uint8_t *visible, int limit, int *idx, float *inv, int *prefix) {
     /* Keys [0, run) are all visible (the prefix, usually most of them): already in place, no test per key. */
     const uint8_t *hidden = visible ? memchr(visible, 0, (size_t)limit) : NULL;
     int run = hidden ? (int)(hidden - visible) : limit;
+    *prefix = run;
     vf tops = (vf){0} - INFINITY;
     int n = 0;
     for (; n + VEC <= run; n += VEC) {
@@ -424,34 +468,104 @@ static inline __attribute__((always_inline)) int values_block(const float *v, lo
     return i;
 }
 
+/* Rows a and b's ranks [i, end), keys whose rank is their index (both rows see every key before them): each V row
+ * loaded once for both, each row's two accumulators taking alternate ranks as in `values_block`, so the sums are
+ * the same. Where registers allow (see `attention_values`): on the AVX-512 Xeon of Benchmark run 12 one row at a
+ * time had cost 6 cycles per key and query row. */
+static inline __attribute__((always_inline)) int values_pair(const float *v, long key_stride, const float *wa,
+                                                             const float *wb, int i, int end, vf *acc_a, vf *acc_b,
+                                                             const int nd) {
+    vf even_a[MAX_ND], odd_a[MAX_ND], even_b[MAX_ND], odd_b[MAX_ND];
+    for (int c = 0; c < nd; c++) {
+        even_a[c] = acc_a[c];
+        odd_a[c] = acc_a[MAX_ND + c];
+        even_b[c] = acc_b[c];
+        odd_b[c] = acc_b[MAX_ND + c];
+    }
+    if (i < end && (i & 1)) {
+        const vf *vj = (const vf *)(v + i * key_stride);
+        vf xa = splat(wa[i]), xb = splat(wb[i]);
+        for (int c = 0; c < nd; c++) {
+            odd_a[c] = vfma(xa, vj[c], odd_a[c]);
+            odd_b[c] = vfma(xb, vj[c], odd_b[c]);
+        }
+        i++;
+    }
+    for (; i + 1 < end; i += 2) {
+        const vf *v0 = (const vf *)(v + i * key_stride), *v1 = (const vf *)(v + (i + 1) * key_stride);
+        vf a0 = splat(wa[i]), a1 = splat(wa[i + 1]), b0 = splat(wb[i]), b1 = splat(wb[i + 1]);
+        for (int c = 0; c < nd; c++) {
+            vf x0 = v0[c], x1 = v1[c];
+            even_a[c] = vfma(a0, x0, even_a[c]);
+            odd_a[c] = vfma(a1, x1, odd_a[c]);
+            even_b[c] = vfma(b0, x0, even_b[c]);
+            odd_b[c] = vfma(b1, x1, odd_b[c]);
+        }
+    }
+    if (i < end) {
+        const vf *vj = (const vf *)(v + i * key_stride);
+        vf xa = splat(wa[i]), xb = splat(wb[i]);
+        for (int c = 0; c < nd; c++) {
+            even_a[c] = vfma(xa, vj[c], even_a[c]);
+            even_b[c] = vfma(xb, vj[c], even_b[c]);
+        }
+        i++;
+    }
+    for (int c = 0; c < nd; c++) {
+        acc_a[c] = even_a[c];
+        acc_a[MAX_ND + c] = odd_a[c];
+        acc_b[c] = even_b[c];
+        acc_b[MAX_ND + c] = odd_b[c];
+    }
+    return i;
+}
+
 /* out[r] = sum over row r's visible keys of w * V, blocked over keys so that a block of V serves every row from
  * L1. Each accumulator adds its keys in key order, so the sum depends on the visible keys alone. */
 static void attention_values(int rows, int d, const float *v, long key_stride, int keys, const float *w,
-                             const int *idx, const int *count, const float *inv, long stride, float *out) {
+                             const int *idx, const int *count, const int *prefix, const float *inv, long stride,
+                             float *out) {
     const int nd = d / VEC;
-    vf acc[ROW_CHUNK][2][MAX_ND];
+    /* Two rows at a time hold four accumulators of nd vectors and two V rows in registers: 6 nd + 4 of the 32
+     * AVX-512 registers (nd 4: head size 64); with fewer registers they would spill, and each row goes alone. */
+    const int pairs = VEC == 16 && nd <= 4;
+    vf acc[ROW_CHUNK][2 * MAX_ND];
     int next[ROW_CHUNK];
     for (int r = 0; r < rows; r++) {
         next[r] = 0;
-        for (int c = 0; c < nd; c++) acc[r][0][c] = acc[r][1][c] = (vf){0};
+        for (int c = 0; c < 2 * MAX_ND; c++) acc[r][c] = (vf){0};
     }
     for (int jb = 0; jb < keys; jb += KEY_BLOCK) {
+        int block_end = jb + KEY_BLOCK;
+        for (int r = 0; pairs && r + 1 < rows; r += 2) {
+            /* the ranks both rows reach in this block that are their keys' indices */
+            int shared = prefix[r] < prefix[r + 1] ? prefix[r] : prefix[r + 1];
+            int end = shared < block_end ? shared : block_end;
+            if (next[r] != next[r + 1] || next[r] >= end) continue;
+            const float *wa = w + (long)r * stride, *wb = w + (long)(r + 1) * stride;
+#define PAIR_CASE(k) \
+    case k: next[r] = next[r + 1] = values_pair(v, key_stride, wa, wb, next[r], end, acc[r], acc[r + 1], k); break;
+            switch (nd) {
+                PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
+            }
+        }
         for (int r = 0; r < rows; r++) {
             const float *wr = w + (long)r * stride;
             const int *ir = idx + (long)r * stride;
 #define VALUES_CASE(k) \
     case k: \
-        next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0], acc[r][1], k); \
+        next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], block_end, acc[r], acc[r] + MAX_ND, k); \
         break;
             switch (nd) {
                 VALUES_CASE(4) VALUES_CASE(8)
-                default: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], jb + KEY_BLOCK, acc[r][0],
-                                                acc[r][1], nd); break;
+                default: next[r] = values_block(v, key_stride, wr, ir, next[r], count[r], block_end, acc[r],
+                                                acc[r] + MAX_ND, nd); break;
             }
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < nd; c++) ((vf *)(out + (long)r * d))[c] = (acc[r][0][c] + acc[r][1][c]) * inv[r];
+        for (int c = 0; c < nd; c++)
+            ((vf *)(out + (long)r * d))[c] = (acc[r][c] + acc[r][MAX_ND + c]) * inv[r];
 }
 
 /* Attention of the new tokens' queries over the cached keys, for the CPU forward in float32.
@@ -475,7 +589,7 @@ void playground_attention(const float *q, const float *k, const float *v, const 
         float *s = malloc(sizeof(float) * ROW_CHUNK * stride); /* scores, then the softmax weights in place */
         int *idx = malloc(sizeof(int) * ROW_CHUNK * stride);
         const uint8_t *seen[ROW_CHUNK];
-        int limit[ROW_CHUNK], count[ROW_CHUNK];
+        int limit[ROW_CHUNK], count[ROW_CHUNK], prefix[ROW_CHUNK];
         float inv[ROW_CHUNK];
         /* Each thread takes an equal share of the rows, in chunks of up to ROW_CHUNK within one (batch, kv head).
          * Chunks per head, dealt out whole, left one thread with 34 of 54 rows in a 6-token forward of 3 KV heads
@@ -497,8 +611,9 @@ void playground_attention(const float *q, const float *k, const float *v, const 
             }
             attention_scores(qt, n, d, kh, key_stride, keys, limit, scale, stride, s);
             for (int r = 0; r < n; r++)
-                count[r] = softmax_row(s + r * stride, seen[r], limit[r], idx + r * stride, &inv[r]);
-            attention_values(n, d, vh, key_stride, keys, s, idx, count, inv, stride, out + (bh * rows + r0) * d);
+                count[r] = softmax_row(s + r * stride, seen[r], limit[r], idx + r * stride, &inv[r], &prefix[r]);
+            attention_values(n, d, vh, key_stride, keys, s, idx, count, prefix, inv, stride,
+                             out + (bh * rows + r0) * d);
             at += n;
         }
         free(s);
