@@ -47,7 +47,7 @@ def compute(trace: Trace) -> Metrics:
     first_token = next((e.t for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))), None)
     prefills = sum(1 for e in trace.events if isinstance(e, PrefillEvent))
     verify_forwards = sum(e.target_forwards for e in trace.events if isinstance(e, VerifyEvent))
-    drafted = sum(drafted_positions(e) for e in trace.events if isinstance(e, DraftEvent))
+    drafted = sum(drafted_count(e) for e in trace.events if isinstance(e, DraftEvent))
     accepted = sum(1 for e in trace.events if isinstance(e, AcceptEvent))
     rejected = sum(1 for e in trace.events if isinstance(e, RejectEvent))
     kv_bytes = next((e.kv_bytes if isinstance(e, CommitEvent) else e.bytes_used for e in reversed(trace.events)
@@ -81,12 +81,13 @@ def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
-def drafted_positions(event: DraftEvent) -> int:
-    """The positions a step proposed tokens for: its tokens less the siblings beside them (`DraftEvent.is_sibling`).
-    A Medusa step's judged nodes (no parents given) each count, siblings of one depth judged in turn included."""
+def drafted_count(event: DraftEvent) -> int:
+    """How many tokens a step drafted: its tokens less the siblings beside them (`DraftEvent.is_sibling`), so a
+    speculative step counts its chain. A Medusa step's judged nodes (no parents given) each count, nodes of one depth
+    judged in turn included."""
     return sum(not event.is_sibling(i) for i in range(len(event.tokens)))
 
 
 def mean_draft_length(trace: Trace) -> float | None:
-    drafts = [drafted_positions(e) for e in trace.events if isinstance(e, DraftEvent)]
+    drafts = [drafted_count(e) for e in trace.events if isinstance(e, DraftEvent)]
     return sum(drafts) / len(drafts) if drafts else None

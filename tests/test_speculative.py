@@ -14,7 +14,7 @@ from playground.config import ConfigError, GenerationParams, ModelSpec, Sampling
 from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.prompt_lookup import find_continuation
-from playground.metrics import compute, drafted_positions
+from playground.metrics import compute, drafted_count
 from playground.models import LoadedModel, ModelLoadError, load_model
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS
 
@@ -80,7 +80,7 @@ def steps_by_source(trace) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     copied, drafted = [], []
     for event in trace.events:
         if event.KIND == "draft":
-            (copied if event.source else drafted).append((accepted.get(event.step, 0), drafted_positions(event)))
+            (copied if event.source else drafted).append((accepted.get(event.step, 0), drafted_count(event)))
     return copied, drafted
 
 

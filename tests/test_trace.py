@@ -8,7 +8,7 @@ import pytest
 
 from playground.config import GenerationParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, generate
-from playground.metrics import compute, drafted_positions
+from playground.metrics import compute, drafted_count
 from playground.trace import (SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace,
                               TraceError, TreeEvent)
 
@@ -126,8 +126,8 @@ def test_siblings_are_told_apart_by_parent_alone() -> None:
     # a speculative step's chain of two with the draft's runner-up beside its first token
     speculative = draft(TokenInfo(5, "a", 4, parent=0), TokenInfo(6, "b", 5, parent=1), TokenInfo(7, "c", 4, parent=0))
     assert [speculative.is_sibling(i) for i in range(3)] == [False, False, True]
-    assert drafted_positions(speculative) == 2
+    assert drafted_count(speculative) == 2
     # a chain written without parents (prompt lookup, lookahead)
-    assert drafted_positions(draft(TokenInfo(5, "a", 4), TokenInfo(6, "b", 5))) == 2
+    assert drafted_count(draft(TokenInfo(5, "a", 4), TokenInfo(6, "b", 5))) == 2
     # a lossless Medusa step judges two one-hot proposals at one depth in turn: two proposals, each judged
-    assert drafted_positions(draft(TokenInfo(5, "a", 4), TokenInfo(7, "c", 4), TokenInfo(8, "d", 5))) == 3
+    assert drafted_count(draft(TokenInfo(5, "a", 4), TokenInfo(7, "c", 4), TokenInfo(8, "d", 5))) == 3
