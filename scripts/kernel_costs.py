@@ -34,7 +34,7 @@ from playground.models import load_model, native  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def widths_of_contexts(text: str) -> list[int]:
+def contexts(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part.strip()]
     if not values or min(values) < 1 or max(values) > 8192:
         raise argparse.ArgumentTypeError(f"contexts must be integers in 1..8192, got {text!r}")
@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--baseline", default="HEAD", help="git revision or kernels.c file (default HEAD)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--widths", type=widths, default=widths("1,2,3,6,7,9,12"))
-    parser.add_argument("--contexts", type=widths_of_contexts, default=[300],
+    parser.add_argument("--contexts", type=contexts, default=[300],
                         help="keys before the new tokens in the attention timings, comma-separated")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5, help="passes over the products timed per build and round")
@@ -99,7 +99,7 @@ def main() -> int:
               for w in args.widths for p in panels}
 
     def one_pass(build: native.Kernel, rows: int) -> tuple[float, list[torch.Tensor]]:
-        outputs = []
+        outputs = []  # one (N, out) per product
         start = time.perf_counter()
         for p in panels:
             y = torch.empty(rows, p.out)  # (N, out)
@@ -108,22 +108,28 @@ def main() -> int:
             outputs.append(y)
         return time.perf_counter() - start, outputs
 
-    times: dict[tuple[str, int], list[float]] = {(b, w): [] for b in builds for w in args.widths}
-    same = dict.fromkeys(args.widths, True)
-    for _ in range(args.rounds):
-        for rows in args.widths:
-            results = {}
-            for name, build in builds.items():
-                passes = [one_pass(build, rows) for _ in range(args.repeats)]
-                times[name, rows].append(statistics.median(t for t, _ in passes))
-                results[name] = passes[-1][1]
-            same[rows] &= all(torch.equal(a, b) for a, b in zip(results["baseline"], results["current"]))
     print("rows  baseline ms  current ms  current/baseline  same bits")
-    for rows in args.widths:
-        base, new = (statistics.median(times[b, rows]) for b in builds)
-        print(f"{rows:4d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  {'yes' if same[rows] else 'NO'}")
+    for rows, (base, new, same) in interleaved(builds, args.widths, one_pass, args).items():
+        print(f"{rows:4d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  {'yes' if same else 'NO'}")
     attention_costs(builds, model.config, args)
     return 0
+
+
+def interleaved(builds: dict[str, native.Kernel], cases: list, run, args: argparse.Namespace) -> dict:
+    """case -> (baseline s, current s, same bits): the median over --rounds of each round's median of --repeats
+    runs, the builds taking turns on each case within a round; run(build, case) -> (seconds, list of outputs)."""
+    times: dict[tuple[str, object], list[float]] = {(b, c): [] for b in builds for c in cases}
+    same = dict.fromkeys(cases, True)
+    for _ in range(args.rounds):
+        for case in cases:
+            results = {}
+            for name, build in builds.items():
+                runs = [run(build, case) for _ in range(args.repeats)]
+                times[name, case].append(statistics.median(t for t, _ in runs))
+                results[name] = runs[-1][1]
+            same[case] &= all(torch.equal(a, b) for a, b in zip(results["baseline"], results["current"]))
+    return {case: (statistics.median(times["baseline", case]), statistics.median(times["current", case]), same[case])
+            for case in cases}
 
 
 def attention_costs(builds: dict[str, native.Kernel], cfg, args: argparse.Namespace) -> None:
@@ -145,28 +151,17 @@ def attention_costs(builds: dict[str, native.Kernel], cfg, args: argparse.Namesp
                                       torch.randn(1, hkv, keys, d, generator=generator),
                                       torch.randn(1, hkv, keys, d, generator=generator), visible)
 
-    def one_forward(build: native.Kernel, case: tuple) -> tuple[float, torch.Tensor]:
-        q, k, v, visible = case
+    def one_forward(build: native.Kernel, key: tuple[int, int]) -> tuple[float, list[torch.Tensor]]:
+        q, k, v, visible = cases[key]
         start = time.perf_counter()
         for _ in range(cfg.num_layers):
             out = native.attention(build, q, k, v, visible, q.shape[2] // group)
-        return time.perf_counter() - start, out
+        return time.perf_counter() - start, [out]
 
-    times: dict[tuple[str, tuple[int, int]], list[float]] = {(b, c): [] for b in builds for c in cases}
-    same = dict.fromkeys(cases, True)
-    for _ in range(args.rounds):
-        for key, case in cases.items():
-            results = {}
-            for name, build in builds.items():
-                runs = [one_forward(build, case) for _ in range(args.repeats)]
-                times[name, key].append(statistics.median(t for t, _ in runs))
-                results[name] = runs[-1][1]
-            same[key] &= torch.equal(results["baseline"], results["current"])
     print(f"attention, {cfg.num_layers} layers: tokens  context  baseline ms  current ms  current/baseline  same bits")
-    for key in cases:
-        base, new = (statistics.median(times[b, key]) for b in builds)
+    for key, (base, new, same) in interleaved(builds, list(cases), one_forward, args).items():
         print(f"{key[0]:6d}  {key[1]:7d}  {base * 1e3:11.2f}  {new * 1e3:10.2f}  {new / base:16.3f}  "
-              f"{'yes' if same[key] else 'NO'}")
+              f"{'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":
