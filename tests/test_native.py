@@ -153,19 +153,23 @@ def test_attention_matches_pytorch(kernel: native.Kernel, shape, layout: str, vi
     torch.testing.assert_close(got, reference_attention(q, keys, values, visible, new_tokens), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("vectors, prefix", [(1, 45), (3, 150), (4, 150), (4, 61), (8, 150)])
-def test_a_querys_attention_depends_on_its_visible_keys_alone(kernel: native.Kernel, vectors: int,
-                                                              prefix: int) -> None:
+@pytest.mark.parametrize("vectors, prefix, padded", [(1, 45, False), (3, 150, False), (4, 150, False),
+                                                     (4, 61, False), (8, 150, False), (4, 150, True)])
+def test_a_querys_attention_depends_on_its_visible_keys_alone(kernel: native.Kernel, vectors: int, prefix: int,
+                                                              padded: bool) -> None:
     """A tree node's result in one call with other nodes, hidden keys between its ancestors and a second sequence
     in the batch is bit-identical to its own call over the prefix, its ancestors and itself: what a plain decode
     step would attend to after accepting that path. Head sizes of 1 to 8 vectors (rows go two at a time over the
-    keys they both see in full where registers allow, else one by one), prefixes in and off the key blocks."""
+    keys they both see in full where registers allow, else one by one), prefixes in and off the key blocks; padded:
+    the call's keys lie further apart than a head (as in a wider cache row), so its scores read every key through a
+    pointer where the calls alone read whole groups of keys in place."""
     generator = torch.Generator().manual_seed(prefix)
     torch.manual_seed(vectors)
     hkv, group, new_tokens, d = 3, 3, 11, vectors * kernel.vector_width
     key_len = prefix + new_tokens
     among = random_tree(new_tokens, generator)
-    keys, values = torch.randn(2, hkv, key_len, d), torch.randn(2, hkv, key_len, d)
+    width = d + kernel.vector_width if padded else d
+    keys, values = torch.randn(2, hkv, key_len, width)[..., :d], torch.randn(2, hkv, key_len, width)[..., :d]
     q = torch.randn(2, hkv, group * new_tokens, d)
     visible = torch.ones(2, new_tokens, key_len, dtype=torch.bool)
     visible[0, :, prefix:] = among

@@ -177,10 +177,18 @@ static void rows(const float *x, long in, const float *panel, float *y, long out
     }
 }
 
-/* x (n, in) and y (n, out) row-major and contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a
- * contiguous run of panels, so it streams its own part of the weights once, a group of G panels at a time, with
- * every pass of rows over the group before the next group (see `plan`). */
-void playground_gemm(const float *x, int n, int in, const float *packed, int out, float *y, int threads) {
+/* Rows [first, end) of a thread's share t of nt: row-wise work (norms, RoPE, SiLU, residual adds) split between the
+ * threads of a parallel region. Each row's arithmetic is the same whichever thread does it. */
+static inline void row_share(long n, int t, int nt, long *first, long *end) {
+    *first = n * t / nt;
+    *end = n * (t + 1) / nt;
+}
+
+/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
+ * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
+ * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
+ * next group (see `plan`). */
+static void gemm_share(const float *x, int n, int in, const float *packed, int out, float *y, int t, int nt) {
     if (n <= 0) return;
     long panels = (out + PANEL - 1) / PANEL;
     uintptr_t row_bytes = PANEL * sizeof(float), panel_bytes = (uintptr_t)in * row_bytes;
@@ -193,30 +201,32 @@ void playground_gemm(const float *x, int n, int in, const float *packed, int out
     uintptr_t share = G * panel_bytes / passes;
     uintptr_t stride = passes == 1 ? panel_bytes : share / G;
     uintptr_t step = passes == 1 ? row_bytes : (stride + in - 1) / in;
-#pragma omp parallel num_threads(threads)
-    {
-        long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long begin = panels * t / nt, end = panels * (t + 1) / nt;
-        for (long p0 = begin; p0 < end; p0 += G) {
-            long count = end - p0 < G ? end - p0 : G;
-            const float *group = packed + p0 * (long)in * PANEL;
-            int cols = out - (p0 + count - 1) * PANEL < PANEL ? (int)(out - (p0 + count - 1) * PANEL) : PANEL;
-            uintptr_t next = (uintptr_t)group + G * panel_bytes;
-            for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
-                int nb = n - i0 < chunk ? n - i0 : chunk;
-                const float *xr = x + (long)i0 * in;
-                float *yr = y + (long)i0 * out + p0 * PANEL;
-                uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
-                if (count == G) {
-                    rows(xr, in, group, yr, out, nb, G, cols, fetch, stride, step);
-                } else { /* a thread's last panels, fewer than a group */
-                    for (long g = 0; g < count; g++)
-                        rows(xr, in, group + g * in * PANEL, yr + g * PANEL, out, nb, 1,
-                             g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
-                }
+    long begin, end;
+    row_share(panels, t, nt, &begin, &end);
+    for (long p0 = begin; p0 < end; p0 += G) {
+        long count = end - p0 < G ? end - p0 : G;
+        const float *group = packed + p0 * (long)in * PANEL;
+        int cols = out - (p0 + count - 1) * PANEL < PANEL ? (int)(out - (p0 + count - 1) * PANEL) : PANEL;
+        uintptr_t next = (uintptr_t)group + G * panel_bytes;
+        for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
+            int nb = n - i0 < chunk ? n - i0 : chunk;
+            const float *xr = x + (long)i0 * in;
+            float *yr = y + (long)i0 * out + p0 * PANEL;
+            uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
+            if (count == G) {
+                rows(xr, in, group, yr, out, nb, G, cols, fetch, stride, step);
+            } else { /* a thread's last panels, fewer than a group */
+                for (long g = 0; g < count; g++)
+                    rows(xr, in, group + g * in * PANEL, yr + g * PANEL, out, nb, 1,
+                         g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
             }
         }
     }
+}
+
+void playground_gemm(const float *x, int n, int in, const float *packed, int out, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    gemm_share(x, n, in, packed, out, y, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* ---- RMSNorm ----
@@ -224,8 +234,8 @@ void playground_gemm(const float *x, int n, int in, const float *packed, int out
  * a fixed order over its own values (one accumulator per lane, then the lanes in order), so a token's result does
  * not depend on the other rows. Why here: PyTorch's CPU rms_norm is a chain of small kernels (pow, mean, add,
  * rsqrt, two products), about 30 us a call inside a forward, 61 calls per SmolLM2 forward. */
-void playground_rms_norm(const float *x, const float *w, float *y, int n, int d, float eps) {
-    for (long i = 0; i < n; i++) {
+static void rms_norm_rows(const float *x, const float *w, float *y, long first, long end, int d, float eps) {
+    for (long i = first; i < end; i++) {
         const float *xr = x + i * d;
         float *yr = y + i * d;
         vf acc = {0};
@@ -238,6 +248,10 @@ void playground_rms_norm(const float *x, const float *w, float *y, int n, int d,
         float r = 1.0f / sqrtf(sum / (float)d + eps);
         for (int k = 0; k < d; k += VEC) *(vf *)(yr + k) = *(const vf *)(xr + k) * r * *(const vf *)(w + k);
     }
+}
+
+void playground_rms_norm(const float *x, const float *w, float *y, int n, int d, float eps) {
+    rms_norm_rows(x, w, y, 0, n, d, eps);
 }
 
 /* ---- Attention ----
@@ -355,13 +369,20 @@ static inline __attribute__((always_inline)) vf key_sums(const vf *a) {
  * key's dot product with q (nd vectors) is summed lane by lane over q's vectors in order and then over its lanes
  * (see `key_sums`), VEC keys at a time, every row of the task against one group of keys before the next (the
  * keys' addresses are worked out once for the rows that see the whole block). A row's last group repeats its last
- * key where fewer are left and writes scores past the row's end that nothing reads. The one code path for every
- * key's score, so a score never depends on the key's position. On the AVX-512 Xeon of Benchmark run 12 this took
+ * key where fewer are left and writes scores past the row's end that nothing reads. Every key's score takes the
+ * same FMAs in the same order and the same lane tree, whether its group reads the keys in place or through
+ * pointers, so a score never depends on the key's position. On the AVX-512 Xeon of Benchmark run 12 this took
  * 7.0 cycles per key and query row against 10.0 for four keys at a time summed by `lane_sums4` (8 rows, 600 keys
  * in L2), the same bits. */
-static void attention_scores(const float *q, int rows, int d, const float *k, long key_stride, int keys,
-                             const int *limit, float scale, long stride, float *s) {
-    const int nd = d / VEC;
+static inline __attribute__((always_inline)) void scores_nd(const float *q, int rows, const float *k,
+                                                            long key_stride, int keys, const int *limit, float scale,
+                                                            long stride, float *s, const int nd) {
+    const int d = nd * VEC;
+    /* Keys one after another (the layer stack's cache, a contiguous K): a whole group's keys lie at constant
+     * offsets from its first, which the FMAs read in place. Through 16 pointers, most of them spilled to the stack
+     * and reloaded before each FMA, a score had cost about 12 cycles per key and query row in an 11-token forward
+     * at 250 keys (perf samples, AVX-512 Xeon), in place about 9.6. */
+    const int packed = key_stride == d;
     for (int jb = 0; jb < keys; jb += KEY_BLOCK) {
         int block_end = jb + KEY_BLOCK < keys ? jb + KEY_BLOCK : keys;
         for (int j = jb; j < block_end; j += VEC) {
@@ -371,22 +392,42 @@ static void attention_scores(const float *q, int rows, int d, const float *k, lo
             for (int r = 0; r < rows; r++) {
                 int end = block_end < limit[r] ? block_end : limit[r];
                 if (j >= end) continue;
-                const vf **kk = whole;
-                if (end != block_end) {
-                    for (int u = 0; u < VEC; u++) cut[u] = (const vf *)(k + (j + u < end ? j + u : end - 1) * key_stride);
-                    kk = cut;
-                }
                 const vf *qr = (const vf *)(q + (long)r * d);
                 vf acc[VEC];
                 for (int u = 0; u < VEC; u++) acc[u] = (vf){0};
-                for (int c = 0; c < nd; c++) {
-                    vf qc = qr[c];
+                if (packed && j + VEC <= end) {
+                    const float *kj = k + j * key_stride;
 #pragma GCC unroll 16
-                    for (int u = 0; u < VEC; u++) acc[u] = vfma(qc, kk[u][c], acc[u]);
+                    for (int c = 0; c < nd; c++) {
+                        vf qc = qr[c];
+#pragma GCC unroll 16
+                        for (int u = 0; u < VEC; u++) acc[u] = vfma(qc, ((const vf *)(kj + (long)u * d))[c], acc[u]);
+                    }
+                } else {
+                    const vf **kk = whole;
+                    if (end != block_end) {
+                        for (int u = 0; u < VEC; u++)
+                            cut[u] = (const vf *)(k + (j + u < end ? j + u : end - 1) * key_stride);
+                        kk = cut;
+                    }
+                    for (int c = 0; c < nd; c++) {
+                        vf qc = qr[c];
+#pragma GCC unroll 16
+                        for (int u = 0; u < VEC; u++) acc[u] = vfma(qc, kk[u][c], acc[u]);
+                    }
                 }
                 *(vf *)(s + (long)r * stride + j) = key_sums(acc) * scale;
             }
         }
+    }
+}
+
+static void attention_scores(const float *q, int rows, int d, const float *k, long key_stride, int keys,
+                             const int *limit, float scale, long stride, float *s) {
+    switch (d / VEC) { /* the common head sizes with nd a constant: 64 and 128 with AVX-512 */
+        case 4: scores_nd(q, rows, k, key_stride, keys, limit, scale, stride, s, 4); break;
+        case 8: scores_nd(q, rows, k, key_stride, keys, limit, scale, stride, s, 8); break;
+        default: scores_nd(q, rows, k, key_stride, keys, limit, scale, stride, s, d / VEC); break;
     }
 }
 
@@ -568,6 +609,42 @@ static void attention_values(int rows, int d, const float *v, long key_stride, i
             ((vf *)(out + (long)r * d))[c] = (acc[r][c] + acc[r][MAX_ND + c]) * inv[r];
 }
 
+/* Thread t of nt's share of the attention, inside a parallel region; s and idx: ROW_CHUNK * (keys + VEC) each, the
+ * thread's own scratch. */
+static void attention_share(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
+                            int batch, int kv_heads, int rows, int new_tokens, int keys, int d, long batch_stride,
+                            long head_stride, long key_stride, float scale, int t, int nt, float *s, int *idx) {
+    long total = (long)batch * kv_heads * rows; /* query rows of every (batch, kv head), one after another */
+    long stride = keys + VEC; /* per-row scratch length: padded to whole vectors */
+    const uint8_t *seen[ROW_CHUNK];
+    int limit[ROW_CHUNK], count[ROW_CHUNK], prefix[ROW_CHUNK];
+    float inv[ROW_CHUNK];
+    /* Each thread takes an equal share of the rows, in chunks of up to ROW_CHUNK within one (batch, kv head).
+     * Chunks per head, dealt out whole, left one thread with 34 of 54 rows in a 6-token forward of 3 KV heads
+     * (chunks 8, 8, 2 per head): the other waited. A row's result does not depend on its chunk. */
+    long first, end;
+    row_share(total, t, nt, &first, &end);
+    for (long at = first; at < end;) {
+        long bh = at / rows, r0 = at % rows, b = bh / kv_heads, h = bh % kv_heads;
+        long left = (rows - r0 < end - at ? rows - r0 : end - at);
+        int n = left < ROW_CHUNK ? (int)left : ROW_CHUNK;
+        const float *kh = k + b * batch_stride + h * head_stride, *vh = v + b * batch_stride + h * head_stride;
+        const float *qt = q + (bh * rows + r0) * d;
+        for (int r = 0; r < n; r++) {
+            seen[r] = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
+            int last = keys;
+            if (seen[r])
+                while (last > 0 && !seen[r][last - 1]) last--;
+            limit[r] = last;
+        }
+        attention_scores(qt, n, d, kh, key_stride, keys, limit, scale, stride, s);
+        for (int r = 0; r < n; r++)
+            count[r] = softmax_row(s + r * stride, seen[r], limit[r], idx + r * stride, &inv[r], &prefix[r]);
+        attention_values(n, d, vh, key_stride, keys, s, idx, count, prefix, inv, stride, out + (bh * rows + r0) * d);
+        at += n;
+    }
+}
+
 /* Attention of the new tokens' queries over the cached keys, for the CPU forward in float32.
  *
  * q, out (batch, kv_heads, rows, d) contiguous, rows = group * new_tokens, row r belonging to new token
@@ -582,40 +659,12 @@ static void attention_values(int rows, int d, const float *v, long key_stride, i
 void playground_attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
                           int batch, int kv_heads, int rows, int new_tokens, int keys, int d, long batch_stride,
                           long head_stride, long key_stride, float scale, int threads) {
-    long total = (long)batch * kv_heads * rows; /* query rows of every (batch, kv head), one after another */
-    long stride = keys + VEC; /* per-row scratch length: padded to whole vectors */
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * ROW_CHUNK * stride); /* scores, then the softmax weights in place */
-        int *idx = malloc(sizeof(int) * ROW_CHUNK * stride);
-        const uint8_t *seen[ROW_CHUNK];
-        int limit[ROW_CHUNK], count[ROW_CHUNK], prefix[ROW_CHUNK];
-        float inv[ROW_CHUNK];
-        /* Each thread takes an equal share of the rows, in chunks of up to ROW_CHUNK within one (batch, kv head).
-         * Chunks per head, dealt out whole, left one thread with 34 of 54 rows in a 6-token forward of 3 KV heads
-         * (chunks 8, 8, 2 per head): the other waited. A row's result does not depend on its chunk. */
-        long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long first = total * t / nt, end = total * (t + 1) / nt;
-        for (long at = first; at < end;) {
-            long bh = at / rows, r0 = at % rows, b = bh / kv_heads, h = bh % kv_heads;
-            long left = (rows - r0 < end - at ? rows - r0 : end - at);
-            int n = left < ROW_CHUNK ? (int)left : ROW_CHUNK;
-            const float *kh = k + b * batch_stride + h * head_stride, *vh = v + b * batch_stride + h * head_stride;
-            const float *qt = q + (bh * rows + r0) * d;
-            for (int r = 0; r < n; r++) {
-                seen[r] = visible ? visible + (b * new_tokens + (r0 + r) % new_tokens) * keys : NULL;
-                int last = keys;
-                if (seen[r])
-                    while (last > 0 && !seen[r][last - 1]) last--;
-                limit[r] = last;
-            }
-            attention_scores(qt, n, d, kh, key_stride, keys, limit, scale, stride, s);
-            for (int r = 0; r < n; r++)
-                count[r] = softmax_row(s + r * stride, seen[r], limit[r], idx + r * stride, &inv[r], &prefix[r]);
-            attention_values(n, d, vh, key_stride, keys, s, idx, count, prefix, inv, stride,
-                             out + (bh * rows + r0) * d);
-            at += n;
-        }
+        float *s = malloc(sizeof(float) * ROW_CHUNK * (keys + VEC)); /* scores, then the softmax weights in place */
+        int *idx = malloc(sizeof(int) * ROW_CHUNK * (keys + VEC));
+        attention_share(q, k, v, visible, out, batch, kv_heads, rows, new_tokens, keys, d, batch_stride, head_stride,
+                        key_stride, scale, omp_get_thread_num(), omp_get_num_threads(), s, idx);
         free(s);
         free(idx);
     }
@@ -695,20 +744,25 @@ void playground_row_top(const float *x, int rows, int cols, long stride, int32_t
 /* ---- Decoder layer halves ----
  * Each half of a Llama decoder layer in one call instead of a dozen PyTorch ops: on a 2-core CPU the Python and
  * dispatch time between the kernels above was a fifth to a third of a one-token forward. Everything around the
- * matrix products is elementwise or row by row, so a token's result still depends on its own row alone. */
+ * matrix products is elementwise or row by row, so a token's result still depends on its own row alone. The
+ * halves run inside one parallel region (`*_share`): each thread takes its share of the products and of the
+ * token rows, with barriers where a step needs every row of the step before. Run by one thread, the row-wise
+ * steps (norms, RoPE, SiLU, residual adds, cache writes) of an 11-token forward had cost about 1.5 ms of its 30
+ * (0.5 for one token) while the other thread waited. */
 
-/* y (n, d) = x + y, as PyTorch's add rounds it. */
+/* y (count,) = x + y, as PyTorch's add rounds it. */
 static void add_rows(const float *x, float *y, long count) {
     for (long i = 0; i < count; i++) y[i] = x[i] + y[i];
 }
 
-/* RoPE in place on heads [0, heads) of each row of qkv (n, stride): h * cos + roll(h, D/2) * sin_signed, cos and
- * sin_signed (n, D). Each product and the sum are rounded apart (nothing is contracted in this file), as apply_rope's
- * three PyTorch ops round them, so the bits equal PyTorch's. */
-static void rope_rows(float *qkv, int n, long stride, int heads, int d, const float *cos, const float *sin) {
+/* RoPE in place on heads [0, heads) of rows [first, end) of qkv (n, stride): h * cos + roll(h, D/2) * sin_signed,
+ * cos and sin_signed (n, D). Each product and the sum are rounded apart (nothing is contracted in this file), as
+ * apply_rope's three PyTorch ops round them, so the bits equal PyTorch's. */
+static void rope_rows(float *qkv, long first, long end, long stride, int heads, int d, const float *cos,
+                      const float *sin) {
     int half = d / 2;
     float head[MAX_ND * VEC];
-    for (long i = 0; i < n; i++) {
+    for (long i = first; i < end; i++) {
         const float *c = cos + i * d, *s = sin + i * d;
         for (int h = 0; h < heads; h++) {
             float *x = qkv + i * stride + (long)h * d;
@@ -722,10 +776,11 @@ static void rope_rows(float *qkv, int n, long stride, int heads, int d, const fl
     }
 }
 
-/* silu(gate) * up for gate_up (n, 2 * inter) = [gate | up] per row: act (n, inter). silu(g) = g * sigmoid(g), the
- * sigmoid from e = exp(-|g|) <= 1 (1 / (1 + e) for g >= 0, e / (1 + e) below), so no lane overflows. */
-static void silu_mul_rows(const float *gate_up, int n, int inter, float *act) {
-    for (long i = 0; i < n; i++) {
+/* silu(gate) * up for rows [first, end) of gate_up (n, 2 * inter) = [gate | up] per row: act (n, inter).
+ * silu(g) = g * sigmoid(g), the sigmoid from e = exp(-|g|) <= 1 (1 / (1 + e) for g >= 0, e / (1 + e) below), so no
+ * lane overflows. */
+static void silu_mul_rows(const float *gate_up, long first, long end, int inter, float *act) {
+    for (long i = first; i < end; i++) {
         const float *g = gate_up + i * 2L * inter, *u = g + inter;
         float *a = act + i * (long)inter;
         int k = 0;
@@ -743,40 +798,69 @@ static void silu_mul_rows(const float *gate_up, int n, int inter, float *act) {
     }
 }
 
-/* Before attention: normed (n, d) = rms_norm(x); qkv (n, out) = normed @ W^T (+ bias (out,) or NULL); RoPE on its
- * first rope_heads heads of head_dim. */
+/* Thread t of nt's share of the half before attention, inside a parallel region: normed (n, d) = rms_norm(x);
+ * qkv (n, out) = normed @ W^T (+ bias (out,) or NULL); RoPE on its first rope_heads heads of head_dim. On return
+ * the thread's own token rows of qkv are done (`row_share`); the others may not be. */
+static void attention_in_share(const float *x, int n, int d, const float *norm_w, float eps, float *normed,
+                               const float *packed, int out, const float *bias, float *qkv, const float *cos,
+                               const float *sin, int rope_heads, int head_dim, int t, int nt) {
+    long first, end;
+    row_share(n, t, nt, &first, &end);
+    rms_norm_rows(x, norm_w, normed, first, end, d, eps);
+#pragma omp barrier
+    gemm_share(normed, n, d, packed, out, qkv, t, nt);
+#pragma omp barrier
+    for (long i = first; bias && i < end; i++) add_rows(bias, qkv + i * out, out);
+    rope_rows(qkv, first, end, out, rope_heads, head_dim, cos, sin);
+}
+
 void playground_attention_in(const float *x, int n, int d, const float *norm_w, float eps, float *normed,
                              const float *packed, int out, const float *bias, float *qkv, const float *cos,
                              const float *sin, int rope_heads, int head_dim, int threads) {
-    playground_rms_norm(x, norm_w, normed, n, d, eps);
-    playground_gemm(normed, n, d, packed, out, qkv, threads);
-    if (bias)
-        for (long i = 0; i < n; i++) add_rows(bias, qkv + i * out, out);
-    rope_rows(qkv, n, out, rope_heads, head_dim, cos, sin);
+#pragma omp parallel num_threads(threads)
+    attention_in_share(x, n, d, norm_w, eps, normed, packed, out, bias, qkv, cos, sin, rope_heads, head_dim,
+                       omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* After attention, x (n, d) updated in place: x += attn (n, attn_dim) @ Wo^T; x += down(silu(gate) * up) of
- * rms_norm(x). scratch: n * (2 d + 3 inter) floats. */
+/* Thread t of nt's share of the half after attention, inside a parallel region, every row of attn (n, attn_dim)
+ * written: x (n, d) updated in place, x += attn @ Wo^T; x += down(silu(gate) * up) of rms_norm(x). scratch:
+ * n * (2 d + 3 inter) floats. On return the thread's own token rows of x are done. */
+static void mlp_block_share(float *x, int n, int d, const float *attn, int attn_dim, const float *o_packed,
+                            const float *norm_w, float eps, const float *gate_up_packed, int inter,
+                            const float *down_packed, float *scratch, int t, int nt) {
+    float *delta = scratch, *normed = delta + (long)n * d, *gate_up = normed + (long)n * d;
+    float *act = gate_up + (long)n * 2 * inter;
+    long first, end;
+    row_share(n, t, nt, &first, &end);
+    gemm_share(attn, n, attn_dim, o_packed, d, delta, t, nt);
+#pragma omp barrier
+    add_rows(delta + first * d, x + first * d, (end - first) * d);
+    rms_norm_rows(x, norm_w, normed, first, end, d, eps);
+#pragma omp barrier
+    gemm_share(normed, n, d, gate_up_packed, 2 * inter, gate_up, t, nt);
+#pragma omp barrier
+    silu_mul_rows(gate_up, first, end, inter, act);
+#pragma omp barrier
+    gemm_share(act, n, inter, down_packed, d, delta, t, nt);
+#pragma omp barrier
+    add_rows(delta + first * d, x + first * d, (end - first) * d);
+}
+
 void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_dim, const float *o_packed,
                           const float *norm_w, float eps, const float *gate_up_packed, int inter,
                           const float *down_packed, float *scratch, int threads) {
-    float *delta = scratch, *normed = delta + (long)n * d, *gate_up = normed + (long)n * d;
-    float *act = gate_up + (long)n * 2 * inter;
-    playground_gemm(attn, n, attn_dim, o_packed, d, delta, threads);
-    add_rows(delta, x, (long)n * d);
-    playground_rms_norm(x, norm_w, normed, n, d, eps);
-    playground_gemm(normed, n, d, gate_up_packed, 2 * inter, gate_up, threads);
-    silu_mul_rows(gate_up, n, inter, act);
-    playground_gemm(act, n, inter, down_packed, d, delta, threads);
-    add_rows(delta, x, (long)n * d);
+#pragma omp parallel num_threads(threads)
+    mlp_block_share(x, n, d, attn, attn_dim, o_packed, norm_w, eps, gate_up_packed, inter, down_packed, scratch,
+                    omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* ---- The whole layer stack ----
  * Every decoder layer of a forward in one call, over a contiguous KV cache: the two halves above around attention,
- * with the new keys and values written into the cache and the queries regrouped here. A small draft model's
- * one-token forward spent most of its time in the Python between those calls (about 0.2 ms a layer on a 2-core Zen
- * 3 EPYC, against a few microseconds of arithmetic). The calls and their order are those of the layer-by-layer
- * path, so the bits are the same.
+ * with the new keys and values written into the cache and the queries regrouped here, all in one parallel region
+ * (one start of the threads per forward instead of five per layer). A small draft model's one-token forward spent
+ * most of its time in the Python between those calls (about 0.2 ms a layer on a 2-core Zen 3 EPYC, against a few
+ * microseconds of arithmetic). The arithmetic and its order are those of the layer-by-layer path, so the bits are
+ * the same.
  *
  * x (batch * new, d) the residual stream, updated in place. weights: 7 pointers per layer, [input norm, qkv panels,
  * qkv bias or NULL, o panels, post-attention norm, gate/up panels, down panels]. cos, sin (batch * new, head_dim).
@@ -794,37 +878,51 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
     size_t bytes = sizeof(float) * head_dim;
     float *normed = scratch, *qkv = normed + (long)n * d, *q = qkv + (long)n * qkv_out, *out = q + n * hd;
     float *attn = out + n * hd, *mlp = attn + n * hd;
-    for (int l = 0; l < layers; l++) {
-        const float *const *w = weights + 7L * l;
-        float *kl = k_cache + l * layer_stride, *vl = v_cache + l * layer_stride;
-        playground_attention_in(x, n, d, w[0], eps, normed, w[1], qkv_out, w[2], qkv, cos, sin, heads + kv_heads,
-                                head_dim, threads);
-        /* qkv row (b, t) = [q heads | k heads | v heads]; q (batch, kv_heads, group * new, head_dim) with row
-         * g * new + t the query of head h * group + g, as playground_attention reads it */
-        for (int b = 0; b < batch; b++)
-            for (int t = 0; t < new_tokens; t++) {
-                const float *row = qkv + ((long)b * new_tokens + t) * qkv_out;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long first, end;
+        row_share(n, t, nt, &first, &end);
+        float *s = malloc(sizeof(float) * ROW_CHUNK * (keys + VEC)); /* the attention's scratch, as in
+                                                                         playground_attention */
+        int *idx = malloc(sizeof(int) * ROW_CHUNK * (keys + VEC));
+        for (int l = 0; l < layers; l++) {
+            const float *const *w = weights + 7L * l;
+            float *kl = k_cache + l * layer_stride, *vl = v_cache + l * layer_stride;
+            attention_in_share(x, n, d, w[0], eps, normed, w[1], qkv_out, w[2], qkv, cos, sin, heads + kv_heads,
+                               head_dim, t, nt);
+            /* the thread's token rows (b, tt): qkv row = [q heads | k heads | v heads]; keys and values into the
+             * cache; q (batch, kv_heads, group * new, head_dim) with row g * new + tt the query of head
+             * h * group + g, as attention_share reads it */
+            for (long i = first; i < end; i++) {
+                long b = i / new_tokens, tt = i % new_tokens;
+                const float *row = qkv + i * qkv_out;
                 for (int h = 0; h < kv_heads; h++) {
-                    long slot = b * seq_stride + h * head_stride + (long)(starts[b] + t) * head_dim;
+                    long slot = b * seq_stride + h * head_stride + (starts[b] + tt) * head_dim;
                     memcpy(kl + slot, row + (long)(heads + h) * head_dim, bytes);
                     memcpy(vl + slot, row + (long)(heads + kv_heads + h) * head_dim, bytes);
                     for (int g = 0; g < group; g++)
-                        memcpy(q + (((long)b * kv_heads + h) * group * new_tokens + (long)g * new_tokens + t) *
-                                       head_dim,
+                        memcpy(q + ((b * kv_heads + h) * group * new_tokens + (long)g * new_tokens + tt) * head_dim,
                                row + (long)(h * group + g) * head_dim, bytes);
                 }
             }
-        playground_attention(q, kl, vl, visible, out, batch, kv_heads, group * new_tokens, new_tokens, keys,
-                             head_dim, seq_stride, head_stride, head_dim, scale, threads);
-        /* back to one row per token, heads in order: attn (batch * new, heads * head_dim) */
-        for (int b = 0; b < batch; b++)
-            for (int h = 0; h < kv_heads; h++)
-                for (int g = 0; g < group; g++)
-                    for (int t = 0; t < new_tokens; t++)
-                        memcpy(attn + ((long)b * new_tokens + t) * hd + (long)(h * group + g) * head_dim,
-                               out + (((long)b * kv_heads + h) * group * new_tokens + (long)g * new_tokens + t) *
-                                         head_dim,
+#pragma omp barrier
+            attention_share(q, kl, vl, visible, out, batch, kv_heads, group * new_tokens, new_tokens, keys,
+                            head_dim, seq_stride, head_stride, head_dim, scale, t, nt, s, idx);
+#pragma omp barrier
+            /* back to one row per token, heads in order: attn (batch * new, heads * head_dim) */
+            for (long i = first; i < end; i++) {
+                long b = i / new_tokens, tt = i % new_tokens;
+                for (int h = 0; h < kv_heads; h++)
+                    for (int g = 0; g < group; g++)
+                        memcpy(attn + i * hd + (long)(h * group + g) * head_dim,
+                               out + ((b * kv_heads + h) * group * new_tokens + (long)g * new_tokens + tt) * head_dim,
                                bytes);
-        playground_mlp_block(x, n, d, attn, (int)hd, w[3], w[4], eps, w[5], inter, w[6], mlp, threads);
+            }
+#pragma omp barrier
+            mlp_block_share(x, n, d, attn, (int)hd, w[3], w[4], eps, w[5], inter, w[6], mlp, t, nt);
+        }
+        free(s);
+        free(idx);
     }
 }
