@@ -226,10 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="distinct copies (of different earlier occurrences) verified together in one forward "
                              "under greedy decoding, 1..8 (default: 2 where two copies and the last token fit one "
                              "pass of the native CPU kernel's rows, as with AVX-512; else 1)")
-    lookup.add_argument("--verify-overhead", type=float, default=0.4,
+    lookup.add_argument("--verify-overhead", type=float, default=None,
                         help="extra cost of a verification forward over a one-token step, 0..4: a match is "
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
-                             "default 0.4)")
+                             "default 0.15 with the native CPU kernel, else 0.4)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
     ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
                        help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")

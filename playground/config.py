@@ -21,6 +21,7 @@ LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the
 # prompt lookup's copies where two of them fit one pass of the CPU kernel, and its copy otherwise
 # (PromptLookupParams.resolve)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
+LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead with and without the kernel
 
 
 class ConfigError(ValueError):
@@ -175,16 +176,14 @@ class PromptLookupParams:
     """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
     shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: under greedy
     acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree, the
-    longest match winning; num_draft and branches left None are chosen for the machine by `resolve`;
-    verify_overhead: the extra cost of a verification forward over a one-token step, as a fraction of that step
-    (a match is proposed only when its expected accepted tokens pay for it; 0 proposes every match). The default
-    is measured: a forward over 5 tokens cost 1.3-1.5x a one-token step on a 2-core CPU with PyTorch's kernels
-    and 1.5x on an H100 at batch 1."""
+    longest match winning; verify_overhead: the extra cost of a verification forward over a one-token step, as a
+    fraction of that step (a match is proposed only when its expected accepted tokens pay for it; 0 proposes every
+    match); num_draft, branches and verify_overhead left None are chosen for the machine by `resolve`."""
 
     max_ngram: int = 3
     num_draft: int | None = None
     branches: int | None = None
-    verify_overhead: float = 0.4
+    verify_overhead: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
@@ -192,17 +191,21 @@ class PromptLookupParams:
             check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
         if self.branches is not None:
             check_int("branches", self.branches, 1, MAX_BRANCHES)
-        overhead = _check_finite("verify_overhead", self.verify_overhead)
-        if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
-            raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
+        if self.verify_overhead is not None:
+            overhead = _check_finite("verify_overhead", self.verify_overhead)
+            if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
+                raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
 
     def resolve(self, rows_per_pass: int | None) -> PromptLookupParams:
-        """These settings with num_draft K and branches B fixed for a forward whose matrix products serve
-        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
-        GPU). B 2 where two copies of K tokens (K 5 unless given) and the last token fit one pass, otherwise 1;
-        K 5 with more than one copy, else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass) B 2, K 5 (11 tokens)
-        ran 1.73x and 1.68x plain decoding on the input-grounded suite prompts where B 1, K 8 ran 1.45x and 1.54x
-        (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a second pass."""
+        """These settings with num_draft K, branches B and verify_overhead fixed for a forward whose matrix products
+        serve rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on
+        a GPU or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit
+        one pass, otherwise 1; K 5 with more than one copy, else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass)
+        B 2, K 5 (11 tokens) ran 1.73x and 1.68x plain decoding on the input-grounded suite prompts where B 1, K 8
+        ran 1.45x and 1.54x (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a
+        second pass. The overhead as measured: with the native kernel a forward over 6 and 11 tokens cost 1.06-1.08x
+        and 1.13-1.16x a one-token step (README Command line), so 0.15; without it, 1.3-1.5x over 5 tokens with
+        PyTorch's CPU kernels and 1.5x on an H100 at batch 1, so 0.4."""
         branches = self.branches
         if branches is None:
             widest = 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS)
@@ -210,7 +213,10 @@ class PromptLookupParams:
         num_draft = self.num_draft
         if num_draft is None:
             num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 else LOOKUP_TOKENS
-        return replace(self, num_draft=num_draft, branches=branches)
+        overhead = self.verify_overhead
+        if overhead is None:
+            overhead = LOOKUP_NATIVE_OVERHEAD if rows_per_pass is not None else LOOKUP_OVERHEAD
+        return replace(self, num_draft=num_draft, branches=branches, verify_overhead=overhead)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench import GROUNDED  # noqa: E402
-from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams)
+from playground.config import (LOOKUP_NATIVE_OVERHEAD, ConfigError, GenerationParams, LookaheadParams,  # noqa: E402
+                               MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt, generate  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
 from playground.decoding.base import new_cache  # noqa: E402
@@ -164,7 +164,8 @@ def main() -> int:
     parser.add_argument("--outputs", type=Path, default=None)
     parser.add_argument("--max-ngram", type=int, default=3)
     parser.add_argument("--num-draft", type=int, default=8)
-    parser.add_argument("--verify-overhead", type=float, default=0.4)
+    parser.add_argument("--verify-overhead", type=float, default=LOOKUP_NATIVE_OVERHEAD,
+                        help="the gate's overhead (default: the decoder's with the native CPU kernel, %(default)s)")
     parser.add_argument("--text-ngrams", type=sizes, default=[3, 4, 5, 6])
     parser.add_argument("--guesses", type=int, default=2)
     parser.add_argument("--contexts", type=sizes, default=[1, 3],

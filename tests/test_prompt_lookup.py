@@ -212,12 +212,17 @@ def test_parameter_ranges(field, value, message) -> None:
     (PromptLookupParams(branches=1), 12, (8, 1)),  # a chosen B stays
     (PromptLookupParams(branches=3), None, (5, 3)),
     (PromptLookupParams(num_draft=16, branches=8), 6, (16, 8)),
+    (PromptLookupParams(verify_overhead=0.7), 12, (5, 2)),  # a chosen overhead stays
+    (PromptLookupParams(verify_overhead=0.0), None, (8, 1)),
 ])
 def test_automatic_copies_fit_the_forward_to_one_pass(params, rows_per_pass, expected) -> None:
     resolved = params.resolve(rows_per_pass)
     assert (resolved.num_draft, resolved.branches) == expected
     assert resolved.resolve(rows_per_pass) == resolved
-    assert (resolved.max_ngram, resolved.verify_overhead) == (params.max_ngram, params.verify_overhead)
+    assert resolved.max_ngram == params.max_ngram
+    # the gate's overhead: as given, else what a forward over a few tokens costs with or without the CPU kernel
+    overhead = params.verify_overhead if params.verify_overhead is not None else 0.15 if rows_per_pass else 0.4
+    assert resolved.verify_overhead == overhead
 
 
 def test_the_decoder_chooses_copies_for_its_models_kernel(target, monkeypatch) -> None:
