@@ -177,8 +177,9 @@ static void rows(const float *x, long in, const float *panel, float *y, long out
     }
 }
 
-/* Rows [first, end) of a thread's share t of nt: row-wise work (norms, RoPE, SiLU, residual adds) split between the
- * threads of a parallel region. Each row's arithmetic is the same whichever thread does it. */
+/* Thread t of nt's items [first, end) of n, split evenly: the panels of a product, the query rows of the attention,
+ * the token rows of row-wise work (norms, RoPE, SiLU, residual adds). An item's arithmetic is the same whichever
+ * thread does it. */
 static inline void row_share(long n, int t, int nt, long *first, long *end) {
     *first = n * t / nt;
     *end = n * (t + 1) / nt;
