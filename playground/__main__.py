@@ -101,7 +101,7 @@ def algo_params(args: argparse.Namespace) -> Any:
         params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
                                    copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
                                    siblings=args.siblings)
-        params.resolve(None, greedy=args.temperature == 0)  # refuses siblings under sampling before loading
+        params.check_acceptance(greedy=args.temperature == 0)
         return params
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,

@@ -156,15 +156,19 @@ class SpeculativeParams:
         if self.siblings is not None:
             check_int("siblings", self.siblings, 0, MAX_SIBLINGS)
 
+    def check_acceptance(self, greedy: bool) -> None:
+        """Siblings are verified under greedy acceptance only: refused when sampling, before any model loads."""
+        if self.siblings and not greedy:
+            raise ConfigError(f"siblings: only greedy decoding (temperature 0) verifies siblings, got "
+                              f"{self.siblings}; use 0 when sampling")
+
     def resolve(self, rows_per_pass: int | None, greedy: bool) -> SpeculativeParams:
         """These settings with `siblings` fixed: 1 under greedy acceptance where the last token, gamma drafts and
         one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`; None: no such step, as on
         a GPU), else 0. Why: with AVX-512 (12 rows per pass) the sixth row of gamma 4 made the verifying forward
         about 0.05 of a plain step dearer while the shipped draft's runner-up raised tokens per target forward
         from 1.43 to 1.55 (bench run 12, README: 1.05x against 1.01x plain decoding in one run)."""
-        if self.siblings and not greedy:
-            raise ConfigError(f"siblings: only greedy decoding (temperature 0) verifies siblings, got "
-                              f"{self.siblings}; use 0 when sampling")
+        self.check_acceptance(greedy)
         siblings = self.siblings
         if siblings is None:
             siblings = int(greedy and rows_per_pass is not None and self.gamma + 2 <= rows_per_pass)

@@ -388,6 +388,10 @@ def test_siblings_range_and_default() -> None:
         SpeculativeParams(siblings=5)
     with pytest.raises(ConfigError, match="siblings: only greedy decoding"):
         SpeculativeParams(siblings=1).resolve(12, greedy=False)
+    with pytest.raises(ConfigError, match="siblings: only greedy decoding"):
+        SpeculativeParams(siblings=1).check_acceptance(greedy=False)
+    SpeculativeParams(siblings=1).check_acceptance(greedy=True)
+    SpeculativeParams().check_acceptance(greedy=False)  # left None: resolved to 0 when sampling
     assert SpeculativeParams().resolve(12, greedy=False).siblings == 0
     assert SpeculativeParams(gamma=4).resolve(12, greedy=True).siblings == 1  # 6 rows in one pass
     assert SpeculativeParams(gamma=11).resolve(12, greedy=True).siblings == 0  # 13 rows: a second pass
