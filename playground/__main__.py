@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--verify-overhead", type=float, default=None,
                         help="extra cost of a verification forward over a one-token step, 0..4: a match is "
                              "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
-                             "default 0.15 with the native CPU kernel, else 0.4)")
+                             "default 0.15 where the widest verification fits one pass of the native CPU kernel, "
+                             "else 0.4)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
     ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
                        help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")

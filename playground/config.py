@@ -21,7 +21,7 @@ LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the
 # prompt lookup's copies where two of them fit one pass of the CPU kernel, and its copy otherwise
 # (PromptLookupParams.resolve)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
-LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead with and without the kernel
+LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead: within one pass, beyond
 
 
 class ConfigError(ValueError):
@@ -207,9 +207,10 @@ class PromptLookupParams:
         one pass, otherwise 1; K 5 with more than one copy, else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass)
         B 2, K 5 (11 tokens) ran 1.73x and 1.68x plain decoding on the input-grounded suite prompts where B 1, K 8
         ran 1.45x and 1.54x (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a
-        second pass. The overhead as measured: with the native kernel a forward over 6 and 11 tokens cost 1.06-1.08x
-        and 1.13-1.16x a one-token step (README Command line), so 0.15; without it, 1.3-1.5x over 5 tokens with
-        PyTorch's CPU kernels and 1.5x on an H100 at batch 1, so 0.4."""
+        second pass. The overhead as measured: where the widest forward (B K + 1 tokens) fits one pass of the native
+        kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512, README
+        Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
+        1.3-1.5x a one-token step with PyTorch's CPU kernels, 1.5x on an H100 at batch 1)."""
         branches = self.branches
         if branches is None:
             widest = 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS)
@@ -219,7 +220,8 @@ class PromptLookupParams:
             num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 else LOOKUP_TOKENS
         overhead = self.verify_overhead
         if overhead is None:
-            overhead = LOOKUP_NATIVE_OVERHEAD if rows_per_pass is not None else LOOKUP_OVERHEAD
+            one_pass = rows_per_pass is not None and branches * num_draft + 1 <= rows_per_pass
+            overhead = LOOKUP_NATIVE_OVERHEAD if one_pass else LOOKUP_OVERHEAD
         return replace(self, num_draft=num_draft, branches=branches, verify_overhead=overhead)
 
 
