@@ -211,17 +211,19 @@ class PromptLookupParams:
         kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512, README
         Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
         1.3-1.5x a one-token step with PyTorch's CPU kernels, 1.5x on an H100 at batch 1)."""
+        def one_pass(branches: int, num_draft: int) -> bool:
+            """Whether the last token and `branches` copies of num_draft tokens fit one pass of the kernel."""
+            return rows_per_pass is not None and 1 + branches * num_draft <= rows_per_pass
+
         branches = self.branches
         if branches is None:
-            widest = 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS)
-            branches = LOOKUP_BRANCHES if rows_per_pass is not None and widest <= rows_per_pass else 1
+            branches = LOOKUP_BRANCHES if one_pass(LOOKUP_BRANCHES, self.num_draft or LOOKUP_BRANCH_TOKENS) else 1
         num_draft = self.num_draft
         if num_draft is None:
             num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 else LOOKUP_TOKENS
         overhead = self.verify_overhead
         if overhead is None:
-            one_pass = rows_per_pass is not None and branches * num_draft + 1 <= rows_per_pass
-            overhead = LOOKUP_NATIVE_OVERHEAD if one_pass else LOOKUP_OVERHEAD
+            overhead = LOOKUP_NATIVE_OVERHEAD if one_pass(branches, num_draft) else LOOKUP_OVERHEAD
         return replace(self, num_draft=num_draft, branches=branches, verify_overhead=overhead)
 
 

@@ -610,13 +610,23 @@ static void attention_values(int rows, int d, const float *v, long key_stride, i
             ((vf *)(out + (long)r * d))[c] = (acc[r][c] + acc[r][MAX_ND + c]) * inv[r];
 }
 
-/* Thread t of nt's share of the attention, inside a parallel region; s and idx: ROW_CHUNK * (keys + VEC) each, the
- * thread's own scratch. */
+/* Per-row scratch length of the attention over `keys` keys: padded to whole vectors. */
+static inline long score_stride(int keys) { return keys + VEC; }
+
+/* A thread's scratch for attention_share, ROW_CHUNK rows of score_stride(keys) each: s, the scores and then the
+ * softmax weights in place, and idx, the visible keys' indices. The caller frees both. */
+static void attention_scratch(int keys, float **s, int **idx) {
+    *s = malloc(sizeof(float) * ROW_CHUNK * score_stride(keys));
+    *idx = malloc(sizeof(int) * ROW_CHUNK * score_stride(keys));
+}
+
+/* Thread t of nt's share of the attention, inside a parallel region; s and idx: the thread's own scratch
+ * (`attention_scratch`). */
 static void attention_share(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
                             int batch, int kv_heads, int rows, int new_tokens, int keys, int d, long batch_stride,
                             long head_stride, long key_stride, float scale, int t, int nt, float *s, int *idx) {
     long total = (long)batch * kv_heads * rows; /* query rows of every (batch, kv head), one after another */
-    long stride = keys + VEC; /* per-row scratch length: padded to whole vectors */
+    long stride = score_stride(keys);
     const uint8_t *seen[ROW_CHUNK];
     int limit[ROW_CHUNK], count[ROW_CHUNK], prefix[ROW_CHUNK];
     float inv[ROW_CHUNK];
@@ -662,8 +672,9 @@ void playground_attention(const float *q, const float *k, const float *v, const 
                           long head_stride, long key_stride, float scale, int threads) {
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * ROW_CHUNK * (keys + VEC)); /* scores, then the softmax weights in place */
-        int *idx = malloc(sizeof(int) * ROW_CHUNK * (keys + VEC));
+        float *s;
+        int *idx;
+        attention_scratch(keys, &s, &idx);
         attention_share(q, k, v, visible, out, batch, kv_heads, rows, new_tokens, keys, d, batch_stride, head_stride,
                         key_stride, scale, omp_get_thread_num(), omp_get_num_threads(), s, idx);
         free(s);
@@ -884,9 +895,9 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long first, end;
         row_share(n, t, nt, &first, &end);
-        float *s = malloc(sizeof(float) * ROW_CHUNK * (keys + VEC)); /* the attention's scratch, as in
-                                                                         playground_attention */
-        int *idx = malloc(sizeof(int) * ROW_CHUNK * (keys + VEC));
+        float *s;
+        int *idx;
+        attention_scratch(keys, &s, &idx);
         for (int l = 0; l < layers; l++) {
             const float *const *w = weights + 7L * l;
             float *kl = k_cache + l * layer_stride, *vl = v_cache + l * layer_stride;
