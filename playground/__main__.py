@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import (DEVICES, DTYPES, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, GenerationParams, LookaheadParams,
-                     MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, MAX_DYNAMIC_NODES, MEDUSA_ACCEPTANCE, QUANTS,
+                     ConfigError, GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
+                     SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -112,7 +113,8 @@ def algo_params(args: argparse.Namespace) -> Any:
                                text_ngram=args.text_ngram, corpus_pool=not args.no_corpus_pool,
                                corpus=args.corpus, context=args.context)
     if args.algo == "medusa":
-        return MedusaParams(heads=args.medusa_heads, tree=args.tree, acceptance=args.acceptance,
+        return MedusaParams(heads=args.medusa_heads, tree=args.tree, tree_nodes=args.tree_nodes,
+                            acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
                             copy_tokens=args.copy_tokens, copy_in_pass=not args.copy_past_pass)
     return None
@@ -259,17 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--medusa-heads", default=None,
                       help="folder of heads trained by `python -m playground.train medusa` (default: the heads "
                            "shipped for the embedded model)")
-    tree.add_argument("--tree", default="small",
-                      help="candidate tree: chain, small (default), medium, wide, or a JSON file of top-k paths")
+    tree.add_argument("--tree", default=DYNAMIC_TREE,
+                      help="candidate tree: dynamic (default: the nodes the heads rate likeliest, chosen at every "
+                           "step), chain, small, medium, wide, or a JSON file of top-k paths")
+    tree.add_argument("--tree-nodes", type=int, default=None,
+                      help=f"nodes of the dynamic tree, a copy's included, 1..{MAX_DYNAMIC_NODES} (default: what one "
+                           "pass of the native CPU kernel serves beside the last token, 11 with AVX-512, 5 with "
+                           f"AVX2; {DYNAMIC_NODES} elsewhere)")
     tree.add_argument("--acceptance", default="lossless", choices=MEDUSA_ACCEPTANCE,
                       help="when sampling: lossless (exact, default), typical (LOSSY, faster) or greedy "
                            "(temperature 0 only); at temperature 0 all are greedy and exact")
     tree.add_argument("--typical-epsilon", type=float, default=0.3, help="typical acceptance epsilon, (0, 1]")
     tree.add_argument("--typical-alpha", type=float, default=0.09, help="typical acceptance alpha, (0, 1]")
     tree.add_argument("--copy-past-pass", action="store_true",
-                      help="graft up to --copy-tokens new copy nodes even where they take the forward past one "
-                           "pass of the native CPU kernel's rows (default: at most the rows the pass has left "
-                           "beside the tree, e.g. 6 with AVX-512 and the small tree)")
+                      help="with a named or file tree, graft up to --copy-tokens new copy nodes even where they "
+                           "take the forward past one pass of the native CPU kernel's rows (default: at most the "
+                           "rows the pass has left beside the tree, e.g. 6 with AVX-512 and the small tree)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)

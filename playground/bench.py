@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .bench_suite import SUITE
-from .config import ConfigError, GenerationParams, SamplingParams, check_int
+from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +38,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="adds two speculative rows that stop drafting below this draft probability, alone "
                              "and with prompt copies, against assisted generation with the same "
                              "assistant_confidence_threshold; 0 <= X < 1 (default 0.5; 0 skips both rows)")
-    parser.add_argument("--tree", default="small",
-                        help="Medusa candidate tree: chain, small (default), medium, wide or a "
-                                                        "JSON file of top-k paths")
+    parser.add_argument("--tree", default=DYNAMIC_TREE,
+                        help="Medusa candidate tree: dynamic (default), chain, small, medium, wide or a JSON file "
+                             "of top-k paths")
     parser.add_argument("--algos", default=",".join(ALGOS),
                         help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
     serving = parser.add_argument_group("serving suite (--suite serving)")
@@ -367,11 +367,12 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
                                     f"{seeded}"))
     if "medusa" in args.algos:
         greedy = MedusaDecoder(target, sampling, generation, MedusaParams(tree=args.tree))
-        setting = f"tree {args.tree} ({greedy.tree.num_nodes} nodes), heads {greedy.heads.folder.name}"
+        setting = f"tree {args.tree} ({greedy.params()['tree_nodes']} nodes), heads {greedy.heads.folder.name}"
         contenders.append(Contender("medusa", greedy, setting))
         copying = MedusaParams(tree=args.tree, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
         grafting = MedusaDecoder(target, sampling, generation, copying, greedy.heads)
-        room = "" if grafting.copy_room is None else f", at most {grafting.copy_room} new nodes (one pass)"
+        room = (", ranked among the tree's nodes" if grafting.tree is None else "" if grafting.copy_room is None
+                else f", at most {grafting.copy_room} new nodes (one pass)")
         contenders.append(Contender("medusa-copy", grafting,
                                     f"{setting}, copies of up to {copying.copy_tokens} tokens after a "
                                     f"{copying.copy_ngram}..1-gram match grafted on{room}"))

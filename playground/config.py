@@ -298,25 +298,35 @@ class LookaheadParams:
 
 
 MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")
+DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
+# the dynamic tree's nodes where no pass of the native CPU kernel sets them (a GPU, PyTorch's CPU path): what one
+# pass serves with AVX-512 beside the last token, the width the dynamic tree was measured at
+DYNAMIC_NODES = 11
+MAX_DYNAMIC_NODES = 64
 
 
 @dataclass(frozen=True, slots=True)
 class MedusaParams:
     """Medusa decoding. heads: a folder of trained heads (None: the shipped heads of the embedded target);
-    tree: a named tree or a JSON file of top-k paths; acceptance, which matters only when sampling:
+    tree: "dynamic" (chosen at every step from the heads' probabilities, `tree.best_first`), a named tree or a JSON
+    file of top-k paths; tree_nodes: the dynamic tree's nodes, a copy's included (None: the rows one pass of the
+    native CPU kernel serves beside the last token, `Transformer.rows_per_pass` - 1: 11 with AVX-512, 5 with AVX2;
+    DYNAMIC_NODES elsewhere); acceptance, which matters only when sampling:
     "lossless" (each node's candidates verified in turn as one-hot proposals with the residual rule: exact),
     "typical" (Cai et al.: accept x if p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, faster), or "greedy"
     (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact.
     copy_ngram: when above 0, a step whose last 1..copy_ngram tokens occur earlier in the prompt or output
-    grafts up to copy_tokens tokens copied from there (as prompt lookup proposes them) onto the tree; 0
-    proposes the heads' tree alone. copy_in_pass: where the tree and the last token fit one pass of the native
+    grafts up to copy_tokens tokens copied from there (as prompt lookup proposes them) onto the tree (the dynamic
+    tree ranks them among the heads' candidates); 0 proposes the heads' tree alone. copy_in_pass, for a named or
+    file tree: where the tree and the last token fit one pass of the native
     CPU kernel's rows (`Transformer.rows_per_pass`), a copy adds at most the nodes left in that pass (it may still
     run further down the tree's own nodes), so the step's forward stays one pass; False grafts up to copy_tokens
     new nodes whatever the width. Measured on a 2-core AVX-512 Xeon (12 rows, `small` tree: 6 new nodes at most;
     README, Medusa): a second pass cost more than the longer copies brought."""
 
     heads: str | None = None
-    tree: str = "small"
+    tree: str = DYNAMIC_TREE
+    tree_nodes: int | None = None
     acceptance: str = "lossless"
     epsilon: float = 0.3
     alpha: float = 0.09
@@ -336,6 +346,14 @@ class MedusaParams:
             raise ConfigError("tree must be a tree name or a JSON file of paths")
         check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
         check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
+        dynamic = self.tree == DYNAMIC_TREE
+        if self.tree_nodes is not None:
+            if not dynamic:
+                raise ConfigError(f"tree_nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
+            check_int("tree_nodes", self.tree_nodes, 1, MAX_DYNAMIC_NODES)
+        if dynamic and not self.copy_in_pass:
+            raise ConfigError("copy_in_pass: the dynamic tree holds its copy within tree_nodes; lifting the cut "
+                              "applies to a named or file tree")
 
 
 SCHEDULING_POLICIES = ("continuous", "static")

@@ -9,10 +9,10 @@ and free of the machine's timing noise. Replayed over the benchmark suite: promp
 n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
 pool (`--corpus`), without the Jacobi window, whose guesses need the model; and with `--medusa-trees`, Medusa's
 tree for each named tree, alone and with prompt copies grafted on, proposed by the decoder's own code from the
-heads (`--medusa-heads`, default the shipped ones) reading the target's hidden states over plain decoding's tokens.
+heads (`--medusa-heads`, default the shipped ones; `dynamic` for the tree chosen at every step) reading the target's hidden states over plain decoding's tokens.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
-        [--medusa-trees small,medium] [--medusa-heads FOLDER]
+        [--medusa-trees dynamic,small,medium] [--medusa-heads FOLDER]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
 replays skip the model. Speed is not replayed: a wider verification costs more (see README, Command line).
@@ -87,8 +87,8 @@ class TextPoolProposer:
 
 
 class MedusaProposer:
-    """Medusa's step as the decoder builds it (its `propose`, `graft` and `tree_with`): every root-to-leaf path of
-    the step's tree, the heads' nodes and any grafted copy, as a proposal. The heads read the final hidden state of
+    """Medusa's step as the decoder builds it (its `propose`): every root-to-leaf path of the step's tree, the heads'
+    nodes and any grafted copy, as a proposal. The heads read the final hidden state of
     the position that predicted the last token, from one forward of the target over the prompt and the output;
     the native kernel's rows are independent of the other rows of a forward, so on the CPU these are the bits a
     decode step sees and the replay commits what the decoder does."""
@@ -100,13 +100,7 @@ class MedusaProposer:
         self.hidden = decoder.forward(cache, None, text, 0)[1]  # (T, E): row i predicted token i + 1
 
     def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
-        decoder, last = self.decoder, sequence[-1]
-        nodes, _ = decoder.propose(self.hidden[len(sequence) - 2], last)
-        ids = [last, *nodes]
-        graft = decoder.graft(sequence, ids, budget)
-        tree = decoder.tree_with(graft)
-        if graft:
-            ids += graft.tokens
+        tree, ids, _, _ = self.decoder.propose(self.hidden[len(sequence) - 2], sequence[-1], sequence, budget)
         return [[ids[node] for node in chain[1:]] for chain in tree.retrieve]
 
     def judged(self, proposal: list[int], agreed: int) -> None:

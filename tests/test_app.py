@@ -207,7 +207,8 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     _, _, uploaded, summary, *_ = client.predict(handle_file(outputs[4]), api_name="/load_trace")
     assert "replayed trace of **medusa**" in summary and "Candidate tree" in uploaded
     prompt_html, _, detail, *_ = decode(client, "Repeat exactly: red green blue, red green blue, red green blue.",
-                                        algo="Medusa (tree)", copy_ngram=3, num_draft=4, max_new_tokens=4)
+                                        algo="Medusa (tree)", tree="dynamic", copy_ngram=3, num_draft=4,
+                                        max_new_tokens=4)
     # the first steps graft a copy of the prompt: the tree draws it and the prompt highlights its source
     assert re.search(r"Candidate tree \(\d+ nodes; [1-4] copied after a [1-3]-token match", detail)
     assert "copy of position" in detail and "pg-source" in prompt_html.split("</style>")[-1]

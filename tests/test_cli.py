@@ -71,6 +71,9 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--siblings", "1", "--temperature", "0.7"],
      r"siblings: only greedy decoding \(temperature 0\) verifies siblings, got 1; use 0 when sampling"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[0, 8\]"),
+    (["--prompt", "hi", "--algo", "medusa", "--tree-nodes", "65"], r"tree_nodes must be an integer in \[1, 64\]"),
+    (["--prompt", "hi", "--algo", "medusa", "--tree", "small", "--tree-nodes", "8"],
+     "tree_nodes sizes the dynamic tree only; tree 'small' has its own nodes"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--text-ngram", "17"], r"text_ngram must be an integer in \[2, 16\]"),
@@ -111,7 +114,7 @@ def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_pro
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
     for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", ["--text-ngram", "4"]),
-                        ("medusa", ["--copy-ngram", "2", "--copy-tokens", "5", "--copy-past-pass"])):
+                        ("medusa", ["--tree", "small", "--copy-ngram", "2", "--copy-tokens", "5", "--copy-past-pass"])):
         result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
         assert result.returncode == 0, result.stderr

@@ -1,11 +1,12 @@
-"""Medusa: tree buffers against hand-computed trees (grafted copies too), the committed KV against a
-recomputation after every step, greedy exactness on every test prompt with three trees, with copies and on both
-caches, the lossless tree sampler against the analytic distribution (synthetic and on the real model, with and
+"""Medusa: tree buffers against hand-computed trees (grafted copies too), the dynamic tree's choice by hand, the
+committed KV against a recomputation after every step, greedy exactness on every test prompt with the dynamic and
+three named trees, with copies and on both caches, the lossless tree sampler against the analytic distribution (synthetic and on the real model, with and
 without copies), typical acceptance labelled lossy, bad settings."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import replace
@@ -15,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from playground.config import ConfigError, GenerationParams, MedusaParams, SamplingParams
+from playground.config import DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams, SamplingParams
 from playground.decoding import MedusaDecoder, encode_prompt, generate
 from playground.decoding import medusa as medusa_module
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.tree import TREES, build_tree, follow, graft_chain, load_tree
+from playground.decoding.tree import TREES, best_first, build_tree, follow, graft_chain, load_tree, paths_tree
 from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads, save_heads
@@ -110,11 +111,49 @@ def test_custom_tree_from_a_json_file(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="is not a JSON list of paths"):
         load_tree(str(path))
-    with pytest.raises(ConfigError, match="tree must be one of chain, small, medium, wide"):
-        load_tree("bushy")  # the message lists chain, small, medium, wide
+    with pytest.raises(ConfigError, match="tree must be one of dynamic, chain, small, medium, wide"):
+        load_tree("bushy")
 
 
-@pytest.mark.parametrize("tree", ["small", "medium", "wide"])
+# Two heads of two ranks: head 0 gives 10 (0.6) or 11 (0.25), head 1 gives 20 (0.5) or 21 (0.45).
+LOGP = [[math.log(0.6), math.log(0.25)], [math.log(0.5), math.log(0.45)]]
+TOKENS = [[10, 11], [20, 21]]
+
+
+def test_the_dynamic_tree_takes_the_likeliest_candidates_by_hand() -> None:
+    # estimates: (0,) 0.6, (0, 0) 0.3, (0, 1) 0.27, (1,) 0.25, (1, 0) 0.125, (1, 1) 0.1125
+    assert best_first(LOGP, TOKENS, [], 3) == (((0,), (0, 0), (0, 1)), 0)
+    assert best_first(LOGP, TOKENS, [], 4) == (((0,), (0, 0), (0, 1), (1,)), 0)
+    assert best_first(LOGP, TOKENS, [], 10) == (((0,), (0, 0), (0, 1), (1,), (1, 0), (1, 1)), 0)  # all there are
+
+
+def test_the_dynamic_tree_ranks_a_copy_among_the_heads_candidates_by_hand() -> None:
+    # The copy proposes 11, 30, 31. Token 11 is head 0's rank 1: as the copy's it is worth COPY_PRIOR 0.8. Token 30
+    # is not among head 1's candidates, so the copy goes on as its own nodes below (1,): 0.64, then 0.512, with
+    # nothing else below them. Order: (1,) 0.8, copy 0.64, (0,) 0.6, copy 0.512, (1, 0) 0.4, (1, 1) 0.36, ...
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 2) == (((1,),), 1)
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 5) == (((1,), (0,), (1, 0)), 2)
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 7) == (((1,), (0,), (1, 0), (1, 1), (0, 0)), 2)
+    # a copy whose first token no head proposes starts its own chain at the root; one past the heads' depth too
+    assert best_first(LOGP, TOKENS, [12], 3) == (((0,), (0, 0)), 1)
+    assert best_first(LOGP, TOKENS, [10, 20, 40], 4) == (((0,), (0, 0), (0, 1)), 1)
+    # the decoder's tree for the second case: the copy runs through node 2 (11), its new nodes hang below it
+    tree = paths_tree(tuple(sorted(((1,), (0,), (1, 0)), key=lambda p: (len(p), p))))
+    assert follow(tree, [9, 10, 11, 20], [11, 30, 31]) == (2, 1)
+    assert paths_tree(()).num_nodes == 0  # every node may go to the copy: the root alone before grafting
+
+
+def test_the_dynamic_tree_is_a_tree_of_the_requested_size() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for nodes in (1, 5, 11, 30):
+        logp = torch.randn(4, 8, generator=generator).log_softmax(-1).sort(-1, descending=True).values.tolist()
+        tokens = [list(range(100 * d, 100 * d + 8)) for d in range(4)]
+        paths, chain = best_first(logp, tokens, [100, 207, 300, 401, 555, 556], nodes)
+        assert len(paths) + chain == nodes and len(set(paths)) == len(paths)
+        assert all(len(p) == 1 or p[:-1] in paths[: paths.index(p)] for p in paths)  # every parent chosen first
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "small", "medium", "wide"])
 def test_greedy_equals_plain_decoding(target, heads, plain_outputs, tree) -> None:
     decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
                             MedusaParams(tree=tree), heads)
@@ -126,10 +165,13 @@ def test_greedy_equals_plain_decoding(target, heads, plain_outputs, tree) -> Non
     assert accepted > 0  # the heads really proposed tokens the target kept
 
 
-@pytest.mark.parametrize("tree, copy_ngram", [("small", 3), ("wide", 1), ("chain", 8)])
-def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, tree, copy_ngram) -> None:
+# (the small tree copies past the pass: with AVX2 the tree and the last token fill one, leaving a copy no room)
+@pytest.mark.parametrize("tree, copy_ngram, options", [("dynamic", 3, {}), ("dynamic", 1, {"tree_nodes": 16}),
+                                                       ("small", 3, {"copy_in_pass": False}), ("wide", 1, {}),
+                                                       ("chain", 8, {})])
+def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, tree, copy_ngram, options) -> None:
     decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                            MedusaParams(tree=tree, copy_ngram=copy_ngram, copy_tokens=6), heads)
+                            MedusaParams(tree=tree, copy_ngram=copy_ngram, copy_tokens=6, **options), heads)
     grafted = 0
     for prompt in PROMPTS:
         output, trace = generate(decoder, prompt)
@@ -148,7 +190,7 @@ def test_copies_add_at_most_the_rows_left_in_one_pass(target, heads, plain_outpu
 
     monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
     decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                            MedusaParams(copy_ngram=3, copy_tokens=12, copy_in_pass=copy_in_pass), heads)
+                            MedusaParams(tree="small", copy_ngram=3, copy_tokens=12, copy_in_pass=copy_in_pass), heads)
     assert decoder.params()["copy_room"] == (rows - 6 if copy_in_pass else None)
     widest = 0
     for prompt in PROMPTS:
@@ -156,6 +198,23 @@ def test_copies_add_at_most_the_rows_left_in_one_pass(target, heads, plain_outpu
         assert output.token_ids == plain_outputs[prompt], prompt
         widest = max([widest] + [e.num_tokens for e in trace.events if e.KIND == "verify"])
     assert widest <= rows if copy_in_pass else widest > rows
+
+
+@pytest.mark.parametrize("rows", [4, 12, None])
+def test_the_dynamic_tree_fills_one_pass_of_the_kernels_rows(target, heads, monkeypatch, rows) -> None:
+    """By default the dynamic tree and the last token take exactly one pass of the kernel's rows, copies included
+    (DYNAMIC_NODES nodes where there are no passes); tree_nodes sets another size."""
+    from playground.models.transformer import Transformer
+
+    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
+    for nodes in (None, 7):
+        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
+                                MedusaParams(tree_nodes=nodes, copy_ngram=3), heads)
+        expected = nodes or (rows - 1 if rows else DYNAMIC_NODES)
+        assert decoder.params()["tree_nodes"] == expected
+        _, trace = generate(decoder, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")
+        assert {e.num_tokens for e in trace.events if e.KIND == "verify"} == {expected + 1}
+        assert {len(e.tokens) for e in trace.events if isinstance(e, TreeEvent)} == {expected}
 
 
 def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
@@ -208,7 +267,8 @@ def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, mon
 
 
 def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=16), MedusaParams(), heads)
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=16), MedusaParams(tree="small"),
+                            heads)
     _, trace = generate(decoder, "List the numbers from one to ten.")
     trees = [e for e in trace.events if isinstance(e, TreeEvent)]
     assert trees and all(len(e.paths) == len(e.tokens) == len(e.probs) == 5 for e in trees)
@@ -219,6 +279,22 @@ def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
         assert all(len(p) == i + 1 and p[:-1] == (paths[i - 1] if i else []) for i, p in enumerate(paths))
     assert trace.params["tree"] == "small" and trace.params["acceptance"] == "lossless"
     assert Trace.from_json(trace.to_json()) == trace  # tree events round-trip exactly
+
+
+def test_trace_carries_each_step_of_the_dynamic_tree(target, heads) -> None:
+    """Each step's dynamic tree is in its event as paths of ranks, every node's parent among them; the shapes change
+    from step to step."""
+    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
+                            MedusaParams(tree_nodes=8), heads)
+    _, trace = generate(decoder, "Explain what a hash table is.")
+    trees = [e for e in trace.events if isinstance(e, TreeEvent)]
+    assert trees and all(len(e.paths) == len(e.tokens) == 8 for e in trees)
+    for event in trees:
+        paths = {tuple(path) for path in event.paths}
+        assert all(len(p) == 1 or tuple(p[:-1]) in paths for p in event.paths)
+    assert len({tuple(map(tuple, e.paths)) for e in trees}) > 1
+    assert trace.params["tree"] == "dynamic" and trace.params["tree_nodes"] == 8
+    assert Trace.from_json(trace.to_json()) == trace
 
 
 def test_trace_carries_the_grafted_copy(target, heads) -> None:
@@ -283,22 +359,24 @@ def test_greedy_tree_walk_by_hand() -> None:
     assert verdict.path == () and verdict.token == 3 and verdict.corrected and verdict.judged == ((1, False, None),)
 
 
-def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(target, heads) -> None:
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(target, heads, tree) -> None:
     sampling = SamplingParams(temperature=1.0, top_k=4)
     generation = GenerationParams(max_new_tokens=2, raw=True)
     proposed = assert_follows_target(
-        target, lambda s: MedusaDecoder(target, s, generation, MedusaParams(tree="chain"), heads),
+        target, lambda s: MedusaDecoder(target, s, generation, MedusaParams(tree=tree), heads),
         "The best thing about summer is", sampling)
     assert proposed == 300  # every run verified a tree in its first step
 
 
-def test_lossless_medusa_with_copies_matches_the_target_distribution(target, heads) -> None:
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_lossless_medusa_with_copies_matches_the_target_distribution(target, heads, tree) -> None:
     """On a repetitive prompt most first steps graft a copy; the first two tokens still follow the target."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
     generation = GenerationParams(max_new_tokens=2, raw=True)
 
     def make(s: SamplingParams) -> MedusaDecoder:
-        return MedusaDecoder(target, s, generation, MedusaParams(tree="chain", copy_ngram=3), heads)
+        return MedusaDecoder(target, s, generation, MedusaParams(tree=tree, copy_ngram=3), heads)
 
     assert_follows_target(target, make, REPEATING, sampling)
     grafted = sum(any(e.copy_parent is not None for e in generate(make(replace(sampling, seed=seed)), REPEATING)[1]
@@ -337,6 +415,12 @@ def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
         MedusaParams(copy_ngram=2, copy_tokens=17)
     with pytest.raises(ConfigError, match="copy_in_pass must be true or false, got 'yes'"):
         MedusaParams(copy_in_pass="yes")
+    with pytest.raises(ConfigError, match=r"tree_nodes must be an integer in \[1, 64\], got 0"):
+        MedusaParams(tree_nodes=0)
+    with pytest.raises(ConfigError, match="tree_nodes sizes the dynamic tree only; tree 'wide' has its own nodes"):
+        MedusaParams(tree="wide", tree_nodes=8)
+    with pytest.raises(ConfigError, match="copy_in_pass: the dynamic tree holds its copy within tree_nodes"):
+        MedusaParams(copy_ngram=3, copy_in_pass=False)
     deep = tmp_path / "deep.json"
     deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
     with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; the heads have 4"):
@@ -357,7 +441,7 @@ def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
     _, hidden = decoder.forward(new_cache(target.model, 64, GenerationParams()), None,
                                 encode_prompt(target, "The capital of France is", GenerationParams()), 0)
     lasts = target.tokenizer.encode(" Paris London cat")
-    assert len({tuple(decoder.propose(hidden[-1], last)[0]) for last in lasts}) > 1
+    assert len({tuple(decoder.propose(hidden[-1], last, [last], 8)[1]) for last in lasts}) > 1
     logits = [heads.logits(hidden[-1], target.model.embed_tokens.weight[last]) for last in lasts]  # each (K, V')
     assert not any(torch.allclose(a, b, atol=1e-3) for a, b in combinations(logits, 2))
 
@@ -373,7 +457,9 @@ def test_fused_blocks_and_one_top_k_propose_what_the_heads_module_does(target, h
     decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="medium"), heads)
     for row, last in enumerate(lasts):
         probs = reference[:, row].softmax(-1)  # (K, V')
-        tokens, head_probs = decoder.propose(hidden[row], last)
+        tree, ids, head_probs, graft = decoder.propose(hidden[row], last, [last], 8)
+        assert tree is decoder.tree and ids[0] == last and graft is None
+        tokens = ids[1:]
         ranked = [probs[len(path) - 1].topk(path[-1] + 1) for path in decoder.tree.paths]
         assert tokens == [int(heads.vocab_ids[top.indices[-1]]) for top in ranked]
         assert head_probs == pytest.approx([float(top.values[-1]) for top in ranked], abs=1e-5)

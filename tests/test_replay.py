@@ -46,12 +46,13 @@ def test_lookup_replay_on_a_hand_checked_case() -> None:
     assert replay_proposers.replay(PROMPT, OUTPUT, closed) == 1.0
 
 
-@pytest.mark.parametrize("copy_ngram", [0, 3], ids=["heads", "heads+copies"])
-def test_medusa_replay_commits_what_the_decoder_does(target, copy_ngram: int) -> None:
+@pytest.mark.parametrize("tree, copy_ngram", [("dynamic", 0), ("dynamic", 3), ("small", 3)],
+                         ids=["heads", "heads+copies", "small+copies"])
+def test_medusa_replay_commits_what_the_decoder_does(target, tree: str, copy_ngram: int) -> None:
     """Replayed over the decoder's own greedy output, Medusa's proposer commits as many tokens per target forward
     as the run did: the replay reads the same hidden states and builds the same trees."""
     generation = GenerationParams(max_new_tokens=NEW_TOKENS)
-    decoder = MedusaDecoder(target, SamplingParams(), generation, MedusaParams(copy_ngram=copy_ngram))
+    decoder = MedusaDecoder(target, SamplingParams(), generation, MedusaParams(tree=tree, copy_ngram=copy_ngram))
     for prompt in (*PROMPTS[:4], "Repeat exactly: red green blue red green blue red green blue"):
         output, trace = generate(decoder, prompt)
         prompt_ids, output_ids = encode_prompt(target, prompt, generation), list(output.token_ids)

@@ -19,12 +19,13 @@ text repeats from its prompt; a copy reaches further there than any head.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import ConfigError, GenerationParams, MedusaParams, SamplingParams
+from ..config import DYNAMIC_NODES, DYNAMIC_TREE, ConfigError, GenerationParams, MedusaParams, SamplingParams
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
 from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities, verify_tree_greedy,
@@ -32,7 +33,7 @@ from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities,
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .prompt_lookup import Lookup, find_continuation
-from .tree import TreeBuffers, follow, graft_chain, load_tree
+from .tree import TreeBuffers, best_first, follow, grafted, load_tree, paths_tree
 
 
 def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
@@ -90,62 +91,78 @@ class MedusaDecoder(Decoder):
         if self.spec.acceptance == "greedy" and not sampling.greedy:
             raise ConfigError("acceptance greedy needs temperature 0; sample with lossless (exact) or typical (lossy)")
         self.heads = heads or load_heads(self.spec.heads, target)
-        self.tree: TreeBuffers = load_tree(self.spec.tree)
+        rows = target.model.rows_per_pass
+        self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
+        if self.spec.tree == DYNAMIC_TREE:
+            self.tree: TreeBuffers | None = None
+            # nodes per step: what one pass of the native kernel's rows has beside the last token
+            self.nodes = self.spec.tree_nodes or (rows - 1 if rows is not None and rows > 1 else DYNAMIC_NODES)
+            self.depth = self.heads.heads.num_heads
+            self.copy_room = None  # the copy is among the dynamic tree's nodes
+            return
+        self.tree = load_tree(self.spec.tree)
         if self.tree.depth > self.heads.heads.num_heads:
             raise ConfigError(f"tree: depth {self.tree.depth} needs that many heads; the heads have "
                               f"{self.heads.heads.num_heads}")
         if max(self.tree.top_k()) > self.heads.vocab_size:
             raise ConfigError(f"tree: a depth takes the top {max(self.tree.top_k())} tokens; the heads score only "
                               f"{self.heads.vocab_size}")
-        self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
-        rows = target.model.rows_per_pass
+        self.nodes = self.tree.num_nodes + (self.spec.copy_tokens if self.spec.copy_ngram else 0)
+        self.depth = self.tree.depth
         spare = rows - 1 - self.tree.num_nodes if rows is not None else -1  # rows a pass has left beside the tree
         # the most new nodes a copy may add (None: its copy_tokens), so that the forward stays one pass
         self.copy_room = spare if self.spec.copy_in_pass and spare >= 0 else None
-        self.grafted: dict[tuple[int, int], TreeBuffers] = {}  # (attach node, chain length) -> tree with the chain
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
-                "tree_nodes": self.tree.num_nodes, "acceptance": self.spec.acceptance,
+                "tree_nodes": self.nodes if self.tree is None else self.tree.num_nodes, "acceptance": self.spec.acceptance,
                 "epsilon": self.spec.epsilon, "alpha": self.spec.alpha, "copy_ngram": self.spec.copy_ngram,
                 "copy_tokens": self.spec.copy_tokens, "copy_in_pass": self.spec.copy_in_pass,
                 "copy_room": self.copy_room}
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, last: int) -> tuple[list[int], list[float]]:
-        """Tree tokens and head probabilities for nodes 1..n from the hidden state (E,) that predicted `last`. A
-        head's probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one)."""
-        model, tree, heads = self.target.model, self.tree, self.heads
-        logits = heads.logits(hidden, model.embed_tokens.weight[last])[: tree.depth]  # (D, V') over vocab_ids
+    def propose(self, hidden: torch.Tensor, last: int, sequence: list[int],
+                left: int) -> tuple[TreeBuffers, list[int], list[float], Graft | None]:
+        """The step's tree, its tokens (ids[0] = `last`, then nodes 1..n) and proposal probabilities (nodes 1..n),
+        and the copy grafted on, from the hidden state (E,) that predicted `last` and the text so far (`sequence`,
+        ending with `last`); `left`: tokens still to generate, past which no copy is proposed. A head's
+        probabilities are its softmax over the heads' vocabulary (all of it, or the reduced one); a copied token's
+        is 1 (a one-hot proposal)."""
+        model, heads = self.target.model, self.heads
+        logits = heads.logits(hidden, model.embed_tokens.weight[last])[: self.depth]  # (D, V') over vocab_ids
         # one top-k for every depth (a depth past its own k never reads the extra ranks), normalised on its values
-        top = logits.topk(max(tree.top_k()), dim=-1)  # values, indices: (D, k)
-        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp().tolist()  # (D, k)
+        k = min(self.nodes, heads.vocab_size) if self.tree is None else max(self.tree.top_k())
+        top = logits.topk(k, dim=-1)  # values, indices: (D, k)
+        logp = (top.values - logits.logsumexp(-1, keepdim=True)).tolist()  # (D, k)
         token_ids = heads.vocab_ids[top.indices].tolist()  # (D, k)
-        nodes = [(len(path) - 1, path[-1]) for path in tree.paths]  # (depth index, rank) of nodes 1..n
-        return [token_ids[d][rank] for d, rank in nodes], [probs[d][rank] for d, rank in nodes]
+        found = self.lookup(sequence, left)
+        if self.tree is None:
+            paths, chain = best_first(logp, token_ids, found.tokens if found else [], self.nodes)
+            tree = paths_tree(tuple(sorted(paths, key=lambda p: (len(p), p))))
+        else:
+            tree, chain = self.tree, self.copy_room
+        ranks = [(len(path) - 1, path[-1]) for path in tree.paths]  # (depth index, rank) of nodes 1..n
+        ids = [last, *(token_ids[d][rank] for d, rank in ranks)]
+        probs = [math.exp(logp[d][rank]) for d, rank in ranks]
+        if not found:
+            return tree, ids, probs, None
+        attach, matched = follow(tree, ids, found.tokens)
+        if chain is not None:  # tokens on the tree's own nodes cost no row
+            found = replace(found, tokens=found.tokens[: matched + chain])
+        graft = Graft(found, attach, matched)
+        if graft.tokens:
+            tree = grafted(tree, attach, len(graft.tokens))
+            ids += graft.tokens
+            probs += [1.0] * len(graft.tokens)
+        return tree, ids, probs, graft
 
-    def graft(self, sequence: list[int], ids: list[int], budget: int) -> Graft | None:
-        """The copy to graft onto this step's tree (node i holds ids[i]), if any: prompt lookup's match for the
-        text so far. Every match is grafted: on the benchmark suite (CPU, `small` tree) grafting only copies
-        whose n-gram length had lately been accepted well committed fewer tokens per forward and ran slower."""
+    def lookup(self, sequence: list[int], left: int) -> Lookup | None:
+        """The copy this step proposes, if any: prompt lookup's match for the text so far. Every match is
+        proposed: on the benchmark suite (CPU, `small` tree) grafting only copies whose n-gram length had lately
+        been accepted well committed fewer tokens per forward and ran slower."""
         if not self.spec.copy_ngram:
             return None
-        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget), self.eos_ids)
-        if not found:
-            return None
-        attach, matched = follow(self.tree, ids, found.tokens)
-        if self.copy_room is not None:  # tokens on the tree's own nodes cost no row
-            found = replace(found, tokens=found.tokens[: matched + self.copy_room])
-        return Graft(found, attach, matched)
-
-    def tree_with(self, graft: Graft | None) -> TreeBuffers:
-        """The step's tree: the heads' tree, with the graft's new nodes (built once per attach node and length)."""
-        if graft is None or not graft.tokens:
-            return self.tree
-        key = (graft.attach, len(graft.tokens))
-        if key not in self.grafted:
-            self.grafted[key] = graft_chain(self.tree, *key)
-        return self.grafted[key]
+        return find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, left), self.eos_ids)
 
     @torch.inference_mode()
     def forward(self, cache: Any, tree: TreeBuffers | None, ids: list[int],
@@ -177,8 +194,7 @@ class MedusaDecoder(Decoder):
     def run(self, prompt_ids: list[int]) -> EventStream:
         clock, generator, stopper = self.start()
         target = self.target.model
-        copies = self.spec.copy_tokens if self.spec.copy_ngram else 0
-        capacity = len(prompt_ids) + self.generation.max_new_tokens + self.tree.num_nodes + copies + 1
+        capacity = len(prompt_ids) + self.generation.max_new_tokens + self.nodes + 1
         cache = new_cache(target, capacity, self.generation)
         logits, hidden_all = self.forward(cache, None, prompt_ids, 0)  # causal: (T, V), (T, E)
         last, done = yield from self.first_token(logits[-1], cache, len(prompt_ids), clock, generator, stopper)
@@ -189,14 +205,9 @@ class MedusaDecoder(Decoder):
             step += 1
             step_start = clock.now()
             base = cache.length(0)  # position of `last`
-            nodes, head_probs = self.propose(hidden, last)  # accepted nodes past max_new_tokens are cut by the stopper
-            ids = [last, *nodes]
-            # a copy, unlike the heads' nodes, is never proposed past max_new_tokens
-            graft = self.graft(sequence, ids, self.generation.max_new_tokens - len(stopper.tokens))
-            tree = self.tree_with(graft)
-            if graft:
-                ids += graft.tokens
-                head_probs += [1.0] * len(graft.tokens)  # a copied token was proposed with certainty
+            # accepted nodes past max_new_tokens are cut by the stopper; a copy is never proposed past them
+            tree, ids, head_probs, graft = self.propose(hidden, last, sequence,
+                                                        self.generation.max_new_tokens - len(stopper.tokens))
             draft_end = clock.now()
             logits, hidden_all = self.forward(cache, tree, ids, base)  # (n+1, V), (n+1, E)
             verify_end = clock.now()

@@ -5,21 +5,29 @@ committed token), then rank i1 of head 1's top-k, and so on; its depth is its le
 per tree: node order, parents, the attention mask among the new tokens, position offsets and the
 root-to-leaf paths used to pick the accepted one. Node 0 is the root; nodes 1..n follow in (depth, path) order.
 A step may graft a chain of copied tokens below one node (`graft_chain`); its nodes come after the heads'.
+The dynamic tree (`best_first`) is chosen anew at every step from the heads' own probabilities.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import DYNAMIC_TREE, ConfigError
 
 MAX_TREE_NODES = 128
 MAX_TREE_DEPTH = 16
+# The probability the dynamic tree's ranking gives each token a copy proposes. Replayed over the benchmark suite
+# (scripts/replay_proposers.py, 11 nodes, copies of 8 after a 3-gram match), 0.6 / 0.8 / 0.9 committed 2.33 /
+# 2.34 / 2.32 tokens per target forward (means over the prompts): the ranking is not sensitive to it.
+COPY_PRIOR = 0.8
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,12 @@ def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
     """(N, N) bool: node i sees itself and its ancestors; parents[i] is i's parent, -1 for a root (each parent
     numbered before its children)."""
     size = len(parents)
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    for node in range(size):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, ancestor] = True
-            ancestor = parents[ancestor]
-    return mask
+    rows: list[list[bool]] = []  # a node's row is its parent's with itself added: built in Python, one tensor
+    for node, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [False] * size
+        row[node] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).reshape(size, size)
 
 
 def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> TreeBuffers:
@@ -115,6 +122,19 @@ def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     return _buffers(ordered, parents)
 
 
+@lru_cache(maxsize=1024)
+def paths_tree(paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
+    """`build_tree` built once per shape: the dynamic tree repeats a few hundred shapes over a run. No paths: the
+    root alone (a dynamic tree may spend every node on a copy)."""
+    return build_tree(paths) if paths else _buffers((), (-1,))
+
+
+@lru_cache(maxsize=1024)
+def grafted(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
+    """`graft_chain` built once per tree, attach node and length."""
+    return graft_chain(tree, attach, length)
+
+
 def graft_chain(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
     """`tree` with a chain of `length` more nodes below node `attach` (0: the root): nodes n + 1, ..., n + length,
     each the child of the one before. The chain carries tokens from elsewhere (a copy of earlier text), so it
@@ -139,12 +159,57 @@ def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int
     return node, matched
 
 
+def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int],
+               nodes: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The dynamic tree: the `nodes` candidates with the highest estimated probability of being accepted.
+
+    logp[d][r], tokens[d][r] (D, k): head d's log-probability and token at rank r, best first; copy: the tokens a
+    copy of earlier text proposes after the root (empty: none). A candidate's estimate is the product of its
+    heads' probabilities along its path (the heads guess independently of one another), with COPY_PRIOR for a
+    token the copy proposes at that place when that is higher. Every ancestor of a chosen node outranks it, so
+    the choice is a tree. Where the copy's token is not among its head's top k (or lies past the heads' depth) the
+    copy goes on as a chain of its own nodes below the deepest head node it runs through, with nothing else below
+    it: replayed over the benchmark suite (11 nodes, copies of 8), letting the heads' candidates hang below copied
+    nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts).
+    Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
+    prior, depth_limit, order = math.log(COPY_PRIOR), len(logp), itertools.count()
+    # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path)
+    frontier: list[tuple[float, int, tuple[int, ...] | None, bool]] = []
+
+    def offer(path: tuple[int, ...], score: float, on_copy: bool) -> None:
+        """Put the children of the head node `path` (the root: ()) on the frontier."""
+        depth = len(path)
+        copied = copy[depth] if on_copy and depth < len(copy) else None
+        if depth < depth_limit:
+            for rank, (lp, token) in enumerate(zip(logp[depth], tokens[depth])):
+                lp = max(lp, prior) if token == copied else lp
+                heapq.heappush(frontier, (-(score + lp), next(order), path + (rank,), token == copied))
+        if copied is not None and (depth >= depth_limit or copied not in tokens[depth]):
+            heapq.heappush(frontier, (-(score + prior), next(order), None, True))
+
+    chosen: list[tuple[int, ...]] = []
+    chain, copy_depth = 0, 0  # copy-only nodes taken, and the depth of the copy's deepest head node
+    offer((), 0.0, True)
+    while frontier and len(chosen) + chain < nodes:
+        estimate, _, path, on_copy = heapq.heappop(frontier)
+        if path is None:
+            chain += 1
+            if copy_depth + chain < len(copy):
+                heapq.heappush(frontier, (estimate - prior, next(order), None, True))
+            continue
+        chosen.append(path)
+        if on_copy:
+            copy_depth = len(path)
+        offer(path, -estimate, on_copy)
+    return tuple(chosen), chain
+
+
 # Named trees. On the 2-core CPU a target forward over 1 + n tokens cost 1.7x a one-token step for the 4-node
 # chain, 1.95x for "small" and about 3.5x for the 9-node "medium" (bench `verify cost ratio`, measured before
 # `linear` made its input contiguous, which lowered every wide forward's cost); with the shipped
-# heads "small" and "chain" were fastest (0.57x plain on 6 suite prompts), "small" committing more per forward,
-# so it is the default. Where a wider forward is nearly free (a GPU with a model large enough to be bound by
-# reading weights), "wide" suits better.
+# heads "small" and "chain" were fastest (0.57x plain on 6 suite prompts), "small" committing more per forward.
+# The dynamic tree (best_first), now the default, commits more than any of them at the same width. Where a wider
+# forward is nearly free (a GPU with a model large enough to be bound by reading weights), "wide" suits better.
 TREES: dict[str, list[tuple[int, ...]]] = {
     "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "small": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
@@ -152,16 +217,16 @@ TREES: dict[str, list[tuple[int, ...]]] = {
     "wide": [(0,), (1,), (2,), (3,), (4,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0), (0, 0, 0),
              (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (1, 0, 0, 0)],
 }
-DEFAULT_TREE = "small"
 
 
 def load_tree(spec: str) -> TreeBuffers:
-    """A named tree (see TREES) or a JSON file holding a list of paths."""
+    """A named tree (see TREES) or a JSON file holding a list of paths (the dynamic tree has no fixed buffers)."""
     if spec in TREES:
         return build_tree(TREES[spec])
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ConfigError(f"tree must be one of {', '.join(TREES)} or a JSON file of paths, got {spec!r}")
+        raise ConfigError(f"tree must be one of {', '.join((DYNAMIC_TREE, *TREES))} or a JSON file of paths, got "
+                          f"{spec!r}")
     try:
         paths = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:

@@ -12,11 +12,11 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams,
+from ..config import (DYNAMIC_TREE, ConfigError, GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams,
                       SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
                         SpeculativeDecoder, encode_prompt, stream_generate)
-from ..decoding.tree import DEFAULT_TREE, TREES
+from ..decoding.tree import TREES
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError, TreeEvent
@@ -68,7 +68,7 @@ def as_float(name: str, value: Any) -> float:
 
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
-                  window: Any, ngram: Any, guesses: Any, tree: str = "small",
+                  window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE,
                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
                   text_ngram: Any = 0, pools: Any = POOLS, confidence: Any = 0.0) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
@@ -281,7 +281,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                              info="seed guesses from the prompt, the text so far, the target's "
                                                   "habitual phrases")
                 with gr.Row():
-                    tree = gr.Dropdown(list(TREES), value=DEFAULT_TREE, label="Medusa tree")
+                    tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")

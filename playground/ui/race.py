@@ -32,7 +32,7 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "speculative (stops below q 0.5)": ("speculative", "contiguous", {"confidence": 0.5}),
     "prompt lookup": ("prompt-lookup", "contiguous", {}),
     "lookahead": ("lookahead", "contiguous", {}),
-    "Medusa (small tree)": ("medusa", "contiguous", {}),
+    "Medusa (dynamic tree)": ("medusa", "contiguous", {}),
     "Medusa + prompt copies": ("medusa", "contiguous", {"copy_ngram": 3}),
     "plain, paged KV": ("ar", "paged", {}),
 }
@@ -117,7 +117,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(PROMPT, label="Prompt", lines=3, max_lines=10)
             racers = gr.CheckboxGroup(list(RACERS), value=["speculative (gamma 4)", "prompt lookup", "lookahead",
-                                                               "Medusa (small tree)"],
+                                                               "Medusa (dynamic tree)"],
                                       label="Race against plain decoding (1 to 4)")
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
