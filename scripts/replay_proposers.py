@@ -12,7 +12,7 @@ tree for each named tree, alone and with prompt copies grafted on, proposed by t
 heads (`--medusa-heads`, default the shipped ones; `dynamic` for the tree chosen at every step) reading the target's hidden states over plain decoding's tokens.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
-        [--medusa-trees dynamic,small,medium] [--medusa-heads FOLDER]
+        [--medusa-trees dynamic,small,medium] [--tree-nodes N] [--medusa-heads FOLDER]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
 replays skip the model. Speed is not replayed: a wider verification costs more (see README, Command line).
@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench import GROUNDED  # noqa: E402
-from playground.config import (LOOKUP_NATIVE_OVERHEAD, ConfigError, GenerationParams, LookaheadParams,  # noqa: E402
-                               MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
+from playground.config import (DYNAMIC_TREE, LOOKUP_NATIVE_OVERHEAD, ConfigError, GenerationParams,  # noqa: E402
+                               LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt, generate  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
 from playground.decoding.base import new_cache  # noqa: E402
@@ -169,6 +169,8 @@ def main() -> int:
                              "the shipped one); 'none' to replay without")
     parser.add_argument("--medusa-trees", type=names, default=[],
                         help="Medusa trees to replay, comma-separated names or JSON files (default: none)")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="nodes of the dynamic tree (default: the decoder's for this machine)")
     parser.add_argument("--medusa-heads", default=None,
                         help="Medusa heads folder (default: the shipped heads of the embedded model)")
     args = parser.parse_args()
@@ -184,7 +186,8 @@ def main() -> int:
         generation = GenerationParams(max_new_tokens=args.new_tokens)
         # copies as the benchmark grafts them: prompt lookup's n-gram size and proposal length
         medusa = {(tree, copies): MedusaDecoder(target, SamplingParams(), generation, MedusaParams(
-                      heads=args.medusa_heads, tree=tree, copy_ngram=copies, copy_tokens=args.num_draft))
+                      heads=args.medusa_heads, tree=tree, copy_ngram=copies, copy_tokens=args.num_draft,
+                      tree_nodes=args.tree_nodes if tree == DYNAMIC_TREE else None))
                   for tree in args.medusa_trees for copies in (0, args.max_ngram)}
     except (ConfigError, ModelLoadError) as error:
         parser.error(str(error))
@@ -208,16 +211,17 @@ def main() -> int:
             (lambda run, m=m, k=k, seeds=TextPools.seeded(args.guesses, m, k, corpus):
              TextPoolProposer(run["prompt_ids"], m, args.guesses, k, seeds))
             for m in args.text_ngrams for k in args.contexts} if corpus else {}),
-        **{f"medusa, tree {tree}" + (f", copies ({copies}-gram, {args.num_draft} tokens)" if copies else ""):
+        **{f"medusa, tree {tree}" + (f" ({decoder.nodes} nodes)" if decoder.tree is None else "")
+           + (f", copies ({copies}-gram, {args.num_draft} tokens)" if copies else ""):
            (lambda run, decoder=decoder: MedusaProposer(decoder, run["prompt_ids"], run["output_ids"]))
            for (tree, copies), decoder in medusa.items()},
     }
     print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
-    print(f"{'proposer':50s} {'median':>7s} {'grounded':>9s}  per prompt")
+    print(f"{'proposer':60s} {'median':>7s} {'grounded':>9s}  per prompt")
     for name, make in proposers.items():
         rates = [replay(r["prompt_ids"], r["output_ids"], make(r)) for r in runs]
         grounded = [x for x, r in zip(rates, runs) if r["category"] in GROUNDED]
-        print(f"{name:50s} {statistics.median(rates):7.2f} {statistics.median(grounded):9.2f}  "
+        print(f"{name:60s} {statistics.median(rates):7.2f} {statistics.median(grounded):9.2f}  "
               + " ".join(f"{x:.2f}" for x in rates))
     return 0
 
