@@ -318,10 +318,10 @@ class MedusaParams:
     copy_ngram: when above 0, a step whose last 1..copy_ngram tokens occur earlier in the prompt or output
     grafts up to copy_tokens tokens copied from there (as prompt lookup proposes them) onto the tree (the dynamic
     tree ranks them among the heads' candidates); 0 proposes the heads' tree alone. copy_in_pass, for a named or
-    file tree: where the tree and the last token fit one pass of the native
-    CPU kernel's rows (`Transformer.rows_per_pass`), a copy adds at most the nodes left in that pass (it may still
-    run further down the tree's own nodes), so the step's forward stays one pass; False grafts up to copy_tokens
-    new nodes whatever the width. Measured on a 2-core AVX-512 Xeon (12 rows, `small` tree: 6 new nodes at most;
+    file tree: where the tree and the last token fit one pass of the native CPU kernel's rows
+    (`Transformer.rows_per_pass`), a copy adds at most the nodes left in that pass (it may still run further down
+    the tree's own nodes), so the step's forward stays one pass; False grafts up to copy_tokens new nodes whatever
+    the width. Measured on a 2-core AVX-512 Xeon (12 rows, `small` tree: 6 new nodes at most;
     README, Medusa): a second pass cost more than the longer copies brought."""
 
     heads: str | None = None

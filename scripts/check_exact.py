@@ -54,7 +54,7 @@ def main() -> int:
             f"lookahead-text6/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(text_ngram=6)),
             f"lookahead-context1/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(context=1)),
             **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
-               for tree in ("small", "wide")},
+               for tree in ("dynamic", "small", "wide")},
             f"medusa-copy/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(copy_ngram=3)),
         }
 

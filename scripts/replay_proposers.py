@@ -8,8 +8,9 @@ and free of the machine's timing noise. Replayed over the benchmark suite: promp
 `--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
 n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
 pool (`--corpus`), without the Jacobi window, whose guesses need the model; and with `--medusa-trees`, Medusa's
-tree for each named tree, alone and with prompt copies grafted on, proposed by the decoder's own code from the
-heads (`--medusa-heads`, default the shipped ones; `dynamic` for the tree chosen at every step) reading the target's hidden states over plain decoding's tokens.
+tree for each tree named (`dynamic`: chosen at every step, of `--tree-nodes`), alone and with prompt copies
+grafted on, proposed by the decoder's own code from the heads (`--medusa-heads`, default the shipped ones) reading
+the target's hidden states over plain decoding's tokens.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
         [--medusa-trees dynamic,small,medium] [--tree-nodes N] [--medusa-heads FOLDER]

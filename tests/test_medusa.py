@@ -1,7 +1,8 @@
 """Medusa: tree buffers against hand-computed trees (grafted copies too), the dynamic tree's choice by hand, the
 committed KV against a recomputation after every step, greedy exactness on every test prompt with the dynamic and
-three named trees, with copies and on both caches, the lossless tree sampler against the analytic distribution (synthetic and on the real model, with and
-without copies), typical acceptance labelled lossy, bad settings."""
+three named trees, with copies and on both caches, the lossless tree sampler against the analytic distribution
+(synthetic and on the real model, named and dynamic trees, with and without copies), typical acceptance labelled
+lossy, bad settings."""
 
 from __future__ import annotations
 

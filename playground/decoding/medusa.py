@@ -33,7 +33,7 @@ from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities,
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .prompt_lookup import Lookup, find_continuation
-from .tree import TreeBuffers, best_first, follow, grafted, load_tree, paths_tree
+from .tree import TreeBuffers, best_first, follow, graft_chain, load_tree, paths_tree
 
 
 def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
@@ -115,7 +115,8 @@ class MedusaDecoder(Decoder):
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "heads": str(self.heads.folder), "tree": self.spec.tree,
-                "tree_nodes": self.nodes if self.tree is None else self.tree.num_nodes, "acceptance": self.spec.acceptance,
+                "tree_nodes": self.nodes if self.tree is None else self.tree.num_nodes,
+                "acceptance": self.spec.acceptance,
                 "epsilon": self.spec.epsilon, "alpha": self.spec.alpha, "copy_ngram": self.spec.copy_ngram,
                 "copy_tokens": self.spec.copy_tokens, "copy_in_pass": self.spec.copy_in_pass,
                 "copy_room": self.copy_room}
@@ -151,7 +152,7 @@ class MedusaDecoder(Decoder):
             found = replace(found, tokens=found.tokens[: matched + chain])
         graft = Graft(found, attach, matched)
         if graft.tokens:
-            tree = grafted(tree, attach, len(graft.tokens))
+            tree = graft_chain(tree, attach, len(graft.tokens))
             ids += graft.tokens
             probs += [1.0] * len(graft.tokens)
         return tree, ids, probs, graft

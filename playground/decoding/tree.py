@@ -129,21 +129,19 @@ def paths_tree(paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
     return build_tree(paths) if paths else _buffers((), (-1,))
 
 
-@lru_cache(maxsize=1024)
-def grafted(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
-    """`graft_chain` built once per tree, attach node and length."""
-    return graft_chain(tree, attach, length)
-
-
 def graft_chain(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
     """`tree` with a chain of `length` more nodes below node `attach` (0: the root): nodes n + 1, ..., n + length,
     each the child of the one before. The chain carries tokens from elsewhere (a copy of earlier text), so it
-    has no paths of ranks; `paths` stays the heads' nodes."""
+    has no paths of ranks; `paths` stays the heads' nodes. Built once per tree shape, attach node and length."""
     if not 0 <= attach <= tree.num_nodes or length < 1:
         raise ValueError(f"graft_chain: attach must be a node in [0, {tree.num_nodes}] and length >= 1")
-    n = tree.num_nodes
-    chain = (attach, *range(n + 1, n + length))
-    return _buffers(tree.paths, tree.parents + chain)
+    return _chained(tree.paths, tree.parents, attach, length)
+
+
+@lru_cache(maxsize=1024)
+def _chained(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...], attach: int, length: int) -> TreeBuffers:
+    n = len(parents) - 1
+    return _buffers(paths, parents + (attach, *range(n + 1, n + length)))
 
 
 def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int]:
