@@ -19,7 +19,7 @@ from .conftest import write_draft_copy
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
             "seed": None, "kv": "contiguous", "gamma": 4, "adaptive": False, "confidence": 0.0, "max_ngram": 3,
             "num_draft": 8, "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
-            "pools": ["prompt", "output", "corpus"], "tree": "small",
+            "pools": ["prompt", "output", "corpus"], "tree": "small", "tree_nodes": 0,
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
             "dtype": "float32", "quant": "none"}
 
@@ -111,6 +111,8 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
     ("hi", {"algo": "Medusa (tree)", "temperature": 0.5, "acceptance": "greedy (temperature 0)"},
      "acceptance greedy needs temperature 0"),
+    ("hi", {"algo": "Medusa (tree)", "tree": "dynamic", "tree_nodes": 65}, "tree_nodes must be an integer in [1, 64]"),
+    ("hi", {"algo": "Medusa (tree)", "tree_nodes": 8}, "tree_nodes sizes the dynamic tree only; tree 'small'"),
     ("x " * 9000, {}, "prompt is"),
 ])
 def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, message):
@@ -207,8 +209,8 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     _, _, uploaded, summary, *_ = client.predict(handle_file(outputs[4]), api_name="/load_trace")
     assert "replayed trace of **medusa**" in summary and "Candidate tree" in uploaded
     prompt_html, _, detail, *_ = decode(client, "Repeat exactly: red green blue, red green blue, red green blue.",
-                                        algo="Medusa (tree)", tree="dynamic", copy_ngram=3, num_draft=4,
-                                        max_new_tokens=4)
+                                        algo="Medusa (tree)", tree="dynamic", tree_nodes=6, copy_ngram=3,
+                                        num_draft=4, max_new_tokens=4)
     # the first steps graft a copy of the prompt: the tree draws it and the prompt highlights its source
     assert re.search(r"Candidate tree \(\d+ nodes; [1-4] copied after a [1-3]-token match", detail)
     assert "copy of position" in detail and "pg-source" in prompt_html.split("</style>")[-1]

@@ -12,8 +12,8 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (DYNAMIC_TREE, ConfigError, GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams,
-                      SamplingParams, SpeculativeParams)
+from ..config import (DYNAMIC_TREE, MAX_DYNAMIC_NODES, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
+                      PromptLookupParams, SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
                         SpeculativeDecoder, encode_prompt, stream_generate)
 from ..decoding.tree import TREES
@@ -68,7 +68,7 @@ def as_float(name: str, value: Any) -> float:
 
 def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
                   generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
-                  window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE,
+                  window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE, tree_nodes: Any = 0,
                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
                   text_ngram: Any = 0, pools: Any = POOLS, confidence: Any = 0.0) -> Any:
     """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
@@ -97,7 +97,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
     if algo == "medusa":
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
-        params = MedusaParams(tree=tree, acceptance=ACCEPTANCE[acceptance],
+        params = MedusaParams(tree=tree, tree_nodes=as_int("tree nodes", tree_nodes) or None, acceptance=ACCEPTANCE[acceptance],
                               copy_ngram=as_int("copy n-gram", copy_ngram), **copying)
         return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
@@ -167,7 +167,7 @@ def _save(trace: Trace) -> str:
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, confidence: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
-               acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str, dtype: str,
+               tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str, dtype: str,
                quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
@@ -185,8 +185,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
         decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses, tree, acceptance, copy_ngram, context,
-                                text_ngram, pools, confidence)
+                                max_ngram, num_draft, window, ngram, guesses, tree, tree_nodes, acceptance, copy_ngram,
+                                context, text_ngram, pools, confidence)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
         stream = stream_generate(decoder, prompt)
@@ -281,7 +281,11 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                              info="seed guesses from the prompt, the text so far, the target's "
                                                   "habitual phrases")
                 with gr.Row():
-                    tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree")
+                    tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
+                                       info="dynamic: the nodes the heads rate likeliest, chosen at every step")
+                    tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
+                                           info="auto: what one pass of the CPU kernel serves (11 with AVX-512, 5 "
+                                                "with AVX2)")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
@@ -311,7 +315,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, confidence, max_ngram,
-              num_draft, window, ngram, guesses, context, text_ngram, pools, tree, acceptance, copy_ngram, *model,
+              num_draft, window, ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram,
+              *model,
               history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
