@@ -25,8 +25,8 @@ from ..config import DYNAMIC_TREE, ConfigError
 MAX_TREE_NODES = 128
 MAX_TREE_DEPTH = 16
 # The probability the dynamic tree's ranking gives each token a copy proposes. Replayed over the benchmark suite
-# (scripts/replay_proposers.py, 11 nodes, copies of 8 after a 3-gram match), 0.6 / 0.8 / 0.9 committed 2.33 /
-# 2.34 / 2.32 tokens per target forward (means over the prompts): the ranking is not sensitive to it.
+# (scripts/replay_proposers.py, 11 nodes, copies of 8 after a 3-gram match), 0.6 / 0.8 / 0.9 committed 2.38 /
+# 2.39 / 2.39 tokens per target forward (means over the prompts): the ranking is not sensitive to it.
 COPY_PRIOR = 0.8
 
 
@@ -168,7 +168,8 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     the choice is a tree. Where the copy's token is not among its head's top k (or lies past the heads' depth) the
     copy goes on as a chain of its own nodes below the deepest head node it runs through, with nothing else below
     it: replayed over the benchmark suite (11 nodes, copies of 8), letting the heads' candidates hang below copied
-    nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts).
+    nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts, in a scratch
+    variant).
     Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
     prior, depth_limit, order = math.log(COPY_PRIOR), len(logp), itertools.count()
     # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path)
