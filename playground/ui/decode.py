@@ -97,8 +97,9 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
     if algo == "medusa":
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
-        params = MedusaParams(tree=tree, tree_nodes=as_int("tree nodes", tree_nodes) or None, acceptance=ACCEPTANCE[acceptance],
-                              copy_ngram=as_int("copy n-gram", copy_ngram), **copying)
+        params = MedusaParams(tree=tree, tree_nodes=as_int("tree nodes", tree_nodes) or None,
+                              acceptance=ACCEPTANCE[acceptance], copy_ngram=as_int("copy n-gram", copy_ngram),
+                              **copying)
         return MedusaDecoder(target, sampling, generation, params)
     return AutoregressiveDecoder(target, sampling, generation)
 
@@ -167,8 +168,8 @@ def _save(trace: Trace) -> str:
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, adaptive: bool, confidence: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
-               tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str, dtype: str,
-               quant: str, history: list[dict[str, Any]] | None,
+               tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
+               dtype: str, quant: str, history: list[dict[str, Any]] | None,
                progress: gr.Progress = gr.Progress()):
     """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
     slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
