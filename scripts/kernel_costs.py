@@ -104,7 +104,7 @@ def main() -> int:
         for p in panels:
             y = torch.empty(rows, p.out)  # (N, out)
             build.library.playground_gemm(inputs[rows, p.in_features].data_ptr(), rows, p.in_features,
-                                          p.data.data_ptr(), p.out, y.data_ptr(), threads)
+                                          p.data.data_ptr(), p.format, p.out, y.data_ptr(), threads)
             outputs.append(y)
         return time.perf_counter() - start, outputs
 

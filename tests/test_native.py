@@ -443,3 +443,86 @@ def test_the_layer_stack_equals_the_layer_by_layer_forward_bit_for_bit(kernel: n
     assert len(results[0]) == len(results[1])
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def sixteen_bit(dtype: torch.dtype, out: int, in_features: int) -> torch.Tensor:
+    """A float32 weight every value of which is exactly a `dtype` float: float16 values, or bfloat16 values beyond
+    float16's range (so that they are not float16 too)."""
+    weight = torch.randn(out, in_features, generator=torch.Generator().manual_seed(out))
+    if dtype == torch.bfloat16:
+        weight = weight * 1e6  # past float16's largest finite value, 65504
+    return weight.to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out", [200, 83, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sixteen_bit_panels_give_the_float32_panels_bits(kernel: native.Kernel, dtype: torch.dtype, out: int,
+                                                         threads: int) -> None:
+    """A weight whose every value is exactly a float16 (or bfloat16) packs in that format, half the bytes, and every
+    row count (each plan of passes and panel groups, partial last panels) gives the same bits as float32 panels."""
+    if not kernel.halves:
+        pytest.skip("this CPU's build serves float32 panels only (no AVX2 with F16C, no AVX-512)")
+    weight = sixteen_bit(dtype, out, 96)
+    narrow, wide = native.pack_panels(weight, kernel), native.pack_panels(weight, kernel, narrow=False)
+    assert (narrow.data.dtype, wide.data.dtype) == (dtype, torch.float32)
+    assert narrow.data.shape == wide.data.shape
+    assert native.narrowest(weight) == dtype
+    x = torch.randn(2 * kernel.rows_per_pass + 3, 96, generator=torch.Generator().manual_seed(1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, len(x) + 1):
+            assert torch.equal(native.panel_linear(x[:rows], narrow), native.panel_linear(x[:rows], wide)), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_weights_not_exactly_sixteen_bit_stay_float32(kernel: native.Kernel) -> None:
+    """Packing never rounds: one value off a float16 keeps the whole weight in float32; `narrow=False`, or a build
+    without 16-bit loads, keeps float32 too."""
+    from dataclasses import replace
+
+    weight = sixteen_bit(torch.float16, 40, 32)
+    weight[3, 7] = 1 / 3  # a float32 that no 16-bit float holds
+    assert native.narrowest(weight) == torch.float32
+    assert native.pack_panels(weight, kernel).data.dtype == torch.float32
+    exact = sixteen_bit(torch.float16, 40, 32)
+    assert native.pack_panels(exact, kernel, narrow=False).data.dtype == torch.float32
+    assert native.pack_panels(exact, replace(kernel, halves=False)).data.dtype == torch.float32
+
+
+def test_the_shipped_draft_runs_on_sixteen_bit_panels_with_the_same_bits(kernel: native.Kernel, monkeypatch) -> None:
+    """The draft ships in float16, so every product of its layer stack and its output projection packs in float16:
+    its forwards (a prompt, steps, a tree) give bit for bit what the same model on float32 panels gives, and the
+    benchmark counts the bytes its panels hold."""
+    from playground.bench import weight_bytes_per_token
+    from playground.config import ModelSpec
+    from playground.kv import ContiguousKVCache
+    from playground.models import load_model
+    from playground.models.loader import default_draft
+
+    if not kernel.halves:
+        pytest.skip("this CPU's build serves float32 panels only (no AVX2 with F16C, no AVX-512)")
+    spec = ModelSpec(source=default_draft("embedded"), device="cpu", dtype="float32")
+    narrow = load_model(spec).model
+    wide_pack = native.pack_panels
+    monkeypatch.setattr(native, "pack_panels", lambda weight, built: wide_pack(weight, built, narrow=False))
+    wide = load_model(spec).model
+    monkeypatch.undo()
+    assert narrow.native_stack is not None and wide.native_stack is not None
+    assert {p.data.dtype for p in (narrow.layers[0].mlp.down_proj.packed, narrow.packed_output)} == {torch.float16}
+    assert {p.data.dtype for p in (wide.layers[0].mlp.down_proj.packed, wide.packed_output)} == {torch.float32}
+    assert list(narrow.native_stack.formats) == [native.FORMATS[torch.float16]] * (4 * len(narrow.layers))
+    cfg = narrow.config
+    tree = ancestor_mask([-1, 0, 0, 2])  # (4, 4)
+    steps = [((0,), 9, None, {}), ((0,), 1, None, {}), ((0,), 4, tree, {}), ((0,), 1, None, {0: 11})]
+    results = [forwards(model, True, ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32), steps)
+               for model in (narrow, wide)]
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    products = [narrow.packed_output.data] + [m.packed.data for m in narrow.modules()
+                                              if isinstance(getattr(m, "packed", None), native.Panels)]
+    norms = [p for name, p in narrow.named_parameters() if "norm" in name]
+    assert weight_bytes_per_token(narrow) == sum(t.numel() * 2 for t in products) + sum(p.numel() * 4 for p in norms)
+    assert weight_bytes_per_token(narrow) < 0.6 * weight_bytes_per_token(wide)

@@ -61,12 +61,46 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #endif
 }
 
+/* Weight formats. Panels hold float32, or 16-bit floats where every weight of the product is exactly one (a
+ * checkpoint saved in float16 or bfloat16 and run in float32): widened to float32 as they are loaded, they give
+ * the same sums bit for bit from half the bytes, and a product over a few rows is bound by reading its weights.
+ * 16-bit panels need AVX2 with F16C, or AVX-512; `playground_formats` says which this build serves. */
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#if VEC == 16 || (VEC == 8 && defined(__AVX2__) && defined(__F16C__))
+#define HALF_PANELS 1
+#else
+#define HALF_PANELS 0
+#endif
+
+/* The vector of weights at element `index` of a panel in format fmt (a compile-time constant at every call). */
+static inline __attribute__((always_inline)) vf load_weights(const void *panel, long index, int fmt) {
+    (void)fmt; /* unread where this build serves float32 panels only */
+#if HALF_PANELS
+    const uint16_t *half = (const uint16_t *)panel + index;
+#if VEC == 16
+    if (fmt == FMT_F16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)half));
+    if (fmt == FMT_BF16)
+        return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)half)), 16);
+#else
+    if (fmt == FMT_F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)half));
+    if (fmt == FMT_BF16)
+        return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)half)), 16);
+#endif
+#endif
+    return *((const vf *)panel + index / VEC); /* vf is 4-byte aligned: an unaligned load */
+}
+
+static inline int format_bytes(int fmt) { return fmt == FMT_F32 ? 4 : 2; }
+
 /* b in every lane (x - +0 is x for every x, -0 included, so this compiles to a broadcast alone). */
 static inline __attribute__((always_inline)) vf splat(float b) { return b - (vf){0}; }
 
 int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 int playground_rows_per_pass(void) { return NB; }
+int playground_formats(void) { return HALF_PANELS ? (1 << FMT_F32) | (1 << FMT_F16) | (1 << FMT_BF16) : 1 << FMT_F32; }
 
 /* Rows x[0..nb) of G adjacent panels (panel g at panel + g * in * PANEL, `cols` outputs in the last one); nb and G
  * are compile-time constants at every call site (see `rows`), so the accumulators stay in registers. Why several
@@ -79,9 +113,9 @@ int playground_rows_per_pass(void) { return NB; }
  * which this thread reads next; past the last panel, a harmless prefetch of unowned memory: an address computed as
  * an integer, since a pointer past the array would be undefined behaviour). Re-reading panels from the cache, the
  * streams fetch the next panels instead (see `playground_gemm`). */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, long in, const float *panel, float *y,
-                                                               long out, int nb, int G, int cols, uintptr_t fetch,
-                                                               uintptr_t stride, uintptr_t step) {
+static inline __attribute__((always_inline)) void panel_rows(const float *x, long in, const void *panel, int fmt,
+                                                               float *y, long out, int nb, int G, int cols,
+                                                               uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     /* Every loop over the accumulators is unrolled: one left rolled indexes acc at run time, which keeps it in
      * memory, stored to on every k. */
     vf acc[GROUP][NB][NV];
@@ -97,10 +131,9 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
             if (g < G) {
                 __builtin_prefetch((const void *)(at + g * stride), 0, 3);
                 __builtin_prefetch((const void *)(at + g * stride + 64), 0, 3);
-                const vf *w = (const vf *)(panel + (g * in + k) * PANEL); /* vf is 4-byte aligned: unaligned loads */
                 vf wv[NV];
                 for (int j = 0; j < NV; j++) {
-                    wv[j] = w[j];
+                    wv[j] = load_weights(panel, (g * in + k) * PANEL + j * VEC, fmt);
                     /* In a register: left free, GCC folded the load into each of nb FMAs, and the extra loads made
                      * 3-4 rows up to 1.9x slower on Zen 3. */
                     __asm__("" : "+x"(wv[j]));
@@ -155,26 +188,44 @@ static inline void plan(int n, int *chunk, int *G) {
 }
 
 #define ROWS_CASE(k) \
-    case k: panel_rows(x, in, panel, y, out, k, 1, cols, fetch, stride, step); break;
+    case k: panel_rows(x, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
 
-/* One pass of nb rows over G panels: G is 1 for any nb, GROUP for 1 row, 2 for 2 or 3 rows (see `plan`). */
-static void rows(const float *x, long in, const float *panel, float *y, long out, int nb, int G, int cols,
-                 uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+/* One pass of nb rows over G panels of format fmt (a constant at each call, see `rows`): G is 1 for any nb, GROUP
+ * for 1 row, 2 for 2 or 3 rows (see `plan`). */
+static inline __attribute__((always_inline)) void rows_in(const float *x, long in, const void *panel, int fmt,
+                                                            float *y, long out, int nb, int G, int cols,
+                                                            uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     if (G == GROUP && nb == 1) {
-        panel_rows(x, in, panel, y, out, 1, GROUP, cols, fetch, stride, step);
+        panel_rows(x, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
-        panel_rows(x, in, panel, y, out, 2, 2, cols, fetch, stride, step);
+        panel_rows(x, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
     } else if (G == 2) {
-        panel_rows(x, in, panel, y, out, 3, 2, cols, fetch, stride, step);
+        panel_rows(x, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
     } else {
         switch (nb) {
             ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5)
 #if NB > 6
             ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11)
 #endif
-            default: panel_rows(x, in, panel, y, out, NB, 1, cols, fetch, stride, step); break;
+            default: panel_rows(x, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
         }
     }
+}
+
+static void rows(const float *x, long in, const void *panel, int fmt, float *y, long out, int nb, int G, int cols,
+                 uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+    (void)fmt; /* unread in a build that serves float32 panels only */
+#if HALF_PANELS
+    if (fmt == FMT_F16) {
+        rows_in(x, in, panel, FMT_F16, y, out, nb, G, cols, fetch, stride, step);
+        return;
+    }
+    if (fmt == FMT_BF16) {
+        rows_in(x, in, panel, FMT_BF16, y, out, nb, G, cols, fetch, stride, step);
+        return;
+    }
+#endif
+    rows_in(x, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
 }
 
 /* Thread t of nt's items [first, end) of n, split evenly: the panels of a product, the query rows of the attention,
@@ -189,10 +240,11 @@ static inline void row_share(long n, int t, int nt, long *first, long *end) {
  * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
  * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
  * next group (see `plan`). */
-static void gemm_share(const float *x, int n, int in, const float *packed, int out, float *y, int t, int nt) {
+static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
+                       int nt) {
     if (n <= 0) return;
     long panels = (out + PANEL - 1) / PANEL;
-    uintptr_t row_bytes = PANEL * sizeof(float), panel_bytes = (uintptr_t)in * row_bytes;
+    uintptr_t row_bytes = PANEL * format_bytes(fmt), panel_bytes = (uintptr_t)in * row_bytes;
     int chunk, G;
     plan(n, &chunk, &G);
     int passes = (n + chunk - 1) / chunk; /* per group */
@@ -206,7 +258,7 @@ static void gemm_share(const float *x, int n, int in, const float *packed, int o
     row_share(panels, t, nt, &begin, &end);
     for (long p0 = begin; p0 < end; p0 += G) {
         long count = end - p0 < G ? end - p0 : G;
-        const float *group = packed + p0 * (long)in * PANEL;
+        const char *group = (const char *)packed + p0 * panel_bytes;
         int cols = out - (p0 + count - 1) * PANEL < PANEL ? (int)(out - (p0 + count - 1) * PANEL) : PANEL;
         uintptr_t next = (uintptr_t)group + G * panel_bytes;
         for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
@@ -215,19 +267,19 @@ static void gemm_share(const float *x, int n, int in, const float *packed, int o
             float *yr = y + (long)i0 * out + p0 * PANEL;
             uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
             if (count == G) {
-                rows(xr, in, group, yr, out, nb, G, cols, fetch, stride, step);
+                rows(xr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
             } else { /* a thread's last panels, fewer than a group */
                 for (long g = 0; g < count; g++)
-                    rows(xr, in, group + g * in * PANEL, yr + g * PANEL, out, nb, 1,
+                    rows(xr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
                          g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
             }
         }
     }
 }
 
-void playground_gemm(const float *x, int n, int in, const float *packed, int out, float *y, int threads) {
+void playground_gemm(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int threads) {
 #pragma omp parallel num_threads(threads)
-    gemm_share(x, n, in, packed, out, y, omp_get_thread_num(), omp_get_num_threads());
+    gemm_share(x, n, in, packed, fmt, out, y, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* ---- RMSNorm ----
@@ -814,55 +866,55 @@ static void silu_mul_rows(const float *gate_up, long first, long end, int inter,
  * qkv (n, out) = normed @ W^T (+ bias (out,) or NULL); RoPE on its first rope_heads heads of head_dim. On return
  * the thread's own token rows of qkv are done (`row_share`); the others may not be. */
 static void attention_in_share(const float *x, int n, int d, const float *norm_w, float eps, float *normed,
-                               const float *packed, int out, const float *bias, float *qkv, const float *cos,
-                               const float *sin, int rope_heads, int head_dim, int t, int nt) {
+                               const void *packed, int fmt, int out, const float *bias, float *qkv,
+                               const float *cos, const float *sin, int rope_heads, int head_dim, int t, int nt) {
     long first, end;
     row_share(n, t, nt, &first, &end);
     rms_norm_rows(x, norm_w, normed, first, end, d, eps);
 #pragma omp barrier
-    gemm_share(normed, n, d, packed, out, qkv, t, nt);
+    gemm_share(normed, n, d, packed, fmt, out, qkv, t, nt);
 #pragma omp barrier
     for (long i = first; bias && i < end; i++) add_rows(bias, qkv + i * out, out);
     rope_rows(qkv, first, end, out, rope_heads, head_dim, cos, sin);
 }
 
 void playground_attention_in(const float *x, int n, int d, const float *norm_w, float eps, float *normed,
-                             const float *packed, int out, const float *bias, float *qkv, const float *cos,
+                             const void *packed, int fmt, int out, const float *bias, float *qkv, const float *cos,
                              const float *sin, int rope_heads, int head_dim, int threads) {
 #pragma omp parallel num_threads(threads)
-    attention_in_share(x, n, d, norm_w, eps, normed, packed, out, bias, qkv, cos, sin, rope_heads, head_dim,
+    attention_in_share(x, n, d, norm_w, eps, normed, packed, fmt, out, bias, qkv, cos, sin, rope_heads, head_dim,
                        omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* Thread t of nt's share of the half after attention, inside a parallel region, every row of attn (n, attn_dim)
  * written: x (n, d) updated in place, x += attn @ Wo^T; x += down(silu(gate) * up) of rms_norm(x). scratch:
  * n * (2 d + 3 inter) floats. On return the thread's own token rows of x are done. */
-static void mlp_block_share(float *x, int n, int d, const float *attn, int attn_dim, const float *o_packed,
-                            const float *norm_w, float eps, const float *gate_up_packed, int inter,
-                            const float *down_packed, float *scratch, int t, int nt) {
+static void mlp_block_share(float *x, int n, int d, const float *attn, int attn_dim, const void *o_packed,
+                            const float *norm_w, float eps, const void *gate_up_packed, int inter,
+                            const void *down_packed, const int *fmt, float *scratch, int t, int nt) {
     float *delta = scratch, *normed = delta + (long)n * d, *gate_up = normed + (long)n * d;
     float *act = gate_up + (long)n * 2 * inter;
     long first, end;
     row_share(n, t, nt, &first, &end);
-    gemm_share(attn, n, attn_dim, o_packed, d, delta, t, nt);
+    gemm_share(attn, n, attn_dim, o_packed, fmt[0], d, delta, t, nt);
 #pragma omp barrier
     add_rows(delta + first * d, x + first * d, (end - first) * d);
     rms_norm_rows(x, norm_w, normed, first, end, d, eps);
 #pragma omp barrier
-    gemm_share(normed, n, d, gate_up_packed, 2 * inter, gate_up, t, nt);
+    gemm_share(normed, n, d, gate_up_packed, fmt[1], 2 * inter, gate_up, t, nt);
 #pragma omp barrier
     silu_mul_rows(gate_up, first, end, inter, act);
 #pragma omp barrier
-    gemm_share(act, n, inter, down_packed, d, delta, t, nt);
+    gemm_share(act, n, inter, down_packed, fmt[2], d, delta, t, nt);
 #pragma omp barrier
     add_rows(delta + first * d, x + first * d, (end - first) * d);
 }
 
-void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_dim, const float *o_packed,
-                          const float *norm_w, float eps, const float *gate_up_packed, int inter,
-                          const float *down_packed, float *scratch, int threads) {
+void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_dim, const void *o_packed,
+                          const float *norm_w, float eps, const void *gate_up_packed, int inter,
+                          const void *down_packed, const int *fmt, float *scratch, int threads) {
 #pragma omp parallel num_threads(threads)
-    mlp_block_share(x, n, d, attn, attn_dim, o_packed, norm_w, eps, gate_up_packed, inter, down_packed, scratch,
+    mlp_block_share(x, n, d, attn, attn_dim, o_packed, norm_w, eps, gate_up_packed, inter, down_packed, fmt, scratch,
                     omp_get_thread_num(), omp_get_num_threads());
 }
 
@@ -875,13 +927,14 @@ void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_di
  * the same.
  *
  * x (batch * new, d) the residual stream, updated in place. weights: 7 pointers per layer, [input norm, qkv panels,
- * qkv bias or NULL, o panels, post-attention norm, gate/up panels, down panels]. cos, sin (batch * new, head_dim).
+ * qkv bias or NULL, o panels, post-attention norm, gate/up panels, down panels]; formats: 4 per layer, those of
+ * the qkv, o, gate/up and down panels. cos, sin (batch * new, head_dim).
  * k_cache, v_cache: element (l, b, h, j, c) of the first cache row used at l * layer_stride + b * seq_stride +
  * h * head_stride + j * head_dim + c; row b's new tokens go to slots starts[b]...; keys: slots each row attends
  * over, visible (batch, new, keys) or NULL as in playground_attention. scratch: batch * new * (3 d + qkv_out +
  * 3 heads * head_dim + 3 inter) floats, qkv_out = (heads + 2 kv_heads) * head_dim. */
-void playground_layers(float *x, int batch, int new_tokens, int d, int layers, const float *const *weights,
-                       int heads, int kv_heads, int head_dim, int inter, float eps, const float *cos,
+void playground_layers(float *x, int batch, int new_tokens, int d, int layers, const void *const *weights,
+                       const int *formats, int heads, int kv_heads, int head_dim, int inter, float eps, const float *cos,
                        const float *sin, float *k_cache, float *v_cache, long layer_stride, long seq_stride,
                        long head_stride, const int *starts, int keys, const uint8_t *visible, float scale,
                        float *scratch, int threads) {
@@ -899,10 +952,11 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
         int *idx;
         attention_scratch(keys, &s, &idx);
         for (int l = 0; l < layers; l++) {
-            const float *const *w = weights + 7L * l;
+            const void *const *w = weights + 7L * l;
+            const int *fmt = formats + 4L * l;
             float *kl = k_cache + l * layer_stride, *vl = v_cache + l * layer_stride;
-            attention_in_share(x, n, d, w[0], eps, normed, w[1], qkv_out, w[2], qkv, cos, sin, heads + kv_heads,
-                               head_dim, t, nt);
+            attention_in_share(x, n, d, w[0], eps, normed, w[1], fmt[0], qkv_out, w[2], qkv, cos, sin,
+                               heads + kv_heads, head_dim, t, nt);
             /* the thread's token rows (b, tt): qkv row = [q heads | k heads | v heads]; keys and values into the
              * cache; q (batch, kv_heads, group * new, head_dim) with row g * new + tt the query of head
              * h * group + g, as attention_share reads it */
@@ -932,7 +986,7 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
                                bytes);
             }
 #pragma omp barrier
-            mlp_block_share(x, n, d, attn, (int)hd, w[3], w[4], eps, w[5], inter, w[6], mlp, t, nt);
+            mlp_block_share(x, n, d, attn, (int)hd, w[3], w[4], eps, w[5], inter, w[6], fmt + 1, mlp, t, nt);
         }
         free(s);
         free(idx);

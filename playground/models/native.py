@@ -19,6 +19,10 @@ whose dispatch cost a fifth of a one-token forward on a 2-core Zen 3 EPYC.
 Layer stack: over a contiguous KV cache, every layer in one call (`layers`), the cache writes included; the Python
 between the halves cost a small draft model more than its arithmetic.
 
+16-bit panels: a product whose every weight is exactly a float16 (or bfloat16) number, as in a checkpoint saved in
+either and run in float32 (the shipped draft), packs in that format; the kernel widens the weights as it loads them,
+so the sums keep their bits and a one-token step reads half the bytes.
+
 The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
 model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
 ($PLAYGROUND_CACHE or ~/.cache/decoding-playground)/native, keyed by the source, the compiler and this CPU's
@@ -46,6 +50,8 @@ SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
 # copy of a loop the compiler chose to fuse (see kernels.c)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
+# Panel formats, FMT_* in kernels.c: a weight every value of which is exactly a 16-bit float packs in that format.
+FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class Kernel:
     # rows a matrix product serves per pass over a weight panel: a forward over more tokens pays another pass
     # of arithmetic (6 with AVX2, 12 with AVX-512)
     rows_per_pass: int
+    halves: bool  # whether panels may hold 16-bit floats (AVX2 with F16C, or AVX-512)
 
     def normalises(self, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` serves this norm weight: float32 on the CPU, a whole number of vectors long."""
@@ -72,7 +79,8 @@ class Kernel:
 @dataclass(frozen=True)
 class Panels:
     """A (out, in) float32 CPU weight packed for `Kernel`: (ceil(out / W), in, W), panel p holding output rows
-    [p * W, (p + 1) * W) transposed, zero past `out`."""
+    [p * W, (p + 1) * W) transposed, zero past `out`; float32, or float16 or bfloat16 where every weight is exactly
+    one (see `pack_panels`)."""
 
     data: torch.Tensor
     out: int
@@ -81,6 +89,11 @@ class Panels:
     @property
     def in_features(self) -> int:
         return self.data.shape[1]
+
+    @property
+    def format(self) -> int:
+        """The format code kernels.c reads the panels in."""
+        return FORMATS[self.data.dtype]
 
 
 def cpu_signature() -> str:
@@ -122,34 +135,36 @@ def build(cache_dir: Path, compiler: str, source: Path | None = None) -> Path:
 def load(path: Path) -> Kernel:
     library = ctypes.CDLL(str(path))
     library.playground_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                        ctypes.c_void_p, ctypes.c_int]
+                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     library.playground_gemm.restype = None
     library.playground_panel_width.restype = ctypes.c_int
     library.playground_vector_width.restype = ctypes.c_int
     library.playground_rows_per_pass.restype = ctypes.c_int
+    library.playground_formats.restype = ctypes.c_int
     library.playground_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 3 + [
         ctypes.c_float, ctypes.c_int]
     library.playground_attention.restype = None
     library.playground_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     library.playground_rms_norm.restype = None
     library.playground_attention_in.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                                ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [
+                                                ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [
         ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     library.playground_attention_in.restype = None
     library.playground_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                              ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p,
                                                                                       ctypes.c_int] + [
-        ctypes.c_void_p] * 2 + [ctypes.c_int]
+        ctypes.c_void_p] * 3 + [ctypes.c_int]
     library.playground_mlp_block.restype = None
-    library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] + [
+    library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [
         ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     library.playground_layers.restype = None
     library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
         ctypes.c_void_p] * 3 + [ctypes.c_int]
     library.playground_row_top.restype = None
+    halves = library.playground_formats() & (1 << FORMATS[torch.float16] | 1 << FORMATS[torch.bfloat16]) != 0
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
-                  int(library.playground_rows_per_pass()))
+                  int(library.playground_rows_per_pass()), bool(halves))
 
 
 def default_cache_dir() -> Path:
@@ -186,16 +201,30 @@ def _try_kernel() -> tuple[Kernel | None, str]:
         return None, f"unavailable (the C build failed: {detail[-1] if detail else exc}): PyTorch's kernels"
     except (OSError, subprocess.TimeoutExpired, AttributeError) as exc:
         return None, f"unavailable ({exc}): PyTorch's kernels"
-    return loaded, (f"on ({loaded.panel_width}-row panels; attention for head sizes in multiples of "
+    halves = ", 16-bit where the weights are exactly 16-bit" if loaded.halves else ""
+    return loaded, (f"on ({loaded.panel_width}-row panels{halves}; attention for head sizes in multiples of "
                     f"{loaded.vector_width}; {loaded.path.name})")
 
 
-def pack_panels(weight: torch.Tensor, kernel: Kernel) -> Panels:
-    """`weight` (out, in) float32 on the CPU, packed for `kernel` (a copy: the weight itself is unchanged)."""
+def narrowest(weight: torch.Tensor) -> torch.dtype:
+    """float16 or bfloat16 where every value of the float32 `weight` is exactly one (float16 first: it keeps more
+    of the significand), else float32."""
+    for dtype in (torch.float16, torch.bfloat16):
+        if torch.equal(weight.to(dtype).float(), weight):
+            return dtype
+    return torch.float32
+
+
+def pack_panels(weight: torch.Tensor, kernel: Kernel, narrow: bool = True) -> Panels:
+    """`weight` (out, in) float32 on the CPU, packed for `kernel` (a copy: the weight itself is unchanged); in 16
+    bits where `narrow`, the kernel reads them and every value is exactly one, which gives every product the same
+    bits from half the bytes (a checkpoint saved in float16 or bfloat16, such as the shipped draft)."""
     out, in_features = weight.shape
     width = kernel.panel_width
     padded = -(-out // width) * width
     source = weight.detach()
+    if narrow and kernel.halves:
+        source = source.to(narrowest(source))
     if padded != out:
         source = torch.cat((source, source.new_zeros(padded - out, in_features)))  # (padded, in)
     data = source.reshape(padded // width, width, in_features).transpose(1, 2).contiguous()  # (P, in, W)
@@ -210,7 +239,7 @@ def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = No
     y = torch.empty(rows, panels.out, dtype=torch.float32)  # (N, out)
     if rows:
         panels.kernel.library.playground_gemm(flat.data_ptr(), rows, in_features, panels.data.data_ptr(),
-                                              panels.out, y.data_ptr(), torch.get_num_threads())
+                                              panels.format, panels.out, y.data_ptr(), torch.get_num_threads())
     y = y.reshape(*x.shape[:-1], panels.out)
     return y if bias is None else y + bias
 
@@ -256,8 +285,8 @@ def attention_in(kernel: Kernel, x: torch.Tensor, norm_weight: torch.Tensor, eps
     y = torch.empty(*x.shape[:-1], qkv.out, dtype=torch.float32)  # (..., out)
     cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
     kernel.library.playground_attention_in(
-        x.data_ptr(), rows, d, norm_weight.data_ptr(), eps, normed.data_ptr(), qkv.data.data_ptr(), qkv.out,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), rope_heads,
+        x.data_ptr(), rows, d, norm_weight.data_ptr(), eps, normed.data_ptr(), qkv.data.data_ptr(), qkv.format,
+        qkv.out, None if bias is None else bias.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), rope_heads,
         head_dim, torch.get_num_threads())
     return y
 
@@ -271,9 +300,11 @@ def mlp_block(kernel: Kernel, x: torch.Tensor, attn: torch.Tensor, o_proj: Panel
     inter = gate_up.out // 2
     attn = attn.contiguous()
     scratch = torch.empty(rows * (2 * d + 3 * inter), dtype=torch.float32)
+    formats = (ctypes.c_int * 3)(o_proj.format, gate_up.format, down.format)
     kernel.library.playground_mlp_block(
         x.data_ptr(), rows, d, attn.data_ptr(), o_proj.in_features, o_proj.data.data_ptr(), norm_weight.data_ptr(),
-        eps, gate_up.data.data_ptr(), inter, down.data.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+        eps, gate_up.data.data_ptr(), inter, down.data.data_ptr(), formats, scratch.data_ptr(),
+        torch.get_num_threads())
 
 
 def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
@@ -304,11 +335,12 @@ def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch
 @dataclass(frozen=True)
 class LayerStack:
     """Every decoder layer's weights as the pointers `layers` reads: 7 per layer (input norm, q/k/v panels, q/k/v
-    bias or null, output panels, post-attention norm, gate/up panels, down panels). `keep` holds what they point
-    into, so the pointers stay valid while the stack lives."""
+    bias or null, output panels, post-attention norm, gate/up panels, down panels), and the formats of its 4 panels.
+    `keep` holds what they point into, so the pointers stay valid while the stack lives."""
 
     kernel: Kernel
     pointers: ctypes.Array  # (layers * 7,) void pointers
+    formats: ctypes.Array  # (layers * 4,) ints: the q/k/v, output, gate/up and down panels' formats
     keep: tuple[torch.Tensor, ...]
     num_layers: int
     heads: int
@@ -327,7 +359,10 @@ def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.
     flat = [None if t is None else (t.data if isinstance(t, Panels) else t).data_ptr()
             for layer in weights for t in layer]
     pointers = (ctypes.c_void_p * len(flat))(*flat)
-    return LayerStack(kernel, pointers, keep, len(weights), heads, kv_heads, head_dim, weights[0][5].out // 2, eps)
+    codes = [panels.format for layer in weights for panels in (layer[1], layer[3], layer[5], layer[6])]
+    formats = (ctypes.c_int * len(codes))(*codes)
+    return LayerStack(kernel, pointers, formats, keep, len(weights), heads, kv_heads, head_dim,
+                      weights[0][5].out // 2, eps)
 
 
 def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -346,8 +381,8 @@ def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     scratch = torch.empty(n * (3 * d + qkv_out + 3 * hd + 3 * stack.intermediate), dtype=torch.float32)
     cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
     stack.kernel.library.playground_layers(
-        x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.heads, stack.kv_heads, stack.head_dim,
-        stack.intermediate, stack.eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.formats, stack.heads, stack.kv_heads,
+        stack.head_dim, stack.intermediate, stack.eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), (ctypes.c_int * b)(*starts), key_len,
         None if mask is None else mask.data_ptr(), stack.head_dim ** -0.5, scratch.data_ptr(),
         torch.get_num_threads())

@@ -391,7 +391,7 @@ class Transformer(nn.Module):
     def pack_linears(self) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
-        those weights in memory."""
+        those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`)."""
         kernel = native.kernel()
         for module in self.modules():
             if isinstance(module, Linear) and can_pack(module.weight):
