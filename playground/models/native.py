@@ -162,9 +162,9 @@ def load(path: Path) -> Kernel:
     library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
         ctypes.c_void_p] * 3 + [ctypes.c_int]
     library.playground_row_top.restype = None
-    halves = library.playground_formats() & (1 << FORMATS[torch.float16] | 1 << FORMATS[torch.bfloat16]) != 0
+    halves = (library.playground_formats() >> FORMATS[torch.float16]) & 1 == 1
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
-                  int(library.playground_rows_per_pass()), bool(halves))
+                  int(library.playground_rows_per_pass()), halves)
 
 
 def default_cache_dir() -> Path:
