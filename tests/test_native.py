@@ -493,9 +493,9 @@ def test_weights_not_exactly_sixteen_bit_stay_float32(kernel: native.Kernel) -> 
 
 
 def test_the_shipped_draft_runs_on_sixteen_bit_panels_with_the_same_bits(kernel: native.Kernel, monkeypatch) -> None:
-    """The draft ships in float16, so every product of its layer stack and its output projection packs in float16:
-    its forwards (a prompt, steps, a tree) give bit for bit what the same model on float32 panels gives, and the
-    benchmark counts the bytes its panels hold."""
+    """The draft ships in float16, so every product of its layers and its output projection packs in float16: its
+    forwards (a prompt, steps, a tree; all layers in one call or layer by layer) give bit for bit what the same model
+    on float32 panels gives, and the benchmark counts the bytes its panels hold."""
     from playground.bench import weight_bytes_per_token
     from playground.config import ModelSpec
     from playground.kv import ContiguousKVCache
@@ -517,10 +517,12 @@ def test_the_shipped_draft_runs_on_sixteen_bit_panels_with_the_same_bits(kernel:
     cfg = narrow.config
     tree = ancestor_mask([-1, 0, 0, 2])  # (4, 4)
     steps = [((0,), 9, None, {}), ((0,), 1, None, {}), ((0,), 4, tree, {}), ((0,), 1, None, {0: 11})]
-    results = [forwards(model, True, ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32), steps)
-               for model in (narrow, wide)]
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
+    # the whole stack in one call and layer by layer (each half's products given their formats) on 16-bit panels,
+    # against the stack on float32 panels
+    results = [forwards(model, stack, ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32), steps)
+               for model, stack in ((narrow, True), (narrow, False), (wide, True))]
+    for got, halves, want in zip(*results):
+        assert torch.equal(got, want) and torch.equal(halves, want)
     products = [narrow.packed_output.data] + [m.packed.data for m in narrow.modules()
                                               if isinstance(getattr(m, "packed", None), native.Panels)]
     norms = [p for name, p in narrow.named_parameters() if "norm" in name]
