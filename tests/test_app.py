@@ -12,6 +12,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from playground.config import LookaheadParams, PromptLookupParams
+from playground.models import native
 from playground.ui import build_app, launch_options
 
 from .conftest import write_draft_copy
@@ -294,6 +295,10 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
     assert "proposes from 8,192 of its 49,152 tokens; tokenizer matches the target's" in summary
     assert "Float32 matrix products and attention on the CPU: native kernels " in summary  # on, or off with the reason
+    kernel = native.kernel()
+    if kernel is not None and kernel.halves:  # the draft ships in float16; the target's GGUF weights are not 16-bit
+        assert "KiB per token; its weights are exactly float16 numbers, read as such" in summary
+        assert summary.count("read as such") == 1
     other = write_draft_copy(target.folder, tmp_path / "other-tokenizer", num_layers=2)
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     tokenizer["added_tokens"].append({"id": target.model.config.vocab_size, "content": "<other>", "single_word": False,

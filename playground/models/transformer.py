@@ -345,6 +345,12 @@ class Transformer(nn.Module):
         packed = self.layers[0].self_attn.qkv_proj.packed if len(self.layers) else None
         return packed.kernel.rows_per_pass if isinstance(packed, native.Panels) else None
 
+    def panel_dtypes(self) -> set[torch.dtype]:
+        """The formats the native kernel reads this model's products in (float16 or bfloat16 where the weights are
+        exactly those, see `native.pack_panels`); empty where PyTorch's kernels run them."""
+        packed = [getattr(module, "packed", None) for module in self.modules()] + [self.packed_output]
+        return {panels.data.dtype for panels in packed if isinstance(panels, native.Panels)}
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see `apply_rope`), each (B, T, 1, D) to broadcast over heads."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)

@@ -48,8 +48,11 @@ def describe(model: LoadedModel) -> str:
     element = next(model.model.parameters()).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
     quant = f", {model.spec.quant}" if model.spec.quant else ""
+    halves = sorted(str(dtype).removeprefix("torch.") for dtype in model.model.panel_dtypes() if dtype.itemsize == 2)
+    panels = (f"; its weights are exactly {' and '.join(halves)} numbers, read as such (half the bytes, the same "
+              "results)" if halves else "")
     return (f"**{model.name}**: {cfg.model_type}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters, "
-            f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token")
+            f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token{panels}")
 
 
 def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
