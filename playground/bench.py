@@ -86,14 +86,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter as the forward reads it (a product's weight as the
     native kernel's panels, which hold 16-bit floats where the weight is exactly those), except that an untied input
     embedding only contributes the one row it looks up (a tied one is read whole as the output projection)."""
-    from .models.native import Panels
-
     read = {id(p): p.numel() * p.element_size() for p in model.parameters()}
-    packed = [(m.weight, m.packed) for m in model.modules() if isinstance(getattr(m, "packed", None), Panels)]
-    packed.append((model.output_weight, model.packed_output))
-    for weight, panels in packed:
-        if isinstance(panels, Panels):
-            read[id(weight)] = panels.data.numel() * panels.data.element_size()
+    for weight, panels in model.packed_products():
+        read[id(weight)] = panels.data.numel() * panels.data.element_size()
     if model.lm_head is not None:
         emb = model.embed_tokens.weight
         read[id(emb)] = emb.shape[1] * emb.element_size()

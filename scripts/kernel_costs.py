@@ -88,9 +88,7 @@ def main() -> int:
     if baseline.panel_width != current.panel_width:
         parser.error(f"--baseline packs panels of {baseline.panel_width} rows, this checkout {current.panel_width}")
     model = load_model(ModelSpec(source=args.model, device="cpu")).model
-    panels = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), native.Panels)]
-    if isinstance(model.packed_output, native.Panels) and all(p is not model.packed_output for p in panels):
-        panels.append(model.packed_output)  # a tied output projection has no Linear of its own
+    panels = [packed for _, packed in model.packed_products()]
     builds = {"baseline": baseline, "current": current}
     print(f"{len(panels)} products; current {current.path.name}, baseline {args.baseline} {baseline.path.name}")
     threads = torch.get_num_threads()

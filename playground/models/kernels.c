@@ -912,7 +912,9 @@ static void mlp_block_share(float *x, int n, int d, const float *attn, int attn_
 
 void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_dim, const void *o_packed,
                           const float *norm_w, float eps, const void *gate_up_packed, int inter,
-                          const void *down_packed, const int *fmt, float *scratch, int threads) {
+                          const void *down_packed, int o_fmt, int gate_up_fmt, int down_fmt, float *scratch,
+                          int threads) {
+    const int fmt[3] = {o_fmt, gate_up_fmt, down_fmt};
 #pragma omp parallel num_threads(threads)
     mlp_block_share(x, n, d, attn, attn_dim, o_packed, norm_w, eps, gate_up_packed, inter, down_packed, fmt, scratch,
                     omp_get_thread_num(), omp_get_num_threads());

@@ -153,7 +153,7 @@ def load(path: Path) -> Kernel:
     library.playground_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                              ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p,
                                                                                       ctypes.c_int] + [
-        ctypes.c_void_p] * 3 + [ctypes.c_int]
+        ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
     library.playground_mlp_block.restype = None
     library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [
         ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
@@ -301,11 +301,10 @@ def mlp_block(kernel: Kernel, x: torch.Tensor, attn: torch.Tensor, o_proj: Panel
     inter = gate_up.out // 2
     attn = attn.contiguous()
     scratch = torch.empty(rows * (2 * d + 3 * inter), dtype=torch.float32)
-    formats = (ctypes.c_int * 3)(o_proj.format, gate_up.format, down.format)
     kernel.library.playground_mlp_block(
         x.data_ptr(), rows, d, attn.data_ptr(), o_proj.in_features, o_proj.data.data_ptr(), norm_weight.data_ptr(),
-        eps, gate_up.data.data_ptr(), inter, down.data.data_ptr(), formats, scratch.data_ptr(),
-        torch.get_num_threads())
+        eps, gate_up.data.data_ptr(), inter, down.data.data_ptr(), o_proj.format, gate_up.format, down.format,
+        scratch.data_ptr(), torch.get_num_threads())
 
 
 def attention(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,

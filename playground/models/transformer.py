@@ -345,11 +345,15 @@ class Transformer(nn.Module):
         packed = self.layers[0].self_attn.qkv_proj.packed if len(self.layers) else None
         return packed.kernel.rows_per_pass if isinstance(packed, native.Panels) else None
 
-    def panel_dtypes(self) -> set[torch.dtype]:
-        """The formats the native kernel reads this model's products in (float16 or bfloat16 where the weights are
-        exactly those, see `native.pack_panels`); empty where PyTorch's kernels run them."""
-        packed = [getattr(module, "packed", None) for module in self.modules()] + [self.packed_output]
-        return {panels.data.dtype for panels in packed if isinstance(panels, native.Panels)}
+    def packed_products(self) -> list[tuple[torch.Tensor, native.Panels]]:
+        """Every matrix product the native kernel runs for this model, as (weight, its panels), each once: the
+        linears' and the output projection's (which a tied embedding has no linear for); empty where PyTorch's
+        kernels run them."""
+        pairs = [(module.weight, module.packed) for module in self.modules()
+                 if isinstance(getattr(module, "packed", None), native.Panels)]
+        if isinstance(self.packed_output, native.Panels) and all(p is not self.packed_output for _, p in pairs):
+            pairs.append((self.output_weight, self.packed_output))
+        return pairs
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see `apply_rope`), each (B, T, 1, D) to broadcast over heads."""

@@ -48,7 +48,8 @@ def describe(model: LoadedModel) -> str:
     element = next(model.model.parameters()).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
     quant = f", {model.spec.quant}" if model.spec.quant else ""
-    halves = sorted(str(dtype).removeprefix("torch.") for dtype in model.model.panel_dtypes() if dtype.itemsize == 2)
+    halves = sorted({str(panels.data.dtype).removeprefix("torch.") for _, panels in model.model.packed_products()
+                     if panels.data.itemsize == 2})
     panels = (f"; its weights are exactly {' and '.join(halves)} numbers, read as such (half the bytes, the same "
               "results)" if halves else "")
     return (f"**{model.name}**: {cfg.model_type}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters, "
