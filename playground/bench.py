@@ -346,6 +346,9 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
                 # variants meet the fixed schedule (the same peer run as their copy-free rows: see `PeerRuns`)
                 schedule = "heuristic_transient" if spec.adaptive else "constant"
                 decoder = SpeculativeDecoder(target, draft, sampling, generation, spec)
+                if any(decoder.spec == other.decoder.spec for other in contenders):
+                    # where the default verifies no sibling (a GPU), the chain-only row would time it again
+                    continue
                 siblings = decoder.spec.siblings  # as resolved for this machine
                 beside = f", {siblings} sibling(s) beside the first draft" if siblings else ", chain only"
                 contenders.append(Contender(

@@ -99,6 +99,20 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert "Costs come from the runs themselves" in text and "step cost (plain steps)" in text
 
 
+def test_bench_times_the_chain_once_where_the_default_verifies_no_sibling(tmp_path, target, monkeypatch) -> None:
+    from playground.models.transformer import Transformer
+
+    # no pass of the CPU kernel's rows, as on a GPU: the default row resolves to the chain alone
+    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: None))
+    out_json = tmp_path / "g.json"
+    assert main(["bench", "--limit", "1", "--max-new-tokens", "3", "--device", "cpu", "--algos", "speculative",
+                 "--draft", "embedded", "--no-peers", "--json", str(out_json), "--markdown", str(tmp_path / "g.md")]) == 0
+    algos = json.loads(out_json.read_text())["algos"]
+    assert "chain only" in algos["speculative"]["setting"]
+    assert "speculative-chain" not in algos
+    assert {"speculative-adaptive", "speculative-copy", "speculative-confident", "speculative-copy-confident"} <= set(algos)
+
+
 def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:
     costs = Costs(verify=[(1, 0.03), (5, 0.04), (9, 0.05), (9, 0.06)], draft=[0.002, 0.003, 0.004])
     # one-token forwards (a step that proposed nothing) are left out of the verify cost
