@@ -237,17 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
                        help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
     ahead.add_argument("--ngram", type=int, default=LOOKAHEAD.ngram,
-                       help=f"n-gram size N (window of N - 1 rows), 2..8 (default {LOOKAHEAD.ngram})")
+                       help="n-gram size N (window of N - 1 rows), 2..8 (default: 3, or 2 where only then do two "
+                            "guesses fit one pass of the CPU kernel's rows: 6 tokens with AVX2)")
     ahead.add_argument("--guesses", type=int, default=LOOKAHEAD.guesses,
                        help="n-grams kept per first token and verified per step G, 1..16 (default: 2 where the "
                             "step's forward fits one pass of the CPU kernel's rows or on a GPU; else 1, with "
-                            "M = N + 1 unless --text-ngram is given: 6 tokens at the defaults with AVX2)")
+                            "M = N + 1 unless --text-ngram is given)")
     ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
     ahead.add_argument("--no-output-pool", action="store_true",
                        help="do not add the committed text's n-grams to the pool (only the window's)")
     ahead.add_argument("--text-ngram", type=int, default=LOOKAHEAD.text_ngram,
                        help="size M of the n-grams the prompt, output and corpus pools take from text, 2..16 "
-                            "(default: N, or N + 1 as --guesses says; a longer M verifies longer copies in wider "
+                            "(default: N, 3 where --ngram chooses 2, or N + 1 as --guesses says; a longer M verifies longer copies in wider "
                             "forwards)")
     ahead.add_argument("--corpus", default=None,
                        help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed "

@@ -18,6 +18,7 @@ MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
+LOOKAHEAD_NGRAM = 3  # lookahead's N unless two guesses fit a pass only with N 2 (LookaheadParams.resolve)
 # prompt lookup's copies where two of them fit one pass of the CPU kernel, and its copy otherwise
 # (PromptLookupParams.resolve)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
@@ -230,8 +231,8 @@ class PromptLookupParams:
 @dataclass(frozen=True, slots=True)
 class LookaheadParams:
     """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
-    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (None:
-    chosen for the machine by `resolve`); prompt_pool: seed the pool with the prompt's own n-grams; output_pool:
+    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (N and G
+    None: chosen for the machine by `resolve`); prompt_pool: seed the pool with the prompt's own n-grams; output_pool:
     add every n-gram of the committed text; text_ngram: M, the size of the n-grams those two and the corpus pool
     take from text (None: N, or as `resolve` chooses); a longer M verifies longer copies, since text repeats in
     longer runs than the window guesses, in wider forwards.
@@ -241,12 +242,14 @@ class LookaheadParams:
     tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
     step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
     only); it changes which G n-grams are verified, not how many. The defaults are measured (README,
-    Command line): on a 2-core CPU a forward's cost grows with its `width()` tokens, and W 1, N 3 ran fastest over
-    the benchmark suite, with G 2 and M = N where 7 tokens cost one pass of the CPU kernel (see `resolve`).
+    Command line): on a 2-core CPU a forward's cost grows with its `width()` tokens, and W 1 ran fastest over the
+    benchmark suite, with N 3, G 2 and M = N where 7 tokens cost one pass of the CPU kernel, and with N 2, G 2, M 3
+    where 6 do (see `resolve`).
+    `text_n` and `width` need N: call them on resolved settings.
     """
 
     window: int = 1
-    ngram: int = 3
+    ngram: int | None = None
     guesses: int | None = None
     prompt_pool: bool = True
     output_pool: bool = True
@@ -257,7 +260,8 @@ class LookaheadParams:
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, 16)
-        check_int("ngram", self.ngram, 2, 8)
+        if self.ngram is not None:
+            check_int("ngram", self.ngram, 2, 8)
         if self.guesses is not None:
             check_int("guesses", self.guesses, 1, 16)
         if self.text_ngram is not None:
@@ -280,13 +284,25 @@ class LookaheadParams:
         return 1 + (self.ngram - 1) * self.window + guesses * (max(self.ngram, text_n) - 1)
 
     def resolve(self, rows_per_pass: int | None) -> LookaheadParams:
-        """These settings with G (and, when G is chosen here, M) fixed for a forward whose matrix products serve
+        """These settings with N, G (and, when chosen here, M) fixed for a forward whose matrix products serve
         rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
-        GPU). G 2 where that forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and the forward
-        still fits, so that it fills the pass. Why: past a pass each token costs a second pass of arithmetic (with
-        AVX2 the kernel serves 6 rows: on a Zen 3 EPYC a forward's matrix products took 1.03-1.06 times their
-        one-token time over 6 tokens and 1.17-1.21 over the 7 of W 1, N 3, G 2), and there G 1, M 4 ran 1.30x and
-        1.38x plain decoding where G 2, M 3 ran 1.25x (README, Command line)."""
+        GPU). N, when unset, is 3, or 2 where G guesses (2 unless set) of M-grams (3 unless set) fit one pass at N 2
+        and not at N 3: the window's second row gives way to a second guess. Why: with AVX2's 6 rows, N 2, G 2, M 3
+        committed 1.67 tokens per forward over the benchmark suite against 1.58 for N 3, G 1, M 4, in the same 6
+        rows, and ran 1.32x plain decoding against 1.24x in one interleaved run (README, Command line).
+        Then, for a given N: G 2 where that forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and
+        the forward still fits, so that it fills the pass. Why: past a pass each token costs a second pass of
+        arithmetic (with AVX2 the kernel serves 6 rows: on a Zen 3 EPYC a forward's matrix products took 1.03-1.06
+        times their one-token time over 6 tokens and 1.17-1.21 over the 7 of W 1, N 3, G 2), and there G 1, M 4 ran
+        1.30x and 1.38x plain decoding where G 2, M 3 ran 1.25x (README, Command line)."""
+        if self.ngram is None:
+            wide = replace(self, ngram=LOOKAHEAD_NGRAM)
+            short = replace(self, ngram=2, text_ngram=self.text_ngram or LOOKAHEAD_NGRAM)
+            guesses = self.guesses or LOOKAHEAD_GUESSES
+            if rows_per_pass is None or wide.width(guesses, wide.text_n) <= rows_per_pass \
+                    or short.width(guesses, short.text_n) > rows_per_pass:
+                return wide.resolve(rows_per_pass)
+            return short.resolve(rows_per_pass)
         if self.guesses is not None:
             return self
         if rows_per_pass is None or self.width(LOOKAHEAD_GUESSES, self.text_n) <= rows_per_pass:

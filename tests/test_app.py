@@ -169,11 +169,15 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     assert forwards[(), 0] > forwards[("prompt", "output", "corpus"), 0]
 
 
-def test_lookahead_guesses_zero_lets_the_machine_choose(client, target):
-    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, guesses=0)[4]
+def test_lookahead_zeros_let_the_machine_choose(client, target):
+    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=0,
+                        guesses=0)[4]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     chosen = LookaheadParams().resolve(target.model.rows_per_pass)
-    assert (params["guesses"], params["text_ngram"]) == (chosen.guesses, chosen.text_n)
+    assert (params["ngram"], params["guesses"], params["text_ngram"]) == (chosen.ngram, chosen.guesses, chosen.text_n)
+    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=3,
+                        guesses=0)[4]
+    assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["ngram"] == 3  # a chosen N stays
 
 
 def test_tokens_per_proposal_zero_lets_the_machine_choose(client, target):

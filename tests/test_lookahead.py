@@ -136,9 +136,11 @@ def test_step_layout_on_a_small_case() -> None:
     }
 
 
-# the first two: the automatic G and M where 7 tokens cost one pass of the CPU kernel, and where they do not (AVX2)
-SETTINGS = [LookaheadParams(guesses=2),
-            LookaheadParams(guesses=1, text_ngram=4),
+# the first two: the automatic N, G and M where 7 tokens cost one pass of the CPU kernel, and where they do not
+# (AVX2); the third what N 3 gets with AVX2
+SETTINGS = [LookaheadParams(ngram=3, guesses=2),
+            LookaheadParams(ngram=2, guesses=2, text_ngram=3),
+            LookaheadParams(ngram=3, guesses=1, text_ngram=4),
             LookaheadParams(window=2, ngram=2, guesses=1, prompt_pool=False, output_pool=False),
             LookaheadParams(window=6, ngram=5, guesses=6),
             LookaheadParams(text_ngram=6),
@@ -256,35 +258,44 @@ def test_parameter_ranges(field, value, message) -> None:
 
 
 @pytest.mark.parametrize("params, rows_per_pass, expected", [
-    (LookaheadParams(), None, (2, 3, 7)),  # no native kernel (GPU, PyTorch's kernels): the paper's two guesses
-    (LookaheadParams(), 12, (2, 3, 7)),  # AVX-512: 7 tokens fit one pass
-    (LookaheadParams(), 7, (2, 3, 7)),
-    (LookaheadParams(), 6, (1, 4, 6)),  # AVX2: one guess, one token longer, fills the pass
-    (LookaheadParams(text_ngram=3), 6, (1, 3, 5)),  # a chosen M stays
-    (LookaheadParams(text_ngram=5), 12, (2, 5, 11)),
-    (LookaheadParams(window=3), 6, (1, 3, 9)),  # nothing fits: one guess of N - 1 tokens
-    (LookaheadParams(guesses=3), 6, (3, 3, 9)),  # a chosen G stays
-    (LookaheadParams(ngram=2, window=2), 6, (2, 2, 5)),
+    (LookaheadParams(), None, (3, 2, 3, 7)),  # no native kernel (GPU, PyTorch's kernels): the paper's two guesses
+    (LookaheadParams(), 12, (3, 2, 3, 7)),  # AVX-512: 7 tokens fit one pass
+    (LookaheadParams(), 7, (3, 2, 3, 7)),
+    (LookaheadParams(), 6, (2, 2, 3, 6)),  # AVX2: the window's second row gives way to a second guess
+    (LookaheadParams(), 5, (3, 1, 3, 5)),  # neither fits: one guess at N 3, M 4 would not fit either
+    (LookaheadParams(ngram=3), 6, (3, 1, 4, 6)),  # a chosen N stays: one guess, one token longer, fills the pass
+    (LookaheadParams(ngram=3, text_ngram=3), 6, (3, 1, 3, 5)),  # a chosen M stays
+    (LookaheadParams(text_ngram=4), 6, (3, 1, 4, 6)),  # two guesses of 4-grams fit at neither N
+    (LookaheadParams(text_ngram=5), 12, (3, 2, 5, 11)),
+    (LookaheadParams(window=3), 6, (3, 1, 3, 9)),  # nothing fits: one guess of N - 1 tokens
+    (LookaheadParams(guesses=3), 6, (3, 3, 3, 9)),  # a chosen G stays, and at N 2 it does not fit either
+    (LookaheadParams(guesses=1), 6, (3, 1, 3, 5)),  # one guess fits at N 3
+    (LookaheadParams(ngram=2, window=2), 6, (2, 2, 2, 5)),
 ])
 def test_automatic_guesses_fit_the_forward_to_one_pass(params, rows_per_pass, expected) -> None:
     resolved = params.resolve(rows_per_pass)
-    assert (resolved.guesses, resolved.text_n, resolved.width(resolved.guesses, resolved.text_n)) == expected
+    assert (resolved.ngram, resolved.guesses, resolved.text_n,
+            resolved.width(resolved.guesses, resolved.text_n)) == expected
     assert resolved.resolve(rows_per_pass) == resolved
-    assert (resolved.window, resolved.ngram, resolved.context) == (params.window, params.ngram, params.context)
+    assert (resolved.window, resolved.context) == (params.window, params.context)
+    assert params.ngram in (None, resolved.ngram)
 
 
-def test_the_decoder_chooses_guesses_for_its_models_kernel(target, monkeypatch) -> None:
-    """The decoder resolves G and M from the model it runs; its trace parameters show what it chose."""
+def test_the_decoder_chooses_its_settings_for_its_models_kernel(target, monkeypatch) -> None:
+    """The decoder resolves N, G and M from the model it runs; its trace parameters show what it chose."""
     from playground.models.transformer import Transformer
 
     generation = GenerationParams(max_new_tokens=4)
-    for rows, expected in ((6, (1, 4)), (12, (2, 3)), (None, (2, 3))):
+    for rows, expected in ((6, (2, 2, 3)), (12, (3, 2, 3)), (None, (3, 2, 3))):
         monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
         decoder = LookaheadDecoder(target, SamplingParams(), generation)
-        assert (decoder.params()["guesses"], decoder.params()["text_ngram"]) == expected
+        params = decoder.params()
+        assert (params["ngram"], params["guesses"], params["text_ngram"]) == expected
         _, trace = generate(decoder, "Count to five.")
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
-        assert widest <= 1 + 2 + expected[0] * (expected[1] - 1)  # x, the window's N - 1 = 2, G guesses of M - 1
+        ngram, guesses, text_n = expected
+        assert widest <= 1 + (ngram - 1) + guesses * (text_n - 1)  # x, the window's N - 1, G guesses of M - 1
+        assert all(len(e.window) == ngram - 1 for e in trace.events if e.KIND == "lookahead")
 
 
 def test_compare_settings_script_races_settings_against_plain_decoding(target) -> None:

@@ -90,7 +90,7 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         if unknown:
             raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(unknown)}")
         switches = {f"{pool}_pool": pool in chosen for pool in POOLS}
-        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
+        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram) or None,
                                  guesses=as_int("guesses G", guesses) or None, context=as_int("context K", context),
                                  text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # 0: auto
         return LookaheadDecoder(target, sampling, generation, params)
@@ -268,16 +268,17 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                                "copies of 5 with AVX-512)")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
-                    ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)
+                    ngram = gr.Number(0, label="n-gram N (0 = auto, 2..8)", step=1,
+                                      info="auto: 3, or 2 where only then two guesses fit one pass (AVX2)")
                     guesses = gr.Number(0, label="guesses G (0 = auto, 1..16)", step=1,
                                         info="auto: 2, or 1 where the CPU kernel serves fewer rows than that "
-                                             "forward (AVX2)")
+                                             "forward")
                     context = gr.Number(LOOKAHEAD.context, label="context K (1..8)", step=1,
                                         info="lookahead: look guesses up by the last K tokens first, then fewer")
                 with gr.Row():
                     text_ngram = gr.Number(0, label="text n-gram M (0 = auto, 2..16)", step=1,
                                            info="lookahead: size of the n-grams the pools take from text (auto: N, "
-                                                "or N + 1 when auto G takes 1)")
+                                                "3 when auto N takes 2, or N + 1 when auto G takes 1)")
                     pools = gr.CheckboxGroup(list(POOLS), value=list(POOLS), label="lookahead pools",
                                              info="seed guesses from the prompt, the text so far, the target's "
                                                   "habitual phrases")

@@ -22,8 +22,8 @@ from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
 DEFAULTS: dict[str, Any] = {"gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 0,
-                            "window": LOOKAHEAD.window, "ngram": LOOKAHEAD.ngram,
-                            "guesses": 0}  # 0: G as suits the machine (LookaheadParams.resolve)
+                            "window": LOOKAHEAD.window, "ngram": 0,
+                            "guesses": 0}  # 0: N and G as suit the machine (LookaheadParams.resolve)
 PLAIN = "plain"
 RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "speculative (gamma 4)": ("speculative", "contiguous", {}),
