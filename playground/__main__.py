@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
     lookup.add_argument("--num-draft", type=int, default=None,
-                        help="most tokens copied after a match, 1..16 (default 5 with more than one branch, else 8)")
+                        help="most tokens copied after a match, 1..16 (default 5 with more than one branch or where "
+                             "only a copy of 5 fits one pass of the native CPU kernel's rows, as with AVX2; "
+                             "else 8)")
     lookup.add_argument("--branches", type=int, default=None,
                         help="distinct copies (of different earlier occurrences) verified together in one forward "
                              "under greedy decoding, 1..8 (default: 2 where two copies and the last token fit one "

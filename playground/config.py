@@ -19,8 +19,8 @@ MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
 LOOKAHEAD_NGRAM = 3  # lookahead's N unless two guesses fit a pass only with N 2 (LookaheadParams.resolve)
-# prompt lookup's copies where two of them fit one pass of the CPU kernel, and its copy otherwise
-# (PromptLookupParams.resolve)
+# prompt lookup's B and K where two copies fit one pass of the CPU kernel; K 5 also where one copy fits a pass only
+# at that length, else 8 (PromptLookupParams.resolve)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
 LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead: within one pass, beyond
 
@@ -205,12 +205,14 @@ class PromptLookupParams:
         """These settings with num_draft K, branches B and verify_overhead fixed for a forward whose matrix products
         serve rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on
         a GPU or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit
-        one pass, otherwise 1; K 5 with more than one copy, else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass)
-        B 2, K 5 (11 tokens) ran 1.73x and 1.68x plain decoding on the input-grounded suite prompts where B 1, K 8
-        ran 1.45x and 1.54x (two interleaved rounds, README Command line); with AVX2 (6 rows) a second copy costs a
-        second pass. The overhead as measured: where the widest forward (B K + 1 tokens) fits one pass of the native
-        kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512, README
-        Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
+        one pass, otherwise 1; K 5 with more than one copy or where one copy fits a pass at 5 tokens and not at 8,
+        else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass) B 2, K 5 (11 tokens) ran 1.73x and 1.68x plain
+        decoding on the input-grounded suite prompts where B 1, K 8 ran 1.45x and 1.54x (two interleaved rounds,
+        README Command line); with AVX2 (6 rows) a second copy costs a second pass, and so does a copy of 8: there
+        B 1, K 5 ran 1.31x and 1.34x over the suite (grounded 1.44x and 1.53x) where K 8 ran 1.23x and 1.32x
+        (grounded 1.35x and 1.33x). The overhead as measured: where the widest forward (B K + 1 tokens) fits one pass
+        of the native kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512,
+        README Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
         1.3-1.5x a one-token step with PyTorch's CPU kernels, 1.5x on an H100 at batch 1)."""
         def one_pass(branches: int, num_draft: int) -> bool:
             """Whether the last token and `branches` copies of num_draft tokens fit one pass of the kernel."""
@@ -221,7 +223,8 @@ class PromptLookupParams:
             branches = LOOKUP_BRANCHES if one_pass(LOOKUP_BRANCHES, self.num_draft or LOOKUP_BRANCH_TOKENS) else 1
         num_draft = self.num_draft
         if num_draft is None:
-            num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 else LOOKUP_TOKENS
+            shorter = not one_pass(branches, LOOKUP_TOKENS) and one_pass(branches, LOOKUP_BRANCH_TOKENS)
+            num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 or shorter else LOOKUP_TOKENS
         overhead = self.verify_overhead
         if overhead is None:
             overhead = LOOKUP_NATIVE_OVERHEAD if one_pass(branches, num_draft) else LOOKUP_OVERHEAD

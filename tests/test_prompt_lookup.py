@@ -206,7 +206,9 @@ def test_parameter_ranges(field, value, message) -> None:
     (PromptLookupParams(), 12, (5, 2)),  # AVX-512: two copies of 5 and the last token fill one pass
     (PromptLookupParams(), 11, (5, 2)),
     (PromptLookupParams(), 10, (8, 1)),
-    (PromptLookupParams(), 6, (8, 1)),  # AVX2: a second copy would cost a second pass
+    (PromptLookupParams(), 6, (5, 1)),  # AVX2: a second copy, or a copy of 8, would cost a second pass
+    (PromptLookupParams(), 8, (5, 1)),
+    (PromptLookupParams(), 9, (8, 1)),  # one copy of 8 fits
     (PromptLookupParams(num_draft=4), 12, (4, 2)),  # a chosen K stays, B fits it
     (PromptLookupParams(num_draft=6), 12, (6, 1)),
     (PromptLookupParams(branches=1), 12, (8, 1)),  # a chosen B stays
@@ -232,7 +234,7 @@ def test_the_decoder_chooses_copies_for_its_models_kernel(target, monkeypatch) -
     from playground.models.transformer import Transformer
 
     prompt = "Repeat exactly: the cat sat on the mat. the cat ran to the dog. the cat sat on the mat. the cat"
-    for rows, expected in ((6, (8, 1)), (12, (5, 2)), (None, (8, 1))):
+    for rows, expected in ((6, (5, 1)), (12, (5, 2)), (None, (8, 1))):
         monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
         decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24))
         assert (decoder.params()["num_draft"], decoder.params()["branches"]) == expected

@@ -265,7 +265,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
                                           info="auto: copies of 8; prompt lookup's as suits the machine (two "
-                                               "copies of 5 with AVX-512)")
+                                               "copies of 5 with AVX-512, one with AVX2)")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
                     ngram = gr.Number(0, label="n-gram N (0 = auto, 2..8)", step=1,
