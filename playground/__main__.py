@@ -116,7 +116,8 @@ def algo_params(args: argparse.Namespace) -> Any:
         return MedusaParams(heads=args.medusa_heads, tree=args.tree, tree_nodes=args.tree_nodes,
                             acceptance=args.acceptance,
                             epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
-                            copy_tokens=args.copy_tokens, copy_in_pass=not args.copy_past_pass)
+                            copy_in_pass=not args.copy_past_pass,
+                            **({} if args.copy_tokens is None else {"copy_tokens": args.copy_tokens}))
     return None
 
 
@@ -218,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0..8 (default 0: off): a step may also propose a copy of earlier text matching the last "
                            "1..N tokens: speculative proposes it instead of drafting when copies are accepted at "
                            "least as well; Medusa grafts it onto its tree")
-    copy.add_argument("--copy-tokens", type=int, default=8, help="most tokens a copy proposes, 1..16 (default 8)")
+    copy.add_argument("--copy-tokens", type=int, default=None,
+                      help="most tokens a copy proposes, 1..16 (default 8; speculative: 5 where only a copy of 5 "
+                           "fits one pass of the native CPU kernel's rows, as with AVX2)")
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")

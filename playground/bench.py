@@ -326,8 +326,9 @@ def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingPa
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
-            copies = f", copies of up to {copying.copy_tokens} tokens after a {copying.copy_ngram}..1-gram match"
+            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram)  # copies as the machine suits
+            length = copying.resolve(target.model.rows_per_pass, sampling.greedy).copy_tokens
+            copies = f", copies of up to {length} tokens after a {copying.copy_ngram}..1-gram match"
             variants = [("speculative", SpeculativeParams(gamma=args.gamma), ""),
                         ("speculative-chain", SpeculativeParams(gamma=args.gamma, siblings=0), ""),
                         ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),

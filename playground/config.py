@@ -20,7 +20,7 @@ MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
 LOOKAHEAD_NGRAM = 3  # lookahead's N unless two guesses fit a pass only with N 2 (LookaheadParams.resolve)
 # prompt lookup's B and K where two copies fit one pass of the CPU kernel; K 5 also where one copy fits a pass only
-# at that length, else 8 (PromptLookupParams.resolve)
+# at that length, else 8 (copy_length)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
 LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead: within one pass, beyond
 
@@ -125,15 +125,29 @@ MAX_GAMMA = 16
 MAX_SIBLINGS = 4  # the draft's runners-up at the first drafted position verified beside its chain
 
 
+def copy_length(rows_per_pass: int | None, copies: int) -> int:
+    """The most tokens per copy for a step that verifies `copies` copies after the last token, where the matrix
+    products serve rows_per_pass tokens per pass (None: no such step, as on a GPU): LOOKUP_BRANCH_TOKENS with more
+    than one copy, or where copies that long fit one pass and LOOKUP_TOKENS-long ones do not (AVX2's 6 rows: a
+    copy of 8 costs a second pass), else LOOKUP_TOKENS. Measured for prompt lookup and speculative decoding's
+    copies (see `PromptLookupParams.resolve` and `SpeculativeParams.resolve`)."""
+    def fits(tokens: int) -> bool:
+        return rows_per_pass is not None and 1 + copies * tokens <= rows_per_pass
+
+    shorter = not fits(LOOKUP_TOKENS) and fits(LOOKUP_BRANCH_TOKENS)
+    return LOOKUP_BRANCH_TOKENS if copies > 1 or shorter else LOOKUP_TOKENS
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeParams:
     """Draft-model speculative decoding. gamma: draft tokens per step (the starting value when adaptive);
     adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]. copy_ngram: when above 0, a
     step whose last 1..copy_ngram tokens occur earlier in the prompt or output may propose up to copy_tokens
-    tokens copied from there (as prompt lookup does) instead of drafting, when copies have lately been
-    accepted at least as well as the draft's tokens; 0 always drafts. confidence: stop drafting early, after a
-    token the draft gave a probability below this (that token is still proposed); 0 always drafts gamma. It is
-    decided from the draft's own distribution alone, so greedy output stays exact and sampling lossless.
+    (None: chosen for the machine by `resolve`) tokens copied from there (as prompt lookup does) instead of
+    drafting, when copies have lately been accepted at least as well as the draft's tokens; 0 always drafts.
+    confidence: stop drafting early, after a token the draft gave a probability below this (that token is still
+    proposed); 0 always drafts gamma. It is decided from the draft's own distribution alone, so greedy output
+    stays exact and sampling lossless.
     siblings: under greedy acceptance, the draft's runners-up at the first drafted position (its 2nd, 3rd, ...
     choices there) verified as extra leaves beside the chain in the same forward; when the target takes one, the
     step keeps it and the target's token after it (None: chosen for the machine by `resolve`). Sampling verifies
@@ -142,7 +156,7 @@ class SpeculativeParams:
     gamma: int = 4
     adaptive: bool = False
     copy_ngram: int = 0
-    copy_tokens: int = 8
+    copy_tokens: int | None = None
     confidence: float = 0.0
     siblings: int | None = None
 
@@ -151,7 +165,8 @@ class SpeculativeParams:
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
-        check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
+        if self.copy_tokens is not None:
+            check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
         if not 0.0 <= _check_finite("confidence", self.confidence) < 1.0:
             raise ConfigError(f"confidence must be in [0, 1), got {self.confidence}")
         if self.siblings is not None:
@@ -164,16 +179,20 @@ class SpeculativeParams:
                               f"{self.siblings}; use 0 when sampling")
 
     def resolve(self, rows_per_pass: int | None, greedy: bool) -> SpeculativeParams:
-        """These settings with `siblings` fixed: 1 under greedy acceptance where the last token, gamma drafts and
-        one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`; None: no such step, as on
-        a GPU), else 0. Why: with AVX-512 (12 rows per pass) the sixth row of gamma 4 made the verifying forward
-        about 0.05 of a plain step dearer while the shipped draft's runner-up raised tokens per target forward
-        from 1.43 to 1.55 (bench run 12, README: 1.05x against 1.01x plain decoding in one run)."""
+        """These settings with `siblings` and `copy_tokens` fixed. Siblings: 1 under greedy acceptance where the
+        last token, gamma drafts and one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`;
+        None: no such step, as on a GPU), else 0. Why: with AVX-512 (12 rows per pass) the sixth row of gamma 4 made
+        the verifying forward about 0.05 of a plain step dearer while the shipped draft's runner-up raised tokens
+        per target forward from 1.43 to 1.55 (bench run 12, README: 1.05x against 1.01x plain decoding in one run).
+        Copy tokens: as `copy_length` says for one copy, 5 with AVX2 and 8 elsewhere. Why: on a Zen 3 EPYC (AVX2)
+        copies of 5 ran 1.41x, 1.38x and (with the confidence stop 0.5) 1.40x plain decoding where copies of 8 ran
+        1.38x, 1.33x and 1.36x, in interleaved rounds over the suite (README, Command line)."""
         self.check_acceptance(greedy)
         siblings = self.siblings
         if siblings is None:
             siblings = int(greedy and rows_per_pass is not None and self.gamma + 2 <= rows_per_pass)
-        return replace(self, siblings=siblings)
+        copy_tokens = copy_length(rows_per_pass, 1) if self.copy_tokens is None else self.copy_tokens
+        return replace(self, siblings=siblings, copy_tokens=copy_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +240,7 @@ class PromptLookupParams:
         branches = self.branches
         if branches is None:
             branches = LOOKUP_BRANCHES if one_pass(LOOKUP_BRANCHES, self.num_draft or LOOKUP_BRANCH_TOKENS) else 1
-        num_draft = self.num_draft
-        if num_draft is None:
-            shorter = not one_pass(branches, LOOKUP_TOKENS) and one_pass(branches, LOOKUP_BRANCH_TOKENS)
-            num_draft = LOOKUP_BRANCH_TOKENS if branches > 1 or shorter else LOOKUP_TOKENS
+        num_draft = copy_length(rows_per_pass, branches) if self.num_draft is None else self.num_draft
         overhead = self.verify_overhead
         if overhead is None:
             overhead = LOOKUP_NATIVE_OVERHEAD if one_pass(branches, num_draft) else LOOKUP_OVERHEAD

@@ -1,12 +1,13 @@
-"""Settings of the draft-free algorithms against each other and plain decoding, interleaved on the benchmark suite:
-on every prompt plain decoding runs, then each setting right after it, so that a machine whose speed drifts
-(these 2-core hosts do, by 10-25% within minutes) slows every setting of a prompt alike.
+"""Settings of the algorithms against each other and plain decoding, interleaved on the benchmark suite: on every
+prompt plain decoding runs, then each setting right after it, so that a machine whose speed drifts (these 2-core
+hosts do, by 10-25% within minutes) slows every setting of a prompt alike.
 
     python scripts/compare_settings.py "lookahead:guesses=2" "lookahead:guesses=1,text_ngram=4"
-        [--limit N] [--max-new-tokens 128] [--model embedded] [--device cpu]
+        [--limit N] [--max-new-tokens 128] [--model embedded] [--draft SPEC] [--device cpu]
 
-A setting is an algorithm (lookahead, prompt-lookup, medusa) and its parameters' fields as in
-`LookaheadParams`, `PromptLookupParams` or `MedusaParams` (whole numbers, decimals, true/false or text). Greedy:
+A setting is an algorithm (lookahead, prompt-lookup, medusa, speculative) and its parameters' fields as in
+`LookaheadParams`, `PromptLookupParams`, `MedusaParams` or `SpeculativeParams` (whole numbers, decimals,
+true/false or text); speculative settings share one draft (`--draft`, default the target's shipped one). Greedy:
 every output must equal plain decoding's. Prints each prompt's speedup over plain decoding and tokens per target
 forward, then per setting the medians over prompts and over the input-grounded ones.
 """
@@ -25,14 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from playground.bench import GROUNDED  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
 from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams)
+                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
-                                 PromptLookupDecoder, generate)
+                                 PromptLookupDecoder, SpeculativeDecoder, generate)
 from playground.metrics import compute  # noqa: E402
 from playground.models import load_model  # noqa: E402
+from playground.models.loader import default_draft  # noqa: E402
 
 ALGOS = {"lookahead": (LookaheadParams, LookaheadDecoder), "prompt-lookup": (PromptLookupParams, PromptLookupDecoder),
-         "medusa": (MedusaParams, MedusaDecoder)}
+         "medusa": (MedusaParams, MedusaDecoder), "speculative": (SpeculativeParams, SpeculativeDecoder)}
 
 
 def value(text: str) -> Any:
@@ -73,16 +75,26 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=len(SUITE), help=f"first N suite prompts, 1..{len(SUITE)}")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--draft", default=None,
+                        help="draft model for speculative settings (default: the target's shipped draft)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     if not 1 <= args.limit <= len(SUITE):
         parser.error(f"--limit must be in 1..{len(SUITE)}, got {args.limit}")
     if not 1 <= args.max_new_tokens <= 4096:
         parser.error(f"--max-new-tokens must be in 1..4096, got {args.max_new_tokens}")
+    draft_source = None
+    if any(algo == "speculative" for algo, _ in args.settings):
+        draft_source = args.draft or default_draft(args.model)
+        if not draft_source:
+            parser.error("--draft: speculative settings need a draft model with the target's tokenizer (a default "
+                         "ships only for the embedded model)")
     target = load_model(ModelSpec(source=args.model, device=args.device))
+    draft = load_model(ModelSpec(source=draft_source, device=args.device)) if draft_source else None
     greedy, generation = SamplingParams(), GenerationParams(max_new_tokens=args.max_new_tokens)
     names = [f"{i}:{algo}" for i, (algo, _) in enumerate(args.settings)]
-    decoders = [ALGOS[algo][1](target, greedy, generation, params) for algo, params in args.settings]
+    decoders = [SpeculativeDecoder(target, draft, greedy, generation, params) if algo == "speculative"
+                else ALGOS[algo][1](target, greedy, generation, params) for algo, params in args.settings]
     for name, decoder in zip(names, decoders):
         print(f"{name} = {decoder.params()}")
     plain = AutoregressiveDecoder(target, greedy, generation)

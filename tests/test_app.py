@@ -11,7 +11,7 @@ import re
 import pytest
 from gradio_client import Client, handle_file
 
-from playground.config import LookaheadParams, PromptLookupParams
+from playground.config import LookaheadParams, PromptLookupParams, SpeculativeParams
 from playground.models import native
 from playground.ui import build_app, launch_options
 
@@ -188,6 +188,10 @@ def test_tokens_per_proposal_zero_lets_the_machine_choose(client, target):
     trace_file = decode(client, "Repeat: one two three.", algo="Medusa (tree)", max_new_tokens=4, copy_ngram=3,
                         num_draft=0)[4]
     assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_tokens"] == 8
+    trace_file = decode(client, "Repeat: one two three.", algo="speculative (draft model)", max_new_tokens=4,
+                        copy_ngram=3, num_draft=0)[4]
+    chosen = SpeculativeParams(copy_ngram=3).resolve(target.model.rows_per_pass, greedy=True)
+    assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_tokens"] == chosen.copy_tokens
 
 
 def test_speculative_with_a_confidence_stop_drafts_less_and_keeps_plain_decodings_tokens(client):

@@ -307,11 +307,13 @@ def test_compare_settings_script_races_settings_against_plain_decoding(target) -
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "compare_settings.py"
     done = subprocess.run([sys.executable, str(script), "lookahead:guesses=1,text_ngram=4", "prompt-lookup:num_draft=5",
-                           "--limit", "2", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=600)
+                           "speculative:copy_ngram=3,copy_tokens=6", "--limit", "2", "--max-new-tokens", "12"],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout
+    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout and "'copy_tokens': 6" in done.stdout
     assert "[1] chat: 0:lookahead" in done.stdout and "\n1:prompt-lookup: " in done.stdout
-    for setting, message in (("bogus:x=1", "algorithm must be one of lookahead, prompt-lookup, medusa"),
+    assert "\n2:speculative: " in done.stdout  # with the embedded target's shipped draft
+    for setting, message in (("bogus:x=1", "algorithm must be one of lookahead, prompt-lookup, medusa, speculative"),
                              ("lookahead:gueses=2", "'gueses=2' must be field=value with a field of LookaheadParams"),
                              ("lookahead:guesses=0", r"guesses must be an integer in [1, 16], got 0")):
         refused = subprocess.run([sys.executable, str(script), setting], capture_output=True, text=True, timeout=120)

@@ -120,7 +120,7 @@ def test_copies_are_proposed_where_they_are_accepted_better_than_drafts(target, 
     """A draft that is never right loses the comparison: on a passage to repeat, copies make most proposals. (Its
     chain alone: the weak draft's runner-up is right often enough to make a sibling worth a comparison of its own.)"""
     decoder = SpeculativeDecoder(target, weak_draft, SamplingParams(), GenerationParams(max_new_tokens=48),
-                                 SpeculativeParams(gamma=4, copy_ngram=3, siblings=0))
+                                 SpeculativeParams(gamma=4, copy_ngram=3, copy_tokens=8, siblings=0))
     _, trace = generate(decoder, "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY)
     copied, drafted = steps_by_source(trace)
     assert len(copied) > len(drafted) and sum(a for a, _ in copied) > 10
@@ -397,6 +397,23 @@ def test_siblings_range_and_default() -> None:
     assert SpeculativeParams(gamma=11).resolve(12, greedy=True).siblings == 0  # 13 rows: a second pass
     assert SpeculativeParams().resolve(None, greedy=True).siblings == 0  # no CPU kernel (a GPU)
     assert SpeculativeParams(siblings=2).resolve(None, greedy=True).siblings == 2
+
+
+@pytest.mark.parametrize("params, rows_per_pass, expected", [
+    (SpeculativeParams(copy_ngram=3), None, 8),  # no CPU kernel (a GPU)
+    (SpeculativeParams(copy_ngram=3), 12, 8),  # AVX-512: a copy of 8 and the last token fit one pass
+    (SpeculativeParams(copy_ngram=3), 9, 8),
+    (SpeculativeParams(copy_ngram=3), 8, 5),
+    (SpeculativeParams(copy_ngram=3), 6, 5),  # AVX2: a copy of 8 would cost a second pass, one of 5 fits
+    (SpeculativeParams(copy_ngram=3), 5, 8),  # not even 5 fits: the longer copy
+    (SpeculativeParams(copy_ngram=3, copy_tokens=8), 6, 8),  # a chosen length stays
+    (SpeculativeParams(copy_ngram=3, copy_tokens=3), None, 3),
+])
+def test_copy_length_fits_one_pass_unless_given(params, rows_per_pass, expected) -> None:
+    for greedy in (True, False):
+        resolved = params.resolve(rows_per_pass, greedy)
+        assert resolved.copy_tokens == expected
+        assert resolved.resolve(rows_per_pass, greedy) == resolved
 
 
 @pytest.mark.parametrize("field, value, message", [("copy_ngram", -1, r"copy_ngram must be an integer in \[0, 8\]"),

@@ -264,8 +264,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
-                                          info="auto: copies of 8; prompt lookup's as suits the machine (two "
-                                               "copies of 5 with AVX-512, one with AVX2)")
+                                          info="auto: as suits the machine (prompt lookup: two copies of 5 "
+                                               "with AVX-512, one of 5 with AVX2; speculative: 5 with AVX2; else 8)")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
                     ngram = gr.Number(0, label="n-gram N (0 = auto, 2..8)", step=1,
