@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="do not add the committed text's n-grams to the pool (only the window's)")
     ahead.add_argument("--text-ngram", type=int, default=LOOKAHEAD.text_ngram,
                        help="size M of the n-grams the prompt, output and corpus pools take from text, 2..16 "
-                            "(default: N, 3 where --ngram chooses 2, or N + 1 as --guesses says; a longer M verifies longer copies in wider "
-                            "forwards)")
+                            "(default: N, 3 where --ngram chooses 2, or N + 1 as --guesses says; a longer M "
+                            "verifies longer copies in wider forwards)")
     ahead.add_argument("--corpus", default=None,
                        help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed "
                             "the pool (default: the one shipped for the embedded model)")
