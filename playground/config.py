@@ -125,6 +125,12 @@ MAX_GAMMA = 16
 MAX_SIBLINGS = 4  # the draft's runners-up at the first drafted position verified beside its chain
 
 
+def fits_one_pass(rows_per_pass: int | None, tokens: int) -> bool:
+    """Whether a forward over `tokens` tokens runs in one pass of the CPU kernel's rows (`Transformer.rows_per_pass`;
+    None: there is no such pass, as on a GPU or with PyTorch's kernels)."""
+    return rows_per_pass is not None and tokens <= rows_per_pass
+
+
 def copy_length(rows_per_pass: int | None, copies: int) -> int:
     """The most tokens per copy for a step that verifies `copies` copies after the last token, where the matrix
     products serve rows_per_pass tokens per pass (None: no such step, as on a GPU): LOOKUP_BRANCH_TOKENS with more
@@ -132,7 +138,7 @@ def copy_length(rows_per_pass: int | None, copies: int) -> int:
     copy of 8 costs a second pass), else LOOKUP_TOKENS. Measured for prompt lookup and speculative decoding's
     copies (see `PromptLookupParams.resolve` and `SpeculativeParams.resolve`)."""
     def fits(tokens: int) -> bool:
-        return rows_per_pass is not None and 1 + copies * tokens <= rows_per_pass
+        return fits_one_pass(rows_per_pass, 1 + copies * tokens)
 
     shorter = not fits(LOOKUP_TOKENS) and fits(LOOKUP_BRANCH_TOKENS)
     return LOOKUP_BRANCH_TOKENS if copies > 1 or shorter else LOOKUP_TOKENS
@@ -190,7 +196,7 @@ class SpeculativeParams:
         self.check_acceptance(greedy)
         siblings = self.siblings
         if siblings is None:
-            siblings = int(greedy and rows_per_pass is not None and self.gamma + 2 <= rows_per_pass)
+            siblings = int(greedy and fits_one_pass(rows_per_pass, self.gamma + 2))
         copy_tokens = copy_length(rows_per_pass, 1) if self.copy_tokens is None else self.copy_tokens
         return replace(self, siblings=siblings, copy_tokens=copy_tokens)
 
@@ -233,17 +239,15 @@ class PromptLookupParams:
         of the native kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512,
         README Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
         1.3-1.5x a one-token step with PyTorch's CPU kernels, 1.5x on an H100 at batch 1)."""
-        def one_pass(branches: int, num_draft: int) -> bool:
-            """Whether the last token and `branches` copies of num_draft tokens fit one pass of the kernel."""
-            return rows_per_pass is not None and 1 + branches * num_draft <= rows_per_pass
-
         branches = self.branches
         if branches is None:
-            branches = LOOKUP_BRANCHES if one_pass(LOOKUP_BRANCHES, self.num_draft or LOOKUP_BRANCH_TOKENS) else 1
+            two = fits_one_pass(rows_per_pass, 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS))
+            branches = LOOKUP_BRANCHES if two else 1
         num_draft = copy_length(rows_per_pass, branches) if self.num_draft is None else self.num_draft
         overhead = self.verify_overhead
         if overhead is None:
-            overhead = LOOKUP_NATIVE_OVERHEAD if one_pass(branches, num_draft) else LOOKUP_OVERHEAD
+            in_pass = fits_one_pass(rows_per_pass, 1 + branches * num_draft)
+            overhead = LOOKUP_NATIVE_OVERHEAD if in_pass else LOOKUP_OVERHEAD
         return replace(self, num_draft=num_draft, branches=branches, verify_overhead=overhead)
 
 
