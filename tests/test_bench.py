@@ -8,7 +8,7 @@ import pytest
 
 from playground.__main__ import main
 from playground.bench import Costs
-from playground.config import DYNAMIC_NODES, SpeculativeParams
+from playground.config import SpeculativeParams, dynamic_nodes
 
 
 def test_bench_writes_report(tmp_path, target) -> None:
@@ -91,7 +91,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     # the dynamic tree fills what one pass of the kernel's rows has beside the last token, every step
     rows = target.model.rows_per_pass
-    nodes = rows - 1 if rows is not None else DYNAMIC_NODES
+    nodes = dynamic_nodes(rows, gpu=False)
     assert f"## medusa (tree dynamic ({nodes} nodes)" in text and "typical acceptance (LOSSY)" in text
     assert (f"## medusa-copy (tree dynamic ({nodes} nodes), heads medusa-smollm2-135m, copies of up to 8 tokens after "
             "a 3..1-gram match grafted on, ranked among the tree's nodes") in text

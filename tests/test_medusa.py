@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from playground.config import DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams, SamplingParams
+from playground.config import (DYNAMIC_NODES, GPU_DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams,
+                               SamplingParams, dynamic_nodes)
 from playground.decoding import MedusaDecoder, encode_prompt, generate
 from playground.decoding import medusa as medusa_module
 from playground.decoding.base import forward_tokens, new_cache
@@ -201,21 +202,41 @@ def test_copies_add_at_most_the_rows_left_in_one_pass(target, heads, plain_outpu
     assert widest <= rows if copy_in_pass else widest > rows
 
 
+@pytest.mark.parametrize("rows, gpu, expected", [(12, False, 11), (6, False, 5), (4, False, 3),
+                                                 (None, False, DYNAMIC_NODES), (None, True, GPU_DYNAMIC_NODES),
+                                                 (1, False, DYNAMIC_NODES)])
+def test_dynamic_nodes_by_machine(rows, gpu, expected) -> None:
+    """One pass of the native kernel's rows beside the last token; with no passes, the GPU's width or PyTorch's."""
+    assert dynamic_nodes(rows, gpu) == expected
+
+
 @pytest.mark.parametrize("rows", [4, 12, None])
 def test_the_dynamic_tree_fills_one_pass_of_the_kernels_rows(target, heads, monkeypatch, rows) -> None:
     """By default the dynamic tree and the last token take exactly one pass of the kernel's rows, copies included
-    (DYNAMIC_NODES nodes where there are no passes); tree_nodes sets another size."""
+    (DYNAMIC_NODES nodes with PyTorch's CPU kernels, where there are no passes); tree_nodes sets another size."""
     from playground.models.transformer import Transformer
 
     monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
     for nodes in (None, 7):
         decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
                                 MedusaParams(tree_nodes=nodes, copy_ngram=3), heads)
-        expected = nodes or (rows - 1 if rows else DYNAMIC_NODES)
+        expected = nodes or dynamic_nodes(rows, gpu=False)
         assert decoder.params()["tree_nodes"] == expected
         _, trace = generate(decoder, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")
         assert {e.num_tokens for e in trace.events if e.KIND == "verify"} == {expected + 1}
         assert {len(e.tokens) for e in trace.events if isinstance(e, TreeEvent)} == {expected}
+
+
+def test_the_dynamic_tree_takes_the_gpu_width_on_a_gpu(target, heads, monkeypatch) -> None:
+    """The decoder asks for the GPU's width when the target's weights are on a CUDA device (the device is faked:
+    building the decoder creates no tensor on it)."""
+    from playground.models.transformer import Transformer
+
+    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: None))
+    monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
+    for nodes in (None, 7):
+        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree_nodes=nodes), heads)
+        assert decoder.params()["tree_nodes"] == (nodes or GPU_DYNAMIC_NODES)
 
 
 def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:

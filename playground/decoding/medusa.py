@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import DYNAMIC_NODES, DYNAMIC_TREE, ConfigError, GenerationParams, MedusaParams, SamplingParams
+from ..config import DYNAMIC_TREE, ConfigError, GenerationParams, MedusaParams, SamplingParams, dynamic_nodes
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
 from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities, verify_tree_greedy,
@@ -95,8 +95,7 @@ class MedusaDecoder(Decoder):
         self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
         if self.spec.tree == DYNAMIC_TREE:
             self.tree: TreeBuffers | None = None
-            # nodes per step: what one pass of the native kernel's rows has beside the last token
-            self.nodes = self.spec.tree_nodes or (rows - 1 if rows is not None and rows > 1 else DYNAMIC_NODES)
+            self.nodes = self.spec.tree_nodes or dynamic_nodes(rows, target.model.device.type == "cuda")
             self.depth = self.heads.heads.num_heads
             self.copy_room = None  # the copy is among the dynamic tree's nodes
             return
