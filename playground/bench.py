@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .bench_suite import SUITE
+from .bench_suite import SUITE, spread
 from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
 
 
@@ -28,7 +28,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "engine with continuous vs static batching vs one request at a time")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="1..4096 (default 128); serving: the longest output limit of the workload")
-    parser.add_argument("--limit", type=int, default=None, help="run only the first N prompts of the suite")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="run only N prompts of the suite, spread over its categories (one of each first)")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--draft", default=None,
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
@@ -250,11 +251,11 @@ def markdown(report: dict[str, Any]) -> str:
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for i, row in enumerate(report["prompts"]):
+    for row in report["prompts"]:
         hf = row.get("hf")
         peer = (f"{hf['tokens_per_s']:.1f} | {row['ratio_vs_hf']:.2f}x | {'yes' if row['same_tokens'] else 'NO'}"
                 if hf else "- | - | -")
-        lines.append(f"| {i} | {row['category']} | {row['prompt_tokens']} | {row['ar']['tokens']} | "
+        lines.append(f"| {row['index']} | {row['category']} | {row['prompt_tokens']} | {row['ar']['tokens']} | "
                      f"{row['ar']['tokens_per_s']:.1f} | {peer} |")
     s = report["summary"]
     bound = report["bandwidth"]
@@ -439,10 +440,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_serving(args)
     SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)  # refuses a bad --gamma or confidence
     args.algos = parse_algos(args.algos)
-    prompts = list(SUITE)
+    indices = list(range(len(SUITE)))
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(SUITE))
-        prompts = prompts[: args.limit]
+        indices = spread(args.limit)
     target = load_model(model_spec(args))
     sampling = SamplingParams()
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
@@ -470,16 +471,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     plain_costs, costs = Costs(), {contender.name: Costs() for contender in contenders}
     plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
-    for index, (category, prompt) in enumerate(prompts):
+    for run, index in enumerate(indices):
+        category, prompt = SUITE[index]
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
         ours, plain_metrics, plain_trace = run_ours(plain, prompt)
         plain_costs.add(plain_trace)
         plain_step_s = seconds_per_step(plain_trace, plain_metrics)
-        row: dict[str, Any] = {"category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
-                               "ar": run_stats(ours), "algos": {}}
+        row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt,
+                               "prompt_tokens": len(prompt_ids), "ar": run_stats(ours), "algos": {}}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
-        progress = f"[{index + 1}/{len(prompts)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
+        progress = f"[{run + 1}/{len(indices)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
         if hf_model is not None:
             peer = run_hf(hf_model, prompt_ids, target, generation)
             row["hf"] = run_stats(peer)

@@ -49,3 +49,18 @@ SUITE: tuple[tuple[str, str], ...] = (
     ("rewriting", "Rewrite this sentence to be more formal: 'Hey, can you send me the report by tomorrow? Thanks!'"),
     ("rewriting", "Rewrite the following paragraph in simpler words for a ten-year-old.\n\n" + PASSAGE_TIDES),
 )
+
+
+def spread(count: int) -> list[int]:
+    """The suite indices of `count` prompts spread over the categories, in suite order: the first prompt of every
+    category, then the second of every category, and so on, until `count` are taken. Why: a short run (`--limit`)
+    should sample every kind of task; the suite's first 7 prompts hold no maths, translation or rewriting, and on
+    them Medusa with copies replays 1.87 tokens per forward against 2.47 over all 14."""
+    if not 1 <= count <= len(SUITE):
+        raise ValueError(f"count must be in 1..{len(SUITE)}, got {count}")
+    seen: dict[str, int] = {}
+    rank = []  # (how many of its category come before it, suite index) per prompt
+    for index, (category, _) in enumerate(SUITE):
+        rank.append((seen.get(category, 0), index))
+        seen[category] = seen.get(category, 0) + 1
+    return sorted(index for _, index in sorted(rank)[:count])

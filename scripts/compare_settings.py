@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench import GROUNDED  # noqa: E402
-from playground.bench_suite import SUITE  # noqa: E402
+from playground.bench_suite import SUITE, spread  # noqa: E402
 from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
                                ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
@@ -72,7 +72,7 @@ def parse_setting(text: str) -> tuple[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("settings", nargs="+", type=parse_setting, metavar="ALGO:FIELD=VALUE,...")
-    parser.add_argument("--limit", type=int, default=len(SUITE), help=f"first N suite prompts, 1..{len(SUITE)}")
+    parser.add_argument("--limit", type=int, default=len(SUITE), help=f"N suite prompts spread over its categories, 1..{len(SUITE)}")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--draft", default=None,
@@ -100,7 +100,8 @@ def main() -> int:
     plain = AutoregressiveDecoder(target, greedy, generation)
     generate(plain, "Warm up.")  # the first run of a process pays one-off costs
     results: dict[str, list[tuple[str, float, float]]] = {name: [] for name in names}
-    for index, (category, prompt) in enumerate(SUITE[: args.limit]):
+    for index in spread(args.limit):
+        category, prompt = SUITE[index]
         reference, plain_trace = generate(plain, prompt)
         plain_speed = compute(plain_trace).tokens_per_s
         cells = []

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
 from playground.__main__ import main
 from playground.bench import Costs
+from playground.bench_suite import SUITE, spread
 from playground.config import SpeculativeParams, dynamic_nodes
 
 
@@ -16,7 +18,9 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", "--algos", "speculative",
                  "--draft", "none", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     report = json.loads(out_json.read_text())
-    assert len(report["prompts"]) == 2
+    # two prompts spread over the categories: the first chat prompt and the code prompt after the second chat one
+    assert [(row["index"], row["category"]) for row in report["prompts"]] == [(0, "chat"), (2, "code")]
+    assert "| 2 | code |" in out_md.read_text()
     row = report["prompts"][0]
     assert row["ar"]["tokens"] >= 1 and row["hf"]["tokens"] >= 1 and row["same_tokens"] is True
     assert report["bandwidth"]["copy_gb_per_s"] > 0 and report["bandwidth"]["bound_tokens_per_s"] > 0
@@ -24,6 +28,19 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
     assert report["algos"] == {} and report["prompts"][0]["algos"] == {}
+
+
+@pytest.mark.parametrize("count", range(1, len(SUITE) + 1))
+def test_a_limit_spreads_the_prompts_over_the_categories(count) -> None:
+    """Every category once before any twice, in suite order; the whole suite at its length."""
+    indices = spread(count)
+    assert len(indices) == count and indices == sorted(set(indices))
+    taken = Counter(SUITE[i][0] for i in indices)
+    assert max(taken.values()) - min(taken.get(category, 0) for category, _ in SUITE) <= 1
+    assert spread(8) == [0, 2, 3, 4, 6, 8, 10, 12]  # one prompt of each of the 8 categories
+    assert spread(len(SUITE)) == list(range(len(SUITE)))
+    with pytest.raises(ValueError, match="count must be in 1..14"):
+        spread(0)
 
 
 def test_bench_rejects_bad_limit(capsys) -> None:
@@ -35,8 +52,8 @@ def test_bench_rejects_bad_limit(capsys) -> None:
 
 def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target) -> None:
     out_json = tmp_path / "s.json"
-    # the grounded code-editing prompt (index 3): prompt lookup has text to copy
-    assert main(["bench", "--limit", "4", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
+    # chat, code and the grounded code-editing prompt (the third of the spread): prompt lookup has text to copy
+    assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-chain", "speculative-adaptive", "speculative-copy",
@@ -59,7 +76,8 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     # as long as one pass of the CPU kernel's rows allows: 5 tokens with AVX2, 8 with AVX-512
     length = SpeculativeParams(copy_ngram=3).resolve(target.model.rows_per_pass, greedy=True).copy_tokens
     assert f"copies of up to {length} tokens after a 3..1-gram match" in report["algos"]["speculative-copy"]["setting"]
-    assert report["prompts"][3]["algos"]["speculative-copy"]["peer"]["tokens"] >= 1
+    assert report["prompts"][2]["category"] == "code editing"
+    assert report["prompts"][2]["algos"]["speculative-copy"]["peer"]["tokens"] >= 1
     assert "stops after a token of draft probability below 0.5" in report["algos"]["speculative-confident"]["setting"]
     assert report["prompts"][0]["algos"]["speculative-confident"]["peer"]["tokens"] >= 1
     both = report["algos"]["speculative-copy-confident"]["setting"]

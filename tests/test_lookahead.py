@@ -311,7 +311,9 @@ def test_compare_settings_script_races_settings_against_plain_decoding(target) -
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout and "'copy_tokens': 6" in done.stdout
-    assert "[1] chat: 0:lookahead" in done.stdout and "\n1:prompt-lookup: " in done.stdout
+    # two prompts spread over the categories (bench_suite.spread): suite prompts 0 and 2
+    assert "[0] chat: 0:lookahead" in done.stdout and "[2] code: 0:lookahead" in done.stdout
+    assert "[1] chat" not in done.stdout and "\n1:prompt-lookup: " in done.stdout
     assert "\n2:speculative: " in done.stdout  # with the embedded target's shipped draft
     for setting, message in (("bogus:x=1", "algorithm must be one of lookahead, prompt-lookup, medusa, speculative"),
                              ("lookahead:gueses=2", "'gueses=2' must be field=value with a field of LookaheadParams"),
