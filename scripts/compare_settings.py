@@ -1,6 +1,7 @@
 """Settings of the algorithms against each other and plain decoding, interleaved on the benchmark suite: on every
 prompt plain decoding runs, then each setting right after it, so that a machine whose speed drifts (these 2-core
-hosts do, by 10-25% within minutes) slows every setting of a prompt alike.
+hosts do, by 10-25% within minutes) slows every setting of a prompt alike. `--limit N` runs N of the prompts,
+spread over the suite's categories as the benchmark's `--limit` does.
 
     python scripts/compare_settings.py "lookahead:guesses=2" "lookahead:guesses=1,text_ngram=4"
         [--limit N] [--max-new-tokens 128] [--model embedded] [--draft SPEC] [--device cpu]
@@ -72,7 +73,8 @@ def parse_setting(text: str) -> tuple[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("settings", nargs="+", type=parse_setting, metavar="ALGO:FIELD=VALUE,...")
-    parser.add_argument("--limit", type=int, default=len(SUITE), help=f"N suite prompts spread over its categories, 1..{len(SUITE)}")
+    parser.add_argument("--limit", type=int, default=len(SUITE),
+                        help=f"N suite prompts spread over its categories, 1..{len(SUITE)}")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--draft", default=None,

@@ -37,10 +37,15 @@ def test_a_limit_spreads_the_prompts_over_the_categories(count) -> None:
     assert len(indices) == count and indices == sorted(set(indices))
     taken = Counter(SUITE[i][0] for i in indices)
     assert max(taken.values()) - min(taken.get(category, 0) for category, _ in SUITE) <= 1
+
+
+def test_a_limit_takes_one_prompt_of_each_category_first() -> None:
     assert spread(8) == [0, 2, 3, 4, 6, 8, 10, 12]  # one prompt of each of the 8 categories
+    assert spread(9) == [0, 1, 2, 3, 4, 6, 8, 10, 12]  # then the second of the first category
     assert spread(len(SUITE)) == list(range(len(SUITE)))
-    with pytest.raises(ValueError, match="count must be in 1..14"):
-        spread(0)
+    for count in (0, len(SUITE) + 1):
+        with pytest.raises(ValueError, match="count must be in 1..14"):
+            spread(count)
 
 
 def test_bench_rejects_bad_limit(capsys) -> None:
