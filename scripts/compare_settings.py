@@ -4,13 +4,17 @@ hosts do, by 10-25% within minutes) slows every setting of a prompt alike. `--li
 spread over the suite's categories as the benchmark's `--limit` does.
 
     python scripts/compare_settings.py "lookahead:guesses=2" "lookahead:guesses=1,text_ngram=4"
-        [--limit N] [--max-new-tokens 128] [--model embedded] [--draft SPEC] [--device cpu]
+        [--limit N] [--rounds R] [--max-new-tokens 128] [--model embedded] [--draft SPEC] [--device cpu]
 
 A setting is an algorithm (lookahead, prompt-lookup, medusa, speculative) and its parameters' fields as in
 `LookaheadParams`, `PromptLookupParams`, `MedusaParams` or `SpeculativeParams` (whole numbers, decimals,
 true/false or text); speculative settings share one draft (`--draft`, default the target's shipped one). Greedy:
 every output must equal plain decoding's. Prints each prompt's speedup over plain decoding and tokens per target
-forward, then per setting the medians over prompts and over the input-grounded ones.
+forward, then per setting the medians over prompt runs and over the input-grounded ones, the speedup in all (every
+run's tokens over every run's time, against plain decoding's), and the medians over every step of the time spent
+proposing and in the verifying forward. `--rounds R` repeats the pass over the prompts: on a noisy host (the GPU
+machines here: plain decoding between 49 and 103 tokens/s from prompt to prompt) single rounds disagree by more
+than settings differ, while the per-step medians hold.
 """
 
 from __future__ import annotations
@@ -33,9 +37,38 @@ from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, Medusa
 from playground.metrics import compute  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.models.loader import default_draft  # noqa: E402
+from playground.trace import DraftEvent, Trace, VerifyEvent  # noqa: E402
 
 ALGOS = {"lookahead": (LookaheadParams, LookaheadDecoder), "prompt-lookup": (PromptLookupParams, PromptLookupDecoder),
          "medusa": (MedusaParams, MedusaDecoder), "speculative": (SpeculativeParams, SpeculativeDecoder)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One generation of a prompt: its speed and, against plain decoding's run of the same prompt, its speedup;
+    tokens per target forward; the engine seconds of each step's proposing (draft events) and verifying forward."""
+
+    category: str
+    tokens: int
+    wall_s: float
+    speedup: float
+    per_forward: float
+    propose_s: list[float]
+    verify_s: list[float]
+
+    @classmethod
+    def of(cls, category: str, trace: Trace, plain: Run | None = None) -> Run:
+        metrics = compute(trace)
+        speed = metrics.tokens_per_s
+        return cls(category, metrics.tokens, metrics.wall_s, speed / (plain.tokens / plain.wall_s) if plain else 1.0,
+                   metrics.mean_accepted_tokens or 1.0,
+                   [e.wall_s for e in trace.events if isinstance(e, DraftEvent)],
+                   [e.wall_s for e in trace.events if isinstance(e, VerifyEvent)])
+
+
+def total_speed(runs: list[Run]) -> float:
+    """Tokens per second over every run together: long runs weigh more, and one slow moment of the host less."""
+    return sum(run.tokens for run in runs) / sum(run.wall_s for run in runs)
 
 
 def value(text: str) -> Any:
@@ -76,6 +109,7 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=len(SUITE),
                         help=f"N suite prompts spread over its categories, 1..{len(SUITE)}")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts, 1..20 (default 1)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--draft", default=None,
                         help="draft model for speculative settings (default: the target's shipped draft)")
@@ -85,6 +119,8 @@ def main() -> int:
         parser.error(f"--limit must be in 1..{len(SUITE)}, got {args.limit}")
     if not 1 <= args.max_new_tokens <= 4096:
         parser.error(f"--max-new-tokens must be in 1..4096, got {args.max_new_tokens}")
+    if not 1 <= args.rounds <= 20:
+        parser.error(f"--rounds must be in 1..20, got {args.rounds}")
     draft_source = None
     if any(algo == "speculative" for algo, _ in args.settings):
         draft_source = args.draft or default_draft(args.model)
@@ -101,26 +137,41 @@ def main() -> int:
         print(f"{name} = {decoder.params()}")
     plain = AutoregressiveDecoder(target, greedy, generation)
     generate(plain, "Warm up.")  # the first run of a process pays one-off costs
-    results: dict[str, list[tuple[str, float, float]]] = {name: [] for name in names}
-    for index in spread(args.limit):
-        category, prompt = SUITE[index]
-        reference, plain_trace = generate(plain, prompt)
-        plain_speed = compute(plain_trace).tokens_per_s
-        cells = []
-        for name, decoder in zip(names, decoders):
-            output, trace = generate(decoder, prompt)
-            if output.token_ids != reference.token_ids:
-                print(f"{name} gave other tokens than plain decoding on prompt {index}", file=sys.stderr)
-                return 1
-            metrics = compute(trace)
-            results[name].append((category, metrics.tokens_per_s / plain_speed, metrics.mean_accepted_tokens))
-            cells.append(f"{name} {results[name][-1][1]:.2f}x / {results[name][-1][2]:.2f}")
-        print(f"[{index}] {category}: " + ", ".join(cells), flush=True)
-    print("medians over prompts: speedup vs plain / tokens per target forward (input-grounded prompts: speedup)")
-    for name, rows in results.items():
-        grounded = [speedup for category, speedup, _ in rows if category in GROUNDED]
-        print(f"{name}: {statistics.median(r[1] for r in rows):.3f}x / {statistics.median(r[2] for r in rows):.2f}"
-              + (f" (grounded {statistics.median(grounded):.3f}x)" if grounded else ""))
+    runs: dict[str, list[Run]] = {name: [] for name in ["plain", *names]}
+    for round_ in range(1, args.rounds + 1):
+        for index in spread(args.limit):
+            category, prompt = SUITE[index]
+            reference, plain_trace = generate(plain, prompt)
+            base = Run.of(category, plain_trace)
+            runs["plain"].append(base)
+            cells = []
+            for name, decoder in zip(names, decoders):
+                output, trace = generate(decoder, prompt)
+                if output.token_ids != reference.token_ids:
+                    print(f"{name} gave other tokens than plain decoding on prompt {index}", file=sys.stderr)
+                    return 1
+                run = Run.of(category, trace, base)
+                runs[name].append(run)
+                cells.append(f"{name} {run.speedup:.2f}x / {run.per_forward:.2f}")
+            label = f"round {round_} [{index}]" if args.rounds > 1 else f"[{index}]"
+            print(f"{label} {category}: " + ", ".join(cells), flush=True)
+    plain_runs = runs.pop("plain")
+    plain_step = statistics.median(step for run in plain_runs for step in run.verify_s)
+    print(f"plain decoding: a step's forward {plain_step * 1e3:.2f} ms (median over every step)")
+    print("medians over prompt runs: speedup vs plain / tokens per target forward (input-grounded prompts: speedup);\n"
+          "in all: every run's tokens per second against plain decoding's; per step, medians over every step: "
+          "proposing, the verifying forward (in plain steps)")
+    for name, rows in runs.items():
+        grounded = [run.speedup for run in rows if run.category in GROUNDED]
+        in_all = total_speed(rows) / total_speed(plain_runs)
+        verify = statistics.median(step for run in rows for step in run.verify_s)
+        proposing = [step for run in rows for step in run.propose_s]
+        print(f"{name}: {statistics.median(r.speedup for r in rows):.3f}x / "
+              f"{statistics.median(r.per_forward for r in rows):.2f}"
+              + (f" (grounded {statistics.median(grounded):.3f}x)" if grounded else "")
+              + f"; in all {in_all:.3f}x; per step "
+              + (f"proposing {statistics.median(proposing) * 1e3:.2f} ms, " if proposing else "")
+              + f"verifying {verify * 1e3:.2f} ms ({verify / plain_step:.2f})")
     return 0
 
 
