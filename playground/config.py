@@ -352,7 +352,8 @@ def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
     same from 12 to 48 tokens (12.7-13.0 ms, 1.10-1.13 plain steps; launch-bound), while choosing the tree, host
     work, grew with its nodes (median 0.73 ms at 11, 1.10 at 23, 1.58 at 35, 2.33 at 47) and tokens per forward
     with copies rose 2.47, 2.75, 2.81, 2.88: 23 commits the most tokens per millisecond (three interleaved rounds
-    over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU)."""
+    over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU). Those times predate
+    `tree.best_first` revealing ranks lazily, which cheapens choosing most for large trees: worth racing again."""
     if rows_per_pass is not None and rows_per_pass > 1:
         return rows_per_pass - 1
     return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES

@@ -6,8 +6,11 @@ lossy, bad settings."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import math
+import random
 import re
 from collections import Counter
 from dataclasses import replace
@@ -22,7 +25,8 @@ from playground.config import (DYNAMIC_NODES, GPU_DYNAMIC_NODES, ConfigError, Ge
 from playground.decoding import MedusaDecoder, encode_prompt, generate
 from playground.decoding import medusa as medusa_module
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.tree import TREES, best_first, build_tree, follow, graft_chain, load_tree, paths_tree
+from playground.decoding.tree import (COPY_PRIOR, TREES, best_first, build_tree, follow, graft_chain, load_tree,
+                                     paths_tree)
 from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads, save_heads
@@ -143,6 +147,51 @@ def test_the_dynamic_tree_ranks_a_copy_among_the_heads_candidates_by_hand() -> N
     tree = paths_tree(tuple(sorted(((1,), (0,), (1, 0)), key=lambda p: (len(p), p))))
     assert follow(tree, [9, 10, 11, 20], [11, 30, 31]) == (2, 1)
     assert paths_tree(()).num_nodes == 0  # every node may go to the copy: the root alone before grafting
+
+
+def every_child_best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int],
+                           nodes: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The dynamic tree's choice as first written: every child of a chosen node on the heap at once (O(nodes x k)
+    pushes). `best_first` reveals a head's ranks one at a time; both must choose the same nodes in the same order."""
+    prior, order = math.log(COPY_PRIOR), itertools.count()
+    frontier: list = []
+
+    def offer(path: tuple[int, ...], score: float, on_copy: bool) -> None:
+        depth = len(path)
+        copied = copy[depth] if on_copy and depth < len(copy) else None
+        if depth < len(logp):
+            for rank, (lp, token) in enumerate(zip(logp[depth], tokens[depth])):
+                lp = max(lp, prior) if token == copied else lp
+                heapq.heappush(frontier, (-(score + lp), next(order), path + (rank,), token == copied))
+        if copied is not None and (depth >= len(logp) or copied not in tokens[depth]):
+            heapq.heappush(frontier, (-(score + prior), next(order), None, True))
+
+    chosen, chain, copy_depth = [], 0, 0
+    offer((), 0.0, True)
+    while frontier and len(chosen) + chain < nodes:
+        estimate, _, path, on_copy = heapq.heappop(frontier)
+        if path is None:
+            chain += 1
+            if copy_depth + chain < len(copy):
+                heapq.heappush(frontier, (estimate - prior, next(order), None, True))
+            continue
+        chosen.append(path)
+        copy_depth = len(path) if on_copy else copy_depth
+        offer(path, -estimate, on_copy)
+    return tuple(chosen), chain
+
+
+def test_the_dynamic_tree_reveals_ranks_lazily_yet_chooses_as_if_it_saw_them_all() -> None:
+    """Random heads (1-5 deep, 1-12 ranks, log-probabilities on three scales) and copies that often run through
+    the heads' candidates, for 1-64 nodes: the same nodes, in the same order, as pushing every child at once."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        depth, k, nodes = rng.randint(1, 5), rng.randint(1, 12), rng.randint(1, 64)
+        logp = [sorted((math.log(rng.random() + 1e-9) * rng.choice([0.2, 1, 3]) for _ in range(k)), reverse=True)
+                for _ in range(depth)]
+        tokens = [rng.sample(range(max(k, 10)), k) for _ in range(depth)]
+        copy = [rng.randrange(12) for _ in range(rng.randint(0, 8))]
+        assert best_first(logp, tokens, copy, nodes) == every_child_best_first(logp, tokens, copy, nodes)
 
 
 def test_the_dynamic_tree_is_a_tree_of_the_requested_size() -> None:

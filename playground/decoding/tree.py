@@ -172,31 +172,47 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     variant).
     Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
     prior, depth_limit, order = math.log(COPY_PRIOR), len(logp), itertools.count()
-    # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path)
-    frontier: list[tuple[float, int, tuple[int, ...] | None, bool]] = []
+    # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path, and for a head
+    # node in its parent's ranked run: (the parent's estimate, the rank the copy took out of that run, or -1))
+    frontier: list[tuple[float, int, tuple[int, ...] | None, bool, tuple[float, int] | None]] = []
+
+    def next_in_run(parent: tuple[int, ...], score: float, rank: int, skip: int) -> None:
+        """Put the child of `parent` at `rank` (past `skip`, the copy's child, taken out of the run) on the
+        frontier. A head's ranks are best first, so a child is never worth more than the one before it: its next
+        sibling joins only when it is taken, and a step pushes O(nodes) candidates instead of O(nodes x k)."""
+        rank += rank == skip
+        row = logp[len(parent)]
+        if rank < len(row):
+            heapq.heappush(frontier, (-(score + row[rank]), next(order), parent + (rank,), False, (score, skip)))
 
     def offer(path: tuple[int, ...], score: float, on_copy: bool) -> None:
-        """Put the children of the head node `path` (the root: ()) on the frontier."""
+        """Put the best children of the head node `path` (the root: ()) on the frontier: its heads' top-ranked
+        candidate, and the copy's token there, worth at least COPY_PRIOR."""
         depth = len(path)
         copied = copy[depth] if on_copy and depth < len(copy) else None
+        skip = -1
         if depth < depth_limit:
-            for rank, (lp, token) in enumerate(zip(logp[depth], tokens[depth])):
-                lp = max(lp, prior) if token == copied else lp
-                heapq.heappush(frontier, (-(score + lp), next(order), path + (rank,), token == copied))
-        if copied is not None and (depth >= depth_limit or copied not in tokens[depth]):
-            heapq.heappush(frontier, (-(score + prior), next(order), None, True))
+            if copied is not None and copied in tokens[depth]:
+                skip = tokens[depth].index(copied)
+                lp = max(logp[depth][skip], prior)
+                heapq.heappush(frontier, (-(score + lp), next(order), path + (skip,), True, None))
+            next_in_run(path, score, 0, skip)
+        if copied is not None and skip < 0:
+            heapq.heappush(frontier, (-(score + prior), next(order), None, True, None))
 
     chosen: list[tuple[int, ...]] = []
     chain, copy_depth = 0, 0  # copy-only nodes taken, and the depth of the copy's deepest head node
     offer((), 0.0, True)
     while frontier and len(chosen) + chain < nodes:
-        estimate, _, path, on_copy = heapq.heappop(frontier)
+        estimate, _, path, on_copy, run = heapq.heappop(frontier)
         if path is None:
             chain += 1
             if copy_depth + chain < len(copy):
-                heapq.heappush(frontier, (estimate - prior, next(order), None, True))
+                heapq.heappush(frontier, (estimate - prior, next(order), None, True, None))
             continue
         chosen.append(path)
+        if run is not None:
+            next_in_run(path[:-1], run[0], path[-1] + 1, run[1])
         if on_copy:
             copy_depth = len(path)
         offer(path, -estimate, on_copy)
