@@ -6,6 +6,8 @@ their source text inside the prompt, which is where prompt-lookup decoding shoul
 
 from __future__ import annotations
 
+from collections import Counter
+
 PASSAGE_TIDES = (
     "Tides are the regular rise and fall of the sea surface. They are caused mainly by the Moon's gravity, which "
     "pulls the ocean on the side of the Earth facing the Moon slightly more than the Earth itself, and pulls the "
@@ -58,9 +60,9 @@ def spread(count: int) -> list[int]:
     them Medusa with copies replays 1.87 tokens per forward against 2.47 over all 14."""
     if not 1 <= count <= len(SUITE):
         raise ValueError(f"count must be in 1..{len(SUITE)}, got {count}")
-    seen: dict[str, int] = {}
+    seen: Counter[str] = Counter()
     rank = []  # (how many of its category come before it, suite index) per prompt
     for index, (category, _) in enumerate(SUITE):
-        rank.append((seen.get(category, 0), index))
-        seen[category] = seen.get(category, 0) + 1
+        rank.append((seen[category], index))
+        seen[category] += 1
     return sorted(index for _, index in sorted(rank)[:count])

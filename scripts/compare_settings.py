@@ -59,9 +59,8 @@ class Run:
     @classmethod
     def of(cls, category: str, trace: Trace, plain: Run | None = None) -> Run:
         metrics = compute(trace)
-        speed = metrics.tokens_per_s
-        return cls(category, metrics.tokens, metrics.wall_s, speed / (plain.tokens / plain.wall_s) if plain else 1.0,
-                   metrics.mean_accepted_tokens or 1.0,
+        speedup = metrics.tokens_per_s / total_speed([plain]) if plain else 1.0
+        return cls(category, metrics.tokens, metrics.wall_s, speedup, metrics.mean_accepted_tokens or 1.0,
                    [e.wall_s for e in trace.events if isinstance(e, DraftEvent)],
                    [e.wall_s for e in trace.events if isinstance(e, VerifyEvent)])
 
@@ -138,8 +137,9 @@ def main() -> int:
     plain = AutoregressiveDecoder(target, greedy, generation)
     generate(plain, "Warm up.")  # the first run of a process pays one-off costs
     runs: dict[str, list[Run]] = {name: [] for name in ["plain", *names]}
+    indices = spread(args.limit)
     for round_ in range(1, args.rounds + 1):
-        for index in spread(args.limit):
+        for index in indices:
             category, prompt = SUITE[index]
             reference, plain_trace = generate(plain, prompt)
             base = Run.of(category, plain_trace)
