@@ -1,4 +1,4 @@
-"""Command line: `python -m playground generate | bench`.
+"""Command line: `python -m playground generate | bench | serve`.
 
 Errors in what the user typed end the program with exit code 2 and one line naming the field and the allowed
 range; they never print a traceback.
@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
-                     ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams, LookaheadParams,
+                     MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
 
 USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
+ENGINE = EngineParams()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -187,6 +188,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .models import load_model
+    from .server import PlaygroundServer, serve
+
+    spec = model_spec(args)
+    params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
+                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching)
+    server = PlaygroundServer(args.host, args.port)  # listens now: a taken port fails before the model loads
+    try:
+        print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
+        serve(load_model(spec), params, server)
+    finally:
+        server.server_close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_args
     from .decoding import ALGORITHMS
@@ -290,6 +307,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark against plain decoding and transformers")
     add_bench_args(bench)
     add_model_args(bench)
+
+    server = commands.add_parser("serve", help="serve the model over HTTP (OpenAI-style API) with continuous "
+                                               "batching on the paged KV cache")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                            "only; 0.0.0.0 for every interface)")
+    server.add_argument("--port", type=int, default=8000, help="0..65535 (default 8000; 0: any free port)")
+    server.add_argument("--num-blocks", type=int, default=ENGINE.num_blocks,
+                        help=f"KV blocks in the pool, 1..{1 << 20} (default {ENGINE.num_blocks}); a request's prompt "
+                             "and max_tokens must fit it")
+    server.add_argument("--block-size", type=int, default=ENGINE.block_size,
+                        help=f"tokens per KV block, 1..256 (default {ENGINE.block_size})")
+    server.add_argument("--max-running", type=int, default=ENGINE.max_running,
+                        help=f"requests decoded together, 1..256 (default {ENGINE.max_running})")
+    server.add_argument("--max-batch-tokens", type=int, default=ENGINE.max_batch_tokens,
+                        help=f"tokens one engine step runs, prefill chunks included, 1..{1 << 16} (default "
+                             f"{ENGINE.max_batch_tokens})")
+    server.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not share the KV blocks of identical prompt prefixes between requests")
+    add_model_args(server)
+    server.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -144,6 +144,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def forget(self, request_id: int) -> None:
+        """Drop a finished or aborted request's record, so that a long-running server does not keep them all."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id}")
+        if request.status in (Status.WAITING, Status.RUNNING):
+            raise ValueError(f"request {request_id} is {request.status.value}: abort it first")
+        del self.requests[request_id]
+
+    def take_events(self) -> list[Event]:
+        """The events recorded since the last call, handed over and no longer kept."""
+        events, self.events = self.events, []
+        return events
+
     # -- the engine step ---------------------------------------------------------------------------------------
 
     def now(self) -> float:

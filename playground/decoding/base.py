@@ -38,18 +38,28 @@ def encode_prompt(target: LoadedModel, prompt: str, generation: GenerationParams
     unless `generation.raw`; checked against the model's context length."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("prompt must be a non-empty string")
-    tokenizer = target.tokenizer
     if target.chat and not generation.raw:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = chat_ids(target.tokenizer, [{"role": "user", "content": prompt}])
     else:
-        ids = list(tokenizer(prompt).input_ids)
-    limit = target.model.config.max_position_embeddings
-    if len(ids) + generation.max_new_tokens > limit:
-        raise ConfigError(f"prompt is {len(ids)} tokens; prompt tokens + max_new_tokens must be <= {limit} "
-                          f"(the model's context length), got {len(ids) + generation.max_new_tokens}")
+        ids = list(target.tokenizer(prompt).input_ids)
+    check_context(target, len(ids), generation.max_new_tokens)
     return ids
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation through the tokenizer's chat template, ending where the assistant's reply begins."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def check_context(target: LoadedModel, prompt_tokens: int, max_new_tokens: int,
+                  field: str = "max_new_tokens") -> None:
+    """A prompt and its longest continuation must fit the model's context; `field` names the length limit as the
+    caller's user knows it."""
+    limit = target.model.config.max_position_embeddings
+    if prompt_tokens + max_new_tokens > limit:
+        raise ConfigError(f"prompt is {prompt_tokens} tokens; prompt tokens + {field} must be <= {limit} "
+                          f"(the model's context length), got {prompt_tokens + max_new_tokens}")
 
 
 def paged_cache(model: Transformer, num_blocks: int, block_size: int) -> PagedKVCache:

@@ -1,0 +1,305 @@
+"""The HTTP server (`python -m playground serve`): requests served together get exactly their solo outputs,
+streaming adds up to the whole text, bad requests get 400s naming the field, and the engine keeps no record of
+finished or abandoned requests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from playground.__main__ import main
+from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground.decoding.base import chat_ids
+from playground.server import PlaygroundServer, settled_text
+
+from .prompts import PROMPTS
+
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
+    srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
+    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4))
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.close()
+
+
+def post(srv: PlaygroundServer, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+    connection.request("POST", path, raw if raw is not None else json.dumps(body))
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def get(srv: PlaygroundServer, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def events(srv: PlaygroundServer, path: str, body) -> list:
+    """A streamed request's server-sent events: JSON chunks, then the string "[DONE]"."""
+    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+    connection.request("POST", path, json.dumps({**body, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+    out = []
+    for line in response.read().decode().split("\n\n"):
+        if line:
+            assert line.startswith("data: ")
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def solo(target, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stop: tuple[str, ...] = ()):
+    """Plain decoding of one prompt on its own."""
+    stream = AutoregressiveDecoder(target, sampling, GenerationParams(max_new_tokens=max_tokens, stop=stop)).run(
+        prompt_ids)
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop_iteration:
+            return stop_iteration.value
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def test_requests_sent_together_get_their_solo_greedy_outputs(server, target):
+    prompts = PROMPTS[:8]
+    bodies = [{"messages": chat(p), "max_tokens": TOKENS} for p in prompts[:6]]
+    bodies += [{"prompt": p, "max_tokens": TOKENS - 5} for p in prompts[6:]]  # raw completions of another length
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(
+            lambda b: post(server, "/v1/chat/completions" if "messages" in b else "/v1/completions", b), bodies))
+    for body, (status, reply) in zip(bodies, replies):
+        assert status == 200, reply
+        if "messages" in body:
+            ids = encode_prompt(target, body["messages"][0]["content"], GenerationParams())
+            text = reply["choices"][0]["message"]["content"]
+            assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
+        else:
+            ids = list(target.tokenizer(body["prompt"]).input_ids)
+            text = reply["choices"][0]["text"]
+            assert reply["object"] == "text_completion"
+        expected = solo(target, ids, SamplingParams(), body["max_tokens"])
+        assert text == expected.text
+        assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(expected.token_ids),
+                                  "total_tokens": len(ids) + len(expected.token_ids)}
+        assert reply["choices"][0]["finish_reason"] == ("length" if expected.finish_reason == "length" else "stop")
+        assert reply["model"] == target.name
+
+
+def test_a_conversation_goes_through_the_chat_template(server, target):
+    messages = [{"role": "system", "content": "You answer in one short sentence."},
+                {"role": "user", "content": "What is the largest planet?"},
+                {"role": "assistant", "content": "Jupiter is the largest planet."},
+                {"role": "user", "content": "And the smallest?"}]
+    status, reply = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": TOKENS})
+    assert status == 200
+    ids = chat_ids(target.tokenizer, messages)
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == solo(target, ids, SamplingParams(), TOKENS).text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": chat("Translate into French: 'The weather is lovely, isn't it?'")}),
+    # characters split over several tokens: their bytes arrive one token at a time
+    ("/v1/chat/completions", {"messages": chat("Write 'I love pizza' using emoji only.")}),
+    ("/v1/chat/completions", {"messages": chat("Translate into Japanese: 'Good morning'")}),
+    ("/v1/completions", {"prompt": "A list of colours:\n1. Red\n2.", "stop": "\n4."}),
+    ("/v1/chat/completions", {"messages": chat(PROMPTS[3]), "stop": ["\n\n", "vitamin"]}),
+    ("/v1/completions", {"prompt": "def add(a, b):\n", "max_tokens": 40}),
+])
+def test_streamed_pieces_add_up_to_the_whole_text(server, path, body):
+    body = {"max_tokens": TOKENS, **body}
+    status, whole = post(server, path, body)
+    assert status == 200
+    streamed = events(server, path, body)
+    assert streamed[-1] == "[DONE]"
+    chunks = streamed[:-1]
+    is_chat = path == "/v1/chat/completions"
+    pieces = [c["choices"][0]["delta"]["content"] if is_chat else c["choices"][0]["text"] for c in chunks]
+    text = whole["choices"][0]["message"]["content"] if is_chat else whole["choices"][0]["text"]
+    assert "".join(pieces) == text
+    assert len(chunks) > 2  # streamed piece by piece, not at the end
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert len({c["id"] for c in chunks}) == 1
+    if is_chat:
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    if "stop" in body:
+        assert not any(s in text for s in ([body["stop"]] if isinstance(body["stop"], str) else body["stop"]))
+
+
+def test_sampling_follows_the_seed(server, target):
+    prompt = "Write a short poem about the sea."
+    body = {"messages": chat(prompt), "max_tokens": TOKENS, "temperature": 0.9, "top_p": 0.95}
+    texts = [post(server, "/v1/chat/completions", {**body, "seed": seed})[1]["choices"][0]["message"]["content"]
+             for seed in (7, 7, 8)]
+    assert texts[0] == texts[1] != texts[2]
+    ids = encode_prompt(target, prompt, GenerationParams())
+    alone = solo(target, ids, SamplingParams(temperature=0.9, top_p=0.95, seed=7), TOKENS)
+    assert texts[0] == alone.text
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/v1/completions", {"prompt": ""}, 400, "prompt must be a non-empty string"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer in [1, 4096], got 0"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens must be an integer in [1, 4096]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2100}, 400, "this server's pool holds 256 (its --num-blocks)"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be in [0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -1}, 400, "top_k must be an integer in [0, inf]"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop must be a non-empty string or a list"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream must be true or false"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n is not supported by this server (only 1)"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
+    ("/v1/completions", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model must be 'SmolLM2-135M-Instruct'"),
+    ("/v1/completions", {"messages": chat("hi")}, 400, "unknown field 'messages'"),
+    ("/v1/completions", ["hi"], 400, "the request body must be a JSON object"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages must hold some text"),
+    ("/v1/chat/completions", {"prompt": "hi"}, 400, "unknown field 'prompt'"),
+    ("/v1/embeddings", {"input": "hi"}, 404, "no such endpoint POST /v1/embeddings"),
+    ("/health", {}, 405, "/health takes GET, not POST"),
+])
+def test_bad_requests_are_refused_naming_the_field(server, path, body, status, message):
+    got, reply = post(server, path, body)
+    assert got == status
+    assert message in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_neutral_openai_fields_are_accepted_and_bodies_checked(server):
+    status, _ = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "n": 1, "presence_penalty": 0,
+                                                 "logprobs": None, "model": "embedded", "user": None})
+    assert status == 200
+    status, reply = post(server, "/v1/completions", None, raw=b"{not json")
+    assert status == 400 and "not valid JSON" in reply["error"]["message"]
+    status, reply = post(server, "/v1/completions", {"prompt": "Hello there. " * 1500, "max_tokens": 4000})
+    assert status == 400 and reply["error"]["param"] == "max_tokens"
+    assert "prompt tokens + max_tokens must be <= 8192 (the model's context length)" in reply["error"]["message"]
+
+
+def test_the_read_endpoints(server, target):
+    assert get(server, "/health") == (200, {"status": "ok"})
+    status, models = get(server, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [target.name]
+    status, reply = get(server, "/v1/complete")
+    assert status == 404 and "GET /v1/engine" in reply["error"]["message"]
+    post(server, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4})
+    status, state = get(server, "/v1/engine")
+    assert status == 200
+    assert state["running"] == state["waiting"] == 0 and state["finished"] >= 1 and state["steps"] >= 4
+    assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
+    assert state["params"]["max_running"] == 4
+    assert not server.worker.engine.requests  # finished requests are forgotten
+    assert not server.worker.engine.events  # and the engine keeps no history
+
+
+def test_a_client_that_hangs_up_stops_its_request(server):
+    finished = get(server, "/v1/engine")[1]["finished"]
+    sock = socket.create_connection(server.server_address[:2])
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = b""
+    while b"data: " not in received:  # the headers come first, then the first piece of text: decoding has begun
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream before any text"
+        received += chunk
+    sock.close()
+    deadline = time.monotonic() + 60
+    while get(server, "/v1/engine")[1]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = get(server, "/v1/engine")[1]
+    assert state["running"] == 0 and state["finished"] == finished  # aborted, not run to its 400 tokens
+    assert not server.worker.engine.requests and state["kv"]["blocks_used"] == 0
+
+
+def test_an_engine_failure_fails_its_requests_and_serving_goes_on(server):
+    engine = server.worker.engine
+
+    def broken_step():
+        raise RuntimeError("simulated failure")
+
+    engine.step = broken_step
+    status, reply = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert status == 500 and "the engine failed: simulated failure" in reply["error"]["message"]
+    assert server.worker.engine is not engine  # a fresh engine and KV pool
+    status, reply = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("text, stop, settled", [
+    ("Hello wor", (), "Hello wor"),
+    ("Hello ", (), "Hello"),  # a space may yet be dropped before punctuation
+    ("caf\ufffd", (), "caf"),  # the rest of the character's bytes are still to come
+    ("one\n", ("\n\n",), "one"),
+    ("see the EN", ("END",), "see the"),
+    ("see the E", ("END", "EXIT"), "see the"),
+    ("ends with N", ("END",), "ends with N"),
+    ("a \ufffd \n", (), "a"),
+])
+def test_settled_text_holds_back_what_may_change(text, stop, settled):
+    assert settled_text(text, stop) == settled
+
+
+def test_cli_errors_before_loading_a_model(capsys):
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port must be an integer in [0, 65535], got 70000" in capsys.readouterr().err
+    assert main(["serve", "--num-blocks", "0"]) == 2
+    assert "num_blocks must be an integer in [1," in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert "port: cannot listen on 127.0.0.1:" in err and "Loading model" not in err
+
+
+def test_the_serve_command_answers_and_stops_on_ctrl_c():
+    root = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen([sys.executable, "-m", "playground", "serve", "--port", "0"], cwd=root,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        while "Serving" not in line:
+            line = process.stderr.readline()
+            assert line, "the server exited before serving"
+        url = line.split(" at ", 1)[1].split()[0]
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=120)
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 3}))
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        assert "Stopped." in process.stderr.read()
+    finally:
+        process.kill()
