@@ -418,11 +418,22 @@ def forwards(model, stack: bool, cache, steps) -> list[torch.Tensor]:
                 positions = torch.stack([torch.arange(cache.length(s), cache.length(s) + new) for s in seq_ids])
                 logits, hidden = model(ids, positions, cache, seq_ids, attn_mask=mask)
                 out += [logits, hidden]
-                out += [cache.k[:, s, :, : cache.length(s)].clone() for s in seq_ids]
-                out += [cache.v[:, s, :, : cache.length(s)].clone() for s in seq_ids]
+                out += [row for s in seq_ids for row in cached_rows(cache, s)]
     finally:
         model.native_stack = saved
     return out
+
+
+def cached_rows(cache, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (layers, Hkv, length, D) of one sequence, in token order, from a cache of either kind."""
+    from playground.kv import PagedKVCache
+
+    length = cache.length(seq)
+    if not isinstance(cache, PagedKVCache):
+        return cache.k[:, seq, :, :length].clone(), cache.v[:, seq, :, :length].clone()
+    table, size = cache.block_table(seq), cache.block_size
+    slots = torch.tensor([table[j // size] * size + j % size for j in range(length)])  # (length,)
+    return cache.k[:, slots].transpose(1, 2).clone(), cache.v[:, slots].transpose(1, 2).clone()
 
 
 def test_the_layer_stack_equals_the_layer_by_layer_forward_bit_for_bit(kernel: native.Kernel, target) -> None:
@@ -443,6 +454,38 @@ def test_the_layer_stack_equals_the_layer_by_layer_forward_bit_for_bit(kernel: n
     assert len(results[0]) == len(results[1])
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def test_the_layer_stack_runs_on_the_paged_pool_bit_for_bit(kernel: native.Kernel, target, monkeypatch) -> None:
+    """Over the paged cache too, every layer runs in one native call, writing each token to its slot of the pool and
+    reading each row's keys through its block table, and gives the bits of the layers one by one on the paged cache
+    and of the stack on the contiguous cache: logits, hidden states and every row's keys and values, through the
+    same prompts, steps, chain, tree, truncations and rows out of order as above."""
+    from playground.kv import ContiguousKVCache, PagedKVCache
+
+    model = target.model
+    cfg = model.config
+    tree = ancestor_mask([-1, 0, 0, 2])  # (4, 4)
+    steps = [((0, 1), 9, None, {}), ((0, 1), 1, None, {}), ((0, 1), 5, None, {1: 6}), ((0, 1), 4, tree, {}),
+             ((1,), 1, None, {}), ((2, 0), 3, None, {}), ((0,), 1, None, {})]
+    calls: list[int] = []
+    monkeypatch.setattr(native, "layers", lambda *args, _run=native.layers: calls.append(1) or _run(*args))
+    results = []
+    for stack, paged in ((True, True), (False, True), (True, False)):
+        calls.clear()
+        # blocks of 4 handed out in a shuffled order, so that no row's blocks are adjacent in the pool
+        cache = (PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=24, block_size=4) if paged
+                 else ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, max_seqs=3))
+        if paged:
+            cache.allocator.allocate(24)
+            for block in torch.randperm(24, generator=torch.Generator().manual_seed(0)).tolist():
+                cache.allocator.release(block)
+        results.append(forwards(model, stack, cache, steps))
+        if paged:  # every forward in one call, rows out of order too (the contiguous cache runs those by layers)
+            assert len(calls) == (len(steps) if stack else 0)
+    for got, paged_layers, contiguous_stack in zip(*results):
+        assert torch.equal(got, paged_layers)
+        assert torch.equal(got, contiguous_stack)
 
 
 def sixteen_bit(dtype: torch.dtype, out: int, in_features: int) -> torch.Tensor:

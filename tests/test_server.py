@@ -34,10 +34,12 @@ def server(target):
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
     srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=srv.serve_forever, daemon=True), threading.Thread(target=srv.worker.run)]
+    for thread in threads:
+        thread.start()
     yield srv
     srv.close()
+    threads[1].join()
 
 
 def post(srv: PlaygroundServer, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:

@@ -82,6 +82,11 @@ class KVCache(ABC):
         new tokens not yet stored); None where the layout is otherwise, and every write goes through `update`."""
         return None
 
+    def slot_pools(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V (layers, slots, Hkv, D) of a cache whose tokens sit at the slots `layout.write_slots` and
+        `layout.read_slots` name (the whole-stack native forward writes and reads them there); None otherwise."""
+        return None
+
     @abstractmethod
     def length(self, seq_id: int) -> int:
         """Number of committed slots of a sequence."""

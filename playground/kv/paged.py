@@ -193,6 +193,9 @@ class PagedKVCache(KVCache):
         return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask,
                                write_slots=torch.cat(write), read_slots=torch.stack(read))
 
+    def slot_pools(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v  # (layers, slots, Hkv, D)
+
     def update(
         self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

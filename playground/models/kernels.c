@@ -921,7 +921,7 @@ void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_di
 }
 
 /* ---- The whole layer stack ----
- * Every decoder layer of a forward in one call, over a contiguous KV cache: the two halves above around attention,
+ * Every decoder layer of a forward in one call, over a KV cache of either kind: the two halves above around attention,
  * with the new keys and values written into the cache and the queries regrouped here, all in one parallel region
  * (one start of the threads per forward instead of five per layer). A small draft model's one-token forward spent
  * most of its time in the Python between those calls (about 0.2 ms a layer on a 2-core Zen 3 EPYC, against a few
@@ -931,14 +931,20 @@ void playground_mlp_block(float *x, int n, int d, const float *attn, int attn_di
  * x (batch * new, d) the residual stream, updated in place. weights: 7 pointers per layer, [input norm, qkv panels,
  * qkv bias or NULL, o panels, post-attention norm, gate/up panels, down panels]; formats: 4 per layer, those of
  * the qkv, o, gate/up and down panels. cos, sin (batch * new, head_dim).
- * k_cache, v_cache: element (l, b, h, j, c) of the first cache row used at l * layer_stride + b * seq_stride +
- * h * head_stride + j * head_dim + c; row b's new tokens go to slots starts[b]...; keys: slots each row attends
- * over, visible (batch, new, keys) or NULL as in playground_attention. scratch: batch * new * (3 d + qkv_out +
- * 3 heads * head_dim + 3 inter) floats, qkv_out = (heads + 2 kv_heads) * head_dim. */
+ * keys: slots each row attends over, visible (batch, new, keys) or NULL as in playground_attention.
+ * Two layouts of the cache. Contiguous rows (write_slots NULL): element (l, b, h, j, c) of the first cache row used
+ * at l * layer_stride + b * seq_stride + h * head_stride + j * head_dim + c; row b's new tokens go to slots
+ * starts[b].... A paged pool (write_slots given): element (l, slot, h, c) at l * layer_stride + slot * slot_stride +
+ * h * head_dim + c; token i = b * new + t goes to slot write_slots[i], and row b's key j is read from slot
+ * read_slots[b * keys + j], copied first into `gathered` (2 * batch * kv_heads * keys * head_dim floats) in the
+ * contiguous-rows order, so that attention runs the same arithmetic in the same order on either cache.
+ * scratch: batch * new * (3 d + qkv_out + 3 heads * head_dim + 3 inter) floats, qkv_out = (heads + 2 kv_heads) *
+ * head_dim. */
 void playground_layers(float *x, int batch, int new_tokens, int d, int layers, const void *const *weights,
                        const int *formats, int heads, int kv_heads, int head_dim, int inter, float eps, const float *cos,
                        const float *sin, float *k_cache, float *v_cache, long layer_stride, long seq_stride,
-                       long head_stride, const int *starts, int keys, const uint8_t *visible, float scale,
+                       long head_stride, const int *starts, const int64_t *write_slots, const int64_t *read_slots,
+                       long slot_stride, float *gathered, int keys, const uint8_t *visible, float scale,
                        float *scratch, int threads) {
     int n = batch * new_tokens, group = heads / kv_heads, qkv_out = (heads + 2 * kv_heads) * head_dim;
     long hd = (long)heads * head_dim;
@@ -966,7 +972,8 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
                 long b = i / new_tokens, tt = i % new_tokens;
                 const float *row = qkv + i * qkv_out;
                 for (int h = 0; h < kv_heads; h++) {
-                    long slot = b * seq_stride + h * head_stride + (starts[b] + tt) * head_dim;
+                    long slot = write_slots ? write_slots[i] * slot_stride + h * head_dim
+                                            : b * seq_stride + h * head_stride + (starts[b] + tt) * head_dim;
                     memcpy(kl + slot, row + (long)(heads + h) * head_dim, bytes);
                     memcpy(vl + slot, row + (long)(heads + kv_heads + h) * head_dim, bytes);
                     for (int g = 0; g < group; g++)
@@ -975,8 +982,26 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
                 }
             }
 #pragma omp barrier
-            attention_share(q, kl, vl, visible, out, batch, kv_heads, group * new_tokens, new_tokens, keys,
-                            head_dim, seq_stride, head_stride, head_dim, scale, t, nt, s, idx);
+            const float *ka = kl, *va = vl;
+            long sa = seq_stride, ha = head_stride;
+            if (write_slots) {
+                /* the pool's keys and values of every row into contiguous rows (b, h, j), a share per thread */
+                float *gk = gathered, *gv = gathered + (long)batch * kv_heads * keys * head_dim;
+                long pairs = (long)batch * keys, p0, p1;
+                row_share(pairs, t, nt, &p0, &p1);
+                for (long p = p0; p < p1; p++) {
+                    long b = p / keys, j = p % keys, from = read_slots[p] * slot_stride;
+                    for (int h = 0; h < kv_heads; h++) {
+                        long to = ((b * kv_heads + h) * keys + j) * head_dim;
+                        memcpy(gk + to, kl + from + h * head_dim, bytes);
+                        memcpy(gv + to, vl + from + h * head_dim, bytes);
+                    }
+                }
+                ka = gk, va = gv, ha = (long)keys * head_dim, sa = kv_heads * ha;
+#pragma omp barrier
+            }
+            attention_share(q, ka, va, visible, out, batch, kv_heads, group * new_tokens, new_tokens, keys,
+                            head_dim, sa, ha, head_dim, scale, t, nt, s, idx);
 #pragma omp barrier
             /* back to one row per token, heads in order: attn (batch * new, heads * head_dim) */
             for (long i = first; i < end; i++) {

@@ -156,8 +156,8 @@ def load(path: Path) -> Kernel:
         ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
     library.playground_mlp_block.restype = None
     library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [
-        ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [
+        ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     library.playground_layers.restype = None
     library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
         ctypes.c_void_p] * 3 + [ctypes.c_int]
@@ -366,23 +366,35 @@ def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.
 
 
 def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-           values: torch.Tensor, starts: tuple[int, ...], key_len: int, visible: torch.Tensor | None) -> None:
+           values: torch.Tensor, starts: tuple[int, ...], key_len: int, visible: torch.Tensor | None,
+           slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Run every layer of `stack` in one native call (see kernels.c), x (B, T, E) float32 contiguous updated in
-    place; cos, sin (B, T, 1, D) as `Transformer.rope` gives them; keys, values (layers, B, Hkv, Tmax, D) the cache
-    rows of this forward, the new tokens of row b written from slot starts[b]; visible (B, T, L) bool or None (every
-    key visible)."""
+    place; cos, sin (B, T, 1, D) as `Transformer.rope` gives them; visible (B, T, L) bool or None (every key
+    visible). keys, values: the cache rows of this forward (layers, B, Hkv, Tmax, D), the new tokens of row b
+    written from slot starts[b]; or, with `slots` = (write (B*T,), read (B, L)) int64, a paged pool
+    (layers, S, Hkv, D), token i written to slot write[i] and row b's key j read from slot read[b, j]."""
     b, t, d = x.shape
     n, hd = b * t, stack.heads * stack.head_dim
     qkv_out = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
-    if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != stack.head_dim:
+    if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2 if slots is None else -3) != (
+            stack.head_dim if slots is None else stack.kv_heads * stack.head_dim):
         raise ValueError(f"keys and values need the same strides with contiguous slots, got {keys.stride()} and "
                          f"{values.stride()}")
     mask = None if visible is None else visible.contiguous().view(torch.uint8)  # (B, T, L): bool is one byte
     scratch = torch.empty(n * (3 * d + qkv_out + 3 * hd + 3 * stack.intermediate), dtype=torch.float32)
     cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
+    if slots is None:
+        write = read = gathered = None
+        strides = keys.stride(0), keys.stride(1), keys.stride(2), 0
+    else:
+        write, read = (s.to(torch.int64).contiguous() for s in slots)
+        # the pool's keys and values of every row, copied into contiguous rows for attention
+        gathered = torch.empty(2 * b * stack.kv_heads * key_len * stack.head_dim, dtype=torch.float32)
+        strides = keys.stride(0), 0, 0, keys.stride(1)
     stack.kernel.library.playground_layers(
         x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.formats, stack.heads, stack.kv_heads,
         stack.head_dim, stack.intermediate, stack.eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-        values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), (ctypes.c_int * b)(*starts), key_len,
-        None if mask is None else mask.data_ptr(), stack.head_dim ** -0.5, scratch.data_ptr(),
-        torch.get_num_threads())
+        values.data_ptr(), *strides[:3], (ctypes.c_int * b)(*starts),
+        None if write is None else write.data_ptr(), None if read is None else read.data_ptr(), strides[3],
+        None if gathered is None else gathered.data_ptr(), key_len, None if mask is None else mask.data_ptr(),
+        stack.head_dim ** -0.5, scratch.data_ptr(), torch.get_num_threads())

@@ -445,11 +445,14 @@ class Transformer(nn.Module):
                              f"({cfg.sliding_window}); sliding-window attention is not implemented")
         x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
         cos, sin = self.rope(positions, x.dtype)
-        slabs = cache.contiguous_rows(layout) if self.native_stack is not None else None
-        if slabs is not None and self.attention_kernel() is not None:
+        native_ready = self.native_stack is not None and self.attention_kernel() is not None
+        slabs = cache.contiguous_rows(layout) if native_ready else None
+        pools = cache.slot_pools(layout) if native_ready and slabs is None else None
+        if slabs is not None or pools is not None:
             mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
-            native.layers(self.native_stack, x, cos, sin, *slabs, layout.starts, layout.key_len,
-                          None if mask is None else mask[:, 0])
+            native.layers(self.native_stack, x, cos, sin, *(slabs or pools), layout.starts, layout.key_len,
+                          None if mask is None else mask[:, 0],
+                          None if pools is None else (layout.write_slots, layout.read_slots))
         else:
             attend = self.attention(layout)
             for block in self.layers:
