@@ -305,3 +305,16 @@ def test_the_serve_command_answers_and_stops_on_ctrl_c():
         assert "Stopped." in process.stderr.read()
     finally:
         process.kill()
+
+
+def test_the_load_script_finds_the_same_answers_both_ways(server):
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "scripts/serve_load.py", "--url", server.url, "--requests", "3",
+                           "--max-tokens", "6"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("3 requests, ") and "all at once" in lines[0] and "one at a time" in lines[0]
+    assert lines[1] == "same greedy answer both ways: 3 of 3"
+    refused = subprocess.run([sys.executable, "scripts/serve_load.py", "--requests", "0"], cwd=root,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "--requests must be in [1, 14], got 0" in refused.stderr
