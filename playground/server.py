@@ -46,7 +46,8 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "user", "assistant")
-OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream")
+OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user")  # user: a
+# client's label for its end user, which changes nothing here
 # Fields OpenAI clients may send on their own: accepted only at the value that changes nothing here.
 NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
            "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
@@ -160,6 +161,9 @@ class EngineWorker:
             while True:
                 jobs = self._arrivals()
                 if None in jobs:
+                    for job in jobs:  # jobs that came with the close: answered below with those still queued
+                        if job is not None:
+                            self._inbox.put(job)
                     return
                 for job in jobs:
                     self._admit(job)
@@ -342,7 +346,7 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ApiError('messages must be a non-empty list of {"role": ..., "content": ...}', param="messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
             raise ApiError(f'messages[{i}] must be an object with "role" and "content"', param="messages")
         if message.get("role") not in CHAT_ROLES:
             raise ApiError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {message.get('role')!r}",

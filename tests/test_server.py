@@ -186,6 +186,8 @@ def test_sampling_follows_the_seed(server, target):
     ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "Ann"}]}, 400,
+     'messages[0] must be an object with "role" and "content"'),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages must hold some text"),
     ("/v1/chat/completions", {"prompt": "hi"}, 400, "unknown field 'prompt'"),
     ("/v1/embeddings", {"input": "hi"}, 404, "no such endpoint POST /v1/embeddings"),
@@ -200,7 +202,7 @@ def test_bad_requests_are_refused_naming_the_field(server, path, body, status, m
 
 def test_neutral_openai_fields_are_accepted_and_bodies_checked(server):
     status, _ = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "n": 1, "presence_penalty": 0,
-                                                 "logprobs": None, "model": "embedded", "user": None})
+                                                 "logprobs": None, "model": "embedded", "user": "ann"})
     assert status == 200
     status, reply = post(server, "/v1/completions", None, raw=b"{not json")
     assert status == 400 and "not valid JSON" in reply["error"]["message"]
