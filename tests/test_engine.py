@@ -212,3 +212,22 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
         expected = solo(TINY, prompts[i], SamplingParams(), GenerationParams(max_new_tokens=requests[i][1]))
         assert outputs[rid].token_ids == expected
     check_no_leak(engine)
+
+
+def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:
+    """What a long-running server needs: no record of finished requests, no history of events."""
+    engine = Engine(tiny_model(), EngineParams(num_blocks=16, block_size=4))
+    kept = engine.add_request([1, 2, 3], SamplingParams(), GenerationParams(max_new_tokens=3))
+    done = engine.add_request([4, 5], SamplingParams(), GenerationParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=f"request {kept} is waiting: abort it first"):
+        engine.forget(kept)
+    engine.step()
+    with pytest.raises(ValueError, match=f"request {kept} is running"):
+        engine.forget(kept)
+    handed = engine.take_events()
+    assert any(isinstance(e, MemoryEvent) for e in handed) and engine.events == []
+    engine.run_all()
+    engine.forget(done)
+    assert list(engine.requests) == [kept] and engine.take_events() and engine.events == []
+    with pytest.raises(KeyError, match=f"no request {done}"):
+        engine.forget(done)
