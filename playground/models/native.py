@@ -376,8 +376,9 @@ def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     b, t, d = x.shape
     n, hd = b * t, stack.heads * stack.head_dim
     qkv_out = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
-    if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2 if slots is None else -3) != (
-            stack.head_dim if slots is None else stack.kv_heads * stack.head_dim):
+    # contiguous rows: slots of head_dim floats; a pool: slots of kv_heads x head_dim floats
+    inner = (stack.head_dim, 1) if slots is None else (stack.kv_heads * stack.head_dim, stack.head_dim, 1)
+    if keys.stride() != values.stride() or keys.stride()[-len(inner):] != inner:
         raise ValueError(f"keys and values need the same strides with contiguous slots, got {keys.stride()} and "
                          f"{values.stride()}")
     mask = None if visible is None else visible.contiguous().view(torch.uint8)  # (B, T, L): bool is one byte
