@@ -365,6 +365,7 @@ class PlaygroundServer(ThreadingHTTPServer):
     """Listens as soon as it is made (so a taken port fails before any model loads); `attach` gives it the model."""
 
     daemon_threads = True
+    request_queue_size = 128  # connections waiting to be accepted: a burst of clients is not turned away
 
     def __init__(self, host: str, port: int, quiet: bool = False) -> None:
         check_int("port", port, 0, 65535)
@@ -510,8 +511,10 @@ def serve(target: LoadedModel, params: EngineParams, server: PlaygroundServer) -
     server.attach(target, params)
     http = threading.Thread(target=server.serve_forever, name="playground-http", daemon=True)
     http.start()
+    example = json.dumps({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     print(f"Serving {target.name} at {server.url} (OpenAI-style: POST /v1/completions, /v1/chat/completions; "
-          "GET /v1/models, /v1/engine, /health). Ctrl+C stops.", file=sys.stderr, flush=True)
+          f"GET /v1/models, /v1/engine, /health). Try:\n  curl {server.url}/v1/chat/completions -d '{example}'\n"
+          "Ctrl+C stops.", file=sys.stderr, flush=True)
     try:
         server.worker.run()
     except KeyboardInterrupt:
