@@ -102,7 +102,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "blocks of a shared pool, requests with the same prompt prefix (here, the chat template's system "
                 "prompt) share its blocks, and when the pool runs out the newest request is **preempted** and "
                 "recomputed later. The chart compares the pool with a contiguous cache that reserves prompt + max "
-                "new tokens for every running request. Greedy decoding; engine time only.")
+                "new tokens for every running request. Greedy decoding; engine time only. Run locally, the same "
+                "engine answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
