@@ -46,8 +46,8 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "user", "assistant")
-OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user")  # user: a
-# client's label for its end user, which changes nothing here
+# user: a client's label for its end user, which changes nothing here
+OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user")
 # Fields OpenAI clients may send on their own: accepted only at the value that changes nothing here.
 NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
            "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
@@ -141,7 +141,6 @@ class EngineWorker:
         self._inbox: queue.Queue[Job | None] = queue.Queue()  # None: close
         self._cancelled: queue.Queue[Job] = queue.Queue()
         self._running: dict[int, Running] = {}  # engine request id -> its record
-        self._ids: dict[Job, int] = {}  # job -> engine request id, for cancellation
         self.state = self._snapshot()
 
     def submit(self, job: Job) -> None:
@@ -202,7 +201,6 @@ class EngineWorker:
             job.replies.put(Reply(error=api_error(exc)))
             return
         self._running[request_id] = Running(job, len(prompt_ids))
-        self._ids[job] = request_id
 
     def _encode(self, job: Job) -> list[int]:
         """The job's prompt ids, checked against the context and the KV pool with the API's field names."""
@@ -232,8 +230,9 @@ class EngineWorker:
                 job = self._cancelled.get_nowait()
             except queue.Empty:
                 return
-            request_id = self._ids.pop(job, None)
-            if request_id is not None and request_id in self._running:
+            # a job finished or refused meanwhile has no record: nothing to stop
+            request_id = next((rid for rid, record in self._running.items() if record.job is job), None)
+            if request_id is not None:
                 del self._running[request_id]
                 self.engine.abort(request_id)
                 self.engine.forget(request_id)
@@ -257,14 +256,13 @@ class EngineWorker:
         job = record.job
         if output.finished:
             del self._running[output.id]
-            self._ids.pop(job, None)
             self.engine.forget(output.id)
             self.finished += 1
-            text = output.output.text
             usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": len(record.tokens),
                      "total_tokens": record.prompt_tokens + len(record.tokens)}
-            job.replies.put(Reply(text[len(record.sent):] if job.stream else text,
-                                  FINISH_REASONS[output.output.finish_reason], usage))
+            # the rest of the text: all of it unless pieces were streamed
+            job.replies.put(Reply(output.output.text[len(record.sent):], FINISH_REASONS[output.output.finish_reason],
+                                  usage))
         elif job.stream:
             text = self.target.tokenizer.decode(record.tokens, skip_special_tokens=True)
             settled = settled_text(text, job.generation.stop)
@@ -277,7 +275,6 @@ class EngineWorker:
         for record in self._running.values():
             record.job.replies.put(Reply(error=error))
         self._running.clear()
-        self._ids.clear()
 
     def _snapshot(self) -> dict[str, Any]:
         engine = self.engine
@@ -424,17 +421,17 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._complete(chat=path.endswith("/chat/completions"))
         except (ApiError, ConfigError) as exc:
-            self._send_json(api_error(exc).status, api_error(exc).body())
+            error = api_error(exc)
+            self._send_json(error.status, error.body())
 
     def _get(self, path: str) -> None:
-        worker = self.server.worker
         if path == "/health":
             self._send_json(HTTPStatus.OK, {"status": "ok"})
         elif path == "/v1/models":
             self._send_json(HTTPStatus.OK, {"object": "list", "data": [
                 {"id": self.server.model_ids[0], "object": "model", "created": 0, "owned_by": "playground"}]})
         else:
-            self._send_json(HTTPStatus.OK, worker.state)
+            self._send_json(HTTPStatus.OK, self.server.worker.state)
 
     def _read_body(self) -> Any:
         length = self.headers.get("Content-Length")

@@ -386,16 +386,16 @@ def layers(stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     cos, sin = cos.contiguous(), sin.contiguous()  # held here: a copy must outlive the call that reads it
     if slots is None:
         write = read = gathered = None
-        strides = keys.stride(0), keys.stride(1), keys.stride(2), 0
+        seq_stride, head_stride, slot_stride = keys.stride(1), keys.stride(2), 0
     else:
         write, read = (s.to(torch.int64).contiguous() for s in slots)
         # the pool's keys and values of every row, copied into contiguous rows for attention
         gathered = torch.empty(2 * b * stack.kv_heads * key_len * stack.head_dim, dtype=torch.float32)
-        strides = keys.stride(0), 0, 0, keys.stride(1)
+        seq_stride, head_stride, slot_stride = 0, 0, keys.stride(1)
     stack.kernel.library.playground_layers(
         x.data_ptr(), b, t, d, stack.num_layers, stack.pointers, stack.formats, stack.heads, stack.kv_heads,
         stack.head_dim, stack.intermediate, stack.eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-        values.data_ptr(), *strides[:3], (ctypes.c_int * b)(*starts),
-        None if write is None else write.data_ptr(), None if read is None else read.data_ptr(), strides[3],
+        values.data_ptr(), keys.stride(0), seq_stride, head_stride, (ctypes.c_int * b)(*starts),
+        None if write is None else write.data_ptr(), None if read is None else read.data_ptr(), slot_stride,
         None if gathered is None else gathered.data_ptr(), key_len, None if mask is None else mask.data_ptr(),
         stack.head_dim ** -0.5, scratch.data_ptr(), torch.get_num_threads())
