@@ -421,6 +421,10 @@ class EngineParams:
     max_running: requests decoded together. policy: "continuous" admits waiting requests whenever there is room;
     "static" admits a new batch only when the whole previous batch has finished.
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
+    lookup: prompt lookup in the batch (None: plain decoding): each step, every decoding request may have a copy
+    of earlier text verified with its next token (one copy each, so branches must be 1 or None); the batch's
+    width is chosen for the most tokens per unit of forward cost. Every token is still drawn from its own row's
+    distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
     """
 
     num_blocks: int = 512
@@ -429,6 +433,7 @@ class EngineParams:
     max_running: int = 16
     policy: str = "continuous"
     prefix_caching: bool = True
+    lookup: PromptLookupParams | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
@@ -438,3 +443,9 @@ class EngineParams:
         check_choice("policy", self.policy, SCHEDULING_POLICIES)
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
+        if self.lookup is not None:
+            if not isinstance(self.lookup, PromptLookupParams):
+                raise ConfigError(f"lookup must be PromptLookupParams or None, got {type(self.lookup).__name__}")
+            if self.lookup.branches not in (None, 1):
+                raise ConfigError(f"lookup.branches must be 1 in the engine (one copy per request), "
+                                  f"got {self.lookup.branches}")

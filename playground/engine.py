@@ -10,6 +10,16 @@ release their blocks). When a running request needs a block and none is free, th
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed (prompt and
 generated tokens, one prefill) when there is room again.
 
+With `EngineParams.lookup` (prompt lookup in the batch) each decoding request may also have a copy of earlier text
+(`find_continuations`) verified in the same forward: the decode rows grow to one width (the last token, the copy,
+padding after it), chosen for the most expected tokens per unit of forward cost (`plan_width`, `batch_step_cost`)
+within the token budget and the free blocks left after scheduling, so copies never delay or preempt a request.
+Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own stream)
+and moves on to the next row only while the drawn token equals the copied one: accepting a one-hot proposal exactly
+when the target's own draw matches it is the lossless rule for one-hot q (accepted with probability p(x), and on
+refusal the draw is p conditioned on not x, the normalised residual), so greedy and seeded outputs are those of
+plain decoding, token for token, whatever the batch.
+
 Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) and
 preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the serving benchmark read.
 """
@@ -19,13 +29,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from .decoding.prompt_lookup import Lookup, ProposalGate, batch_step_cost, find_continuations, plan_width
 from .kv import blocks_for
 from .models import LoadedModel
 from .sampling import make_generator, next_token
@@ -53,6 +64,7 @@ class Request:
     arrival_t: float = 0.0
     first_token_t: float | None = None
     finish_t: float | None = None
+    copies: ProposalGate | None = None  # how well its copies are accepted, per matched n-gram length (prompt lookup)
 
     @property
     def tokens(self) -> list[int]:
@@ -74,13 +86,24 @@ class RequestOutput:
 
 
 @dataclass
+class CopyCounts:
+    """Prompt lookup in the batch so far: decode forwards that verified copies, copied tokens verified, accepted."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass
 class StepPlan:
-    decode: list[Request] = field(default_factory=list)  # one token each, run as one batch
+    decode: list[Request] = field(default_factory=list)  # one token each (and its copy), run as one batch
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    width: int = 1  # tokens per decode row: the last token, then copies padded to one length
+    copies: dict[int, Lookup] = field(default_factory=dict)  # request id -> its copy, at most width - 1 tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return len(self.decode) * self.width + sum(n for _, n in self.prefill)
 
 
 class Engine:
@@ -97,6 +120,10 @@ class Engine:
         self._step_started: float | None = None
         self.step_count = 0
         self._next_id = 0
+        # One copy per request, as long as one fits a pass of the CPU kernel at batch 1; wider batches trim it.
+        lookup = self.params.lookup
+        self.lookup = None if lookup is None else replace(lookup, branches=1).resolve(target.model.rows_per_pass)
+        self.copied = CopyCounts()
 
     # -- requests ----------------------------------------------------------------------------------------------
 
@@ -121,7 +148,8 @@ class Engine:
         request = Request(self._next_id, prompt_ids, sampling, generation,
                           make_generator(sampling.seed, self.target.model.device),
                           Stopper(self.target.tokenizer, self.target.eos_token_ids, generation),
-                          arrival_t=self.now())
+                          arrival_t=self.now(),
+                          copies=None if self.lookup is None else ProposalGate(0.0, self.lookup.max_ngram))
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
@@ -176,6 +204,8 @@ class Engine:
         self.step_count += 1
         try:
             plan = self._schedule()
+            if self.lookup is not None:
+                self._propose(plan)
             logits = self._run(plan)
             outputs = self._postprocess(plan, logits)
             self._record_memory(plan.num_tokens, start)
@@ -249,41 +279,104 @@ class Engine:
         else:
             plan.prefill.append((request, n))
 
+    def _propose(self, plan: StepPlan) -> None:
+        """Prompt lookup: a copy of earlier text for each decoding request, and the decode rows' width, within the
+        token budget and the blocks the step leaves free."""
+        lookup, batch = self.lookup, len(plan.decode)
+        if not batch:
+            return
+        eos_ids = frozenset(self.target.eos_token_ids)
+        gains = []
+        for request in plan.decode:
+            request.copies.decay()
+            # The step commits the copy's accepted tokens and one more: a longer copy could only be thrown away.
+            room = request.generation.max_new_tokens - len(request.stopper.tokens) - 1
+            found = find_continuations(request.tokens, lookup.max_ngram, min(lookup.num_draft, room), eos_ids) \
+                if room > 0 else []
+            if found:
+                plan.copies[request.id] = found[0]
+            gains.append([request.copies.expected_tokens(found[0].ngram, k) for k in range(len(found[0].tokens) + 1)]
+                         if found else [1.0])
+        rows_per_pass = self.target.model.rows_per_pass
+        width = plan_width(gains, lambda w: batch_step_cost(rows_per_pass, batch, w, lookup.verify_overhead))
+        budget = self.params.max_batch_tokens - plan.num_tokens
+        free = self.cache.num_free_blocks - sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode) \
+            - sum(self.cache.blocks_needed(r.id, n) for r, n in plan.prefill)
+        while width > 1 and (batch * (width - 1) > budget or sum(
+                self.cache.blocks_needed(r.id, width) - self.cache.blocks_needed(r.id, 1) for r in plan.decode) > free):
+            width -= 1
+        plan.width = width
+        plan.copies = {i: replace(copy, tokens=copy.tokens[: width - 1])
+                       for i, copy in plan.copies.items() if width > 1}
+
     def _run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
-        """The forwards of a step; the last-position logits (V,) of every request that ran."""
+        """The forwards of a step; for every request that ran, logits (1 + n, V) at its last token and after each
+        of the n tokens of its copy (n = 0 without one)."""
         model, device = self.target.model, self.target.model.device
         logits: dict[int, torch.Tensor] = {}
-        if plan.decode:
+        if plan.decode and plan.width == 1:
             ids = torch.tensor([[r.tokens[r.num_computed]] for r in plan.decode], device=device)  # (B, 1)
             positions = torch.tensor([[r.num_computed] for r in plan.decode], device=device)  # (B, 1)
             out, _ = model(ids, positions, self.cache, [r.id for r in plan.decode], num_logits=1)  # (B, 1, V)
-            logits.update((r.id, out[i, -1]) for i, r in enumerate(plan.decode))
+            logits.update((r.id, out[i]) for i, r in enumerate(plan.decode))
+        elif plan.decode:
+            width, chains = plan.width, []
+            for r in plan.decode:
+                copy = plan.copies.get(r.id)
+                chains.append([r.tokens[r.num_computed], *(copy.tokens if copy else ())])
+            # Padding after a chain is causal: the chain never sees it, and its KV is dropped after the step.
+            ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chains], device=device)  # (B, W)
+            positions = torch.tensor([[r.num_computed + j for j in range(width)] for r in plan.decode],
+                                     device=device)  # (B, W)
+            _, hidden = model(ids, positions, self.cache, [r.id for r in plan.decode], num_logits=0)  # (B, W, E)
+            rows = torch.tensor([i * width + j for i, c in enumerate(chains) for j in range(len(c))], device=device)
+            scored = model.project(hidden.flatten(0, 1).index_select(0, rows))  # (N, V): the chains' rows only
+            offset = 0
+            for r, chain in zip(plan.decode, chains):
+                logits[r.id] = scored[offset : offset + len(chain)]
+                offset += len(chain)
         for request, n in plan.prefill:
             start = request.num_computed
             ids = torch.tensor([request.tokens[start : start + n]], device=device)  # (1, n)
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
             out, _ = model(ids, positions, self.cache, [request.id], num_logits=1)  # (1, 1, V)
-            logits[request.id] = out[0, -1]
+            logits[request.id] = out[0]
         return logits
 
     def _postprocess(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> list[RequestOutput]:
         outputs = []
+        if plan.copies:
+            self.copied.steps += 1
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
             if request.num_computed < len(request.tokens):
                 continue  # a prefill chunk that has not reached the end of the known tokens
-            token_t, _ = next_token(logits[request.id], request.sampling, request.generator)
-            token = int(token_t)
-            done = request.stopper.push(token)
+            copy = plan.copies.get(request.id)
+            proposed = copy.tokens if copy else []
+            new, accepted, done = [], 0, False
+            for i, row in enumerate(logits[request.id]):  # (V,) at the last token, then after each copied token
+                new.append(int(next_token(row, request.sampling, request.generator)[0]))
+                done = request.stopper.push(new[-1])
+                if done or i == len(proposed) or new[-1] != proposed[i]:
+                    break
+                accepted += 1  # the next row was computed after proposed[i], which this draw confirmed
+            if copy:
+                judged = min(accepted + 1, len(proposed))
+                request.copies.record(copy.ngram, accepted, judged)
+                self.copied.proposed += len(proposed)
+                self.copied.accepted += accepted
             now = self.now()
             if request.first_token_t is None:
                 request.first_token_t = now
             if not done:
-                outputs.append(RequestOutput(request.id, [token], False))
+                request.num_computed += accepted
+                if self.cache.length(request.id) > request.num_computed:
+                    self.cache.truncate(request.id, request.num_computed)  # drop the refused copy and the padding
+                outputs.append(RequestOutput(request.id, new, False))
                 continue
             self._release(request)
             request.status, request.finish_t = Status.FINISHED, now
-            outputs.append(RequestOutput(request.id, [token], True, request.stopper.output(now - request.arrival_t)))
+            outputs.append(RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t)))
         return outputs
 
     # -- memory ------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
 from playground.decoding.chain import merge_proposals
-from playground.decoding.prompt_lookup import (ProposalGate, best_copy, copy_bound, find_continuation,
-                                               find_continuations)
+from playground.decoding.prompt_lookup import (ProposalGate, batch_step_cost, best_copy, copy_bound,
+                                               find_continuation, find_continuations, plan_width)
 from playground.decoding.tree import tree_from_parents
 from playground.metrics import compute
 
@@ -100,6 +100,33 @@ def test_gate_lets_through_what_pays_for_the_forward() -> None:
     # a = 2/3 with one token: 1.67 expected tokens pay for an overhead of 0.5, not of 0.7
     assert ProposalGate(0.5, 3).worth(2, 1) and not ProposalGate(0.7, 3).worth(2, 1)
     assert ProposalGate(0.0, 3).worth(2, 1)  # no overhead: every match is proposed
+
+
+def test_batch_step_cost_counts_the_kernel_passes() -> None:
+    assert batch_step_cost(6, 4, 1, 0.4) == 1.0 and batch_step_cost(None, 16, 1, 0.4) == 1.0
+    assert batch_step_cost(None, 1, 6, 0.4) == batch_step_cost(None, 16, 3, 0.4) == pytest.approx(1.4)
+    # batch 1 on AVX2 (6 rows a pass): a copy of 5 stays in the one-token step's pass; 8 tokens take a second
+    assert batch_step_cost(6, 1, 6, 0.4) == pytest.approx((0.6 + 1 + 6 * 0.014) / (0.6 + 1 + 0.014))
+    assert batch_step_cost(6, 1, 6, 0.4) < 1.1 < batch_step_cost(6, 1, 8, 0.4)
+    # batch 8 already takes two passes; three tokens each take four (measured 1.75x, README)
+    assert batch_step_cost(6, 8, 3, 0.4) == pytest.approx((0.6 + 4 + 24 * 0.014) / (0.6 + 2 + 8 * 0.014))
+    costs = [batch_step_cost(6, 4, w, 0.4) for w in range(1, 9)]
+    assert costs == sorted(costs) and costs[-1] > 2.5
+
+
+def test_plan_width_commits_the_most_tokens_per_cost() -> None:
+    flat = lambda width: 1.0 if width == 1 else 1.1  # noqa: E731
+    assert plan_width([[1.0], [1.0]], flat) == 1  # nothing copied: plain
+    assert plan_width([], flat) == 1
+    # one of two requests expects 1.6 tokens from a copy of one token: 2.6 / 1.1 > 2
+    assert plan_width([[1.0, 1.6], [1.0]], flat) == 2
+    assert plan_width([[1.0, 1.05], [1.0]], flat) == 1  # 2.05 / 1.1 < 2: not worth the wider forward
+    # longer copies pay as long as each width's gain outgrows its cost
+    gains = [[1.0, 1.5, 1.8, 1.9, 1.95]]
+    assert plan_width(gains, lambda w: 1 + 0.05 * (w - 1)) == 4  # 1.9 / 1.15 beats 1.95 / 1.2 and 1.8 / 1.1
+    assert plan_width(gains, lambda w: 1 + 0.6 * (w - 1)) == 1
+    # a tie keeps the narrower width
+    assert plan_width([[1.0, 2.0, 2.0]], lambda w: float(w)) == 1
 
 
 def test_gate_skips_matches_on_free_text(target) -> None:
