@@ -193,8 +193,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import PlaygroundServer, serve
 
     spec = model_spec(args)
+    if not args.prompt_lookup and (args.max_ngram is not None or args.num_draft is not None):
+        raise ConfigError("--max-ngram and --num-draft set prompt lookup: add --prompt-lookup")
+    lookup = PromptLookupParams(max_ngram=3 if args.max_ngram is None else args.max_ngram,
+                                num_draft=args.num_draft) if args.prompt_lookup else None
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
-                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching)
+                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
+                          lookup=lookup)
     server = PlaygroundServer(args.host, args.port)  # listens now: a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
@@ -325,6 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{ENGINE.max_batch_tokens})")
     server.add_argument("--no-prefix-caching", action="store_true",
                         help="do not share the KV blocks of identical prompt prefixes between requests")
+    copies = server.add_argument_group("prompt lookup in the batch")
+    copies.add_argument("--prompt-lookup", action="store_true",
+                        help="verify copies of earlier text (prompt lookup) in the batch's forward where they pay "
+                             "for its extra rows: the same tokens as without, more per step on grounded requests")
+    copies.add_argument("--max-ngram", type=int, default=None,
+                        help="longest suffix looked up in a request's prompt and text so far, 1..8 (default 3)")
+    copies.add_argument("--num-draft", type=int, default=None,
+                        help="most tokens copied after a match, 1..16 (default: as generate's --num-draft with one "
+                             "branch: 5 where only a copy of 5 fits one pass of the native CPU kernel, else 8); "
+                             "larger batches copy fewer")
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser

@@ -1,11 +1,12 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs three ways on the same engine and paged cache:
-continuous batching, static batching (a new batch only when the whole previous one has finished), and
-sequentially (one request at a time). Greedy outputs must be identical in all three. KV memory is read from
-the engine's per-step memory events: the paged pool's internal fragmentation versus what reserving
-prompt + max_new_tokens slots per running request (a contiguous cache) would waste.
+--max-new-tokens to all of it, all queued at time 0) runs five ways on the same engine and paged cache:
+continuous batching, static batching (a new batch only when the whole previous one has finished),
+sequentially (one request at a time), and continuous and sequential again with prompt lookup in the batch
+(`EngineParams.lookup`). Greedy outputs must be identical in all five. KV memory is read from the engine's
+per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
+slots per running request (a contiguous cache) would waste.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineParams, GenerationParams, SamplingParams
+from .config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from .engine import Engine
 from .trace import Event, MemoryEvent
 
@@ -39,6 +40,9 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
         "tokens_per_s": tokens / engine.busy_s,
         "steps": engine.step_count,
         "preemptions": sum(r.preemptions for r in engine.requests.values()),
+        "copy_steps": engine.copied.steps,
+        "copied_proposed": engine.copied.proposed,
+        "copied_accepted": engine.copied.accepted,
         **memory_summary(engine.events),
         "token_ids": [list(outputs[i].token_ids) for i in ids],
     }
@@ -69,6 +73,8 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "continuous": EngineParams(max_running=max_running, **base),
         "static": EngineParams(max_running=max_running, policy="static", **base),
         "sequential": EngineParams(max_running=1, **base),
+        "continuous + prompt lookup": EngineParams(max_running=max_running, lookup=PromptLookupParams(), **base),
+        "sequential + prompt lookup": EngineParams(max_running=1, lookup=PromptLookupParams(), **base),
     }
     serve(target, workload(2, 8), modes["continuous"])  # warm-up: first-call allocations and kernel choices
     results = {}
@@ -79,15 +85,17 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
     same = all(results[m]["token_ids"] == results["continuous"]["token_ids"] for m in modes)
     for result in results.values():
         del result["token_ids"]
-    continuous = results["continuous"]
+    continuous, sequential = results["continuous"], results["sequential"]
     return {
         "requests": num_requests, "max_new_tokens": max_new_tokens, "max_running": max_running,
         "block_size": block_size, "num_blocks": num_blocks,
         "continuous_tokens_per_s": continuous["tokens_per_s"],
         "static_tokens_per_s": results["static"]["tokens_per_s"],
         "sequential_tokens_per_s": results["sequential"]["tokens_per_s"],
-        "continuous_vs_sequential": continuous["tokens_per_s"] / results["sequential"]["tokens_per_s"],
+        "continuous_vs_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "continuous_vs_static": continuous["tokens_per_s"] / results["static"]["tokens_per_s"],
+        "lookup_vs_continuous": results["continuous + prompt lookup"]["tokens_per_s"] / continuous["tokens_per_s"],
+        "lookup_vs_sequential": results["sequential + prompt lookup"]["tokens_per_s"] / sequential["tokens_per_s"],
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
@@ -102,14 +110,18 @@ def markdown_serving(report: dict[str, Any]) -> str:
              f"{s['requests']} requests queued at once, output limits {max(1, s['max_new_tokens'] // 8)} to "
              f"{s['max_new_tokens']} tokens, at most {s['max_running']} running, paged KV with "
              f"{s['num_blocks']} blocks of {s['block_size']} tokens.", "",
-             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies accepted |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["modes"].items():
+        copies = (f"{r['copied_accepted']} of {r['copied_proposed']} in {r['copy_steps']} steps"
+                  if r["copied_proposed"] else "")
         lines.append(f"| {name} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | {r['steps']} | "
-                     f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_bytes'] / 1e6:.1f} |")
+                     f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_bytes'] / 1e6:.1f} | {copies} |")
     lines += ["",
               f"- continuous vs sequential: {s['continuous_vs_sequential']:.2f}x (goal >= 3)",
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",
+              f"- prompt lookup in the batch: {s['lookup_vs_continuous']:.2f}x continuous, "
+              f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",

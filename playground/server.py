@@ -286,7 +286,11 @@ class EngineWorker:
                        "bytes_used": memory.bytes_used, "bytes_reserved": memory.bytes_reserved},
                 "params": {"num_blocks": self.params.num_blocks, "block_size": self.params.block_size,
                            "max_running": self.params.max_running, "max_batch_tokens": self.params.max_batch_tokens,
-                           "prefix_caching": self.params.prefix_caching}}
+                           "prefix_caching": self.params.prefix_caching},
+                "prompt_lookup": None if engine.lookup is None else {
+                    "max_ngram": engine.lookup.max_ngram, "num_draft": engine.lookup.num_draft,
+                    "steps": engine.copied.steps, "proposed": engine.copied.proposed,
+                    "accepted": engine.copied.accepted}}
 
 
 # -- requests ----------------------------------------------------------------------------------------------------

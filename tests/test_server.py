@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import PlaygroundServer, settled_text
@@ -29,11 +29,12 @@ from .prompts import PROMPTS
 TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def server(target):
+@pytest.fixture(scope="module", params=[None, PromptLookupParams()], ids=["plain", "prompt-lookup"])
+def server(target, request):
+    """Every test runs against plain decoding and against prompt lookup in the batch, which must answer alike."""
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
-    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4))
+    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, lookup=request.param))
     threads = [threading.Thread(target=srv.serve_forever, daemon=True), threading.Thread(target=srv.worker.run)]
     for thread in threads:
         thread.start()
@@ -218,11 +219,17 @@ def test_the_read_endpoints(server, target):
     status, reply = get(server, "/v1/complete")
     assert status == 404 and "GET /v1/engine" in reply["error"]["message"]
     post(server, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4})
+    post(server, "/v1/chat/completions", {"messages": chat("Copy exactly: red, green, blue, red, green, blue.")})
     status, state = get(server, "/v1/engine")
     assert status == 200
     assert state["running"] == state["waiting"] == 0 and state["finished"] >= 1 and state["steps"] >= 4
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
+    if server.worker.params.lookup is None:
+        assert state["prompt_lookup"] is None
+    else:  # a copying request had copies accepted
+        copies = state["prompt_lookup"]
+        assert copies["max_ngram"] == 3 and 0 < copies["accepted"] < copies["proposed"] and copies["steps"] > 0
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history
 
@@ -279,6 +286,10 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert "port must be an integer in [0, 65535], got 70000" in capsys.readouterr().err
     assert main(["serve", "--num-blocks", "0"]) == 2
     assert "num_blocks must be an integer in [1," in capsys.readouterr().err
+    assert main(["serve", "--num-draft", "4"]) == 2
+    assert "--max-ngram and --num-draft set prompt lookup: add --prompt-lookup" in capsys.readouterr().err
+    assert main(["serve", "--prompt-lookup", "--max-ngram", "0"]) == 2
+    assert "max_ngram must be an integer in [1, 8], got 0" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

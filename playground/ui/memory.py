@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineParams, SamplingParams
+from ..config import ConfigError, EngineParams, PromptLookupParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -43,11 +43,19 @@ def _summary(engine: Engine) -> str:
             f"{s['peak_contiguous_bytes'] / 2**20:.2f} MiB. Waste over the run: paged "
             f"**{100 * s['kv_waste_fraction']:.1f}%** (partly filled last blocks) vs contiguous "
             f"**{100 * s['contiguous_waste_fraction']:.0f}%** (slots reserved for tokens not yet or never "
-            f"generated).")
+            f"generated).{_copies(engine)}")
+
+
+def _copies(engine: Engine) -> str:
+    if engine.lookup is None:
+        return ""
+    copied = engine.copied
+    return (f" Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
+            f"{copied.steps} of {engine.step_count} steps; the tokens are those of plain decoding.")
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, model_source: str, device: str, dtype: str, quant: str,
+               prefix_caching: bool, prompt_lookup: bool, model_source: str, device: str, dtype: str, quant: str,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
@@ -56,7 +64,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         if not 1 <= requests <= MAX_REQUESTS:
             raise ConfigError(f"requests must be in [1, {MAX_REQUESTS}], got {requests}")
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
-                              max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
+                              max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
+                              lookup=PromptLookupParams() if prompt_lookup else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         engine = Engine(get_model(spec), params)
@@ -102,8 +111,10 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "blocks of a shared pool, requests with the same prompt prefix (here, the chat template's system "
                 "prompt) share its blocks, and when the pool runs out the newest request is **preempted** and "
                 "recomputed later. The chart compares the pool with a contiguous cache that reserves prompt + max "
-                "new tokens for every running request. Greedy decoding; engine time only. Run locally, the same "
-                "engine answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
+                "new tokens for every running request. Greedy decoding; engine time only. With **prompt lookup**, "
+                "each request's copy of earlier text is verified in the batch's forward where it pays for the "
+                "extra rows (the same tokens, fewer steps when copies are accepted). Run locally, the same engine "
+                "answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
@@ -114,6 +125,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
+                prompt_lookup = gr.Checkbox(False, label="prompt lookup")
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
@@ -126,6 +138,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, _, device, dtype, quant = model  # the engine decodes plainly: no draft
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   source, device, dtype, quant],
+                                   prompt_lookup, source, device, dtype, quant],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")
