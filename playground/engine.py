@@ -64,7 +64,7 @@ class Request:
     arrival_t: float = 0.0
     first_token_t: float | None = None
     finish_t: float | None = None
-    copies: ProposalGate | None = None  # how well its copies are accepted, per matched n-gram length (prompt lookup)
+    copy_acceptance: ProposalGate | None = None  # per matched n-gram length, how well its copies do (prompt lookup)
 
     @property
     def tokens(self) -> list[int]:
@@ -77,7 +77,8 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request: its new token (if any) and, once finished, the final output."""
+    """What one step produced for one request: its new tokens (none for an unfinished prefill; more than one when a
+    copy was accepted) and, once finished, the final output."""
 
     id: int
     new_token_ids: list[int]
@@ -149,7 +150,7 @@ class Engine:
                           make_generator(sampling.seed, self.target.model.device),
                           Stopper(self.target.tokenizer, self.target.eos_token_ids, generation),
                           arrival_t=self.now(),
-                          copies=None if self.lookup is None else ProposalGate(0.0, self.lookup.max_ngram))
+                          copy_acceptance=None if self.lookup is None else ProposalGate(0.0, self.lookup.max_ngram))
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
@@ -288,15 +289,16 @@ class Engine:
         eos_ids = frozenset(self.target.eos_token_ids)
         gains = []
         for request in plan.decode:
-            request.copies.decay()
+            request.copy_acceptance.decay()
             # The step commits the copy's accepted tokens and one more: a longer copy could only be thrown away.
             room = request.generation.max_new_tokens - len(request.stopper.tokens) - 1
             found = find_continuations(request.tokens, lookup.max_ngram, min(lookup.num_draft, room), eos_ids) \
                 if room > 0 else []
-            if found:
-                plan.copies[request.id] = found[0]
-            gains.append([request.copies.expected_tokens(found[0].ngram, k) for k in range(len(found[0].tokens) + 1)]
-                         if found else [1.0])
+            if not found:
+                gains.append([1.0])
+                continue
+            copy = plan.copies[request.id] = found[0]
+            gains.append([request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)])
         rows_per_pass = self.target.model.rows_per_pass
         width = plan_width(gains, lambda w: batch_step_cost(rows_per_pass, batch, w, lookup.verify_overhead))
         budget = self.params.max_batch_tokens - plan.num_tokens
@@ -362,7 +364,7 @@ class Engine:
                 accepted += 1  # the next row was computed after proposed[i], which this draw confirmed
             if copy:
                 judged = min(accepted + 1, len(proposed))
-                request.copies.record(copy.ngram, accepted, judged)
+                request.copy_acceptance.record(copy.ngram, accepted, judged)
                 self.copied.proposed += len(proposed)
                 self.copied.accepted += accepted
             now = self.now()

@@ -1,5 +1,5 @@
-"""Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine, against plain
-decoding on the contiguous cache, over the test suite's 20 prompts.
+"""Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine (plain and with
+prompt lookup in the batch), against plain decoding on the contiguous cache, over the test suite's 20 prompts.
 
 The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
 
@@ -66,13 +66,19 @@ def main() -> int:
         failures += len(bad)
         print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact" + "".join(f"\n  MISMATCH {p!r}" for p in bad))
 
-    engine = Engine(target, EngineParams())
-    ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
-    batched = {i: out.token_ids for i, out in engine.run_all().items()}
-    bad = [p for i, p in ids.items() if batched[i] != reference[p]]
-    failures += len(bad)
-    print(f"engine batch of {len(PROMPTS)}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact"
-          + "".join(f"\n  MISMATCH {p!r}" for p in bad))
+    for name, params in {f"engine batch of {len(PROMPTS)}": EngineParams(),
+                         f"engine batch of {len(PROMPTS)}, prompt lookup": EngineParams(lookup=PromptLookupParams()),
+                         "engine batch of 2, prompt lookup": EngineParams(max_running=2, lookup=PromptLookupParams()),
+                         }.items():
+        engine = Engine(target, params)
+        ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
+        batched = {i: out.token_ids for i, out in engine.run_all().items()}
+        bad = [p for i, p in ids.items() if batched[i] != reference[p]]
+        failures += len(bad)
+        copies = f" ({engine.copied.accepted} of {engine.copied.proposed} copied tokens accepted)" \
+            if engine.lookup else ""
+        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact{copies}"
+              + "".join(f"\n  MISMATCH {p!r}" for p in bad))
     print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")
     return 1 if failures else 0
 
