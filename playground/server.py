@@ -52,6 +52,9 @@ OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
            "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+# An idle engine thread wakes this often: a Ctrl+C that the kernel hands to another thread (HTTP, OpenMP workers)
+# only sets Python's flag, which the main thread reads when it next runs, not while it sleeps on a queue.
+IDLE_WAKE_S = 0.25
 ROUTES = {"GET": ("/health", "/v1/models", "/v1/engine"), "POST": ("/v1/completions", "/v1/chat/completions")}
 
 
@@ -186,7 +189,12 @@ class EngineWorker:
 
     def _arrivals(self) -> list[Job | None]:
         """Jobs submitted since the last step; when the engine is idle, wait for the next one."""
-        jobs = [] if self.engine.has_unfinished() else [self._inbox.get()]
+        jobs: list[Job | None] = []
+        while not jobs and not self.engine.has_unfinished():
+            try:
+                jobs.append(self._inbox.get(timeout=IDLE_WAKE_S))
+            except queue.Empty:
+                pass
         while True:
             try:
                 jobs.append(self._inbox.get_nowait())

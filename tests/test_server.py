@@ -22,7 +22,7 @@ from playground.__main__ import main
 from playground.config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
-from playground.server import PlaygroundServer, settled_text
+from playground.server import EngineWorker, PlaygroundServer, settled_text
 
 from .prompts import PROMPTS
 
@@ -296,6 +296,23 @@ def test_cli_errors_before_loading_a_model(capsys):
         assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
     err = capsys.readouterr().err
     assert "port: cannot listen on 127.0.0.1:" in err and "Loading model" not in err
+
+
+def test_ctrl_c_landing_on_another_thread_still_stops_the_idle_engine_thread(target):
+    """The kernel may hand a process's SIGINT to any of its threads (HTTP, OpenMP workers); Python then only flags
+    it for the main thread, which must not sleep on its queue for ever (found when `serve` once ignored a Ctrl+C)."""
+    worker = EngineWorker(target, EngineParams(num_blocks=16))
+
+    def interrupt() -> None:
+        time.sleep(0.5)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread, not the main one
+        time.sleep(5)
+        worker.close()  # wakes the main thread if the interrupt never reached it: run() then returns normally
+    threading.Thread(target=interrupt, daemon=True).start()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        worker.run()
+    assert time.perf_counter() - started < 5
 
 
 def test_the_serve_command_answers_and_stops_on_ctrl_c():
