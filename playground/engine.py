@@ -286,10 +286,20 @@ class Engine:
         lookup, batch = self.lookup, len(plan.decode)
         if not batch:
             return
+        for request in plan.decode:
+            request.copy_acceptance.decay()
+        rows_per_pass = self.target.model.rows_per_pass
+
+        def cost(width: int) -> float:
+            return batch_step_cost(rows_per_pass, batch, width, lookup.verify_overhead)
+        # The search scans each request's whole text: skip it when no copy could pay, not even one of the longest
+        # length at each request's best acceptance so far (on a CPU, at batches of 16 or so).
+        bound = [[r.copy_acceptance.best_expected_tokens(k) for k in range(lookup.num_draft + 1)] for r in plan.decode]
+        if plan_width(bound, cost) == 1:
+            return
         eos_ids = frozenset(self.target.eos_token_ids)
         gains = []
         for request in plan.decode:
-            request.copy_acceptance.decay()
             # The step commits the copy's accepted tokens and one more: a longer copy could only be thrown away.
             room = request.generation.max_new_tokens - len(request.stopper.tokens) - 1
             found = find_continuations(request.tokens, lookup.max_ngram, min(lookup.num_draft, room), eos_ids) \
@@ -299,8 +309,7 @@ class Engine:
                 continue
             copy = plan.copies[request.id] = found[0]
             gains.append([request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)])
-        rows_per_pass = self.target.model.rows_per_pass
-        width = plan_width(gains, lambda w: batch_step_cost(rows_per_pass, batch, w, lookup.verify_overhead))
+        width = plan_width(gains, cost)
         budget = self.params.max_batch_tokens - plan.num_tokens
         free = self.cache.num_free_blocks - sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode) \
             - sum(self.cache.blocks_needed(r.id, n) for r, n in plan.prefill)

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground import engine as engine_module
 from playground.engine import Engine, Status
 from playground.models import LoadedModel
 from playground.models.loader import build_model
@@ -263,6 +264,22 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
         expected = solo(TINY, prompts[i], SamplingParams(), GenerationParams(max_new_tokens=requests[i][1]))
         assert outputs[rid].token_ids == expected
     check_no_leak(engine)
+
+
+def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
+    """The search scans each request's whole text, so it is skipped when even the longest copy at each request's
+    best acceptance so far could not pay for a wider forward (here a forward over several tokens costs 5 steps)."""
+    searched = []
+    real = engine_module.find_continuations
+    monkeypatch.setattr(engine_module, "find_continuations", lambda *a, **k: searched.append(1) or real(*a, **k))
+    outputs = {}
+    for overhead in (4.0, 0.0):
+        engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(num_draft=4, verify_overhead=overhead)))
+        ids = [engine.add_request(PREFIX * 3, generation=GenerationParams(max_new_tokens=12)) for _ in range(2)]
+        done = engine.run_all()
+        outputs[overhead] = [done[i].token_ids for i in ids]
+        assert bool(searched) == (overhead == 0.0) and (engine.copied.steps > 0) == (overhead == 0.0)
+    assert outputs[4.0] == outputs[0.0]
 
 
 def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:

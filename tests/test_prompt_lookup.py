@@ -100,6 +100,10 @@ def test_gate_lets_through_what_pays_for_the_forward() -> None:
     # a = 2/3 with one token: 1.67 expected tokens pay for an overhead of 0.5, not of 0.7
     assert ProposalGate(0.5, 3).worth(2, 1) and not ProposalGate(0.7, 3).worth(2, 1)
     assert ProposalGate(0.0, 3).worth(2, 1)  # no overhead: every match is proposed
+    # the bound for a copy not looked up yet: the best estimate over matched lengths (here 3 tokens)
+    assert gate.best_expected_tokens(2) == pytest.approx(max(gate.expected_tokens(n, 2) for n in (1, 2, 3)))
+    gate.record(1, accepted=50, judged=50)
+    assert gate.best_expected_tokens(2) == gate.expected_tokens(1, 2) > gate.expected_tokens(2, 2)
 
 
 def test_batch_step_cost_counts_the_kernel_passes() -> None:

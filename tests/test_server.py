@@ -298,7 +298,16 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert "port: cannot listen on 127.0.0.1:" in err and "Loading model" not in err
 
 
-def test_ctrl_c_landing_on_another_thread_still_stops_the_idle_engine_thread(target):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's Ctrl+C handler for the test, whatever this process inherited: a test run started as a background job
+    of a non-interactive shell inherits SIGINT ignored, and so would the commands it starts."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_landing_on_another_thread_still_stops_the_idle_engine_thread(target, ctrl_c_raises):
     """The kernel may hand a process's SIGINT to any of its threads (HTTP, OpenMP workers); Python then only flags
     it for the main thread, which must not sleep on its queue for ever (found when `serve` once ignored a Ctrl+C)."""
     worker = EngineWorker(target, EngineParams(num_blocks=16))
@@ -315,8 +324,9 @@ def test_ctrl_c_landing_on_another_thread_still_stops_the_idle_engine_thread(tar
     assert time.perf_counter() - started < 5
 
 
-def test_the_serve_command_answers_and_stops_on_ctrl_c():
+def test_the_serve_command_answers_and_stops_on_ctrl_c(ctrl_c_raises):
     root = Path(__file__).resolve().parent.parent
+    # the child inherits the handler set above as the default action, as a command started from a terminal does
     process = subprocess.Popen([sys.executable, "-m", "playground", "serve", "--port", "0"], cwd=root,
                                stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

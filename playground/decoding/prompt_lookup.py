@@ -178,6 +178,11 @@ class ProposalGate:
     def expected_tokens(self, ngram: int, length: int) -> float:
         return self.by_ngram[ngram].expected_tokens(length)
 
+    def best_expected_tokens(self, length: int) -> float:
+        """The most `expected_tokens` any matched n-gram length gives a copy of `length` tokens: a bound for a copy
+        not looked up yet."""
+        return max(estimate.expected_tokens(length) for estimate in self.by_ngram[1:])
+
     def worth(self, ngram: int, length: int) -> bool:
         return self.expected_tokens(ngram, length) > 1.0 + self.overhead
 
