@@ -91,7 +91,7 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "block_size": block_size, "num_blocks": num_blocks,
         "continuous_tokens_per_s": continuous["tokens_per_s"],
         "static_tokens_per_s": results["static"]["tokens_per_s"],
-        "sequential_tokens_per_s": results["sequential"]["tokens_per_s"],
+        "sequential_tokens_per_s": sequential["tokens_per_s"],
         "continuous_vs_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "continuous_vs_static": continuous["tokens_per_s"] / results["static"]["tokens_per_s"],
         "lookup_vs_continuous": results["continuous + prompt lookup"]["tokens_per_s"] / continuous["tokens_per_s"],

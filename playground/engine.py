@@ -15,10 +15,9 @@ With `EngineParams.lookup` (prompt lookup in the batch) each decoding request ma
 padding after it), chosen for the most expected tokens per unit of forward cost (`plan_width`, `batch_step_cost`)
 within the token budget and the free blocks left after scheduling, so copies never delay or preempt a request.
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own stream)
-and moves on to the next row only while the drawn token equals the copied one: accepting a one-hot proposal exactly
-when the target's own draw matches it is the lossless rule for one-hot q (accepted with probability p(x), and on
-refusal the draw is p conditioned on not x, the normalised residual), so greedy and seeded outputs are those of
-plain decoding, token for token, whatever the batch.
+and moves on to the next row only while the drawn token equals the copied one (`sampling.draws_along`, the lossless
+rule for one-hot proposals), so greedy and seeded outputs are those of plain decoding, token for token, whatever
+the batch.
 
 Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) and
 preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the serving benchmark read.
@@ -36,10 +35,10 @@ import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.prompt_lookup import Lookup, ProposalGate, batch_step_cost, find_continuations, plan_width
+from .decoding.prompt_lookup import Lookup, ProposalGate, agreement, batch_step_cost, find_continuations, plan_width
 from .kv import blocks_for
 from .models import LoadedModel
-from .sampling import make_generator, next_token
+from .sampling import draws_along, make_generator
 from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
 
 
@@ -311,10 +310,11 @@ class Engine:
             gains.append([request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)])
         width = plan_width(gains, cost)
         budget = self.params.max_batch_tokens - plan.num_tokens
-        free = self.cache.num_free_blocks - sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode) \
-            - sum(self.cache.blocks_needed(r.id, n) for r, n in plan.prefill)
+        decode_blocks = sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode)
+        free = self.cache.num_free_blocks - decode_blocks - sum(self.cache.blocks_needed(r.id, n)
+                                                                for r, n in plan.prefill)
         while width > 1 and (batch * (width - 1) > budget or sum(
-                self.cache.blocks_needed(r.id, width) - self.cache.blocks_needed(r.id, 1) for r in plan.decode) > free):
+                self.cache.blocks_needed(r.id, width) for r in plan.decode) - decode_blocks > free):
             width -= 1
         plan.width = width
         plan.copies = {i: replace(copy, tokens=copy.tokens[: width - 1])
@@ -364,13 +364,14 @@ class Engine:
                 continue  # a prefill chunk that has not reached the end of the known tokens
             copy = plan.copies.get(request.id)
             proposed = copy.tokens if copy else []
-            new, accepted, done = [], 0, False
-            for i, row in enumerate(logits[request.id]):  # (V,) at the last token, then after each copied token
-                new.append(int(next_token(row, request.sampling, request.generator)[0]))
-                done = request.stopper.push(new[-1])
-                if done or i == len(proposed) or new[-1] != proposed[i]:
+            new, done = [], False
+            for token in draws_along(logits[request.id], proposed, request.sampling, request.generator):
+                new.append(token)
+                done = request.stopper.push(token)
+                if done:
                     break
-                accepted += 1  # the next row was computed after proposed[i], which this draw confirmed
+            # the copied tokens kept: those the draws before the last one confirmed
+            accepted = agreement(proposed, new[:-1])
             if copy:
                 judged = min(accepted + 1, len(proposed))
                 request.copy_acceptance.record(copy.ngram, accepted, judged)

@@ -8,6 +8,7 @@ can treat greedy and sampled decoding alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,22 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
         # output distributed as p instead of dividing by zero.
         residual, mass = p[accepted], p[accepted].sum()
     return ChainVerdict(accepted, int(sample(residual / mass, generator)), True, uniforms)
+
+
+def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams,
+                generator: torch.Generator) -> Iterator[int]:
+    """The lossless rule for one-hot proposals in the form that draws what plain decoding draws: row i of logits
+    (K+1, V) scores the position of proposals[i] (row K the one after them all); each row's token is drawn exactly
+    as `next_token` draws it, and the next row counts only while the draw equals the proposal, since that row was
+    computed after it. A proposal x is so kept with probability p(x), and on refusal the draw is p conditioned on
+    not x, norm(max(0, p - one-hot x)): the rule of `verify_lossless` for one-hot q, consuming the random stream as
+    plain decoding does (greedy: the argmax, as `verify_greedy`). Yields the tokens drawn, the last being the
+    correction or the bonus."""
+    for i, row in enumerate(logits):
+        token = int(next_token(row, params, generator)[0])
+        yield token
+        if i == len(proposals) or token != proposals[i]:
+            return
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ import torch
 
 from playground.config import ConfigError, SamplingParams
 from playground.models import native
-from playground.sampling import argmax_rows, greedy_rows, make_generator, next_token, probabilities, sample, softmax_at
+from playground.sampling import (argmax_rows, draws_along, greedy_rows, make_generator, next_token, probabilities, sample,
+                                softmax_at, verify_greedy)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -86,3 +87,29 @@ def test_same_seed_same_samples_different_seed_different() -> None:
 def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refusal() -> None:
+    """The one-hot rule of the batching engine: row by row the same draws as `next_token` on the same stream, kept
+    while they equal the proposals; greedy, the verdict of `verify_greedy`."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12) * 2  # (K+1, V) for K = 3 proposals
+    greedy = SamplingParams()
+    for proposals in ([int(logits[0].argmax()), int(logits[1].argmax()), 5], [1, 2, 3],
+                      [int(r.argmax()) for r in logits[:3]]):
+        drawn = list(draws_along(logits, proposals, greedy, make_generator(0)))
+        verdict = verify_greedy(logits, proposals)
+        assert drawn == proposals[: verdict.num_accepted] + [verdict.token]
+    params = SamplingParams(temperature=1.5, top_k=8)
+    kept = set()
+    for seed in range(300):
+        proposals = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].argmax())]
+        drawn = list(draws_along(logits, proposals, params, make_generator(seed)))
+        stream = make_generator(seed)
+        plain = [int(next_token(row, params, stream)[0]) for row in logits[: len(drawn)]]
+        assert drawn == plain
+        # every draw but the last confirmed its proposal; the last refused it or is the bonus
+        assert drawn[:-1] == proposals[: len(drawn) - 1]
+        assert len(drawn) == 4 or drawn[-1] != proposals[len(drawn) - 1]
+        kept.add(len(drawn) - 1)
+    assert kept == {0, 1, 2, 3}  # refusals at every position and whole copies kept
