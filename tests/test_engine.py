@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, PromptLookupParams, SamplingParams
+from playground.config import (ConfigError, EngineParams, GenerationParams, HeadChainParams, ModelSpec,
+                               PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground import engine as engine_module
-from playground.engine import Engine, Status
+from playground.engine import Engine, GuessCalibration, Status, chain_gains, cut_after_eos
 from playground.models import LoadedModel
-from playground.models.loader import build_model
+from playground.models.loader import ModelLoadError, build_model
+from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
+from playground.models.vocab import output_rows
 from playground.trace import MemoryEvent, PreemptEvent
 
 from .prompts import PROMPTS
@@ -150,6 +153,18 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         EngineParams(lookup=PromptLookupParams(branches=2))
     with pytest.raises(ConfigError, match="lookup must be PromptLookupParams or None, got dict"):
         EngineParams(lookup={"max_ngram": 3})
+    with pytest.raises(ConfigError, match="medusa must be HeadChainParams or None, got bool"):
+        EngineParams(medusa=True)
+    with pytest.raises(ConfigError, match=r"depth must be an integer in \[1, 16\]"):
+        HeadChainParams(depth=0)
+    with pytest.raises(ConfigError, match=r"verify_overhead must be in \[0, 4\], got -1"):
+        HeadChainParams(verify_overhead=-1.0)
+    with pytest.raises(ConfigError, match="heads must be a folder of Medusa heads or None"):
+        HeadChainParams(heads=" ")
+    with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\] \(the heads' number\), got 5"):
+        Engine(target, EngineParams(medusa=HeadChainParams(depth=5)))
+    with pytest.raises(ModelLoadError, match="medusa heads: made for hidden size 576"):
+        Engine(TINY, EngineParams(medusa=HeadChainParams()))  # the shipped heads are the embedded model's
 
 
 GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jumps over the lazy dog.",
@@ -193,6 +208,64 @@ def test_prompt_lookup_samples_are_plain_samples_seed_for_seed(target) -> None:
     assert counts[1].accepted > 0 and counts[0].proposed == 0
 
 
+def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs) -> None:
+    """Chains of the heads' top guesses, alone or beside copies, change how many tokens a step commits, never which:
+    at batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with guesses accepted and refused
+    along the way."""
+    generation = GenerationParams(max_new_tokens=24)
+    expected = dict(plain_outputs)
+    for prompt in GROUNDED:
+        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
+    prompts = list(expected)
+    for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
+        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, medusa=HeadChainParams()))
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        for rid, prompt in ids.items():
+            assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
+        guessed = engine.guessed
+        assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
+        assert (engine.copied.accepted > 0) == (lookup is not None)
+        assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
+        check_no_leak(engine)
+
+
+def test_medusa_samples_are_plain_samples_seed_for_seed(target) -> None:
+    """A chain of top guesses is a one-hot proposal: a guess is kept only when the request's own draw at its row
+    is that token, so the samples are plain decoding's, seed for seed."""
+    generation = GenerationParams(max_new_tokens=20)
+    prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
+    results, counts = [], []
+    for medusa in (None, HeadChainParams()):
+        engine = Engine(target, EngineParams(max_running=3, medusa=medusa))
+        ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
+               for i, p in enumerate(prompts)]
+        outputs = engine.run_all()
+        results.append([outputs[i].token_ids for i in ids])
+        counts.append(engine.guessed)
+    assert results[0] == results[1]
+    assert counts[1].accepted > 0 and counts[0].proposed == 0
+
+
+def test_chain_gains_calibration_and_eos_cut() -> None:
+    assert chain_gains([]) == [1.0]
+    assert chain_gains([0.5, 0.5, 1.0]) == pytest.approx([1.0, 1.5, 1.75, 2.0])
+    assert cut_after_eos([5, 0, 7, 0], frozenset({0})) == [5, 0] and cut_after_eos([5, 7], frozenset({0})) == [5, 7]
+    calibration = GuessCalibration(2)
+    assert calibration.rates([0.5, 0.9]) == [0.5, 0.9]  # no data yet: the heads' own probabilities
+    for _ in range(50):  # guesses said 0.8 and were right a quarter of the time; the second was never reached
+        calibration.record([0.8, 0.8], 0)
+        calibration.record([0.8, 0.8], 0)
+        calibration.record([0.8, 0.8], 0)
+        calibration.record([0.8, 0.8], 1)
+    first, second = calibration.rates([0.8, 0.8])
+    assert first == pytest.approx(0.25, abs=0.01) and second == pytest.approx(0.8 * 1 / (0.8 * 50 + 1))
+    calibration = GuessCalibration(1)
+    for _ in range(10):
+        calibration.record([0.5], 1)
+    assert calibration.rates([0.9]) == [1.0]  # underconfident heads: a rate never exceeds 1
+
+
 def tiny_model(vocab: int = 48) -> LoadedModel:
     """A random two-layer Llama with a small vocabulary: fast enough to run hundreds of engine schedules."""
     config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
@@ -222,7 +295,20 @@ class TinyTokenizer:
         return " ".join(map(str, ids))
 
 
+def tiny_heads(model: LoadedModel, num_heads: int = 3) -> LoadedHeads:
+    """Untrained heads for the tiny model: zero blocks make each head guess what the target's own row predicted
+    (the last token again), with small random ones on top so the guesses differ between heads."""
+    torch.manual_seed(1)
+    heads = MedusaHeads(32, num_heads)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.weight, std=0.05)
+    vocab = torch.arange(model.model.config.vocab_size)
+    return LoadedHeads(heads.eval().requires_grad_(False), Path("."), "tiny", output_rows(model.model, vocab),
+                       FusedBlocks.of(heads, model.model))
+
+
 TINY = tiny_model()
+TINY_HEADS = tiny_heads(TINY)
 PREFIX = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5]
 # (prompt, max_new_tokens, step at which the request arrives); prompts start with a slice of one common prefix.
 REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st.integers(1, 9), max_size=5)),
@@ -231,19 +317,21 @@ REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(REQUESTS, st.integers(1, 4), st.integers(1, 12), st.integers(1, 4), st.sampled_from(["continuous", "static"]),
-       st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6), st.integers(0, 5))
+       st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6), st.integers(0, 5), st.integers(0, 3))
 def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, budget, max_running, policy,
-                                                          caching, aborted, spare, copy_tokens) -> None:
+                                                          caching, aborted, spare, copy_tokens, guesses) -> None:
     """Requests arrive over the first steps; the pool ranges from one request's worth (every admission can
     preempt) to a few blocks more; some requests are aborted at step 3; with copy_tokens > 0, prompt lookup
-    proposes copies of up to that many tokens whenever it finds one (no verify overhead on this model), which
+    proposes copies of up to that many tokens whenever it finds one, and with guesses > 0 untrained Medusa heads
+    propose chains of that many (no verify overhead on this model: every proposal is worth a wider forward), which
     the token budget and the free blocks trim."""
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None
+    medusa = HeadChainParams(depth=guesses, verify_overhead=0.0) if guesses else None
     engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                                        max_running=max_running, policy=policy, prefix_caching=caching,
-                                       lookup=lookup))
+                                       lookup=lookup, medusa=medusa), heads=TINY_HEADS)
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
     for step in range(10_000):
@@ -280,6 +368,25 @@ def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
         outputs[overhead] = [done[i].token_ids for i in ids]
         assert bool(searched) == (overhead == 0.0) and (engine.copied.steps > 0) == (overhead == 0.0)
     assert outputs[4.0] == outputs[0.0]
+
+
+def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_stays_exact() -> None:
+    """On the tiny model the untrained heads' chains are sometimes right: after every step the cache holds exactly
+    the committed tokens, and the outputs are the solo ones."""
+    prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
+    generation = GenerationParams(max_new_tokens=16)
+    engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4, medusa=HeadChainParams(verify_overhead=0.0)),
+                    heads=TINY_HEADS)
+    ids = [engine.add_request(p, generation=generation) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.id, out.output) for out in engine.step() if out.finished)
+        for request in engine.running:
+            assert engine.cache.length(request.id) == request.num_computed
+    for rid, prompt in zip(ids, prompts):
+        assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
+    assert 0 < engine.guessed.accepted < engine.guessed.proposed
+    check_no_leak(engine)
 
 
 def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:

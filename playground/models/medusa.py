@@ -91,14 +91,15 @@ class LoadedHeads:
     def vocab_size(self) -> int:
         return len(self.output)
 
-    def logits(self, hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
-        """Every head's logits (K, ..., V') over `vocab_ids`, in float32, for the inputs of `MedusaHeads.head`
-        (the same states, from the fused blocks)."""
+    def logits(self, hidden: torch.Tensor, next_embedding: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """The first `depth` heads' logits (D, ..., V') over `vocab_ids` (every head's when None), in float32, for
+        the inputs of `MedusaHeads.head` (the same states, from the fused blocks). The projection onto the
+        vocabulary is the costly part, so heads past `depth` skip it."""
         blocks, heads = self.blocks, self.heads.num_heads
         both = torch.cat((hidden, next_embedding), dim=-1)  # (..., 2E)
         mixed = linear(both, blocks.weight, blocks.bias, packed=blocks.packed)  # (..., K*E)
         states = hidden.unsqueeze(-2) + F.silu(mixed.unflatten(-1, (heads, hidden.shape[-1])))  # (..., K, E)
-        return self.output.logits(states.movedim(-2, 0))  # (K, ..., V')
+        return self.output.logits(states[..., :depth, :].movedim(-2, 0))  # (D, ..., V')
 
 
 def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: torch.dtype,
