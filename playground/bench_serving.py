@@ -1,10 +1,11 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs five ways on the same engine and paged cache:
+--max-new-tokens to all of it, all queued at time 0) runs eight ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
-sequentially (one request at a time), and continuous and sequential again with prompt lookup in the batch
-(`EngineParams.lookup`). Greedy outputs must be identical in all five. KV memory is read from the engine's
+sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
+(`EngineParams.lookup`) and with the Medusa heads' chains (`EngineParams.medusa`, where heads ship for the target),
+and sequential with both. Greedy outputs must be identical in every mode. KV memory is read from the engine's
 per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
 slots per running request (a contiguous cache) would waste.
 """
@@ -15,8 +16,9 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from .config import EngineParams, GenerationParams, HeadChainParams, PromptLookupParams, SamplingParams
 from .engine import Engine
+from .models.medusa import default_heads
 from .trace import Event, MemoryEvent
 
 LENGTH_EIGHTHS = (8, 2, 4, 6, 1, 8, 3, 5)  # output limits in eighths of --max-new-tokens, cycled
@@ -43,6 +45,9 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
         "copy_steps": engine.copied.steps,
         "copied_proposed": engine.copied.proposed,
         "copied_accepted": engine.copied.accepted,
+        "guess_steps": engine.guessed.steps,
+        "guessed_proposed": engine.guessed.proposed,
+        "guessed_accepted": engine.guessed.accepted,
         **memory_summary(engine.events),
         "token_ids": [list(outputs[i].token_ids) for i in ids],
     }
@@ -76,6 +81,15 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "continuous + prompt lookup": EngineParams(max_running=max_running, lookup=PromptLookupParams(), **base),
         "sequential + prompt lookup": EngineParams(max_running=1, lookup=PromptLookupParams(), **base),
     }
+    heads = default_heads(target.spec.source)
+    if heads is not None:
+        modes.update({
+            "continuous + Medusa": EngineParams(max_running=max_running, medusa=HeadChainParams(), **base),
+            "sequential + Medusa": EngineParams(max_running=1, medusa=HeadChainParams(), **base),
+            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=HeadChainParams(),
+                                              **base)})
+    else:
+        progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")
     serve(target, workload(2, 8), modes["continuous"])  # warm-up: first-call allocations and kernel choices
     results = {}
     for name, params in modes.items():
@@ -96,6 +110,10 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "continuous_vs_static": continuous["tokens_per_s"] / results["static"]["tokens_per_s"],
         "lookup_vs_continuous": results["continuous + prompt lookup"]["tokens_per_s"] / continuous["tokens_per_s"],
         "lookup_vs_sequential": results["sequential + prompt lookup"]["tokens_per_s"] / sequential["tokens_per_s"],
+        **({"medusa_vs_continuous": results["continuous + Medusa"]["tokens_per_s"] / continuous["tokens_per_s"],
+            "medusa_vs_sequential": results["sequential + Medusa"]["tokens_per_s"] / sequential["tokens_per_s"],
+            "both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
+           if heads is not None else {}),
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
@@ -110,18 +128,25 @@ def markdown_serving(report: dict[str, Any]) -> str:
              f"{s['requests']} requests queued at once, output limits {max(1, s['max_new_tokens'] // 8)} to "
              f"{s['max_new_tokens']} tokens, at most {s['max_running']} running, paged KV with "
              f"{s['num_blocks']} blocks of {s['block_size']} tokens.", "",
-             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies accepted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies accepted "
+             "| guesses accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["modes"].items():
-        copies = (f"{r['copied_accepted']} of {r['copied_proposed']} in {r['copy_steps']} steps"
-                  if r["copied_proposed"] else "")
+        proposals = [f"{r[kind + '_accepted']} of {r[kind + '_proposed']} in {r[steps]} steps"
+                     if r[kind + "_proposed"] else "" for kind, steps in (("copied", "copy_steps"),
+                                                                         ("guessed", "guess_steps"))]
         lines.append(f"| {name} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | {r['steps']} | "
-                     f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_bytes'] / 1e6:.1f} | {copies} |")
+                     f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_bytes'] / 1e6:.1f} | "
+                     f"{' | '.join(proposals)} |")
     lines += ["",
               f"- continuous vs sequential: {s['continuous_vs_sequential']:.2f}x (goal >= 3)",
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",
               f"- prompt lookup in the batch: {s['lookup_vs_continuous']:.2f}x continuous, "
               f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
+              f"- Medusa heads' chains in the batch: {s['medusa_vs_continuous']:.2f}x continuous, "
+              f"{s['medusa_vs_sequential']:.2f}x sequential; with prompt lookup too: {s['both_vs_sequential']:.2f}x "
+              f"sequential (the same tokens)" if "medusa_vs_continuous" in s else
+              "- Medusa heads' chains in the batch: not run (no heads ship for this model)",
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",

@@ -250,7 +250,7 @@ class EngineWorker:
             outputs = self.engine.step()
         except Exception as exc:  # a bug or the device out of memory: fail the requests in flight, keep serving
             traceback.print_exc()
-            self.engine = Engine(self.target, self.params, record_blocks=False)
+            self.engine = Engine(self.target, self.params, record_blocks=False, heads=self.engine.heads)
             self._fail_all(ApiError(f"the engine failed: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR,
                                     kind="server_error"))
             return
@@ -298,7 +298,10 @@ class EngineWorker:
                 "prompt_lookup": None if engine.lookup is None else {
                     "max_ngram": engine.lookup.max_ngram, "num_draft": engine.lookup.num_draft,
                     "steps": engine.copied.steps, "proposed": engine.copied.proposed,
-                    "accepted": engine.copied.accepted}}
+                    "accepted": engine.copied.accepted},
+                "medusa": None if engine.heads is None else {
+                    "heads": str(engine.heads.folder), "depth": engine.depth, "steps": engine.guessed.steps,
+                    "proposed": engine.guessed.proposed, "accepted": engine.guessed.accepted}}
 
 
 # -- requests ----------------------------------------------------------------------------------------------------

@@ -141,12 +141,16 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     assert result.returncode == 0, result.stderr
     serving = json.loads(out.read_text())["serving"]
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction",
-                "lookup_vs_continuous", "lookup_vs_sequential"):
+                "lookup_vs_continuous", "lookup_vs_sequential", "medusa_vs_continuous", "medusa_vs_sequential",
+                "both_vs_sequential"):
         assert serving[key] > 0
     assert serving["same_tokens_in_every_mode"] and set(serving["modes"]) == {
-        "continuous", "static", "sequential", "continuous + prompt lookup", "sequential + prompt lookup"}
+        "continuous", "static", "sequential", "continuous + prompt lookup", "sequential + prompt lookup",
+        "continuous + Medusa", "sequential + Medusa", "sequential + both"}
     assert serving["modes"]["sequential"]["mean_running"] == 1
-    assert serving["modes"]["sequential"]["copied_proposed"] == 0
-    assert "| sequential + prompt lookup |" in (tmp_path / "serving.md").read_text()
+    assert serving["modes"]["sequential"]["copied_proposed"] == serving["modes"]["sequential"]["guessed_proposed"] == 0
+    assert serving["modes"]["sequential + Medusa"]["guessed_proposed"] > 0
+    markdown = (tmp_path / "serving.md").read_text()
+    assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")
     assert bad.returncode == 2 and "requests must be an integer in [1, 256]" in bad.stderr

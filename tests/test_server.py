@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.config import EngineParams, GenerationParams, HeadChainParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import EngineWorker, PlaygroundServer, settled_text
@@ -29,12 +29,14 @@ from .prompts import PROMPTS
 TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=[None, PromptLookupParams()], ids=["plain", "prompt-lookup"])
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "proposals"])
 def server(target, request):
-    """Every test runs against plain decoding and against prompt lookup in the batch, which must answer alike."""
+    """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies and the
+    Medusa heads' chains), which must answer alike."""
+    proposals = dict(lookup=PromptLookupParams(), medusa=HeadChainParams()) if request.param else {}
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
-    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, lookup=request.param))
+    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, **proposals))
     threads = [threading.Thread(target=srv.serve_forever, daemon=True), threading.Thread(target=srv.worker.run)]
     for thread in threads:
         thread.start()
@@ -226,10 +228,12 @@ def test_the_read_endpoints(server, target):
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
     if server.worker.params.lookup is None:
-        assert state["prompt_lookup"] is None
-    else:  # a copying request had copies accepted
-        copies = state["prompt_lookup"]
+        assert state["prompt_lookup"] is None and state["medusa"] is None
+    else:  # a copying request had copies accepted; chains were verified
+        copies, chains = state["prompt_lookup"], state["medusa"]
         assert copies["max_ngram"] == 3 and 0 < copies["accepted"] < copies["proposed"] and copies["steps"] > 0
+        assert chains["depth"] == 4 and chains["heads"].endswith("medusa-smollm2-135m") and chains["steps"] > 0
+        assert 0 <= chains["accepted"] < chains["proposed"]
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history
 
@@ -290,6 +294,12 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert "--max-ngram and --num-draft set prompt lookup: add --prompt-lookup" in capsys.readouterr().err
     assert main(["serve", "--prompt-lookup", "--max-ngram", "0"]) == 2
     assert "max_ngram must be an integer in [1, 8], got 0" in capsys.readouterr().err
+    assert main(["serve", "--medusa-depth", "2"]) == 2
+    assert "--medusa-heads and --medusa-depth set Medusa heads in the batch: add --medusa" in capsys.readouterr().err
+    assert main(["serve", "--medusa", "--medusa-depth", "0"]) == 2
+    assert "depth must be an integer in [1, 16], got 0" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"]) == 2
+    assert "medusa heads: '/no/such/heads' is not a folder" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
