@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams, HeadChainParams,
+                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams, EngineMedusaParams,
                      LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
@@ -197,9 +197,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--max-ngram and --num-draft set prompt lookup: add --prompt-lookup")
     lookup = PromptLookupParams(max_ngram=3 if args.max_ngram is None else args.max_ngram,
                                 num_draft=args.num_draft) if args.prompt_lookup else None
-    if not args.medusa and (args.medusa_heads is not None or args.medusa_depth is not None):
-        raise ConfigError("--medusa-heads and --medusa-depth set Medusa heads in the batch: add --medusa")
-    medusa = HeadChainParams(heads=args.medusa_heads, depth=args.medusa_depth) if args.medusa else None
+    if not args.medusa and any(v is not None for v in (args.medusa_heads, args.medusa_depth, args.medusa_nodes)):
+        raise ConfigError("--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add "
+                          "--medusa")
+    medusa = EngineMedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, nodes=args.medusa_nodes) \
+        if args.medusa else None
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
                           lookup=lookup, medusa=medusa)
@@ -345,13 +347,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "larger batches copy fewer")
     guesses = server.add_argument_group("Medusa heads in the batch")
     guesses.add_argument("--medusa", action="store_true",
-                         help="verify a chain of the Medusa heads' top guesses per request in the batch's forward "
-                              "where it pays for the extra rows (with --prompt-lookup too: whichever of a copy and "
-                              "a chain is expected to commit more): the same tokens as without")
+                         help="verify a tree of the Medusa heads' guesses per request in the batch's forward where "
+                              "it pays for the extra rows (with --prompt-lookup too: whichever of a copy and a tree "
+                              "is expected to commit more): the same tokens as without")
     guesses.add_argument("--medusa-heads", default=None,
                          help="folder of trained heads (default: the shipped heads of the embedded model)")
     guesses.add_argument("--medusa-depth", type=int, default=None,
-                         help="most guesses per chain, 1..the heads' number (default: one per head)")
+                         help="heads used, so the deepest guess, 1..the heads' number (default: every head)")
+    guesses.add_argument("--medusa-nodes", type=int, default=None,
+                         help=f"most guesses per tree, 1..{MAX_DYNAMIC_NODES} (default: as generate's dynamic tree: "
+                              f"the rows one pass of the native CPU kernel serves beside the last token, "
+                              f"{GPU_DYNAMIC_NODES} on a GPU); larger batches guess fewer")
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser

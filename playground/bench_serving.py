@@ -16,7 +16,7 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineParams, GenerationParams, HeadChainParams, PromptLookupParams, SamplingParams
+from .config import EngineParams, GenerationParams, EngineMedusaParams, PromptLookupParams, SamplingParams
 from .engine import Engine
 from .models.medusa import default_heads
 from .trace import Event, MemoryEvent
@@ -84,9 +84,9 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
     heads = default_heads(target.spec.source)
     if heads is not None:
         modes.update({
-            "continuous + Medusa": EngineParams(max_running=max_running, medusa=HeadChainParams(), **base),
-            "sequential + Medusa": EngineParams(max_running=1, medusa=HeadChainParams(), **base),
-            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=HeadChainParams(),
+            "continuous + Medusa": EngineParams(max_running=max_running, medusa=EngineMedusaParams(), **base),
+            "sequential + Medusa": EngineParams(max_running=1, medusa=EngineMedusaParams(), **base),
+            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=EngineMedusaParams(),
                                               **base)})
     else:
         progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")

@@ -410,16 +410,18 @@ class MedusaParams:
 
 
 @dataclass(frozen=True, slots=True)
-class HeadChainParams:
-    """Medusa heads in the serving engine: after each decoding request's last token, a chain of each head's top
-    guess (head 1's, then head 2's, ...), verified in the batch's decode forward. A chain, not a tree: the engine's
-    decode rows are causal, and one chain per request keeps every row of the batch the same width. heads: a folder
-    of trained heads (None: the shipped heads of the embedded target); depth: the most guesses per chain (None:
-    one per head); verify_overhead: where no pass of the native CPU kernel sizes a wider forward (a GPU, PyTorch's
-    kernels), its extra cost over a one-token forward, as a fraction of that forward."""
+class EngineMedusaParams:
+    """Medusa heads in the serving engine: after each decoding request's last token, a tree of the heads' guesses
+    (chosen as Medusa's dynamic tree is, `tree.best_first`, from the heads' probabilities), verified in the batch's
+    decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped heads of
+    the embedded target); depth: the heads used, so the deepest guess (None: every head); nodes: the most guesses
+    per tree (None: as the dynamic tree's, `dynamic_nodes`; the batch's width then trims every tree to what pays);
+    verify_overhead: where no pass of the native CPU kernel sizes a wider forward (a GPU, PyTorch's kernels), its
+    extra cost over a one-token forward, as a fraction of that forward."""
 
     heads: str | None = None
     depth: int | None = None
+    nodes: int | None = None
     verify_overhead: float = LOOKUP_OVERHEAD
 
     def __post_init__(self) -> None:
@@ -427,6 +429,8 @@ class HeadChainParams:
             raise ConfigError(f"heads must be a folder of Medusa heads or None, got {self.heads!r}")
         if self.depth is not None:
             check_int("depth", self.depth, 1, MAX_GAMMA)
+        if self.nodes is not None:
+            check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
@@ -448,9 +452,9 @@ class EngineParams:
     of earlier text verified with its next token (one copy each, so branches must be 1 or None); the batch's
     width is chosen for the most tokens per unit of forward cost. Every token is still drawn from its own row's
     distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
-    medusa: Medusa heads in the batch (None: off): each decoding request may have a chain of the heads' top guesses
-    verified the same way; with lookup too, each request proposes whichever of its copy and its chain is expected
-    to commit more.
+    medusa: Medusa heads in the batch (None: off): each decoding request may have a tree of the heads' guesses
+    verified the same way (a draw follows the guess equal to it); with lookup too, each request proposes whichever
+    of its copy and its tree is expected to commit more.
     """
 
     num_blocks: int = 512
@@ -460,7 +464,7 @@ class EngineParams:
     policy: str = "continuous"
     prefix_caching: bool = True
     lookup: PromptLookupParams | None = None
-    medusa: HeadChainParams | None = None
+    medusa: EngineMedusaParams | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
@@ -476,5 +480,5 @@ class EngineParams:
             if self.lookup.branches not in (None, 1):
                 raise ConfigError(f"lookup.branches must be 1 in the engine (one copy per request), "
                                   f"got {self.lookup.branches}")
-        if self.medusa is not None and not isinstance(self.medusa, HeadChainParams):
-            raise ConfigError(f"medusa must be HeadChainParams or None, got {type(self.medusa).__name__}")
+        if self.medusa is not None and not isinstance(self.medusa, EngineMedusaParams):
+            raise ConfigError(f"medusa must be EngineMedusaParams or None, got {type(self.medusa).__name__}")

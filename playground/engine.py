@@ -14,13 +14,15 @@ With `EngineParams.lookup` (prompt lookup in the batch) each decoding request ma
 (`find_continuations`) verified in the same forward: the decode rows grow to one width (the last token, the copy,
 padding after it), chosen for the most expected tokens per unit of forward cost (`plan_width`, `batch_step_cost`)
 within the token budget and the free blocks left after scheduling, so copies never delay or preempt a request.
-With `EngineParams.medusa` (Medusa heads in the batch) a request may instead have a chain of the heads' top guesses,
-read from the final hidden state of the row that predicted its last token; with both, each request proposes
-whichever of the two is expected to commit more (a copy from its running acceptance, a chain from the heads' own
-probabilities). Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the
-request's own stream) and moves on to the next row only while the drawn token equals the proposed one
-(`sampling.draws_along`, the lossless rule for one-hot proposals, which a copy and a chain of top guesses both
-are), so greedy and seeded outputs are those of plain decoding, token for token, whatever the batch.
+With `EngineParams.medusa` (Medusa heads in the batch) a request may instead have a tree of the heads' guesses
+(Medusa's dynamic tree, `tree.best_first`, from the final hidden state of the row that predicted its last token),
+run with its own tree mask among the batch's rows; with both, each request proposes whichever of the two is
+expected to commit more (a copy from its running acceptance, a tree from the heads' calibrated probabilities).
+Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
+stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
+lossless rule for one-hot proposals, which copies and the heads' guesses both are), so greedy and seeded outputs
+are those of plain decoding, token for token, whatever the batch. The kept path's KV moves next to the last token
+(`keep`); the rest of the tree and the padding are dropped.
 
 Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) and
 preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the serving benchmark read.
@@ -28,17 +30,19 @@ preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
 
-from .config import ConfigError, EngineParams, GenerationParams, SamplingParams
+from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.prompt_lookup import ProposalGate, agreement, batch_step_cost, find_continuations, plan_width
+from .decoding.prompt_lookup import ProposalGate, batch_step_cost, find_continuations, plan_width
+from .decoding.tree import ancestor_mask, best_first
 from .kv import blocks_for
 from .models import LoadedModel
 from .models.medusa import LoadedHeads, load_heads
@@ -92,7 +96,7 @@ class RequestOutput:
 
 @dataclass
 class ProposalCounts:
-    """Proposals of one kind (copies, or the heads' chains) verified in the batch so far: decode forwards that
+    """Proposals of one kind (copies, or the heads' trees) verified in the batch so far: decode forwards that
     verified any, proposed tokens verified, accepted."""
 
     steps: int = 0
@@ -102,12 +106,32 @@ class ProposalCounts:
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    """Tokens to verify after a request's last token: a copy of earlier text (ngram: the length of the matched
-    suffix) or the Medusa heads' top guesses (ngram None)."""
+    """Tokens to verify after a request's last token, as a tree in best-first order: token i sits in row i + 1 of
+    the request's decode rows and follows the token of row parents[i] (0: the last token), every parent before
+    its children, so that any leading part is a tree too. A copy of earlier text is a chain (ngram: the length of
+    the matched suffix); the Medusa heads' guesses carry their probabilities (ngram None)."""
 
     tokens: list[int]
+    parents: list[int]
     ngram: int | None = None
-    probs: list[float] = field(default_factory=list)  # a chain's: the heads' probability of each guess
+    probs: list[float] = field(default_factory=list)  # the heads' probability of each guess
+
+    @classmethod
+    def chain(cls, tokens: list[int], ngram: int) -> "Proposal":
+        return cls(tokens, list(range(len(tokens))), ngram)
+
+    def first(self, n: int) -> "Proposal":
+        return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], probs=self.probs[:n])
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self.tokens)))
+
+    def depths(self) -> list[int]:
+        """Each row's depth below the last token (row 0): its position's offset."""
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return depths
 
 
 @dataclass
@@ -141,17 +165,19 @@ class Engine:
         # One copy per request, as long as one fits a pass of the CPU kernel at batch 1; wider batches trim it.
         lookup = self.params.lookup
         self.lookup = None if lookup is None else replace(lookup, branches=1).resolve(target.model.rows_per_pass)
-        chain = self.params.medusa
-        self.heads = None if chain is None else heads or load_heads(chain.heads, target)
-        self.depth = 0
+        medusa = self.params.medusa
+        self.heads = None if medusa is None else heads or load_heads(medusa.heads, target)
+        self.depth = self.nodes = 0
         if self.heads is not None:
-            self.depth = chain.depth or self.heads.heads.num_heads
+            self.depth = medusa.depth or self.heads.heads.num_heads
             if self.depth > self.heads.heads.num_heads:
                 raise ConfigError(f"medusa.depth must be in [1, {self.heads.heads.num_heads}] (the heads' number), "
                                   f"got {self.depth}")
+            self.nodes = medusa.nodes or dynamic_nodes(target.model.rows_per_pass,
+                                                       target.model.device.type == "cuda")
         # what a wider forward costs where no kernel pass sizes it: the more cautious of the proposers' settings
         self.verify_overhead = max(([self.lookup.verify_overhead] if self.lookup else []) +
-                                   ([chain.verify_overhead] if chain else []), default=0.0)
+                                   ([medusa.verify_overhead] if medusa else []), default=0.0)
         self.copied = ProposalCounts()
         self.guessed = ProposalCounts()
         self.calibration = GuessCalibration(self.depth)
@@ -311,7 +337,7 @@ class Engine:
             plan.prefill.append((request, n))
 
     def _propose(self, plan: StepPlan) -> None:
-        """A copy of earlier text or a chain of the heads' guesses for each decoding request, and the decode rows'
+        """A copy of earlier text or a tree of the heads' guesses for each decoding request, and the decode rows'
         width, within the token budget and the blocks the step leaves free."""
         lookup, batch = self.lookup, len(plan.decode)
         if not batch:
@@ -323,36 +349,36 @@ class Engine:
 
         def cost(width: int) -> float:
             return batch_step_cost(rows_per_pass, batch, width, self.verify_overhead)
-        # Bounds before any work: a copy at each request's best acceptance so far over the longest length, a chain
-        # of guesses as sure as a guess gets (probability 1, calibrated). The search scans each request's whole
-        # text: skip it when no copy could pay (on a CPU, at batches of 16 or so); the heads score only as many
-        # guesses as could pay.
+        # Bounds before any work: a copy at each request's best acceptance so far, a tree whose every depth is
+        # reached as surely as the heads' calibrated guesses can be. The search scans each request's whole text:
+        # skip it when no copy could pay (on a CPU, at batches of 16 or so); the heads guess only as many tokens
+        # as could pay.
         rooms = [self._room(r) for r in plan.decode]
         copy_bounds = [[r.copy_acceptance.best_expected_tokens(k) for k in range(min(lookup.num_draft, room) + 1)]
                        if lookup is not None else [1.0] for r, room in zip(plan.decode, rooms)]
-        chain_bounds = [chain_gains(self.calibration.rates([1.0] * min(self.depth, room)))
-                        if r.hidden is not None else [1.0] for r, room in zip(plan.decode, rooms)]
+        sure = self.calibration.bound(self.depth)
+        tree_bounds = [[sure[min(k, room, self.depth)] for k in range(self.nodes + 1)] if r.hidden is not None
+                       else [1.0] for r, room in zip(plan.decode, rooms)]
         search = plan_width(copy_bounds, cost) > 1
-        longest = plan_width([[max(c[min(k, len(c) - 1)], g[min(k, len(g) - 1)]) for k in range(max(len(c), len(g)))]
-                              for c, g in zip(copy_bounds, chain_bounds)], cost) - 1
+        longest = widest_paying([[max(at(c, k), at(t, k)) for k in range(max(len(c), len(t)))]
+                                 for c, t in zip(copy_bounds, tree_bounds)], cost) - 1
         if not longest:
             return
-        guesses = self._guesses(plan.decode, min(longest, self.depth)) if self.heads is not None else {}
+        guesses = self._guesses(plan.decode, min(longest, self.depth), min(longest, self.heads.vocab_size)) \
+            if self.heads is not None else {}
         eos_ids = frozenset(self.target.eos_token_ids)
         gains = []
         for request, room in zip(plan.decode, rooms):
-            n = min(longest, room)  # a longer proposal could only be thrown away
+            n = min(longest, room)  # a longer copy could only be thrown away
             options = []  # (proposal, expected tokens committed with its first k tokens verified, k = 0..)
-            if request.id in guesses:
-                tokens, probs = guesses[request.id]
-                tokens = cut_after_eos(tokens[:n], eos_ids)
-                probs = probs[: len(tokens)]
-                options.append((Proposal(tokens, probs=probs), chain_gains(self.calibration.rates(probs))))
+            if request.id in guesses and room > 0:
+                logp, tokens = guesses[request.id]
+                options.append(self._head_tree(logp[:room], tokens[:room], longest, eos_ids))
             found = find_continuations(request.tokens, lookup.max_ngram, min(lookup.num_draft, n), eos_ids) \
                 if search and n > 0 else []
             if found:
                 copy = found[0]
-                options.append((Proposal(copy.tokens, copy.ngram), [
+                options.append((Proposal.chain(copy.tokens, copy.ngram), [
                     request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)]))
             if not options:
                 gains.append([1.0])
@@ -369,18 +395,18 @@ class Engine:
                 self.cache.blocks_needed(r.id, width) for r in plan.decode) - decode_blocks > free):
             width -= 1
         plan.width = width
-        plan.proposals = {i: replace(proposal, tokens=proposal.tokens[: width - 1], probs=proposal.probs[: width - 1])
-                          for i, proposal in plan.proposals.items() if width > 1}
+        plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
 
     @staticmethod
     def _room(request: Request) -> int:
-        """Tokens a proposal may hold: the step commits its accepted tokens and one more."""
+        """How deep a proposal may go: the step commits its accepted tokens and one more."""
         return max(0, request.generation.max_new_tokens - len(request.stopper.tokens) - 1)
 
-    def _guesses(self, requests: list[Request], depth: int) -> dict[int, tuple[list[int], list[float]]]:
-        """The heads' top guess for each of the next `depth` tokens after each request's last token, with its
-        probability under the head's softmax, for every request with a hidden state (one that has run a forward
-        since it was last admitted)."""
+    def _guesses(self, requests: list[Request], depth: int,
+                 k: int) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
+        """The heads' top k guesses for each of the next `depth` tokens after each request's last token, best
+        first, with their log-probabilities under each head's softmax: (D, k) lists for every request with a
+        hidden state (one that has run a forward since it was last admitted)."""
         ready = [r for r in requests if r.hidden is not None]
         if not ready:
             return {}
@@ -388,10 +414,32 @@ class Engine:
         hidden = torch.stack([r.hidden for r in ready])  # (B, E)
         last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
         logits = self.heads.logits(hidden, model.embed_tokens.weight[last], depth)  # (D, B, V')
-        top = logits.log_softmax(-1).max(-1)  # values, indices: (D, B)
-        probs = top.values.exp().T.tolist()  # (B, D)
-        tokens = self.heads.vocab_ids[top.indices].T.tolist()  # (B, D)
-        return {r.id: (t, p) for r, t, p in zip(ready, tokens, probs)}
+        top = logits.log_softmax(-1).topk(k, dim=-1)  # values, indices: (D, B, k)
+        logp = top.values.transpose(0, 1).tolist()  # (B, D, k)
+        tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
+        return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
+
+    def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int,
+                   eos_ids: frozenset[int]) -> tuple[Proposal, list[float]]:
+        """The dynamic tree of at most `nodes` guesses from the heads' (D, k) top guesses, ranked by calibrated
+        probability, and the tokens it is expected to commit with its first k guesses, k = 0..: 1 + the chances
+        of reaching each guess (the product of calibrated probabilities along its path). No guess follows an
+        end-of-sequence token: nothing after one can be committed."""
+        rated = self.calibration.log_rates(logp)
+        paths, _ = best_first(rated, tokens, [], nodes)  # best first: every ancestor before its descendants
+        rows: dict[tuple[int, ...], int] = {(): 0}
+        chosen, parents, probs, gains = [], [], [], [1.0]
+        for path in paths:
+            parent = rows.get(path[:-1])
+            if parent is None or (parent and chosen[parent - 1] in eos_ids):
+                continue
+            rows[path] = len(chosen) + 1
+            depth, rank = len(path) - 1, path[-1]
+            chosen.append(tokens[depth][rank])
+            parents.append(parent)
+            probs.append(math.exp(logp[depth][rank]))
+            gains.append(gains[-1] + math.exp(sum(rated[d][r] for d, r in enumerate(path))))
+        return Proposal(chosen, parents, probs=probs), gains
 
     def _run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """The forwards of a step; for every request that ran, logits (1 + n, V) at its last token and after each
@@ -406,15 +454,26 @@ class Engine:
             for i, r in enumerate(plan.decode):
                 logits[r.id], hidden[r.id] = out[i], states[i]
         elif plan.decode:
-            width, chains = plan.width, []
+            width, chains, offsets, masks = plan.width, [], [], []
+            empty = Proposal([], [])
             for r in plan.decode:
-                proposal = plan.proposals.get(r.id)
-                chains.append([r.tokens[r.num_computed], *(proposal.tokens if proposal else ())])
-            # Padding after a chain is causal: the chain never sees it, and its KV is dropped after the step.
+                proposal = plan.proposals.get(r.id, empty)
+                chain = [r.tokens[r.num_computed], *proposal.tokens]
+                chains.append(chain)
+                # Padding after a request's rows is causal: its rows never see it, and its KV is dropped after the
+                # step. A tree's rows see their ancestors only, at positions by depth.
+                offsets.append(proposal.depths() + list(range(len(chain), width)))
+                mask = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
+                if not proposal.is_chain():
+                    mask[: len(chain), : len(chain)] = ancestor_mask([-1, *proposal.parents])
+                masks.append(mask)
             ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chains], device=device)  # (B, W)
-            positions = torch.tensor([[r.num_computed + j for j in range(width)] for r in plan.decode],
+            positions = torch.tensor([[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)],
                                      device=device)  # (B, W)
-            _, states = model(ids, positions, self.cache, [r.id for r in plan.decode], num_logits=0)  # (B, W, E)
+            trees = any(not p.is_chain() for p in plan.proposals.values())
+            attn_mask = torch.stack(masks).to(device) if trees else None  # (B, W, W); None: causal
+            _, states = model(ids, positions, self.cache, [r.id for r in plan.decode], attn_mask=attn_mask,
+                              num_logits=0)  # (B, W, E)
             rows = torch.tensor([i * width + j for i, c in enumerate(chains) for j in range(len(c))], device=device)
             kept = states.flatten(0, 1).index_select(0, rows)  # (N, E): the chains' rows only
             scored = model.project(kept)  # (N, V)
@@ -444,33 +503,35 @@ class Engine:
             if request.num_computed < len(request.tokens):
                 continue  # a prefill chunk that has not reached the end of the known tokens
             proposal = plan.proposals.get(request.id)
-            proposed = proposal.tokens if proposal else []
-            new, done = [], False
-            for token in draws_along(logits[request.id], proposed, request.sampling, request.generator):
+            tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
+            new, walk, done = [], [], False
+            for row, token in draws_along(logits[request.id], tokens, request.sampling, request.generator, parents):
                 new.append(token)
+                walk.append(row)
                 done = request.stopper.push(token)
                 if done:
                     break
-            # the proposed tokens kept: those the draws before the last one confirmed
-            accepted = agreement(proposed, new[:-1])
+            path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
             if proposal:
                 if proposal.ngram is not None:
-                    judged = min(accepted + 1, len(proposed))
-                    request.copy_acceptance.record(proposal.ngram, accepted, judged)
+                    judged = min(len(path) + 1, len(tokens))
+                    request.copy_acceptance.record(proposal.ngram, len(path), judged)
                 else:
-                    self.calibration.record(proposal.probs, accepted)
+                    self.calibration.record(proposal, path)
                 counts = self.copied if proposal.ngram is not None else self.guessed
-                counts.proposed += len(proposed)
-                counts.accepted += accepted
+                counts.proposed += len(tokens)
+                counts.accepted += len(path)
             now = self.now()
             if request.first_token_t is None:
                 request.first_token_t = now
             if not done:
-                request.num_computed += accepted
+                if proposal:  # the kept path's KV moves next to the last token; the rest of the proposal goes
+                    self.cache.keep(request.id, request.num_computed - 1, [0, *path])
+                request.num_computed += len(path)
                 if self.cache.length(request.id) > request.num_computed:
-                    self.cache.truncate(request.id, request.num_computed)  # drop the refused proposal and padding
+                    self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
                 if self.heads is not None:  # the row that predicted the last new token: the heads read it next
-                    request.hidden = hidden[request.id][len(new) - 1].clone()
+                    request.hidden = hidden[request.id][walk[-1]].clone()
                 outputs.append(RequestOutput(request.id, new, False))
                 continue
             self._release(request)
@@ -516,41 +577,51 @@ class Engine:
 
 
 class GuessCalibration:
-    """How often the heads' top guesses are right against what their probabilities say, per depth: a guess at
-    depth d is judged when every guess before it was accepted, and its rate is p x (hits + 1) / (probabilities + 1)
-    summed over the guesses judged so far (no data: p itself). Why: the shipped heads' top guesses run high; on the
-    exactness prompts head 1's guesses at probability 0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so
-    uncalibrated chains looked worth a wider forward at batch sizes where they were not."""
+    """How often the heads' guesses are right against what their probabilities say, per depth. A guess is judged
+    when the token it follows was kept; at each depth, the probabilities of the judged guesses are summed against
+    how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no data: p itself), at most 1.
+    Why: the shipped heads' top guesses run high; on the exactness prompts head 1's top guesses at probability
+    0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so uncalibrated guesses looked worth a wider forward at
+    batch sizes where they were not."""
 
     def __init__(self, depth: int) -> None:
-        self.hits = [0.0] * depth
+        self.kept = [0.0] * depth
         self.predicted = [0.0] * depth
 
-    def rates(self, probs: list[float]) -> list[float]:
-        """Calibrated chances (each given the guesses before it were right) for a chain's probabilities."""
-        return [min(1.0, p * (self.hits[d] + 1.0) / (self.predicted[d] + 1.0)) for d, p in enumerate(probs)]
+    def scale(self, depth: int) -> float:
+        return (self.kept[depth] + 1.0) / (self.predicted[depth] + 1.0)
 
-    def record(self, probs: list[float], accepted: int) -> None:
-        """A verified chain with these probabilities, of which the first `accepted` guesses were kept."""
-        for d, p in enumerate(probs[: accepted + 1]):
-            self.predicted[d] += p
-            self.hits[d] += float(d < accepted)
+    def log_rates(self, logp: list[list[float]]) -> list[list[float]]:
+        """Calibrated log-rates for the heads' (D, k) log-probabilities."""
+        return [[min(0.0, lp + math.log(self.scale(d))) for lp in row] for d, row in enumerate(logp)]
+
+    def bound(self, depth: int) -> list[float]:
+        """The most tokens a step could commit with guesses k = 0..depth deep: 1 + the chance of reaching each
+        depth, were every guess as sure as a calibrated guess gets (probability 1)."""
+        gains, reach = [1.0], 1.0
+        for d in range(depth):
+            reach *= min(1.0, self.scale(d))
+            gains.append(gains[-1] + reach)
+        return gains
+
+    def record(self, proposal: Proposal, path: list[int]) -> None:
+        """A verified tree of guesses and the rows of the guesses kept."""
+        reached, kept = {0, *path}, set(path)
+        for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
+            if parent in reached:
+                self.predicted[depth - 1] += p
+                self.kept[depth - 1] += float(i + 1 in kept)
 
 
-def chain_gains(probs: list[float]) -> list[float]:
-    """Expected tokens a step commits with the first k guesses of a chain verified, k = 0..len(probs): the bonus
-    token, plus each guess's chance that it and every guess before it are right (p_1 ... p_i), taking the heads'
-    probabilities as those chances and their guesses as independent (as Medusa's dynamic tree does)."""
-    gains, reach = [1.0], 1.0
-    for p in probs:
-        reach *= p
-        gains.append(gains[-1] + reach)
-    return gains
+def at(gains: list[float], k: int) -> float:
+    """gains[k], or the last entry for k past the end (a proposal cannot grow longer)."""
+    return gains[min(k, len(gains) - 1)]
 
 
-def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
-    """A proposal up to and including its first end-of-sequence token: nothing after one can be committed."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
+def widest_paying(bounds: list[list[float]], cost: Callable[[int], float]) -> int:
+    """The widest decode forward at which a batch could commit more tokens per unit of cost than a plain one, were
+    every sequence to commit its bound (bounds[r][k]: the most sequence r could commit with k proposed tokens); 1
+    when none could."""
+    longest = max(len(b) for b in bounds)
+    return max((w for w in range(2, longest + 1) if sum(at(b, w - 1) for b in bounds) > len(bounds) * cost(w)),
+               default=1)

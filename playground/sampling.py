@@ -182,20 +182,24 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
     return ChainVerdict(accepted, int(sample(residual / mass, generator)), True, uniforms)
 
 
-def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams,
-                generator: torch.Generator) -> Iterator[int]:
-    """The lossless rule for one-hot proposals in the form that draws what plain decoding draws: row i of logits
-    (K+1, V) scores the position of proposals[i] (row K the one after them all); each row's token is drawn exactly
-    as `next_token` draws it, and the next row counts only while the draw equals the proposal, since that row was
-    computed after it. A proposal x is so kept with probability p(x), and on refusal the draw is p conditioned on
-    not x, norm(max(0, p - one-hot x)): the rule of `verify_lossless` for one-hot q, consuming the random stream as
-    plain decoding does (greedy: the argmax, as `verify_greedy`). Yields the tokens drawn, the last being the
-    correction or the bonus."""
-    for i, row in enumerate(logits):
-        token = int(next_token(row, params, generator)[0])
-        yield token
-        if i == len(proposals) or token != proposals[i]:
-            return
+def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams, generator: torch.Generator,
+                parents: list[int] | None = None) -> Iterator[tuple[int, int]]:
+    """The lossless rule for one-hot proposals in the form that draws what plain decoding draws. Row 0 of logits
+    (1 + K, V) scores the position after the last committed token, row i + 1 the position after proposals[i];
+    parents[i] is the row of the proposal proposals[i] follows (0: the last committed token), each parent's row
+    before its children's; None is a chain (parents[i] = i). From row 0, each row's token is drawn exactly as
+    `next_token` draws it, and the walk goes on at the row of the proposal below it that equals the draw, if any
+    (that row was computed after it). A proposal x is so kept with probability p(x), and on refusal the draw is p
+    conditioned on no proposal there, norm(max(0, p - q)) for q one-hot on each sibling in turn: the rule of
+    `verify_lossless` for one-hot q, consuming the random stream as plain decoding does (greedy: the argmax, as
+    `verify_greedy`). Yields (row, token drawn there); the last token is the correction or the bonus."""
+    parents = list(range(len(proposals))) if parents is None else parents
+    row: int | None = 0
+    while row is not None:
+        token = int(next_token(logits[row], params, generator)[0])
+        yield row, token
+        row = next((i + 1 for i, (x, parent) in enumerate(zip(proposals, parents)) if parent == row and x == token),
+                   None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineParams, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.config import (EngineParams, GenerationParams, EngineMedusaParams, LookaheadParams,  # noqa: E402
+                               MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
                                  PromptLookupDecoder, SpeculativeDecoder, generate)
 from playground.engine import Engine  # noqa: E402
@@ -69,15 +69,18 @@ def main() -> int:
     for name, params in {f"engine batch of {len(PROMPTS)}": EngineParams(),
                          f"engine batch of {len(PROMPTS)}, prompt lookup": EngineParams(lookup=PromptLookupParams()),
                          "engine batch of 2, prompt lookup": EngineParams(max_running=2, lookup=PromptLookupParams()),
+                         f"engine batch of {len(PROMPTS)}, Medusa": EngineParams(medusa=EngineMedusaParams()),
+                         "engine batch of 2, Medusa and prompt lookup": EngineParams(
+                             max_running=2, lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
                          }.items():
         engine = Engine(target, params)
         ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
         batched = {i: out.token_ids for i, out in engine.run_all().items()}
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]
         failures += len(bad)
-        copies = f" ({engine.copied.accepted} of {engine.copied.proposed} copied tokens accepted)" \
-            if engine.lookup else ""
-        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact{copies}"
+        counts = [f"{c.accepted} of {c.proposed} {kind} tokens accepted" for kind, c, on in (
+            ("copied", engine.copied, engine.lookup), ("guessed", engine.guessed, engine.heads)) if on]
+        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
               + "".join(f"\n  MISMATCH {p!r}" for p in bad))
     print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")
     return 1 if failures else 0

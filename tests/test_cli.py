@@ -154,3 +154,18 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")
     assert bad.returncode == 2 and "requests must be an integer in [1, 256]" in bad.stderr
+
+
+def test_serving_benchmark_without_heads_skips_the_medusa_modes(target, monkeypatch) -> None:
+    """A model with no shipped heads still gets the serving benchmark, without the Medusa modes, and says so."""
+    from playground import bench_serving
+
+    monkeypatch.setattr(bench_serving, "default_heads", lambda source: None)
+    said = []
+    serving = bench_serving.run_serving(target, 2, 4, 2, 8, 64, said.append)
+    assert set(serving["modes"]) == {"continuous", "static", "sequential", "continuous + prompt lookup",
+                                     "sequential + prompt lookup"} and "medusa_vs_continuous" not in serving
+    assert any("no Medusa heads ship for this model" in line for line in said)
+    report = {"serving": serving, "model": "m", "environment": {"device": "cpu", "dtype": "float32"}}
+    assert "Medusa heads' chains in the batch: not run (no heads ship for this model)" in \
+        bench_serving.markdown_serving(report)

@@ -3,6 +3,7 @@ budget, the pool size (preemption), the scheduling policy, prefix sharing or abo
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (ConfigError, EngineParams, GenerationParams, HeadChainParams, ModelSpec,
+from playground.config import (ConfigError, EngineParams, GenerationParams, EngineMedusaParams, ModelSpec,
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground.decoding.base import forward_tokens, new_cache
 from playground import engine as engine_module
-from playground.engine import Engine, GuessCalibration, Status, chain_gains, cut_after_eos
+from playground.engine import Engine, GuessCalibration, Proposal, Status, widest_paying
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
@@ -153,18 +155,18 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         EngineParams(lookup=PromptLookupParams(branches=2))
     with pytest.raises(ConfigError, match="lookup must be PromptLookupParams or None, got dict"):
         EngineParams(lookup={"max_ngram": 3})
-    with pytest.raises(ConfigError, match="medusa must be HeadChainParams or None, got bool"):
+    with pytest.raises(ConfigError, match="medusa must be EngineMedusaParams or None, got bool"):
         EngineParams(medusa=True)
     with pytest.raises(ConfigError, match=r"depth must be an integer in \[1, 16\]"):
-        HeadChainParams(depth=0)
+        EngineMedusaParams(depth=0)
     with pytest.raises(ConfigError, match=r"verify_overhead must be in \[0, 4\], got -1"):
-        HeadChainParams(verify_overhead=-1.0)
+        EngineMedusaParams(verify_overhead=-1.0)
     with pytest.raises(ConfigError, match="heads must be a folder of Medusa heads or None"):
-        HeadChainParams(heads=" ")
+        EngineMedusaParams(heads=" ")
     with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\] \(the heads' number\), got 5"):
-        Engine(target, EngineParams(medusa=HeadChainParams(depth=5)))
+        Engine(target, EngineParams(medusa=EngineMedusaParams(depth=5)))
     with pytest.raises(ModelLoadError, match="medusa heads: made for hidden size 576"):
-        Engine(TINY, EngineParams(medusa=HeadChainParams()))  # the shipped heads are the embedded model's
+        Engine(TINY, EngineParams(medusa=EngineMedusaParams()))  # the shipped heads are the embedded model's
 
 
 GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jumps over the lazy dog.",
@@ -208,23 +210,39 @@ def test_prompt_lookup_samples_are_plain_samples_seed_for_seed(target) -> None:
     assert counts[1].accepted > 0 and counts[0].proposed == 0
 
 
-def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs) -> None:
-    """Chains of the heads' top guesses, alone or beside copies, change how many tokens a step commits, never which:
+def runner_up_kept(monkeypatch) -> list[bool]:
+    """Spy on the engine's verified trees of guesses: for each, whether a guess kept had a better-ranked sibling
+    (a runner-up that only a tree, not a chain of top guesses, could have proposed)."""
+    seen = []
+    real = GuessCalibration.record
+
+    def record(self, proposal, path):
+        seen.append(any(proposal.parents[row - 1] in proposal.parents[: row - 1] for row in path))
+        real(self, proposal, path)
+    monkeypatch.setattr(GuessCalibration, "record", record)
+    return seen
+
+
+def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypatch) -> None:
+    """Trees of the heads' guesses, alone or beside copies, change how many tokens a step commits, never which:
     at batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with guesses accepted and refused
-    along the way."""
+    along the way, runners-up among them."""
+    runner_up = runner_up_kept(monkeypatch)
     generation = GenerationParams(max_new_tokens=24)
     expected = dict(plain_outputs)
     for prompt in GROUNDED:
         expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
     prompts = list(expected)
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
-        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, medusa=HeadChainParams()))
+        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, medusa=EngineMedusaParams()))
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
             assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
         guessed = engine.guessed
         assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
+        assert any(runner_up), max_running
+        runner_up.clear()
         assert (engine.copied.accepted > 0) == (lookup is not None)
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
@@ -236,7 +254,7 @@ def test_medusa_samples_are_plain_samples_seed_for_seed(target) -> None:
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     results, counts = [], []
-    for medusa in (None, HeadChainParams()):
+    for medusa in (None, EngineMedusaParams()):
         engine = Engine(target, EngineParams(max_running=3, medusa=medusa))
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
                for i, p in enumerate(prompts)]
@@ -247,23 +265,28 @@ def test_medusa_samples_are_plain_samples_seed_for_seed(target) -> None:
     assert counts[1].accepted > 0 and counts[0].proposed == 0
 
 
-def test_chain_gains_calibration_and_eos_cut() -> None:
-    assert chain_gains([]) == [1.0]
-    assert chain_gains([0.5, 0.5, 1.0]) == pytest.approx([1.0, 1.5, 1.75, 2.0])
-    assert cut_after_eos([5, 0, 7, 0], frozenset({0})) == [5, 0] and cut_after_eos([5, 7], frozenset({0})) == [5, 7]
-    calibration = GuessCalibration(2)
-    assert calibration.rates([0.5, 0.9]) == [0.5, 0.9]  # no data yet: the heads' own probabilities
-    for _ in range(50):  # guesses said 0.8 and were right a quarter of the time; the second was never reached
-        calibration.record([0.8, 0.8], 0)
-        calibration.record([0.8, 0.8], 0)
-        calibration.record([0.8, 0.8], 0)
-        calibration.record([0.8, 0.8], 1)
-    first, second = calibration.rates([0.8, 0.8])
-    assert first == pytest.approx(0.25, abs=0.01) and second == pytest.approx(0.8 * 1 / (0.8 * 50 + 1))
-    calibration = GuessCalibration(1)
-    for _ in range(10):
-        calibration.record([0.5], 1)
-    assert calibration.rates([0.9]) == [1.0]  # underconfident heads: a rate never exceeds 1
+def test_proposals_calibration_and_the_widest_paying_forward() -> None:
+    tree = Proposal([5, 6, 7, 8], [0, 0, 1, 3], probs=[0.5, 0.25, 0.5, 0.5])  # rows 1 and 2 under the last token
+    assert tree.depths() == [0, 1, 1, 2, 3] and not tree.is_chain() and Proposal.chain([4, 4], 2).is_chain()
+    assert tree.first(2) == Proposal([5, 6], [0, 0], probs=[0.5, 0.25])
+    calibration = GuessCalibration(3)
+    assert calibration.log_rates([[math.log(0.5)]]) == [[pytest.approx(math.log(0.5))]]  # no data: p itself
+    assert calibration.bound(2) == [1.0, 2.0, 3.0]
+    for _ in range(40):  # rows 1 then 3 kept: depth 1 judged 0.75 for 1 kept, depth 2 0.5 for 1, depth 3 0.5 for 0
+        calibration.record(tree, [1, 3])
+    assert calibration.scale(0) == pytest.approx(41 / 31) and calibration.scale(1) == pytest.approx(41 / 21)
+    assert calibration.scale(2) == pytest.approx(1 / 21)
+    assert calibration.log_rates([[math.log(0.9), math.log(0.1)]]) == [[0.0, pytest.approx(math.log(0.1 * 41 / 31))]]
+    assert calibration.bound(3) == pytest.approx([1.0, 2.0, 3.0, 3.0 + 1 / 21])  # a rate never exceeds 1
+    calibration.record(tree, [2])  # row 2 kept: its sibling row 1 judged and refused, nothing below row 1 judged
+    assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(30.75)
+    assert calibration.predicted[1] == pytest.approx(20.0)
+
+    def cost(width: int) -> float:  # plain, then a jump at 4 tokens
+        return 1.0 if width == 1 else 1.2 if width < 4 else 3.0
+    assert widest_paying([[1.0, 2.0, 2.5, 2.8, 3.0]], cost) == 3  # 3.0 / 3.0 does not beat 1
+    assert widest_paying([[1.0, 1.1], [1.0, 1.2]], cost) == 1  # 2.3 < 2.4
+    assert widest_paying([[1.0, 2.0], [1.0]], cost) == 2  # a shorter bound stays at its last value
 
 
 def tiny_model(vocab: int = 48) -> LoadedModel:
@@ -328,7 +351,7 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None
-    medusa = HeadChainParams(depth=guesses, verify_overhead=0.0) if guesses else None
+    medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses else None
     engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                                        max_running=max_running, policy=policy, prefix_caching=caching,
                                        lookup=lookup, medusa=medusa), heads=TINY_HEADS)
@@ -370,22 +393,34 @@ def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
     assert outputs[4.0] == outputs[0.0]
 
 
-def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_stays_exact() -> None:
-    """On the tiny model the untrained heads' chains are sometimes right: after every step the cache holds exactly
-    the committed tokens, and the outputs are the solo ones."""
+def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_stays_exact(monkeypatch) -> None:
+    """On the tiny model the untrained heads' trees are sometimes right, runners-up too: after every step the
+    cache holds exactly the KV of the committed tokens (as a recomputation from scratch gives it), and the outputs
+    are the solo ones."""
+    runner_up = runner_up_kept(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
     generation = GenerationParams(max_new_tokens=16)
-    engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4, medusa=HeadChainParams(verify_overhead=0.0)),
+    engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams(verify_overhead=0.0)),
                     heads=TINY_HEADS)
     ids = [engine.add_request(p, generation=generation) for p in prompts]
-    outputs = {}
+    outputs, checked = {}, 0
     while engine.has_unfinished():
         outputs.update((out.id, out.output) for out in engine.step() if out.finished)
         for request in engine.running:
-            assert engine.cache.length(request.id) == request.num_computed
+            length, size = request.num_computed, engine.params.block_size
+            assert engine.cache.length(request.id) == length
+            table = engine.cache.block_table(request.id)
+            slots = torch.tensor([table[i // size] * size + i % size for i in range(length)])  # (T,)
+            fresh = new_cache(TINY.model, length, GenerationParams())
+            forward_tokens(TINY.model, fresh, request.tokens[:length])
+            for pool, theirs in ((engine.cache.k, fresh.k), (engine.cache.v, fresh.v)):
+                mine = pool.index_select(1, slots)  # (layers, T, Hkv, D)
+                torch.testing.assert_close(mine, theirs[:, 0, :, :length].transpose(1, 2), atol=1e-5, rtol=1e-5)
+            checked += 1
+    assert checked > 20
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
-    assert 0 < engine.guessed.accepted < engine.guessed.proposed
+    assert 0 < engine.guessed.accepted < engine.guessed.proposed and any(runner_up)
     check_no_leak(engine)
 
 

@@ -97,14 +97,15 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
     greedy = SamplingParams()
     for proposals in ([int(logits[0].argmax()), int(logits[1].argmax()), 5], [1, 2, 3],
                       [int(r.argmax()) for r in logits[:3]]):
-        drawn = list(draws_along(logits, proposals, greedy, make_generator(0)))
+        rows, drawn = zip(*draws_along(logits, proposals, greedy, make_generator(0)))
         verdict = verify_greedy(logits, proposals)
-        assert drawn == proposals[: verdict.num_accepted] + [verdict.token]
+        assert list(drawn) == proposals[: verdict.num_accepted] + [verdict.token]
+        assert rows == tuple(range(len(drawn)))
     params = SamplingParams(temperature=1.5, top_k=8)
     kept = set()
     for seed in range(300):
         proposals = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].argmax())]
-        drawn = list(draws_along(logits, proposals, params, make_generator(seed)))
+        drawn = [token for _, token in draws_along(logits, proposals, params, make_generator(seed))]
         stream = make_generator(seed)
         plain = [int(next_token(row, params, stream)[0]) for row in logits[: len(drawn)]]
         assert drawn == plain
@@ -113,3 +114,25 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
         assert len(drawn) == 4 or drawn[-1] != proposals[len(drawn) - 1]
         kept.add(len(drawn) - 1)
     assert kept == {0, 1, 2, 3}  # refusals at every position and whole copies kept
+
+
+def test_draws_along_a_tree_follows_the_child_equal_to_each_draw() -> None:
+    """A tree of one-hot proposals: the walk goes down to the child whose token is the draw, so the tokens are plain
+    decoding's draws row by row along the path, which is every node's chance of being kept p(x) on its path."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 5) * 0.5  # (1 + 5, V): rows of the root and of nodes 1..5
+    # root -> nodes 1 (token 0), 2 (token 1); node 1 -> 3 (token 2), 4 (token 3); node 2 -> 5 (token 4)
+    proposals, parents = [0, 1, 2, 3, 4], [0, 0, 1, 1, 2]
+    params = SamplingParams(temperature=1.0)
+    seen = set()
+    for seed in range(400):
+        walk = list(draws_along(logits, proposals, params, make_generator(seed), parents))
+        stream = make_generator(seed)
+        assert [token for _, token in walk] == [int(next_token(logits[row], params, stream)[0]) for row, _ in walk]
+        for (row, token), (next_row, _) in zip(walk, walk[1:]):
+            assert parents[next_row - 1] == row and proposals[next_row - 1] == token
+        seen.add(tuple(row for row, _ in walk))
+    assert {(0,), (0, 1), (0, 2), (0, 1, 3), (0, 1, 4), (0, 2, 5)} <= seen
+    greedy = [int(r.argmax()) for r in logits]
+    walk = list(draws_along(logits, proposals, SamplingParams(), make_generator(0), parents))
+    assert all(token == greedy[row] for row, token in walk)

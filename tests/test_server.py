@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import EngineParams, GenerationParams, HeadChainParams, PromptLookupParams, SamplingParams
+from playground.config import EngineParams, GenerationParams, EngineMedusaParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import EngineWorker, PlaygroundServer, settled_text
@@ -33,7 +33,7 @@ TOKENS = 24
 def server(target, request):
     """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies and the
     Medusa heads' chains), which must answer alike."""
-    proposals = dict(lookup=PromptLookupParams(), medusa=HeadChainParams()) if request.param else {}
+    proposals = dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()) if request.param else {}
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
     srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, **proposals))
@@ -295,7 +295,10 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert main(["serve", "--prompt-lookup", "--max-ngram", "0"]) == 2
     assert "max_ngram must be an integer in [1, 8], got 0" in capsys.readouterr().err
     assert main(["serve", "--medusa-depth", "2"]) == 2
-    assert "--medusa-heads and --medusa-depth set Medusa heads in the batch: add --medusa" in capsys.readouterr().err
+    assert "--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add --medusa" in \
+        capsys.readouterr().err
+    assert main(["serve", "--medusa", "--medusa-nodes", "65"]) == 2
+    assert "nodes must be an integer in [1, 64], got 65" in capsys.readouterr().err
     assert main(["serve", "--medusa", "--medusa-depth", "0"]) == 2
     assert "depth must be an integer in [1, 16], got 0" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"]) == 2

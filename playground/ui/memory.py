@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineParams, PromptLookupParams, SamplingParams
+from ..config import ConfigError, EngineParams, EngineMedusaParams, PromptLookupParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -43,19 +43,27 @@ def _summary(engine: Engine) -> str:
             f"{s['peak_contiguous_bytes'] / 2**20:.2f} MiB. Waste over the run: paged "
             f"**{100 * s['kv_waste_fraction']:.1f}%** (partly filled last blocks) vs contiguous "
             f"**{100 * s['contiguous_waste_fraction']:.0f}%** (slots reserved for tokens not yet or never "
-            f"generated).{_copies(engine)}")
+            f"generated).{_proposals(engine)}")
 
 
-def _copies(engine: Engine) -> str:
-    if engine.lookup is None:
+def _proposals(engine: Engine) -> str:
+    parts = []
+    if engine.lookup is not None:
+        copied = engine.copied
+        parts.append(f"Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
+                     f"{copied.steps} of {engine.step_count} steps.")
+    if engine.heads is not None:
+        guessed = engine.guessed
+        parts.append(f"Medusa heads: **{guessed.accepted} of {guessed.proposed}** guessed tokens accepted, in "
+                     f"{guessed.steps} of {engine.step_count} steps.")
+    if not parts:
         return ""
-    copied = engine.copied
-    return (f" Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
-            f"{copied.steps} of {engine.step_count} steps; the tokens are those of plain decoding.")
+    return " " + " ".join(parts) + " The tokens are those of plain decoding."
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, prompt_lookup: bool, model_source: str, device: str, dtype: str, quant: str,
+               prefix_caching: bool, prompt_lookup: bool, medusa: bool, model_source: str, device: str, dtype: str,
+               quant: str,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
@@ -65,7 +73,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
             raise ConfigError(f"requests must be in [1, {MAX_REQUESTS}], got {requests}")
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
-                              lookup=PromptLookupParams() if prompt_lookup else None)
+                              lookup=PromptLookupParams() if prompt_lookup else None,
+                              medusa=EngineMedusaParams() if medusa else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         engine = Engine(get_model(spec), params)
@@ -113,7 +122,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "recomputed later. The chart compares the pool with a contiguous cache that reserves prompt + max "
                 "new tokens for every running request. Greedy decoding; engine time only. With **prompt lookup**, "
                 "each request's copy of earlier text is verified in the batch's forward where it pays for the "
-                "extra rows (the same tokens, fewer steps when copies are accepted). Run locally, the same engine "
+                "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a chain of the "
+                "heads' top guesses, the same way. Run locally, the same engine "
                 "answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
@@ -126,6 +136,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
                 prompt_lookup = gr.Checkbox(False, label="prompt lookup")
+                medusa = gr.Checkbox(False, label="Medusa heads")
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
@@ -138,6 +149,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, _, device, dtype, quant = model  # the engine decodes plainly: no draft
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   prompt_lookup, source, device, dtype, quant],
+                                   prompt_lookup, medusa, source, device, dtype, quant],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")
