@@ -4,7 +4,7 @@ One workload (N requests built from the prompt suite, with output limits cycling
 --max-new-tokens to all of it, all queued at time 0) runs eight ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
 sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
-(`EngineParams.lookup`) and with the Medusa heads' chains (`EngineParams.medusa`, where heads ship for the target),
+(`EngineParams.lookup`) and with the Medusa heads' trees (`EngineParams.medusa`, where heads ship for the target),
 and sequential with both. Greedy outputs must be identical in every mode. KV memory is read from the engine's
 per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
 slots per running request (a contiguous cache) would waste.
@@ -143,10 +143,10 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",
               f"- prompt lookup in the batch: {s['lookup_vs_continuous']:.2f}x continuous, "
               f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
-              f"- Medusa heads' chains in the batch: {s['medusa_vs_continuous']:.2f}x continuous, "
+              f"- Medusa heads' trees in the batch: {s['medusa_vs_continuous']:.2f}x continuous, "
               f"{s['medusa_vs_sequential']:.2f}x sequential; with prompt lookup too: {s['both_vs_sequential']:.2f}x "
               f"sequential (the same tokens)" if "medusa_vs_continuous" in s else
-              "- Medusa heads' chains in the batch: not run (no heads ship for this model)",
+              "- Medusa heads' trees in the batch: not run (no heads ship for this model)",
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",

@@ -456,6 +456,7 @@ class Engine:
         elif plan.decode:
             width, chains, offsets, masks = plan.width, [], [], []
             empty = Proposal([], [])
+            trees = any(not p.is_chain() for p in plan.proposals.values())
             for r in plan.decode:
                 proposal = plan.proposals.get(r.id, empty)
                 chain = [r.tokens[r.num_computed], *proposal.tokens]
@@ -463,14 +464,13 @@ class Engine:
                 # Padding after a request's rows is causal: its rows never see it, and its KV is dropped after the
                 # step. A tree's rows see their ancestors only, at positions by depth.
                 offsets.append(proposal.depths() + list(range(len(chain), width)))
-                mask = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
-                if not proposal.is_chain():
+                if trees:
+                    mask = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
                     mask[: len(chain), : len(chain)] = ancestor_mask([-1, *proposal.parents])
-                masks.append(mask)
+                    masks.append(mask)
             ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chains], device=device)  # (B, W)
             positions = torch.tensor([[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)],
                                      device=device)  # (B, W)
-            trees = any(not p.is_chain() for p in plan.proposals.values())
             attn_mask = torch.stack(masks).to(device) if trees else None  # (B, W, W); None: causal
             _, states = model(ids, positions, self.cache, [r.id for r in plan.decode], attn_mask=attn_mask,
                               num_logits=0)  # (B, W, E)

@@ -167,5 +167,5 @@ def test_serving_benchmark_without_heads_skips_the_medusa_modes(target, monkeypa
                                      "sequential + prompt lookup"} and "medusa_vs_continuous" not in serving
     assert any("no Medusa heads ship for this model" in line for line in said)
     report = {"serving": serving, "model": "m", "environment": {"device": "cpu", "dtype": "float32"}}
-    assert "Medusa heads' chains in the batch: not run (no heads ship for this model)" in \
+    assert "Medusa heads' trees in the batch: not run (no heads ship for this model)" in \
         bench_serving.markdown_serving(report)

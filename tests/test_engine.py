@@ -193,19 +193,22 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, plain_outputs) -
         check_no_leak(engine)
 
 
-def test_prompt_lookup_samples_are_plain_samples_seed_for_seed(target) -> None:
-    """Under sampling a copied token is kept only when the request's own draw at that row is that token, which is
-    the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same tokens."""
+@pytest.mark.parametrize("proposer", ["lookup", "medusa"])
+def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, proposer) -> None:
+    """Under sampling a copied or guessed token is kept only when the request's own draw at its row is that token,
+    which is the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same
+    tokens."""
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
+    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams()}[proposer]
     results, counts = [], []
-    for lookup in (None, PromptLookupParams()):
-        engine = Engine(target, EngineParams(max_running=3, lookup=lookup))
+    for params in (EngineParams(max_running=3), EngineParams(max_running=3, **{proposer: on})):
+        engine = Engine(target, params)
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
                for i, p in enumerate(prompts)]
         outputs = engine.run_all()
         results.append([outputs[i].token_ids for i in ids])
-        counts.append(engine.copied)
+        counts.append(engine.copied if proposer == "lookup" else engine.guessed)
     assert results[0] == results[1]
     assert counts[1].accepted > 0 and counts[0].proposed == 0
 
@@ -246,23 +249,6 @@ def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, mon
         assert (engine.copied.accepted > 0) == (lookup is not None)
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
-
-
-def test_medusa_samples_are_plain_samples_seed_for_seed(target) -> None:
-    """A chain of top guesses is a one-hot proposal: a guess is kept only when the request's own draw at its row
-    is that token, so the samples are plain decoding's, seed for seed."""
-    generation = GenerationParams(max_new_tokens=20)
-    prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
-    results, counts = [], []
-    for medusa in (None, EngineMedusaParams()):
-        engine = Engine(target, EngineParams(max_running=3, medusa=medusa))
-        ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
-               for i, p in enumerate(prompts)]
-        outputs = engine.run_all()
-        results.append([outputs[i].token_ids for i in ids])
-        counts.append(engine.guessed)
-    assert results[0] == results[1]
-    assert counts[1].accepted > 0 and counts[0].proposed == 0
 
 
 def test_proposals_calibration_and_the_widest_paying_forward() -> None:

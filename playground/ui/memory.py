@@ -122,9 +122,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "recomputed later. The chart compares the pool with a contiguous cache that reserves prompt + max "
                 "new tokens for every running request. Greedy decoding; engine time only. With **prompt lookup**, "
                 "each request's copy of earlier text is verified in the batch's forward where it pays for the "
-                "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a chain of the "
-                "heads' top guesses, the same way. Run locally, the same engine "
-                "answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
+                "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
+                "of the heads' guesses, under its own tree mask. Run locally, the same engine answers HTTP "
+                "requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
