@@ -348,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     guesses = server.add_argument_group("Medusa heads in the batch")
     guesses.add_argument("--medusa", action="store_true",
                          help="verify a tree of the Medusa heads' guesses per request in the batch's forward where "
-                              "it pays for the extra rows (with --prompt-lookup too: whichever of a copy and a tree "
-                              "is expected to commit more): the same tokens as without")
+                              "it pays for the extra rows (with --prompt-lookup too, a request's copy grafted onto "
+                              "its tree): the same tokens as without")
     guesses.add_argument("--medusa-heads", default=None,
                          help="folder of trained heads (default: the shipped heads of the embedded model)")
     guesses.add_argument("--medusa-depth", type=int, default=None,

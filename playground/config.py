@@ -453,8 +453,8 @@ class EngineParams:
     width is chosen for the most tokens per unit of forward cost. Every token is still drawn from its own row's
     distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
     medusa: Medusa heads in the batch (None: off): each decoding request may have a tree of the heads' guesses
-    verified the same way (a draw follows the guess equal to it); with lookup too, each request proposes whichever
-    of its copy and its tree is expected to commit more.
+    verified the same way (a draw follows the guess equal to it); with lookup too, a request's copy is grafted onto
+    its tree.
     """
 
     num_blocks: int = 512

@@ -16,8 +16,8 @@ padding after it), chosen for the most expected tokens per unit of forward cost 
 within the token budget and the free blocks left after scheduling, so copies never delay or preempt a request.
 With `EngineParams.medusa` (Medusa heads in the batch) a request may instead have a tree of the heads' guesses
 (Medusa's dynamic tree, `tree.best_first`, from the final hidden state of the row that predicted its last token),
-run with its own tree mask among the batch's rows; with both, each request proposes whichever of the two is
-expected to commit more (a copy from its running acceptance, a tree from the heads' calibrated probabilities).
+run with its own tree mask among the batch's rows; with both, a request's copy is grafted onto its tree (worth
+its running acceptance beside the heads' calibrated probabilities).
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
 stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
 lossless rule for one-hot proposals, which copies and the heads' guesses both are), so greedy and seeded outputs
@@ -30,6 +30,7 @@ preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -41,7 +42,7 @@ import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.prompt_lookup import ProposalGate, batch_step_cost, find_continuations, plan_width
+from .decoding.prompt_lookup import Lookup, ProposalGate, batch_step_cost, find_continuations, plan_width
 from .decoding.tree import ancestor_mask, best_first
 from .kv import blocks_for
 from .models import LoadedModel
@@ -108,20 +109,23 @@ class ProposalCounts:
 class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order: token i sits in row i + 1 of
     the request's decode rows and follows the token of row parents[i] (0: the last token), every parent before
-    its children, so that any leading part is a tree too. A copy of earlier text is a chain (ngram: the length of
-    the matched suffix); the Medusa heads' guesses carry their probabilities (ngram None)."""
+    its children, so that any leading part is a tree too. copied[i]: token i is a copy's (prompt lookup; ngram is
+    the length of the copy's matched suffix), else a guess of the Medusa heads; probs[i]: the heads' probability
+    of token i (None for a token only the copy proposes; empty for a copy alone)."""
 
     tokens: list[int]
     parents: list[int]
+    copied: list[bool]
     ngram: int | None = None
-    probs: list[float] = field(default_factory=list)  # the heads' probability of each guess
+    probs: list[float | None] = field(default_factory=list)
 
     @classmethod
     def chain(cls, tokens: list[int], ngram: int) -> "Proposal":
-        return cls(tokens, list(range(len(tokens))), ngram)
+        return cls(tokens, list(range(len(tokens))), [True] * len(tokens), ngram)
 
     def first(self, n: int) -> "Proposal":
-        return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], probs=self.probs[:n])
+        return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], copied=self.copied[:n],
+                       probs=self.probs[:n])
 
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self.tokens)))
@@ -370,20 +374,20 @@ class Engine:
         gains = []
         for request, room in zip(plan.decode, rooms):
             n = min(longest, room)  # a longer copy could only be thrown away
-            options = []  # (proposal, expected tokens committed with its first k tokens verified, k = 0..)
-            if request.id in guesses and room > 0:
-                logp, tokens = guesses[request.id]
-                options.append(self._head_tree(logp[:room], tokens[:room], longest, eos_ids))
             found = find_continuations(request.tokens, lookup.max_ngram, min(lookup.num_draft, n), eos_ids) \
                 if search and n > 0 else []
-            if found:
-                copy = found[0]
-                options.append((Proposal.chain(copy.tokens, copy.ngram), [
-                    request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)]))
-            if not options:
+            copy = found[0] if found else None
+            # expected: the tokens the step is expected to commit with the proposal's first k tokens, k = 0..
+            if request.id in guesses and room > 0:
+                logp, tokens = guesses[request.id]
+                rate = request.copy_acceptance.acceptance(copy.ngram) if copy else None
+                proposal, expected = self._head_tree(logp[:room], tokens[:room], longest, eos_ids, copy, rate)
+            elif copy:
+                proposal = Proposal.chain(copy.tokens, copy.ngram)
+                expected = [request.copy_acceptance.expected_tokens(copy.ngram, k) for k in range(len(copy.tokens) + 1)]
+            else:
                 gains.append([1.0])
                 continue
-            proposal, expected = max(options, key=lambda option: option[1][-1])
             plan.proposals[request.id] = proposal
             gains.append(expected)
         width = plan_width(gains, cost)
@@ -419,27 +423,53 @@ class Engine:
         tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
         return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
 
-    def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int,
-                   eos_ids: frozenset[int]) -> tuple[Proposal, list[float]]:
-        """The dynamic tree of at most `nodes` guesses from the heads' (D, k) top guesses, ranked by calibrated
-        probability, and the tokens it is expected to commit with its first k guesses, k = 0..: 1 + the chances
-        of reaching each guess (the product of calibrated probabilities along its path). No guess follows an
-        end-of-sequence token: nothing after one can be committed."""
+    def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int, eos_ids: frozenset[int],
+                   copy: Lookup | None, copy_rate: float | None) -> tuple[Proposal, list[float]]:
+        """The dynamic tree of at most `nodes` tokens from the heads' (D, k) top guesses, ranked by calibrated
+        probability, with a copy of earlier text grafted on as Medusa's `copy_ngram` does (`best_first`; a copied
+        token is worth at least the request's acceptance of copies of its n-gram length), and the tokens it is
+        expected to commit with its first k tokens, k = 0..: 1 + the chances of reaching each token (the product of
+        the worths along its path). No token follows an end-of-sequence token: nothing after one can be
+        committed."""
         rated = self.calibration.log_rates(logp)
-        paths, _ = best_first(rated, tokens, [], nodes)  # best first: every ancestor before its descendants
-        rows: dict[tuple[int, ...], int] = {(): 0}
-        chosen, parents, probs, gains = [], [], [], [1.0]
+        copied = copy.tokens if copy else []
+        prior = math.log(copy_rate) if copy else 0.0
+        paths, chain = best_first(rated, tokens, copied, nodes, *([copy_rate] if copy else []))
+        # The copy runs through the heads' nodes whose token it is, then on as `chain` nodes of its own.
+        chosen, walk = set(paths), ()
+        for depth, token in enumerate(copied[: len(tokens)]):
+            if token not in tokens[depth] or walk + (tokens[depth].index(token),) not in chosen:
+                break
+            walk += (tokens[depth].index(token),)
+        on_copy = {walk[:i] for i in range(1, len(walk) + 1)}
+        # key (a head path, or ("copy", j) for the copy's own j-th node) -> (worth, parent key, token, prob, copied)
+        nodes_by_key: dict[object, tuple[float, object, int, float | None, bool]] = {}
+        worth = {(): 0.0}
         for path in paths:
-            parent = rows.get(path[:-1])
-            if parent is None or (parent and chosen[parent - 1] in eos_ids):
+            parent, (depth, rank) = path[:-1], (len(path) - 1, path[-1])
+            if parent not in worth or (parent and nodes_by_key[parent][2] in eos_ids):
                 continue
-            rows[path] = len(chosen) + 1
-            depth, rank = len(path) - 1, path[-1]
-            chosen.append(tokens[depth][rank])
-            parents.append(parent)
-            probs.append(math.exp(logp[depth][rank]))
-            gains.append(gains[-1] + math.exp(sum(rated[d][r] for d, r in enumerate(path))))
-        return Proposal(chosen, parents, probs=probs), gains
+            lp = max(rated[depth][rank], prior) if path in on_copy else rated[depth][rank]
+            worth[path] = worth[parent] + lp
+            nodes_by_key[path] = (worth[path], parent, tokens[depth][rank], math.exp(logp[depth][rank]),
+                                  path in on_copy)
+        parent = walk
+        for j, token in enumerate(copied[len(walk) : len(walk) + chain]):
+            if parent not in worth or (parent and nodes_by_key[parent][2] in eos_ids):
+                break
+            worth[("copy", j)] = worth[parent] + prior
+            nodes_by_key[("copy", j)] = (worth[("copy", j)], parent, token, None, True)
+            parent = ("copy", j)
+        # Best first again, now with the copy's own nodes: a worth never grows down a path, so parents come first.
+        order = sorted(nodes_by_key, key=lambda key: -nodes_by_key[key][0])
+        rows = {(): 0, **{key: i + 1 for i, key in enumerate(order)}}
+        gains = [1.0]
+        for key in order:
+            gains.append(gains[-1] + math.exp(nodes_by_key[key][0]))
+        entries = [nodes_by_key[key] for key in order]
+        proposal = Proposal([e[2] for e in entries], [rows[e[1]] for e in entries], [e[4] for e in entries],
+                            copy.ngram if copy else None, [e[3] for e in entries])
+        return proposal, gains
 
     def _run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """The forwards of a step; for every request that ran, logits (1 + n, V) at its last token and after each
@@ -455,7 +485,7 @@ class Engine:
                 logits[r.id], hidden[r.id] = out[i], states[i]
         elif plan.decode:
             width, chains, offsets, masks = plan.width, [], [], []
-            empty = Proposal([], [])
+            empty = Proposal([], [], [])
             trees = any(not p.is_chain() for p in plan.proposals.values())
             for r in plan.decode:
                 proposal = plan.proposals.get(r.id, empty)
@@ -493,10 +523,10 @@ class Engine:
     def _postprocess(self, plan: StepPlan, logits: dict[int, torch.Tensor],
                      hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
         outputs = []
-        kinds = {proposal.ngram is None for proposal in plan.proposals.values()}
-        if False in kinds:
-            self.copied.steps += 1
+        kinds = {c for proposal in plan.proposals.values() for c in proposal.copied}
         if True in kinds:
+            self.copied.steps += 1
+        if False in kinds:
             self.guessed.steps += 1
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -513,14 +543,7 @@ class Engine:
                     break
             path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
             if proposal:
-                if proposal.ngram is not None:
-                    judged = min(len(path) + 1, len(tokens))
-                    request.copy_acceptance.record(proposal.ngram, len(path), judged)
-                else:
-                    self.calibration.record(proposal, path)
-                counts = self.copied if proposal.ngram is not None else self.guessed
-                counts.proposed += len(tokens)
-                counts.accepted += len(path)
+                self._record(request, proposal, path)
             now = self.now()
             if request.first_token_t is None:
                 request.first_token_t = now
@@ -538,6 +561,17 @@ class Engine:
             request.status, request.finish_t = Status.FINISHED, now
             outputs.append(RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t)))
         return outputs
+
+    def _record(self, request: Request, proposal: Proposal, path: list[int]) -> None:
+        """What a verified proposal tells: how the request's copies and the heads' guesses fared."""
+        copied_rows = [row for row in range(1, len(proposal.tokens) + 1) if proposal.copied[row - 1]]
+        kept_copies = sum(1 for _ in itertools.takewhile(lambda row: proposal.copied[row - 1], path))
+        if copied_rows:
+            request.copy_acceptance.record(proposal.ngram, kept_copies, min(kept_copies + 1, len(copied_rows)))
+        self.calibration.record(proposal, path)
+        for counts, copied in ((self.copied, True), (self.guessed, False)):
+            counts.proposed += sum(1 for c in proposal.copied if c == copied)
+            counts.accepted += sum(1 for row in path if proposal.copied[row - 1] == copied)
 
     # -- memory ------------------------------------------------------------------------------------------------
 
@@ -605,10 +639,10 @@ class GuessCalibration:
         return gains
 
     def record(self, proposal: Proposal, path: list[int]) -> None:
-        """A verified tree of guesses and the rows of the guesses kept."""
+        """A verified tree and the rows of the tokens kept (a copy alone tells nothing of the heads)."""
         reached, kept = {0, *path}, set(path)
         for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
-            if parent in reached:
+            if parent in reached and p is not None:  # a guess of the heads (not the copy's alone) that was judged
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
 

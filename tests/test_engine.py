@@ -16,6 +16,7 @@ from playground.config import (ConfigError, EngineParams, GenerationParams, Engi
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
+from playground.decoding.prompt_lookup import Lookup
 from playground import engine as engine_module
 from playground.engine import Engine, GuessCalibration, Proposal, Status, widest_paying
 from playground.models import LoadedModel
@@ -252,13 +253,16 @@ def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, mon
 
 
 def test_proposals_calibration_and_the_widest_paying_forward() -> None:
-    tree = Proposal([5, 6, 7, 8], [0, 0, 1, 3], probs=[0.5, 0.25, 0.5, 0.5])  # rows 1 and 2 under the last token
-    assert tree.depths() == [0, 1, 1, 2, 3] and not tree.is_chain() and Proposal.chain([4, 4], 2).is_chain()
-    assert tree.first(2) == Proposal([5, 6], [0, 0], probs=[0.5, 0.25])
+    # rows 1 and 2 under the last token; a copy runs through the heads' guesses in rows 1, 3 and 4, then on in
+    # row 5 of its own
+    tree = Proposal([5, 6, 7, 8, 9], [0, 0, 1, 3, 4], [True, False, True, True, True], 2, [0.5, 0.25, 0.5, 0.5, None])
+    assert tree.depths() == [0, 1, 1, 2, 3, 4] and not tree.is_chain() and Proposal.chain([4, 4], 2).is_chain()
+    assert tree.first(2) == Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])
     calibration = GuessCalibration(3)
     assert calibration.log_rates([[math.log(0.5)]]) == [[pytest.approx(math.log(0.5))]]  # no data: p itself
     assert calibration.bound(2) == [1.0, 2.0, 3.0]
     for _ in range(40):  # rows 1 then 3 kept: depth 1 judged 0.75 for 1 kept, depth 2 0.5 for 1, depth 3 0.5 for 0
+        # (row 5 is the copy's own: nothing of the heads')
         calibration.record(tree, [1, 3])
     assert calibration.scale(0) == pytest.approx(41 / 31) and calibration.scale(1) == pytest.approx(41 / 21)
     assert calibration.scale(2) == pytest.approx(1 / 21)
@@ -273,6 +277,28 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     assert widest_paying([[1.0, 2.0, 2.5, 2.8, 3.0]], cost) == 3  # 3.0 / 3.0 does not beat 1
     assert widest_paying([[1.0, 1.1], [1.0, 1.2]], cost) == 1  # 2.3 < 2.4
     assert widest_paying([[1.0, 2.0], [1.0]], cost) == 2  # a shorter bound stays at its last value
+
+
+def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:
+    """With both proposers a request's copy runs through the heads' guesses equal to it, then on as nodes of its own
+    (as Medusa's copy_ngram grafts it), each copied token worth at least the request's acceptance of such copies;
+    the rows come best first, parents before children, and nothing follows an end-of-sequence token."""
+    engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(), medusa=EngineMedusaParams()), heads=TINY_HEADS)
+    logp = [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.4)], [math.log(0.9), math.log(0.05)]]
+    tokens = [[10, 11], [20, 21], [30, 31]]
+    copy = Lookup([11, 21, 40, 41], start=0, ngram=2)
+    proposal, gains = engine._head_tree(logp, tokens, 6, frozenset(), copy, 0.9)
+    # worths: 11 0.9 (the copy's, over the head's 0.3), 21 0.81, 30 0.729, 40 0.729, 41 0.656, 10 0.6
+    assert proposal.tokens == [11, 21, 30, 40, 41, 10] and proposal.parents == [0, 1, 2, 2, 4, 0]
+    assert proposal.copied == [True, True, False, True, True, False] and proposal.ngram == 2
+    assert proposal.probs == pytest.approx([0.3, 0.4, 0.9, None, None, 0.6])
+    worths = [0.9, 0.81, 0.729, 0.729, 0.6561, 0.6]
+    assert gains == pytest.approx([1.0 + sum(worths[:k]) for k in range(7)])
+    ended, _ = engine._head_tree(logp, tokens, 6, frozenset({21}), copy, 0.9)
+    assert ended.tokens == [11, 21, 10] and ended.parents == [0, 1, 0]
+    alone, _ = engine._head_tree(logp, tokens, 4, frozenset(), None, None)  # 0.6, 0.3 and 0.3 (a tie), 0.27
+    assert alone.tokens[0] == 10 and sorted(alone.tokens[1:3]) == [11, 20] and alone.tokens[3] == 30
+    assert alone.parents[alone.tokens.index(30)] == alone.tokens.index(20) + 1 and not any(alone.copied)
 
 
 def tiny_model(vocab: int = 48) -> LoadedModel:

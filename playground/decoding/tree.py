@@ -157,13 +157,13 @@ def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int
     return node, matched
 
 
-def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int],
-               nodes: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int], nodes: int,
+               copy_prior: float = COPY_PRIOR) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The dynamic tree: the `nodes` candidates with the highest estimated probability of being accepted.
 
     logp[d][r], tokens[d][r] (D, k): head d's log-probability and token at rank r, best first; copy: the tokens a
     copy of earlier text proposes after the root (empty: none). A candidate's estimate is the product of its
-    heads' probabilities along its path (the heads guess independently of one another), with COPY_PRIOR for a
+    heads' probabilities along its path (the heads guess independently of one another), with `copy_prior` for a
     token the copy proposes at that place when that is higher. Every ancestor of a chosen node outranks it, so
     the choice is a tree. Where the copy's token is not among its head's top k (or lies past the heads' depth) the
     copy goes on as a chain of its own nodes below the deepest head node it runs through, with nothing else below
@@ -171,7 +171,7 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts, in a scratch
     variant).
     Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
-    prior, depth_limit, order = math.log(COPY_PRIOR), len(logp), itertools.count()
+    prior, depth_limit, order = math.log(copy_prior), len(logp), itertools.count()
     # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path, and for a head
     # node in its parent's ranked run: (the parent's estimate, the rank the copy took out of that run, or -1))
     frontier: list[tuple[float, int, tuple[int, ...] | None, bool, tuple[float, int] | None]] = []
@@ -187,7 +187,7 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
 
     def offer(path: tuple[int, ...], score: float, on_copy: bool) -> None:
         """Put the best children of the head node `path` (the root: ()) on the frontier: its heads' top-ranked
-        candidate, and the copy's token there, worth at least COPY_PRIOR."""
+        candidate, and the copy's token there, worth at least `copy_prior`."""
         depth = len(path)
         copied = copy[depth] if on_copy and depth < len(copy) else None
         skip = -1
