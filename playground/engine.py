@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
@@ -136,6 +137,18 @@ class Proposal:
         for parent in self.parents:
             depths.append(depths[parent] + 1)
         return depths
+
+
+class TreeNode(NamedTuple):
+    """A token of a request's proposal while its tree is built: log of its chance of being reached (`worth`), the
+    key of the node it follows, its token, the heads' probability of it (None for the copy's own) and whether it is
+    the copy's."""
+
+    worth: float
+    parent: object
+    token: int
+    prob: float | None
+    copied: bool
 
 
 @dataclass
@@ -442,33 +455,34 @@ class Engine:
                 break
             walk += (tokens[depth].index(token),)
         on_copy = {walk[:i] for i in range(1, len(walk) + 1)}
-        # key (a head path, or ("copy", j) for the copy's own j-th node) -> (worth, parent key, token, prob, copied)
-        nodes_by_key: dict[object, tuple[float, object, int, float | None, bool]] = {}
-        worth = {(): 0.0}
+        # keyed by a head path, or ("copy", j) for the copy's own j-th node; the root is ()
+        nodes: dict[object, TreeNode] = {(): TreeNode(0.0, None, -1, None, False)}
+
+        def add(key: object, parent: object, lp: float, token: int, prob: float | None, copied: bool) -> bool:
+            if parent not in nodes or nodes[parent].token in eos_ids:
+                return False  # below a dropped node or an end of sequence
+            nodes[key] = TreeNode(nodes[parent].worth + lp, parent, token, prob, copied)
+            return True
         for path in paths:
-            parent, (depth, rank) = path[:-1], (len(path) - 1, path[-1])
-            if parent not in worth or (parent and nodes_by_key[parent][2] in eos_ids):
-                continue
+            depth, rank = len(path) - 1, path[-1]
             lp = max(rated[depth][rank], prior) if path in on_copy else rated[depth][rank]
-            worth[path] = worth[parent] + lp
-            nodes_by_key[path] = (worth[path], parent, tokens[depth][rank], math.exp(logp[depth][rank]),
-                                  path in on_copy)
-        parent = walk
+            add(path, path[:-1], lp, tokens[depth][rank], math.exp(logp[depth][rank]), path in on_copy)
+        parent: object = walk
         for j, token in enumerate(copied[len(walk) : len(walk) + chain]):
-            if parent not in worth or (parent and nodes_by_key[parent][2] in eos_ids):
+            if not add(("copy", j), parent, prior, token, None, True):
                 break
-            worth[("copy", j)] = worth[parent] + prior
-            nodes_by_key[("copy", j)] = (worth[("copy", j)], parent, token, None, True)
             parent = ("copy", j)
-        # Best first again, now with the copy's own nodes: a worth never grows down a path, so parents come first.
-        order = sorted(nodes_by_key, key=lambda key: -nodes_by_key[key][0])
+        # Best first again, now with the copy's own nodes: a worth never grows down a path and the sort is stable,
+        # so parents stay before their children.
+        order = sorted((key for key in nodes if key != ()), key=lambda key: -nodes[key].worth)
         rows = {(): 0, **{key: i + 1 for i, key in enumerate(order)}}
+        chosen_nodes = [nodes[key] for key in order]
         gains = [1.0]
-        for key in order:
-            gains.append(gains[-1] + math.exp(nodes_by_key[key][0]))
-        entries = [nodes_by_key[key] for key in order]
-        proposal = Proposal([e[2] for e in entries], [rows[e[1]] for e in entries], [e[4] for e in entries],
-                            copy.ngram if copy else None, [e[3] for e in entries])
+        for node in chosen_nodes:
+            gains.append(gains[-1] + math.exp(node.worth))
+        proposal = Proposal([n.token for n in chosen_nodes], [rows[n.parent] for n in chosen_nodes],
+                            [n.copied for n in chosen_nodes], copy.ngram if copy else None,
+                            [n.prob for n in chosen_nodes])
         return proposal, gains
 
     def _run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
