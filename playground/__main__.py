@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams, EngineMedusaParams,
+                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineMedusaParams, EngineParams, GenerationParams,
                      LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft

@@ -16,7 +16,7 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineParams, GenerationParams, EngineMedusaParams, PromptLookupParams, SamplingParams
+from .config import EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from .engine import Engine
 from .models.medusa import default_heads
 from .trace import Event, MemoryEvent

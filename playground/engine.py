@@ -556,13 +556,13 @@ class Engine:
                 if done:
                     break
             path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
-            if proposal:
+            if proposal is not None:
                 self._record(request, proposal, path)
             now = self.now()
             if request.first_token_t is None:
                 request.first_token_t = now
             if not done:
-                if proposal:  # the kept path's KV moves next to the last token; the rest of the proposal goes
+                if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
                     self.cache.keep(request.id, request.num_computed - 1, [0, *path])
                 request.num_computed += len(path)
                 if self.cache.length(request.id) > request.num_computed:
@@ -653,10 +653,12 @@ class GuessCalibration:
         return gains
 
     def record(self, proposal: Proposal, path: list[int]) -> None:
-        """A verified tree and the rows of the tokens kept (a copy alone tells nothing of the heads)."""
+        """A verified tree and the rows of the tokens kept. A copied token is left out even where a head guessed it
+        too: it is in the tree because the copy proposes it, which makes it likelier than the head's probability
+        says."""
         reached, kept = {0, *path}, set(path)
         for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
-            if parent in reached and p is not None:  # a guess of the heads (not the copy's alone) that was judged
+            if parent in reached and not proposal.copied[i]:  # a guess of the heads alone, judged
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
 

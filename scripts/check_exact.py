@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineParams, GenerationParams, EngineMedusaParams, LookaheadParams,  # noqa: E402
+from playground.config import (EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,  # noqa: E402
                                MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
                                  PromptLookupDecoder, SpeculativeDecoder, generate)

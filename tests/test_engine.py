@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (ConfigError, EngineParams, GenerationParams, EngineMedusaParams, ModelSpec,
+from playground.config import (ConfigError, EngineMedusaParams, EngineParams, GenerationParams, ModelSpec,
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
@@ -253,16 +253,15 @@ def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, mon
 
 
 def test_proposals_calibration_and_the_widest_paying_forward() -> None:
-    # rows 1 and 2 under the last token; a copy runs through the heads' guesses in rows 1, 3 and 4, then on in
-    # row 5 of its own
-    tree = Proposal([5, 6, 7, 8, 9], [0, 0, 1, 3, 4], [True, False, True, True, True], 2, [0.5, 0.25, 0.5, 0.5, None])
+    # the heads' guesses: rows 1 and 2 under the last token, 3 under 1, 4 under 3; row 5, a copy's own, under 4
+    tree = Proposal([5, 6, 7, 8, 9], [0, 0, 1, 3, 4], [False] * 4 + [True], 2, [0.5, 0.25, 0.5, 0.5, None])
     assert tree.depths() == [0, 1, 1, 2, 3, 4] and not tree.is_chain() and Proposal.chain([4, 4], 2).is_chain()
-    assert tree.first(2) == Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])
+    assert tree.first(2) == Proposal([5, 6], [0, 0], [False, False], 2, [0.5, 0.25])
     calibration = GuessCalibration(3)
     assert calibration.log_rates([[math.log(0.5)]]) == [[pytest.approx(math.log(0.5))]]  # no data: p itself
     assert calibration.bound(2) == [1.0, 2.0, 3.0]
     for _ in range(40):  # rows 1 then 3 kept: depth 1 judged 0.75 for 1 kept, depth 2 0.5 for 1, depth 3 0.5 for 0
-        # (row 5 is the copy's own: nothing of the heads')
+        # (row 5 is the copy's: nothing of the heads')
         calibration.record(tree, [1, 3])
     assert calibration.scale(0) == pytest.approx(41 / 31) and calibration.scale(1) == pytest.approx(41 / 21)
     assert calibration.scale(2) == pytest.approx(1 / 21)
@@ -271,6 +270,9 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     calibration.record(tree, [2])  # row 2 kept: its sibling row 1 judged and refused, nothing below row 1 judged
     assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(30.75)
     assert calibration.predicted[1] == pytest.approx(20.0)
+    copied = Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])  # a head guessed the copied 5 too
+    calibration.record(copied, [1])  # only row 2, the heads' own guess, is judged: refused
+    assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(31.0)
 
     def cost(width: int) -> float:  # plain, then a jump at 4 tokens
         return 1.0 if width == 1 else 1.2 if width < 4 else 3.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import EngineParams, GenerationParams, EngineMedusaParams, PromptLookupParams, SamplingParams
+from playground.config import EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import EngineWorker, PlaygroundServer, settled_text

@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineParams, EngineMedusaParams, PromptLookupParams, SamplingParams
+from ..config import ConfigError, EngineMedusaParams, EngineParams, PromptLookupParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
