@@ -628,9 +628,9 @@ class GuessCalibration:
     """How often the heads' guesses are right against what their probabilities say, per depth. A guess is judged
     when the token it follows was kept; at each depth, the probabilities of the judged guesses are summed against
     how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no data: p itself), at most 1.
-    Why: the shipped heads' top guesses run high; on the exactness prompts head 1's top guesses at probability
-    0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so uncalibrated guesses looked worth a wider forward at
-    batch sizes where they were not."""
+    Why: the shipped heads' top guesses run high; on the exactness prompts the first head's top guesses at
+    probability 0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so uncalibrated guesses looked worth a wider
+    forward at batch sizes where they were not."""
 
     def __init__(self, depth: int) -> None:
         self.kept = [0.0] * depth
