@@ -32,7 +32,7 @@ TOKENS = 24
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "proposals"])
 def server(target, request):
     """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies and the
-    Medusa heads' chains), which must answer alike."""
+    Medusa heads' trees), which must answer alike."""
     proposals = dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()) if request.param else {}
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
@@ -229,11 +229,11 @@ def test_the_read_endpoints(server, target):
     assert state["params"]["max_running"] == 4
     if server.worker.params.lookup is None:
         assert state["prompt_lookup"] is None and state["medusa"] is None
-    else:  # a copying request had copies accepted; chains were verified
-        copies, chains = state["prompt_lookup"], state["medusa"]
+    else:  # a copying request had copies accepted; trees were verified
+        copies, trees = state["prompt_lookup"], state["medusa"]
         assert copies["max_ngram"] == 3 and 0 < copies["accepted"] < copies["proposed"] and copies["steps"] > 0
-        assert chains["depth"] == 4 and chains["heads"].endswith("medusa-smollm2-135m") and chains["steps"] > 0
-        assert 0 <= chains["accepted"] < chains["proposed"]
+        assert trees["depth"] == 4 and trees["heads"].endswith("medusa-smollm2-135m") and trees["steps"] > 0
+        assert 0 <= trees["accepted"] < trees["proposed"]
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history
 
