@@ -360,8 +360,8 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     """Requests arrive over the first steps; the pool ranges from one request's worth (every admission can
     preempt) to a few blocks more; some requests are aborted at step 3; with copy_tokens > 0, prompt lookup
     proposes copies of up to that many tokens whenever it finds one, and with guesses > 0 untrained Medusa heads
-    propose chains of that many (no verify overhead on this model: every proposal is worth a wider forward), which
-    the token budget and the free blocks trim."""
+    propose trees that many deep (with both, copies grafted on; no verify overhead on this model: every proposal is
+    worth a wider forward), which the token budget and the free blocks trim."""
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None

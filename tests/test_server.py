@@ -229,11 +229,11 @@ def test_the_read_endpoints(server, target):
     assert state["params"]["max_running"] == 4
     if server.worker.params.lookup is None:
         assert state["prompt_lookup"] is None and state["medusa"] is None
-    else:  # a copying request had copies accepted; trees were verified
+    else:  # copies and trees were verified, some of their tokens accepted
         copies, trees = state["prompt_lookup"], state["medusa"]
-        assert copies["max_ngram"] == 3 and 0 < copies["accepted"] < copies["proposed"] and copies["steps"] > 0
+        assert copies["max_ngram"] == 3 and copies["steps"] > 0 and copies["proposed"] > 0
         assert trees["depth"] == 4 and trees["heads"].endswith("medusa-smollm2-135m") and trees["steps"] > 0
-        assert 0 <= trees["accepted"] < trees["proposed"]
+        assert 0 < copies["accepted"] + trees["accepted"] < copies["proposed"] + trees["proposed"]
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history
 
