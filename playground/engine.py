@@ -34,7 +34,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
@@ -43,8 +43,9 @@ import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.prompt_lookup import Lookup, ProposalGate, batch_step_cost, find_continuations, plan_width
-from .decoding.tree import ancestor_mask, best_first
+from .decoding.prompt_lookup import (Lookup, ProposalGate, at, batch_step_cost, find_continuations, plan_width,
+                                     widest_paying)
+from .decoding.tree import COPY_PRIOR, ancestor_mask, best_first
 from .kv import blocks_for
 from .models import LoadedModel
 from .models.medusa import LoadedHeads, load_heads
@@ -447,7 +448,7 @@ class Engine:
         rated = self.calibration.log_rates(logp)
         copied = copy.tokens if copy else []
         prior = math.log(copy_rate) if copy else 0.0
-        paths, chain = best_first(rated, tokens, copied, nodes, *([copy_rate] if copy else []))
+        paths, chain = best_first(rated, tokens, copied, nodes, copy_rate if copy else COPY_PRIOR)
         # The copy runs through the heads' nodes whose token it is, then on as `chain` nodes of its own.
         chosen, walk = set(paths), ()
         for depth, token in enumerate(copied[: len(tokens)]):
@@ -456,12 +457,12 @@ class Engine:
             walk += (tokens[depth].index(token),)
         on_copy = {walk[:i] for i in range(1, len(walk) + 1)}
         # keyed by a head path, or ("copy", j) for the copy's own j-th node; the root is ()
-        nodes: dict[object, TreeNode] = {(): TreeNode(0.0, None, -1, None, False)}
+        tree: dict[object, TreeNode] = {(): TreeNode(0.0, None, -1, None, False)}
 
-        def add(key: object, parent: object, lp: float, token: int, prob: float | None, copied: bool) -> bool:
-            if parent not in nodes or nodes[parent].token in eos_ids:
+        def add(key: object, parent: object, lp: float, token: int, prob: float | None, is_copy: bool) -> bool:
+            if parent not in tree or tree[parent].token in eos_ids:
                 return False  # below a dropped node or an end of sequence
-            nodes[key] = TreeNode(nodes[parent].worth + lp, parent, token, prob, copied)
+            tree[key] = TreeNode(tree[parent].worth + lp, parent, token, prob, is_copy)
             return True
         for path in paths:
             depth, rank = len(path) - 1, path[-1]
@@ -474,9 +475,9 @@ class Engine:
             parent = ("copy", j)
         # Best first again, now with the copy's own nodes: a worth never grows down a path and the sort is stable,
         # so parents stay before their children.
-        order = sorted((key for key in nodes if key != ()), key=lambda key: -nodes[key].worth)
+        order = sorted((key for key in tree if key != ()), key=lambda key: -tree[key].worth)
         rows = {(): 0, **{key: i + 1 for i, key in enumerate(order)}}
-        chosen_nodes = [nodes[key] for key in order]
+        chosen_nodes = [tree[key] for key in order]
         gains = [1.0]
         for node in chosen_nodes:
             gains.append(gains[-1] + math.exp(node.worth))
@@ -578,14 +579,16 @@ class Engine:
 
     def _record(self, request: Request, proposal: Proposal, path: list[int]) -> None:
         """What a verified proposal tells: how the request's copies and the heads' guesses fared."""
-        copied_rows = [row for row in range(1, len(proposal.tokens) + 1) if proposal.copied[row - 1]]
+        num_copied = sum(proposal.copied)
         kept_copies = sum(1 for _ in itertools.takewhile(lambda row: proposal.copied[row - 1], path))
-        if copied_rows:
-            request.copy_acceptance.record(proposal.ngram, kept_copies, min(kept_copies + 1, len(copied_rows)))
+        if num_copied:
+            request.copy_acceptance.record(proposal.ngram, kept_copies, min(kept_copies + 1, num_copied))
         self.calibration.record(proposal, path)
-        for counts, copied in ((self.copied, True), (self.guessed, False)):
-            counts.proposed += sum(1 for c in proposal.copied if c == copied)
-            counts.accepted += sum(1 for row in path if proposal.copied[row - 1] == copied)
+        kept_copied = sum(proposal.copied[row - 1] for row in path)
+        self.copied.proposed += num_copied
+        self.copied.accepted += kept_copied
+        self.guessed.proposed += len(proposal.tokens) - num_copied
+        self.guessed.accepted += len(path) - kept_copied
 
     # -- memory ------------------------------------------------------------------------------------------------
 
@@ -662,16 +665,3 @@ class GuessCalibration:
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
 
-
-def at(gains: list[float], k: int) -> float:
-    """gains[k], or the last entry for k past the end (a proposal cannot grow longer)."""
-    return gains[min(k, len(gains) - 1)]
-
-
-def widest_paying(bounds: list[list[float]], cost: Callable[[int], float]) -> int:
-    """The widest decode forward at which a batch could commit more tokens per unit of cost than a plain one, were
-    every sequence to commit its bound (bounds[r][k]: the most sequence r could commit with k proposed tokens); 1
-    when none could."""
-    longest = max(len(b) for b in bounds)
-    return max((w for w in range(2, longest + 1) if sum(at(b, w - 1) for b in bounds) > len(bounds) * cost(w)),
-               default=1)

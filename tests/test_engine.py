@@ -16,9 +16,9 @@ from playground.config import (ConfigError, EngineMedusaParams, EngineParams, Ge
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.prompt_lookup import Lookup
+from playground.decoding.prompt_lookup import Lookup, widest_paying
 from playground import engine as engine_module
-from playground.engine import Engine, GuessCalibration, Proposal, Status, widest_paying
+from playground.engine import Engine, GuessCalibration, Proposal, Status
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads

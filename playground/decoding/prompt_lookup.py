@@ -215,6 +215,21 @@ def batch_step_cost(rows_per_pass: int | None, batch: int, width: int, overhead:
     return cost(batch * width) / cost(batch)
 
 
+def at(gains: list[float], k: int) -> float:
+    """gains[k], or the last entry for k past the end (a proposal cannot grow longer)."""
+    return gains[min(k, len(gains) - 1)]
+
+
+def widest_paying(bounds: list[list[float]], cost: Callable[[int], float]) -> int:
+    """The widest decode forward at which a batch could commit more tokens per unit of cost than a plain one, were
+    every sequence to commit its bound (bounds[r][k]: the most sequence r could commit with k proposed tokens); 1
+    when none could. Where `plan_width` picks the best width for expected tokens, this bounds the work worth doing
+    before any expectation is known."""
+    longest = max(len(b) for b in bounds)
+    return max((w for w in range(2, longest + 1) if sum(at(b, w - 1) for b in bounds) > len(bounds) * cost(w)),
+               default=1)
+
+
 def plan_width(gains: list[list[float]], cost: Callable[[int], float]) -> int:
     """The width (tokens per sequence: the last token and up to width - 1 copied ones) of a batch's decode forward
     that commits the most tokens per unit of cost. gains[r][k]: the tokens sequence r is expected to commit with the
@@ -222,7 +237,7 @@ def plan_width(gains: list[list[float]], cost: Callable[[int], float]) -> int:
     a one-token forward (cost(1) = 1). The narrowest width wins ties, so a batch with nothing to gain runs plain."""
     best, best_rate = 1, float(len(gains))
     for width in range(2, 1 + max((len(g) for g in gains), default=1)):
-        committed = sum(g[min(width - 1, len(g) - 1)] for g in gains)
+        committed = sum(at(g, width - 1) for g in gains)
         if committed / cost(width) > best_rate:
             best, best_rate = width, committed / cost(width)
     return best
