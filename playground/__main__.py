@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineMedusaParams, EngineParams, GenerationParams,
-                     LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA,
+                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams,
+                     GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
+                     SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -202,9 +203,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "--medusa")
     medusa = EngineMedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, nodes=args.medusa_nodes) \
         if args.medusa else None
+    if not args.speculative and (args.draft is not None or args.gamma is not None):
+        raise ConfigError("--draft and --gamma set a draft model in the batch: add --speculative")
+    draft = EngineDraftParams(draft=args.draft, **({} if args.gamma is None else {"gamma": args.gamma})) \
+        if args.speculative else None
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
-                          lookup=lookup, medusa=medusa)
+                          lookup=lookup, medusa=medusa, draft=draft)
     server = PlaygroundServer(args.host, args.port)  # listens now: a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
@@ -358,6 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"most guesses per tree, 1..{MAX_DYNAMIC_NODES} (default: as generate's dynamic tree: "
                               f"the rows one pass of the native CPU kernel serves beside the last token, "
                               f"{GPU_DYNAMIC_NODES} on a GPU); larger batches guess fewer")
+    drafts = server.add_argument_group("a draft model in the batch (instead of Medusa heads)")
+    drafts.add_argument("--speculative", action="store_true",
+                        help="verify a chain of the draft model's greedy tokens per request in the batch's forward "
+                             "where it pays for the extra rows (with --prompt-lookup too, a copy that parts from "
+                             "the chain verified beside it): the same tokens as without")
+    drafts.add_argument("--draft", default=None,
+                        help="draft model spec with the target's tokenizer (default: the draft shipped for the "
+                             "embedded model)")
+    drafts.add_argument("--gamma", type=int, default=None,
+                        help=f"most tokens drafted per request and step, 1..{MAX_GAMMA} (default "
+                             f"{EngineDraftParams().gamma}); larger batches draft fewer")
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser

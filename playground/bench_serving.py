@@ -1,11 +1,12 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs eight ways on the same engine and paged cache:
+--max-new-tokens to all of it, all queued at time 0) runs up to ten ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
 sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
-(`EngineParams.lookup`) and with the Medusa heads' trees (`EngineParams.medusa`, where heads ship for the target),
-and sequential with both. Greedy outputs must be identical in every mode. KV memory is read from the engine's
+(`EngineParams.lookup`), with the Medusa heads' trees (`EngineParams.medusa`, where heads ship for the target)
+and with the draft model's chains (`EngineParams.draft`, where a draft ships for the target), and sequential with
+lookup and Medusa. Greedy outputs must be identical in every mode. KV memory is read from the engine's
 per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
 slots per running request (a contiguous cache) would waste.
 """
@@ -16,8 +17,9 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from .config import EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from .engine import Engine
+from .models.loader import default_draft
 from .models.medusa import default_heads
 from .trace import Event, MemoryEvent
 
@@ -90,6 +92,13 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
                                               **base)})
     else:
         progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")
+    drafted = default_draft(target.spec.source) is not None
+    if drafted:
+        modes.update({
+            "continuous + draft": EngineParams(max_running=max_running, draft=EngineDraftParams(), **base),
+            "sequential + draft": EngineParams(max_running=1, draft=EngineDraftParams(), **base)})
+    else:
+        progress("no draft ships for this model: the serving suite runs without the draft modes")
     serve(target, workload(2, 8), modes["continuous"])  # warm-up: first-call allocations and kernel choices
     results = {}
     for name, params in modes.items():
@@ -114,6 +123,9 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
             "medusa_vs_sequential": results["sequential + Medusa"]["tokens_per_s"] / sequential["tokens_per_s"],
             "both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
            if heads is not None else {}),
+        **({"draft_vs_continuous": results["continuous + draft"]["tokens_per_s"] / continuous["tokens_per_s"],
+            "draft_vs_sequential": results["sequential + draft"]["tokens_per_s"] / sequential["tokens_per_s"]}
+           if drafted else {}),
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
@@ -147,6 +159,9 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"{s['medusa_vs_sequential']:.2f}x sequential; with prompt lookup too: {s['both_vs_sequential']:.2f}x "
               f"sequential (the same tokens)" if "medusa_vs_continuous" in s else
               "- Medusa heads' trees in the batch: not run (no heads ship for this model)",
+              f"- the draft's chains in the batch: {s['draft_vs_continuous']:.2f}x continuous, "
+              f"{s['draft_vs_sequential']:.2f}x sequential (the same tokens)" if "draft_vs_continuous" in s else
+              "- the draft's chains in the batch: not run (no draft ships for this model)",
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",

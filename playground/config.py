@@ -436,6 +436,29 @@ class EngineMedusaParams:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineDraftParams:
+    """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
+    up to `gamma` tokens (one batched draft forward per drafted token, over every request that drafts, on the
+    draft's own paged cache), verified in the batch's decode forward. draft: a model spec with the target's
+    tokenizer (None: the draft shipped for the embedded target); verify_overhead: as for `EngineMedusaParams`.
+    The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so each token is still
+    drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by batching or by
+    the draft)."""
+
+    draft: str | None = None
+    gamma: int = 4
+    verify_overhead: float = LOOKUP_OVERHEAD
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
+            raise ConfigError(f"draft must be a model spec or None, got {self.draft!r}")
+        check_int("gamma", self.gamma, 1, MAX_GAMMA)
+        overhead = _check_finite("verify_overhead", self.verify_overhead)
+        if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
+            raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
+
+
 SCHEDULING_POLICIES = ("continuous", "static")
 
 
@@ -454,7 +477,9 @@ class EngineParams:
     distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
     medusa: Medusa heads in the batch (None: off): each decoding request may have a tree of the heads' guesses
     verified the same way (a draw follows the guess equal to it); with lookup too, a request's copy is grafted onto
-    its tree.
+    its tree. draft: a draft model in the batch (None: off), each request's chain verified the same way (with
+    lookup too, a copy that parts from the chain is verified beside it); a request has the heads' tree or the
+    draft's chain, so medusa and draft exclude each other.
     """
 
     num_blocks: int = 512
@@ -465,6 +490,7 @@ class EngineParams:
     prefix_caching: bool = True
     lookup: PromptLookupParams | None = None
     medusa: EngineMedusaParams | None = None
+    draft: EngineDraftParams | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
@@ -482,3 +508,9 @@ class EngineParams:
                                   f"got {self.lookup.branches}")
         if self.medusa is not None and not isinstance(self.medusa, EngineMedusaParams):
             raise ConfigError(f"medusa must be EngineMedusaParams or None, got {type(self.medusa).__name__}")
+        if self.draft is not None:
+            if not isinstance(self.draft, EngineDraftParams):
+                raise ConfigError(f"draft must be EngineDraftParams or None, got {type(self.draft).__name__}")
+            if self.medusa is not None:
+                raise ConfigError("draft and medusa: a request is proposed either the heads' tree or the draft's "
+                                  "chain; set one of them")

@@ -17,10 +17,13 @@ within the token budget and the free blocks left after scheduling, so copies nev
 With `EngineParams.medusa` (Medusa heads in the batch) a request may instead have a tree of the heads' guesses
 (Medusa's dynamic tree, `tree.best_first`, from the final hidden state of the row that predicted its last token),
 run with its own tree mask among the batch's rows; with both, a request's copy is grafted onto its tree (worth
-its running acceptance beside the heads' calibrated probabilities).
+its running acceptance beside the heads' calibrated probabilities). With `EngineParams.draft` (a draft model in the
+batch) a request's proposal is the draft's greedy chain instead, built as a tree of one guess per depth: the draft
+runs batched over the requests on a paged cache of its own, first reading what it has not seen of each request's
+tokens (the last token; the whole prompt the first time), then one forward per drafted token.
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
 stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
-lossless rule for one-hot proposals, which copies and the heads' guesses both are), so greedy and seeded outputs
+lossless rule for one-hot proposals, which copies, the heads' guesses and the draft's argmax chains all are), so greedy and seeded outputs
 are those of plain decoding, token for token, whatever the batch. The kept path's KV moves next to the last token
 (`keep`); the rest of the tree and the padding are dropped.
 
@@ -43,14 +46,21 @@ import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.prompt_lookup import (Lookup, ProposalGate, at, batch_step_cost, find_continuations, plan_width,
-                                     widest_paying)
+from .decoding.speculative import check_compatible
+from .decoding.prompt_lookup import (Lookup, ProposalGate, agreement, at, batch_step_cost, find_continuations,
+                                     plan_width, widest_paying)
 from .decoding.tree import COPY_PRIOR, ancestor_mask, best_first
 from .kv import blocks_for
 from .models import LoadedModel
+from .models.loader import load_draft
 from .models.medusa import LoadedHeads, load_heads
+from .models.vocab import proposal_rows
 from .sampling import draws_along, make_generator
 from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
+
+
+# A draft reads up to this many unseen tokens per request in one padded batched forward; more (a prompt) alone.
+CATCH_UP = 4
 
 
 class Status(Enum):
@@ -76,6 +86,7 @@ class Request:
     finish_t: float | None = None
     copy_acceptance: ProposalGate | None = None  # per matched n-gram length, how well its copies do (prompt lookup)
     hidden: torch.Tensor | None = None  # (E,) final hidden state of the row that predicted the last token (Medusa)
+    drafted: list[int] = field(default_factory=list)  # tokens the draft read after the last token this step
 
     @property
     def tokens(self) -> list[int]:
@@ -99,7 +110,7 @@ class RequestOutput:
 
 @dataclass
 class ProposalCounts:
-    """Proposals of one kind (copies, or the heads' trees) verified in the batch so far: decode forwards that
+    """Proposals of one kind (copies, or the guesses of the heads or the draft) verified in the batch so far: decode forwards that
     verified any, proposed tokens verified, accepted."""
 
     steps: int = 0
@@ -112,8 +123,8 @@ class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order: token i sits in row i + 1 of
     the request's decode rows and follows the token of row parents[i] (0: the last token), every parent before
     its children, so that any leading part is a tree too. copied[i]: token i is a copy's (prompt lookup; ngram is
-    the length of the copy's matched suffix), else a guess of the Medusa heads; probs[i]: the heads' probability
-    of token i (None for a token only the copy proposes; empty for a copy alone)."""
+    the length of the copy's matched suffix), else a guess of the Medusa heads or the draft; probs[i]: the
+    guesser's probability of token i (None for a token only the copy proposes; empty for a copy alone)."""
 
     tokens: list[int]
     parents: list[int]
@@ -166,8 +177,9 @@ class StepPlan:
 
 class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
-                 heads: LoadedHeads | None = None) -> None:
-        """`heads`: Medusa heads already loaded for `params.medusa` (else loaded from `params.medusa.heads`)."""
+                 heads: LoadedHeads | None = None, draft: LoadedModel | None = None) -> None:
+        """`heads`: Medusa heads already loaded for `params.medusa` (else loaded from `params.medusa.heads`);
+        `draft`: a draft model already loaded for `params.draft` (else loaded from `params.draft.draft`)."""
         self.target = target
         self.params = params or EngineParams()
         self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size)
@@ -193,9 +205,17 @@ class Engine:
                                   f"got {self.depth}")
             self.nodes = medusa.nodes or dynamic_nodes(target.model.rows_per_pass,
                                                        target.model.device.type == "cuda")
-        # what a wider forward costs where no kernel pass sizes it: the more cautious of the proposers' settings
-        self.verify_overhead = max(([self.lookup.verify_overhead] if self.lookup else []) +
-                                   ([medusa.verify_overhead] if medusa else []), default=0.0)
+        spec = self.params.draft
+        self.draft = None if spec is None else draft or load_draft(spec.draft, target)
+        if self.draft is not None:
+            check_compatible(target, self.draft)
+            self.draft_rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
+            # As large as the target's pool: a request's draft never holds more tokens than its target side.
+            self.draft_cache = paged_cache(self.draft.model, self.params.num_blocks, self.params.block_size)
+            self.depth = self.nodes = spec.gamma
+        # what a wider forward costs where no kernel pass sizes it: the most cautious of the proposers' settings
+        self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None],
+                                   default=0.0)
         self.copied = ProposalCounts()
         self.guessed = ProposalCounts()
         self.calibration = GuessCalibration(self.depth)
@@ -279,7 +299,7 @@ class Engine:
         self.step_count += 1
         try:
             plan = self._schedule()
-            if self.lookup is not None or self.heads is not None:
+            if self.lookup is not None or self.depth:
                 self._propose(plan)
             logits, hidden = self._run(plan)
             outputs = self._postprocess(plan, logits, hidden)
@@ -355,8 +375,9 @@ class Engine:
             plan.prefill.append((request, n))
 
     def _propose(self, plan: StepPlan) -> None:
-        """A copy of earlier text or a tree of the heads' guesses for each decoding request, and the decode rows'
-        width, within the token budget and the blocks the step leaves free."""
+        """A copy of earlier text, a tree of the heads' guesses or the draft's chain (with the copy grafted on) for
+        each decoding request, and the decode rows' width, within the token budget and the blocks the step leaves
+        free."""
         lookup, batch = self.lookup, len(plan.decode)
         if not batch:
             return
@@ -375,15 +396,20 @@ class Engine:
         copy_bounds = [[r.copy_acceptance.best_expected_tokens(k) for k in range(min(lookup.num_draft, room) + 1)]
                        if lookup is not None else [1.0] for r, room in zip(plan.decode, rooms)]
         sure = self.calibration.bound(self.depth)
-        tree_bounds = [[sure[min(k, room, self.depth)] for k in range(self.nodes + 1)] if r.hidden is not None
+        tree_bounds = [[sure[min(k, room, self.depth)] for k in range(self.nodes + 1)] if self._can_guess(r)
                        else [1.0] for r, room in zip(plan.decode, rooms)]
         search = plan_width(copy_bounds, cost) > 1
         longest = widest_paying([[max(at(c, k), at(t, k)) for k in range(max(len(c), len(t)))]
                                  for c, t in zip(copy_bounds, tree_bounds)], cost) - 1
         if not longest:
             return
-        guesses = self._guesses(plan.decode, min(longest, self.depth), min(longest, self.heads.vocab_size)) \
-            if self.heads is not None else {}
+        if self.heads is not None:
+            guesses = self._guesses(plan.decode, min(longest, self.depth), min(longest, self.heads.vocab_size))
+        elif self.draft is not None:
+            guesses = self._draft_chains([r for r, room in zip(plan.decode, rooms) if room > 0],
+                                         min(longest, self.depth, max(rooms)))
+        else:
+            guesses = {}
         eos_ids = frozenset(self.target.eos_token_ids)
         gains = []
         for request, room in zip(plan.decode, rooms):
@@ -415,9 +441,17 @@ class Engine:
         plan.width = width
         plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
 
+    def _can_guess(self, request: Request) -> bool:
+        """Whether the heads or the draft can propose for this request: the heads need the hidden state of a
+        forward run since it was last admitted, the draft nothing."""
+        return self.draft is not None or (self.heads is not None and request.hidden is not None)
+
     @staticmethod
     def _room(request: Request) -> int:
-        """How deep a proposal may go: the step commits its accepted tokens and one more."""
+        """How deep a proposal may go: the step commits its accepted tokens and one more. None in a one-token chunk
+        of a prompt that goes on (a token budget of one): its row predicts no new token."""
+        if request.num_computed + 1 < len(request.tokens):
+            return 0
         return max(0, request.generation.max_new_tokens - len(request.stopper.tokens) - 1)
 
     def _guesses(self, requests: list[Request], depth: int,
@@ -436,6 +470,61 @@ class Engine:
         logp = top.values.transpose(0, 1).tolist()  # (B, D, k)
         tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
         return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
+
+    def _draft_chains(self, requests: list[Request], depth: int) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
+        """The draft's greedy chain of `depth` tokens after each request's last token, with each token's
+        log-probability under the draft's softmax, as (D, 1) lists: the heads' guesses with one rank, so that
+        `_head_tree` builds the chain (with a copy grafted on) as it builds their trees. The draft first reads what
+        of the request's tokens it has not seen, always the last one: one padded forward for the requests with at
+        most CATCH_UP of them, one forward each for the others (a whole prompt the first time, or the tokens of
+        steps it did not draft). A request whose draft KV would not fit the draft's free blocks is left out."""
+        model, cache = self.draft.model, self.draft_cache
+        for r in requests:  # all added before any is sized: a prompt sharing another's blocks makes both copy them
+            if not cache.has_sequence(r.id):
+                cache.add_sequence(r.id, r.tokens[: r.num_computed + 1] if self.params.prefix_caching else [])
+        free = cache.num_free_blocks
+        todo: dict[int, tuple[Request, list[int]]] = {}
+        for r in requests:
+            unseen = r.tokens[cache.length(r.id) : r.num_computed + 1]
+            need = cache.blocks_needed(r.id, max(len(unseen), CATCH_UP) + depth - 1)
+            if need <= free:
+                free -= need
+                todo[r.id] = (r, unseen)
+        if not todo or not depth:
+            return {}
+        short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
+        groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
+        last: dict[int, torch.Tensor] = {}  # request id -> (E,) the draft's final hidden state at the last token
+        for group in groups:
+            width = max(len(unseen) for _, unseen in group)
+            starts = [cache.length(r.id) for r, _ in group]
+            ids = torch.tensor([u + u[-1:] * (width - len(u)) for _, u in group], device=model.device)  # (B, T)
+            positions = torch.tensor([[s + j for j in range(width)] for s in starts], device=model.device)  # (B, T)
+            _, states = model(ids, positions, cache, [r.id for r, _ in group], num_logits=0)  # (B, T, E)
+            for i, ((r, unseen), start) in enumerate(zip(group, starts)):
+                last[r.id] = states[i, len(unseen) - 1]
+                cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
+        drafting = [r for r, _ in todo.values()]
+        hidden = torch.stack([last[r.id] for r in drafting])  # (B, E)
+        logp: list[list[float]] = []
+        chains: list[list[int]] = []
+        for d in range(depth):
+            logits = self.draft_rows.logits(hidden) if self.draft_rows is not None else model.project(hidden)
+            best = logits.log_softmax(-1).max(-1)  # values, indices: (B,)
+            tokens = best.indices if self.draft_rows is None else self.draft_rows.ids[best.indices]  # (B,)
+            logp.append(best.values.tolist())
+            chains.append(tokens.tolist())
+            if d == depth - 1:
+                break  # the last drafted token is not read: the target's verdict on it comes first
+            positions = torch.tensor([[cache.length(r.id)] for r in drafting], device=model.device)  # (B, 1)
+            _, states = model(tokens.unsqueeze(1), positions, cache, [r.id for r in drafting], num_logits=0)
+            hidden = states[:, 0]  # (B, E)
+        out = {}
+        for i, r in enumerate(drafting):
+            chain = [tokens[i] for tokens in chains]
+            r.drafted = chain[:-1]
+            out[r.id] = ([[lp[i]] for lp in logp], [[t] for t in chain])
+        return out
 
     def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int, eos_ids: frozenset[int],
                    copy: Lookup | None, copy_rate: float | None) -> tuple[Proposal, list[float]]:
@@ -559,6 +648,13 @@ class Engine:
             path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
             if proposal is not None:
                 self._record(request, proposal, path)
+            if request.drafted:
+                # The draft keeps what it read of the tokens committed, never the new last token: its next chain
+                # starts from its hidden state there.
+                kept = request.num_computed + min(agreement(request.drafted, new), len(path))
+                if self.draft_cache.length(request.id) > kept:
+                    self.draft_cache.truncate(request.id, kept)
+                request.drafted = []
             now = self.now()
             if request.first_token_t is None:
                 request.first_token_t = now
@@ -604,6 +700,8 @@ class Engine:
     def _release(self, request: Request) -> None:
         freed = self.cache.length(request.id)
         self.cache.free(request.id)
+        if self.draft is not None and self.draft_cache.has_sequence(request.id):
+            self.draft_cache.free(request.id)
         self.running.remove(request)
         self.events.append(KVFreeEvent(step=self.step_count, t=self.now(), seq=request.id,
                                        num_tokens=freed, **self._bytes()))

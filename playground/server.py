@@ -250,7 +250,8 @@ class EngineWorker:
             outputs = self.engine.step()
         except Exception as exc:  # a bug or the device out of memory: fail the requests in flight, keep serving
             traceback.print_exc()
-            self.engine = Engine(self.target, self.params, record_blocks=False, heads=self.engine.heads)
+            self.engine = Engine(self.target, self.params, record_blocks=False, heads=self.engine.heads,
+                                 draft=self.engine.draft)
             self._fail_all(ApiError(f"the engine failed: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR,
                                     kind="server_error"))
             return
@@ -301,6 +302,9 @@ class EngineWorker:
                     "accepted": engine.copied.accepted},
                 "medusa": None if engine.heads is None else {
                     "heads": str(engine.heads.folder), "depth": engine.depth, "steps": engine.guessed.steps,
+                    "proposed": engine.guessed.proposed, "accepted": engine.guessed.accepted},
+                "draft": None if engine.draft is None else {
+                    "draft": engine.draft.name, "gamma": engine.depth, "steps": engine.guessed.steps,
                     "proposed": engine.guessed.proposed, "accepted": engine.guessed.accepted}}
 
 

@@ -1,5 +1,5 @@
 """Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine (plain and with
-prompt lookup in the batch), against plain decoding on the contiguous cache, over the test suite's 20 prompts.
+prompt lookup, Medusa heads or the draft in the batch), against plain decoding on the contiguous cache, over the test suite's 20 prompts.
 
 The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,  # noqa: E402
-                               MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams,  # noqa: E402
+                               GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
+                               SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
                                  PromptLookupDecoder, SpeculativeDecoder, generate)
 from playground.engine import Engine  # noqa: E402
@@ -72,6 +73,9 @@ def main() -> int:
                          f"engine batch of {len(PROMPTS)}, Medusa": EngineParams(medusa=EngineMedusaParams()),
                          "engine batch of 2, Medusa and prompt lookup": EngineParams(
                              max_running=2, lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
+                         f"engine batch of {len(PROMPTS)}, draft": EngineParams(draft=EngineDraftParams()),
+                         "engine batch of 2, draft and prompt lookup": EngineParams(
+                             max_running=2, lookup=PromptLookupParams(), draft=EngineDraftParams()),
                          }.items():
         engine = Engine(target, params)
         ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
@@ -79,7 +83,7 @@ def main() -> int:
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]
         failures += len(bad)
         counts = [f"{c.accepted} of {c.proposed} {kind} tokens accepted" for kind, c, on in (
-            ("copied", engine.copied, engine.lookup), ("guessed", engine.guessed, engine.heads)) if on]
+            ("copied", engine.copied, engine.lookup), ("guessed", engine.guessed, engine.depth)) if on]
         print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
               + "".join(f"\n  MISMATCH {p!r}" for p in bad))
     print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")

@@ -1,7 +1,9 @@
 """The serving engine one request at a time against the single-sequence decoders, interleaved on the benchmark
-suite: on every prompt plain decoding runs, then Medusa with prompt copies (`generate --algo medusa --copy-ngram 3`),
-then the engine at max_running 1 plain, with Medusa heads in the batch, and with Medusa heads and prompt lookup
-(the copy grafted onto the tree), each right after the other so that a drifting host slows a prompt's runs alike.
+suite: on every prompt plain decoding runs, then Medusa with prompt copies (`generate --algo medusa --copy-ngram 3`)
+and speculative decoding with the shipped draft (`generate --algo speculative`), then the engine at max_running 1
+plain, with Medusa heads in the batch, with Medusa heads and prompt lookup (the copy grafted onto the tree), with
+the draft, and with the draft and prompt lookup, each right after the other so that a drifting host slows a
+prompt's runs alike.
 Greedy: every output must equal plain decoding's. Prints each prompt's tokens/s, then per mode the median tokens/s
 and the median speedup over plain decoding.
 
@@ -22,11 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import SUITE, spread  # noqa: E402
-from playground.config import (EngineMedusaParams, EngineParams, GenerationParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams)
-from playground.decoding import AutoregressiveDecoder, Decoder, MedusaDecoder, generate  # noqa: E402
+from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams,  # noqa: E402
+                               GenerationParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
+from playground.decoding import (AutoregressiveDecoder, Decoder, MedusaDecoder, SpeculativeDecoder,  # noqa: E402
+                                 generate)
 from playground.engine import Engine  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
+from playground.models.loader import load_draft  # noqa: E402
 
 GREEDY = SamplingParams()
 
@@ -38,10 +42,10 @@ def decoder_run(decoder: Decoder) -> Callable[[str], tuple[tuple[int, ...], floa
     return run
 
 
-def engine_run(target: LoadedModel, generation: GenerationParams,
+def engine_run(target: LoadedModel, generation: GenerationParams, draft: LoadedModel | None = None,
                **proposers: object) -> Callable[[str], tuple[tuple[int, ...], float]]:
     def run(prompt: str) -> tuple[tuple[int, ...], float]:
-        engine = Engine(target, EngineParams(max_running=1, **proposers), record_blocks=False)
+        engine = Engine(target, EngineParams(max_running=1, **proposers), record_blocks=False, draft=draft)
         request = engine.add_request(prompt, GREEDY, generation)
         return engine.run_all()[request].token_ids, engine.busy_s
     return run
@@ -57,13 +61,18 @@ def main() -> int:
         parser.error(f"--limit must be in [1, {len(SUITE)}], got {args.limit}")
     target = load_model(ModelSpec(device=args.device, dtype="float32"))
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
+    draft = load_draft(None, target)
     modes = {
         "plain decoding": decoder_run(AutoregressiveDecoder(target, GREEDY, generation)),
         "Medusa + copies": decoder_run(MedusaDecoder(target, GREEDY, generation, MedusaParams(copy_ngram=3))),
+        "speculative": decoder_run(SpeculativeDecoder(target, draft, GREEDY, generation)),
         "engine, plain": engine_run(target, generation),
         "engine, Medusa": engine_run(target, generation, medusa=EngineMedusaParams()),
         "engine, Medusa + lookup": engine_run(target, generation, medusa=EngineMedusaParams(),
                                               lookup=PromptLookupParams()),
+        "engine, draft": engine_run(target, generation, draft, draft=EngineDraftParams()),
+        "engine, draft + lookup": engine_run(target, generation, draft, draft=EngineDraftParams(),
+                                             lookup=PromptLookupParams()),
     }
     prompts = [SUITE[i] for i in spread(args.limit)]
     for run in modes.values():  # unmeasured warm-up: first-call allocations and kernel choices

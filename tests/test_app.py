@@ -270,16 +270,20 @@ def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
-    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, False, False, "embedded", "cpu",
-                                                        "float32", "none", api_name="/memory")
+    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, False, False, False, "embedded",
+                                                        "", "cpu", "float32", "none", api_name="/memory")
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None and "Prompt lookup" not in summary
     table = rows(table)
-    proposed = client.predict(4, 12, 8, 24, 4, True, True, True, "embedded", "cpu", "float32", "none",
+    proposed = client.predict(4, 12, 8, 24, 4, True, True, True, False, "embedded", "", "cpu", "float32", "none",
                               api_name="/memory")
     assert re.search(r"Prompt lookup: \*\*\d+ of \d+\*\* copied tokens accepted", proposed[2])
     assert re.search(r"Medusa heads: \*\*\d+ of \d+\*\* guessed tokens accepted", proposed[2])
     assert rows(proposed[3]) == table  # the same requests, the same tokens
+    drafted = client.predict(4, 12, 8, 24, 4, True, False, False, True, "embedded", "", "cpu", "float32", "none",
+                             api_name="/memory")
+    assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
+    assert rows(drafted[3]) == table
     assert len(table) == 4 and all(r[1] == "finished" and int(r[3]) >= 1 for r in table)
     assert step["interactive"] and step["maximum"] > 1
     first = client.predict(1, api_name="/memory_step")  # replay: after step 1 no request has finished
@@ -293,11 +297,13 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     ({"block_size": 0}, "block_size must be"),
     ({"requests": 17}, "requests must be in [1, 16]"),
     ({"max_running": 1.5}, "max running must be a whole number"),
+    ({"medusa": True, "draft": True}, "draft and medusa: a request is proposed either"),
+    ({"draft": True, "draft_model": "/no/such/draft"}, "/no/such/draft"),
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
-            "prefix_caching": True, "prompt_lookup": False, "medusa": False, "model": "embedded", "device": "cpu",
-            "dtype": "float32", "quant": "none",
+            "prefix_caching": True, "prompt_lookup": False, "medusa": False, "draft": False, "model": "embedded",
+            "draft_model": "", "device": "cpu", "dtype": "float32", "quant": "none",
             **changes}
     with pytest.raises(Exception, match=re.escape(message)):
         client.predict(*args.values(), api_name="/memory")

@@ -4,6 +4,7 @@ budget, the pool size (preemption), the scheduling policy, prefix sharing or abo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (ConfigError, EngineMedusaParams, EngineParams, GenerationParams, ModelSpec,
-                               PromptLookupParams, SamplingParams)
+from playground.config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
+                               ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.prompt_lookup import Lookup, widest_paying
@@ -42,8 +43,9 @@ def solo(target: LoadedModel, prompt_ids: list[int], sampling: SamplingParams, g
 
 def check_no_leak(engine: Engine) -> None:
     assert not engine.has_unfinished()
-    assert engine.cache.num_free_blocks == engine.params.num_blocks
-    assert not any(engine.cache.allocator.refs)
+    for cache in (engine.cache, *([engine.draft_cache] if engine.draft is not None else [])):
+        assert cache.num_free_blocks == engine.params.num_blocks
+        assert not any(cache.allocator.refs)
 
 
 def memory_events(engine: Engine) -> list[MemoryEvent]:
@@ -168,6 +170,18 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         Engine(target, EngineParams(medusa=EngineMedusaParams(depth=5)))
     with pytest.raises(ModelLoadError, match="medusa heads: made for hidden size 576"):
         Engine(TINY, EngineParams(medusa=EngineMedusaParams()))  # the shipped heads are the embedded model's
+    with pytest.raises(ConfigError, match="draft and medusa: .* set one of them"):
+        EngineParams(medusa=EngineMedusaParams(), draft=EngineDraftParams())
+    with pytest.raises(ConfigError, match="draft must be EngineDraftParams or None, got str"):
+        EngineParams(draft="embedded")
+    with pytest.raises(ConfigError, match=r"gamma must be an integer in \[1, 16\]"):
+        EngineDraftParams(gamma=17)
+    with pytest.raises(ConfigError, match="draft must be a model spec or None"):
+        EngineDraftParams(draft="")
+    with pytest.raises(ConfigError, match="draft: its tokenizer differs from the target's"):
+        Engine(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
+    with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
+        Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=EngineDraftParams()))
 
 
 GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jumps over the lazy dog.",
@@ -194,14 +208,14 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, plain_outputs) -
         check_no_leak(engine)
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "medusa"])
+@pytest.mark.parametrize("proposer", ["lookup", "medusa", "draft"])
 def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, proposer) -> None:
     """Under sampling a copied or guessed token is kept only when the request's own draw at its row is that token,
     which is the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same
     tokens."""
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
-    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams()}[proposer]
+    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[proposer]
     results, counts = [], []
     for params in (EngineParams(max_running=3), EngineParams(max_running=3, **{proposer: on})):
         engine = Engine(target, params)
@@ -249,6 +263,30 @@ def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, mon
         runner_up.clear()
         assert (engine.copied.accepted > 0) == (lookup is not None)
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
+        check_no_leak(engine)
+
+
+def test_a_draft_in_the_batch_gives_plain_outputs(target, plain_outputs) -> None:
+    """The draft's chains, alone or beside copies, change how many tokens a step commits, never which: at batch
+    sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with drafted tokens accepted and refused,
+    and both pools empty at the end."""
+    generation = GenerationParams(max_new_tokens=24)
+    expected = dict(plain_outputs)
+    for prompt in GROUNDED:
+        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
+    prompts = list(expected)
+    draft = None
+    for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
+        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, draft=EngineDraftParams()),
+                        draft=draft)
+        draft = engine.draft  # the shipped draft, loaded once
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        for rid, prompt in ids.items():
+            assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
+        guessed = engine.guessed
+        assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
+        assert (engine.copied.accepted > 0) == (lookup is not None)
         check_no_leak(engine)
 
 
@@ -303,8 +341,9 @@ def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:
     assert alone.parents[alone.tokens.index(30)] == alone.tokens.index(20) + 1 and not any(alone.copied)
 
 
-def tiny_model(vocab: int = 48) -> LoadedModel:
-    """A random two-layer Llama with a small vocabulary: fast enough to run hundreds of engine schedules."""
+def tiny_model(vocab: int = 48, noise: float = 0.0) -> LoadedModel:
+    """A random two-layer Llama with a small vocabulary: fast enough to run hundreds of engine schedules. With
+    `noise`, the same model with that much Gaussian noise on every weight: a draft that agrees with it often."""
     config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256, tie_word_embeddings=True)
@@ -318,6 +357,8 @@ def tiny_model(vocab: int = 48) -> LoadedModel:
         state[name] = torch.randn(shape) * (0.3 if len(shape) == 2 else 0.1) + (1.0 if len(shape) == 1 else 0.0)
     state["model.embed_tokens.weight"] = torch.randn(vocab, 32)
     state["model.norm.weight"] = torch.ones(32)
+    torch.manual_seed(2)
+    state = {name: weight + noise * torch.randn_like(weight) for name, weight in state.items()}
     model = build_model(config, state, torch.float32, torch.device("cpu"))
     return LoadedModel(model=model, tokenizer=TinyTokenizer(), name="tiny", folder=Path("."), eos_token_ids=(0,),
                        spec=ModelSpec())
@@ -330,6 +371,9 @@ class TinyTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(map(str, ids))
+
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(48)}
 
 
 def tiny_heads(model: LoadedModel, num_heads: int = 3) -> LoadedHeads:
@@ -346,6 +390,7 @@ def tiny_heads(model: LoadedModel, num_heads: int = 3) -> LoadedHeads:
 
 TINY = tiny_model()
 TINY_HEADS = tiny_heads(TINY)
+TINY_DRAFT = tiny_model(noise=0.05)
 PREFIX = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5]
 # (prompt, max_new_tokens, step at which the request arrives); prompts start with a slice of one common prefix.
 REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st.integers(1, 9), max_size=5)),
@@ -354,21 +399,25 @@ REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(REQUESTS, st.integers(1, 4), st.integers(1, 12), st.integers(1, 4), st.sampled_from(["continuous", "static"]),
-       st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6), st.integers(0, 5), st.integers(0, 3))
+       st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6), st.integers(0, 5), st.integers(0, 3),
+       st.sampled_from(["heads", "draft"]))
 def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, budget, max_running, policy,
-                                                          caching, aborted, spare, copy_tokens, guesses) -> None:
+                                                          caching, aborted, spare, copy_tokens, guesses,
+                                                          guesser) -> None:
     """Requests arrive over the first steps; the pool ranges from one request's worth (every admission can
     preempt) to a few blocks more; some requests are aborted at step 3; with copy_tokens > 0, prompt lookup
     proposes copies of up to that many tokens whenever it finds one, and with guesses > 0 untrained Medusa heads
-    propose trees that many deep (with both, copies grafted on; no verify overhead on this model: every proposal is
-    worth a wider forward), which the token budget and the free blocks trim."""
+    propose trees that many deep, or a draft (the tiny model with noise) chains that long (with copies too, copies
+    grafted on; no verify overhead on this model: every proposal is worth a wider forward), which the token
+    budget and the free blocks trim (and the draft's own pool, as small as the target's)."""
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None
-    medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses else None
+    medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
+    draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0) if guesses and guesser == "draft" else None
     engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                                        max_running=max_running, policy=policy, prefix_caching=caching,
-                                       lookup=lookup, medusa=medusa), heads=TINY_HEADS)
+                                       lookup=lookup, medusa=medusa, draft=draft), heads=TINY_HEADS, draft=TINY_DRAFT)
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
     for step in range(10_000):
@@ -383,6 +432,8 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
         outputs.update((out.id, out.output) for out in engine.step() if out.finished)
         for request in engine.running:  # a refused copy and the padding never stay in the cache
             assert engine.cache.length(request.id) == request.num_computed
+            if draft is not None:
+                assert engine.draft_cache.length(request.id) <= request.num_computed
     for i, rid in ids.items():
         if engine.requests[rid].status is Status.ABORTED:
             continue
@@ -407,6 +458,19 @@ def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
     assert outputs[4.0] == outputs[0.0]
 
 
+def check_cache_holds(cache, model: LoadedModel, seq: int, tokens: list[int], block_size: int) -> None:
+    """The paged KV of sequence `seq` equals what a recomputation of `tokens` from scratch gives."""
+    length = len(tokens)
+    assert cache.length(seq) == length
+    table = cache.block_table(seq)
+    slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(length)])  # (T,)
+    fresh = new_cache(model.model, length, GenerationParams())
+    forward_tokens(model.model, fresh, tokens)
+    for pool, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
+        mine = pool.index_select(1, slots)  # (layers, T, Hkv, D)
+        torch.testing.assert_close(mine, theirs[:, 0, :, :length].transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_stays_exact(monkeypatch) -> None:
     """On the tiny model the untrained heads' trees are sometimes right, runners-up too: after every step the
     cache holds exactly the KV of the committed tokens (as a recomputation from scratch gives it), and the outputs
@@ -421,20 +485,47 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     while engine.has_unfinished():
         outputs.update((out.id, out.output) for out in engine.step() if out.finished)
         for request in engine.running:
-            length, size = request.num_computed, engine.params.block_size
-            assert engine.cache.length(request.id) == length
-            table = engine.cache.block_table(request.id)
-            slots = torch.tensor([table[i // size] * size + i % size for i in range(length)])  # (T,)
-            fresh = new_cache(TINY.model, length, GenerationParams())
-            forward_tokens(TINY.model, fresh, request.tokens[:length])
-            for pool, theirs in ((engine.cache.k, fresh.k), (engine.cache.v, fresh.v)):
-                mine = pool.index_select(1, slots)  # (layers, T, Hkv, D)
-                torch.testing.assert_close(mine, theirs[:, 0, :, :length].transpose(1, 2), atol=1e-5, rtol=1e-5)
+            check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
             checked += 1
     assert checked > 20
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
     assert 0 < engine.guessed.accepted < engine.guessed.proposed and any(runner_up)
+    check_no_leak(engine)
+
+
+def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
+    """On the tiny model a noisy copy of it drafts chains that are partly right, partly wrong and sometimes wholly
+    kept: after every step each running request's target KV holds exactly its committed tokens, and the draft's KV
+    exactly the draft's recomputation of what it has read (never the last token, which it reads next), whatever
+    the drafts, copies and padded catch-up forwards did; the outputs are the solo ones."""
+    prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
+    generation = GenerationParams(max_new_tokens=16)
+    engine = Engine(TINY, EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=PromptLookupParams(
+        num_draft=3, verify_overhead=0.0), draft=EngineDraftParams(gamma=3, verify_overhead=0.0)), draft=TINY_DRAFT)
+    ids = [engine.add_request(p, generation=generation) for p in prompts]
+    outputs, checked = {}, 0
+    real = engine._draft_chains
+
+    def chains(requests, depth):
+        out = real(requests, depth)
+        for request in requests:  # the draft has read everything up to the last token, and its chain but the end
+            assert engine.draft_cache.length(request.id) == request.num_computed + len(out[request.id][1])
+        return out
+    engine._draft_chains = chains
+    while engine.has_unfinished():
+        outputs.update((out.id, out.output) for out in engine.step() if out.finished)
+        for request in engine.running:
+            check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
+            read = engine.draft_cache.length(request.id)  # 0 until its first chain
+            assert read <= request.num_computed
+            if read:
+                check_cache_holds(engine.draft_cache, TINY_DRAFT, request.id, request.tokens[:read], 4)
+                checked += 1
+    assert checked > 20
+    for rid, prompt in zip(ids, prompts):
+        assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
+    assert 0 < engine.guessed.accepted < engine.guessed.proposed and engine.copied.proposed > 0
     check_no_leak(engine)
 
 

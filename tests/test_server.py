@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
+                               PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import EngineWorker, PlaygroundServer, settled_text
@@ -29,11 +30,15 @@ from .prompts import PROMPTS
 TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "proposals"])
+PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
+             "drafts": dict(lookup=PromptLookupParams(), draft=EngineDraftParams())}
+
+
+@pytest.fixture(scope="module", params=list(PROPOSERS))
 def server(target, request):
-    """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies and the
-    Medusa heads' trees), which must answer alike."""
-    proposals = dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()) if request.param else {}
+    """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies with the
+    Medusa heads' trees, or with the draft's chains), which must answer alike."""
+    proposals = PROPOSERS[request.param]
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
     srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, **proposals))
@@ -228,12 +233,18 @@ def test_the_read_endpoints(server, target):
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
     if server.worker.params.lookup is None:
-        assert state["prompt_lookup"] is None and state["medusa"] is None
-    else:  # copies and trees were verified, some of their tokens accepted
-        copies, trees = state["prompt_lookup"], state["medusa"]
-        assert copies["max_ngram"] == 3 and copies["steps"] > 0 and copies["proposed"] > 0
-        assert trees["depth"] == 4 and trees["heads"].endswith("medusa-smollm2-135m") and trees["steps"] > 0
-        assert 0 < copies["accepted"] + trees["accepted"] < copies["proposed"] + trees["proposed"]
+        assert state["prompt_lookup"] is None and state["medusa"] is None and state["draft"] is None
+    else:  # copies and the heads' trees or the draft's chains were verified, some of their tokens accepted
+        copies = state["prompt_lookup"]
+        if server.worker.params.medusa is not None:
+            guesses = state["medusa"]
+            assert state["draft"] is None and guesses["depth"] == 4
+            assert guesses["heads"].endswith("medusa-smollm2-135m")
+        else:
+            guesses = state["draft"]
+            assert state["medusa"] is None and guesses["gamma"] == 4 and guesses["draft"] == "draft-smollm2-135m"
+        assert copies["max_ngram"] == 3 and copies["steps"] > 0 and copies["proposed"] > 0 and guesses["steps"] > 0
+        assert 0 < copies["accepted"] + guesses["accepted"] < copies["proposed"] + guesses["proposed"]
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history
 
@@ -303,6 +314,12 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert "depth must be an integer in [1, 16], got 0" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"]) == 2
     assert "medusa heads: '/no/such/heads' is not a folder" in capsys.readouterr().err
+    assert main(["serve", "--gamma", "2"]) == 2
+    assert "--draft and --gamma set a draft model in the batch: add --speculative" in capsys.readouterr().err
+    assert main(["serve", "--speculative", "--gamma", "17"]) == 2
+    assert "gamma must be an integer in [1, 16], got 17" in capsys.readouterr().err
+    assert main(["serve", "--speculative", "--medusa"]) == 2
+    assert "draft and medusa: a request is proposed either" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

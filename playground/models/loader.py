@@ -45,6 +45,16 @@ def default_draft(target_source: str) -> str | None:
     return None
 
 
+def load_draft(source: str | None, target: LoadedModel) -> LoadedModel:
+    """A draft model for `target` on its device and dtype: `source` (a model spec), or None for the draft shipped
+    for the target (only the embedded model has one)."""
+    source = source or default_draft(target.spec.source)
+    if not source:
+        raise ModelLoadError("draft: none ships for this target; pass a model spec with the target's tokenizer")
+    return load_model(ModelSpec(source=source, device=target.model.device.type, dtype=target.spec.dtype,
+                                cache_dir=target.spec.cache_dir))
+
+
 class ModelLoadError(ValueError):
     """The model could not be resolved or loaded; the message says which field and why."""
 

@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineMedusaParams, EngineParams, PromptLookupParams, SamplingParams
+from ..config import ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, PromptLookupParams, SamplingParams
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -52,9 +52,10 @@ def _proposals(engine: Engine) -> str:
         copied = engine.copied
         parts.append(f"Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
                      f"{copied.steps} of {engine.step_count} steps.")
-    if engine.heads is not None:
+    if engine.depth:
         guessed = engine.guessed
-        parts.append(f"Medusa heads: **{guessed.accepted} of {guessed.proposed}** guessed tokens accepted, in "
+        who, what = ("Medusa heads", "guessed") if engine.heads is not None else ("Draft model", "drafted")
+        parts.append(f"{who}: **{guessed.accepted} of {guessed.proposed}** {what} tokens accepted, in "
                      f"{guessed.steps} of {engine.step_count} steps.")
     if not parts:
         return ""
@@ -62,8 +63,8 @@ def _proposals(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, prompt_lookup: bool, medusa: bool, model_source: str, device: str, dtype: str,
-               quant: str,
+               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, model_source: str,
+               draft_source: str, device: str, dtype: str, quant: str,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
@@ -74,7 +75,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
                               lookup=PromptLookupParams() if prompt_lookup else None,
-                              medusa=EngineMedusaParams() if medusa else None)
+                              medusa=EngineMedusaParams() if medusa else None,
+                              draft=EngineDraftParams(draft=draft_source.strip() or None) if draft else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         engine = Engine(get_model(spec), params)
@@ -123,7 +125,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "new tokens for every running request. Greedy decoding; engine time only. With **prompt lookup**, "
                 "each request's copy of earlier text is verified in the batch's forward where it pays for the "
                 "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
-                "of the heads' guesses, under its own tree mask. Run locally, the same engine answers HTTP "
+                "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
+                "draft, or the one shipped for the embedded model), a chain of its greedy tokens. Run locally, the same engine answers HTTP "
                 "requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
@@ -137,6 +140,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
                 prompt_lookup = gr.Checkbox(False, label="prompt lookup")
                 medusa = gr.Checkbox(False, label="Medusa heads")
+                draft = gr.Checkbox(False, label="draft model")
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
@@ -147,8 +151,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
                          elem_id="pg-memory-table")
     state = gr.State(None)
-    source, _, device, dtype, quant = model  # the engine decodes plainly: no draft
+    source, draft_source, device, dtype, quant = model
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   prompt_lookup, medusa, source, device, dtype, quant],
+                                   prompt_lookup, medusa, draft, source, draft_source, device, dtype, quant],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")
