@@ -17,7 +17,8 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from .config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams,
+                     SamplingParams)
 from .engine import Engine
 from .models.loader import default_draft
 from .models.medusa import default_heads

@@ -441,14 +441,18 @@ class EngineDraftParams:
     """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
     up to `gamma` tokens (one batched draft forward per drafted token, over every request that drafts, on the
     draft's own paged cache), verified in the batch's decode forward. draft: a model spec with the target's
-    tokenizer (None: the draft shipped for the embedded target); verify_overhead: as for `EngineMedusaParams`.
-    The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so each token is still
-    drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by batching or by
-    the draft)."""
+    tokenizer (None: the draft shipped for the embedded target); verify_overhead: as for `EngineMedusaParams`;
+    draft_cost: one draft forward's cost as a fraction of the target's at the same batch, which a chain's drafted
+    tokens must pay for besides the wider verifying forward (None: estimated by `Engine`, from the weights each
+    forward reads where the native CPU kernel runs, else from the layers, whose fixed work dominates on a GPU).
+    The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so each token is
+    still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by batching or
+    by the draft)."""
 
     draft: str | None = None
     gamma: int = 4
     verify_overhead: float = LOOKUP_OVERHEAD
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
@@ -457,6 +461,8 @@ class EngineDraftParams:
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
+        if self.draft_cost is not None and not 0.0 <= _check_finite("draft_cost", self.draft_cost) <= 1.0:
+            raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
 
 
 SCHEDULING_POLICIES = ("continuous", "static")

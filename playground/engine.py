@@ -23,9 +23,9 @@ runs batched over the requests on a paged cache of its own, first reading what i
 tokens (the last token; the whole prompt the first time), then one forward per drafted token.
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
 stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
-lossless rule for one-hot proposals, which copies, the heads' guesses and the draft's argmax chains all are), so greedy and seeded outputs
-are those of plain decoding, token for token, whatever the batch. The kept path's KV moves next to the last token
-(`keep`); the rest of the tree and the padding are dropped.
+lossless rule for one-hot proposals, which copies, the heads' guesses and the draft's argmax chains all are), so
+greedy and seeded outputs are those of plain decoding, token for token, whatever the batch. The kept path's KV
+moves next to the last token (`keep`); the rest of the tree and the padding are dropped.
 
 Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) and
 preemptions leave `PreemptEvent`s in `events`, which the UI's memory tab and the serving benchmark read.
@@ -46,9 +46,9 @@ import torch
 
 from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from .decoding.prompt_lookup import (Lookup, ProposalGate, RunningAcceptance, agreement, at, batch_step_cost,
+                                     find_continuations, plan_width, widest_paying)
 from .decoding.speculative import check_compatible
-from .decoding.prompt_lookup import (Lookup, ProposalGate, agreement, at, batch_step_cost, find_continuations,
-                                     plan_width, widest_paying)
 from .decoding.tree import COPY_PRIOR, ancestor_mask, best_first
 from .kv import blocks_for
 from .models import LoadedModel
@@ -110,8 +110,8 @@ class RequestOutput:
 
 @dataclass
 class ProposalCounts:
-    """Proposals of one kind (copies, or the guesses of the heads or the draft) verified in the batch so far: decode forwards that
-    verified any, proposed tokens verified, accepted."""
+    """Proposals of one kind (copies, or the guesses of the heads or the draft) verified in the batch so far: decode
+    forwards that verified any, proposed tokens verified, accepted."""
 
     steps: int = 0
     proposed: int = 0
@@ -213,6 +213,7 @@ class Engine:
             # As large as the target's pool: a request's draft never holds more tokens than its target side.
             self.draft_cache = paged_cache(self.draft.model, self.params.num_blocks, self.params.block_size)
             self.depth = self.nodes = spec.gamma
+            self.draft_cost = spec.draft_cost if spec.draft_cost is not None else self._draft_cost()
         # what a wider forward costs where no kernel pass sizes it: the most cautious of the proposers' settings
         self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None],
                                    default=0.0)
@@ -406,8 +407,12 @@ class Engine:
         if self.heads is not None:
             guesses = self._guesses(plan.decode, min(longest, self.depth), min(longest, self.heads.vocab_size))
         elif self.draft is not None:
-            guesses = self._draft_chains([r for r, room in zip(plan.decode, rooms) if room > 0],
-                                         min(longest, self.depth, max(rooms)))
+            # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
+            # tokens' acceptance so far says pays for both.
+            expected = self.calibration.expected_tokens(self.depth)
+            depth = plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
+                               lambda width: cost(width) + (width - 1) * self.draft_cost) - 1
+            guesses = self._draft_chains([r for r, room in zip(plan.decode, rooms) if room > 0], min(longest, depth))
         else:
             guesses = {}
         eos_ids = frozenset(self.target.eos_token_ids)
@@ -441,6 +446,20 @@ class Engine:
         plan.width = width
         plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
 
+    def _draft_cost(self) -> float:
+        """A draft forward's cost over the target's, estimated: where the native CPU kernel runs the forwards they
+        are bound by reading the weights (the layers' and the output rows scored), elsewhere (a GPU, PyTorch's
+        kernels) by each layer's fixed work. The shipped draft: 0.026 and 4 / 30; measured on the 2-core EPYC,
+        0.03 of the target's forward at batch 1 to 0.09 at batch 16."""
+        draft, target = self.draft.model, self.target.model
+        if target.rows_per_pass is None:
+            return draft.config.num_layers / target.config.num_layers
+
+        def weights(model: torch.nn.Module, output_rows: int) -> int:
+            return sum(p.numel() for p in model.layers.parameters()) + output_rows * model.config.hidden_size
+        rows = len(self.draft_rows) if self.draft_rows is not None else draft.config.vocab_size
+        return weights(draft, rows) / weights(target, target.config.vocab_size)
+
     def _can_guess(self, request: Request) -> bool:
         """Whether the heads or the draft can propose for this request: the heads need the hidden state of a
         forward run since it was last admitted, the draft nothing."""
@@ -471,13 +490,16 @@ class Engine:
         tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
         return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
 
-    def _draft_chains(self, requests: list[Request], depth: int) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
+    def _draft_chains(self, requests: list[Request],
+                      depth: int) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
         """The draft's greedy chain of `depth` tokens after each request's last token, with each token's
         log-probability under the draft's softmax, as (D, 1) lists: the heads' guesses with one rank, so that
         `_head_tree` builds the chain (with a copy grafted on) as it builds their trees. The draft first reads what
         of the request's tokens it has not seen, always the last one: one padded forward for the requests with at
         most CATCH_UP of them, one forward each for the others (a whole prompt the first time, or the tokens of
         steps it did not draft). A request whose draft KV would not fit the draft's free blocks is left out."""
+        if not depth:
+            return {}
         model, cache = self.draft.model, self.draft_cache
         for r in requests:  # all added before any is sized: a prompt sharing another's blocks makes both copy them
             if not cache.has_sequence(r.id):
@@ -490,7 +512,7 @@ class Engine:
             if need <= free:
                 free -= need
                 todo[r.id] = (r, unseen)
-        if not todo or not depth:
+        if not todo:
             return {}
         short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
         groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
@@ -509,6 +531,7 @@ class Engine:
         logp: list[list[float]] = []
         chains: list[list[int]] = []
         for d in range(depth):
+            # (B, V') over the draft's proposal vocabulary, or (B, V)
             logits = self.draft_rows.logits(hidden) if self.draft_rows is not None else model.project(hidden)
             best = logits.log_softmax(-1).max(-1)  # values, indices: (B,)
             tokens = best.indices if self.draft_rows is None else self.draft_rows.ids[best.indices]  # (B,)
@@ -521,7 +544,7 @@ class Engine:
             hidden = states[:, 0]  # (B, E)
         out = {}
         for i, r in enumerate(drafting):
-            chain = [tokens[i] for tokens in chains]
+            chain = [drafted[i] for drafted in chains]
             r.drafted = chain[:-1]
             out[r.id] = ([[lp[i]] for lp in logp], [[t] for t in chain])
         return out
@@ -726,9 +749,11 @@ class Engine:
 
 
 class GuessCalibration:
-    """How often the heads' guesses are right against what their probabilities say, per depth. A guess is judged
-    when the token it follows was kept; at each depth, the probabilities of the judged guesses are summed against
-    how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no data: p itself), at most 1.
+    """How often the guesses of the heads (or the draft) are right against what their probabilities say, per depth,
+    and how often judged guesses are kept at each depth (`expected_tokens`, which decides how deep the draft
+    drafts). A guess is judged when the token it follows was kept; at each depth, the probabilities of the judged
+    guesses are summed against how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no
+    data: p itself), at most 1.
     Why: the shipped heads' top guesses run high; on the exactness prompts the first head's top guesses at
     probability 0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so uncalibrated guesses looked worth a wider
     forward at batch sizes where they were not."""
@@ -736,6 +761,7 @@ class GuessCalibration:
     def __init__(self, depth: int) -> None:
         self.kept = [0.0] * depth
         self.predicted = [0.0] * depth
+        self.judged = [0] * depth
 
     def scale(self, depth: int) -> float:
         return (self.kept[depth] + 1.0) / (self.predicted[depth] + 1.0)
@@ -753,13 +779,25 @@ class GuessCalibration:
             gains.append(gains[-1] + reach)
         return gains
 
+    def expected_tokens(self, depth: int) -> list[float]:
+        """The tokens a step is expected to commit with a chain of guesses k = 0..depth deep: 1 + the chance of
+        reaching each depth, from how often judged guesses were kept at each (an optimistic prior of 2 / 3, as prompt
+        lookup's running acceptance has, so that guessing is tried first)."""
+        accepted, judged = RunningAcceptance.PRIOR_ACCEPTED, RunningAcceptance.PRIOR_JUDGED
+        gains, reach = [1.0], 1.0
+        for d in range(depth):
+            reach *= (self.kept[d] + accepted) / (self.judged[d] + judged)
+            gains.append(gains[-1] + reach)
+        return gains
+
     def record(self, proposal: Proposal, path: list[int]) -> None:
         """A verified tree and the rows of the tokens kept. A copied token is left out even where a head guessed it
         too: it is in the tree because the copy proposes it, which makes it likelier than the head's probability
         says."""
         reached, kept = {0, *path}, set(path)
         for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
-            if parent in reached and not proposal.copied[i]:  # a guess of the heads alone, judged
+            if parent in reached and not proposal.copied[i]:  # a guess of the heads or the draft, not the copy's
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
+                self.judged[depth - 1] += 1
 

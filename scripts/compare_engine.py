@@ -42,10 +42,11 @@ def decoder_run(decoder: Decoder) -> Callable[[str], tuple[tuple[int, ...], floa
     return run
 
 
-def engine_run(target: LoadedModel, generation: GenerationParams, draft: LoadedModel | None = None,
+def engine_run(target: LoadedModel, generation: GenerationParams, draft_model: LoadedModel | None = None,
                **proposers: object) -> Callable[[str], tuple[tuple[int, ...], float]]:
     def run(prompt: str) -> tuple[tuple[int, ...], float]:
-        engine = Engine(target, EngineParams(max_running=1, **proposers), record_blocks=False, draft=draft)
+        engine = Engine(target, EngineParams(max_running=1, **proposers), record_blocks=False,
+                        draft=draft_model)
         request = engine.add_request(prompt, GREEDY, generation)
         return engine.run_all()[request].token_ids, engine.busy_s
     return run

@@ -178,6 +178,8 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         EngineDraftParams(gamma=17)
     with pytest.raises(ConfigError, match="draft must be a model spec or None"):
         EngineDraftParams(draft="")
+    with pytest.raises(ConfigError, match=r"draft_cost must be in \[0, 1\] or None, got 2"):
+        EngineDraftParams(draft_cost=2.0)
     with pytest.raises(ConfigError, match="draft: its tokenizer differs from the target's"):
         Engine(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
@@ -215,7 +217,9 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     tokens."""
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
-    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[proposer]
+    # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
+    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams(),
+          "draft": EngineDraftParams(draft_cost=0.0)}[proposer]
     results, counts = [], []
     for params in (EngineParams(max_running=3), EngineParams(max_running=3, **{proposer: on})):
         engine = Engine(target, params)
@@ -241,43 +245,21 @@ def runner_up_kept(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_medusa_heads_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypatch) -> None:
-    """Trees of the heads' guesses, alone or beside copies, change how many tokens a step commits, never which:
-    at batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with guesses accepted and refused
-    along the way, runners-up among them."""
+@pytest.mark.parametrize("guesser", ["medusa", "draft"])
+def test_guesses_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypatch, guesser) -> None:
+    """Trees of the heads' guesses or the draft's chains, alone or beside copies, change how many tokens a step
+    commits, never which: at batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with guesses
+    accepted and refused along the way (the heads' runners-up among them), and every pool empty at the end."""
     runner_up = runner_up_kept(monkeypatch)
     generation = GenerationParams(max_new_tokens=24)
     expected = dict(plain_outputs)
     for prompt in GROUNDED:
         expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
     prompts = list(expected)
-    for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
-        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, medusa=EngineMedusaParams()))
-        ids = {engine.add_request(p, generation=generation): p for p in prompts}
-        outputs = engine.run_all()
-        for rid, prompt in ids.items():
-            assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
-        guessed = engine.guessed
-        assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
-        assert any(runner_up), max_running
-        runner_up.clear()
-        assert (engine.copied.accepted > 0) == (lookup is not None)
-        assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
-        check_no_leak(engine)
-
-
-def test_a_draft_in_the_batch_gives_plain_outputs(target, plain_outputs) -> None:
-    """The draft's chains, alone or beside copies, change how many tokens a step commits, never which: at batch
-    sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with drafted tokens accepted and refused,
-    and both pools empty at the end."""
-    generation = GenerationParams(max_new_tokens=24)
-    expected = dict(plain_outputs)
-    for prompt in GROUNDED:
-        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
-    prompts = list(expected)
+    guesses = {"medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[guesser]
     draft = None
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
-        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, draft=EngineDraftParams()),
+        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, **{guesser: guesses}),
                         draft=draft)
         draft = engine.draft  # the shipped draft, loaded once
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
@@ -286,7 +268,10 @@ def test_a_draft_in_the_batch_gives_plain_outputs(target, plain_outputs) -> None
             assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
         guessed = engine.guessed
         assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
+        assert any(runner_up) or guesser == "draft", max_running
+        runner_up.clear()
         assert (engine.copied.accepted > 0) == (lookup is not None)
+        assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
 
 
@@ -298,6 +283,7 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     calibration = GuessCalibration(3)
     assert calibration.log_rates([[math.log(0.5)]]) == [[pytest.approx(math.log(0.5))]]  # no data: p itself
     assert calibration.bound(2) == [1.0, 2.0, 3.0]
+    assert calibration.expected_tokens(2) == pytest.approx([1.0, 5 / 3, 5 / 3 + 4 / 9])  # the prior: 2 / 3 a depth
     for _ in range(40):  # rows 1 then 3 kept: depth 1 judged 0.75 for 1 kept, depth 2 0.5 for 1, depth 3 0.5 for 0
         # (row 5 is the copy's: nothing of the heads')
         calibration.record(tree, [1, 3])
@@ -311,6 +297,10 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     copied = Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])  # a head guessed the copied 5 too
     calibration.record(copied, [1])  # only row 2, the heads' own guess, is judged: refused
     assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(31.0)
+    assert calibration.judged == [83, 40, 40]  # of depth 1: rows 1 and 2 every time, then row 2 once more
+    reach = [(41 + 2 / 3) / 84, (40 + 2 / 3) / 41, (0 + 2 / 3) / 41]
+    assert calibration.expected_tokens(3) == pytest.approx(
+        [1.0, 1 + reach[0], 1 + reach[0] + reach[0] * reach[1], 1 + reach[0] + reach[0] * reach[1] + math.prod(reach)])
 
     def cost(width: int) -> float:  # plain, then a jump at 4 tokens
         return 1.0 if width == 1 else 1.2 if width < 4 else 3.0
@@ -408,13 +398,14 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     preempt) to a few blocks more; some requests are aborted at step 3; with copy_tokens > 0, prompt lookup
     proposes copies of up to that many tokens whenever it finds one, and with guesses > 0 untrained Medusa heads
     propose trees that many deep, or a draft (the tiny model with noise) chains that long (with copies too, copies
-    grafted on; no verify overhead on this model: every proposal is worth a wider forward), which the token
-    budget and the free blocks trim (and the draft's own pool, as small as the target's)."""
+    grafted on; no verify overhead or draft cost on this model: every proposal is worth a wider forward), which the
+    token budget and the free blocks trim (and the draft's own pool, as small as the target's)."""
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None
     medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
-    draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0) if guesses and guesser == "draft" else None
+    draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0, draft_cost=0.0) if guesses and guesser == "draft" \
+        else None
     engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                                        max_running=max_running, policy=policy, prefix_caching=caching,
                                        lookup=lookup, medusa=medusa, draft=draft), heads=TINY_HEADS, draft=TINY_DRAFT)
@@ -501,8 +492,10 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     the drafts, copies and padded catch-up forwards did; the outputs are the solo ones."""
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
     generation = GenerationParams(max_new_tokens=16)
-    engine = Engine(TINY, EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=PromptLookupParams(
-        num_draft=3, verify_overhead=0.0), draft=EngineDraftParams(gamma=3, verify_overhead=0.0)), draft=TINY_DRAFT)
+    lookup = PromptLookupParams(num_draft=3, verify_overhead=0.0)
+    drafts = EngineDraftParams(gamma=3, verify_overhead=0.0, draft_cost=0.0)
+    engine = Engine(TINY, EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts),
+                    draft=TINY_DRAFT)
     ids = [engine.add_request(p, generation=generation) for p in prompts]
     outputs, checked = {}, 0
     real = engine._draft_chains
@@ -510,7 +503,8 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     def chains(requests, depth):
         out = real(requests, depth)
         for request in requests:  # the draft has read everything up to the last token, and its chain but the end
-            assert engine.draft_cache.length(request.id) == request.num_computed + len(out[request.id][1])
+            if request.id in out:
+                assert engine.draft_cache.length(request.id) == request.num_computed + len(out[request.id][1])
         return out
     engine._draft_chains = chains
     while engine.has_unfinished():

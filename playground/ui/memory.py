@@ -10,7 +10,8 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, PromptLookupParams, SamplingParams
+from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, PromptLookupParams,
+                      SamplingParams)
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -126,8 +127,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "each request's copy of earlier text is verified in the batch's forward where it pays for the "
                 "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
                 "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
-                "draft, or the one shipped for the embedded model), a chain of its greedy tokens. Run locally, the same engine answers HTTP "
-                "requests from OpenAI-style clients: `python -m playground serve`.")
+                "draft, or the one shipped for the embedded model), a chain of its greedy tokens. Run locally, "
+                "the same engine answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
