@@ -439,7 +439,7 @@ class EngineMedusaParams:
 @dataclass(frozen=True, slots=True)
 class EngineDraftParams:
     """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
-    up to `gamma` tokens (one batched draft forward per drafted token, over every request that drafts, on the
+    up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over every request that drafts, on the
     draft's own paged cache), verified in the batch's decode forward. draft: a model spec with the target's
     tokenizer (None: the draft shipped for the embedded target); verify_overhead: as for `EngineMedusaParams`;
     draft_cost: one draft forward's cost as a fraction of the target's at the same batch, which a chain's drafted

@@ -18,9 +18,10 @@ With `EngineParams.medusa` (Medusa heads in the batch) a request may instead hav
 (Medusa's dynamic tree, `tree.best_first`, from the final hidden state of the row that predicted its last token),
 run with its own tree mask among the batch's rows; with both, a request's copy is grafted onto its tree (worth
 its running acceptance beside the heads' calibrated probabilities). With `EngineParams.draft` (a draft model in the
-batch) a request's proposal is the draft's greedy chain instead, built as a tree of one guess per depth: the draft
-runs batched over the requests on a paged cache of its own, first reading what it has not seen of each request's
-tokens (the last token; the whole prompt the first time), then one forward per drafted token.
+batch) a request's proposal is the draft's greedy chain instead (its runner-up at the first place a leaf beside it),
+built as the heads' trees are: the draft runs batched over the requests on a paged cache of its own, first
+reading what it has not seen of each request's tokens (the last token; the whole prompt the first time), then one
+forward per drafted token.
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
 stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
 lossless rule for one-hot proposals, which copies, the heads' guesses and the draft's argmax chains all are), so
@@ -212,7 +213,7 @@ class Engine:
             self.draft_rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
             # As large as the target's pool: a request's draft never holds more tokens than its target side.
             self.draft_cache = paged_cache(self.draft.model, self.params.num_blocks, self.params.block_size)
-            self.depth = self.nodes = spec.gamma
+            self.depth, self.nodes = spec.gamma, spec.gamma + 1  # the chain and a runner-up at its first place
             self.draft_cost = spec.draft_cost if spec.draft_cost is not None else self._draft_cost()
         # what a wider forward costs where no kernel pass sizes it: the most cautious of the proposers' settings
         self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None],
@@ -492,9 +493,10 @@ class Engine:
 
     def _draft_chains(self, requests: list[Request],
                       depth: int) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
-        """The draft's greedy chain of `depth` tokens after each request's last token, with each token's
-        log-probability under the draft's softmax, as (D, 1) lists: the heads' guesses with one rank, so that
-        `_head_tree` builds the chain (with a copy grafted on) as it builds their trees. The draft first reads what
+        """The draft's greedy chain of `depth` tokens after each request's last token, and its runner-up at the first
+        place, with each token's log-probability under the draft's softmax, as (D, k) lists (k = 2 at the first
+        place, else 1): the heads' guesses, so that `_head_tree` builds the chain (`best_first` with `chained`, the
+        runner-up a leaf; a copy grafted on) as it builds their trees. The draft first reads what
         of the request's tokens it has not seen, always the last one: one padded forward for the requests with at
         most CATCH_UP of them, one forward each for the others (a whole prompt the first time, or the tokens of
         steps it did not draft). A request whose draft KV would not fit the draft's free blocks is left out."""
@@ -533,20 +535,21 @@ class Engine:
         for d in range(depth):
             # (B, V') over the draft's proposal vocabulary, or (B, V)
             logits = self.draft_rows.logits(hidden) if self.draft_rows is not None else model.project(hidden)
-            best = logits.log_softmax(-1).max(-1)  # values, indices: (B,)
-            tokens = best.indices if self.draft_rows is None else self.draft_rows.ids[best.indices]  # (B,)
+            # At the first place the runner-up too: where the target refuses the draft's first choice it often
+            # takes its second (as speculative decoding's siblings), a leaf beside the chain.
+            best = logits.log_softmax(-1).topk(2 if d == 0 else 1, dim=-1)  # values, indices: (B, k)
+            ranked = best.indices if self.draft_rows is None else self.draft_rows.ids[best.indices]  # (B, k)
             logp.append(best.values.tolist())
-            chains.append(tokens.tolist())
+            chains.append(ranked.tolist())
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
             positions = torch.tensor([[cache.length(r.id)] for r in drafting], device=model.device)  # (B, 1)
-            _, states = model(tokens.unsqueeze(1), positions, cache, [r.id for r in drafting], num_logits=0)
+            _, states = model(ranked[:, :1], positions, cache, [r.id for r in drafting], num_logits=0)
             hidden = states[:, 0]  # (B, E)
         out = {}
         for i, r in enumerate(drafting):
-            chain = [drafted[i] for drafted in chains]
-            r.drafted = chain[:-1]
-            out[r.id] = ([[lp[i]] for lp in logp], [[t] for t in chain])
+            r.drafted = [ranked[i][0] for ranked in chains[:-1]]  # the chain: the top guess at each place
+            out[r.id] = ([lp[i] for lp in logp], [ranked[i] for ranked in chains])
         return out
 
     def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int, eos_ids: frozenset[int],
@@ -560,7 +563,8 @@ class Engine:
         rated = self.calibration.log_rates(logp)
         copied = copy.tokens if copy else []
         prior = math.log(copy_rate) if copy else 0.0
-        paths, chain = best_first(rated, tokens, copied, nodes, copy_rate if copy else COPY_PRIOR)
+        paths, chain = best_first(rated, tokens, copied, nodes, copy_rate if copy else COPY_PRIOR,
+                                  chained=self.draft is not None)
         # The copy runs through the heads' nodes whose token it is, then on as `chain` nodes of its own.
         chosen, walk = set(paths), ()
         for depth, token in enumerate(copied[: len(tokens)]):
@@ -750,8 +754,8 @@ class Engine:
 
 class GuessCalibration:
     """How often the guesses of the heads (or the draft) are right against what their probabilities say, per depth,
-    and how often judged guesses are kept at each depth (`expected_tokens`, which decides how deep the draft
-    drafts). A guess is judged when the token it follows was kept; at each depth, the probabilities of the judged
+    and how often a node with guesses below it has one of them kept, per depth (`expected_tokens`, which decides
+    how deep the draft drafts). A guess is judged when the token it follows was kept; at each depth, the probabilities of the judged
     guesses are summed against how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no
     data: p itself), at most 1.
     Why: the shipped heads' top guesses run high; on the exactness prompts the first head's top guesses at
@@ -780,9 +784,9 @@ class GuessCalibration:
         return gains
 
     def expected_tokens(self, depth: int) -> list[float]:
-        """The tokens a step is expected to commit with a chain of guesses k = 0..depth deep: 1 + the chance of
-        reaching each depth, from how often judged guesses were kept at each (an optimistic prior of 2 / 3, as prompt
-        lookup's running acceptance has, so that guessing is tried first)."""
+        """The tokens a step is expected to commit with guesses k = 0..depth deep: 1 + the chance of reaching each
+        depth, from how often a reached node had one of its guesses kept at each (an optimistic prior of 2 / 3, as
+        prompt lookup's running acceptance has, so that guessing is tried first)."""
         accepted, judged = RunningAcceptance.PRIOR_ACCEPTED, RunningAcceptance.PRIOR_JUDGED
         gains, reach = [1.0], 1.0
         for d in range(depth):
@@ -795,9 +799,12 @@ class GuessCalibration:
         too: it is in the tree because the copy proposes it, which makes it likelier than the head's probability
         says."""
         reached, kept = {0, *path}, set(path)
+        judged = set()  # (depth, parent) of every reached node with guesses below it
         for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
             if parent in reached and not proposal.copied[i]:  # a guess of the heads or the draft, not the copy's
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
-                self.judged[depth - 1] += 1
+                judged.add((depth, parent))
+        for depth, _ in judged:
+            self.judged[depth - 1] += 1
 

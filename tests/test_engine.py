@@ -297,8 +297,8 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     copied = Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])  # a head guessed the copied 5 too
     calibration.record(copied, [1])  # only row 2, the heads' own guess, is judged: refused
     assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(31.0)
-    assert calibration.judged == [83, 40, 40]  # of depth 1: rows 1 and 2 every time, then row 2 once more
-    reach = [(41 + 2 / 3) / 84, (40 + 2 / 3) / 41, (0 + 2 / 3) / 41]
+    assert calibration.judged == [42, 40, 40]  # depth 1: the last token, its guesses judged 42 times (41 kept)
+    reach = [(41 + 2 / 3) / 43, (40 + 2 / 3) / 41, (0 + 2 / 3) / 41]
     assert calibration.expected_tokens(3) == pytest.approx(
         [1.0, 1 + reach[0], 1 + reach[0] + reach[0] * reach[1], 1 + reach[0] + reach[0] * reach[1] + math.prod(reach)])
 
@@ -329,6 +329,22 @@ def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:
     alone, _ = engine._head_tree(logp, tokens, 4, frozenset(), None, None)  # 0.6, 0.3 and 0.3 (a tie), 0.27
     assert alone.tokens[0] == 10 and sorted(alone.tokens[1:3]) == [11, 20] and alone.tokens[3] == 30
     assert alone.parents[alone.tokens.index(30)] == alone.tokens.index(20) + 1 and not any(alone.copied)
+
+
+def test_a_drafts_chain_keeps_its_runner_up_a_leaf() -> None:
+    """A draft's guess at a depth was drawn after its top guess at the depth before, so its tree is the chain with
+    the first place's runner-up as a leaf; a copy through the runner-up goes on as nodes of its own."""
+    engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(), draft=EngineDraftParams()), draft=TINY_DRAFT)
+    logp = [[math.log(0.6), math.log(0.35)], [math.log(0.9)], [math.log(0.9)]]
+    tokens = [[10, 11], [20], [30]]
+    chain, gains = engine._head_tree(logp, tokens, 5, frozenset(), None, None)
+    # 10 0.6, 20 0.54, 30 0.486, 11 0.35; heads' trees would hang 20 below 11 as well (0.315)
+    assert chain.tokens == [10, 20, 30, 11] and chain.parents == [0, 1, 2, 0] and not any(chain.copied)
+    assert gains == pytest.approx([1.0, 1.6, 2.14, 2.626, 2.976])
+    copied, _ = engine._head_tree(logp, tokens, 6, frozenset(), Lookup([11, 40, 41], start=0, ngram=1), 0.8)
+    # the copy through 11 (worth 0.8), then its own 40 (0.64), 41 (0.512); the chain beside it
+    assert copied.tokens == [11, 40, 10, 20, 41, 30] and copied.parents == [0, 1, 0, 3, 2, 4]
+    assert copied.copied == [True, True, False, False, True, False]
 
 
 def tiny_model(vocab: int = 48, noise: float = 0.0) -> LoadedModel:

@@ -158,7 +158,7 @@ def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int
 
 
 def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int], nodes: int,
-               copy_prior: float = COPY_PRIOR) -> tuple[tuple[tuple[int, ...], ...], int]:
+               copy_prior: float = COPY_PRIOR, chained: bool = False) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The dynamic tree: the `nodes` candidates with the highest estimated probability of being accepted.
 
     logp[d][r], tokens[d][r] (D, k): head d's log-probability and token at rank r, best first; copy: the tokens a
@@ -169,7 +169,9 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     copy goes on as a chain of its own nodes below the deepest head node it runs through, with nothing else below
     it: replayed over the benchmark suite (11 nodes, copies of 8), letting the heads' candidates hang below copied
     nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts, in a scratch
-    variant).
+    variant). With `chained`, the guesses are a draft model's: its guess at depth d + 1 was drawn after its top guess
+    at depth d, so only the top-ranked path has guesses below it (a runner-up is a leaf, the copy's own nodes
+    aside).
     Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
     prior, depth_limit, order = math.log(copy_prior), len(logp), itertools.count()
     # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path, and for a head
@@ -191,7 +193,7 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
         depth = len(path)
         copied = copy[depth] if on_copy and depth < len(copy) else None
         skip = -1
-        if depth < depth_limit:
+        if depth < depth_limit and not (chained and any(path)):
             if copied is not None and copied in tokens[depth]:
                 skip = tokens[depth].index(copied)
                 lp = max(logp[depth][skip], prior)
