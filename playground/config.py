@@ -439,15 +439,15 @@ class EngineMedusaParams:
 @dataclass(frozen=True, slots=True)
 class EngineDraftParams:
     """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
-    up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over every request that drafts, on the
-    draft's own paged cache), verified in the batch's decode forward. draft: a model spec with the target's
-    tokenizer (None: the draft shipped for the embedded target); verify_overhead: as for `EngineMedusaParams`;
-    draft_cost: one draft forward's cost as a fraction of the target's at the same batch, which a chain's drafted
-    tokens must pay for besides the wider verifying forward (None: estimated by `Engine`, from the weights each
-    forward reads where the native CPU kernel runs, else from the layers, whose fixed work dominates on a GPU).
-    The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so each token is
-    still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by batching or
-    by the draft)."""
+    up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
+    every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
+    model spec with the target's tokenizer (None: the draft shipped for the embedded target); verify_overhead: as
+    for `EngineMedusaParams`; draft_cost: one draft forward's cost as a fraction of the target's at the same batch,
+    which a chain's drafted tokens must pay for besides the wider verifying forward (None: estimated by `Engine`,
+    from the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work
+    dominates on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
+    each token is still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by
+    batching or by the draft)."""
 
     draft: str | None = None
     gamma: int = 4

@@ -55,6 +55,7 @@ from .kv import blocks_for
 from .models import LoadedModel
 from .models.loader import load_draft
 from .models.medusa import LoadedHeads, load_heads
+from .models.transformer import Transformer
 from .models.vocab import proposal_rows
 from .sampling import draws_along, make_generator
 from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
@@ -450,13 +451,13 @@ class Engine:
     def _draft_cost(self) -> float:
         """A draft forward's cost over the target's, estimated: where the native CPU kernel runs the forwards they
         are bound by reading the weights (the layers' and the output rows scored), elsewhere (a GPU, PyTorch's
-        kernels) by each layer's fixed work. The shipped draft: 0.026 and 4 / 30; measured on the 2-core EPYC,
+        kernels) by each layer's fixed work. The shipped draft: 0.025 and 4 / 30; measured on the 2-core EPYC,
         0.03 of the target's forward at batch 1 to 0.09 at batch 16."""
         draft, target = self.draft.model, self.target.model
         if target.rows_per_pass is None:
             return draft.config.num_layers / target.config.num_layers
 
-        def weights(model: torch.nn.Module, output_rows: int) -> int:
+        def weights(model: Transformer, output_rows: int) -> int:
             return sum(p.numel() for p in model.layers.parameters()) + output_rows * model.config.hidden_size
         rows = len(self.draft_rows) if self.draft_rows is not None else draft.config.vocab_size
         return weights(draft, rows) / weights(target, target.config.vocab_size)
@@ -496,10 +497,10 @@ class Engine:
         """The draft's greedy chain of `depth` tokens after each request's last token, and its runner-up at the first
         place, with each token's log-probability under the draft's softmax, as (D, k) lists (k = 2 at the first
         place, else 1): the heads' guesses, so that `_head_tree` builds the chain (`best_first` with `chained`, the
-        runner-up a leaf; a copy grafted on) as it builds their trees. The draft first reads what
-        of the request's tokens it has not seen, always the last one: one padded forward for the requests with at
-        most CATCH_UP of them, one forward each for the others (a whole prompt the first time, or the tokens of
-        steps it did not draft). A request whose draft KV would not fit the draft's free blocks is left out."""
+        runner-up a leaf; a copy grafted on) as it builds their trees. The draft first reads what of the request's
+        tokens it has not seen, always the last one: one padded forward for the requests with at most CATCH_UP of
+        them, one forward each for the others (a whole prompt the first time, or the tokens of steps it did not
+        draft). A request whose draft KV would not fit the draft's free blocks is left out."""
         if not depth:
             return {}
         model, cache = self.draft.model, self.draft_cache
@@ -530,8 +531,8 @@ class Engine:
                 cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
         drafting = [r for r, _ in todo.values()]
         hidden = torch.stack([last[r.id] for r in drafting])  # (B, E)
-        logp: list[list[float]] = []
-        chains: list[list[int]] = []
+        logp: list[list[list[float]]] = []  # (D, B, k)
+        chains: list[list[list[int]]] = []  # (D, B, k)
         for d in range(depth):
             # (B, V') over the draft's proposal vocabulary, or (B, V)
             logits = self.draft_rows.logits(hidden) if self.draft_rows is not None else model.project(hidden)
@@ -548,8 +549,8 @@ class Engine:
             hidden = states[:, 0]  # (B, E)
         out = {}
         for i, r in enumerate(drafting):
-            r.drafted = [ranked[i][0] for ranked in chains[:-1]]  # the chain: the top guess at each place
-            out[r.id] = ([lp[i] for lp in logp], [ranked[i] for ranked in chains])
+            r.drafted = [place[i][0] for place in chains[:-1]]  # the chain: the top guess at each place
+            out[r.id] = ([lp[i] for lp in logp], [place[i] for place in chains])
         return out
 
     def _head_tree(self, logp: list[list[float]], tokens: list[list[int]], nodes: int, eos_ids: frozenset[int],
@@ -755,9 +756,9 @@ class Engine:
 class GuessCalibration:
     """How often the guesses of the heads (or the draft) are right against what their probabilities say, per depth,
     and how often a node with guesses below it has one of them kept, per depth (`expected_tokens`, which decides
-    how deep the draft drafts). A guess is judged when the token it follows was kept; at each depth, the probabilities of the judged
-    guesses are summed against how many were kept, and a guess's rate is p x (kept + 1) / (probabilities + 1) (no
-    data: p itself), at most 1.
+    how deep the draft drafts). A guess is judged when the token it follows was kept; at each depth, the
+    probabilities of the judged guesses are summed against how many were kept, and a guess's rate is
+    p x (kept + 1) / (probabilities + 1) (no data: p itself), at most 1.
     Why: the shipped heads' top guesses run high; on the exactness prompts the first head's top guesses at
     probability 0.4-0.5 were right 20% of the time, at 0.8-0.9 54%, so uncalibrated guesses looked worth a wider
     forward at batch sizes where they were not."""

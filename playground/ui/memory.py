@@ -139,6 +139,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
+            with gr.Row():  # proposals verified in the batch: Medusa heads and a draft exclude each other
                 prompt_lookup = gr.Checkbox(False, label="prompt lookup")
                 medusa = gr.Checkbox(False, label="Medusa heads")
                 draft = gr.Checkbox(False, label="draft model")
