@@ -702,7 +702,7 @@ class Engine:
         return outputs
 
     def _record(self, request: Request, proposal: Proposal, path: list[int]) -> None:
-        """What a verified proposal tells: how the request's copies and the heads' guesses fared."""
+        """What a verified proposal tells: how the request's copies and the guesses of the heads or the draft fared."""
         num_copied = sum(proposal.copied)
         kept_copies = sum(1 for _ in itertools.takewhile(lambda row: proposal.copied[row - 1], path))
         if num_copied:

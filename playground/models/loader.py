@@ -45,14 +45,20 @@ def default_draft(target_source: str) -> str | None:
     return None
 
 
-def load_draft(source: str | None, target: LoadedModel) -> LoadedModel:
-    """A draft model for `target` on its device and dtype: `source` (a model spec), or None for the draft shipped
-    for the target (only the embedded model has one)."""
-    source = source or default_draft(target.spec.source)
+def draft_spec(source: str | None, target: LoadedModel) -> ModelSpec:
+    """The spec of a draft for `target`, on its device and dtype: `source` (a model spec; blank or None: the draft
+    shipped for the target, which only the embedded model has)."""
+    source = (source or "").strip() or default_draft(target.spec.source)
     if not source:
-        raise ModelLoadError("draft: none ships for this target; pass a model spec with the target's tokenizer")
-    return load_model(ModelSpec(source=source, device=target.model.device.type, dtype=target.spec.dtype,
-                                cache_dir=target.spec.cache_dir))
+        raise ModelLoadError("draft: none ships for this target (a default ships only for the embedded model); pass "
+                             "a model spec with the target's tokenizer")
+    return ModelSpec(source=source, device=target.model.device.type, dtype=target.spec.dtype,
+                     cache_dir=target.spec.cache_dir)
+
+
+def load_draft(source: str | None, target: LoadedModel) -> LoadedModel:
+    """A draft model for `target` (`draft_spec`), loaded now."""
+    return load_model(draft_spec(source, target))
 
 
 class ModelLoadError(ValueError):

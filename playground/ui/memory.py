@@ -17,7 +17,7 @@ from ..models import ModelLoadError
 from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map, statuses_at
 from .decode import as_int
-from .models import get_model, target_spec
+from .models import get_draft, get_model, target_spec
 
 # Redraws while serving: the block map at most four times a second, the chart (heavier for the browser, which
 # shares the processor with the engine on a small machine) once a second; the engine's clock is stopped meanwhile.
@@ -77,10 +77,12 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
                               lookup=PromptLookupParams() if prompt_lookup else None,
                               medusa=EngineMedusaParams() if medusa else None,
-                              draft=EngineDraftParams(draft=draft_source.strip() or None) if draft else None)
+                              draft=EngineDraftParams() if draft else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
-        engine = Engine(get_model(spec), params)
+        target = get_model(spec)
+        # the app's loaded draft (the panel's, else the shipped one), not a fresh load on every run
+        engine = Engine(target, params, draft=get_draft(target, draft_source) if draft else None)
         for prompt, generation in workload(requests, as_int("max new tokens", max_new_tokens)):
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:

@@ -9,7 +9,7 @@ import gradio as gr
 from ..config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
 from ..decoding.speculative import check_compatible
 from ..models import LoadedModel, ModelLoadError, load_model, native
-from ..models.loader import default_draft
+from ..models.loader import default_draft, draft_spec
 from ..models.vocab import proposal_rows
 
 _models: dict[ModelSpec, LoadedModel] = {}
@@ -33,11 +33,7 @@ def target_spec(source: str, device: str, dtype: str = "float32", quant: str = N
 
 def get_draft(target: LoadedModel, draft_source: str) -> LoadedModel:
     """The draft for a target: the panel's draft, else the shipped one; refused unless tokenizers match."""
-    source = (draft_source or "").strip() or default_draft(target.spec.source)
-    if not source:
-        raise ConfigError("draft: speculative decoding needs a draft model with the target's tokenizer "
-                          "(a default ships only for the embedded model)")
-    draft = get_model(ModelSpec(source=source, device=target.spec.device, dtype=target.spec.dtype))
+    draft = get_model(draft_spec(draft_source, target))
     check_compatible(target, draft)
     return draft
 
