@@ -207,9 +207,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--draft and --gamma set a draft model in the batch: add --speculative")
     draft = EngineDraftParams(draft=args.draft, **({} if args.gamma is None else {"gamma": args.gamma})) \
         if args.speculative else None
+    if not args.lookahead and any(v is not None for v in (args.window, args.ngram, args.guesses)):
+        raise ConfigError("--window, --ngram and --guesses set lookahead in the batch: add --lookahead")
+    lookahead = LookaheadParams(window=LOOKAHEAD.window if args.window is None else args.window, ngram=args.ngram,
+                                guesses=args.guesses) if args.lookahead else None
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
-                          lookup=lookup, medusa=medusa, draft=draft)
+                          lookup=lookup, medusa=medusa, draft=draft, lookahead=lookahead)
     server = PlaygroundServer(args.host, args.port)  # listens now: a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
@@ -374,6 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     drafts.add_argument("--gamma", type=int, default=None,
                         help=f"most tokens drafted per request and step, 1..{MAX_GAMMA} (default "
                              f"{EngineDraftParams().gamma}); larger batches draft fewer")
+    ahead = server.add_argument_group("lookahead in the batch (alone: no prompt lookup, Medusa or draft)")
+    ahead.add_argument("--lookahead", action="store_true",
+                       help="give each request a Jacobi window and n-gram pools (corpus, prompt, window, output); "
+                            "verify the pools' candidates for it, with the window's rows beside them, in the "
+                            "batch's forward where they pay for the extra rows: the same tokens as without")
+    ahead.add_argument("--window", type=int, default=None,
+                       help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
+    ahead.add_argument("--ngram", type=int, default=None,
+                       help="n-gram size N (window of N - 1 rows), 2..8 (default: as generate's)")
+    ahead.add_argument("--guesses", type=int, default=None,
+                       help="n-grams kept per key and verified per request and step G, 1..16 (default: as "
+                            "generate's)")
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser

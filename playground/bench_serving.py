@@ -1,12 +1,12 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs up to ten ways on the same engine and paged cache:
+--max-new-tokens to all of it, all queued at time 0) runs up to twelve ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
 sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
-(`EngineParams.lookup`), with the Medusa heads' trees (`EngineParams.medusa`, where heads ship for the target)
-and with the draft model's chains (`EngineParams.draft`, where a draft ships for the target), and sequential with
-lookup and Medusa. Greedy outputs must be identical in every mode. KV memory is read from the engine's
+(`EngineParams.lookup`), with lookahead's windows and candidates (`EngineParams.lookahead`), with the Medusa
+heads' trees (`EngineParams.medusa`, where heads ship for the target) and with the draft model's chains
+(`EngineParams.draft`, where a draft ships for the target), and sequential with lookup and Medusa. Greedy outputs must be identical in every mode. KV memory is read from the engine's
 per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
 slots per running request (a contiguous cache) would waste.
 """
@@ -17,8 +17,8 @@ import statistics
 from typing import Any
 
 from .bench_suite import SUITE
-from .config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, PromptLookupParams,
-                     SamplingParams)
+from .config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
+                     PromptLookupParams, SamplingParams)
 from .engine import Engine
 from .models.loader import default_draft
 from .models.medusa import default_heads
@@ -83,6 +83,8 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "sequential": EngineParams(max_running=1, **base),
         "continuous + prompt lookup": EngineParams(max_running=max_running, lookup=PromptLookupParams(), **base),
         "sequential + prompt lookup": EngineParams(max_running=1, lookup=PromptLookupParams(), **base),
+        "continuous + lookahead": EngineParams(max_running=max_running, lookahead=LookaheadParams(), **base),
+        "sequential + lookahead": EngineParams(max_running=1, lookahead=LookaheadParams(), **base),
     }
     heads = default_heads(target.spec.source)
     if heads is not None:
@@ -120,6 +122,8 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "continuous_vs_static": continuous["tokens_per_s"] / results["static"]["tokens_per_s"],
         "lookup_vs_continuous": results["continuous + prompt lookup"]["tokens_per_s"] / continuous["tokens_per_s"],
         "lookup_vs_sequential": results["sequential + prompt lookup"]["tokens_per_s"] / sequential["tokens_per_s"],
+        "lookahead_vs_continuous": results["continuous + lookahead"]["tokens_per_s"] / continuous["tokens_per_s"],
+        "lookahead_vs_sequential": results["sequential + lookahead"]["tokens_per_s"] / sequential["tokens_per_s"],
         **({"medusa_vs_continuous": results["continuous + Medusa"]["tokens_per_s"] / continuous["tokens_per_s"],
             "medusa_vs_sequential": results["sequential + Medusa"]["tokens_per_s"] / sequential["tokens_per_s"],
             "both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
@@ -141,8 +145,8 @@ def markdown_serving(report: dict[str, Any]) -> str:
              f"{s['requests']} requests queued at once, output limits {max(1, s['max_new_tokens'] // 8)} to "
              f"{s['max_new_tokens']} tokens, at most {s['max_running']} running, paged KV with "
              f"{s['num_blocks']} blocks of {s['block_size']} tokens.", "",
-             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies accepted "
-             "| guesses accepted |",
+             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies (or "
+             "lookahead's candidates) accepted | guesses accepted |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["modes"].items():
         proposals = [f"{r[kind + '_accepted']} of {r[kind + '_proposed']} in {r[steps]} steps"
@@ -156,6 +160,8 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",
               f"- prompt lookup in the batch: {s['lookup_vs_continuous']:.2f}x continuous, "
               f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
+              f"- lookahead in the batch: {s['lookahead_vs_continuous']:.2f}x continuous, "
+              f"{s['lookahead_vs_sequential']:.2f}x sequential (the same tokens)",
               f"- Medusa heads' trees in the batch: {s['medusa_vs_continuous']:.2f}x continuous, "
               f"{s['medusa_vs_sequential']:.2f}x sequential; with prompt lookup too: {s['both_vs_sequential']:.2f}x "
               f"sequential (the same tokens)" if "medusa_vs_continuous" in s else

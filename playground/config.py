@@ -497,6 +497,7 @@ class EngineParams:
     lookup: PromptLookupParams | None = None
     medusa: EngineMedusaParams | None = None
     draft: EngineDraftParams | None = None
+    lookahead: LookaheadParams | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
@@ -520,3 +521,10 @@ class EngineParams:
             if self.medusa is not None:
                 raise ConfigError("draft and medusa: a request is proposed either the heads' tree or the draft's "
                                   "chain; set one of them")
+        if self.lookahead is not None:
+            if not isinstance(self.lookahead, LookaheadParams):
+                raise ConfigError(f"lookahead must be LookaheadParams or None, got {type(self.lookahead).__name__}")
+            others = [name for name in ("lookup", "medusa", "draft") if getattr(self, name) is not None]
+            if others:
+                raise ConfigError(f"lookahead and {', '.join(others)}: lookahead's own proposals (its pools hold the "
+                                  f"prompt's and the output's n-grams) stand alone in the engine; set one of them")

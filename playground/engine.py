@@ -38,15 +38,16 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
 
 import torch
 
-from .config import ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
+from .config import LOOKUP_OVERHEAD, ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from .decoding.lookahead import TextPools, candidate_tree, first_window, jacobi_block, seed_pools, slide
 from .decoding.prompt_lookup import (Lookup, ProposalGate, RunningAcceptance, agreement, at, batch_step_cost,
                                      find_continuations, plan_width, widest_paying)
 from .decoding.speculative import check_compatible
@@ -57,7 +58,7 @@ from .models.loader import load_draft
 from .models.medusa import LoadedHeads, load_heads
 from .models.transformer import Transformer
 from .models.vocab import proposal_rows
-from .sampling import draws_along, make_generator
+from .sampling import argmax_rows, draws_along, make_generator
 from .trace import Event, KVAllocEvent, KVFreeEvent, MemoryEvent, PreemptEvent
 
 
@@ -89,6 +90,9 @@ class Request:
     copy_acceptance: ProposalGate | None = None  # per matched n-gram length, how well its copies do (prompt lookup)
     hidden: torch.Tensor | None = None  # (E,) final hidden state of the row that predicted the last token (Medusa)
     drafted: list[int] = field(default_factory=list)  # tokens the draft read after the last token this step
+    pools: TextPools | None = None  # lookahead: n-grams of the corpus, the prompt, the window and the output
+    window: list[list[int]] | None = None  # lookahead: the Jacobi window, N - 1 rows of W guessed tokens
+    pooled: int = 0  # lookahead: leading tokens whose n-grams are in the pools
 
     @property
     def tokens(self) -> list[int]:
@@ -126,13 +130,15 @@ class Proposal:
     the request's decode rows and follows the token of row parents[i] (0: the last token), every parent before
     its children, so that any leading part is a tree too. copied[i]: token i is a copy's (prompt lookup; ngram is
     the length of the copy's matched suffix), else a guess of the Medusa heads or the draft; probs[i]: the
-    guesser's probability of token i (None for a token only the copy proposes; empty for a copy alone)."""
+    guesser's probability of token i (None for a token only the copy proposes; empty for a copy alone); keys[i]:
+    lookahead's candidates (copied) only, the length of the key the candidate that proposed token i was found by."""
 
     tokens: list[int]
     parents: list[int]
     copied: list[bool]
     ngram: int | None = None
     probs: list[float | None] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
 
     @classmethod
     def chain(cls, tokens: list[int], ngram: int) -> "Proposal":
@@ -140,7 +146,7 @@ class Proposal:
 
     def first(self, n: int) -> "Proposal":
         return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], copied=self.copied[:n],
-                       probs=self.probs[:n])
+                       probs=self.probs[:n], keys=self.keys[:n])
 
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self.tokens)))
@@ -169,8 +175,9 @@ class TreeNode(NamedTuple):
 class StepPlan:
     decode: list[Request] = field(default_factory=list)  # one token each (and its proposal), run as one batch
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
-    width: int = 1  # tokens per decode row: the last token, then proposals padded to one length
+    width: int = 1  # tokens per decode row: the last token, then proposals (and windows) padded to one length
     proposals: dict[int, Proposal] = field(default_factory=dict)  # request id -> at most width - 1 tokens
+    windows: dict[int, list[list[int]]] = field(default_factory=dict)  # request id -> its Jacobi window (lookahead)
 
     @property
     def num_tokens(self) -> int:
@@ -216,9 +223,14 @@ class Engine:
             self.draft_cache = paged_cache(self.draft.model, self.params.num_blocks, self.params.block_size)
             self.depth, self.nodes = spec.gamma, spec.gamma + 1  # the chain and a runner-up at its first place
             self.draft_cost = spec.draft_cost if spec.draft_cost is not None else self._draft_cost()
+        lookahead = self.params.lookahead
+        self.lookahead = None if lookahead is None else lookahead.resolve(target.model.rows_per_pass)
+        if self.lookahead is not None:
+            _, self.seeds = seed_pools(target, self.lookahead)  # every request's pools start as copies of these
         # what a wider forward costs where no kernel pass sizes it: the most cautious of the proposers' settings
-        self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None],
-                                   default=0.0)
+        # (lookahead's, as prompt lookup's: its candidates are copies of earlier n-grams too)
+        self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None]
+                                   + [LOOKUP_OVERHEAD] * (lookahead is not None), default=0.0)
         self.copied = ProposalCounts()
         self.guessed = ProposalCounts()
         self.calibration = GuessCalibration(self.depth)
@@ -248,6 +260,15 @@ class Engine:
                           Stopper(self.target.tokenizer, self.target.eos_token_ids, generation),
                           arrival_t=self.now(),
                           copy_acceptance=None if self.lookup is None else ProposalGate(0.0, self.lookup.max_ngram))
+        la = self.lookahead
+        if la is not None:
+            # lookahead's acceptance per key length its candidates are found by
+            request.copy_acceptance = ProposalGate(0.0, la.context)
+            request.pools = TextPools(la.guesses, la.text_n, la.context, base=self.seeds)
+            if la.prompt_pool:
+                request.pools.add_text(prompt_ids)
+            request.pooled = len(prompt_ids)
+            request.window = first_window(prompt_ids, la, sampling.seed)
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
@@ -302,7 +323,7 @@ class Engine:
         self.step_count += 1
         try:
             plan = self._schedule()
-            if self.lookup is not None or self.depth:
+            if self.lookup is not None or self.depth or self.lookahead is not None:
                 self._propose(plan)
             logits, hidden = self._run(plan)
             outputs = self._postprocess(plan, logits, hidden)
@@ -384,13 +405,16 @@ class Engine:
         lookup, batch = self.lookup, len(plan.decode)
         if not batch:
             return
-        if lookup is not None:
+        if lookup is not None or self.lookahead is not None:
             for request in plan.decode:
                 request.copy_acceptance.decay()
         rows_per_pass = self.target.model.rows_per_pass
 
         def cost(width: int) -> float:
             return batch_step_cost(rows_per_pass, batch, width, self.verify_overhead)
+        if self.lookahead is not None:
+            self._propose_lookahead(plan, cost)
+            return
         # Bounds before any work: a copy at each request's best acceptance so far, a tree whose every depth is
         # reached as surely as the heads' calibrated guesses can be. The search scans each request's whole text:
         # skip it when no copy could pay (on a CPU, at batches of 16 or so); the heads guess only as many tokens
@@ -437,16 +461,56 @@ class Engine:
                 continue
             plan.proposals[request.id] = proposal
             gains.append(expected)
-        width = plan_width(gains, cost)
+        self._fit(plan, plan_width(gains, cost))
+
+    def _propose_lookahead(self, plan: StepPlan, cost: Callable[[int], float]) -> None:
+        """Lookahead in the batch: each decoding request's candidates from its pools, merged into a tree, and its
+        Jacobi window beside them, in a step whose expected tokens pay for the wider forward (the window's rows are
+        paid for as they come: they feed the pools, not this step)."""
+        la = self.lookahead
+        extra = (la.ngram - 1) * la.window
+        gains = []
+        for request in plan.decode:
+            room = self._room(request)
+            if not room:
+                gains.append([1.0])
+                continue
+            if la.output_pool:  # the answer's own phrases are likely to come back
+                request.pools.add_text(request.tokens[: request.num_computed], request.pooled)
+                request.pooled = request.num_computed
+            plan.windows[request.id] = request.window
+            found, keys = request.pools.candidates(request.tokens)
+            tokens, parents, source = candidate_tree([c[:room] for c in found])
+            if not tokens:
+                gains.append([1.0])
+                continue
+            proposal = Proposal(tokens, parents, [True] * len(tokens), keys=[keys[c] for c in source])
+            # A node of candidate c at depth d is reached with about a_c^d (a_c: the acceptance of candidates found
+            # by c's key length); one of a later candidate only where the first was refused.
+            rates = [request.copy_acceptance.acceptance(key) for key in keys]
+            expected = [1.0]
+            for c, depth in zip(source, proposal.depths()[1:]):
+                expected.append(expected[-1] + rates[c] ** depth * (1.0 if c == 0 else 1.0 - rates[0]))
+            plan.proposals[request.id] = proposal
+            gains.append(expected)
+        self._fit(plan, plan_width(gains, lambda width: cost(width + extra) if width > 1 else 1.0), extra)
+
+    def _fit(self, plan: StepPlan, width: int, extra: int = 0) -> None:
+        """Narrows the decode rows (the last token and width - 1 proposed tokens, then `extra` tokens of the rows'
+        windows: none at width 1) to the token budget and the blocks the step leaves free, and trims the proposals
+        to them."""
+        batch = len(plan.decode)
         budget = self.params.max_batch_tokens - plan.num_tokens
         decode_blocks = sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode)
         free = self.cache.num_free_blocks - decode_blocks - sum(self.cache.blocks_needed(r.id, n)
                                                                 for r, n in plan.prefill)
-        while width > 1 and (batch * (width - 1) > budget or sum(
-                self.cache.blocks_needed(r.id, width) for r in plan.decode) - decode_blocks > free):
+        while width > 1 and (batch * (width - 1 + extra) > budget or sum(
+                self.cache.blocks_needed(r.id, width + extra) for r in plan.decode) - decode_blocks > free):
             width -= 1
-        plan.width = width
+        plan.width = width + extra if width > 1 else 1
         plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
+        if width == 1:
+            plan.windows = {}
 
     def _draft_cost(self) -> float:
         """A draft forward's cost over the target's, estimated: where the native CPU kernel runs the forwards they
@@ -604,8 +668,9 @@ class Engine:
         return proposal, gains
 
     def _run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The forwards of a step; for every request that ran, logits (1 + n, V) at its last token and after each
-        of the n tokens of its proposal (n = 0 without one), and the final hidden states (1 + n, E) of those rows."""
+        """The forwards of a step; for every request that ran, logits (1 + n + w, V) at its last token, after each
+        of the n tokens of its proposal (n = 0 without one) and at the w tokens of its window's last row (lookahead;
+        w = 0 without a window), and the final hidden states (1 + n + w, E) of those rows."""
         model, device = self.target.model, self.target.model.device
         logits: dict[int, torch.Tensor] = {}
         hidden: dict[int, torch.Tensor] = {}
@@ -616,34 +681,45 @@ class Engine:
             for i, r in enumerate(plan.decode):
                 logits[r.id], hidden[r.id] = out[i], states[i]
         elif plan.decode:
-            width, chains, offsets, masks = plan.width, [], [], []
+            width, chains, offsets, masks, scored = plan.width, [], [], [], []
             empty = Proposal([], [], [])
-            trees = any(not p.is_chain() for p in plan.proposals.values())
+            masked = plan.windows or any(not p.is_chain() for p in plan.proposals.values())
             for r in plan.decode:
                 proposal = plan.proposals.get(r.id, empty)
                 chain = [r.tokens[r.num_computed], *proposal.tokens]
-                chains.append(chain)
+                window = plan.windows.get(r.id)
+                block, block_offsets, block_mask = jacobi_block(window) if window else ([], [], None)
+                row = chain + block
+                chains.append(row)
                 # Padding after a request's rows is causal: its rows never see it, and its KV is dropped after the
-                # step. A tree's rows see their ancestors only, at positions by depth.
-                offsets.append(proposal.depths() + list(range(len(chain), width)))
-                if trees:
+                # step. A tree's rows see their ancestors only, at positions by depth; a window's rows see the last
+                # token and the window as `jacobi_block` says, and nothing of the proposal (nor it them).
+                offsets.append(proposal.depths() + block_offsets + list(range(len(row), width)))
+                if masked:
                     mask = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
                     mask[: len(chain), : len(chain)] = ancestor_mask([-1, *proposal.parents])
+                    if window:
+                        mask[len(chain) : len(row)] = False
+                        mask[len(chain) : len(row), 0] = True
+                        mask[len(chain) : len(row), len(chain) : len(row)] = block_mask
                     masks.append(mask)
+                # the rows read: the last token's, the proposal's and the window's last row's (its next guesses)
+                scored.append(list(range(len(chain))) + list(range(len(row) - len(window[-1]), len(row)))
+                              if window else list(range(len(chain))))
             ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chains], device=device)  # (B, W)
             positions = torch.tensor([[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)],
                                      device=device)  # (B, W)
-            attn_mask = torch.stack(masks).to(device) if trees else None  # (B, W, W); None: causal
+            attn_mask = torch.stack(masks).to(device) if masked else None  # (B, W, W); None: causal
             _, states = model(ids, positions, self.cache, [r.id for r in plan.decode], attn_mask=attn_mask,
                               num_logits=0)  # (B, W, E)
-            rows = torch.tensor([i * width + j for i, c in enumerate(chains) for j in range(len(c))], device=device)
-            kept = states.flatten(0, 1).index_select(0, rows)  # (N, E): the chains' rows only
-            scored = model.project(kept)  # (N, V)
+            rows = torch.tensor([i * width + j for i, read in enumerate(scored) for j in read], device=device)
+            kept = states.flatten(0, 1).index_select(0, rows)  # (N, E): the rows read only
+            logits_read = model.project(kept)  # (N, V)
             offset = 0
-            for r, chain in zip(plan.decode, chains):
-                logits[r.id] = scored[offset : offset + len(chain)]
-                hidden[r.id] = kept[offset : offset + len(chain)]
-                offset += len(chain)
+            for r, read in zip(plan.decode, scored):
+                logits[r.id] = logits_read[offset : offset + len(read)]
+                hidden[r.id] = kept[offset : offset + len(read)]
+                offset += len(read)
         for request, n in plan.prefill:
             start = request.num_computed
             ids = torch.tensor([request.tokens[start : start + n]], device=device)  # (1, n)
@@ -666,8 +742,9 @@ class Engine:
                 continue  # a prefill chunk that has not reached the end of the known tokens
             proposal = plan.proposals.get(request.id)
             tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
+            read, window_logits = logits[request.id][: 1 + len(tokens)], logits[request.id][1 + len(tokens) :]
             new, walk, done = [], [], False
-            for row, token in draws_along(logits[request.id], tokens, request.sampling, request.generator, parents):
+            for row, token in draws_along(read, tokens, request.sampling, request.generator, parents):
                 new.append(token)
                 walk.append(row)
                 done = request.stopper.push(token)
@@ -694,6 +771,8 @@ class Engine:
                     self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
                 if self.heads is not None:  # the row that predicted the last new token: the heads read it next
                     request.hidden = hidden[request.id][walk[-1]].clone()
+                if request.id in plan.windows:
+                    request.window = slide(request.window, argmax_rows(window_logits), request.pools)
                 outputs.append(RequestOutput(request.id, new, False))
                 continue
             self._release(request)
@@ -702,10 +781,15 @@ class Engine:
         return outputs
 
     def _record(self, request: Request, proposal: Proposal, path: list[int]) -> None:
-        """What a verified proposal tells: how the request's copies and the guesses of the heads or the draft fared."""
+        """What a verified proposal tells: how the request's copies (or lookahead's candidates) and the guesses of the
+        heads or the draft fared."""
         num_copied = sum(proposal.copied)
         kept_copies = sum(1 for _ in itertools.takewhile(lambda row: proposal.copied[row - 1], path))
-        if num_copied:
+        if proposal.keys:  # lookahead: the candidate the kept path follows (where none was kept, the first)
+            end = path[-1] if path else 0
+            request.copy_acceptance.record(proposal.keys[path[0] - 1 if path else 0], len(path),
+                                           len(path) + (end in proposal.parents))
+        elif num_copied:
             request.copy_acceptance.record(proposal.ngram, kept_copies, min(kept_copies + 1, num_copied))
         self.calibration.record(proposal, path)
         kept_copied = sum(proposal.copied[row - 1] for row in path)

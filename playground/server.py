@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -298,14 +298,15 @@ class EngineWorker:
                            "prefix_caching": self.params.prefix_caching},
                 "prompt_lookup": None if engine.lookup is None else {
                     "max_ngram": engine.lookup.max_ngram, "num_draft": engine.lookup.num_draft,
-                    "steps": engine.copied.steps, "proposed": engine.copied.proposed,
-                    "accepted": engine.copied.accepted},
+                    **asdict(engine.copied)},
                 "medusa": None if engine.heads is None else {
-                    "heads": str(engine.heads.folder), "depth": engine.depth, "steps": engine.guessed.steps,
-                    "proposed": engine.guessed.proposed, "accepted": engine.guessed.accepted},
+                    "heads": str(engine.heads.folder), "depth": engine.depth, **asdict(engine.guessed)},
                 "draft": None if engine.draft is None else {
-                    "draft": engine.draft.name, "gamma": engine.depth, "steps": engine.guessed.steps,
-                    "proposed": engine.guessed.proposed, "accepted": engine.guessed.accepted}}
+                    "draft": engine.draft.name, "gamma": engine.depth, **asdict(engine.guessed)},
+                "lookahead": None if engine.lookahead is None else {
+                    "window": engine.lookahead.window, "ngram": engine.lookahead.ngram,
+                    "guesses": engine.lookahead.guesses, "text_ngram": engine.lookahead.text_n,
+                    **asdict(engine.copied)}}
 
 
 # -- requests ----------------------------------------------------------------------------------------------------

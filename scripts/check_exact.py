@@ -1,5 +1,5 @@
 """Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine (plain and with
-prompt lookup, Medusa heads or the draft in the batch), against plain decoding on the contiguous cache, over the
+prompt lookup, Medusa heads, the draft or lookahead in the batch), against plain decoding on the contiguous cache, over the
 test suite's 20 prompts.
 
 The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
@@ -77,6 +77,9 @@ def main() -> int:
                          f"engine batch of {len(PROMPTS)}, draft": EngineParams(draft=EngineDraftParams()),
                          "engine batch of 2, draft and prompt lookup": EngineParams(
                              max_running=2, lookup=PromptLookupParams(), draft=EngineDraftParams()),
+                         "engine batch of 1, lookahead": EngineParams(max_running=1, lookahead=LookaheadParams()),
+                         "engine batch of 1, lookahead W 2 N 3 G 3": EngineParams(
+                             max_running=1, lookahead=LookaheadParams(window=2, ngram=3, guesses=3)),
                          }.items():
         engine = Engine(target, params)
         ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
@@ -84,7 +87,8 @@ def main() -> int:
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]
         failures += len(bad)
         counts = [f"{c.accepted} of {c.proposed} {kind} tokens accepted" for kind, c, on in (
-            ("copied", engine.copied, engine.lookup), ("guessed", engine.guessed, engine.depth)) if on]
+            ("copied", engine.copied, engine.lookup), ("lookahead's", engine.copied, engine.lookahead),
+            ("guessed", engine.guessed, engine.depth)) if on]
         print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
               + "".join(f"\n  MISMATCH {p!r}" for p in bad))
     print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")

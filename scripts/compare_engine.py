@@ -1,9 +1,9 @@
 """The serving engine one request at a time against the single-sequence decoders, interleaved on the benchmark
-suite: on every prompt plain decoding runs, then Medusa with prompt copies (`generate --algo medusa --copy-ngram 3`)
-and speculative decoding with the shipped draft (`generate --algo speculative`), then the engine at max_running 1
-plain, with Medusa heads in the batch, with Medusa heads and prompt lookup (the copy grafted onto the tree), with
-the draft, and with the draft and prompt lookup, each right after the other so that a drifting host slows a
-prompt's runs alike.
+suite: on every prompt plain decoding runs, then Medusa with prompt copies (`generate --algo medusa --copy-ngram 3`),
+speculative decoding with the shipped draft (`generate --algo speculative`) and lookahead (`generate --algo
+lookahead`), then the engine at max_running 1 plain, with Medusa heads in the batch, with Medusa heads and prompt
+lookup (the copy grafted onto the tree), with the draft, with the draft and prompt lookup, and with lookahead, each
+right after the other so that a drifting host slows a prompt's runs alike.
 Greedy: every output must equal plain decoding's. Prints each prompt's tokens/s, then per mode the median tokens/s
 and the median speedup over plain decoding.
 
@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import SUITE, spread  # noqa: E402
 from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams,  # noqa: E402
-                               GenerationParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
-from playground.decoding import (AutoregressiveDecoder, Decoder, MedusaDecoder, SpeculativeDecoder,  # noqa: E402
-                                 generate)
+                               GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
+                               SamplingParams)
+from playground.decoding import (AutoregressiveDecoder, Decoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
+                                 SpeculativeDecoder, generate)
 from playground.engine import Engine  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
@@ -67,6 +68,7 @@ def main() -> int:
         "plain decoding": decoder_run(AutoregressiveDecoder(target, GREEDY, generation)),
         "Medusa + copies": decoder_run(MedusaDecoder(target, GREEDY, generation, MedusaParams(copy_ngram=3))),
         "speculative": decoder_run(SpeculativeDecoder(target, draft, GREEDY, generation)),
+        "lookahead": decoder_run(LookaheadDecoder(target, GREEDY, generation)),
         "engine, plain": engine_run(target, generation),
         "engine, Medusa": engine_run(target, generation, medusa=EngineMedusaParams()),
         "engine, Medusa + lookup": engine_run(target, generation, medusa=EngineMedusaParams(),
@@ -74,6 +76,7 @@ def main() -> int:
         "engine, draft": engine_run(target, generation, draft, draft=EngineDraftParams()),
         "engine, draft + lookup": engine_run(target, generation, draft, draft=EngineDraftParams(),
                                              lookup=PromptLookupParams()),
+        "engine, lookahead": engine_run(target, generation, lookahead=LookaheadParams()),
     }
     prompts = [SUITE[i] for i in spread(args.limit)]
     for run in modes.values():  # unmeasured warm-up: first-call allocations and kernel choices

@@ -270,20 +270,25 @@ def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
-    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, False, False, False, "embedded",
-                                                        "", "cpu", "float32", "none", api_name="/memory")
+    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, False, False, False, False,
+                                                        "embedded", "", "cpu", "float32", "none", api_name="/memory")
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None and "Prompt lookup" not in summary
     table = rows(table)
-    proposed = client.predict(4, 12, 8, 24, 4, True, True, True, False, "embedded", "", "cpu", "float32", "none",
-                              api_name="/memory")
+    proposed = client.predict(4, 12, 8, 24, 4, True, True, True, False, False, "embedded", "", "cpu", "float32",
+                              "none", api_name="/memory")
     assert re.search(r"Prompt lookup: \*\*\d+ of \d+\*\* copied tokens accepted", proposed[2])
     assert re.search(r"Medusa heads: \*\*\d+ of \d+\*\* guessed tokens accepted", proposed[2])
     assert rows(proposed[3]) == table  # the same requests, the same tokens
-    drafted = client.predict(4, 12, 8, 24, 4, True, False, False, True, "embedded", "", "cpu", "float32", "none",
-                             api_name="/memory")
+    drafted = client.predict(4, 12, 8, 24, 4, True, False, False, True, False, "embedded", "", "cpu", "float32",
+                             "none", api_name="/memory")
     assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
     assert rows(drafted[3]) == table
+    ahead = client.predict(4, 12, 8, 24, 1, True, False, False, False, True, "embedded", "", "cpu", "float32",
+                           "none", api_name="/memory")  # one at a time: where lookahead's window pays on a CPU
+    assert re.search(r"Lookahead: \*\*[1-9]\d* of \d+\*\* candidate tokens accepted", ahead[2])
+    # the same tokens (preemptions differ: one request at a time never runs out of blocks)
+    assert [(r[0], r[3], r[5]) for r in rows(ahead[3])] == [(r[0], r[3], r[5]) for r in table]
     assert len(table) == 4 and all(r[1] == "finished" and int(r[3]) >= 1 for r in table)
     assert step["interactive"] and step["maximum"] > 1
     first = client.predict(1, api_name="/memory_step")  # replay: after step 1 no request has finished
@@ -299,10 +304,12 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     ({"max_running": 1.5}, "max running must be a whole number"),
     ({"medusa": True, "draft": True}, "draft and medusa: a request is proposed either"),
     ({"draft": True, "draft_model": "/no/such/draft"}, "/no/such/draft"),
+    ({"lookahead": True, "prompt_lookup": True}, "lookahead and lookup: lookahead's own proposals"),
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
-            "prefix_caching": True, "prompt_lookup": False, "medusa": False, "draft": False, "model": "embedded",
+            "prefix_caching": True, "prompt_lookup": False, "medusa": False, "draft": False, "lookahead": False,
+            "model": "embedded",
             "draft_model": "", "device": "cpu", "dtype": "float32", "quant": "none",
             **changes}
     with pytest.raises(Exception, match=re.escape(message)):

@@ -142,15 +142,18 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     serving = json.loads(out.read_text())["serving"]
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction",
                 "lookup_vs_continuous", "lookup_vs_sequential", "medusa_vs_continuous", "medusa_vs_sequential",
-                "both_vs_sequential", "draft_vs_continuous", "draft_vs_sequential"):
+                "both_vs_sequential", "draft_vs_continuous", "draft_vs_sequential", "lookahead_vs_continuous",
+                "lookahead_vs_sequential"):
         assert serving[key] > 0
     assert serving["same_tokens_in_every_mode"] and set(serving["modes"]) == {
         "continuous", "static", "sequential", "continuous + prompt lookup", "sequential + prompt lookup",
-        "continuous + Medusa", "sequential + Medusa", "sequential + both", "continuous + draft", "sequential + draft"}
+        "continuous + lookahead", "sequential + lookahead", "continuous + Medusa", "sequential + Medusa",
+        "sequential + both", "continuous + draft", "sequential + draft"}
     assert serving["modes"]["sequential"]["mean_running"] == 1
     assert serving["modes"]["sequential"]["copied_proposed"] == serving["modes"]["sequential"]["guessed_proposed"] == 0
     assert serving["modes"]["sequential + Medusa"]["guessed_proposed"] > 0
     assert serving["modes"]["sequential + draft"]["guessed_proposed"] > 0
+    assert serving["modes"]["sequential + lookahead"]["copied_proposed"] > 0
     markdown = (tmp_path / "serving.md").read_text()
     assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")
@@ -166,7 +169,8 @@ def test_serving_benchmark_without_heads_or_draft_skips_their_modes(target, monk
     said = []
     serving = bench_serving.run_serving(target, 2, 4, 2, 8, 64, said.append)
     assert set(serving["modes"]) == {"continuous", "static", "sequential", "continuous + prompt lookup",
-                                     "sequential + prompt lookup"} and "medusa_vs_continuous" not in serving
+                                     "sequential + prompt lookup", "continuous + lookahead",
+                                     "sequential + lookahead"} and "medusa_vs_continuous" not in serving
     assert any("no Medusa heads ship for this model" in line for line in said)
     assert any("no draft ships for this model" in line for line in said) and "draft_vs_continuous" not in serving
     report = {"serving": serving, "model": "m", "environment": {"device": "cpu", "dtype": "float32"}}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from playground.config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
-                               ModelSpec, PromptLookupParams, SamplingParams)
+                               LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.prompt_lookup import Lookup, widest_paying
@@ -184,6 +184,14 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         Engine(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
         Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=EngineDraftParams()))
+    with pytest.raises(ConfigError, match="lookahead must be LookaheadParams or None, got dict"):
+        EngineParams(lookahead={"window": 2})
+    with pytest.raises(ConfigError, match="lookahead and lookup, draft: .* set one of them"):
+        EngineParams(lookahead=LookaheadParams(), lookup=PromptLookupParams(), draft=EngineDraftParams())
+    with pytest.raises(ConfigError, match=r"window must be an integer in \[1, 16\]"):
+        LookaheadParams(window=0)
+    with pytest.raises(ModelLoadError, match="corpus: .* written for a vocabulary of 49152 tokens, the target has 48"):
+        Engine(TINY, EngineParams(lookahead=LookaheadParams()))  # the shipped corpus is the embedded model's
 
 
 GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jumps over the lazy dog.",
@@ -210,7 +218,7 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, plain_outputs) -
         check_no_leak(engine)
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "medusa", "draft"])
+@pytest.mark.parametrize("proposer", ["lookup", "medusa", "draft", "lookahead"])
 def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, proposer) -> None:
     """Under sampling a copied or guessed token is kept only when the request's own draw at its row is that token,
     which is the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same
@@ -219,15 +227,17 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
     on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams(),
-          "draft": EngineDraftParams(draft_cost=0.0)}[proposer]
+          "draft": EngineDraftParams(draft_cost=0.0), "lookahead": LookaheadParams()}[proposer]
+    # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
+    batch = 1 if proposer == "lookahead" else 3
     results, counts = [], []
-    for params in (EngineParams(max_running=3), EngineParams(max_running=3, **{proposer: on})):
+    for params in (EngineParams(max_running=batch), EngineParams(max_running=batch, **{proposer: on})):
         engine = Engine(target, params)
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
                for i, p in enumerate(prompts)]
         outputs = engine.run_all()
         results.append([outputs[i].token_ids for i in ids])
-        counts.append(engine.copied if proposer == "lookup" else engine.guessed)
+        counts.append(engine.copied if proposer in ("lookup", "lookahead") else engine.guessed)
     assert results[0] == results[1]
     assert counts[1].accepted > 0 and counts[0].proposed == 0
 
@@ -271,6 +281,37 @@ def test_guesses_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypa
         assert any(runner_up) or guesser == "draft", max_running
         runner_up.clear()
         assert (engine.copied.accepted > 0) == (lookup is not None)
+        assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
+        check_no_leak(engine)
+
+
+def every_width_pays(monkeypatch) -> None:
+    """A forward costs one step however wide: every proposal and window the budget and the blocks allow runs."""
+    monkeypatch.setattr(engine_module, "batch_step_cost", lambda rows_per_pass, batch, width, overhead: 1.0)
+
+
+def test_lookahead_in_the_batch_gives_plain_outputs(target, plain_outputs, monkeypatch) -> None:
+    """Each request's Jacobi window and pool candidates (merged into a tree) beside its next token change how many
+    tokens a step commits, never which: at batch 1 as planned, and at batch 4 and 20 with every window and
+    candidate run (a wider forward costs nothing here), every request gets plain decoding's greedy tokens, with
+    candidates accepted and refused, windows that sliced, and every pool empty at the end."""
+    generation = GenerationParams(max_new_tokens=24)
+    expected = dict(plain_outputs)
+    for prompt in GROUNDED:
+        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
+    prompts = list(expected)
+    for max_running in (1, 4, 20):
+        if max_running > 1:
+            every_width_pays(monkeypatch)
+        engine = Engine(target, EngineParams(max_running=max_running, lookahead=LookaheadParams()))
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        first_windows = {rid: engine.requests[rid].window for rid in ids}
+        outputs = engine.run_all()
+        for rid, prompt in ids.items():
+            assert outputs[rid].token_ids == expected[prompt], (max_running, prompt)
+        assert engine.copied.steps > 0 and 0 < engine.copied.accepted < engine.copied.proposed, max_running
+        assert all(engine.requests[rid].window != first_windows[rid] for rid in ids)
+        # the windows' rows: a step's forward is wider than its candidates alone
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
 
@@ -403,10 +444,10 @@ REQUESTS = st.lists(st.tuples(st.tuples(st.integers(0, len(PREFIX)), st.lists(st
                               st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=7)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(REQUESTS, st.integers(1, 4), st.integers(1, 12), st.integers(1, 4), st.sampled_from(["continuous", "static"]),
        st.booleans(), st.sets(st.integers(0, 6)), st.integers(0, 6), st.integers(0, 5), st.integers(0, 3),
-       st.sampled_from(["heads", "draft"]))
+       st.sampled_from(["heads", "draft", "lookahead"]))
 def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, budget, max_running, policy,
                                                           caching, aborted, spare, copy_tokens, guesses,
                                                           guesser) -> None:
@@ -414,19 +455,39 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     preempt) to a few blocks more; some requests are aborted at step 3; with copy_tokens > 0, prompt lookup
     proposes copies of up to that many tokens whenever it finds one, and with guesses > 0 untrained Medusa heads
     propose trees that many deep, or a draft (the tiny model with noise) chains that long (with copies too, copies
-    grafted on; no verify overhead or draft cost on this model: every proposal is worth a wider forward), which the
-    token budget and the free blocks trim (and the draft's own pool, as small as the target's)."""
+    grafted on; no verify overhead or draft cost on this model: every proposal is worth a wider forward), or
+    lookahead runs windows that many columns wide (no copies then; every window runs), which the token budget and
+    the free blocks trim (and the draft's own pool, as small as the target's)."""
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
-    lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens else None
+    lookahead = LookaheadParams(window=guesses, ngram=2 + guesses // 3, guesses=2, text_ngram=2 + guesses // 2,
+                                corpus_pool=False) \
+        if guesses and guesser == "lookahead" else None
+    lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens and not lookahead \
+        else None
     medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
     draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0, draft_cost=0.0) if guesses and guesser == "draft" \
         else None
     engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                                        max_running=max_running, policy=policy, prefix_caching=caching,
-                                       lookup=lookup, medusa=medusa, draft=draft), heads=TINY_HEADS, draft=TINY_DRAFT)
+                                       lookup=lookup, medusa=medusa, draft=draft, lookahead=lookahead),
+                    heads=TINY_HEADS, draft=TINY_DRAFT)
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        every_width_pays(patch)
+        run_load(engine, requests, prompts, aborted, ids, outputs, draft is not None)
+    for i, rid in ids.items():
+        if engine.requests[rid].status is Status.ABORTED:
+            continue
+        expected = solo(TINY, prompts[i], SamplingParams(), GenerationParams(max_new_tokens=requests[i][1]))
+        assert outputs[rid].token_ids == expected
+    check_no_leak(engine)
+
+
+def run_load(engine: Engine, requests, prompts: list[list[int]], aborted: set[int], ids: dict[int, int],
+             outputs: dict, drafting: bool) -> None:
+    """Steps a random load to its end: requests arriving at their steps, the aborted ones aborted at step 3."""
     for step in range(10_000):
         for i, (_, n, arrival) in enumerate(requests):
             if arrival == step:
@@ -437,16 +498,10 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
         if step > 6 and not engine.has_unfinished():
             break
         outputs.update((out.id, out.output) for out in engine.step() if out.finished)
-        for request in engine.running:  # a refused copy and the padding never stay in the cache
+        for request in engine.running:  # a refused copy, a window and the padding never stay in the cache
             assert engine.cache.length(request.id) == request.num_computed
-            if draft is not None:
+            if drafting:
                 assert engine.draft_cache.length(request.id) <= request.num_computed
-    for i, rid in ids.items():
-        if engine.requests[rid].status is Status.ABORTED:
-            continue
-        expected = solo(TINY, prompts[i], SamplingParams(), GenerationParams(max_new_tokens=requests[i][1]))
-        assert outputs[rid].token_ids == expected
-    check_no_leak(engine)
 
 
 def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
@@ -536,6 +591,29 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
     assert 0 < engine.guessed.accepted < engine.guessed.proposed and engine.copied.proposed > 0
+    check_no_leak(engine)
+
+
+def test_lookahead_in_the_batch_keeps_the_cache_exact(monkeypatch) -> None:
+    """On the tiny model, with windows of two rows of two columns and three candidates from the pools every step:
+    after every step each running request's KV holds exactly its committed tokens (the window's rows and the
+    refused candidates dropped), whatever a small pool preempted; the outputs are the solo ones."""
+    every_width_pays(monkeypatch)
+    prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
+    generation = GenerationParams(max_new_tokens=16)
+    lookahead = LookaheadParams(window=2, ngram=3, guesses=3, corpus_pool=False)
+    engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead))
+    ids = [engine.add_request(p, generation=generation) for p in prompts]
+    outputs, checked = {}, 0
+    while engine.has_unfinished():
+        outputs.update((out.id, out.output) for out in engine.step() if out.finished)
+        for request in engine.running:
+            check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
+            checked += 1
+    assert checked > 20 and any(isinstance(e, PreemptEvent) for e in engine.events)
+    for rid, prompt in zip(ids, prompts):
+        assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
+    assert 0 < engine.copied.accepted < engine.copied.proposed
     check_no_leak(engine)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from playground.__main__ import main
 from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
-                               PromptLookupParams, SamplingParams)
+                               LookaheadParams, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
 from playground.server import EngineWorker, PlaygroundServer, settled_text
@@ -31,13 +31,14 @@ TOKENS = 24
 
 
 PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
-             "drafts": dict(lookup=PromptLookupParams(), draft=EngineDraftParams())}
+             "drafts": dict(lookup=PromptLookupParams(), draft=EngineDraftParams()),
+             "lookahead": dict(lookahead=LookaheadParams())}
 
 
 @pytest.fixture(scope="module", params=list(PROPOSERS))
 def server(target, request):
     """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies with the
-    Medusa heads' trees, or with the draft's chains), which must answer alike."""
+    Medusa heads' trees, or with the draft's chains; lookahead's windows and candidates), which must answer alike."""
     proposals = PROPOSERS[request.param]
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
     srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
@@ -232,8 +233,14 @@ def test_the_read_endpoints(server, target):
     assert state["running"] == state["waiting"] == 0 and state["finished"] >= 1 and state["steps"] >= 4
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
-    if server.worker.params.lookup is None:
+    if server.worker.params.lookahead is not None:  # the pools' candidates were verified, some accepted
+        ahead = state["lookahead"]
         assert state["prompt_lookup"] is None and state["medusa"] is None and state["draft"] is None
+        assert ahead["window"] == 1 and ahead["ngram"] >= 2 and ahead["guesses"] == 2 and ahead["steps"] > 0
+        assert 0 < ahead["accepted"] < ahead["proposed"]
+    elif server.worker.params.lookup is None:
+        assert state["prompt_lookup"] is None and state["medusa"] is None and state["draft"] is None
+        assert state["lookahead"] is None
     else:  # copies and the heads' trees or the draft's chains were verified, some of their tokens accepted
         copies = state["prompt_lookup"]
         if server.worker.params.medusa is not None:
@@ -320,6 +327,12 @@ def test_cli_errors_before_loading_a_model(capsys):
     assert "gamma must be an integer in [1, 16], got 17" in capsys.readouterr().err
     assert main(["serve", "--speculative", "--medusa"]) == 2
     assert "draft and medusa: a request is proposed either" in capsys.readouterr().err
+    assert main(["serve", "--window", "2"]) == 2
+    assert "--window, --ngram and --guesses set lookahead in the batch: add --lookahead" in capsys.readouterr().err
+    assert main(["serve", "--lookahead", "--window", "0"]) == 2
+    assert "window must be an integer in [1, 16], got 0" in capsys.readouterr().err
+    assert main(["serve", "--lookahead", "--prompt-lookup"]) == 2
+    assert "lookahead and lookup: lookahead's own proposals" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -202,38 +202,88 @@ class StepLayout:
     num_logits: int
 
 
+def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor]:
+    """The Jacobi window's tokens (rows l = 0..N-2 of W columns, row by row), their positions as offsets from the
+    last committed token x, and who sees whom among them, (T, T) bool: token (l, i) sits at 1 + i + l and sees row 0
+    up to column i and rows 1..l of column i, a consecutive text after x (which every one of them also sees)."""
+    rows, width = len(window), len(window[0])
+    tokens = [token for row in window for token in row]
+    positions = [1 + i + l for l in range(rows) for i in range(width)]
+    mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
+    for l in range(rows):
+        for i in range(width):
+            me = l * width + i
+            mask[me, : i + 1] = True  # row 0 up to this column
+            mask[me, [r * width + i for r in range(1, l + 1)]] = True  # rows 1..l of this column, itself included
+    return tokens, positions, mask
+
+
+def candidate_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
+    """Candidates merged where they start alike: (tokens, parents, source), node i following the node parents[i] - 1
+    (0: the last committed token, as `Proposal` numbers rows) and first proposed by candidates[source[i]]; each
+    candidate's nodes in order, so every parent comes before its children and any leading part is a tree."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    source: list[int] = []
+    rows: dict[tuple[int, ...], int] = {(): 0}
+    for c, candidate in enumerate(candidates):
+        for depth in range(1, len(candidate) + 1):
+            if candidate[:depth] not in rows:
+                tokens.append(candidate[depth - 1])
+                parents.append(rows[candidate[: depth - 1]])
+                source.append(c)
+                rows[candidate[:depth]] = len(tokens)
+    return tokens, parents, source
+
+
 def step_layout(x: int, window: list[list[int]], candidates: list[tuple[int, ...]]) -> StepLayout:
     """Tokens, positions and mask of one lookahead forward (window rows l = 0..N-2 of W tokens)."""
     rows, width = len(window), len(window[0])
-    index: dict[tuple[int, int], int] = {}
-    tokens: list[int] = []
-    positions: list[int] = []
-
-    def place(token: int, position: int) -> int:
-        tokens.append(token)
-        positions.append(position)
-        return len(tokens) - 1
-
-    for l in range(rows - 1):
-        for i in range(width):
-            index[l, i] = place(window[l][i], 1 + i + l)
-    x_index = place(x, 0)
-    for i in range(width):
-        index[rows - 1, i] = place(window[rows - 1][i], 1 + i + rows - 1)
-    candidate_rows = [[place(token, 1 + j) for j, token in enumerate(c)] for c in candidates]
+    block, block_positions, block_mask = jacobi_block(window)
+    split = (rows - 1) * width  # rows 0..N-3 go before x, the last row after it
+    tokens = block[:split] + [x] + block[split:]
+    positions = block_positions[:split] + [0] + block_positions[split:]
+    x_index = split
+    window_index = list(range(split)) + list(range(split + 1, len(tokens)))  # each window token's index
+    candidate_rows = []
+    for c in candidates:
+        candidate_rows.append(list(range(len(tokens), len(tokens) + len(c))))
+        tokens += c
+        positions += range(1, len(c) + 1)
 
     mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
     mask[x_index, x_index] = True
-    for (l, i), me in index.items():
-        mask[me, x_index] = True
-        mask[me, [index[0, c] for c in range(i + 1)]] = True  # row 0 up to this column
-        mask[me, [index[r, i] for r in range(1, l + 1)]] = True  # rows 1..l of this column, itself included
+    mask[window_index, x_index] = True
+    mask[torch.tensor(window_index)[:, None], torch.tensor(window_index)] = block_mask
     for row in candidate_rows:
         for j, me in enumerate(row):
             mask[me, x_index] = True
             mask[me, row[: j + 1]] = True
-    return StepLayout(tokens, positions, mask, x_index, [index[rows - 1, i] for i in range(width)], candidate_rows,
-                      len(tokens) - x_index)
+    return StepLayout(tokens, positions, mask, x_index, window_index[split:], candidate_rows, len(tokens) - x_index)
+
+
+def first_window(prompt_ids: list[int], params: LookaheadParams, seed: int | None) -> list[list[int]]:
+    """A Jacobi window (N - 1 rows of W tokens, resolved settings) to start from: prompt tokens drawn with a fixed
+    seed. Any guess is correct; good ones are faster."""
+    chooser = random.Random(0 if seed is None else seed)
+    return [[chooser.choice(prompt_ids) for _ in range(params.window)] for _ in range(params.ngram - 1)]
+
+
+def slide(window: list[list[int]], new_row: list[int], pools: TextPools) -> list[list[int]]:
+    """The Jacobi step: `new_row`, the target's argmax after each token of the window's last row, is the next row;
+    each column read top to bottom, then its new token, is an n-gram for the pools. The window moved up a row."""
+    for i, token in enumerate(new_row):
+        pools.add_window(tuple(row[i] for row in window) + (token,))
+    return window[1:] + [new_row]
+
+
+def seed_pools(target: LoadedModel, params: LookaheadParams) -> tuple[str | None, TextPools]:
+    """For resolved settings: the answers file the pools are seeded from (None: no corpus pool) and the seeded
+    pools every run starts as a copy of."""
+    corpus = (params.corpus or default_answers(target.spec.source)) if params.corpus_pool else None
+    seeds = corpus_pools(corpus, target.model.config.vocab_size, params) if corpus else \
+        TextPools(params.guesses, params.text_n, params.context)
+    return corpus, seeds
 
 
 class LookaheadDecoder(Decoder):
@@ -243,10 +293,7 @@ class LookaheadDecoder(Decoder):
                  params: LookaheadParams | None = None) -> None:
         super().__init__(target, sampling, generation)
         la = self.lookahead = (params or LookaheadParams()).resolve(target.model.rows_per_pass)
-        self.corpus = (la.corpus or default_answers(target.spec.source)) if la.corpus_pool else None
-        # every run starts its pools as copies of these
-        self.seeds = corpus_pools(self.corpus, target.model.config.vocab_size, la) if self.corpus else \
-            TextPools(la.guesses, la.text_n, la.context)
+        self.corpus, self.seeds = seed_pools(target, la)  # every run starts its pools as copies of the seeds
 
     def params(self) -> dict[str, Any]:
         la = self.lookahead
@@ -264,9 +311,7 @@ class LookaheadDecoder(Decoder):
         if la.prompt_pool:
             pool.add_text(prompt_ids)
         text = list(prompt_ids)  # prompt + committed tokens: the context candidates are keyed by
-        # The window starts as prompt tokens drawn with a fixed seed: any guess is correct, good ones are faster.
-        chooser = random.Random(0 if self.sampling.seed is None else self.sampling.seed)
-        window = [[chooser.choice(prompt_ids) for _ in range(la.window)] for _ in range(la.ngram - 1)]
+        window = first_window(prompt_ids, la, self.sampling.seed)
 
         last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
         step = 0
@@ -296,9 +341,7 @@ class LookaheadDecoder(Decoder):
             first = len(layout.tokens) - layout.num_logits  # token index of logits row 0
             argmax = argmax_rows(logits)  # (num_logits,) the target's next token after each
             new_row = [argmax[i - first] for i in layout.last_row]  # (W,)
-            for i, token in enumerate(new_row):
-                pool.add_window(tuple(window[r][i] for r in range(len(window))) + (token,))
-            window = window[1:] + [new_row]
+            window = slide(window, new_row, pool)
 
             draft_s, verify_s = draft_end - step_start, verify_end - verify_start
             chosen, outcome = self.accept(step, clock.now(), draft_s, base, logits, argmax, first, layout,

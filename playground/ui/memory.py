@@ -10,8 +10,8 @@ from typing import Any
 import gradio as gr
 
 from ..bench_serving import memory_summary, workload
-from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, PromptLookupParams,
-                      SamplingParams)
+from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, LookaheadParams,
+                      PromptLookupParams, SamplingParams)
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -49,9 +49,12 @@ def _summary(engine: Engine) -> str:
 
 def _proposals(engine: Engine) -> str:
     parts = []
+    copied = engine.copied
     if engine.lookup is not None:
-        copied = engine.copied
         parts.append(f"Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
+                     f"{copied.steps} of {engine.step_count} steps.")
+    if engine.lookahead is not None:
+        parts.append(f"Lookahead: **{copied.accepted} of {copied.proposed}** candidate tokens accepted, in "
                      f"{copied.steps} of {engine.step_count} steps.")
     if engine.depth:
         guessed = engine.guessed
@@ -64,7 +67,7 @@ def _proposals(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, model_source: str,
+               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, lookahead: bool, model_source: str,
                draft_source: str, device: str, dtype: str, quant: str,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
@@ -77,7 +80,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
                               lookup=PromptLookupParams() if prompt_lookup else None,
                               medusa=EngineMedusaParams() if medusa else None,
-                              draft=EngineDraftParams() if draft else None)
+                              draft=EngineDraftParams() if draft else None,
+                              lookahead=LookaheadParams() if lookahead else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
@@ -129,7 +133,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "each request's copy of earlier text is verified in the batch's forward where it pays for the "
                 "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
                 "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
-                "draft, or the one shipped for the embedded model), a chain of its greedy tokens. Run locally, "
+                "draft, or the one shipped for the embedded model), a chain of its greedy tokens; with "
+                "**lookahead** (alone), each request's Jacobi window beside the candidates of its n-gram pools. "
+                "Run locally, "
                 "the same engine answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
@@ -144,7 +150,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():  # proposals verified in the batch: Medusa heads and a draft exclude each other
                 prompt_lookup = gr.Checkbox(False, label="prompt lookup")
                 medusa = gr.Checkbox(False, label="Medusa heads")
+            with gr.Row():  # lookahead stands alone
                 draft = gr.Checkbox(False, label="draft model")
+                lookahead = gr.Checkbox(False, label="lookahead")
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
@@ -157,6 +165,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, draft_source, device, dtype, quant = model
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   prompt_lookup, medusa, draft, source, draft_source, device, dtype, quant],
+                                   prompt_lookup, medusa, draft, lookahead, source, draft_source, device, dtype,
+                                   quant],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")
