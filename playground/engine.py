@@ -21,7 +21,9 @@ its running acceptance beside the heads' calibrated probabilities). With `Engine
 batch) a request's proposal is the draft's greedy chain instead (its runner-up at the first place a leaf beside it),
 built as the heads' trees are: the draft runs batched over the requests on a paged cache of its own, first
 reading what it has not seen of each request's tokens (the last token; the whole prompt the first time), then one
-forward per drafted token.
+forward per drafted token. With `EngineParams.lookahead` (lookahead decoding in the batch, alone) each request keeps
+a Jacobi window and n-gram pools of its own: its proposal is the pools' candidates merged into a tree, and its
+window's rows run beside them in the same decode row under their own mask, their argmaxes its next window row.
 Postprocess then draws each row's token as plain decoding would (argmax, or a sample from the request's own
 stream) and moves on to the row of the proposed token equal to the draw, if any (`sampling.draws_along`, the
 lossless rule for one-hot proposals, which copies, the heads' guesses and the draft's argmax chains all are), so
@@ -47,7 +49,8 @@ import torch
 
 from .config import LOOKUP_OVERHEAD, ConfigError, EngineParams, GenerationParams, SamplingParams, dynamic_nodes
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
-from .decoding.lookahead import TextPools, candidate_tree, first_window, jacobi_block, seed_pools, slide
+from .decoding.lookahead import (TextPools, candidate_tree, first_window, jacobi_block, seed_pools, slide,
+                                 start_pools)
 from .decoding.prompt_lookup import (Lookup, ProposalGate, RunningAcceptance, agreement, at, batch_step_cost,
                                      find_continuations, plan_width, widest_paying)
 from .decoding.speculative import check_compatible
@@ -226,7 +229,7 @@ class Engine:
         lookahead = self.params.lookahead
         self.lookahead = None if lookahead is None else lookahead.resolve(target.model.rows_per_pass)
         if self.lookahead is not None:
-            _, self.seeds = seed_pools(target, self.lookahead)  # every request's pools start as copies of these
+            _, self.pool_seeds = seed_pools(target, self.lookahead)  # every request's pools start as copies of these
         # what a wider forward costs where no kernel pass sizes it: the most cautious of the proposers' settings
         # (lookahead's, as prompt lookup's: its candidates are copies of earlier n-grams too)
         self.verify_overhead = max([p.verify_overhead for p in (self.lookup, medusa, spec) if p is not None]
@@ -264,9 +267,7 @@ class Engine:
         if la is not None:
             # lookahead's acceptance per key length its candidates are found by
             request.copy_acceptance = ProposalGate(0.0, la.context)
-            request.pools = TextPools(la.guesses, la.text_n, la.context, base=self.seeds)
-            if la.prompt_pool:
-                request.pools.add_text(prompt_ids)
+            request.pools = start_pools(self.pool_seeds, la, prompt_ids)
             request.pooled = len(prompt_ids)
             request.window = first_window(prompt_ids, la, sampling.seed)
         self._next_id += 1
@@ -399,9 +400,9 @@ class Engine:
             plan.prefill.append((request, n))
 
     def _propose(self, plan: StepPlan) -> None:
-        """A copy of earlier text, a tree of the heads' guesses or the draft's chain (with the copy grafted on) for
-        each decoding request, and the decode rows' width, within the token budget and the blocks the step leaves
-        free."""
+        """A copy of earlier text, a tree of the heads' guesses or the draft's chain (with the copy grafted on), or
+        lookahead's candidates and window, for each decoding request, and the decode rows' width, within the token
+        budget and the blocks the step leaves free."""
         lookup, batch = self.lookup, len(plan.decode)
         if not batch:
             return

@@ -269,6 +269,14 @@ def first_window(prompt_ids: list[int], params: LookaheadParams, seed: int | Non
     return [[chooser.choice(prompt_ids) for _ in range(params.window)] for _ in range(params.ngram - 1)]
 
 
+def start_pools(seeds: TextPools, params: LookaheadParams, prompt_ids: list[int]) -> TextPools:
+    """A sequence's own pools: a copy of the seeds, with the prompt's n-grams where `params.prompt_pool` says."""
+    pools = TextPools(params.guesses, params.text_n, params.context, base=seeds)
+    if params.prompt_pool:
+        pools.add_text(prompt_ids)
+    return pools
+
+
 def slide(window: list[list[int]], new_row: list[int], pools: TextPools) -> list[list[int]]:
     """The Jacobi step: `new_row`, the target's argmax after each token of the window's last row, is the next row;
     each column read top to bottom, then its new token, is an n-gram for the pools. The window moved up a row."""
@@ -307,9 +315,7 @@ class LookaheadDecoder(Decoder):
         clock, generator, stopper = self.start()
         widest = la.width(la.guesses, la.text_n)
         cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
-        pool = TextPools(la.guesses, la.text_n, la.context, base=self.seeds)
-        if la.prompt_pool:
-            pool.add_text(prompt_ids)
+        pool = start_pools(self.seeds, la, prompt_ids)
         text = list(prompt_ids)  # prompt + committed tokens: the context candidates are keyed by
         window = first_window(prompt_ids, la, self.sampling.seed)
 
