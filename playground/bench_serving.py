@@ -6,9 +6,10 @@ continuous batching, static batching (a new batch only when the whole previous o
 sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
 (`EngineParams.lookup`), with lookahead's windows and candidates (`EngineParams.lookahead`), with the Medusa
 heads' trees (`EngineParams.medusa`, where heads ship for the target) and with the draft model's chains
-(`EngineParams.draft`, where a draft ships for the target), and sequential with lookup and Medusa. Greedy outputs must be identical in every mode. KV memory is read from the engine's
-per-step memory events: the paged pool's internal fragmentation versus what reserving prompt + max_new_tokens
-slots per running request (a contiguous cache) would waste.
+(`EngineParams.draft`, where a draft ships for the target), and sequential with lookup and Medusa. Greedy
+outputs must be identical in every mode. KV memory is read from the engine's per-step memory events: the paged
+pool's internal fragmentation versus what reserving prompt + max_new_tokens slots per running request (a
+contiguous cache) would waste.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine (plain and with
-prompt lookup, Medusa heads, the draft or lookahead in the batch), against plain decoding on the contiguous cache, over the
-test suite's 20 prompts.
+prompt lookup, Medusa heads, the draft or lookahead in the batch), against plain decoding on the contiguous cache,
+over the test suite's 20 prompts.
 
 The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
 

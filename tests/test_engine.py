@@ -542,6 +542,14 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     generation = GenerationParams(max_new_tokens=16)
     engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams(verify_overhead=0.0)),
                     heads=TINY_HEADS)
+    assert run_checking_the_cache(engine, prompts, generation) > 20
+    assert 0 < engine.guessed.accepted < engine.guessed.proposed and any(runner_up)
+
+
+def run_checking_the_cache(engine: Engine, prompts: list[list[int]], generation: GenerationParams) -> int:
+    """Serves the prompts on the tiny model to the end, checking after every step that each running request's KV
+    is a recomputation of its committed tokens, then that every output is the solo one and no block leaked;
+    returns how many checks ran."""
     ids = [engine.add_request(p, generation=generation) for p in prompts]
     outputs, checked = {}, 0
     while engine.has_unfinished():
@@ -549,11 +557,10 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
         for request in engine.running:
             check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
             checked += 1
-    assert checked > 20
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
-    assert 0 < engine.guessed.accepted < engine.guessed.proposed and any(runner_up)
     check_no_leak(engine)
+    return checked
 
 
 def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
@@ -603,18 +610,9 @@ def test_lookahead_in_the_batch_keeps_the_cache_exact(monkeypatch) -> None:
     generation = GenerationParams(max_new_tokens=16)
     lookahead = LookaheadParams(window=2, ngram=3, guesses=3, corpus_pool=False)
     engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead))
-    ids = [engine.add_request(p, generation=generation) for p in prompts]
-    outputs, checked = {}, 0
-    while engine.has_unfinished():
-        outputs.update((out.id, out.output) for out in engine.step() if out.finished)
-        for request in engine.running:
-            check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
-            checked += 1
-    assert checked > 20 and any(isinstance(e, PreemptEvent) for e in engine.events)
-    for rid, prompt in zip(ids, prompts):
-        assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
+    assert run_checking_the_cache(engine, prompts, generation) > 20
+    assert any(isinstance(e, PreemptEvent) for e in engine.events)
     assert 0 < engine.copied.accepted < engine.copied.proposed
-    check_no_leak(engine)
 
 
 def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:

@@ -304,35 +304,26 @@ def test_settled_text_holds_back_what_may_change(text, stop, settled):
 
 
 def test_cli_errors_before_loading_a_model(capsys):
-    assert main(["serve", "--port", "70000"]) == 2
-    assert "port must be an integer in [0, 65535], got 70000" in capsys.readouterr().err
-    assert main(["serve", "--num-blocks", "0"]) == 2
-    assert "num_blocks must be an integer in [1," in capsys.readouterr().err
-    assert main(["serve", "--num-draft", "4"]) == 2
-    assert "--max-ngram and --num-draft set prompt lookup: add --prompt-lookup" in capsys.readouterr().err
-    assert main(["serve", "--prompt-lookup", "--max-ngram", "0"]) == 2
-    assert "max_ngram must be an integer in [1, 8], got 0" in capsys.readouterr().err
-    assert main(["serve", "--medusa-depth", "2"]) == 2
-    assert "--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add --medusa" in \
-        capsys.readouterr().err
-    assert main(["serve", "--medusa", "--medusa-nodes", "65"]) == 2
-    assert "nodes must be an integer in [1, 64], got 65" in capsys.readouterr().err
-    assert main(["serve", "--medusa", "--medusa-depth", "0"]) == 2
-    assert "depth must be an integer in [1, 16], got 0" in capsys.readouterr().err
-    assert main(["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"]) == 2
-    assert "medusa heads: '/no/such/heads' is not a folder" in capsys.readouterr().err
-    assert main(["serve", "--gamma", "2"]) == 2
-    assert "--draft and --gamma set a draft model in the batch: add --speculative" in capsys.readouterr().err
-    assert main(["serve", "--speculative", "--gamma", "17"]) == 2
-    assert "gamma must be an integer in [1, 16], got 17" in capsys.readouterr().err
-    assert main(["serve", "--speculative", "--medusa"]) == 2
-    assert "draft and medusa: a request is proposed either" in capsys.readouterr().err
-    assert main(["serve", "--window", "2"]) == 2
-    assert "--window, --ngram and --guesses set lookahead in the batch: add --lookahead" in capsys.readouterr().err
-    assert main(["serve", "--lookahead", "--window", "0"]) == 2
-    assert "window must be an integer in [1, 16], got 0" in capsys.readouterr().err
-    assert main(["serve", "--lookahead", "--prompt-lookup"]) == 2
-    assert "lookahead and lookup: lookahead's own proposals" in capsys.readouterr().err
+    for argv, message in [
+            (["serve", "--port", "70000"], "port must be an integer in [0, 65535], got 70000"),
+            (["serve", "--num-blocks", "0"], "num_blocks must be an integer in [1,"),
+            (["serve", "--num-draft", "4"], "--max-ngram and --num-draft set prompt lookup: add --prompt-lookup"),
+            (["serve", "--prompt-lookup", "--max-ngram", "0"], "max_ngram must be an integer in [1, 8], got 0"),
+            (["serve", "--medusa-depth", "2"],
+             "--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add --medusa"),
+            (["serve", "--medusa", "--medusa-nodes", "65"], "nodes must be an integer in [1, 64], got 65"),
+            (["serve", "--medusa", "--medusa-depth", "0"], "depth must be an integer in [1, 16], got 0"),
+            (["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"],
+             "medusa heads: '/no/such/heads' is not a folder"),
+            (["serve", "--gamma", "2"], "--draft and --gamma set a draft model in the batch: add --speculative"),
+            (["serve", "--speculative", "--gamma", "17"], "gamma must be an integer in [1, 16], got 17"),
+            (["serve", "--speculative", "--medusa"], "draft and medusa: a request is proposed either"),
+            (["serve", "--window", "2"], "--window, --ngram and --guesses set lookahead in the batch: add --lookahead"),
+            (["serve", "--lookahead", "--window", "0"], "window must be an integer in [1, 16], got 0"),
+            (["serve", "--lookahead", "--prompt-lookup"], "lookahead and lookup: lookahead's own proposals"),
+    ]:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
