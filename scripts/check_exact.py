@@ -87,7 +87,7 @@ def main() -> int:
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]
         failures += len(bad)
         counts = [f"{c.accepted} of {c.proposed} {kind} tokens accepted" for kind, c, on in (
-            ("copied", engine.copied, engine.lookup), ("lookahead's", engine.copied, engine.lookahead),
+            ("copied", engine.copied, engine.lookup), ("candidate", engine.copied, engine.lookahead),
             ("guessed", engine.guessed, engine.depth)) if on]
         print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
               + "".join(f"\n  MISMATCH {p!r}" for p in bad))
