@@ -67,8 +67,8 @@ def _proposals(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, lookahead: bool, model_source: str,
-               draft_source: str, device: str, dtype: str, quant: str,
+               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, lookahead: bool,
+               model_source: str, draft_source: str, device: str, dtype: str, quant: str,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
@@ -135,8 +135,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
                 "draft, or the one shipped for the embedded model), a chain of its greedy tokens; with "
                 "**lookahead** (alone), each request's Jacobi window beside the candidates of its n-gram pools. "
-                "Run locally, "
-                "the same engine answers HTTP requests from OpenAI-style clients: `python -m playground serve`.")
+                "Run locally, the same engine answers HTTP requests from OpenAI-style clients: "
+                "`python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
@@ -147,10 +147,12 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
-            with gr.Row():  # proposals verified in the batch: Medusa heads and a draft exclude each other
+            # proposals verified in the batch, two to a row (four cut their labels off): Medusa heads and a draft
+            # exclude each other, lookahead excludes the other three
+            with gr.Row():
                 prompt_lookup = gr.Checkbox(False, label="prompt lookup")
                 medusa = gr.Checkbox(False, label="Medusa heads")
-            with gr.Row():  # lookahead stands alone
+            with gr.Row():
                 draft = gr.Checkbox(False, label="draft model")
                 lookahead = gr.Checkbox(False, label="lookahead")
             run = gr.Button("Serve", variant="primary")
