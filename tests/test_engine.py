@@ -294,7 +294,7 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, plain_outputs, monke
     """Each request's Jacobi window and pool candidates (merged into a tree) beside its next token change how many
     tokens a step commits, never which: at batch 1 as planned, and at batch 4 and 20 with every window and
     candidate run (a wider forward costs nothing here), every request gets plain decoding's greedy tokens, with
-    candidates accepted and refused, windows that sliced, and every pool empty at the end."""
+    candidates accepted and refused, every window moved on, and every KV block free at the end."""
     generation = GenerationParams(max_new_tokens=24)
     expected = dict(plain_outputs)
     for prompt in GROUNDED:
@@ -461,8 +461,7 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     prompts = [PREFIX[:cut] + tail or [7] for (cut, tail), _, _ in requests]
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookahead = LookaheadParams(window=guesses, ngram=2 + guesses // 3, guesses=2, text_ngram=2 + guesses // 2,
-                                corpus_pool=False) \
-        if guesses and guesser == "lookahead" else None
+                                corpus_pool=False) if guesses and guesser == "lookahead" else None
     lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens and not lookahead \
         else None
     medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
