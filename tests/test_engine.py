@@ -198,20 +198,28 @@ GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jump
             "Copy this list exactly: red, green, blue, red, green, blue, red, green, blue.")
 
 
-def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, plain_outputs) -> None:
-    """Copies verified in the batch's decode forward change how many tokens a step commits, never which: at batch
-    sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, and copies were accepted along the way."""
+@pytest.fixture(scope="module")
+def grounded_outputs(target, plain_outputs) -> dict[str, tuple[int, ...]]:
+    """Plain greedy decoding of the exactness prompts and the copying ones, 24 tokens each: what every proposer in
+    the batch must reproduce (decoded once for the module)."""
     generation = GenerationParams(max_new_tokens=24)
     expected = dict(plain_outputs)
     for prompt in GROUNDED:
         expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
-    prompts = list(expected)
+    return expected
+
+
+def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, grounded_outputs) -> None:
+    """Copies verified in the batch's decode forward change how many tokens a step commits, never which: at batch
+    sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, and copies were accepted along the way."""
+    generation = GenerationParams(max_new_tokens=24)
+    prompts = list(grounded_outputs)
     for max_running in (1, 4, 20):
         engine = Engine(target, EngineParams(max_running=max_running, lookup=PromptLookupParams()))
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
-            assert outputs[rid].token_ids == expected[prompt], (max_running, prompt)
+            assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, prompt)
         assert engine.copied.steps > 0 and 0 < engine.copied.accepted < engine.copied.proposed, max_running
         # a step over a copy ran wider rows than the batch: the memory events count them
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
@@ -256,16 +264,13 @@ def runner_up_kept(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("guesser", ["medusa", "draft"])
-def test_guesses_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypatch, guesser) -> None:
+def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monkeypatch, guesser) -> None:
     """Trees of the heads' guesses or the draft's chains, alone or beside copies, change how many tokens a step
     commits, never which: at batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with guesses
     accepted and refused along the way (the heads' runners-up among them), and every pool empty at the end."""
     runner_up = runner_up_kept(monkeypatch)
     generation = GenerationParams(max_new_tokens=24)
-    expected = dict(plain_outputs)
-    for prompt in GROUNDED:
-        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
-    prompts = list(expected)
+    prompts = list(grounded_outputs)
     guesses = {"medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[guesser]
     draft = None
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
@@ -275,7 +280,7 @@ def test_guesses_in_the_batch_give_plain_outputs(target, plain_outputs, monkeypa
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
-            assert outputs[rid].token_ids == expected[prompt], (max_running, lookup, prompt)
+            assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, lookup, prompt)
         guessed = engine.guessed
         assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
         assert any(runner_up) or guesser == "draft", max_running
@@ -290,16 +295,13 @@ def every_width_pays(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "batch_step_cost", lambda rows_per_pass, batch, width, overhead: 1.0)
 
 
-def test_lookahead_in_the_batch_gives_plain_outputs(target, plain_outputs, monkeypatch) -> None:
+def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs, monkeypatch) -> None:
     """Each request's Jacobi window and pool candidates (merged into a tree) beside its next token change how many
     tokens a step commits, never which: at batch 1 as planned, and at batch 4 and 20 with every window and
     candidate run (a wider forward costs nothing here), every request gets plain decoding's greedy tokens, with
     candidates accepted and refused, every window moved on, and every KV block free at the end."""
     generation = GenerationParams(max_new_tokens=24)
-    expected = dict(plain_outputs)
-    for prompt in GROUNDED:
-        expected[prompt] = solo(target, encode_prompt(target, prompt, generation), SamplingParams(), generation)
-    prompts = list(expected)
+    prompts = list(grounded_outputs)
     for max_running in (1, 4, 20):
         if max_running > 1:
             every_width_pays(monkeypatch)
@@ -308,7 +310,7 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, plain_outputs, monke
         first_windows = {rid: engine.requests[rid].window for rid in ids}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
-            assert outputs[rid].token_ids == expected[prompt], (max_running, prompt)
+            assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, prompt)
         assert engine.copied.steps > 0 and 0 < engine.copied.accepted < engine.copied.proposed, max_running
         assert all(engine.requests[rid].window != first_windows[rid] for rid in ids)
         # the windows' rows: a step's forward is wider than its candidates alone
