@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import (DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA,
-                     MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams,
-                     GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
-                     SpeculativeParams)
+from .config import (CPU_TREE_ROWS, DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
+                     MAX_GAMMA, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams, EngineMedusaParams,
+                     EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
+                     SamplingParams, SpeculativeParams)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -308,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "step), chain, small, medium, wide, or a JSON file of top-k paths")
     tree.add_argument("--tree-nodes", type=int, default=None,
                       help=f"nodes of the dynamic tree, a copy's included, 1..{MAX_DYNAMIC_NODES} (default: what one "
-                           "pass of the native CPU kernel serves beside the last token, 11 with AVX-512, 5 with "
-                           f"AVX2; {GPU_DYNAMIC_NODES} on a GPU, {DYNAMIC_NODES} with PyTorch's CPU kernels)")
+                           f"pass of the native CPU kernel serves beside the last token, at most {CPU_TREE_ROWS - 1}; "
+                           f"{GPU_DYNAMIC_NODES} on a GPU, {DYNAMIC_NODES} with PyTorch's CPU kernels)")
     tree.add_argument("--acceptance", default="lossless", choices=MEDUSA_ACCEPTANCE,
                       help="when sampling: lossless (exact, default), typical (LOSSY, faster) or greedy "
                            "(temperature 0 only); at temperature 0 all are greedy and exact")

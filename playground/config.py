@@ -338,24 +338,30 @@ class LookaheadParams:
 
 MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")
 DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
-# the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes: what one pass of the native
-# kernel serves with AVX-512 beside the last token, the width the dynamic tree was measured at
+# the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes: the width the dynamic tree's
+# tokens per forward were first measured at (README, Medusa heads and tree decoding); never raced there
 DYNAMIC_NODES = 11
 GPU_DYNAMIC_NODES = 23  # on a GPU (see `dynamic_nodes`)
+CPU_TREE_ROWS = 6  # the most rows of a native CPU verification of the dynamic tree by default (see `dynamic_nodes`)
 MAX_DYNAMIC_NODES = 64
 
 
 def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
     """The dynamic tree's nodes when tree_nodes is None: with the native CPU kernel, the rows one pass serves beside
-    the last token (`Transformer.rows_per_pass` - 1: 11 with AVX-512, 5 with AVX2); on a GPU GPU_DYNAMIC_NODES;
-    else (PyTorch's CPU kernels) DYNAMIC_NODES. Why 23 on a GPU: on an H100 at batch 1 a verifying forward cost the
+    the last token, at most CPU_TREE_ROWS - 1 (`Transformer.rows_per_pass` - 1, so 5 with AVX2 and with AVX-512);
+    on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES. Why at most 5: on a 2-core Zen 3 EPYC
+    (AVX2) past one pass the extra rows cost more than they bring, and on a 2-core AVX-512 Xeon with AMX rows that
+    share a pass are not free (forwards over 6 and 12 tokens 1.17 and 1.50 one-token steps): there, over the suite,
+    5 nodes ran 1.31x plain decoding, 6 1.28x, 8 1.19x and 11 1.16x (1.63 to 1.78 tokens per forward), and with
+    prompt copies 5 nodes 1.63x against 1.32x at 11, in interleaved rounds (README, Medusa heads and tree decoding).
+    Why 23 on a GPU: on an H100 at batch 1 a verifying forward cost the
     same from 12 to 48 tokens (12.7-13.0 ms, 1.10-1.13 plain steps; launch-bound), while choosing the tree, host
     work, grew with its nodes (median 0.73 ms at 11, 1.10 at 23, 1.58 at 35, 2.33 at 47) and tokens per forward
     with copies rose 2.47, 2.75, 2.81, 2.88: 23 commits the most tokens per millisecond (three interleaved rounds
     over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU). Those times predate
     `tree.best_first` revealing ranks lazily, which cheapens choosing most for large trees: worth racing again."""
     if rows_per_pass is not None and rows_per_pass > 1:
-        return rows_per_pass - 1
+        return min(rows_per_pass, CPU_TREE_ROWS) - 1
     return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES
 
 
@@ -364,7 +370,7 @@ class MedusaParams:
     """Medusa decoding. heads: a folder of trained heads (None: the shipped heads of the embedded target);
     tree: "dynamic" (chosen at every step from the heads' probabilities, `tree.best_first`), a named tree or a JSON
     file of top-k paths; tree_nodes: the dynamic tree's nodes, a copy's included (None: chosen for the machine by
-    `dynamic_nodes`: 11 with AVX-512, 5 with AVX2, 23 on a GPU); acceptance, which matters only when sampling:
+    `dynamic_nodes`: 5 with the native CPU kernel, 23 on a GPU); acceptance, which matters only when sampling:
     "lossless" (each node's candidates verified in turn as one-hot proposals with the residual rule: exact),
     "typical" (Cai et al.: accept x if p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, faster), or "greedy"
     (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact.

@@ -112,7 +112,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert all(entry["median_step_cost"] > 0 for entry in summary.values())
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
-    # the dynamic tree fills what one pass of the kernel's rows has beside the last token, every step
+    # the dynamic tree takes what one pass of the kernel's rows has beside the last token (at most 5), every step
     rows = target.model.rows_per_pass
     nodes = dynamic_nodes(rows, gpu=False)
     assert f"## medusa (tree dynamic ({nodes} nodes)" in text and "typical acceptance (LOSSY)" in text

@@ -286,8 +286,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
                                        info="dynamic: the nodes the heads rate likeliest, chosen at every step")
                     tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
-                                           info="auto: what one pass of the CPU kernel serves (11 with AVX-512, 5 "
-                                                "with AVX2)")
+                                           info="auto: 5 with the native CPU kernel, 23 on a GPU")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
