@@ -352,14 +352,15 @@ def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
     on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES. Why at most 5: on a 2-core Zen 3 EPYC
     (AVX2) past one pass the extra rows cost more than they bring, and on a 2-core AVX-512 Xeon with AMX rows that
     share a pass are not free (forwards over 6 and 12 tokens 1.17 and 1.50 one-token steps): there, over the suite,
-    5 nodes ran 1.31x plain decoding, 6 1.28x, 8 1.19x and 11 1.16x (1.63 to 1.78 tokens per forward), and with
-    prompt copies 5 nodes 1.63x against 1.32x at 11, in interleaved rounds (README, Medusa heads and tree decoding).
-    Why 23 on a GPU: on an H100 at batch 1 a verifying forward cost the
-    same from 12 to 48 tokens (12.7-13.0 ms, 1.10-1.13 plain steps; launch-bound), while choosing the tree, host
-    work, grew with its nodes (median 0.73 ms at 11, 1.10 at 23, 1.58 at 35, 2.33 at 47) and tokens per forward
-    with copies rose 2.47, 2.75, 2.81, 2.88: 23 commits the most tokens per millisecond (three interleaved rounds
-    over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU). Those times predate
-    `tree.best_first` revealing ranks lazily, which cheapens choosing most for large trees: worth racing again."""
+    5 nodes ran 1.31x plain decoding, 6 1.28x, 8 1.19x and 11 1.16x (1.63 to 1.78 tokens per forward), with prompt
+    copies 6 nodes 1.48x against 1.32x at 11, and in two more rounds 5 nodes with copies 1.63x against 1.64x at 6
+    (interleaved rounds; README, Medusa heads and tree decoding). Why 23 on a GPU: on an H100 at batch 1 a verifying
+    forward cost the same from 12 to 48 tokens (12.7-13.0 ms, 1.10-1.13 plain steps; launch-bound), while choosing
+    the tree, host work, grew with its nodes (median 0.73 ms at 11, 1.10 at 23, 1.58 at 35, 2.33 at 47) and tokens
+    per forward with copies rose 2.47, 2.75, 2.81, 2.88: 23 commits the most tokens per millisecond (three
+    interleaved rounds over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU).
+    Those times predate `tree.best_first` revealing ranks lazily, which cheapens choosing most for large trees:
+    worth racing again."""
     if rows_per_pass is not None and rows_per_pass > 1:
         return min(rows_per_pass, CPU_TREE_ROWS) - 1
     return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES
