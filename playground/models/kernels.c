@@ -42,8 +42,8 @@
  * EPYC (AVX2) 9 tokens cost 52-57 ms with it and 59-65 without, one token alike. Hint 2 (to L2, not L1): on a
  * 2-core AVX-512 Xeon with AMX whose products gained little from rows sharing a pass (6 rows 1.25 times one row's
  * time, 12 rows 1.45), all of SmolLM2-135M's products over 6, 7, 9 and 12 rows took 0.88, 0.92, 0.88 and 0.94 of
- * hint 3's time, one row the same (medians of 6 interleaved rounds; hint 1 alike): filling L1 ahead of use
- * evicted lines the FMAs still needed. The non-temporal hint 0 made one-token forwards 40% slower on the
+ * hint 3's time, one row the same (medians of 6 interleaved rounds; hint 1 alike; presumably lines fetched into
+ * L1 that early evicted ones the FMAs still read). The non-temporal hint 0 made one-token forwards 40% slower on the
  * Emerald Rapids Xeon. */
 #define PREFETCH 64
 
