@@ -12,8 +12,8 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (DYNAMIC_TREE, MAX_DYNAMIC_NODES, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
-                      PromptLookupParams, SamplingParams, SpeculativeParams)
+from ..config import (CPU_TREE_ROWS, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, ConfigError, GenerationParams,
+                      LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams, SpeculativeParams)
 from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
                         SpeculativeDecoder, encode_prompt, stream_generate)
 from ..decoding.tree import TREES
@@ -286,7 +286,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
                                        info="dynamic: the nodes the heads rate likeliest, chosen at every step")
                     tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
-                                           info="auto: 5 with the native CPU kernel, 23 on a GPU")
+                                           info=f"auto: {CPU_TREE_ROWS - 1} with the native CPU kernel, "
+                                                f"{GPU_DYNAMIC_NODES} on a GPU")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
