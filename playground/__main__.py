@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import (CPU_TREE_ROWS, DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MAX_GAMMA, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams, EngineMedusaParams,
-                     EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
-                     SamplingParams, SpeculativeParams)
+                     MAX_GAMMA, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams,
+                     EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
+                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -104,7 +105,7 @@ def algo_params(args: argparse.Namespace) -> Any:
         params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
                                    copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
                                    siblings=args.siblings)
-        params.check_acceptance(greedy=args.temperature == 0)
+        params.check_acceptance(greedy=SamplingParams(temperature=args.temperature).greedy)
         return params
     if args.algo == "prompt-lookup":
         return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
@@ -191,7 +192,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .models import load_model
-    from .server import PlaygroundServer, serve
+    from .api import listen, serve
 
     spec = model_spec(args)
     if not args.prompt_lookup and (args.max_ngram is not None or args.num_draft is not None):
@@ -214,12 +215,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
                           lookup=lookup, medusa=medusa, draft=draft, lookahead=lookahead)
-    server = PlaygroundServer(args.host, args.port)  # listens now: a taken port fails before the model loads
+    check_int("max_waiting", args.max_waiting, 0, MAX_WAITING)
+    api_key = args.api_key or os.environ.get("PLAYGROUND_API_KEY") or None
+    sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
-        serve(load_model(spec), params, server)
+        serve(load_model(spec), params, sock, api_key=api_key, max_waiting=args.max_waiting)
     finally:
-        server.server_close()
+        sock.close()
     return 0
 
 
@@ -332,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                             "only; 0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="0..65535 (default 8000; 0: any free port)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $PLAYGROUND_API_KEY; "
+                             "unset: no key)")
+    server.add_argument("--max-waiting", type=int, default=64,
+                        help=f"requests held waiting beyond --max-running, 0..{MAX_WAITING} (default 64); more get "
+                             "a 503 with Retry-After")
     server.add_argument("--num-blocks", type=int, default=ENGINE.num_blocks,
                         help=f"KV blocks in the pool, 1..{1 << 20} (default {ENGINE.num_blocks}); a request's prompt "
                              "and max_tokens must fit it")

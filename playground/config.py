@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
 MAX_NEW_TOKENS_LIMIT = 4096
+MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
 KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
 MAX_VERIFY_OVERHEAD = 4.0
@@ -35,6 +37,16 @@ def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     upper = "inf" if hi is None else str(hi)
     if value < lo or (hi is not None and value > hi):
         raise ConfigError(f"{name} must be an integer in [{lo}, {upper}], got {value}")
+
+
+def check_text(name: str, value: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (which JSON escapes and Python strings can hold) is not,
+    and tokenizers fail on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{name} must be valid Unicode text; character {exc.start} is a lone surrogate "
+                          f"({value[exc.start]!r})") from None
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -74,7 +86,9 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off."""
+    """Temperature 0 means greedy (argmax), and so does any temperature below GREEDY_BELOW, where the softmax of
+    logits / temperature is one-hot in float32 anyway (and would overflow to NaN far enough below); top_k 0 and
+    top_p 1 switch those filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -94,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

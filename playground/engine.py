@@ -74,6 +74,7 @@ class Status(Enum):
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"
 
 
 @dataclass(eq=False)
@@ -109,12 +110,13 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one request: its new tokens (none for an unfinished prefill; more than one when a
-    copy was accepted) and, once finished, the final output."""
+    copy was accepted) and, once finished, the final output, or the error that ended it alone."""
 
     id: int
     new_token_ids: list[int]
     finished: bool
     output: DecodeOutput | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -340,8 +342,14 @@ class Engine:
             yield from self.step()
 
     def run_all(self) -> dict[int, DecodeOutput]:
-        """Step to the end; the final output of every request that finished."""
-        return {out.id: out.output for out in self.stream() if out.finished}
+        """Step to the end; the final output of every request (RuntimeError when one of them failed)."""
+        outputs = {}
+        for out in self.stream():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.id} failed: {out.error}")
+            if out.finished:
+                outputs[out.id] = out.output
+        return outputs
 
     def _schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -741,45 +749,55 @@ class Engine:
             request.num_computed += n
             if request.num_computed < len(request.tokens):
                 continue  # a prefill chunk that has not reached the end of the known tokens
-            proposal = plan.proposals.get(request.id)
-            tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
-            read, window_logits = logits[request.id][: 1 + len(tokens)], logits[request.id][1 + len(tokens) :]
-            new, walk, done = [], [], False
-            for row, token in draws_along(read, tokens, request.sampling, request.generator, parents):
-                new.append(token)
-                walk.append(row)
-                done = request.stopper.push(token)
-                if done:
-                    break
-            path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
-            if proposal is not None:
-                self._record(request, proposal, path)
-            if request.drafted:
-                # The draft keeps what it read of the tokens committed, never the new last token: its next chain
-                # starts from its hidden state there.
-                kept = request.num_computed + min(agreement(request.drafted, new), len(path))
-                if self.draft_cache.length(request.id) > kept:
-                    self.draft_cache.truncate(request.id, kept)
-                request.drafted = []
-            now = self.now()
-            if request.first_token_t is None:
-                request.first_token_t = now
-            if not done:
-                if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
-                    self.cache.keep(request.id, request.num_computed - 1, [0, *path])
-                request.num_computed += len(path)
-                if self.cache.length(request.id) > request.num_computed:
-                    self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
-                if self.heads is not None:  # the row that predicted the last new token: the heads read it next
-                    request.hidden = hidden[request.id][walk[-1]].clone()
-                if request.id in plan.windows:
-                    request.window = slide(request.window, argmax_rows(window_logits), request.pools)
-                outputs.append(RequestOutput(request.id, new, False))
-                continue
-            self._release(request)
-            request.status, request.finish_t = Status.FINISHED, now
-            outputs.append(RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t)))
+            try:
+                outputs.append(self._advance(request, plan, logits, hidden))
+            except Exception as exc:  # this request's sampling or detokenizing failed: it ends, the others go on
+                if request in self.running:
+                    self._release(request)
+                request.status, request.finish_t = Status.FAILED, self.now()
+                outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
         return outputs
+
+    def _advance(self, request: Request, plan: StepPlan, logits: dict[int, torch.Tensor],
+                 hidden: dict[int, torch.Tensor]) -> RequestOutput:
+        """Draw a request's new tokens from its rows of the step's logits and commit them to its cache."""
+        proposal = plan.proposals.get(request.id)
+        tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
+        read, window_logits = logits[request.id][: 1 + len(tokens)], logits[request.id][1 + len(tokens) :]
+        new, walk, done = [], [], False
+        for row, token in draws_along(read, tokens, request.sampling, request.generator, parents):
+            new.append(token)
+            walk.append(row)
+            done = request.stopper.push(token)
+            if done:
+                break
+        path = walk[1:]  # the proposed tokens kept: the rows each draw after the first was taken from
+        if proposal is not None:
+            self._record(request, proposal, path)
+        if request.drafted:
+            # The draft keeps what it read of the tokens committed, never the new last token: its next chain
+            # starts from its hidden state there.
+            kept = request.num_computed + min(agreement(request.drafted, new), len(path))
+            if self.draft_cache.length(request.id) > kept:
+                self.draft_cache.truncate(request.id, kept)
+            request.drafted = []
+        now = self.now()
+        if request.first_token_t is None:
+            request.first_token_t = now
+        if not done:
+            if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
+                self.cache.keep(request.id, request.num_computed - 1, [0, *path])
+            request.num_computed += len(path)
+            if self.cache.length(request.id) > request.num_computed:
+                self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
+            if self.heads is not None:  # the row that predicted the last new token: the heads read it next
+                request.hidden = hidden[request.id][walk[-1]].clone()
+            if request.id in plan.windows:
+                request.window = slide(request.window, argmax_rows(window_logits), request.pools)
+            return RequestOutput(request.id, new, False)
+        self._release(request)
+        request.status, request.finish_t = Status.FINISHED, now
+        return RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t))
 
     def _record(self, request: Request, proposal: Proposal, path: list[int]) -> None:
         """What a verified proposal tells: how the request's copies (or lookahead's candidates) and the guesses of the

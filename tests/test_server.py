@@ -1,6 +1,6 @@
 """The HTTP server (`python -m playground serve`): requests served together get exactly their solo outputs,
-streaming adds up to the whole text, bad requests get 400s naming the field, and the engine keeps no record of
-finished or abandoned requests."""
+streaming adds up to the whole text, bad requests get JSON errors naming the field, no request can hurt another or
+the server, and the engine keeps no record of finished or abandoned requests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from playground.config import (EngineDraftParams, EngineMedusaParams, EnginePara
                                LookaheadParams, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
-from playground.server import EngineWorker, PlaygroundServer, settled_text
+from playground.api import Service, listen
+from playground.server import EngineWorker, settled_text
 
 from .prompts import PROMPTS
 
@@ -35,39 +38,50 @@ PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=
              "lookahead": dict(lookahead=LookaheadParams())}
 
 
+@contextmanager
+def running(target, params: EngineParams, **options) -> Iterator[Service]:
+    """A server on a free port, its engine's worker on a thread of its own, until the block ends."""
+    service = Service(target, params, listen("127.0.0.1", 0), quiet=True, **options)
+    service.start()
+    worker = threading.Thread(target=service.worker.run)
+    worker.start()
+    while not service.http.started:
+        time.sleep(0.01)
+    try:
+        yield service
+    finally:
+        service.worker.close()
+        worker.join()
+        service.stop()
+
+
 @pytest.fixture(scope="module", params=list(PROPOSERS))
 def server(target, request):
     """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies with the
     Medusa heads' trees, or with the draft's chains; lookahead's windows and candidates), which must answer alike."""
-    proposals = PROPOSERS[request.param]
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
-    srv = PlaygroundServer("127.0.0.1", 0, quiet=True)
-    srv.attach(target, EngineParams(num_blocks=256, block_size=8, max_running=4, **proposals))
-    threads = [threading.Thread(target=srv.serve_forever, daemon=True), threading.Thread(target=srv.worker.run)]
-    for thread in threads:
-        thread.start()
-    yield srv
-    srv.close()
-    threads[1].join()
+    with running(target, EngineParams(num_blocks=256, block_size=8, max_running=4,
+                                      **PROPOSERS[request.param])) as service:
+        yield service
 
 
-def post(srv: PlaygroundServer, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
-    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+def post(srv: Service, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
     connection.request("POST", path, raw if raw is not None else json.dumps(body))
     response = connection.getresponse()
     return response.status, json.loads(response.read())
 
 
-def get(srv: PlaygroundServer, path: str) -> tuple[int, dict]:
-    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+def get(srv: Service, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
     connection.request("GET", path)
     response = connection.getresponse()
     return response.status, json.loads(response.read())
 
 
-def events(srv: PlaygroundServer, path: str, body) -> list:
+def events(srv: Service, path: str, body) -> list:
     """A streamed request's server-sent events: JSON chunks, then the string "[DONE]"."""
-    connection = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
+    connection = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
     connection.request("POST", path, json.dumps({**body, "stream": True}))
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
@@ -183,9 +197,9 @@ def test_sampling_follows_the_seed(server, target):
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be in [0, 100]"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "top_k": -1}, 400, "top_k must be an integer in [0, inf]"),
-    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed: Input should be a valid integer, got 'x'"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop must be a non-empty string or a list"),
-    ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream must be true or false"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream: Input should be a valid boolean, got 1"),
     ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n is not supported by this server (only 1)"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
     ("/v1/completions", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
@@ -193,10 +207,12 @@ def test_sampling_follows_the_seed(server, target):
     ("/v1/completions", {"messages": chat("hi")}, 400, "unknown field 'messages'"),
     ("/v1/completions", ["hi"], 400, "the request body must be a JSON object"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400,
+     "messages[0].role: Input should be 'system', 'user' or 'assistant', got 'robot'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content: Input should be a valid string, got 3"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "Ann"}]}, 400,
-     'messages[0] must be an object with "role" and "content"'),
+     "unknown field 'messages[0].name'; a message takes role, content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages must hold some text"),
     ("/v1/chat/completions", {"prompt": "hi"}, 400, "unknown field 'prompt'"),
     ("/v1/embeddings", {"input": "hi"}, 404, "no such endpoint POST /v1/embeddings"),
@@ -258,7 +274,7 @@ def test_the_read_endpoints(server, target):
 
 def test_a_client_that_hangs_up_stops_its_request(server):
     finished = get(server, "/v1/engine")[1]["finished"]
-    sock = socket.create_connection(server.server_address[:2])
+    sock = socket.create_connection((server.host, server.port))
     body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     received = b""

@@ -100,7 +100,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     while (t := (time.perf_counter() - start) * speed) < end:
         yield render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", gr.update(), gr.update(), gr.update()
         time.sleep(FRAME_S)
-    greedy = sampling.temperature == 0
+    greedy = sampling.greedy
     metrics = {name: compute(trace) for name, trace in traces.items()}
     rows = [_row(name, trace, metrics[name], traces[PLAIN], metrics[PLAIN], greedy) for name, trace in traces.items()]
     done = f"replayed {pace}. Engine time only; page drawing is never counted."

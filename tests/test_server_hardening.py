@@ -1,0 +1,331 @@
+"""No request can hurt the server or another request: bad text, tiny temperatures, malformed HTTP, clients that
+hang up or never finish sending, too many requests, a failure inside one request, shutdown with streams in flight;
+with the official `openai` client as well as raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from playground import api
+from playground.api import ChatRequest, CompletionRequest, parse_job
+from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.decoding import encode_prompt
+from playground.engine import Engine
+from playground.server import ApiError, EngineWorker, Job, Reply
+
+from .test_server import chat, events, get, post, running, solo
+
+TOKENS = 8
+PARAMS = EngineParams(num_blocks=256, block_size=8, max_running=4)
+
+
+@pytest.fixture(scope="module")
+def srv(target):
+    with running(target, PARAMS) as service:
+        yield service
+
+
+def raw_exchange(srv, data: bytes, wait_s: float = 30) -> bytes:
+    """What the server sends back, until it closes the connection, for raw bytes sent."""
+    with socket.create_connection((srv.host, srv.port), timeout=wait_s) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def request_bytes(path: str, body: bytes, headers: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(body)}\r\n{headers}\r\n"
+            .encode() + body)
+
+
+def wait_for(condition, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def idle(srv) -> bool:
+    state = get(srv, "/v1/engine")[1]
+    return state["running"] == state["waiting"] == 0 and state["kv"]["blocks_used"] == 0 and srv.worker.held == 0
+
+
+def test_a_lone_surrogate_is_a_400_and_the_server_stays_up(srv):
+    for path, body in [("/v1/completions", b'{"prompt": "abc\\ud800", "max_tokens": 4}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfff"}]}'),
+                       ("/v1/completions", b'{"prompt": "abc", "stop": ["\\ud800"]}')]:
+        status, reply = post(srv, path, None, raw=body)
+        assert status == 400 and "must be valid Unicode text" in reply["error"]["message"], reply
+        assert reply["error"]["param"] in ("prompt", "messages", "stop")
+    assert get(srv, "/health") == (200, {"status": "ok"})
+    assert post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+
+
+def test_a_request_the_tokenizer_cannot_take_fails_alone(target):
+    """Past the API's checks (a job submitted directly), the worker still isolates an admission failure."""
+    worker = EngineWorker(target, PARAMS)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        bad, good = (Job(SamplingParams(), GenerationParams(max_new_tokens=3, raw=True), False, queue.Queue(),
+                         prompt=p) for p in ("abc\ud800", "Hello"))
+        worker.submit(bad)
+        worker.submit(good)
+        error = bad.replies.get(timeout=60).error
+        assert error is not None and error.status == 500 and "could not be admitted" in str(error)
+        assert good.replies.get(timeout=60).usage["completion_tokens"] == 3
+    finally:
+        worker.close()
+        thread.join()
+    assert worker.held == 0
+
+
+def test_a_tiny_temperature_decodes_greedily(srv, target):
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=1e-5).greedy is False
+    prompt = "Name three colours."
+    bodies = [{"messages": chat(prompt), "max_tokens": TOKENS, "temperature": t, "seed": 1} for t in (1e-38, 1e-300)]
+    bodies.append({"messages": chat("Count to five."), "max_tokens": TOKENS})  # a neighbour in the same batch
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda b: post(srv, "/v1/chat/completions", b), bodies))
+    assert all(status == 200 for status, _ in replies), replies
+    greedy = solo(target, encode_prompt(target, prompt, GenerationParams()), SamplingParams(), TOKENS).text
+    assert [r["choices"][0]["message"]["content"] for _, r in replies[:2]] == [greedy, greedy]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "an integer too long to read"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"prompt": "hi", "temperature": 1e400}', "temperature: Input should be a finite number"),
+    (b'{"prompt": "hi", "top_p": NaN}', "top_p: Input should be a finite number"),
+    (b'\xff\xfe', "not valid JSON"),
+])
+def test_malformed_bodies_get_json_400s(srv, raw, message):
+    status, reply = post(srv, "/v1/completions", None, raw=raw)
+    assert status == 400 and message in reply["error"]["message"]
+
+
+def test_malformed_http_gets_an_answer(srv):
+    reply = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n{}")
+    assert reply.startswith(b"HTTP/1.1 400")
+    too_big = request_bytes("/v1/completions", b"", f"X-Pad: {'a' * 70_000}\r\n")
+    assert raw_exchange(srv, too_big).startswith(b"HTTP/1.1 4")
+    status, reply = post(srv, "/v1/completions", None, raw=b'{"prompt": "' + b"a" * (1 << 20) + b'"}')
+    assert status == 413 and "at most 1048576 bytes" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("method", ["HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"])
+def test_other_methods_get_a_json_405(srv, method):
+    connection = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+    connection.request(method, "/v1/completions")
+    response = connection.getresponse()
+    body = response.read()
+    assert response.status == 405 and response.getheader("Content-Type") == "application/json"
+    if method != "HEAD":
+        assert json.loads(body)["error"]["message"] == f"/v1/completions takes POST, not {method}"
+
+
+def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
+    monkeypatch.setattr(api, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.5)
+    threads = threading.active_count()
+    sockets = [socket.create_connection((srv.host, srv.port)) for _ in range(100)]
+    try:
+        for sock in sockets:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        assert threading.active_count() == threads  # no thread per connection
+        for sock in sockets:
+            sock.settimeout(10)
+            assert sock.recv(1024) == b""  # closed by the server
+    finally:
+        for sock in sockets:
+            sock.close()
+    with socket.create_connection((srv.host, srv.port), timeout=10) as sock:  # a body that never ends
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
+    assert get(srv, "/health")[0] == 200
+
+
+def test_a_non_streaming_client_that_hangs_up_stops_its_request(srv):
+    finished = get(srv, "/v1/engine")[1]["finished"]
+    sock = socket.create_connection((srv.host, srv.port))
+    sock.sendall(request_bytes("/v1/completions", json.dumps({"prompt": "1, 2, 3,", "max_tokens": 1000}).encode()))
+    assert wait_for(lambda: get(srv, "/v1/engine")[1]["running"] == 1)
+    sock.close()
+    assert wait_for(lambda: idle(srv), 30)
+    assert get(srv, "/v1/engine")[1]["finished"] == finished  # aborted, not run to its 1000 tokens
+
+
+def test_the_waiting_queue_is_bounded(target):
+    with running(target, EngineParams(num_blocks=256, block_size=8, max_running=1), max_waiting=1) as service:
+        holders = [socket.create_connection((service.host, service.port)) for _ in range(2)]
+        for sock in holders:  # one running, one waiting
+            sock.sendall(request_bytes("/v1/completions",
+                                       json.dumps({"prompt": "1, 2,", "max_tokens": 1000, "stream": True}).encode()))
+        assert wait_for(lambda: service.worker.held == 2)
+        connection = http.client.HTTPConnection(service.host, service.port, timeout=30)
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        response = connection.getresponse()
+        assert response.status == 503 and response.getheader("Retry-After") == "1"
+        assert "holds 2 requests, its most" in json.loads(response.read())["error"]["message"]
+        for sock in holders:
+            sock.close()
+        assert wait_for(lambda: idle(service), 30)
+        assert post(service, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
+def test_an_api_key_is_required_when_set(target):
+    with running(target, PARAMS, api_key="sesame") as service:
+        assert get(service, "/health")[0] == 200
+        status, reply = get(service, "/v1/models")
+        assert status == 401 and reply["error"]["type"] == "authentication_error"
+        assert post(service, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 401
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="sesame", max_retries=0)
+        assert client.completions.create(model=target.name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{service.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_openai_client_gets_what_raw_http_gets(srv, target):
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [target.name]
+    prompt = "Translate into French: 'Good morning'"
+    reply = client.chat.completions.create(model=target.name, messages=chat(prompt), max_tokens=TOKENS)
+    expected = post(srv, "/v1/chat/completions", {"messages": chat(prompt), "max_tokens": TOKENS})[1]
+    assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    assert reply.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=target.name, messages=chat(prompt), max_tokens=TOKENS, stream=True)]
+    assert "".join(pieces) == expected["choices"][0]["message"]["content"]
+    text = client.completions.create(model=target.name, prompt="One, two,", max_tokens=TOKENS).choices[0].text
+    assert text == post(srv, "/v1/completions", {"prompt": "One, two,", "max_tokens": TOKENS})[1]["choices"][0]["text"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer in"):
+        client.completions.create(model=target.name, prompt="Hi", max_tokens=0)
+
+
+def test_a_failure_inside_one_request_ends_it_alone(target):
+    """A request whose sampling fails mid-batch ends with an error; its neighbours get their solo tokens."""
+    engine = Engine(target, PARAMS)
+    prompts = ["Name a fruit.", "Name a river.", "Name a city."]
+    ids = [engine.add_request(p, generation=GenerationParams(max_new_tokens=TOKENS)) for p in prompts]
+    broken = engine.requests[ids[1]]
+    pushes = broken.stopper.push
+
+    def fail_on_third(token: int) -> bool:
+        if len(broken.stopper.tokens) == 2:
+            raise RuntimeError("simulated sampling failure")
+        return pushes(token)
+    broken.stopper.push = fail_on_third
+    outputs, errors = {}, {}
+    for out in engine.stream():
+        if out.error is not None:
+            errors[out.id] = out.error
+        elif out.finished:
+            outputs[out.id] = out.output
+    assert errors == {ids[1]: "RuntimeError: simulated sampling failure"}
+    for rid, prompt in zip((ids[0], ids[2]), (prompts[0], prompts[2])):
+        expected = solo(target, encode_prompt(target, prompt, GenerationParams()), SamplingParams(), TOKENS)
+        assert outputs[rid].token_ids == expected.token_ids
+    assert engine.cache.memory().blocks_used == 0
+    engine.add_request(prompts[0], generation=GenerationParams(max_new_tokens=TOKENS))
+
+    def fail(token: int) -> bool:
+        raise RuntimeError("simulated")
+    engine.requests[max(engine.requests)].stopper.push = fail
+    with pytest.raises(RuntimeError, match=r"request \d+ failed: RuntimeError: simulated"):
+        engine.run_all()
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+                           max_leaves=8)
+FIELDS = ["prompt", "messages", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+          "user", "n", "logprobs", "echo", "role", "content"]
+BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES | st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "robot"]), "content": JSON_VALUES}), max_size=2), max_size=6)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODIES | JSON_VALUES, chat_endpoint=st.booleans(), surrogate=st.booleans())
+def test_fuzzed_request_bodies_are_a_job_or_a_400(body, chat_endpoint, surrogate):
+    raw = json.dumps(body, allow_nan=True)
+    if surrogate:
+        raw = raw.replace("a", "\\ud800")
+    try:
+        job = parse_job(raw.encode(), ChatRequest if chat_endpoint else CompletionRequest, ("m",), None)
+    except ApiError as exc:
+        assert exc.status in (400, 404) and str(exc) and "\n" not in str(exc)
+    else:
+        assert isinstance(job, Job) and 1 <= job.generation.max_new_tokens <= 4096
+
+
+def test_32_streams_some_hanging_up(srv, target):
+    """A bounded load: 32 streams at once, every fourth client hanging up after its first piece; the server stays
+    up, the rest get the CLI's greedy answers, and every KV block comes back."""
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+
+    def one(i: int) -> str | None:
+        body = {"messages": chat(prompts[i]), "max_tokens": TOKENS, "stream": True}
+        if i % 4:
+            return "".join(c["choices"][0]["delta"]["content"] for c in events(srv, "/v1/chat/completions", body)[:-1])
+        with socket.create_connection((srv.host, srv.port), timeout=60) as sock:
+            sock.sendall(request_bytes("/v1/chat/completions", json.dumps(body).encode()))
+            while b"data: " not in sock.recv(4096):
+                pass
+        return None
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, range(32)))
+    for i, text in enumerate(texts):
+        if text is not None:
+            ids = encode_prompt(target, prompts[i], GenerationParams())
+            assert text == solo(target, ids, SamplingParams(), TOKENS).text, i
+    assert wait_for(lambda: idle(srv), 60)
+    assert get(srv, "/health")[0] == 200
+
+
+def test_sigterm_ends_streams_with_an_error_and_done():
+    root = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen([sys.executable, "-m", "playground", "serve", "--port", "0", "--max-running", "2"],
+                               cwd=root, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        while "Serving" not in line:
+            line = process.stderr.readline()
+            assert line, "the server exited before serving"
+        host, port = line.split(" at ", 1)[1].split()[0].removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.sendall(request_bytes("/v1/completions",
+                                   json.dumps({"prompt": "1, 2, 3,", "max_tokens": 2000, "stream": True}).encode()))
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+        process.send_signal(signal.SIGTERM)
+        while chunk := sock.recv(65536):
+            received += chunk
+        sock.close()
+        assert b'"error"' in received and b"the server is shutting down" in received
+        assert b"data: [DONE]\n\n" in received and received.endswith(b"0\r\n\r\n")  # the last chunk: a clean end
+        assert process.wait(timeout=60) == 0
+        assert "Stopped." in process.stderr.read()
+    finally:
+        process.kill()
