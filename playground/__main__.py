@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from .config import (CPU_TREE_ROWS, DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
                      MAX_GAMMA, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams,
                      EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
-                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
+                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int, check_text)
 from .models import ModelLoadError, UnsupportedModelError
 from .models.loader import default_draft
 from .trace import TraceError
@@ -68,14 +68,22 @@ def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, Generatio
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
+        # bytes that are not UTF-8 reach Python as lone surrogates, which check_text names
+        check_text("prompt", args.prompt)
         if not args.prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
         return [args.prompt]
     path = Path(args.prompts_file)
     if not path.is_file():
         raise ConfigError(f"prompts-file: no such file {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"prompts-file line {line}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -93,6 +101,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def trace_path(base: str, index: int, count: int) -> Path:
     path = Path(base)
     return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
+
+
+def check_writable(name: str, path: Path) -> None:
+    """A file can be written at `path`: checked before a long run, not after it."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{name}: no such folder {folder}")
+    if path.is_dir():
+        raise ConfigError(f"{name}: {path} is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{name}: cannot write into {folder}")
 
 
 def algo_params(args: argparse.Namespace) -> Any:
@@ -168,6 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling, generation = sampling_params(args)
     params = algo_params(args)
     prompts = read_prompts(args)
+    if args.trace_out:
+        check_writable("trace-out", trace_path(args.trace_out, 0, len(prompts)))
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
     decoder = build_decoder(args, target, sampling, generation, params)

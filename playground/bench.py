@@ -191,8 +191,15 @@ def load_hf_peer(loaded: Any) -> Any:
     """The same weights as `loaded`, as a transformers model on the same device and dtype."""
     from transformers import AutoModelForCausalLM
 
-    dtype = loaded.model.dtype
-    return AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=dtype).to(loaded.model.device).eval()
+    from .models import ModelLoadError
+
+    try:  # safetensors only: transformers would otherwise try a pickled .bin (which torch refuses, rightly)
+        model = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.model.dtype, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"peer: transformers could not load {loaded.folder} ({reason}); --no-peers skips the "
+                             "transformers peers") from exc
+    return model.to(loaded.model.device).eval()
 
 
 GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse

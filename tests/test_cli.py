@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from playground.__main__ import main
 from playground.trace import Trace
 
 METRIC_KEYS = {"tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens", "acceptance_rate",
@@ -177,3 +180,59 @@ def test_serving_benchmark_without_heads_or_draft_skips_their_modes(target, monk
     markdown = bench_serving.markdown_serving(report)
     assert "Medusa heads' trees in the batch: not run (no heads ship for this model)" in markdown
     assert "the draft's chains in the batch: not run (no draft ships for this model)" in markdown
+
+
+@pytest.fixture(scope="module")
+def broken_folders(target, tmp_path_factory) -> dict[str, str]:
+    """Model folders a user may well have: each broken in one way."""
+    root = tmp_path_factory.mktemp("broken")
+    source = target.folder
+
+    def folder(name: str, files: tuple[str, ...]) -> Path:
+        path = root / name
+        path.mkdir()
+        for file in files:
+            shutil.copy(source / file, path / file)
+        return path
+    tokenizer = tuple(p.name for p in source.iterdir() if p.name.startswith(("tokenizer", "special_tokens")))
+    folder("bad-config", ("model.safetensors", *tokenizer))
+    (root / "bad-config" / "config.json").write_text("{not json")
+    folder("corrupt-weights", ("config.json", *tokenizer))
+    (root / "corrupt-weights" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    folder("no-tokenizer", ("config.json", "model.safetensors"))
+    folder("no-weight-map", ("config.json", *tokenizer))
+    (root / "no-weight-map" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    # weights under another name beside a pickled copy: this project reads them, transformers would want the pickle
+    pickled = folder("pickled-peer", ("config.json", *tokenizer))
+    shutil.copy(source / "model.safetensors", pickled / "weights.safetensors")
+    (pickled / "pytorch_model.bin").write_bytes(b"not a pickle you should open")
+    return {p.name: str(p) for p in root.iterdir()}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--model", "bad-config"], r"bad-config/config.json is not a readable JSON file"),
+    (["generate", "--prompt", "hi", "--model", "corrupt-weights"],
+     r"corrupt-weights/model.safetensors is not a readable safetensors file"),
+    (["generate", "--prompt", "hi", "--model", "no-tokenizer"],
+     r"no-tokenizer has no tokenizer \(none of tokenizer.json, tokenizer.model, vocab.json\)"),
+    (["generate", "--prompt", "hi", "--model", "no-weight-map"], r"index.json has no weight_map object"),
+    (["generate", "--prompt", "caf\udcff"], r"prompt must be valid Unicode text; character 3 is a lone surrogate"),
+    (["generate", "--prompts-file", "PROMPTS"], r"prompts-file line 2: not UTF-8 text \(byte 0xff\)"),
+    (["generate", "--prompt", "hi", "--trace-out", "/no/such/folder/trace.json"],
+     r"trace-out: no such folder /no/such/folder"),
+    (["bench", "--model", "pickled-peer", "--limit", "1", "--max-new-tokens", "2", "--algos", "prompt-lookup",
+      "--json", "JSON", "--markdown", "MD"],
+     r"peer: transformers could not load .*pickled-peer .*; --no-peers skips the transformers peers"),
+])
+def test_broken_inputs_are_one_line(argv, message, broken_folders, tmp_path, capsys) -> None:
+    """Each of these printed a traceback once; they must end in one line and exit code 2, before any long work."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xff"}\n')
+    paths = {**broken_folders, "PROMPTS": str(prompts), "JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md")}
+    assert main([paths.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert re.search(message, errors[0]), errors[0]
+    if "--model" not in argv:  # refused before the model loads
+        assert "Loading model" not in err

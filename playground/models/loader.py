@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelSpec
@@ -31,6 +32,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "PLAYGROUND_CACHE"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -168,12 +170,21 @@ def _download(repo_id: str) -> Path:
     return Path(folder)
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder; ModelLoadError naming it when it is not readable JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"model: {path} is not a readable JSON file ({exc})") from exc
+
+
 def read_hf_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
+    read_json(folder / "config.json")  # transformers' own message for a malformed file names no line
     try:
         hf_config = AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, OSError) as exc:
         raise UnsupportedModelError(f"model: {folder} is not a supported architecture ({exc}); supported: "
                                     f"{', '.join(SUPPORTED_ARCHITECTURES)}") from exc
     TransformerConfig.from_hf(hf_config)  # refuse an unsupported architecture before reading any weights
@@ -183,7 +194,11 @@ def read_hf_config(folder: Path) -> Any:
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # sharded checkpoint: exactly the shards the index names
-        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"model: {index} has no weight_map object naming the shard of each tensor")
+        files = sorted({folder / name for name in weight_map.values()})
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]  # some repos also carry other-format copies beside it
     else:
@@ -192,7 +207,10 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"model: {folder} has no .safetensors weights (pickled checkpoints are never loaded)")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(file))
+        try:
+            tensors.update(load_file(file))
+        except (OSError, SafetensorError) as exc:
+            raise ModelLoadError(f"model: {file} is not a readable safetensors file ({exc})") from exc
     return tensors
 
 
@@ -266,9 +284,15 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     if spec.quant is not None and spec.dtype == "float16" and device.type == "cpu":
         raise ModelLoadError("dtype: float16 with bitsandbytes quantization needs a GPU; use float32 or bfloat16")
     hf_config = read_hf_config(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"model: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     model = build_model(hf_config, load_weights(folder), TORCH_DTYPES[spec.dtype], device)
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
     model.pack_linears()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({reason})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)
