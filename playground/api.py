@@ -49,7 +49,8 @@ MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 128
 # Fields OpenAI clients may send on their own: accepted only at the value that changes nothing here.
 NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
-           "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
+           "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+           "parallel_tool_calls": (False,)}
 ROUTES = {"GET": ("/health", "/v1/models", "/v1/engine"), "POST": ("/v1/completions", "/v1/chat/completions")}
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 

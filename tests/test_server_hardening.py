@@ -27,7 +27,7 @@ from playground.api import ChatRequest, CompletionRequest, parse_job
 from playground.config import EngineParams, GenerationParams, SamplingParams
 from playground.decoding import encode_prompt
 from playground.engine import Engine
-from playground.server import ApiError, EngineWorker, Job, Reply
+from playground.server import ApiError, EngineWorker, Job
 
 from .test_server import chat, events, get, post, running, solo
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from playground.config import GenerationParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, generate
@@ -74,7 +81,7 @@ def mutate(path: str, value) -> str:
     (mutate("events.2.extra", 1), r"events\[2\]: unknown field\(s\) extra"),
     (mutate("prompt_ids", [1, "x"]), r"prompt_ids\[1\]"),
     (mutate("params.gamma", [1]), "params.gamma"),
-    ('{"schema_version": 1, "t": NaN}', "NaN is not allowed"),
+    ('{"schema_version": 1, "t": NaN}', "not valid JSON"),
 ])
 def test_malformed_traces_are_rejected(text: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
@@ -114,7 +121,7 @@ def test_load_rejects_missing_and_binary_files(tmp_path) -> None:
         Trace.load(tmp_path / "missing.json")
     binary = tmp_path / "pickle.pkl"
     binary.write_bytes(b"\x80\x04\x95\xff\xfe")
-    with pytest.raises(TraceError, match="not UTF-8"):
+    with pytest.raises(TraceError, match="not valid JSON"):
         Trace.load(binary)
 
 
@@ -131,3 +138,93 @@ def test_siblings_are_told_apart_by_parent_alone() -> None:
     assert drafted_count(draft(TokenInfo(5, "a", 4), TokenInfo(6, "b", 5))) == 2
     # a lossless Medusa step judges two one-hot proposals at one depth in turn: two proposals, each judged
     assert drafted_count(draft(TokenInfo(5, "a", 4), TokenInfo(7, "c", 4), TokenInfo(8, "d", 5))) == 3
+
+
+def upload(tmp_path, text: str | bytes):
+    path = tmp_path / "upload.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+    return path
+
+
+@pytest.mark.parametrize("text, message", [
+    # each of these once escaped the validator as an IndexError, RecursionError, ValueError or OverflowError
+    (mutate("events.0.source", [4]), r"events\[0\]\.source: \[start, end\) and 0 <= start <= end, got \[4\]"),
+    (tree_trace(paths=[[0], [0] * 1200], tokens=[5, 6, 7], probs=[1.0] * 3, target_probs=[1.0] * 3),
+     r"events\[0\]\.paths\[1\]: a path of 1\.\.64 ranks >= 0 whose parent path comes before it"),
+    (tree_trace(paths=[[0], [1, 0]]), r"events\[0\]\.paths\[1\]: .*whose parent path comes before it"),
+    ('{"schema_version": 1, "events": ' + "[" * 200_000 + "]" * 200_000 + "}", "not valid JSON"),
+    (mutate("prompt_ids", [1, 0]).replace("[1, 0]", "[1, " + "9" * 5001 + "]"), "not valid JSON"),
+    (mutate("events.0.wall_s", 10**400), r"events\[0\]\.wall_s: expected a finite number, got 1000"),
+    (mutate("events.0.step", 2**70), r"events\[0\]\.step: expected an integer in \[-2\^63, 2\^63\]"),
+    (mutate("events.2.wall_s", 1e400).replace("Infinity", "1e400"), r"events\[2\]\.wall_s: expected a finite"),
+    (mutate("events.0.tokens.1.parent", 2), r"events\[0\]\.tokens\[1\]\.parent: must be a node in \[0, 1\]"),
+])
+def test_hostile_traces_are_refused_in_one_line(text: str, message: str, tmp_path) -> None:
+    with pytest.raises(TraceError, match=message) as refused:
+        Trace.load(upload(tmp_path, text))
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 300
+
+
+@pytest.fixture(scope="module")
+def real_traces(target) -> list[dict]:
+    """Small real traces of every kind of step (chains, siblings, trees with copies, lookahead windows)."""
+    from playground.config import LookaheadParams, MedusaParams, SpeculativeParams
+    from playground.decoding import LookaheadDecoder, MedusaDecoder, SpeculativeDecoder
+    from playground.models.loader import load_draft
+
+    generation = GenerationParams(max_new_tokens=10)
+    decoders = [SpeculativeDecoder(target, load_draft(None, target), SamplingParams(), generation,
+                                   SpeculativeParams(copy_ngram=2)),
+                MedusaDecoder(target, SamplingParams(), generation, MedusaParams(copy_ngram=2)),
+                LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams())]
+    return [json.loads(generate(d, "List the days of the week: Monday, Tuesday,")[1].to_json()) for d in decoders]
+
+
+def paths_in(node, prefix=()):
+    yield prefix
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield from paths_in(child, (*prefix, key))
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=2),
+                    max_leaves=6)
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_traces_load_and_replay_or_are_refused_in_one_line(real_traces, data) -> None:
+    """A trace that passes validation is one the app can replay (every view, every step); anything else is one
+    TraceError line, never another exception."""
+    import gradio as gr
+
+    from playground.ui import decode
+
+    trace = copy.deepcopy(data.draw(st.sampled_from(real_traces)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(list(paths_in(trace))[1:]))
+        parent = functools.reduce(lambda node, key: node[key], path[:-1], trace)
+        if data.draw(st.booleans()) and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = data.draw(JSON | st.integers(-3, 40))
+    text = json.dumps(trace, allow_nan=True)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "t.json"
+        path.write_text(text)
+        try:
+            loaded = Trace.load(path)
+        except TraceError as exc:
+            assert "\n" not in str(exc)
+            return
+        try:
+            outputs = decode.load_trace(str(path))
+        except gr.Error as exc:  # valid, but not a whole run (no finish event): the app's one-line refusal
+            assert "\n" not in exc.message
+            return
+    at = next(i for i, out in enumerate(outputs) if isinstance(out, dict) and "trace" in out)
+    state, slider = outputs[at], outputs[at + 1]
+    for step in range(slider["maximum"] + 1):
+        decode.replay_step(state, step)
+    compute(loaded)

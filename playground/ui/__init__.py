@@ -9,16 +9,19 @@ from typing import Any
 
 import gradio as gr
 
+from ..trace import MAX_TRACE_BYTES
 from ..viz import token_css
 from . import decode, memory, models, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
+CACHE_CLEANUP_S = 3600
 
 
 def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks:
     """The app. on_gpu wraps the handlers that run models (a Space passes `spaces.GPU`)."""
-    with gr.Blocks(title="Decoding playground") as app:
+    # uploads and exported traces are temporary files: each is deleted an hour after it was made
+    with gr.Blocks(title="Decoding playground", delete_cache=(CACHE_CLEANUP_S, CACHE_CLEANUP_S)) as app:
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
         model = models.build_panel()  # (source, draft, device, dtype, quant), inputs of every run
@@ -40,4 +43,5 @@ def launch_options() -> dict[str, Any]:
     """Theme and stylesheet: the layout rules from assets/style.css, the decision colours from viz.palette."""
     theme = gr.themes.Soft(primary_hue="teal", neutral_hue="slate",
                            font=[gr.themes.GoogleFont("Inter"), "system-ui", "sans-serif"])
-    return {"theme": theme, "css": STYLESHEET.read_text(encoding="utf-8") + token_css()}
+    return {"theme": theme, "css": STYLESHEET.read_text(encoding="utf-8") + token_css(),
+            "max_file_size": MAX_TRACE_BYTES}  # the only uploads are traces

@@ -1,0 +1,237 @@
+"""The trace's events (schema v1): what every decoder and the engine record as they run, as frozen dataclasses.
+
+`playground.trace` turns them into JSON and back; `playground.trace_check` validates a loaded file.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+SCHEMA_VERSION = 1
+
+
+class TraceError(ValueError):
+    """A trace file or object does not follow the schema; the message names the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One token as the UI shows it. p: target probability (under the model's softmax at temperature 1 when
+    decoding greedily); q: proposal probability (None where nothing was proposed); parent: the node this proposal
+    follows in the step's draft tree, node 0 being the last committed token and node i the event's i-th token
+    (None in a plain chain, where each proposal follows the one before)."""
+
+    id: int
+    text: str
+    position: int
+    p: float | None = None
+    q: float | None = None
+    parent: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEvent:
+    KIND: ClassVar[str] = "prefill"
+    step: int
+    t: float
+    num_tokens: int
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DraftEvent:
+    """Proposed tokens. For proposals copied from earlier text (prompt lookup): source is the [start, end)
+    positions, in prompt + generated tokens, of the copied tokens, and ngram the length of the match that
+    ends at `start` (the last `ngram` tokens so far equal the `ngram` tokens before `start`)."""
+
+    KIND: ClassVar[str] = "draft"
+    step: int
+    t: float
+    tokens: list[TokenInfo]
+    wall_s: float
+    draft_forwards: int
+    source: list[int] | None = None
+    ngram: int | None = None
+
+    def is_sibling(self, index: int) -> bool:
+        """Whether tokens[index] is a second guess beside an earlier token for the same position (a speculative
+        step's runner-up of the draft's first token: parent 0 at index > 0) rather than the next token of the
+        chain (parent None, or node `index`: the token before it). The one rule for metrics, text and detail."""
+        parent = self.tokens[index].parent
+        return parent is not None and parent != index
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadEvent:
+    """A lookahead step before its forward: the Jacobi window (N - 1 rows of W token ids, oldest row first),
+    the number of n-grams in the pools, and the pools' candidates for the last tokens (its hits)."""
+
+    KIND: ClassVar[str] = "lookahead"
+    step: int
+    t: float
+    window: list[list[int]]
+    pool_size: int
+    candidates: list[list[int]]
+    keys: list[int] | None = None  # per candidate, how many trailing tokens it was keyed by (None: 1 each)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEvent:
+    """A Medusa step's whole candidate tree, after verification. Node i has the top-k path paths[i] (head
+    len(path) - 1 proposed it at rank path[-1]; its parent is the node whose path is path[:-1], or the last
+    committed token for a path of length 1), token tokens[i] with head probability probs[i] and target
+    probability target_probs[i]. accepted: the nodes kept, in depth order. A step that grafted a copy of earlier
+    text has more tokens than paths: the nodes past the paths form a chain below node copy_parent (0: the last
+    committed token), their probs 1 (a copy is a one-hot proposal); copy_source is the [start, end) positions of
+    those tokens in prompt + generated tokens and copy_ngram the length of the match that ends at start."""
+
+    KIND: ClassVar[str] = "tree"
+    step: int
+    t: float
+    paths: list[list[int]]
+    tokens: list[int]
+    probs: list[float]
+    target_probs: list[float]
+    accepted: list[int]
+    copy_parent: int | None = None
+    copy_source: list[int] | None = None
+    copy_ngram: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyEvent:
+    """One target forward over `num_tokens` new positions (the last committed token plus any proposals)."""
+
+    KIND: ClassVar[str] = "verify"
+    step: int
+    t: float
+    num_tokens: int
+    wall_s: float
+    target_forwards: int
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenEvent:
+    step: int
+    t: float
+    token: TokenInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision(_TokenEvent):
+    u: float | None = None  # the uniform draw compared with p/q (None under greedy acceptance)
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptEvent(_Decision):
+    KIND: ClassVar[str] = "accept"
+
+
+@dataclass(frozen=True, slots=True)
+class RejectEvent(_Decision):
+    KIND: ClassVar[str] = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectEvent(_TokenEvent):
+    """The token drawn from the residual norm(max(0, p - q)) (or the argmax) after a rejection."""
+
+    KIND: ClassVar[str] = "correct"
+
+
+@dataclass(frozen=True, slots=True)
+class BonusEvent(_TokenEvent):
+    """A token drawn from the target's own distribution with nothing left to verify: every token of plain
+    decoding, and the extra token after a fully accepted draft."""
+
+    KIND: ClassVar[str] = "bonus"
+
+
+@dataclass(frozen=True, slots=True)
+class _KVChange:
+    step: int
+    t: float
+    seq: int
+    num_tokens: int  # tokens allocated or freed by this change
+    bytes_used: int  # cache totals after the change
+    bytes_reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVAllocEvent(_KVChange):
+    KIND: ClassVar[str] = "kv-alloc"
+
+
+@dataclass(frozen=True, slots=True)
+class KVFreeEvent(_KVChange):
+    KIND: ClassVar[str] = "kv-free"
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptEvent:
+    KIND: ClassVar[str] = "preempt"
+    step: int
+    t: float
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEvent:
+    """The paged KV pool after one serving-engine step that ran `num_tokens` tokens in `wall_s` seconds.
+
+    owners: for each physical block, the request holding it (the lowest id when shared), -1 when free;
+    shared: the blocks more than one request holds (a shared prompt prefix). bytes_used: slots holding tokens,
+    each stored once; logical_bytes: the same tokens counted per request (shared ones several times);
+    bytes_reserved - bytes_used is the pool's internal fragmentation; contiguous_bytes is what a contiguous cache
+    reserving prompt + max_new_tokens slots for every running request would hold instead."""
+
+    KIND: ClassVar[str] = "kv-memory"
+    step: int
+    t: float
+    num_tokens: int
+    wall_s: float
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    bytes_used: int
+    bytes_reserved: int
+    logical_bytes: int
+    contiguous_bytes: int
+    owners: list[int]
+    shared: list[int]
+    running: list[int]
+    waiting: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitEvent:
+    """End of a step: tokens kept, the cache rolled back to them, and where the step's time went."""
+
+    KIND: ClassVar[str] = "commit"
+    step: int
+    t: float
+    num_tokens: int
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    KIND: ClassVar[str] = "finish"
+    step: int
+    t: float
+    reason: str  # "eos" | "length" | "stop"
+    token_ids: list[int]
+    text: str
+    wall_s: float
+
+
+Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, TreeEvent, VerifyEvent, AcceptEvent, RejectEvent,
+              CorrectEvent, BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
+EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
+JSONScalar = Union[str, int, float, bool, None]

@@ -1,0 +1,297 @@
+"""Validation of a parsed trace file: bounded, fast, and never a crash.
+
+Each schema type is turned once into a check: a function from a parsed JSON value to the value the dataclass holds,
+raising TraceError on the first problem with the path of the field. A dataclass's check calls its fields' checks
+positionally, then the class's consistency rules (_RULES), so that a loaded trace is one the viewers can draw:
+integers within 64 bits, finite floats, trees whose paths are at most MAX_DEPTH deep and whose parents exist,
+spans that are spans, a block map with one owner per block. Paths are put together only on failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import reprlib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from typing import Any, Union
+
+from .events import (EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError,
+                     TreeEvent)
+
+_Check = Callable[[Any], Any]
+
+
+class _Bad(Exception):
+    """A problem found, and the path down to it (filled in as the exception rises)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason, self.path = reason, ""
+
+    def at(self, part: str) -> _Bad:
+        self.path = part + ("" if not self.path or self.path.startswith("[") else ".") + self.path
+        return self
+
+    def message(self) -> str:
+        return f"{self.path or 'trace'}: {self.reason}"
+
+
+_REPR = reprlib.Repr()  # Python 3.11's takes no arguments
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 2, 4, 2, 30, 30, 30
+
+
+def _shown(value: Any) -> str:
+    """A short, bounded repr for a message (a value may be huge or deeply nested)."""
+    return _REPR.repr(value)
+
+
+def _int(value: Any) -> int:
+    if type(value) is int and -MAX_INT <= value <= MAX_INT:
+        return value
+    raise _Bad(f"expected an integer in [-2^63, 2^63], got {_shown(value)}")
+
+
+def _float(value: Any) -> float:
+    if type(value) is float and value - value == 0.0:  # inf - inf and nan - nan are nan
+        return value
+    if type(value) is int and -MAX_INT <= value <= MAX_INT:
+        return float(value)
+    raise _Bad(f"expected a finite number, got {_shown(value)}")
+
+
+def _str(value: Any) -> str:
+    if type(value) is str:
+        return value
+    raise _Bad(f"expected a string, got {_shown(value)}")
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is bool:
+        return value
+    raise _Bad(f"expected true or false, got {_shown(value)}")
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or type(value) in (str, bool):
+        return value
+    return _int(value) if type(value) is int else _float(value)
+
+
+def _optional(check: _Check) -> _Check:
+    return lambda value: None if value is None else check(value)
+
+
+def _list(check: _Check) -> _Check:
+    def items(value: Any) -> list[Any]:
+        if type(value) is not list:
+            raise _Bad(f"expected a list, got {_shown(value)}")
+        try:
+            return [check(v) for v in value]
+        except _Bad:
+            for i, v in enumerate(value):  # again, one at a time, to name the bad item
+                _field(check, v, f"[{i}]")
+            raise
+
+    def ints(value: Any) -> list[int]:  # most lists (token ids, blocks), checked at C speed when they are fine
+        if type(value) is list and all(type(v) is int for v in value) and (
+                not value or (-MAX_INT <= min(value) and max(value) <= MAX_INT)):
+            return value
+        return items(value)  # to name the bad item
+    return ints if check is _int else items
+
+
+def _compile(annotation: Any) -> _Check:
+    simple = {int: _int, float: _float, str: _str, bool: _bool}
+    if annotation in simple:
+        return simple[annotation]
+    if annotation is JSONScalar:
+        return _scalar
+    if dataclasses.is_dataclass(annotation):
+        return _dataclass(annotation)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list:
+        return _list(_compile(args[0]))
+    if typing.get_origin(annotation) in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return _optional(_compile(next(a for a in args if a is not type(None))))
+    raise TypeError(f"no check for schema type {annotation!r}")
+
+
+def _field(check: _Check, value: Any, name: str) -> Any:
+    try:
+        return check(value)
+    except _Bad as bad:
+        raise bad.at(name) from None
+
+
+# How a generated check tests a scalar in line; a value that fails the test goes through its full check, which
+# converts it (an integer where a float is expected) or names the problem.
+_INLINE = {_int: "type({v}) is not int or not -MAX_INT <= {v} <= MAX_INT", _float: "type({v}) is not float or "
+           "{v} - {v} != 0.0", _str: "type({v}) is not str", _bool: "type({v}) is not bool"}
+
+
+def _dataclass(cls: type, skip: frozenset[str] = frozenset()) -> _Check:
+    """The check of a dataclass from a JSON object with exactly its fields (and the keys in `skip`); an optional
+    field left out reads as null.
+
+    The check is generated as Python source, as `dataclasses` generates `__init__`: tests of scalars in line and
+    the constructor called positionally make validation several times faster than a loop over the fields."""
+    hints = typing.get_type_hints(cls)
+    names, env = [], {"_Bad": _Bad, "_shown": _shown, "_field": _field, "_keys": _keys, "MAX_INT": MAX_INT,
+                      "cls": cls, "rules": _RULES.get(cls, ())}
+    body = ["    if type(value) is not dict:", "        raise _Bad(f'expected an object, got {_shown(value)}')",
+            "    if not required <= value.keys() <= allowed:", "        raise _keys(value.keys(), required, allowed)",
+            "    get = value.get"]
+    for i, f in enumerate(fields(cls)):
+        if f.default not in (MISSING, None):
+            raise TypeError(f"{cls.__name__}.{f.name}: a schema field's default must be None")
+        options = typing.get_args(hints[f.name])
+        nullable = type(None) in options
+        check = _compile(next(a for a in options if a is not type(None)) if nullable else hints[f.name])
+        v, env[f"check{i}"] = f"v{i}", check
+        test = _INLINE.get(check, "True").format(v=v)
+        body += [f"    {v} = get({f.name!r})",
+                 f"    if {f'{v} is not None and ' if nullable else ''}({test}):",
+                 f"        {v} = _field(check{i}, {v}, {f.name!r})"]
+        names.append(v)
+    body += [f"    made = cls({', '.join(names)})", "    for rule in rules:", "        rule(made)", "    return made"]
+    env["allowed"] = frozenset(f.name for f in fields(cls)) | skip
+    env["required"] = frozenset(f.name for f in fields(cls) if f.default is MISSING)
+    exec("\n".join(["def check(value):", *body]), env)  # noqa: S102 (our own source, from the dataclass fields)
+    return env["check"]
+
+
+def _keys(keys: Any, required: frozenset[str], allowed: frozenset[str]) -> _Bad:
+    missing, extra = sorted(required - keys), sorted(map(str, keys - allowed))
+    return _Bad(f"missing field(s) {', '.join(missing)}" if missing else
+                f"unknown field(s) {', '.join(k[:40] for k in extra[:5])}")
+
+
+def _within(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise _Bad(f"must be in [{lo}, {hi}], got {value}").at(name)
+
+
+def _span(name: str, span: list[int] | None, length: int | None = None) -> None:
+    """A [start, end) span of positions; `length`: the number of tokens it must hold."""
+    if span is None:
+        return
+    if len(span) != 2 or not 0 <= span[0] <= span[1] or (length is not None and span[1] - span[0] != length):
+        size = "" if length is None else f" with end - start = {length} copied nodes"
+        raise _Bad(f"[start, end){size} and 0 <= start <= end, got {_shown(span)}").at(name)
+
+
+def _check_draft(event: DraftEvent) -> None:
+    _within("tokens", len(event.tokens), 0, MAX_NODES)
+    for i, token in enumerate(event.tokens):  # node i + 1 follows node 0 (the last token) or a node before it
+        if token.parent is not None and not 0 <= token.parent <= i:
+            raise _Bad(f"must be a node in [0, {i}] or null, got {token.parent}").at("parent").at(f"[{i}]").at("tokens")
+    _span("source", event.source)
+
+
+def _check_lookahead(event: LookaheadEvent) -> None:
+    _within("window", len(event.window), 0, MAX_NODES)
+    _within("candidates", len(event.candidates), 0, MAX_NODES)
+    if event.keys is not None and len(event.keys) != len(event.candidates):
+        raise _Bad(f"one entry per candidate ({len(event.candidates)}), got {len(event.keys)}").at("keys")
+
+
+def _check_tree(event: TreeEvent) -> None:
+    """A tree event's lists must describe one tree, or the viewers could not draw it."""
+    heads, nodes = len(event.paths), len(event.tokens)
+    _within("tokens", nodes, 0, MAX_NODES)
+    if len(event.probs) != nodes or len(event.target_probs) != nodes:
+        raise _Bad(f"tokens, probs and target_probs must have one entry per node ({nodes})")
+    if nodes < heads:
+        raise _Bad(f"{nodes} tokens for {heads} paths; every path needs its token").at("tokens")
+    seen: set[tuple[int, ...]] = set()
+    for i, path in enumerate(event.paths):
+        if not 1 <= len(path) <= MAX_DEPTH or min(path) < 0 or (len(path) > 1 and tuple(path[:-1]) not in seen):
+            raise _Bad(f"a path of 1..{MAX_DEPTH} ranks >= 0 whose parent path comes before it, got "
+                       f"{_shown(path)}").at(f"[{i}]").at("paths")
+        seen.add(tuple(path))
+    if not all(1 <= node <= nodes for node in event.accepted):
+        raise _Bad(f"nodes must be in [1, {nodes}]").at("accepted")
+    copied = nodes - heads
+    if not copied:
+        if (event.copy_parent, event.copy_source, event.copy_ngram) != (None, None, None):
+            raise _Bad("copy_parent, copy_source and copy_ngram are set only when tokens has more entries than "
+                       "paths (a grafted copy)").at("copy_parent")
+        return
+    if event.copy_parent is None or not 0 <= event.copy_parent <= heads:
+        raise _Bad(f"the node in [0, {heads}] the {copied} copied nodes hang below, got "
+                   f"{event.copy_parent!r}").at("copy_parent")
+    if event.copy_source is None:
+        raise _Bad(f"[start, end) with end - start = {copied} copied nodes, got None").at("copy_source")
+    _span("copy_source", event.copy_source, copied)
+    if event.copy_ngram is None or event.copy_ngram < 1:
+        raise _Bad(f"the matched n-gram length (>= 1), got {event.copy_ngram!r}").at("copy_ngram")
+
+
+def _check_memory(event: MemoryEvent) -> None:
+    _within("blocks_total", event.blocks_total, 0, MAX_BLOCKS)
+    _within("blocks_used", event.blocks_used, 0, event.blocks_total)
+    if len(event.owners) != event.blocks_total:
+        raise _Bad(f"one entry per block ({event.blocks_total}), got {len(event.owners)}").at("owners")
+    if any(not 0 <= b < event.blocks_total for b in event.shared):
+        raise _Bad(f"blocks must be in [0, {event.blocks_total - 1}]").at("shared")
+
+
+MAX_INT = 2**63
+MAX_NODES = 4096  # tokens one step may propose or verify
+MAX_DEPTH = 64  # a tree's deepest path
+MAX_BLOCKS = 1 << 20
+_RULES: dict[type, tuple[Callable[[Any], None], ...]] = {
+    DraftEvent: (_check_draft,), LookaheadEvent: (_check_lookahead,), TreeEvent: (_check_tree,),
+    MemoryEvent: (_check_memory,)}
+_EVENTS = {kind: _dataclass(cls, skip=frozenset({"kind"})) for kind, cls in EVENT_TYPES.items()}
+
+
+def _event(value: Any) -> Event:
+    if type(value) is not dict:
+        raise _Bad(f"expected an object, got {_shown(value)}")
+    kind = value.get("kind")
+    check = _EVENTS.get(kind) if type(kind) is str else None
+    if check is None:
+        raise _Bad(f"must be one of {', '.join(EVENT_TYPES)}; got {_shown(kind)}").at("kind")
+    return check(value)
+
+
+def _params(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _Bad(f"expected an object, got {_shown(value)}")
+    for key, item in value.items():
+        try:
+            _scalar(item)
+        except _Bad as bad:
+            raise bad.at(str(key)[:40]) from None
+    return value
+
+
+def _trace_check() -> Callable[[dict[str, Any]], dict[str, Any]]:
+    checks = {"algo": _str, "model": _str, "prompt": _str, "prompt_ids": _list(_int), "params": _params,
+              "events": _list(_event), "schema_version": _int}
+
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        if value.keys() != checks.keys():
+            raise _keys(value.keys(), frozenset(checks), frozenset(checks))
+        out = {}
+        for name, field_check in checks.items():
+            try:
+                out[name] = field_check(value[name])
+            except _Bad as bad:
+                raise bad.at(name) from None
+        return out
+    return check
+
+
+_TRACE = _trace_check()
+
+
+def trace_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a `Trace` from a parsed trace file (a dict); TraceError naming the first bad field."""
+    try:
+        return _TRACE(data)
+    except _Bad as bad:
+        raise TraceError(bad.message()) from None
