@@ -26,7 +26,8 @@ try:  # a GPU Space provides `spaces`; its GPU decorator then wraps the handlers
 except ImportError:
     on_gpu = None
 
-app = build_app(on_gpu)
+# --public: only the embedded model and $PLAYGROUND_MODELS in the model panel (always so on a Space)
+app = build_app(on_gpu, public="--public" in sys.argv[1:])
 
 if __name__ == "__main__":
     app.launch(**launch_options())

