@@ -111,19 +111,3 @@ def _event_to_dict(event: Event) -> dict[str, Any]:
 
 def _token_to_dict(token: TokenInfo) -> dict[str, Any]:
     return {f.name: getattr(token, f.name) for f in fields(token)}
-
-
-def _event_to_dict(event: Event) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": event.KIND}
-    for f in fields(event):
-        value = getattr(event, f.name)
-        if isinstance(value, TokenInfo):
-            value = _token_to_dict(value)
-        elif isinstance(value, list):
-            value = [_token_to_dict(v) if isinstance(v, TokenInfo) else v for v in value]
-        out[f.name] = value
-    return out
-
-
-def _token_to_dict(token: TokenInfo) -> dict[str, Any]:
-    return {f.name: getattr(token, f.name) for f in fields(token)}

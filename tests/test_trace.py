@@ -192,7 +192,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.
                     max_leaves=6)
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 300)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_traces_load_and_replay_or_are_refused_in_one_line(real_traces, data) -> None:
     """A trace that passes validation is one the app can replay (every view, every step); anything else is one
