@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any, Literal
 
+import h11
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -327,10 +328,19 @@ async def read_body(request: Request) -> bytes:
 
 
 class HeadTimeoutH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head, which uvicorn does not have: a client
-    that opens a connection and sends its request slowly, or never, is dropped after HEAD_TIMEOUT_S."""
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head, which uvicorn does not have (a client
+    that opens a connection and sends its request slowly, or never, is dropped after HEAD_TIMEOUT_S), and OpenAI's
+    JSON error for a request that is not valid HTTP, where uvicorn answers in plain text."""
 
     _head_timer: asyncio.TimerHandle | None = None
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(ApiError(f"the request is not valid HTTP ({msg})").body()).encode()
+        for event in (h11.Response(status_code=400, reason=b"Bad Request",
+                                   headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

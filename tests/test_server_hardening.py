@@ -126,7 +126,8 @@ def test_malformed_bodies_get_json_400s(srv, raw, message):
 
 def test_malformed_http_gets_an_answer(srv):
     reply = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n{}")
-    assert reply.startswith(b"HTTP/1.1 400")
+    assert reply.startswith(b"HTTP/1.1 400") and b"application/json" in reply
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the request is not valid HTTP")
     too_big = request_bytes("/v1/completions", b"", f"X-Pad: {'a' * 70_000}\r\n")
     assert raw_exchange(srv, too_big).startswith(b"HTTP/1.1 4")
     status, reply = post(srv, "/v1/completions", None, raw=b'{"prompt": "' + b"a" * (1 << 20) + b'"}')
