@@ -44,7 +44,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 100")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5), up to 100")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     parser.add_argument("--seed", type=int, default=None)

@@ -293,7 +293,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
             with gr.Accordion("Sampling", open=False):
                 max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
-                temperature = gr.Number(0.0, label="temperature (0 = greedy, ..100)")
+                temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy, ..100)")
                 top_k = gr.Number(0, label="top-k (0 = off)", step=1)
                 top_p = gr.Number(1.0, label="top-p (0, 1]")
                 seed = gr.Number(-1, label="seed (-1 = random)", step=1)

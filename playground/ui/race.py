@@ -121,7 +121,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                       label="Race against plain decoding (1 to 4)")
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
-                temperature = gr.Number(0.0, label="temperature (0 = greedy)")
+                temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
                 seed = gr.Number(0, label="seed (-1 = random)", step=1)
             run = gr.Button("Race", variant="primary")
         with gr.Column(scale=3, min_width=300):
