@@ -141,6 +141,7 @@ class EngineWorker:
         self._running: dict[int, Running] = {}  # engine request id -> its record
         self._lock = threading.Lock()  # orders `submit` against the close, so no job is left unanswered
         self._closed = False
+        self._outbox: list[tuple[Job, Reply]] = []  # replies of this round, sent once the state is updated
         self.state = self._snapshot()
 
     def submit(self, job: Job) -> None:
@@ -176,6 +177,7 @@ class EngineWorker:
                 if self.engine.has_unfinished():
                     self._step()
                 self.state = self._snapshot()
+                self._send()  # after the snapshot: a client that has its answer reads /v1/engine without it
         finally:
             with self._lock:
                 self._closed = True
@@ -187,6 +189,7 @@ class EngineWorker:
                     break
                 if job is not None:
                     self._answer(job, Reply(error=shutting_down()))
+            self._send()
 
     # -- the engine's thread -----------------------------------------------------------------------------------
 
@@ -266,7 +269,13 @@ class EngineWorker:
         """A job's last reply: its result or its error."""
         with self._lock:
             self.held -= 1
-        job.replies.put(reply)
+        self._outbox.append((job, reply))
+
+    def _send(self) -> None:
+        """Hand over the replies of this round, in order."""
+        for job, reply in self._outbox:
+            job.replies.put(reply)
+        self._outbox.clear()
 
     def _step(self) -> None:
         try:
@@ -304,7 +313,7 @@ class EngineWorker:
             text = self.target.tokenizer.decode(record.tokens, skip_special_tokens=True)
             settled = settled_text(text, job.generation.stop)
             if len(settled) > len(record.sent) and settled.startswith(record.sent):
-                job.replies.put(Reply(settled[len(record.sent):]))
+                self._outbox.append((job, Reply(settled[len(record.sent):])))
                 record.sent = settled
 
     def _fail_all(self, error: ApiError) -> None:
