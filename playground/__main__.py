@@ -11,40 +11,23 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from .config import (CPU_TREE_ROWS, DEVICES, DTYPES, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
+from .config import (CPU_TREE_ROWS, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
                      MAX_GAMMA, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams,
                      EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
                      PromptLookupParams, SamplingParams, SpeculativeParams, check_int, check_text)
-from .models import ModelLoadError, UnsupportedModelError
+from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
-from .trace import TraceError
 
-USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
 ENGINE = EngineParams()
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded",
-                        help="'embedded' (SmolLM2-135M-Instruct), a hub id, a local folder or a .gguf file")
-    parser.add_argument("--device", default="auto", choices=DEVICES)
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where converted GGUF weights are cached (default $PLAYGROUND_CACHE or "
-                             "~/.cache/decoding-playground)")
-
-
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="1..4096 (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5), up to 100")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default; so is anything below 1e-5), up to 100")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     parser.add_argument("--seed", type=int, default=None)
@@ -52,11 +35,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--kv", default="contiguous", choices=["contiguous", "paged"], help="KV cache kind")
     parser.add_argument("--block-size", type=int, default=16, help="paged KV block size, 1..256 (default 16)")
-
-
-def model_spec(args: argparse.Namespace) -> ModelSpec:
-    return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant,
-                     cache_dir=args.cache_dir)
 
 
 def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, GenerationParams]:
@@ -423,16 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser
-
-
-def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    """Parse, run the chosen command, and turn user errors into one line and exit code 2."""
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

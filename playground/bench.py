@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .bench_suite import SUITE, spread
+from .cli import model_spec
 from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
 
 
@@ -166,40 +167,6 @@ def run_hf(hf_model: Any, prompt_ids: list[int], target: Any, generation: Genera
 
 def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
-
-
-def decode_step_seconds(model: Any, width: int = 1, steps: int = 20, rows: Any = None) -> float:
-    """Median wall time of a forward over `width` new tokens after a 32-token prefill: one decode step for
-    width 1, one verification of width - 1 drafted tokens otherwise. `rows`: score only these output rows, as a
-    draft with a proposal vocabulary does."""
-    from .decoding.base import forward_tokens, new_cache
-
-    cache = new_cache(model, 32 + width, GenerationParams())
-    forward_tokens(model, cache, list(range(100, 132)))
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
-        forward_tokens(model, cache, list(range(200 + i, 200 + i + width)), rows=rows)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cache.truncate(0, 32)
-    return statistics.median(times)
-
-
-def load_hf_peer(loaded: Any) -> Any:
-    """The same weights as `loaded`, as a transformers model on the same device and dtype."""
-    from transformers import AutoModelForCausalLM
-
-    from .models import ModelLoadError
-
-    try:  # safetensors only: transformers would otherwise try a pickled .bin (which torch refuses, rightly)
-        model = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.model.dtype, use_safetensors=True)
-    except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelLoadError(f"peer: transformers could not load {loaded.folder} ({reason}); --no-peers skips the "
-                             "transformers peers") from exc
-    return model.to(loaded.model.device).eval()
 
 
 GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
@@ -433,11 +400,11 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .__main__ import model_spec
     from .config import SpeculativeParams
     from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
+    from .models.loader import load_hf_peer
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
     stem = "bench" if args.suite == "default" else args.suite
@@ -587,7 +554,6 @@ def environment(model: Any) -> dict[str, Any]:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:
-    from .__main__ import model_spec
     from .bench_serving import markdown_serving, run_serving
     from .config import EngineParams
     from .models import load_model

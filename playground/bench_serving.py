@@ -14,24 +14,15 @@ contiguous cache) would waste.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from .bench_suite import SUITE
+from .bench_suite import workload
 from .config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
                      PromptLookupParams, SamplingParams)
 from .engine import Engine
+from .metrics import memory_summary
 from .models.loader import default_draft
 from .models.medusa import default_heads
-from .trace import Event, MemoryEvent
-
-LENGTH_EIGHTHS = (8, 2, 4, 6, 1, 8, 3, 5)  # output limits in eighths of --max-new-tokens, cycled
-
-
-def workload(num_requests: int, max_new_tokens: int) -> list[tuple[str, GenerationParams]]:
-    return [(SUITE[i % len(SUITE)][1],
-             GenerationParams(max_new_tokens=max(1, max_new_tokens * LENGTH_EIGHTHS[i % len(LENGTH_EIGHTHS)] // 8)))
-            for i in range(num_requests)]
 
 
 def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: EngineParams) -> dict[str, Any]:
@@ -54,23 +45,6 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
         "guessed_accepted": engine.guessed.accepted,
         **memory_summary(engine.events),
         "token_ids": [list(outputs[i].token_ids) for i in ids],
-    }
-
-
-def memory_summary(events: list[Event]) -> dict[str, float]:
-    """KV memory of a served workload from the engine's memory events (steps holding any KV)."""
-    memory = [e for e in events if isinstance(e, MemoryEvent) and e.bytes_used]
-    if not memory:
-        raise ValueError("events: no step held any KV memory")
-    used = sum(e.bytes_used for e in memory)
-    logical = sum(e.logical_bytes for e in memory)
-    return {
-        "mean_running": statistics.mean(len(e.running) for e in memory),
-        "peak_kv_bytes": max(e.bytes_reserved for e in memory),
-        "peak_contiguous_bytes": max(e.contiguous_bytes for e in memory),
-        # Summed over steps: time-weighted by step, not by second.
-        "kv_waste_fraction": sum(e.bytes_reserved - e.bytes_used for e in memory) / used,
-        "contiguous_waste_fraction": sum(e.contiguous_bytes - e.logical_bytes for e in memory) / logical,
     }
 
 

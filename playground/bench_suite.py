@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .config import GenerationParams
+
 PASSAGE_TIDES = (
     "Tides are the regular rise and fall of the sea surface. They are caused mainly by the Moon's gravity, which "
     "pulls the ocean on the side of the Earth facing the Moon slightly more than the Earth itself, and pulls the "
@@ -66,3 +68,13 @@ def spread(count: int) -> list[int]:
         rank.append((seen[category], index))
         seen[category] += 1
     return sorted(index for _, index in sorted(rank)[:count])
+
+
+LENGTH_EIGHTHS = (8, 2, 4, 6, 1, 8, 3, 5)  # output limits in eighths of --max-new-tokens, cycled
+
+
+def workload(num_requests: int, max_new_tokens: int) -> list[tuple[str, GenerationParams]]:
+    """A serving workload: the suite's prompts in turn, with output limits of mixed lengths up to max_new_tokens."""
+    return [(SUITE[i % len(SUITE)][1],
+             GenerationParams(max_new_tokens=max(1, max_new_tokens * LENGTH_EIGHTHS[i % len(LENGTH_EIGHTHS)] // 8)))
+            for i in range(num_requests)]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 
-from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, KVAllocEvent, KVFreeEvent,
-                    PrefillEvent, RejectEvent, Trace, TraceError, VerifyEvent)
+from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, KVAllocEvent, KVFreeEvent,
+                    MemoryEvent, PrefillEvent, RejectEvent, Trace, TraceError, VerifyEvent)
 
 PLAIN_ALGOS = ("ar",)  # algorithms that propose nothing: acceptance metrics do not apply
 
@@ -91,3 +92,20 @@ def drafted_count(event: DraftEvent) -> int:
 def mean_draft_length(trace: Trace) -> float | None:
     drafts = [drafted_count(e) for e in trace.events if isinstance(e, DraftEvent)]
     return sum(drafts) / len(drafts) if drafts else None
+
+
+def memory_summary(events: list[Event]) -> dict[str, float]:
+    """KV memory of a served workload from the engine's memory events (steps holding any KV)."""
+    memory = [e for e in events if isinstance(e, MemoryEvent) and e.bytes_used]
+    if not memory:
+        raise ValueError("events: no step held any KV memory")
+    used = sum(e.bytes_used for e in memory)
+    logical = sum(e.logical_bytes for e in memory)
+    return {
+        "mean_running": statistics.mean(len(e.running) for e in memory),
+        "peak_kv_bytes": max(e.bytes_reserved for e in memory),
+        "peak_contiguous_bytes": max(e.contiguous_bytes for e in memory),
+        # Summed over steps: time-weighted by step, not by second.
+        "kv_waste_fraction": sum(e.bytes_reserved - e.bytes_used for e in memory) / used,
+        "contiguous_waste_fraction": sum(e.contiguous_bytes - e.logical_bytes for e in memory) / logical,
+    }

@@ -9,7 +9,8 @@ import torch
 from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding import AutoregressiveDecoder, generate
 from playground.models import ModelLoadError, load_model
-from playground.models.loader import CACHE_ENV, cache_root, embedded_gguf
+from playground.models.loader import cache_root, embedded_gguf
+from playground.paths import CACHE_ENV
 
 
 def greedy_ids(model, prompt: str = "Name three planets.", tokens: int = 12) -> tuple[int, ...]:

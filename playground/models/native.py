@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import default_cache_root
+
 SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
 # -ffp-contract=off: the kernels' fused multiply-adds are explicit, so a sum's rounding never depends on which
@@ -168,8 +170,6 @@ def load(path: Path) -> Kernel:
 
 
 def default_cache_dir() -> Path:
-    from .loader import default_cache_root  # the loader imports the model, which imports this module
-
     return default_cache_root() / "native"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from ..__main__ import OneLineParser, run_cli
+from ..cli import OneLineParser, run_cli
 from . import draft, medusa, ngrams
 
 

@@ -155,7 +155,7 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     labels are the same distribution to bfloat16's precision."""
     from transformers import LogitsProcessorList
 
-    from ..bench import load_hf_peer
+    from ..models.loader import load_hf_peer
     from ..decoding import encode_prompt
 
     hf = load_hf_peer(target).to(TORCH_DTYPES[dtype])
@@ -326,7 +326,7 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
     """Greedy acceptance on held-out prompts at gamma 4: per judged proposal (the theory's a) and per drafted
     token (proposals after a rejection are drafted but never judged); and the decode-step cost ratio."""
-    from ..bench import decode_step_seconds
+    from ..decoding.base import decode_step_seconds
     from ..decoding import SpeculativeDecoder, generate
     from ..metrics import compute
     from ..models import load_model

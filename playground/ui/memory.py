@@ -9,7 +9,8 @@ from typing import Any
 
 import gradio as gr
 
-from ..bench_serving import memory_summary, workload
+from ..bench_suite import workload
+from ..metrics import memory_summary
 from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, LookaheadParams,
                       PromptLookupParams, SamplingParams)
 from ..engine import Engine

@@ -1,0 +1,45 @@
+"""What every command line of the project shares (`python -m playground`, `python -m playground.train`): a parser
+whose errors are one line, the model options, and user errors turned into one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from .config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
+from .models import ModelLoadError, UnsupportedModelError
+from .trace import TraceError
+
+USER_ERRORS = (ConfigError, ModelLoadError, UnsupportedModelError, TraceError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (SmolLM2-135M-Instruct), a hub id, a local folder or a .gguf file")
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where converted GGUF weights are cached (default $PLAYGROUND_CACHE or "
+                             "~/.cache/decoding-playground)")
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant,
+                     cache_dir=args.cache_dir)
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse, run the chosen command, and turn user errors into one line and exit code 2."""
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
