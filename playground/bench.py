@@ -376,7 +376,7 @@ def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list
     verify_cost prices a verifying forward in one-token steps: the caller passes what prompt lookup's own
     verifying forwards cost in the runs (median), so the bound's speedup is an estimate at this machine's prices.
     """
-    from .decoding.prompt_lookup import copy_bound
+    from .decoding.copies import copy_bound
 
     grounded = []
     for row, (prompt_ids, output_ids) in zip(rows, plain_outputs):

@@ -51,8 +51,8 @@ from .config import LOOKUP_OVERHEAD, ConfigError, EngineParams, GenerationParams
 from .decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
 from .decoding.lookahead import (TextPools, candidate_tree, first_window, jacobi_block, seed_pools, slide,
                                  start_pools)
-from .decoding.prompt_lookup import (Lookup, ProposalGate, RunningAcceptance, agreement, at, batch_step_cost,
-                                     find_continuations, plan_width, widest_paying)
+from .decoding.copies import Lookup, agreement, find_continuations
+from .decoding.planning import ProposalGate, RunningAcceptance, at, batch_step_cost, plan_width, widest_paying
 from .decoding.speculative import check_compatible
 from .decoding.tree import COPY_PRIOR, ancestor_mask, best_first
 from .kv import blocks_for

@@ -39,7 +39,8 @@ from playground.decoding.lookahead import TextPools  # noqa: E402
 from playground.decoding.medusa import MedusaDecoder  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
-from playground.decoding.prompt_lookup import ProposalGate, agreement, find_continuation  # noqa: E402
+from playground.decoding.copies import agreement, find_continuation  # noqa: E402
+from playground.decoding.planning import ProposalGate  # noqa: E402
 
 
 class LookupProposer:

@@ -17,7 +17,8 @@ from playground.config import (ConfigError, EngineDraftParams, EngineMedusaParam
                                LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.prompt_lookup import Lookup, widest_paying
+from playground.decoding.copies import Lookup
+from playground.decoding.planning import widest_paying
 from playground import engine as engine_module
 from playground.engine import Engine, GuessCalibration, Proposal, Status
 from playground.models import LoadedModel

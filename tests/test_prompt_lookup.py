@@ -7,8 +7,8 @@ import pytest
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
 from playground.decoding.chain import merge_proposals
-from playground.decoding.prompt_lookup import (ProposalGate, batch_step_cost, best_copy, copy_bound,
-                                               find_continuation, find_continuations, plan_width)
+from playground.decoding.copies import best_copy, copy_bound, find_continuation, find_continuations
+from playground.decoding.planning import ProposalGate, batch_step_cost, plan_width
 from playground.decoding.tree import tree_from_parents
 from playground.metrics import compute
 

@@ -13,7 +13,7 @@ from playground.bench_suite import PASSAGE_LIBRARY
 from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams
 from playground.decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt, generate
 from playground.decoding.base import forward_tokens, new_cache
-from playground.decoding.prompt_lookup import find_continuation
+from playground.decoding.copies import find_continuation
 from playground.metrics import compute, drafted_count
 from playground.models import LoadedModel, ModelLoadError, load_model
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS

@@ -32,7 +32,7 @@ from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities,
                         verify_tree_lossless)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
-from .prompt_lookup import Lookup, find_continuation
+from .copies import Lookup, find_continuation
 from .tree import TreeBuffers, best_first, follow, graft_chain, load_tree, paths_tree
 
 

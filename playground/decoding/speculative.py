@@ -30,7 +30,8 @@ from ..sampling import argmax_rows, next_token, probabilities, sample, shown_pro
 from ..trace import DraftEvent, RejectEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
 from .chain import accept_chain, one_hot, verify_candidates
-from .prompt_lookup import Lookup, ProposalGate, RunningAcceptance, find_continuation
+from .copies import Lookup, find_continuation
+from .planning import ProposalGate, RunningAcceptance
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
