@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -254,8 +255,10 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                       else {"text": reply.text, "logprobs": None})
             return {**head, "object": "chat.completion" if chat else "text_completion",
                     "choices": [{"index": 0, **choice, "finish_reason": reply.finish_reason}], "usage": reply.usage}
+        # Starlette runs the background task once the response ends, also when the client hung up (even before the
+        # first chunk): the job is then stopped; a job that has ended is left alone
         return StreamingResponse(stream(job, reply, head, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(worker.cancel, job))
 
     async def first_reply(request: Request, job: Job) -> Reply | None:
         """The job's first reply (its whole answer unless it streams); None, and the job cancelled, when the
@@ -269,31 +272,23 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                     return None
 
     async def stream(job: Job, reply: Reply, head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per reply, the last with the usage (or an error chunk), then [DONE]. A client
-        that hangs up cancels this generator, and so its request."""
-        ended = False
-        try:
-            first = True
-            while True:
-                if reply.error is not None:  # the status is sent already: the error goes in the stream
-                    ended = True
-                    yield event({"error": reply.error.body()["error"]})
-                    break
-                delta = {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
-                choice = {"delta": delta} if chat else {"text": reply.text, "logprobs": None}
-                chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "choices": [{"index": 0, **choice, "finish_reason": reply.finish_reason}]}
-                if reply.finish_reason is not None:
-                    ended = True
-                    yield event({**chunk, "usage": reply.usage})
-                    break
-                yield event(chunk)
-                first = False
-                reply = await job.replies.get()
-            yield "data: [DONE]\n\n"
-        finally:
-            if not ended:
-                worker.cancel(job)
+        """Server-sent events: a chunk per reply, the last with the usage (or an error chunk), then [DONE]."""
+        first = True
+        while True:
+            if reply.error is not None:  # the status is sent already: the error goes in the stream
+                yield event({"error": reply.error.body()["error"]})
+                break
+            delta = {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
+            choice = {"delta": delta} if chat else {"text": reply.text, "logprobs": None}
+            chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "choices": [{"index": 0, **choice, "finish_reason": reply.finish_reason}]}
+            if reply.finish_reason is not None:
+                yield event({**chunk, "usage": reply.usage})
+                break
+            yield event(chunk)
+            first = False
+            reply = await job.replies.get()
+        yield "data: [DONE]\n\n"
 
     app.include_router(v1)
     return app
