@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, fields
-from typing import Any, Union
+from typing import Any
 
 from .events import (EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError,
                      TreeEvent)
@@ -67,20 +66,10 @@ def _str(value: Any) -> str:
     raise _Bad(f"expected a string, got {_shown(value)}")
 
 
-def _bool(value: Any) -> bool:
-    if type(value) is bool:
-        return value
-    raise _Bad(f"expected true or false, got {_shown(value)}")
-
-
 def _scalar(value: Any) -> Any:
     if value is None or type(value) in (str, bool):
         return value
     return _int(value) if type(value) is int else _float(value)
-
-
-def _optional(check: _Check) -> _Check:
-    return lambda value: None if value is None else check(value)
 
 
 def _list(check: _Check) -> _Check:
@@ -103,7 +92,7 @@ def _list(check: _Check) -> _Check:
 
 
 def _compile(annotation: Any) -> _Check:
-    simple = {int: _int, float: _float, str: _str, bool: _bool}
+    simple = {int: _int, float: _float, str: _str}
     if annotation in simple:
         return simple[annotation]
     if annotation is JSONScalar:
@@ -113,8 +102,6 @@ def _compile(annotation: Any) -> _Check:
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is list:
         return _list(_compile(args[0]))
-    if typing.get_origin(annotation) in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        return _optional(_compile(next(a for a in args if a is not type(None))))
     raise TypeError(f"no check for schema type {annotation!r}")
 
 
@@ -128,7 +115,7 @@ def _field(check: _Check, value: Any, name: str) -> Any:
 # How a generated check tests a scalar in line; a value that fails the test goes through its full check, which
 # converts it (an integer where a float is expected) or names the problem.
 _INLINE = {_int: "type({v}) is not int or not -MAX_INT <= {v} <= MAX_INT", _float: "type({v}) is not float or "
-           "{v} - {v} != 0.0", _str: "type({v}) is not str", _bool: "type({v}) is not bool"}
+           "{v} - {v} != 0.0", _str: "type({v}) is not str"}
 
 
 def _dataclass(cls: type, skip: frozenset[str] = frozenset()) -> _Check:
