@@ -112,41 +112,36 @@ def _field(check: _Check, value: Any, name: str) -> Any:
         raise bad.at(name) from None
 
 
-# How a generated check tests a scalar in line; a value that fails the test goes through its full check, which
-# converts it (an integer where a float is expected) or names the problem.
-_INLINE = {_int: "type({v}) is not int or not -MAX_INT <= {v} <= MAX_INT", _float: "type({v}) is not float or "
-           "{v} - {v} != 0.0", _str: "type({v}) is not str"}
-
-
 def _dataclass(cls: type, skip: frozenset[str] = frozenset()) -> _Check:
     """The check of a dataclass from a JSON object with exactly its fields (and the keys in `skip`); an optional
-    field left out reads as null.
-
-    The check is generated as Python source, as `dataclasses` generates `__init__`: tests of scalars in line and
-    the constructor called positionally make validation several times faster than a loop over the fields."""
+    field left out reads as null."""
     hints = typing.get_type_hints(cls)
-    names, env = [], {"_Bad": _Bad, "_shown": _shown, "_field": _field, "_keys": _keys, "MAX_INT": MAX_INT,
-                      "cls": cls, "rules": _RULES.get(cls, ())}
-    body = ["    if type(value) is not dict:", "        raise _Bad(f'expected an object, got {_shown(value)}')",
-            "    if not required <= value.keys() <= allowed:", "        raise _keys(value.keys(), required, allowed)",
-            "    get = value.get"]
-    for i, f in enumerate(fields(cls)):
+    spec = []  # (name, check of a value that is not null, whether null is allowed)
+    for f in fields(cls):
         if f.default not in (MISSING, None):
             raise TypeError(f"{cls.__name__}.{f.name}: a schema field's default must be None")
         options = typing.get_args(hints[f.name])
         nullable = type(None) in options
-        check = _compile(next(a for a in options if a is not type(None)) if nullable else hints[f.name])
-        v, env[f"check{i}"] = f"v{i}", check
-        test = _INLINE.get(check, "True").format(v=v)
-        body += [f"    {v} = get({f.name!r})",
-                 f"    if {f'{v} is not None and ' if nullable else ''}({test}):",
-                 f"        {v} = _field(check{i}, {v}, {f.name!r})"]
-        names.append(v)
-    body += [f"    made = cls({', '.join(names)})", "    for rule in rules:", "        rule(made)", "    return made"]
-    env["allowed"] = frozenset(f.name for f in fields(cls)) | skip
-    env["required"] = frozenset(f.name for f in fields(cls) if f.default is MISSING)
-    exec("\n".join(["def check(value):", *body]), env)  # noqa: S102 (our own source, from the dataclass fields)
-    return env["check"]
+        spec.append((f.name, _compile(next(a for a in options if a is not type(None)) if nullable
+                                      else hints[f.name]), nullable))
+    allowed = frozenset(f.name for f in fields(cls)) | skip
+    required = frozenset(f.name for f in fields(cls) if f.default is MISSING)
+    rules = _RULES.get(cls, ())
+
+    def check(value: Any) -> Any:
+        if type(value) is not dict:
+            raise _Bad(f"expected an object, got {_shown(value)}")
+        if not required <= value.keys() <= allowed:
+            raise _keys(value.keys(), required, allowed)
+        args = []
+        for name, field_check, nullable in spec:
+            item = value.get(name)
+            args.append(None if nullable and item is None else _field(field_check, item, name))
+        made = cls(*args)
+        for rule in rules:
+            rule(made)
+        return made
+    return check
 
 
 def _keys(keys: Any, required: frozenset[str], allowed: frozenset[str]) -> _Bad:
