@@ -151,15 +151,19 @@ def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
     return _download(source), source
 
 
+def first_line(exc: Exception) -> str:
+    """An exception's message for a one-line error: its first line, or its type where it has none."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         folder = snapshot_download(repo_id, allow_patterns=["*.json", "model*.safetensors", "tokenizer*", "*.txt"])
     except Exception as exc:  # the hub client raises many types: offline, gated, missing, rate-limited
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"model: could not fetch {repo_id!r} from the Hugging Face hub (offline, private "
-                             f"or no such model): {reason}") from exc
+                             f"or no such model): {first_line(exc)}") from exc
     return Path(folder)
 
 
@@ -286,8 +290,7 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({reason})") from exc
+        raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({first_line(exc)})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)
 
 
@@ -298,7 +301,6 @@ def load_hf_peer(loaded: Any) -> Any:
     try:  # safetensors only: transformers would otherwise try a pickled .bin (which torch refuses, rightly)
         model = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.model.dtype, use_safetensors=True)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelLoadError(f"peer: transformers could not load {loaded.folder} ({reason}); --no-peers skips the "
-                             "transformers peers") from exc
+        raise ModelLoadError(f"peer: transformers could not load {loaded.folder} ({first_line(exc)}); --no-peers "
+                             "skips the transformers peers") from exc
     return model.to(loaded.model.device).eval()
