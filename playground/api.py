@@ -331,10 +331,10 @@ class HeadTimeoutH11(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(ApiError(f"the request is not valid HTTP ({msg})").body()).encode()
-        for event in (h11.Response(status_code=400, reason=b"Bad Request",
-                                   headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
-                      h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
+        for part in (h11.Response(status_code=400, reason=b"Bad Request",
+                                  headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
+                     h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(part))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -302,13 +302,13 @@ class EngineWorker:
             return
         record.tokens.extend(output.new_token_ids)
         if output.finished:
-            self._end(output.id)
-            self.finished += 1
             usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": len(record.tokens),
                      "total_tokens": record.prompt_tokens + len(record.tokens)}
             # the rest of the text: all of it unless pieces were streamed
-            self._answer(job, Reply(output.output.text[len(record.sent):],
-                                    FINISH_REASONS[output.output.finish_reason], usage))
+            reply = Reply(output.output.text[len(record.sent):], FINISH_REASONS[output.output.finish_reason], usage)
+            self._end(output.id)  # only once the reply is made: a failure before leaves the record to `_step`
+            self.finished += 1
+            self._answer(job, reply)
         elif job.stream:
             text = self.target.tokenizer.decode(record.tokens, skip_special_tokens=True)
             settled = settled_text(text, job.generation.stop)
