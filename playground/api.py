@@ -39,6 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .config import (MAX_NEW_TOKENS_LIMIT, ConfigError, EngineParams, GenerationParams, SamplingParams, check_int,
                      check_text)
+from .decoding.proposer import Proposer
 from .models import LoadedModel
 from .server import ApiError, EngineWorker, Job, Mailbox, Reply
 
@@ -383,8 +384,8 @@ class Service:
     returned, having answered every request it held, `stop` closes HTTP."""
 
     def __init__(self, target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
-                 max_waiting: int = 64, quiet: bool = False) -> None:
-        self.worker = EngineWorker(target, params, max_waiting)
+                 max_waiting: int = 64, quiet: bool = False, proposer: Proposer | None = None) -> None:
+        self.worker = EngineWorker(target, params, max_waiting, proposer)
         self.url = url_of(sock)
         self.host, self.port = sock.getsockname()[:2]
         # connections are bounded (a 503 past them); idle keep-alive and request heads are timed out
@@ -404,9 +405,9 @@ class Service:
 
 
 def serve(target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
-          max_waiting: int = 64) -> None:
-    """Serve until SIGINT (Ctrl+C) or SIGTERM."""
-    service = Service(target, params, sock, api_key, max_waiting)
+          max_waiting: int = 64, proposer: Proposer | None = None) -> None:
+    """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: the engine's (None: the one `params` names)."""
+    service = Service(target, params, sock, api_key, max_waiting, proposer=proposer)
     service.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: service.worker.close())
     url = service.url

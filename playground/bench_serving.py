@@ -14,6 +14,7 @@ contiguous cache) would waste.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from .bench_suite import workload
@@ -37,12 +38,7 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
         "tokens_per_s": tokens / engine.busy_s,
         "steps": engine.step_count,
         "preemptions": sum(r.preemptions for r in engine.requests.values()),
-        "copy_steps": engine.copied.steps,
-        "copied_proposed": engine.copied.proposed,
-        "copied_accepted": engine.copied.accepted,
-        "guess_steps": engine.guessed.steps,
-        "guessed_proposed": engine.guessed.proposed,
-        "guessed_accepted": engine.guessed.accepted,
+        "proposals": {source: asdict(counts) for source, counts in engine.counts.items()},
         **memory_summary(engine.events),
         "token_ids": [list(outputs[i].token_ids) for i in ids],
     }
@@ -120,16 +116,15 @@ def markdown_serving(report: dict[str, Any]) -> str:
              f"{s['requests']} requests queued at once, output limits {max(1, s['max_new_tokens'] // 8)} to "
              f"{s['max_new_tokens']} tokens, at most {s['max_running']} running, paged KV with "
              f"{s['num_blocks']} blocks of {s['block_size']} tokens.", "",
-             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | copies (or "
-             "lookahead's candidates) accepted | guesses accepted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | tokens | seconds | tok/s | steps | mean running | preemptions | peak KV MB | proposed tokens "
+             "accepted (by source) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["modes"].items():
-        proposals = [f"{r[kind + '_accepted']} of {r[kind + '_proposed']} in {r[steps]} steps"
-                     if r[kind + "_proposed"] else "" for kind, steps in (("copied", "copy_steps"),
-                                                                         ("guessed", "guess_steps"))]
+        proposals = "; ".join(f"{source} {c['accepted']} of {c['proposed']} in {c['steps']} steps"
+                              for source, c in r["proposals"].items())
         lines.append(f"| {name} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | {r['steps']} | "
                      f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_bytes'] / 1e6:.1f} | "
-                     f"{' | '.join(proposals)} |")
+                     f"{proposals} |")
     lines += ["",
               f"- continuous vs sequential: {s['continuous_vs_sequential']:.2f}x (goal >= 3)",
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",

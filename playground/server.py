@@ -25,6 +25,7 @@ from typing import Any
 
 from .config import MAX_WAITING, ConfigError, EngineParams, GenerationParams, SamplingParams, check_int
 from .decoding.base import chat_ids, check_context
+from .decoding.proposer import Proposer
 from .engine import Engine, RequestOutput
 from .kv import blocks_for
 from .models import LoadedModel
@@ -129,10 +130,12 @@ class EngineWorker:
     measurement).
     """
 
-    def __init__(self, target: LoadedModel, params: EngineParams, max_waiting: int = 64) -> None:
+    def __init__(self, target: LoadedModel, params: EngineParams, max_waiting: int = 64,
+                 proposer: Proposer | None = None) -> None:
+        """proposer: the engine's (None: the one `params` names)."""
         check_int("max_waiting", max_waiting, 0, MAX_WAITING)
         self.target, self.params = target, params
-        self.engine = Engine(target, params, record_blocks=False)
+        self.engine = Engine(target, params, record_blocks=False, proposer=proposer)
         self.finished = 0
         self.capacity = params.max_running + max_waiting  # jobs held at once, running or waiting
         self.held = 0  # jobs submitted and not yet answered for good
@@ -282,8 +285,8 @@ class EngineWorker:
             outputs = self.engine.step()
         except Exception as exc:  # the shared forward failed (a bug, the device out of memory): keep serving
             traceback.print_exc()
-            self.engine = Engine(self.target, self.params, record_blocks=False, heads=self.engine.heads,
-                                 draft=self.engine.draft)
+            # a fresh engine over the same proposer (its weights loaded once; its per-request state dropped)
+            self.engine = Engine(self.target, self.params, record_blocks=False, proposer=self.engine.proposer)
             self._fail_all(server_error(f"the engine failed: {exc}"))
             return
         self.engine.take_events()  # a server keeps no history; the state it reports is read from the cache
@@ -333,14 +336,6 @@ class EngineWorker:
                 "params": {"num_blocks": self.params.num_blocks, "block_size": self.params.block_size,
                            "max_running": self.params.max_running, "max_batch_tokens": self.params.max_batch_tokens,
                            "prefix_caching": self.params.prefix_caching},
-                "prompt_lookup": None if engine.lookup is None else {
-                    "max_ngram": engine.lookup.max_ngram, "num_draft": engine.lookup.num_draft,
-                    **asdict(engine.copied)},
-                "medusa": None if engine.heads is None else {
-                    "heads": str(engine.heads.folder), "depth": engine.depth, **asdict(engine.guessed)},
-                "draft": None if engine.draft is None else {
-                    "draft": engine.draft.name, "gamma": engine.depth, **asdict(engine.guessed)},
-                "lookahead": None if engine.lookahead is None else {
-                    "window": engine.lookahead.window, "ngram": engine.lookahead.ngram,
-                    "guesses": engine.lookahead.guesses, "text_ngram": engine.lookahead.text_n,
-                    **asdict(engine.copied)}}
+                "proposer": None if engine.proposer is None else {
+                    **engine.proposer.describe(),
+                    "counts": {source: asdict(counts) for source, counts in engine.counts.items()}}}

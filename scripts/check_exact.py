@@ -86,9 +86,7 @@ def main() -> int:
         batched = {i: out.token_ids for i, out in engine.run_all().items()}
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]
         failures += len(bad)
-        counts = [f"{c.accepted} of {c.proposed} {kind} tokens accepted" for kind, c, on in (
-            ("copied", engine.copied, engine.lookup), ("candidate", engine.copied, engine.lookahead),
-            ("guessed", engine.guessed, engine.depth)) if on]
+        counts = [f"{c.accepted} of {c.proposed} {source} tokens accepted" for source, c in engine.counts.items()]
         print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
               + "".join(f"\n  MISMATCH {p!r}" for p in bad))
     print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")

@@ -29,6 +29,7 @@ from playground.config import (EngineDraftParams, EngineMedusaParams, EnginePara
                                SamplingParams)
 from playground.decoding import (AutoregressiveDecoder, Decoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
                                  SpeculativeDecoder, generate)
+from playground.decoding.registry import engine_proposer  # noqa: E402
 from playground.engine import Engine  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
@@ -46,8 +47,9 @@ def decoder_run(decoder: Decoder) -> Callable[[str], tuple[tuple[int, ...], floa
 def engine_run(target: LoadedModel, generation: GenerationParams, draft_model: LoadedModel | None = None,
                **proposers: object) -> Callable[[str], tuple[tuple[int, ...], float]]:
     def run(prompt: str) -> tuple[tuple[int, ...], float]:
-        engine = Engine(target, EngineParams(max_running=1, **proposers), record_blocks=False,
-                        draft=draft_model)
+        params = EngineParams(max_running=1, **proposers)
+        engine = Engine(target, params, record_blocks=False,
+                        proposer=engine_proposer(target, params, draft=draft_model))
         request = engine.add_request(prompt, GREEDY, generation)
         return engine.run_all()[request].token_ids, engine.busy_s
     return run

@@ -35,7 +35,7 @@ from playground.config import (DYNAMIC_TREE, LOOKUP_NATIVE_OVERHEAD, ConfigError
 from playground.decoding import AutoregressiveDecoder, encode_prompt, generate  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
 from playground.decoding.base import new_cache  # noqa: E402
-from playground.decoding.lookahead import TextPools  # noqa: E402
+from playground.decoding.pools import TextPools  # noqa: E402
 from playground.decoding.medusa import MedusaDecoder  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402

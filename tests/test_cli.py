@@ -153,10 +153,10 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
         "continuous + lookahead", "sequential + lookahead", "continuous + Medusa", "sequential + Medusa",
         "sequential + both", "continuous + draft", "sequential + draft"}
     assert serving["modes"]["sequential"]["mean_running"] == 1
-    assert serving["modes"]["sequential"]["copied_proposed"] == serving["modes"]["sequential"]["guessed_proposed"] == 0
-    assert serving["modes"]["sequential + Medusa"]["guessed_proposed"] > 0
-    assert serving["modes"]["sequential + draft"]["guessed_proposed"] > 0
-    assert serving["modes"]["sequential + lookahead"]["copied_proposed"] > 0
+    assert serving["modes"]["sequential"]["proposals"] == {}
+    assert serving["modes"]["sequential + Medusa"]["proposals"]["medusa"]["proposed"] > 0
+    assert serving["modes"]["sequential + draft"]["proposals"]["draft"]["proposed"] > 0
+    assert serving["modes"]["sequential + lookahead"]["proposals"]["lookahead"]["proposed"] > 0
     markdown = (tmp_path / "serving.md").read_text()
     assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")

@@ -19,8 +19,13 @@ from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
 from playground.decoding.planning import widest_paying
-from playground import engine as engine_module
-from playground.engine import Engine, GuessCalibration, Proposal, Status
+from playground.decoding import prompt_lookup
+from playground.decoding.guesses import Grafted, GuessCalibration, guess_tree
+from playground.decoding.proposer import Proposal
+from playground.decoding.registry import engine_proposer
+from playground.decoding.speculative import DraftGuesser
+from playground.engine import Engine, ProposalCounts, Status
+from playground.engine import engine as engine_module
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
@@ -42,9 +47,21 @@ def solo(target: LoadedModel, prompt_ids: list[int], sampling: SamplingParams, g
             return stop.value.token_ids
 
 
+def drafter(engine: Engine) -> DraftGuesser | None:
+    """The engine's draft model proposer, alone or with copies grafted on."""
+    proposer = engine.proposer.guesser if isinstance(engine.proposer, Grafted) else engine.proposer
+    return proposer if isinstance(proposer, DraftGuesser) else None
+
+
+def counts(engine: Engine, source: str) -> ProposalCounts:
+    """The engine's counts of the nodes a source proposed (zero when it proposed none)."""
+    return engine.counts.get(source, ProposalCounts())
+
+
 def check_no_leak(engine: Engine) -> None:
     assert not engine.has_unfinished()
-    for cache in (engine.cache, *([engine.draft_cache] if engine.draft is not None else [])):
+    draft = drafter(engine)
+    for cache in (engine.cache, *([draft.cache] if draft is not None else [])):
         assert cache.num_free_blocks == engine.params.num_blocks
         assert not any(cache.allocator.refs)
 
@@ -182,7 +199,7 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
     with pytest.raises(ConfigError, match=r"draft_cost must be in \[0, 1\] or None, got 2"):
         EngineDraftParams(draft_cost=2.0)
     with pytest.raises(ConfigError, match="draft: its tokenizer differs from the target's"):
-        Engine(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
+        engine_proposer(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
         Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=EngineDraftParams()))
     with pytest.raises(ConfigError, match="lookahead must be LookaheadParams or None, got dict"):
@@ -221,7 +238,8 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, grounded_outputs
         outputs = engine.run_all()
         for rid, prompt in ids.items():
             assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, prompt)
-        assert engine.copied.steps > 0 and 0 < engine.copied.accepted < engine.copied.proposed, max_running
+        copied = counts(engine, "copy")
+        assert copied.steps > 0 and 0 < copied.accepted < copied.proposed, max_running
         # a step over a copy ran wider rows than the batch: the memory events count them
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
@@ -239,16 +257,16 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
           "draft": EngineDraftParams(draft_cost=0.0), "lookahead": LookaheadParams()}[proposer]
     # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
     batch = 1 if proposer == "lookahead" else 3
-    results, counts = [], []
+    results, kept = [], []
     for params in (EngineParams(max_running=batch), EngineParams(max_running=batch, **{proposer: on})):
         engine = Engine(target, params)
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
                for i, p in enumerate(prompts)]
         outputs = engine.run_all()
         results.append([outputs[i].token_ids for i in ids])
-        counts.append(engine.copied if proposer in ("lookup", "lookahead") else engine.guessed)
+        kept.append(counts(engine, {"lookup": "copy"}.get(proposer, proposer)))
     assert results[0] == results[1]
-    assert counts[1].accepted > 0 and counts[0].proposed == 0
+    assert kept[1].accepted > 0 and kept[0].proposed == 0
 
 
 def runner_up_kept(monkeypatch) -> list[bool]:
@@ -257,9 +275,9 @@ def runner_up_kept(monkeypatch) -> list[bool]:
     seen = []
     real = GuessCalibration.record
 
-    def record(self, proposal, path):
+    def record(self, proposal, path, label):
         seen.append(any(proposal.parents[row - 1] in proposal.parents[: row - 1] for row in path))
-        real(self, proposal, path)
+        real(self, proposal, path, label)
     monkeypatch.setattr(GuessCalibration, "record", record)
     return seen
 
@@ -275,18 +293,18 @@ def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monke
     guesses = {"medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[guesser]
     draft = None
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
-        engine = Engine(target, EngineParams(max_running=max_running, lookup=lookup, **{guesser: guesses}),
-                        draft=draft)
-        draft = engine.draft  # the shipped draft, loaded once
+        params = EngineParams(max_running=max_running, lookup=lookup, **{guesser: guesses})
+        engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft))
+        draft = drafter(engine).draft if guesser == "draft" else None  # the shipped draft, loaded once
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
             assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, lookup, prompt)
-        guessed = engine.guessed
+        guessed = counts(engine, guesser)
         assert guessed.steps > 0 and 0 < guessed.accepted < guessed.proposed, max_running
         assert any(runner_up) or guesser == "draft", max_running
         runner_up.clear()
-        assert (engine.copied.accepted > 0) == (lookup is not None)
+        assert (counts(engine, "copy").accepted > 0) == (lookup is not None)
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
 
@@ -308,12 +326,14 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs, mo
             every_width_pays(monkeypatch)
         engine = Engine(target, EngineParams(max_running=max_running, lookahead=LookaheadParams()))
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
-        first_windows = {rid: engine.requests[rid].window for rid in ids}
+        states = dict(engine.proposer.states)  # ended requests' states are dropped: keep them to look at
+        first_windows = {rid: states[rid].window for rid in ids}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
             assert outputs[rid].token_ids == grounded_outputs[prompt], (max_running, prompt)
-        assert engine.copied.steps > 0 and 0 < engine.copied.accepted < engine.copied.proposed, max_running
-        assert all(engine.requests[rid].window != first_windows[rid] for rid in ids)
+        ahead = counts(engine, "lookahead")
+        assert ahead.steps > 0 and 0 < ahead.accepted < ahead.proposed, max_running
+        assert all(states[rid].window != first_windows[rid] for rid in ids)
         # the windows' rows: a step's forward is wider than its candidates alone
         assert any(e.num_tokens > len(e.running) for e in memory_events(engine) if e.running)
         check_no_leak(engine)
@@ -321,25 +341,30 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs, mo
 
 def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     # the heads' guesses: rows 1 and 2 under the last token, 3 under 1, 4 under 3; row 5, a copy's own, under 4
-    tree = Proposal([5, 6, 7, 8, 9], [0, 0, 1, 3, 4], [False] * 4 + [True], 2, [0.5, 0.25, 0.5, 0.5, None])
-    assert tree.depths() == [0, 1, 1, 2, 3, 4] and not tree.is_chain() and Proposal.chain([4, 4], 2).is_chain()
-    assert tree.first(2) == Proposal([5, 6], [0, 0], [False, False], 2, [0.5, 0.25])
+    tree = Proposal([5, 6, 7, 8, 9], [0, 0, 1, 3, 4], ["medusa"] * 4 + ["copy"], [0.5, 0.25, 0.25, 0.125, 0.1],
+                    [0.5, 0.25, 0.5, 0.5, None])
+    chain = Proposal.chain([4, 4], "copy", 0.5)
+    assert tree.depths() == [0, 1, 1, 2, 3, 4] and not tree.is_chain() and chain.is_chain()
+    assert tree.first(2) == Proposal([5, 6], [0, 0], ["medusa"] * 2, [0.5, 0.25], [0.5, 0.25])
+    assert tree.expected() == pytest.approx([1.0, 1.5, 1.75, 2.0, 2.125, 2.225])  # 1 + the reach of the first k
+    assert chain.reach == [0.5, 0.25] and chain.expected() == [1.0, 1.5, 1.75]
     calibration = GuessCalibration(3)
     assert calibration.log_rates([[math.log(0.5)]]) == [[pytest.approx(math.log(0.5))]]  # no data: p itself
     assert calibration.bound(2) == [1.0, 2.0, 3.0]
     assert calibration.expected_tokens(2) == pytest.approx([1.0, 5 / 3, 5 / 3 + 4 / 9])  # the prior: 2 / 3 a depth
     for _ in range(40):  # rows 1 then 3 kept: depth 1 judged 0.75 for 1 kept, depth 2 0.5 for 1, depth 3 0.5 for 0
         # (row 5 is the copy's: nothing of the heads')
-        calibration.record(tree, [1, 3])
+        calibration.record(tree, [1, 3], "medusa")
     assert calibration.scale(0) == pytest.approx(41 / 31) and calibration.scale(1) == pytest.approx(41 / 21)
     assert calibration.scale(2) == pytest.approx(1 / 21)
     assert calibration.log_rates([[math.log(0.9), math.log(0.1)]]) == [[0.0, pytest.approx(math.log(0.1 * 41 / 31))]]
     assert calibration.bound(3) == pytest.approx([1.0, 2.0, 3.0, 3.0 + 1 / 21])  # a rate never exceeds 1
-    calibration.record(tree, [2])  # row 2 kept: its sibling row 1 judged and refused, nothing below row 1 judged
+    # row 2 kept: its sibling row 1 judged and refused, nothing below row 1 judged
+    calibration.record(tree, [2], "medusa")
     assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(30.75)
     assert calibration.predicted[1] == pytest.approx(20.0)
-    copied = Proposal([5, 6], [0, 0], [True, False], 2, [0.5, 0.25])  # a head guessed the copied 5 too
-    calibration.record(copied, [1])  # only row 2, the heads' own guess, is judged: refused
+    copied = Proposal([5, 6], [0, 0], ["copy", "medusa"], [0.5, 0.25], [0.5, 0.25])  # a head guessed 5 too
+    calibration.record(copied, [1], "medusa")  # only row 2, the heads' own guess, is judged: refused
     assert calibration.kept[0] == 41 and calibration.predicted[0] == pytest.approx(31.0)
     assert calibration.judged == [42, 40, 40]  # depth 1: the last token, its guesses judged 42 times (41 kept)
     reach = [(41 + 2 / 3) / 43, (40 + 2 / 3) / 41, (0 + 2 / 3) / 41]
@@ -357,38 +382,42 @@ def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:
     """With both proposers a request's copy runs through the heads' guesses equal to it, then on as nodes of its own
     (as Medusa's copy_ngram grafts it), each copied token worth at least the request's acceptance of such copies;
     the rows come best first, parents before children, and nothing follows an end-of-sequence token."""
-    engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(), medusa=EngineMedusaParams()), heads=TINY_HEADS)
     logp = [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.4)], [math.log(0.9), math.log(0.05)]]
     tokens = [[10, 11], [20, 21], [30, 31]]
     copy = Lookup([11, 21, 40, 41], start=0, ngram=2)
-    proposal, gains = engine._head_tree(logp, tokens, 6, frozenset(), copy, 0.9)
+
+    def tree(nodes, eos, copy=None):  # uncalibrated guesses: their log-rates are their log-probabilities
+        return guess_tree(logp, logp, tokens, nodes, frozenset(eos), "medusa", False, copy, 0.9, "copy")
+    proposal = tree(6, (), copy)
     # worths: 11 0.9 (the copy's, over the head's 0.3), 21 0.81, 30 0.729, 40 0.729, 41 0.656, 10 0.6
     assert proposal.tokens == [11, 21, 30, 40, 41, 10] and proposal.parents == [0, 1, 2, 2, 4, 0]
-    assert proposal.copied == [True, True, False, True, True, False] and proposal.ngram == 2
+    assert proposal.sources == ["copy", "copy", "medusa", "copy", "copy", "medusa"]
     assert proposal.probs == pytest.approx([0.3, 0.4, 0.9, None, None, 0.6])
     worths = [0.9, 0.81, 0.729, 0.729, 0.6561, 0.6]
-    assert gains == pytest.approx([1.0 + sum(worths[:k]) for k in range(7)])
-    ended, _ = engine._head_tree(logp, tokens, 6, frozenset({21}), copy, 0.9)
+    assert proposal.expected() == pytest.approx([1.0 + sum(worths[:k]) for k in range(7)])
+    ended = tree(6, {21}, copy)
     assert ended.tokens == [11, 21, 10] and ended.parents == [0, 1, 0]
-    alone, _ = engine._head_tree(logp, tokens, 4, frozenset(), None, None)  # 0.6, 0.3 and 0.3 (a tie), 0.27
+    alone = tree(4, ())  # 0.6, 0.3 and 0.3 (a tie), 0.27
     assert alone.tokens[0] == 10 and sorted(alone.tokens[1:3]) == [11, 20] and alone.tokens[3] == 30
-    assert alone.parents[alone.tokens.index(30)] == alone.tokens.index(20) + 1 and not any(alone.copied)
+    assert alone.parents[alone.tokens.index(30)] == alone.tokens.index(20) + 1 and set(alone.sources) == {"medusa"}
 
 
 def test_a_drafts_chain_keeps_its_runner_up_a_leaf() -> None:
     """A draft's guess at a depth was drawn after its top guess at the depth before, so its tree is the chain with
     the first place's runner-up as a leaf; a copy through the runner-up goes on as nodes of its own."""
-    engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(), draft=EngineDraftParams()), draft=TINY_DRAFT)
     logp = [[math.log(0.6), math.log(0.35)], [math.log(0.9)], [math.log(0.9)]]
     tokens = [[10, 11], [20], [30]]
-    chain, gains = engine._head_tree(logp, tokens, 5, frozenset(), None, None)
+
+    def tree(nodes, copy=None):
+        return guess_tree(logp, logp, tokens, nodes, frozenset(), "draft", True, copy, 0.8, "copy")
+    chain = tree(5)
     # 10 0.6, 20 0.54, 30 0.486, 11 0.35; heads' trees would hang 20 below 11 as well (0.315)
-    assert chain.tokens == [10, 20, 30, 11] and chain.parents == [0, 1, 2, 0] and not any(chain.copied)
-    assert gains == pytest.approx([1.0, 1.6, 2.14, 2.626, 2.976])
-    copied, _ = engine._head_tree(logp, tokens, 6, frozenset(), Lookup([11, 40, 41], start=0, ngram=1), 0.8)
+    assert chain.tokens == [10, 20, 30, 11] and chain.parents == [0, 1, 2, 0] and set(chain.sources) == {"draft"}
+    assert chain.expected() == pytest.approx([1.0, 1.6, 2.14, 2.626, 2.976])
+    copied = tree(6, Lookup([11, 40, 41], start=0, ngram=1))
     # the copy through 11 (worth 0.8), then its own 40 (0.64), 41 (0.512); the chain beside it
     assert copied.tokens == [11, 40, 10, 20, 41, 30] and copied.parents == [0, 1, 0, 3, 2, 4]
-    assert copied.copied == [True, True, False, False, True, False]
+    assert copied.sources == ["copy", "copy", "draft", "draft", "copy", "draft"]
 
 
 def tiny_model(vocab: int = 48, noise: float = 0.0) -> LoadedModel:
@@ -470,10 +499,10 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
     draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0, draft_cost=0.0) if guesses and guesser == "draft" \
         else None
-    engine = Engine(TINY, EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
-                                       max_running=max_running, policy=policy, prefix_caching=caching,
-                                       lookup=lookup, medusa=medusa, draft=draft, lookahead=lookahead),
-                    heads=TINY_HEADS, draft=TINY_DRAFT)
+    params = EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
+                          max_running=max_running, policy=policy, prefix_caching=caching, lookup=lookup, medusa=medusa,
+                          draft=draft, lookahead=lookahead)
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS, draft=TINY_DRAFT))
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
     with pytest.MonkeyPatch.context() as patch:
@@ -503,22 +532,22 @@ def run_load(engine: Engine, requests, prompts: list[list[int]], aborted: set[in
         for request in engine.running:  # a refused copy, a window and the padding never stay in the cache
             assert engine.cache.length(request.id) == request.num_computed
             if drafting:
-                assert engine.draft_cache.length(request.id) <= request.num_computed
+                assert drafter(engine).cache.length(request.id) <= request.num_computed
 
 
 def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
     """The search scans each request's whole text, so it is skipped when even the longest copy at each request's
     best acceptance so far could not pay for a wider forward (here a forward over several tokens costs 5 steps)."""
     searched = []
-    real = engine_module.find_continuations
-    monkeypatch.setattr(engine_module, "find_continuations", lambda *a, **k: searched.append(1) or real(*a, **k))
+    real = prompt_lookup.find_continuations
+    monkeypatch.setattr(prompt_lookup, "find_continuations", lambda *a, **k: searched.append(1) or real(*a, **k))
     outputs = {}
     for overhead in (4.0, 0.0):
         engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(num_draft=4, verify_overhead=overhead)))
         ids = [engine.add_request(PREFIX * 3, generation=GenerationParams(max_new_tokens=12)) for _ in range(2)]
         done = engine.run_all()
         outputs[overhead] = [done[i].token_ids for i in ids]
-        assert bool(searched) == (overhead == 0.0) and (engine.copied.steps > 0) == (overhead == 0.0)
+        assert bool(searched) == (overhead == 0.0) and (counts(engine, "copy").steps > 0) == (overhead == 0.0)
     assert outputs[4.0] == outputs[0.0]
 
 
@@ -542,10 +571,11 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     runner_up = runner_up_kept(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
     generation = GenerationParams(max_new_tokens=16)
-    engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams(verify_overhead=0.0)),
-                    heads=TINY_HEADS)
+    params = EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams(verify_overhead=0.0))
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS))
     assert run_checking_the_cache(engine, prompts, generation) > 20
-    assert 0 < engine.guessed.accepted < engine.guessed.proposed and any(runner_up)
+    guessed = counts(engine, "medusa")
+    assert 0 < guessed.accepted < guessed.proposed and any(runner_up)
 
 
 def run_checking_the_cache(engine: Engine, prompts: list[list[int]], generation: GenerationParams) -> int:
@@ -574,32 +604,34 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     generation = GenerationParams(max_new_tokens=16)
     lookup = PromptLookupParams(num_draft=3, verify_overhead=0.0)
     drafts = EngineDraftParams(gamma=3, verify_overhead=0.0, draft_cost=0.0)
-    engine = Engine(TINY, EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts),
-                    draft=TINY_DRAFT)
+    params = EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts)
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, draft=TINY_DRAFT))
+    draft = drafter(engine)
     ids = [engine.add_request(p, generation=generation) for p in prompts]
     outputs, checked = {}, 0
-    real = engine._draft_chains
+    real = draft.chains
 
     def chains(requests, depth):
         out = real(requests, depth)
         for request in requests:  # the draft has read everything up to the last token, and its chain but the end
             if request.id in out:
-                assert engine.draft_cache.length(request.id) == request.num_computed + len(out[request.id][1])
+                assert draft.cache.length(request.id) == request.num_computed + len(out[request.id][1])
         return out
-    engine._draft_chains = chains
+    draft.chains = chains
     while engine.has_unfinished():
         outputs.update((out.id, out.output) for out in engine.step() if out.finished)
         for request in engine.running:
             check_cache_holds(engine.cache, TINY, request.id, request.tokens[: request.num_computed], 4)
-            read = engine.draft_cache.length(request.id)  # 0 until its first chain
+            read = draft.cache.length(request.id)  # 0 until its first chain
             assert read <= request.num_computed
             if read:
-                check_cache_holds(engine.draft_cache, TINY_DRAFT, request.id, request.tokens[:read], 4)
+                check_cache_holds(draft.cache, TINY_DRAFT, request.id, request.tokens[:read], 4)
                 checked += 1
     assert checked > 20
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].token_ids == solo(TINY, prompt, SamplingParams(), generation)
-    assert 0 < engine.guessed.accepted < engine.guessed.proposed and engine.copied.proposed > 0
+    guessed = counts(engine, "draft")
+    assert 0 < guessed.accepted < guessed.proposed and counts(engine, "copy").proposed > 0
     check_no_leak(engine)
 
 
@@ -614,7 +646,8 @@ def test_lookahead_in_the_batch_keeps_the_cache_exact(monkeypatch) -> None:
     engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead))
     assert run_checking_the_cache(engine, prompts, generation) > 20
     assert any(isinstance(e, PreemptEvent) for e in engine.events)
-    assert 0 < engine.copied.accepted < engine.copied.proposed
+    ahead = counts(engine, "lookahead")
+    assert 0 < ahead.accepted < ahead.proposed
 
 
 def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:

@@ -6,8 +6,8 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
-from playground.decoding.lookahead import (NGramPool, TextPools, candidate_tree, frequent_ngrams, jacobi_block,
-                                           step_layout)
+from playground.decoding.lookahead import candidate_tree, jacobi_block, step_layout
+from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers
 

@@ -249,24 +249,26 @@ def test_the_read_endpoints(server, target):
     assert state["running"] == state["waiting"] == 0 and state["finished"] >= 1 and state["steps"] >= 4
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
+    proposer = state["proposer"]
     if server.worker.params.lookahead is not None:  # the pools' candidates were verified, some accepted
-        ahead = state["lookahead"]
-        assert state["prompt_lookup"] is None and state["medusa"] is None and state["draft"] is None
-        assert ahead["window"] == 1 and ahead["ngram"] >= 2 and ahead["guesses"] == 2 and ahead["steps"] > 0
+        ahead = proposer["counts"]["lookahead"]
+        assert proposer["proposer"] == "lookahead" and list(proposer["counts"]) == ["lookahead"]
+        assert proposer["window"] == 1 and proposer["ngram"] >= 2 and proposer["guesses"] == 2 and ahead["steps"] > 0
         assert 0 < ahead["accepted"] < ahead["proposed"]
     elif server.worker.params.lookup is None:
-        assert state["prompt_lookup"] is None and state["medusa"] is None and state["draft"] is None
-        assert state["lookahead"] is None
+        assert proposer is None
     else:  # copies and the heads' trees or the draft's chains were verified, some of their tokens accepted
-        copies = state["prompt_lookup"]
+        copies = proposer["counts"]["copy"]
+        assert proposer["copies"]["max_ngram"] == 3
         if server.worker.params.medusa is not None:
-            guesses = state["medusa"]
-            assert state["draft"] is None and guesses["depth"] == 4
-            assert guesses["heads"].endswith("medusa-smollm2-135m")
+            guesses = proposer["counts"]["medusa"]
+            assert proposer["proposer"] == "medusa" and proposer["depth"] == 4
+            assert proposer["heads"].endswith("medusa-smollm2-135m")
         else:
-            guesses = state["draft"]
-            assert state["medusa"] is None and guesses["gamma"] == 4 and guesses["draft"] == "draft-smollm2-135m"
-        assert copies["max_ngram"] == 3 and copies["steps"] > 0 and copies["proposed"] > 0 and guesses["steps"] > 0
+            guesses = proposer["counts"]["draft"]
+            assert proposer["proposer"] == "draft" and proposer["gamma"] == 4
+            assert proposer["draft"] == "draft-smollm2-135m"
+        assert copies["steps"] > 0 and copies["proposed"] > 0 and guesses["steps"] > 0
         assert 0 < copies["accepted"] + guesses["accepted"] < copies["proposed"] + guesses["proposed"]
     assert not server.worker.engine.requests  # finished requests are forgotten
     assert not server.worker.engine.events  # and the engine keeps no history

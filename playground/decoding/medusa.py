@@ -20,12 +20,14 @@ text repeats from its prompt; a copy reaches further there than any head.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import DYNAMIC_TREE, ConfigError, GenerationParams, MedusaParams, SamplingParams, dynamic_nodes
+from ..config import (DYNAMIC_TREE, ConfigError, EngineMedusaParams, GenerationParams, MedusaParams, SamplingParams,
+                      dynamic_nodes)
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
 from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities, verify_tree_greedy,
@@ -33,6 +35,8 @@ from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities,
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .copies import Lookup, find_continuation
+from .guesses import Guesser, Guesses
+from .proposer import Cost, Outcome, Proposal, RequestView
 from .tree import TreeBuffers, best_first, follow, graft_chain, load_tree, paths_tree
 
 
@@ -260,3 +264,55 @@ class MedusaDecoder(Decoder):
         events.append((CorrectEvent if verdict.corrected else BonusEvent)(step=step, t=t, token=final))
         return events, kept, stopper.push(verdict.token)
 
+
+
+class MedusaGuesser(Guesser):
+    """Medusa heads in the engine: for each decoding request, the heads' top guesses for each of the next tokens,
+    from the final hidden state of the row that predicted its last token (one it has run since it was last
+    admitted), batched over the requests; the dynamic tree is built from them (`Guesser.tree`)."""
+
+    label = "medusa"
+
+    def __init__(self, target: LoadedModel, params: EngineMedusaParams, heads: LoadedHeads | None = None) -> None:
+        self.target = target
+        self.heads = heads or load_heads(params.heads, target)
+        num_heads = self.heads.heads.num_heads
+        depth = params.depth or num_heads
+        if depth > num_heads:
+            raise ConfigError(f"medusa.depth must be in [1, {num_heads}] (the heads' number), got {depth}")
+        nodes = params.nodes or dynamic_nodes(target.model.rows_per_pass, target.model.device.type == "cuda")
+        super().__init__(frozenset(target.eos_token_ids), depth, nodes)
+        self.verify_overhead = params.verify_overhead
+        self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
+
+    def bind(self, settings: Any) -> None:
+        self.hidden = {}
+
+    def pause(self, request: RequestView) -> None:
+        self.hidden.pop(request.id, None)
+
+    def ready(self, request: RequestView) -> bool:
+        return request.id in self.hidden
+
+    @torch.inference_mode()
+    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
+                cost: Cost) -> dict[int, Guesses]:
+        ready = [r for r in requests if r.id in self.hidden]
+        if not ready:
+            return {}
+        model, depth, k = self.target.model, min(longest, self.depth), min(longest, self.heads.vocab_size)
+        hidden = torch.stack([self.hidden[r.id] for r in ready])  # (B, E)
+        last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
+        logits = self.heads.logits(hidden, model.embed_tokens.weight[last], depth)  # (D, B, V')
+        top = logits.log_softmax(-1).topk(k, dim=-1)  # values, indices: (D, B, k)
+        logp = top.values.transpose(0, 1).tolist()  # (B, D, k)
+        tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
+        return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        super().observe(request, proposal, outcome)
+        if not outcome.done:  # the row that predicted the last new token: the heads read it next
+            self.hidden[request.id] = outcome.hidden[outcome.walk[-1]].clone()
+
+    def describe(self) -> dict[str, Any]:
+        return {"proposer": self.label, "heads": str(self.heads.folder), "depth": self.depth, "nodes": self.nodes}

@@ -18,6 +18,9 @@ same output.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
@@ -25,8 +28,9 @@ from ..models import LoadedModel
 from ..trace import DraftEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, new_cache
 from .chain import accept_chain, one_hot, verify_candidates
-from .copies import find_continuations
-from .planning import ProposalGate
+from .copies import Lookup, find_continuations
+from .planning import ProposalGate, plan_width, widest_paying
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 
 
 class PromptLookupDecoder(Decoder):
@@ -102,3 +106,78 @@ class PromptLookupDecoder(Decoder):
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output
+
+
+class CopyProposer(Proposer):
+    """Prompt lookup in the engine: each decoding request's copy of earlier text (one per request), proposed as a
+    chain when its n-gram length's running acceptance says the wider forward pays. Also the copies `Grafted` puts
+    onto a guesser's trees."""
+
+    label = "copy"
+
+    def __init__(self, target: LoadedModel, params: PromptLookupParams) -> None:
+        # One copy per request, as long as one fits a pass of the CPU kernel at batch 1; wider batches trim it.
+        self.lookup = replace(params, branches=1).resolve(target.model.rows_per_pass)
+        self.verify_overhead = self.lookup.verify_overhead
+        self.eos_ids = frozenset(target.eos_token_ids)
+        self.gates: dict[int, ProposalGate] = {}  # request id -> acceptance per matched n-gram length
+        self.ngrams: dict[int, int] = {}  # request id -> the matched n-gram length of the copy it was proposed
+
+    def bind(self, settings: Any) -> None:
+        self.gates, self.ngrams = {}, {}
+
+    def start(self, request: RequestView) -> None:
+        self.gates[request.id] = ProposalGate(0.0, self.lookup.max_ngram)
+
+    def end(self, request: RequestView) -> None:
+        self.gates.pop(request.id, None)
+        self.ngrams.pop(request.id, None)
+
+    def decay(self, requests: Sequence[RequestView]) -> None:
+        for request in requests:
+            self.gates[request.id].decay()
+
+    def bound(self, request: RequestView, room: int) -> list[float]:
+        """The most a copy could commit with k = 0.. tokens, at the request's best acceptance of any n-gram length."""
+        gate = self.gates[request.id]
+        return [gate.best_expected_tokens(k) for k in range(min(self.lookup.num_draft, room) + 1)]
+
+    def find(self, request: RequestView, room: int) -> Lookup | None:
+        """The request's copy of at most `room` tokens, if there is one."""
+        if room <= 0:
+            return None
+        found = find_continuations(request.tokens, self.lookup.max_ngram, min(self.lookup.num_draft, room),
+                                   self.eos_ids)
+        if found:
+            self.ngrams[request.id] = found[0].ngram
+        return found[0] if found else None
+
+    def rate(self, request: RequestView, copy: Lookup) -> float:
+        return self.gates[request.id].acceptance(copy.ngram)
+
+    def chain(self, request: RequestView, copy: Lookup) -> Proposal:
+        return Proposal.chain(copy.tokens, self.label, self.rate(request, copy))
+
+    def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
+        self.decay(requests)
+        bounds = [self.bound(r, room) for r, room in zip(requests, rooms)]
+        if plan_width(bounds, cost) == 1:  # the search scans each whole text: skip it when no copy could pay
+            return {}
+        longest = widest_paying(bounds, cost) - 1
+        proposals = {}
+        for request, room in zip(requests, rooms):
+            copy = self.find(request, min(longest, room))
+            if copy:
+                proposals[request.id] = self.chain(request, copy)
+        return proposals
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        ngram = self.ngrams.pop(request.id, None)
+        copied = 0 if proposal is None else proposal.sources.count(self.label)
+        if copied:
+            kept = sum(1 for _ in itertools.takewhile(lambda row: proposal.sources[row - 1] == self.label,
+                                                      outcome.path))
+            self.gates[request.id].record(ngram, kept, min(kept + 1, copied))
+
+    def describe(self) -> dict[str, Any]:
+        return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft}

@@ -17,21 +17,28 @@ exactness and losslessness hold; which source proposes is chosen from the tokens
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..config import MAX_GAMMA, ConfigError, GenerationParams, SamplingParams, SpeculativeParams
-from ..kv import KVCache
-from ..models import LoadedModel
+from ..config import MAX_GAMMA, ConfigError, EngineDraftParams, GenerationParams, SamplingParams, SpeculativeParams
+from ..kv import KVCache, PagedKVCache
+from ..models import LoadedModel, Transformer
+from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import argmax_rows, next_token, probabilities, sample, shown_probabilities
 from ..trace import DraftEvent, RejectEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache
+from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache, paged_cache
 from .chain import accept_chain, one_hot, verify_candidates
-from .copies import Lookup, find_continuation
-from .planning import ProposalGate, RunningAcceptance
+from .copies import Lookup, agreement, find_continuation
+from .guesses import Guesser, Guesses
+from .planning import ProposalGate, RunningAcceptance, plan_width
+from .proposer import Cost, Outcome, Proposal, RequestView
+
+# The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
+CATCH_UP = 4
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -242,3 +249,130 @@ class SpeculativeDecoder(Decoder):
         event, output = self.finish(stopper, clock, step)
         yield from clock.emit(event)
         return output
+
+
+class DraftGuesser(Guesser):
+    """A draft model in the engine: each decoding request's greedy chain of up to gamma tokens and the runner-up at
+    its first place, batched over the requests on the draft's own paged cache (one forward per drafted token), as
+    deep as the chain's acceptance so far says pays for the draft's forwards and the wider verification."""
+
+    label = "draft"
+    chained = True
+
+    def __init__(self, target: LoadedModel, params: EngineDraftParams, draft: LoadedModel | None = None) -> None:
+        self.target = target
+        self.draft = draft or load_draft(params.draft, target)
+        check_compatible(target, self.draft)
+        super().__init__(frozenset(target.eos_token_ids), params.gamma, params.gamma + 1)  # chain + runner-up
+        self.verify_overhead = params.verify_overhead
+        self.rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
+        self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
+        self.cache: PagedKVCache | None = None  # made by `bind`, as large as the engine's pool
+        self.prefix_caching = True
+        self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
+
+    def estimate_cost(self) -> float:
+        """A draft forward's cost over the target's: where the native CPU kernel runs the forwards they are bound by
+        reading the weights (the layers' and the output rows scored), elsewhere (a GPU, PyTorch's kernels) by each
+        layer's fixed work."""
+        draft, target = self.draft.model, self.target.model
+        if target.rows_per_pass is None:
+            return draft.config.num_layers / target.config.num_layers
+
+        def weights(model: Transformer, output_rows: int) -> int:
+            return sum(p.numel() for p in model.layers.parameters()) + output_rows * model.config.hidden_size
+        rows = len(self.rows) if self.rows is not None else draft.config.vocab_size
+        return weights(draft, rows) / weights(target, target.config.vocab_size)
+
+    def bind(self, settings: Any) -> None:
+        # As large as the target's pool: a request's draft never holds more tokens than its target side.
+        self.cache = paged_cache(self.draft.model, settings.num_blocks, settings.block_size)
+        self.prefix_caching = settings.prefix_caching
+        self.drafted = {}
+
+    def pause(self, request: RequestView) -> None:
+        if self.cache is not None and self.cache.has_sequence(request.id):
+            self.cache.free(request.id)
+        self.drafted.pop(request.id, None)
+
+    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
+                cost: Cost) -> dict[int, Guesses]:
+        # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
+        # tokens' acceptance so far says pays for both.
+        expected = self.calibration.expected_tokens(self.depth)
+        depth = plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
+                           lambda width: cost(width) + (width - 1) * self.draft_cost) - 1
+        return self.chains([r for r, room in zip(requests, rooms) if room > 0], min(longest, depth))
+
+    @torch.inference_mode()
+    def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
+        """The draft's greedy chain of `depth` tokens after each request's last token, and its runner-up at the first
+        place, with each token's log-probability under the draft's softmax, as (D, k) guesses (k = 2 at the first
+        place, else 1). The draft first reads what of the request's tokens it has not seen, always the last one:
+        one padded forward for the requests with at most CATCH_UP of them, one forward each for the others (a whole
+        prompt the first time, or the tokens of steps it did not draft). A request whose draft KV would not fit
+        the draft's free blocks is left out."""
+        if not depth:
+            return {}
+        model, cache = self.draft.model, self.cache
+        for r in requests:  # all added before any is sized: a prompt sharing another's blocks makes both copy them
+            if not cache.has_sequence(r.id):
+                cache.add_sequence(r.id, r.tokens[: r.num_computed + 1] if self.prefix_caching else [])
+        free = cache.num_free_blocks
+        todo: dict[int, tuple[RequestView, list[int]]] = {}
+        for r in requests:
+            unseen = r.tokens[cache.length(r.id) : r.num_computed + 1]
+            need = cache.blocks_needed(r.id, max(len(unseen), CATCH_UP) + depth - 1)
+            if need <= free:
+                free -= need
+                todo[r.id] = (r, unseen)
+        if not todo:
+            return {}
+        short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
+        groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
+        last: dict[int, torch.Tensor] = {}  # request id -> (E,) the draft's final hidden state at the last token
+        for group in groups:
+            width = max(len(unseen) for _, unseen in group)
+            starts = [cache.length(r.id) for r, _ in group]
+            ids = torch.tensor([u + u[-1:] * (width - len(u)) for _, u in group], device=model.device)  # (B, T)
+            positions = torch.tensor([[s + j for j in range(width)] for s in starts], device=model.device)  # (B, T)
+            _, states = model(ids, positions, cache, [r.id for r, _ in group], num_logits=0)  # (B, T, E)
+            for i, ((r, unseen), start) in enumerate(zip(group, starts)):
+                last[r.id] = states[i, len(unseen) - 1]
+                cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
+        drafting = [r for r, _ in todo.values()]
+        hidden = torch.stack([last[r.id] for r in drafting])  # (B, E)
+        logp: list[list[list[float]]] = []  # (D, B, k)
+        chains: list[list[list[int]]] = []  # (D, B, k)
+        for d in range(depth):
+            # (B, V') over the draft's proposal vocabulary, or (B, V)
+            logits = self.rows.logits(hidden) if self.rows is not None else model.project(hidden)
+            # At the first place the runner-up too: where the target refuses the draft's first choice it often
+            # takes its second, a leaf beside the chain.
+            best = logits.log_softmax(-1).topk(2 if d == 0 else 1, dim=-1)  # values, indices: (B, k)
+            ranked = best.indices if self.rows is None else self.rows.ids[best.indices]  # (B, k)
+            logp.append(best.values.tolist())
+            chains.append(ranked.tolist())
+            if d == depth - 1:
+                break  # the last drafted token is not read: the target's verdict on it comes first
+            positions = torch.tensor([[cache.length(r.id)] for r in drafting], device=model.device)  # (B, 1)
+            _, states = model(ranked[:, :1], positions, cache, [r.id for r in drafting], num_logits=0)
+            hidden = states[:, 0]  # (B, E)
+        out = {}
+        for i, r in enumerate(drafting):
+            self.drafted[r.id] = [place[i][0] for place in chains[:-1]]  # the chain: the top guess at each place
+            out[r.id] = ([lp[i] for lp in logp], [place[i] for place in chains])
+        return out
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        super().observe(request, proposal, outcome)
+        drafted = self.drafted.pop(request.id, [])
+        if drafted:
+            # The draft keeps what it read of the tokens committed, never the new last token: its next chain
+            # starts from its hidden state there.
+            kept = request.num_computed + min(agreement(drafted, outcome.new), len(outcome.path))
+            if self.cache.length(request.id) > kept:
+                self.cache.truncate(request.id, kept)
+
+    def describe(self) -> dict[str, Any]:
+        return {"proposer": self.label, "draft": self.draft.name, "gamma": self.depth}

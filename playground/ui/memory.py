@@ -13,6 +13,7 @@ from ..bench_suite import workload
 from ..metrics import memory_summary
 from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, LookaheadParams,
                       PromptLookupParams, SamplingParams)
+from ..decoding.registry import engine_proposer
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -48,20 +49,17 @@ def _summary(engine: Engine) -> str:
             f"generated).{_proposals(engine)}")
 
 
+# a proposal source's name and what its tokens are called
+SOURCES = {"copy": ("Prompt lookup", "copied"), "lookahead": ("Lookahead", "candidate"),
+           "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted")}
+
+
 def _proposals(engine: Engine) -> str:
     parts = []
-    copied = engine.copied
-    if engine.lookup is not None:
-        parts.append(f"Prompt lookup: **{copied.accepted} of {copied.proposed}** copied tokens accepted, in "
-                     f"{copied.steps} of {engine.step_count} steps.")
-    if engine.lookahead is not None:
-        parts.append(f"Lookahead: **{copied.accepted} of {copied.proposed}** candidate tokens accepted, in "
-                     f"{copied.steps} of {engine.step_count} steps.")
-    if engine.depth:
-        guessed = engine.guessed
-        who, what = ("Medusa heads", "guessed") if engine.heads is not None else ("Draft model", "drafted")
-        parts.append(f"{who}: **{guessed.accepted} of {guessed.proposed}** {what} tokens accepted, in "
-                     f"{guessed.steps} of {engine.step_count} steps.")
+    for source, counts in engine.counts.items():
+        who, what = SOURCES.get(source, (source, "proposed"))
+        parts.append(f"{who}: **{counts.accepted} of {counts.proposed}** {what} tokens accepted, in "
+                     f"{counts.steps} of {engine.step_count} steps.")
     if not parts:
         return ""
     return " " + " ".join(parts) + " The tokens are those of plain decoding."
@@ -87,7 +85,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         # the app's loaded draft (the panel's, else the shipped one), not a fresh load on every run
-        engine = Engine(target, params, draft=get_draft(target, draft_source) if draft else None)
+        engine = Engine(target, params, proposer=engine_proposer(
+            target, params, draft=get_draft(target, draft_source) if draft else None))
         for prompt, generation in workload(requests, as_int("max new tokens", max_new_tokens)):
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:

@@ -1,0 +1,234 @@
+"""Proposers whose candidates are ranked guesses per depth (Medusa heads, a draft model), the tree built from them,
+and the one combinator that grafts a copy of earlier text onto such a tree.
+
+A `Guesser` gives, for each request, its top guesses at each of the next D places with their log-probabilities,
+(D, k) lists; `guess_tree` turns them into the dynamic tree of the most likely nodes (`tree.best_first`, ranked by
+calibrated probability), with a copy grafted on where there is one. `Grafted(guesser, copies)` is that
+composition: the copy's nodes run through the guesser's where they hold the same tokens and on as a chain of their
+own, each worth at least the request's running acceptance of copies.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+from .copies import Lookup
+from .planning import RunningAcceptance, at, plan_width, widest_paying
+from .prompt_lookup import CopyProposer
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+from .tree import COPY_PRIOR, best_first
+
+Guesses = tuple[list[list[float]], list[list[int]]]  # log-probabilities and tokens, (D, k) each, best first
+
+
+class GuessCalibration:
+    """How often a guesser's guesses are right against what their probabilities say, per depth, and how often a node
+    with guesses below it has one of them kept, per depth (`expected_tokens`). A guess is judged when the token it
+    follows was kept; at each depth, the probabilities of the judged guesses are summed against how many were kept,
+    and a guess's rate is p x (kept + 1) / (probabilities + 1) (no data: p itself), at most 1: small heads' top
+    guesses run overconfident, and uncalibrated they look worth a wider forward where they are not."""
+
+    def __init__(self, depth: int) -> None:
+        self.kept = [0.0] * depth
+        self.predicted = [0.0] * depth
+        self.judged = [0] * depth
+
+    def scale(self, depth: int) -> float:
+        return (self.kept[depth] + 1.0) / (self.predicted[depth] + 1.0)
+
+    def log_rates(self, logp: list[list[float]]) -> list[list[float]]:
+        """Calibrated log-rates for the (D, k) log-probabilities."""
+        return [[min(0.0, lp + math.log(self.scale(d))) for lp in row] for d, row in enumerate(logp)]
+
+    def bound(self, depth: int) -> list[float]:
+        """The most tokens a step could commit with guesses k = 0..depth deep: 1 + the chance of reaching each
+        depth, were every guess as sure as a calibrated guess gets (probability 1)."""
+        gains, reach = [1.0], 1.0
+        for d in range(depth):
+            reach *= min(1.0, self.scale(d))
+            gains.append(gains[-1] + reach)
+        return gains
+
+    def expected_tokens(self, depth: int) -> list[float]:
+        """The tokens a step is expected to commit with guesses k = 0..depth deep: 1 + the chance of reaching each
+        depth, from how often a reached node had one of its guesses kept at each (with `RunningAcceptance`'s
+        optimistic prior, so that guessing is tried first)."""
+        accepted, judged = RunningAcceptance.PRIOR_ACCEPTED, RunningAcceptance.PRIOR_JUDGED
+        gains, reach = [1.0], 1.0
+        for d in range(depth):
+            reach *= (self.kept[d] + accepted) / (self.judged[d] + judged)
+            gains.append(gains[-1] + reach)
+        return gains
+
+    def record(self, proposal: Proposal, path: list[int], label: str) -> None:
+        """A verified tree and the rows of the tokens kept. Only the guesser's own nodes (source `label`) count,
+        even where another proposer's node holds a guessed token: a copied token is likelier than its guess says."""
+        reached, kept = {0, *path}, set(path)
+        judged = set()  # (depth, parent) of every reached node with guesses below it
+        for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
+            if parent in reached and proposal.sources[i] == label:
+                self.predicted[depth - 1] += p
+                self.kept[depth - 1] += float(i + 1 in kept)
+                judged.add((depth, parent))
+        for depth, _ in judged:
+            self.judged[depth - 1] += 1
+
+
+class _Node(NamedTuple):
+    """A node while a tree is built: log of its chance of being reached, the key of the node it follows, its token,
+    the guesser's probability of it (None for the copy's own) and its source label."""
+
+    worth: float
+    parent: object
+    token: int
+    prob: float | None
+    source: str
+
+
+def guess_tree(rated: list[list[float]], logp: list[list[float]], tokens: list[list[int]], nodes: int,
+               eos_ids: frozenset[int], label: str, chained: bool, copy: Lookup | None = None,
+               copy_rate: float = COPY_PRIOR, copy_label: str = "") -> Proposal:
+    """The dynamic tree of at most `nodes` tokens from (D, k) guesses ranked by their calibrated log-rates `rated`
+    (`logp`: the guesser's own), with a copy grafted on (`best_first`; a copied token worth at least `copy_rate`).
+    `chained`: the guesses are a draft's, only its top path has guesses below it. No token follows an
+    end-of-sequence token: nothing after one can be committed."""
+    copied = copy.tokens if copy else []
+    prior = math.log(copy_rate) if copy else 0.0
+    paths, chain = best_first(rated, tokens, copied, nodes, copy_rate, chained=chained)
+    # The copy runs through the guessed nodes whose token it is, then on as `chain` nodes of its own.
+    chosen, walk = set(paths), ()
+    for depth, token in enumerate(copied[: len(tokens)]):
+        if token not in tokens[depth] or walk + (tokens[depth].index(token),) not in chosen:
+            break
+        walk += (tokens[depth].index(token),)
+    on_copy = {walk[:i] for i in range(1, len(walk) + 1)}
+    # keyed by a guess path, or ("copy", j) for the copy's own j-th node; the root is ()
+    tree: dict[object, _Node] = {(): _Node(0.0, None, -1, None, "")}
+
+    def add(key: object, parent: object, lp: float, token: int, prob: float | None, source: str) -> bool:
+        if parent not in tree or tree[parent].token in eos_ids:
+            return False  # below a dropped node or an end of sequence
+        tree[key] = _Node(tree[parent].worth + lp, parent, token, prob, source)
+        return True
+    for path in paths:
+        depth, rank = len(path) - 1, path[-1]
+        lp = max(rated[depth][rank], prior) if path in on_copy else rated[depth][rank]
+        add(path, path[:-1], lp, tokens[depth][rank], math.exp(logp[depth][rank]),
+            copy_label if path in on_copy else label)
+    parent: object = walk
+    for j, token in enumerate(copied[len(walk) : len(walk) + chain]):
+        if not add(("copy", j), parent, prior, token, None, copy_label):
+            break
+        parent = ("copy", j)
+    # Best first again, now with the copy's own nodes: a worth never grows down a path and the sort is stable,
+    # so parents stay before their children.
+    order = sorted((key for key in tree if key != ()), key=lambda key: -tree[key].worth)
+    rows = {(): 0, **{key: i + 1 for i, key in enumerate(order)}}
+    chosen_nodes = [tree[key] for key in order]
+    return Proposal([n.token for n in chosen_nodes], [rows[n.parent] for n in chosen_nodes],
+                    [n.source for n in chosen_nodes], [math.exp(n.worth) for n in chosen_nodes],
+                    [n.prob for n in chosen_nodes])
+
+
+class Guesser(Proposer):
+    """A proposer of ranked guesses per depth, `depth` deep, at most `nodes` per tree."""
+
+    chained: ClassVar[bool] = False  # a draft's guesses: each depth's drawn after the top guess of the one before
+
+    def __init__(self, eos_ids: frozenset[int], depth: int, nodes: int) -> None:
+        self.eos_ids, self.depth, self.nodes = eos_ids, depth, nodes
+        self.calibration = GuessCalibration(depth)
+
+    def ready(self, request: RequestView) -> bool:
+        """Whether it can guess for this request now."""
+        return True
+
+    @abstractmethod
+    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
+                cost: Cost) -> dict[int, Guesses]:
+        """At most `longest` places of guesses for some of the requests (rooms[i]: request i's room)."""
+
+    def bound(self, request: RequestView, room: int) -> list[float]:
+        """The most tokens a step could commit with k = 0..nodes guessed nodes, before guessing."""
+        if not self.ready(request):
+            return [1.0]
+        sure = self.calibration.bound(self.depth)
+        return [sure[min(k, room, self.depth)] for k in range(self.nodes + 1)]
+
+    def tree(self, guesses: Guesses, room: int, nodes: int, copy: Lookup | None = None, copy_rate: float = COPY_PRIOR,
+             copy_label: str = "") -> Proposal:
+        logp, tokens = guesses[0][:room], guesses[1][:room]
+        return guess_tree(self.calibration.log_rates(logp), logp, tokens, nodes, self.eos_ids, self.label,
+                          self.chained, copy, copy_rate, copy_label)
+
+    def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
+        longest = widest_paying([self.bound(r, room) for r, room in zip(requests, rooms)], cost) - 1
+        if not longest:
+            return {}
+        guesses = self.guesses(requests, rooms, longest, cost)
+        return {r.id: self.tree(guesses[r.id], room, longest) for r, room in zip(requests, rooms)
+                if r.id in guesses and room > 0}
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        if proposal is not None:
+            self.calibration.record(proposal, outcome.path, self.label)
+
+
+class Grafted(Proposer):
+    """A guesser's trees with each request's copy of earlier text grafted on (a request the guesser has nothing for
+    gets its copy alone)."""
+
+    def __init__(self, guesser: Guesser, copies: CopyProposer) -> None:
+        self.guesser, self.copies = guesser, copies
+        self.label = f"{guesser.label}+{copies.label}"
+        self.verify_overhead = max(guesser.verify_overhead, copies.verify_overhead)
+
+    def bind(self, settings: Any) -> None:
+        self.guesser.bind(settings)
+        self.copies.bind(settings)
+
+    def start(self, request: RequestView) -> None:
+        self.guesser.start(request)
+        self.copies.start(request)
+
+    def pause(self, request: RequestView) -> None:
+        self.guesser.pause(request)
+        self.copies.pause(request)
+
+    def end(self, request: RequestView) -> None:
+        self.guesser.end(request)
+        self.copies.end(request)
+
+    def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
+        self.copies.decay(requests)
+        # Bounds before any work: a copy at each request's best acceptance so far, a tree whose every depth is
+        # reached as surely as calibrated guesses can be. The copy search scans each request's whole text: skip it
+        # when no copy could pay; guess only as many tokens as could pay.
+        copy_bounds = [self.copies.bound(r, room) for r, room in zip(requests, rooms)]
+        tree_bounds = [self.guesser.bound(r, room) for r, room in zip(requests, rooms)]
+        search = plan_width(copy_bounds, cost) > 1
+        longest = widest_paying([[max(at(c, k), at(t, k)) for k in range(max(len(c), len(t)))]
+                                 for c, t in zip(copy_bounds, tree_bounds)], cost) - 1
+        if not longest:
+            return {}
+        guesses = self.guesser.guesses(requests, rooms, longest, cost)
+        proposals = {}
+        for request, room in zip(requests, rooms):
+            copy = self.copies.find(request, min(longest, room)) if search else None
+            if request.id in guesses and room > 0:
+                rate = self.copies.rate(request, copy) if copy else COPY_PRIOR
+                proposals[request.id] = self.guesser.tree(guesses[request.id], room, longest, copy, rate,
+                                                          self.copies.label)
+            elif copy:
+                proposals[request.id] = self.copies.chain(request, copy)
+        return proposals
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        self.guesser.observe(request, proposal, outcome)
+        self.copies.observe(request, proposal, outcome)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.guesser.describe(), "copies": self.copies.describe()}

@@ -1,0 +1,141 @@
+"""The proposer interface: what an accelerated algorithm is to the engine.
+
+Every step the engine asks its proposer for each decoding request's candidates (`propose`), verifies them all in
+one forward, draws what plain decoding draws along them and tells the proposer what was kept (`observe`). A
+proposer keeps its per-request state itself, keyed by request id, from `start` to `end`; `pause` says a request's
+KV was dropped (preempted: it will be recomputed), so anything tied to it (a draft's cache, a hidden state) goes.
+
+Candidates are a token tree (`Proposal`): node i follows the node in row parents[i] (row 0: the request's last
+token, row i + 1: node i), each parent before its children, so that any leading part is a tree too and the engine
+can cut a proposal to the width it pays for. Each node carries the chance it is reached (`reach`, from the
+proposer's running acceptance or calibrated probabilities): the expected tokens a step commits with the first k
+nodes are 1 + their sum, which is what the engine's width planning reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SideRows:
+    """Rows run beside a proposal in the same forward and never verified, whose logits go back to the proposer
+    (lookahead's Jacobi window). offsets: each row's position after the last token; mask (S, S): who sees whom
+    among them (each also sees the last token, and nothing of the proposal); read: the last `read` rows' logits
+    are handed back."""
+
+    tokens: list[int]
+    offsets: list[int]
+    mask: torch.Tensor
+    read: int
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Tokens to verify after a request's last token, as a tree in best-first order. sources[i]: the label of the
+    proposer whose node i is (the trace and the engine's counts read it); reach[i]: the chance node i is kept;
+    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's)."""
+
+    tokens: list[int]
+    parents: list[int]
+    sources: list[str]
+    reach: list[float]
+    probs: list[float | None] = field(default_factory=list)
+    side: SideRows | None = None
+
+    @classmethod
+    def chain(cls, tokens: list[int], source: str, rate: float) -> Proposal:
+        """A chain whose every token is kept with probability `rate` once the one before it was."""
+        return cls(tokens, list(range(len(tokens))), [source] * len(tokens),
+                   [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens))
+
+    def first(self, n: int) -> Proposal:
+        return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
+                       reach=self.reach[:n], probs=self.probs[:n])
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self.tokens)))
+
+    def depths(self) -> list[int]:
+        """Each row's depth below the last token (row 0): its position's offset."""
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return depths
+
+    def expected(self) -> list[float]:
+        """The tokens a step is expected to commit with the first k nodes verified, k = 0..n: 1 + their reach."""
+        return list(itertools.accumulate(self.reach, initial=1.0))
+
+
+class RequestView(Protocol):
+    """What a proposer reads of a request (the engine's `Request`)."""
+
+    id: int
+    prompt_ids: list[int]
+    sampling: Any  # SamplingParams
+    num_computed: int  # leading tokens whose KV is in the cache
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the verifier kept of one request's step: the tokens drawn (`new`, the last a correction or bonus), the
+    rows they were drawn from (`walk`: row 0, then the kept nodes' rows), whether the request finished, the final
+    hidden states (R, E) of its verified rows and the logits (S, V) of its side rows read."""
+
+    new: list[int]
+    walk: list[int]
+    done: bool
+    hidden: torch.Tensor
+    side_logits: torch.Tensor | None
+
+    @property
+    def path(self) -> list[int]:
+        """The rows of the proposed tokens kept."""
+        return self.walk[1:]
+
+
+Cost = Callable[[int], float]  # a decode forward's cost at a width, relative to the same batch's one-token forward
+
+
+class Proposer(ABC):
+    """Candidates for every decoding request of a step, and what to learn from what the verifier kept."""
+
+    label: ClassVar[str]
+    verify_overhead: float = 0.0  # a wider forward's extra cost, where no pass of the CPU kernel sizes it
+
+    def bind(self, settings: Any) -> None:
+        """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every
+        request's state is dropped."""
+
+    def start(self, request: RequestView) -> None:
+        """A request was added."""
+
+    def pause(self, request: RequestView) -> None:
+        """The request's KV was dropped (preempted): it is recomputed before it decodes again."""
+
+    def end(self, request: RequestView) -> None:
+        """The request finished, failed or was aborted."""
+        self.pause(request)
+
+    @abstractmethod
+    def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
+        """Candidates for the decoding requests (request id -> proposal; none for a request left plain). rooms[i]:
+        how deep request i's proposal may go; cost: what a forward of a width costs, for deciding how much
+        proposing pays."""
+
+    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
+        """What the verifier kept of the request's step (proposal None: it ran plain, or this was its prefill)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The settings a trace header or a server's state shows."""
+        return {"proposer": self.label}

@@ -1,0 +1,7 @@
+"""The engine: a scheduler that never touches tensors, a runner that never touches queues, and a step that reads
+schedule -> propose -> verify -> accept -> commit."""
+
+from .engine import Engine, ProposalCounts, RequestOutput
+from .scheduler import Request, Scheduler, Status, StepPlan
+
+__all__ = ["Engine", "ProposalCounts", "Request", "RequestOutput", "Scheduler", "Status", "StepPlan"]

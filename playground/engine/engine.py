@@ -1,0 +1,288 @@
+"""A continuous-batching engine over the paged KV cache; every accelerated algorithm is its proposer.
+
+`add_request` queues a prompt with its own sampling settings; every `step()` reads
+schedule -> propose -> verify -> accept -> commit:
+the scheduler picks the requests and their token counts (`scheduler.py`); the proposer gives each decoding request
+candidates, a token tree (`decoding.proposer`), and the decode rows grow to one width, chosen for the most expected
+tokens per unit of forward cost (`plan_width`, `batch_step_cost`) within the token budget and the free blocks; the
+runner verifies everything in one forward (`runner.py`); each request draws its next token from its own row as plain
+decoding would (argmax, or a sample from its own random stream) and moves on to the row of the proposed node equal
+to the draw, if any (`sampling.draws_along`, the lossless rule for one-hot proposals), so greedy and seeded outputs
+are plain decoding's token for token, whatever the batch and the proposer; the kept path's KV moves next to the last
+token and the rest is dropped. Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous
+counterfactual) in `events`, beside the scheduler's KV and preemption events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
+from ..decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from ..decoding.planning import batch_step_cost, plan_width
+from ..decoding.proposer import Outcome, Proposal, Proposer
+from ..decoding.registry import engine_proposer
+from ..kv import blocks_for
+from ..models import LoadedModel
+from ..sampling import draws_along, make_generator
+from ..trace import Event, MemoryEvent
+from .runner import Runner
+from .scheduler import Request, Scheduler, Status, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: its new tokens (none for an unfinished prefill; more than one when
+    proposed tokens were kept) and, once finished, the final output, or the error that ended it alone."""
+
+    id: int
+    new_token_ids: list[int]
+    finished: bool
+    output: DecodeOutput | None = None
+    error: str | None = None
+
+
+@dataclass
+class ProposalCounts:
+    """Nodes of one source verified so far: decode forwards that verified any, nodes verified, nodes kept."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
+                 proposer: Proposer | None = None) -> None:
+        """`proposer`: the one to use (None: the one `params` names, or plain decoding); it is bound to this engine,
+        dropping any state it held for another."""
+        self.target = target
+        self.params = params or EngineParams()
+        self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
+        if self.proposer is not None:
+            self.proposer.bind(self.params)
+        self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size)
+        self.record_blocks = record_blocks
+        self.requests: dict[int, Request] = {}
+        self.events: list[Event] = []
+        self.scheduler = Scheduler(self.params, self.cache, self.now, self._paused, self.events)
+        self.runner = Runner(target.model, self.cache)
+        self.busy_s = 0.0  # seconds spent inside step(): the engine's clock
+        self._step_started: float | None = None
+        self._next_id = 0
+        self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def step_count(self) -> int:
+        return self.scheduler.step
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    generation: GenerationParams | None = None) -> int:
+        """Queue a prompt (text, wrapped in the chat template unless generation.raw, or token ids); its id."""
+        sampling = sampling or SamplingParams()
+        generation = generation or GenerationParams()
+        vocab = self.target.model.config.vocab_size
+        if isinstance(prompt, str):
+            prompt_ids = encode_prompt(self.target, prompt, generation)
+        else:
+            prompt_ids = list(prompt)
+            if not prompt_ids or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+                raise ConfigError(f"prompt ids must be a non-empty list of token ids in [0, {vocab - 1}]")
+        need = blocks_for(len(prompt_ids) + generation.max_new_tokens, self.params.block_size)
+        if need > self.params.num_blocks:
+            raise ConfigError(f"num_blocks must be >= {need} for a request of {len(prompt_ids)} prompt tokens and "
+                              f"max_new_tokens {generation.max_new_tokens} (block_size "
+                              f"{self.params.block_size}); the pool has {self.params.num_blocks}")
+        request = Request(self._next_id, prompt_ids, sampling, generation,
+                          make_generator(sampling.seed, self.target.model.device),
+                          Stopper(self.target.tokenizer, self.target.eos_token_ids, generation), arrival_t=self.now())
+        self._next_id += 1
+        if self.proposer is not None:
+            self.proposer.start(request)
+        self.requests[request.id] = request
+        self.scheduler.add(request)
+        return request.id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now, waiting or running, and free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id}")
+        if request.status is Status.WAITING:
+            self.scheduler.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self.scheduler.release(request)
+        else:
+            return
+        self._end(request, Status.ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished or aborted request's record, so that a long-running server does not keep them all."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id}")
+        if request.status in (Status.WAITING, Status.RUNNING):
+            raise ValueError(f"request {request_id} is {request.status.value}: abort it first")
+        del self.requests[request_id]
+
+    def take_events(self) -> list[Event]:
+        """The events recorded since the last call, handed over and no longer kept."""
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+    # -- the engine step ---------------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """Engine time: seconds spent inside `step()`, never the caller's time between steps."""
+        if self._step_started is None:
+            return self.busy_s
+        if self.target.model.device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: time it when it has really finished
+        return self.busy_s + time.perf_counter() - self._step_started
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, propose, verify, accept and commit one step; the outputs of every request that advanced."""
+        start = self.now()
+        self._step_started = time.perf_counter()
+        self.scheduler.step += 1
+        try:
+            plan = self.scheduler.schedule()
+            self._propose(plan)
+            logits, hidden = self.runner.run(plan)
+            outputs = self._accept(plan, logits, hidden)
+            self._record_memory(plan.num_tokens, start)
+        finally:
+            self.busy_s = self.now()
+            self._step_started = None
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run_all(self) -> dict[int, DecodeOutput]:
+        """Step to the end; the final output of every request (RuntimeError when one of them failed)."""
+        outputs = {}
+        for out in self.stream():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.id} failed: {out.error}")
+            if out.finished:
+                outputs[out.id] = out.output
+        return outputs
+
+    def _propose(self, plan: StepPlan) -> None:
+        """The proposer's candidates for each decoding request, and the decode rows' width that pays most."""
+        if self.proposer is None or not plan.decode:
+            return
+        rows_per_pass, batch = self.target.model.rows_per_pass, len(plan.decode)
+
+        def cost(width: int) -> float:
+            return batch_step_cost(rows_per_pass, batch, width, self.proposer.verify_overhead)
+        plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
+        extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
+        gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]
+        width = plan_width(gains, lambda w: cost(w + extra) if w > 1 else 1.0)
+        self.scheduler.fit(plan, width, extra)
+        sources = {s for p in plan.proposals.values() for s in p.sources}
+        for source in sources:
+            self.counts.setdefault(source, ProposalCounts()).steps += 1
+
+    def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor],
+                hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
+        outputs = []
+        for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
+            request.num_computed += n
+            if request.num_computed < len(request.tokens):
+                continue  # a prefill chunk that has not reached the end of the known tokens
+            try:
+                outputs.append(self._advance(request, plan.proposals.get(request.id), logits[request.id],
+                                             hidden[request.id]))
+            except Exception as exc:  # this request's sampling or detokenizing failed: it ends, the others go on
+                if request in self.running:
+                    self.scheduler.release(request)
+                self._end(request, Status.FAILED)
+                outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor,
+                 hidden: torch.Tensor) -> RequestOutput:
+        """Draw a request's new tokens from its rows of the step's logits and commit them to its cache."""
+        tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
+        read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
+        new, walk, done = [], [], False
+        for row, token in draws_along(read, tokens, request.sampling, request.generator, parents):
+            new.append(token)
+            walk.append(row)
+            done = request.stopper.push(token)
+            if done:
+                break
+        outcome = Outcome(new, walk, done, hidden, side_logits if proposal and proposal.side else None)
+        if proposal is not None:
+            self._count(proposal, outcome.path)
+        if self.proposer is not None:
+            self.proposer.observe(request, proposal, outcome)
+        now = self.now()
+        if request.first_token_t is None:
+            request.first_token_t = now
+        if done:
+            self.scheduler.release(request)
+            self._end(request, Status.FINISHED)
+            return RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t))
+        if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
+            self.cache.keep(request.id, request.num_computed - 1, [0, *outcome.path])
+        request.num_computed += len(outcome.path)
+        if self.cache.length(request.id) > request.num_computed:
+            self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
+        return RequestOutput(request.id, new, False)
+
+    def _count(self, proposal: Proposal, path: list[int]) -> None:
+        for source in proposal.sources:
+            self.counts[source].proposed += 1
+        for row in path:
+            self.counts[proposal.sources[row - 1]].accepted += 1
+
+    def _paused(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.pause(request)
+
+    def _end(self, request: Request, status: Status) -> None:
+        request.status, request.finish_t = status, self.now()
+        if self.proposer is not None:
+            self.proposer.end(request)
+
+    # -- memory ------------------------------------------------------------------------------------------------
+
+    def _record_memory(self, num_tokens: int, start: float) -> None:
+        memory = self.cache.memory()
+        per_token = memory.bytes_per_token
+        owners = self.cache.block_owners() if self.record_blocks else []
+        shared = [b for b, refs in enumerate(self.cache.allocator.refs) if refs > 1] if self.record_blocks else []
+        now = self.now()
+        self.events.append(MemoryEvent(
+            step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,
+            block_size=self.params.block_size, blocks_total=memory.blocks_total, blocks_used=memory.blocks_used,
+            bytes_used=memory.bytes_used, bytes_reserved=memory.bytes_reserved,
+            logical_bytes=sum(self.cache.length(r.id) for r in self.running) * per_token,
+            contiguous_bytes=sum(r.max_len for r in self.running) * per_token,
+            owners=owners, shared=shared, running=[r.id for r in self.running],
+            waiting=[r.id for r in self.scheduler.waiting]))

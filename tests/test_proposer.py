@@ -1,0 +1,102 @@
+"""A new algorithm is one proposer: one defined here, in a test alone, runs through the engine's batch and the
+server with no other file changed, and keeps greedy and seeded outputs those of plain decoding."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+from playground.api import Service, listen
+from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.decoding.proposer import Proposal, Proposer
+from playground.engine import Engine
+
+from .prompts import NEW_TOKENS, PROMPTS
+
+
+class Bigrams(Proposer):
+    """Proposes, after each request's last token, the chain its own text's bigrams lead to: the token that followed
+    that token most recently, then the one that followed that, up to three. Its table is per request, kept from
+    `start` to `end` and grown in `observe` from the tokens the verifier kept."""
+
+    label = "bigrams"
+
+    def __init__(self) -> None:
+        self.tables: dict[int, dict[int, int]] = {}
+        self.ended = 0
+
+    def bind(self, settings) -> None:
+        self.tables = {}
+
+    def start(self, request) -> None:
+        self.tables[request.id] = dict(zip(request.prompt_ids, request.prompt_ids[1:]))
+
+    def end(self, request) -> None:
+        del self.tables[request.id]
+        self.ended += 1
+
+    def propose(self, requests, rooms, cost):
+        proposals = {}
+        for request, room in zip(requests, rooms):
+            table, token, chain = self.tables[request.id], request.tokens[request.num_computed], []
+            while token in table and len(chain) < min(3, room):
+                token = table[token]
+                chain.append(token)
+            if chain:
+                proposals[request.id] = Proposal.chain(chain, self.label, 0.9)
+        return proposals
+
+    def observe(self, request, proposal, outcome) -> None:
+        text = request.tokens[: request.num_computed] + outcome.new
+        self.tables[request.id].update(zip(text[-len(outcome.new) - 1 :], outcome.new))
+
+
+def test_a_proposer_defined_in_a_test_runs_in_the_engine_batch(target, plain_outputs) -> None:
+    """Greedy: plain decoding's tokens at batch 1 and 8, its bigrams proposed, some kept, and every request's
+    state dropped at its end. Seeded sampling: plain decoding's samples, seed for seed."""
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    prompts = PROMPTS[:8]
+    for batch in (1, 8):
+        proposer = Bigrams()
+        engine = Engine(target, EngineParams(max_running=batch), proposer=proposer)
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        assert all(outputs[rid].token_ids == plain_outputs[p] for rid, p in ids.items()), batch
+        counts = engine.counts["bigrams"]
+        assert counts.steps > 0 and 0 < counts.accepted < counts.proposed, batch
+        assert proposer.tables == {} and proposer.ended == len(prompts)
+    sampled = []
+    for proposer in (None, Bigrams()):
+        engine = Engine(target, EngineParams(max_running=4), proposer=proposer)
+        ids = [engine.add_request(p, SamplingParams(temperature=0.8, seed=i), GenerationParams(max_new_tokens=16))
+               for i, p in enumerate(prompts[:4])]
+        outputs = engine.run_all()
+        sampled.append([outputs[i].token_ids for i in ids])
+    assert sampled[0] == sampled[1] and engine.counts["bigrams"].accepted > 0
+
+
+def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) -> None:
+    """The server takes the proposer as it is and reports what it proposed."""
+    service = Service(target, EngineParams(max_running=4), listen("127.0.0.1", 0), quiet=True, proposer=Bigrams())
+    service.start()
+    worker = threading.Thread(target=service.worker.run)
+    worker.start()
+    while not service.http.started:
+        time.sleep(0.01)
+    try:
+        connection = http.client.HTTPConnection(service.host, service.port, timeout=120)
+        prompt = PROMPTS[0]
+        connection.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": prompt}], "max_tokens": NEW_TOKENS}))
+        reply = json.loads(connection.getresponse().read())
+        expected = target.tokenizer.decode(plain_outputs[prompt], skip_special_tokens=True)
+        assert reply["choices"][0]["message"]["content"] == expected
+        connection.request("GET", "/v1/engine")
+        state = json.loads(connection.getresponse().read())
+        assert state["proposer"]["proposer"] == "bigrams" and state["proposer"]["counts"]["bigrams"]["proposed"] > 0
+    finally:
+        service.worker.close()
+        worker.join()
+        service.stop()
