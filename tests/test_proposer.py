@@ -8,10 +8,19 @@ import json
 import threading
 import time
 
+import pytest
+
 from playground.api import Service, listen
-from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
+                               PromptLookupParams, SamplingParams)
+from playground.decoding import AutoregressiveDecoder
+from playground.decoding import generate as generate_plain
 from playground.decoding.proposer import Proposal, Proposer
+from playground.decoding.registry import PROPOSERS
 from playground.engine import Engine
+from playground.engine.generate import generate
+from playground.metrics import compute
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS
 
@@ -100,3 +109,40 @@ def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) ->
         service.worker.close()
         worker.join()
         service.stop()
+
+
+@pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "medusa", "speculative"])
+def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_outputs, algo) -> None:
+    """`generate` runs one request through the engine: plain decoding's greedy tokens for every algorithm, and a
+    trace that survives its JSON round trip and adds up (tokens drawn, decisions, steps)."""
+    params = {"prompt-lookup": PromptLookupParams(), "lookahead": LookaheadParams(),
+              "medusa": EngineMedusaParams(), "speculative": EngineDraftParams()}.get(algo)
+    proposer = None if params is None else PROPOSERS[algo](target, params)
+    drafted = 0
+    for prompt in PROMPTS:
+        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS),
+                                 algo=algo)
+        assert output.token_ids == plain_outputs[prompt], (algo, prompt)
+        trace = Trace.from_json(trace.to_json())
+        kept = [e.token.id for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))]
+        assert tuple(kept[: len(output.token_ids)]) == output.token_ids and trace.finish().text == output.text
+        commits = [e for e in trace.events if isinstance(e, CommitEvent)]
+        assert [c.step for c in commits] == list(range(len(commits))) and sum(c.num_tokens for c in commits) >= \
+            len(output.token_ids)
+        metrics = compute(trace)
+        assert metrics.tokens == len(output.token_ids) and metrics.target_forwards == len(commits)
+        drafted += metrics.drafted or 0
+    assert (drafted > 0) == (algo != "ar")
+
+
+def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> None:
+    """Seeded sampling through the engine: the plain decoder's tokens, seed for seed, whatever the proposer."""
+    generation = GenerationParams(max_new_tokens=16)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=i)
+        plain, _ = generate_plain(AutoregressiveDecoder(target, sampling, generation), prompt)
+        for algo, params in (("ar", None), ("prompt-lookup", PromptLookupParams()), ("lookahead", LookaheadParams()),
+                             ("medusa", EngineMedusaParams())):
+            proposer = None if params is None else PROPOSERS[algo](target, params)
+            output, _ = generate(target, prompt, proposer, sampling, generation, algo)
+            assert output.token_ids == plain.token_ids, (algo, prompt)

@@ -259,7 +259,7 @@ def test_the_read_endpoints(server, target):
         assert proposer is None
     else:  # copies and the heads' trees or the draft's chains were verified, some of their tokens accepted
         copies = proposer["counts"]["copy"]
-        assert proposer["copies"]["max_ngram"] == 3
+        assert proposer["copy_max_ngram"] == 3
         if server.worker.params.medusa is not None:
             guesses = proposer["counts"]["medusa"]
             assert proposer["proposer"] == "medusa" and proposer["depth"] == 4

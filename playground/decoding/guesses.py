@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 from .copies import Lookup
@@ -220,8 +221,9 @@ class Grafted(Proposer):
             copy = self.copies.find(request, min(longest, room)) if search else None
             if request.id in guesses and room > 0:
                 rate = self.copies.rate(request, copy) if copy else COPY_PRIOR
-                proposals[request.id] = self.guesser.tree(guesses[request.id], room, longest, copy, rate,
-                                                          self.copies.label)
+                tree = self.guesser.tree(guesses[request.id], room, longest, copy, rate, self.copies.label)
+                proposals[request.id] = replace(tree, span=[copy.start, copy.start + len(copy.tokens)],
+                                                ngram=copy.ngram) if copy else tree
             elif copy:
                 proposals[request.id] = self.copies.chain(request, copy)
         return proposals
@@ -231,4 +233,5 @@ class Grafted(Proposer):
         self.copies.observe(request, proposal, outcome)
 
     def describe(self) -> dict[str, Any]:
-        return {**self.guesser.describe(), "copies": self.copies.describe()}
+        copies = {f"copy_{name}": value for name, value in self.copies.describe().items() if name != "proposer"}
+        return {**self.guesser.describe(), **copies}

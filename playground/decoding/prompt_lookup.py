@@ -156,7 +156,8 @@ class CopyProposer(Proposer):
         return self.gates[request.id].acceptance(copy.ngram)
 
     def chain(self, request: RequestView, copy: Lookup) -> Proposal:
-        return Proposal.chain(copy.tokens, self.label, self.rate(request, copy))
+        return Proposal.chain(copy.tokens, self.label, self.rate(request, copy),
+                              [copy.start, copy.start + len(copy.tokens)], copy.ngram)
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         self.decay(requests)

@@ -40,7 +40,9 @@ class SideRows:
 class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order. sources[i]: the label of the
     proposer whose node i is (the trace and the engine's counts read it); reach[i]: the chance node i is kept;
-    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's)."""
+    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). For the trace:
+    `forwards`, the model forwards proposing took; `span` and `ngram`, where copied nodes come from (the [start,
+    end) positions of their source in the text so far, and the length of the match that ends at start)."""
 
     tokens: list[int]
     parents: list[int]
@@ -48,16 +50,30 @@ class Proposal:
     reach: list[float]
     probs: list[float | None] = field(default_factory=list)
     side: SideRows | None = None
+    forwards: int = 0
+    span: list[int] | None = None
+    ngram: int | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], source: str, rate: float) -> Proposal:
+    def chain(cls, tokens: list[int], source: str, rate: float, span: list[int] | None = None,
+              ngram: int | None = None) -> Proposal:
         """A chain whose every token is kept with probability `rate` once the one before it was."""
         return cls(tokens, list(range(len(tokens))), [source] * len(tokens),
-                   [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens))
+                   [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens), span=span, ngram=ngram)
 
     def first(self, n: int) -> Proposal:
+        span = self.span
+        if span is not None and self.is_chain():  # a chain's nodes are its source's tokens in order
+            span = [span[0], min(span[1], span[0] + n)]
         return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
-                       reach=self.reach[:n], probs=self.probs[:n])
+                       reach=self.reach[:n], probs=self.probs[:n], span=span)
+
+    def children(self) -> list[list[int]]:
+        """Each row's children rows, best first."""
+        children: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for i, parent in enumerate(self.parents):
+            children[parent].append(i + 1)
+        return children
 
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self.tokens)))

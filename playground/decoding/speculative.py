@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -303,6 +303,10 @@ class DraftGuesser(Guesser):
         depth = plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
                            lambda width: cost(width) + (width - 1) * self.draft_cost) - 1
         return self.chains([r for r, room in zip(requests, rooms) if room > 0], min(longest, depth))
+
+    def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
+        proposal = super().tree(guesses, room, nodes, *copy)
+        return replace(proposal, forwards=len(guesses[0]))  # one draft forward per place drafted
 
     @torch.inference_mode()
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:

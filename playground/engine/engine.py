@@ -32,6 +32,7 @@ from ..sampling import draws_along, make_generator
 from ..trace import Event, MemoryEvent
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
+from .tracing import StepTimes, Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +58,10 @@ class ProposalCounts:
 
 class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, trace: bool = False) -> None:
         """`proposer`: the one to use (None: the one `params` names, or plain decoding); it is bound to this engine,
-        dropping any state it held for another."""
+        dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
+        as `generate` does."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
@@ -75,6 +77,7 @@ class Engine:
         self._step_started: float | None = None
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
+        self.tracer = Tracer(target.tokenizer) if trace else None
 
     @property
     def running(self) -> list[Request]:
@@ -109,7 +112,8 @@ class Engine:
                               f"{self.params.block_size}); the pool has {self.params.num_blocks}")
         request = Request(self._next_id, prompt_ids, sampling, generation,
                           make_generator(sampling.seed, self.target.model.device),
-                          Stopper(self.target.tokenizer, self.target.eos_token_ids, generation), arrival_t=self.now())
+                          Stopper(self.target.tokenizer, self.target.eos_token_ids, generation), arrival_t=self.now(),
+                          trace=[] if self.tracer is not None else None)
         self._next_id += 1
         if self.proposer is not None:
             self.proposer.start(request)
@@ -167,8 +171,9 @@ class Engine:
         try:
             plan = self.scheduler.schedule()
             self._propose(plan)
+            proposed = self.now()
             logits, hidden = self.runner.run(plan)
-            outputs = self._accept(plan, logits, hidden)
+            outputs = self._accept(plan, logits, hidden, StepTimes(start, proposed, self.now()))
             self._record_memory(plan.num_tokens, start)
         finally:
             self.busy_s = self.now()
@@ -207,8 +212,8 @@ class Engine:
         for source in sources:
             self.counts.setdefault(source, ProposalCounts()).steps += 1
 
-    def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor],
-                hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
+    def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
+                times: StepTimes) -> list[RequestOutput]:
         outputs = []
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -216,7 +221,7 @@ class Engine:
                 continue  # a prefill chunk that has not reached the end of the known tokens
             try:
                 outputs.append(self._advance(request, plan.proposals.get(request.id), logits[request.id],
-                                             hidden[request.id]))
+                                             hidden[request.id], times))
             except Exception as exc:  # this request's sampling or detokenizing failed: it ends, the others go on
                 if request in self.running:
                     self.scheduler.release(request)
@@ -224,8 +229,8 @@ class Engine:
                 outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor,
-                 hidden: torch.Tensor) -> RequestOutput:
+    def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
+                 times: StepTimes) -> RequestOutput:
         """Draw a request's new tokens from its rows of the step's logits and commit them to its cache."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
@@ -241,18 +246,26 @@ class Engine:
             self._count(proposal, outcome.path)
         if self.proposer is not None:
             self.proposer.observe(request, proposal, outcome)
+        if not done:
+            if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
+                self.cache.keep(request.id, request.num_computed - 1, [0, *outcome.path])
+            if self.cache.length(request.id) > request.num_computed + len(outcome.path):
+                self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
         now = self.now()
+        if request.trace is not None:
+            request.trace += self.tracer.step(request, proposal, outcome, logits[: 1 + len(tokens)], times, now,
+                                              self.cache.memory().bytes_used)
         if request.first_token_t is None:
             request.first_token_t = now
+        else:
+            request.decode_steps += 1
         if done:
             self.scheduler.release(request)
             self._end(request, Status.FINISHED)
+            if request.trace is not None:
+                request.trace.append(self.tracer.finish(request, now))
             return RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t))
-        if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
-            self.cache.keep(request.id, request.num_computed - 1, [0, *outcome.path])
         request.num_computed += len(outcome.path)
-        if self.cache.length(request.id) > request.num_computed:
-            self.cache.truncate(request.id, request.num_computed)  # the padding after a row on its own
         return RequestOutput(request.id, new, False)
 
     def _count(self, proposal: Proposal, path: list[int]) -> None:

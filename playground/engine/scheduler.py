@@ -49,6 +49,8 @@ class Request:
     arrival_t: float = 0.0
     first_token_t: float | None = None
     finish_t: float | None = None
+    decode_steps: int = 0  # steps that drew a token after the first
+    trace: list[Event] | None = None  # its trace events, where the engine records them
 
     @property
     def tokens(self) -> list[int]:

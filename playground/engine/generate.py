@@ -1,0 +1,63 @@
+"""One prompt through the engine: batch-1 generation is the serving step with one request, its trace recorded."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+from ..config import EngineParams, GenerationParams, SamplingParams
+from ..decoding.base import DecodeOutput, encode_prompt
+from ..decoding.proposer import Proposer
+from ..kv import blocks_for
+from ..models import LoadedModel
+from ..trace import Event, Trace
+from .engine import Engine
+
+# Tokens a step may verify past the prompt and the answer: room for the widest proposal a proposer makes.
+SPARE_TOKENS = 128
+
+
+def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
+                    sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
+                    algo: str = "ar") -> Generator[Event, None, tuple[DecodeOutput, Trace]]:
+    """Generate from a text prompt with `proposer` (None: plain decoding) on a paged cache of its own, yielding each
+    trace event after the engine step that made it (the engine's clock is stopped meanwhile); returns the output and
+    the whole trace, recorded under the name `algo`."""
+    sampling, generation = sampling or SamplingParams(), generation or GenerationParams()
+    prompt_ids = encode_prompt(target, prompt, generation)
+    tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
+    params = EngineParams(num_blocks=blocks_for(tokens, generation.block_size), block_size=generation.block_size,
+                          max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1)
+    engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True)
+    request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
+    trace = Trace(algo=algo, model=target.name, prompt=prompt, prompt_ids=prompt_ids,
+                  params=header(sampling, generation, proposer))
+    output = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"generation failed: {out.error}")
+            output = out.output or output
+        new = request.trace[len(trace.events):]
+        trace.events += new
+        yield from new
+    return output, trace
+
+
+def generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
+             sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
+             algo: str = "ar") -> tuple[DecodeOutput, Trace]:
+    """`stream_generate` to the end."""
+    stream = stream_generate(target, prompt, proposer, sampling, generation, algo)
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return stop.value
+
+
+def header(sampling: SamplingParams, generation: GenerationParams, proposer: Proposer | None) -> dict[str, Any]:
+    """The settings a trace records: sampling, length, cache, and the proposer's own."""
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "seed": sampling.seed, "max_new_tokens": generation.max_new_tokens, "raw": generation.raw,
+            "kv": "paged", "block_size": generation.block_size, **(proposer.describe() if proposer else {})}
