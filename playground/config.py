@@ -498,6 +498,8 @@ class EngineParams:
     max_running: requests decoded together. policy: "continuous" admits waiting requests whenever there is room;
     "static" admits a new batch only when the whole previous batch has finished.
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
+    kv: "paged", or "contiguous": one request at a time (max_running 1) in a row of num_blocks x block_size slots
+    reserved whole, as a single-sequence decoder holds its cache (no gathering of slots at every layer).
     lookup: prompt lookup in the batch (None: plain decoding): each step, every decoding request may have a copy
     of earlier text verified with its next token (one copy each, so branches must be 1 or None); the batch's
     width is chosen for the most tokens per unit of forward cost. Every token is still drawn from its own row's
@@ -519,9 +521,14 @@ class EngineParams:
     medusa: EngineMedusaParams | None = None
     draft: EngineDraftParams | None = None
     lookahead: LookaheadParams | None = None
+    kv: str = "paged"
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
+        check_choice("kv", self.kv, KV_KINDS)
+        if self.kv == "contiguous" and self.max_running != 1:
+            raise ConfigError(f"max_running must be 1 with the contiguous cache (one row per request), "
+                              f"got {self.max_running}")
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("max_batch_tokens", self.max_batch_tokens, 1, 1 << 16)
         check_int("max_running", self.max_running, 1, 256)

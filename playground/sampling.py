@@ -183,7 +183,7 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
 
 
 def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams, generator: torch.Generator,
-                parents: list[int] | None = None) -> Iterator[tuple[int, int]]:
+                parents: list[int] | None = None) -> Iterator[tuple[int, int, float]]:
     """The lossless rule for one-hot proposals in the form that draws what plain decoding draws. Row 0 of logits
     (1 + K, V) scores the position after the last committed token, row i + 1 the position after proposals[i];
     parents[i] is the row of the proposal proposals[i] follows (0: the last committed token), each parent's row
@@ -192,12 +192,14 @@ def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingPara
     (that row was computed after it). A proposal x is so kept with probability p(x), and on refusal the draw is p
     conditioned on no proposal there, norm(max(0, p - q)) for q one-hot on each sibling in turn: the rule of
     `verify_lossless` for one-hot q, consuming the random stream as plain decoding does (greedy: the argmax, as
-    `verify_greedy`). Yields (row, token drawn there); the last token is the correction or the bonus."""
+    `verify_greedy`). Yields (row, token drawn there, its probability as `next_token` gives it); the last token is
+    the correction or the bonus."""
     parents = list(range(len(proposals))) if parents is None else parents
     row: int | None = 0
     while row is not None:
-        token = int(next_token(logits[row], params, generator)[0])
-        yield row, token
+        drawn, p = next_token(logits[row], params, generator)
+        token = int(drawn)
+        yield row, token, float(p)
         row = next((i + 1 for i, (x, parent) in enumerate(zip(proposals, parents)) if parent == row and x == token),
                    None)
 

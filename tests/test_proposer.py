@@ -111,17 +111,18 @@ def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) ->
         service.stop()
 
 
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
 @pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "medusa", "speculative"])
-def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_outputs, algo) -> None:
-    """`generate` runs one request through the engine: plain decoding's greedy tokens for every algorithm, and a
-    trace that survives its JSON round trip and adds up (tokens drawn, decisions, steps)."""
+def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_outputs, algo, kv) -> None:
+    """`generate` runs one request through the engine: plain decoding's greedy tokens for every algorithm on either
+    cache, and a trace that survives its JSON round trip and adds up (tokens drawn, decisions, steps)."""
     params = {"prompt-lookup": PromptLookupParams(), "lookahead": LookaheadParams(),
               "medusa": EngineMedusaParams(), "speculative": EngineDraftParams()}.get(algo)
     proposer = None if params is None else PROPOSERS[algo](target, params)
     drafted = 0
     for prompt in PROMPTS:
-        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS),
-                                 algo=algo)
+        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS,
+                                                                                       kv=kv), algo=algo)
         assert output.token_ids == plain_outputs[prompt], (algo, prompt)
         trace = Trace.from_json(trace.to_json())
         kept = [e.token.id for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))]

@@ -97,7 +97,7 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
     greedy = SamplingParams()
     for proposals in ([int(logits[0].argmax()), int(logits[1].argmax()), 5], [1, 2, 3],
                       [int(r.argmax()) for r in logits[:3]]):
-        rows, drawn = zip(*draws_along(logits, proposals, greedy, make_generator(0)))
+        rows, drawn, _ = zip(*draws_along(logits, proposals, greedy, make_generator(0)))
         verdict = verify_greedy(logits, proposals)
         assert list(drawn) == proposals[: verdict.num_accepted] + [verdict.token]
         assert rows == tuple(range(len(drawn)))
@@ -105,7 +105,7 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
     kept = set()
     for seed in range(300):
         proposals = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].argmax())]
-        drawn = [token for _, token in draws_along(logits, proposals, params, make_generator(seed))]
+        drawn = [token for _, token, _ in draws_along(logits, proposals, params, make_generator(seed))]
         stream = make_generator(seed)
         plain = [int(next_token(row, params, stream)[0]) for row in logits[: len(drawn)]]
         assert drawn == plain
@@ -126,7 +126,7 @@ def test_draws_along_a_tree_follows_the_child_equal_to_each_draw() -> None:
     params = SamplingParams(temperature=1.0)
     seen = set()
     for seed in range(400):
-        walk = list(draws_along(logits, proposals, params, make_generator(seed), parents))
+        walk = [(row, token) for row, token, _ in draws_along(logits, proposals, params, make_generator(seed), parents)]
         stream = make_generator(seed)
         assert [token for _, token in walk] == [int(next_token(logits[row], params, stream)[0]) for row, _ in walk]
         for (row, token), (next_row, _) in zip(walk, walk[1:]):
@@ -134,5 +134,6 @@ def test_draws_along_a_tree_follows_the_child_equal_to_each_draw() -> None:
         seen.add(tuple(row for row, _ in walk))
     assert {(0,), (0, 1), (0, 2), (0, 1, 3), (0, 1, 4), (0, 2, 5)} <= seen
     greedy = [int(r.argmax()) for r in logits]
-    walk = list(draws_along(logits, proposals, SamplingParams(), make_generator(0), parents))
+    walk = [(row, token) for row, token, _ in draws_along(logits, proposals, SamplingParams(), make_generator(0),
+                                                          parents)]
     assert all(token == greedy[row] for row, token in walk)

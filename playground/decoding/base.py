@@ -70,13 +70,18 @@ def paged_cache(model: Transformer, num_blocks: int, block_size: int) -> PagedKV
                         dtype=model.dtype, device=model.device)
 
 
+def contiguous_cache(model: Transformer, capacity: int) -> ContiguousKVCache:
+    """A one-row contiguous cache of `capacity` tokens for the model's layers, heads and dtype, on its device."""
+    cfg = model.config
+    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype=model.dtype,
+                             device=model.device)
+
+
 def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -> KVCache:
     """A one-sequence cache of the kind `generation.kv` names, sized for `capacity` tokens."""
     if generation.kv == "paged":
         return paged_cache(model, blocks_for(capacity, generation.block_size), generation.block_size)
-    cfg = model.config
-    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity,
-                             dtype=model.dtype, device=model.device)
+    return contiguous_cache(model, capacity)
 
 
 @torch.inference_mode()

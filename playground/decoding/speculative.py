@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from ..config import MAX_GAMMA, ConfigError, EngineDraftParams, GenerationParams, SamplingParams, SpeculativeParams
-from ..kv import KVCache, PagedKVCache
+from ..kv import ContiguousKVCache, KVCache, PagedKVCache
 from ..models import LoadedModel, Transformer
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import argmax_rows, next_token, probabilities, sample, shown_probabilities
 from ..trace import DraftEvent, RejectEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, forward_tokens, new_cache, paged_cache
+from .base import Decoder, EventStream, commit_event, contiguous_cache, forward_tokens, new_cache, paged_cache
 from .chain import accept_chain, one_hot, verify_candidates
 from .copies import Lookup, agreement, find_continuation
 from .guesses import Guesser, Guesses
@@ -267,7 +267,7 @@ class DraftGuesser(Guesser):
         self.verify_overhead = params.verify_overhead
         self.rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
         self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
-        self.cache: PagedKVCache | None = None  # made by `bind`, as large as the engine's pool
+        self.cache: PagedKVCache | ContiguousKVCache | None = None  # made by `bind`, as the engine's cache
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
 
@@ -285,8 +285,9 @@ class DraftGuesser(Guesser):
         return weights(draft, rows) / weights(target, target.config.vocab_size)
 
     def bind(self, settings: Any) -> None:
-        # As large as the target's pool: a request's draft never holds more tokens than its target side.
-        self.cache = paged_cache(self.draft.model, settings.num_blocks, settings.block_size)
+        # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
+        self.cache = paged_cache(self.draft.model, settings.num_blocks, settings.block_size) if settings.kv == "paged" \
+            else contiguous_cache(self.draft.model, settings.num_blocks * settings.block_size)
         self.prefix_caching = settings.prefix_caching
         self.drafted = {}
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
-from ..decoding.base import DecodeOutput, Stopper, encode_prompt, paged_cache
+from ..decoding.base import DecodeOutput, Stopper, contiguous_cache, encode_prompt, paged_cache
 from ..decoding.planning import batch_step_cost, plan_width
 from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..decoding.registry import engine_proposer
-from ..kv import blocks_for
+from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..sampling import draws_along, make_generator
 from ..trace import Event, MemoryEvent
@@ -67,7 +67,9 @@ class Engine:
         self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
         if self.proposer is not None:
             self.proposer.bind(self.params)
-        self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size)
+        slots = self.params.num_blocks * self.params.block_size
+        self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size) \
+            if self.params.kv == "paged" else contiguous_cache(target.model, slots)
         self.record_blocks = record_blocks
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
@@ -234,14 +236,15 @@ class Engine:
         """Draw a request's new tokens from its rows of the step's logits and commit them to its cache."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
-        new, walk, done = [], [], False
-        for row, token in draws_along(read, tokens, request.sampling, request.generator, parents):
+        new, walk, probs, done = [], [], [], False
+        for row, token, p in draws_along(read, tokens, request.sampling, request.generator, parents):
             new.append(token)
             walk.append(row)
+            probs.append(p)
             done = request.stopper.push(token)
             if done:
                 break
-        outcome = Outcome(new, walk, done, hidden, side_logits if proposal and proposal.side else None)
+        outcome = Outcome(new, walk, probs, done, hidden, side_logits if proposal and proposal.side else None)
         if proposal is not None:
             self._count(proposal, outcome.path)
         if self.proposer is not None:
@@ -288,8 +291,9 @@ class Engine:
     def _record_memory(self, num_tokens: int, start: float) -> None:
         memory = self.cache.memory()
         per_token = memory.bytes_per_token
-        owners = self.cache.block_owners() if self.record_blocks else []
-        shared = [b for b, refs in enumerate(self.cache.allocator.refs) if refs > 1] if self.record_blocks else []
+        blocks = self.record_blocks and isinstance(self.cache, PagedKVCache)
+        owners = self.cache.block_owners() if blocks else []
+        shared = [b for b, refs in enumerate(self.cache.allocator.refs) if refs > 1] if blocks else []
         now = self.now()
         self.events.append(MemoryEvent(
             step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,

@@ -20,14 +20,14 @@ SPARE_TOKENS = 128
 def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
                     sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
                     algo: str = "ar") -> Generator[Event, None, tuple[DecodeOutput, Trace]]:
-    """Generate from a text prompt with `proposer` (None: plain decoding) on a paged cache of its own, yielding each
-    trace event after the engine step that made it (the engine's clock is stopped meanwhile); returns the output and
-    the whole trace, recorded under the name `algo`."""
+    """Generate from a text prompt with `proposer` (None: plain decoding) on a cache of its own (the kind
+    `generation.kv` names), yielding each trace event after the engine step that made it (the engine's clock is
+    stopped meanwhile); returns the output and the whole trace, recorded under the name `algo`."""
     sampling, generation = sampling or SamplingParams(), generation or GenerationParams()
     prompt_ids = encode_prompt(target, prompt, generation)
     tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
     params = EngineParams(num_blocks=blocks_for(tokens, generation.block_size), block_size=generation.block_size,
-                          max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1)
+                          max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1, kv=generation.kv)
     engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True)
     request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
     trace = Trace(algo=algo, model=target.name, prompt=prompt, prompt_ids=prompt_ids,
@@ -60,4 +60,4 @@ def header(sampling: SamplingParams, generation: GenerationParams, proposer: Pro
     """The settings a trace records: sampling, length, cache, and the proposer's own."""
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "seed": sampling.seed, "max_new_tokens": generation.max_new_tokens, "raw": generation.raw,
-            "kv": "paged", "block_size": generation.block_size, **(proposer.describe() if proposer else {})}
+            "kv": generation.kv, "block_size": generation.block_size, **(proposer.describe() if proposer else {})}

@@ -46,13 +46,13 @@ class Tracer:
         step = 0 if prefill else request.decode_steps + 1
         proposal = proposal or Proposal([], [], [], [])
         depths, children = proposal.depths(), proposal.children()
-        p_target = None if request.sampling.greedy else probabilities(logits, request.sampling)  # (1 + n, V)
-        # (row, token) of every probability shown: each draw, then the first node refused at the end, if any
-        cells = list(zip(outcome.walk, outcome.new))
+        # the probabilities shown: each draw's, then the first node refused at the end, if any
+        shown = list(outcome.probs)
         end = outcome.walk[-1]
         if children[end] and self._kept(proposal, children, outcome, -1) is None:
-            cells.append((end, proposal.tokens[children[end][0] - 1]))
-        shown = shown_probabilities(logits, p_target, cells)
+            row = logits[end : end + 1]  # (1, V)
+            p_row = None if request.sampling.greedy else probabilities(row, request.sampling)
+            shown += shown_probabilities(row, p_row, [(0, proposal.tokens[children[end][0] - 1])])
         events: list[Event] = []
         if prefill:
             events += [PrefillEvent(step=0, t=times.verified, num_tokens=len(request.prompt_ids),

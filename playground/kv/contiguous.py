@@ -1,6 +1,8 @@
 """Contiguous KV cache: one preallocated (rows x max_len) slab per layer, position-indexed.
 
-Slot j of a row holds that row's j-th token, so rolling back rejected tokens is just moving the length.
+Slot j of a row holds that row's j-th token, so rolling back rejected tokens is just moving the length. Sequence i
+is row i, unless a scheduler gave it a row with `add_sequence` (the engine does): then the cache books whole rows
+as the paged cache books blocks, each row reserved for one sequence from its start to its end.
 """
 
 from __future__ import annotations
@@ -35,30 +37,68 @@ class ContiguousKVCache(KVCache):
         # k, v: (layers, S, Hkv, Tmax, D); per-layer views (S, Hkv, Tmax, D)
         self._allocate((num_layers, max_seqs, num_kv_heads, max_len, head_dim), num_kv_heads, head_dim, dtype, device)
         self._lengths = [0] * max_seqs
+        self._rows: dict[int, int] = {}  # sequence id -> its row, for sequences added with `add_sequence`
+
+    def _row(self, seq_id: int) -> int:
+        return self._rows.get(seq_id, seq_id)
+
+    # -- booking rows, as the engine's scheduler books the paged cache's blocks -------------------------------
+
+    def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:
+        """Give a sequence a free row of its own; nothing of its prompt is cached (0 tokens)."""
+        if seq_id in self._rows:
+            raise ValueError(f"sequence {seq_id} is already in the KV cache")
+        row = min(set(range(len(self._lengths))) - set(self._rows.values()))
+        self._rows[seq_id], self._lengths[row] = row, 0
+        return 0
+
+    def free(self, seq_id: int) -> None:
+        self._lengths[self._rows.pop(seq_id)] = 0
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._rows
+
+    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """No prompt is shared between rows: nothing cached, nothing promised."""
+        return 0, 0
+
+    def blocks_needed(self, seq_id: int, num_new: int) -> int:
+        """Rows a forward of `num_new` tokens would take: none while they fit the sequence's row, which it holds
+        from its start; more than there are past its end."""
+        return 0 if self.length(seq_id) + num_new <= self.max_len else len(self._lengths) + 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._lengths) - len(self._rows)
+
+    # -- the KVCache interface ---------------------------------------------------------------------------------
 
     def length(self, seq_id: int) -> int:
-        return self._lengths[seq_id]
+        return self._lengths[self._row(seq_id)]
 
     def truncate(self, seq_id: int, length: int) -> None:
-        if not 0 <= length <= self._lengths[seq_id]:
-            raise ValueError(f"cannot truncate sequence {seq_id} of length {self._lengths[seq_id]} to {length}")
-        self._lengths[seq_id] = length
+        row = self._row(seq_id)
+        if not 0 <= length <= self._lengths[row]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {self._lengths[row]} to {length}")
+        self._lengths[row] = length
 
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
-        if any(o < 0 or start + o >= self._lengths[seq_id] for o in offsets):
+        row = self._row(seq_id)
+        if any(o < 0 or start + o >= self._lengths[row] for o in offsets):
             raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} "
-                             f"of length {self._lengths[seq_id]}")
+                             f"of length {self._lengths[row]}")
         if offsets != list(range(len(offsets))):
             source = torch.tensor(offsets, device=self.device) + start  # (n,)
             for cache in (self.k, self.v):
-                rows = cache[:, seq_id]  # (layers, Hkv, Tmax, D)
+                slots = cache[:, row]  # (layers, Hkv, Tmax, D)
                 # index_select copies, so moving slots over each other is safe
-                rows[:, :, start : start + len(offsets)] = rows.index_select(2, source)
-        self._lengths[seq_id] = start + len(offsets)
+                slots[:, :, start : start + len(offsets)] = slots.index_select(2, source)
+        self._lengths[row] = start + len(offsets)
 
     def prepare(
         self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
     ) -> AttentionLayout:
+        seq_ids = tuple(self._row(s) for s in seq_ids)  # the layout names rows from here on
         starts = tuple(self._lengths[s] for s in seq_ids)
         key_len = max(starts) + num_new
         if key_len > self.max_len:
