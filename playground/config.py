@@ -432,18 +432,25 @@ class MedusaParams:
 
 @dataclass(frozen=True, slots=True)
 class EngineMedusaParams:
-    """Medusa heads in the serving engine: after each decoding request's last token, a tree of the heads' guesses
-    (chosen as Medusa's dynamic tree is, `tree.best_first`, from the heads' probabilities), verified in the batch's
-    decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped heads of
-    the embedded target); depth: the heads used, so the deepest guess (None: every head); nodes: the most guesses
-    per tree (None: as the dynamic tree's, `dynamic_nodes`; the batch's width then trims every tree to what pays);
-    verify_overhead: where no pass of the native CPU kernel sizes a wider forward (a GPU, PyTorch's kernels), its
-    extra cost over a one-token forward, as a fraction of that forward."""
+    """Medusa heads in the engine: after each decoding request's last token, a tree of the heads' guesses verified in
+    the batch's decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped
+    heads of the embedded target); depth: the heads used, so the deepest guess (None: every head); tree: "dynamic"
+    (chosen at every step from the heads' calibrated probabilities, `tree.best_first`), a named tree or a JSON file
+    of top-k paths; nodes: the most guesses per dynamic tree (None: `dynamic_nodes`; the batch's width then trims
+    every tree to what pays); acceptance, which matters only when sampling: "lossless" (each token drawn as plain
+    decoding draws it, the tree followed where a node holds the draw: exact) or "typical" (Cai et al.: accept x if
+    p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, accepts more); verify_overhead: where no pass of the native CPU
+    kernel sizes a wider forward (a GPU, PyTorch's kernels), its extra cost over a one-token forward, as a fraction
+    of that forward."""
 
     heads: str | None = None
     depth: int | None = None
     nodes: int | None = None
     verify_overhead: float = LOOKUP_OVERHEAD
+    tree: str = DYNAMIC_TREE
+    acceptance: str = "lossless"
+    epsilon: float = 0.3
+    alpha: float = 0.09
 
     def __post_init__(self) -> None:
         if self.heads is not None and (not isinstance(self.heads, str) or not self.heads.strip()):
@@ -455,6 +462,14 @@ class EngineMedusaParams:
         overhead = _check_finite("verify_overhead", self.verify_overhead)
         if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
+        if not isinstance(self.tree, str) or not self.tree.strip():
+            raise ConfigError("tree must be a tree name or a JSON file of paths")
+        if self.nodes is not None and self.tree != DYNAMIC_TREE:
+            raise ConfigError(f"nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
+        check_choice("acceptance", self.acceptance, ("lossless", "typical"))
+        for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
+            if not 0 < _check_finite(name, value) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,12 +483,15 @@ class EngineDraftParams:
     from the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work
     dominates on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
     each token is still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by
-    batching or by the draft)."""
+    batching or by the draft). sample: when a request samples, draw its chain from the draft's distributions q
+    instead (no runner-up) and judge it by the lossless rule for q (Leviathan et al. 2023): more of it is accepted,
+    and the output still follows the target's distribution, but a seed no longer gives plain decoding's text."""
 
     draft: str | None = None
     gamma: int = 4
     verify_overhead: float = LOOKUP_OVERHEAD
     draft_cost: float | None = None
+    sample: bool = False
 
     def __post_init__(self) -> None:
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
@@ -484,6 +502,8 @@ class EngineDraftParams:
             raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
         if self.draft_cost is not None and not 0.0 <= _check_finite("draft_cost", self.draft_cost) <= 1.0:
             raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
+        if not isinstance(self.sample, bool):
+            raise ConfigError(f"sample must be true or false, got {self.sample!r}")
 
 
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -500,9 +520,9 @@ class EngineParams:
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
     kv: "paged", or "contiguous": one request at a time (max_running 1) in a row of num_blocks x block_size slots
     reserved whole, as a single-sequence decoder holds its cache (no gathering of slots at every layer).
-    lookup: prompt lookup in the batch (None: plain decoding): each step, every decoding request may have a copy
-    of earlier text verified with its next token (one copy each, so branches must be 1 or None); the batch's
-    width is chosen for the most tokens per unit of forward cost. Every token is still drawn from its own row's
+    lookup: prompt lookup in the batch (None: plain decoding): each step, every decoding request may have copies
+    of earlier text verified with its next token; the batch's width is chosen for the most tokens per unit of
+    forward cost. Every token is still drawn from its own row's
     distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
     medusa: Medusa heads in the batch (None: off): each decoding request may have a tree of the heads' guesses
     verified the same way (a draw follows the guess equal to it); with lookup too, a request's copy is grafted onto
@@ -535,12 +555,8 @@ class EngineParams:
         check_choice("policy", self.policy, SCHEDULING_POLICIES)
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
-        if self.lookup is not None:
-            if not isinstance(self.lookup, PromptLookupParams):
-                raise ConfigError(f"lookup must be PromptLookupParams or None, got {type(self.lookup).__name__}")
-            if self.lookup.branches not in (None, 1):
-                raise ConfigError(f"lookup.branches must be 1 in the engine (one copy per request), "
-                                  f"got {self.lookup.branches}")
+        if self.lookup is not None and not isinstance(self.lookup, PromptLookupParams):
+            raise ConfigError(f"lookup must be PromptLookupParams or None, got {type(self.lookup).__name__}")
         if self.medusa is not None and not isinstance(self.medusa, EngineMedusaParams):
             raise ConfigError(f"medusa must be EngineMedusaParams or None, got {type(self.medusa).__name__}")
         if self.draft is not None:

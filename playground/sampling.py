@@ -266,3 +266,67 @@ def verify_tree_lossless(p: torch.Tensor, children: tuple[tuple[int, ...], ...],
             return TreeVerdict(tuple(path), tuple(judged), int(sample(residual, generator)), bool(children[node]))
         path.append(accepted)
         node = accepted
+
+
+def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
+                        alpha: float, generator: torch.Generator,
+                        children: tuple[tuple[int, ...], ...]) -> TreeVerdict:
+    """Typical acceptance (lossy): node x after node n is accepted if p_n(x) > min(epsilon, alpha * exp(-H(p_n))).
+    The root-to-leaf path with the longest accepted prefix wins (the earliest on ties); the next token is drawn
+    from p at its last accepted node. p (n+1, V)."""
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n+1,)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy)).tolist()
+    best: list[int] = []
+    failed: int | None = None  # the first node of the best path that failed the test, if any
+    for chain in retrieve:
+        kept, miss = [], None
+        for parent, node in zip(chain, chain[1:]):
+            if float(p[parent, tokens[node]]) <= threshold[parent]:
+                miss = node
+                break
+            kept.append(node)
+        if len(kept) > len(best) or failed is None and not best and miss is not None:
+            best, failed = kept, miss
+    last = best[-1] if best else 0
+    judged = [(n, True, None) for n in best] + ([(failed, False, None)] if failed is not None else [])
+    return TreeVerdict(tuple(best), tuple(judged), int(sample(p[last], generator)), bool(children[last]))
+
+
+def tree_shape(parents: list[int]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """For a tree whose node i + 1 follows row parents[i] (row 0: the root): each row's children in order, and
+    every root-to-leaf path of rows, root first."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        children[parent].append(i + 1)
+
+    def paths(row: int) -> list[tuple[int, ...]]:
+        return [(row,)] if not children[row] else [(row, *rest) for c in children[row] for rest in paths(c)]
+    return tuple(map(tuple, children)), tuple(paths(0))
+
+
+def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+           generator: torch.Generator, q: torch.Tensor | None = None,
+           typical: tuple[float, float] | None = None) -> Iterator[tuple[int, int, float]]:
+    """The one acceptance step over a proposal: row 0 of logits (1 + n, V) scores the position after the last
+    committed token, row i + 1 the position after tokens[i], which follows row parents[i]. Yields (row, token drawn
+    there, its probability), as `draws_along` does, the last token the correction or the bonus:
+    - greedy, or proposals without a distribution of their own: `draws_along`, plain decoding's draws (lossless
+      for one-hot proposals);
+    - q (n, V), the distributions a chain was sampled from: Leviathan et al.'s rule, `verify_lossless`;
+    - typical (epsilon, alpha): Medusa's typical acceptance, `verify_tree_typical` (lossy by design)."""
+    if params.greedy or not tokens or (q is None and typical is None):
+        yield from draws_along(logits, tokens, params, generator, parents)
+        return
+    p = probabilities(logits, params)  # (1 + n, V)
+    if q is not None:
+        if parents != list(range(len(tokens))):
+            raise ValueError("a proposal with its own distributions q must be a chain")
+        verdict = verify_lossless(p, q, tokens, generator)
+        rows = list(range(verdict.num_accepted + 1))
+    else:
+        children, retrieve = tree_shape(parents)
+        tree_verdict = verify_tree_typical(p, retrieve, [-1, *tokens], *typical, generator, children)
+        rows, verdict = [0, *tree_verdict.path], tree_verdict
+    drawn = [tokens[row - 1] for row in rows[1:]] + [verdict.token]
+    for row, token in zip(rows, drawn):
+        yield row, token, float(p[row, token])

@@ -1,16 +1,12 @@
-"""The serving engine one request at a time against the single-sequence decoders, interleaved on the benchmark
-suite: on every prompt plain decoding runs, then Medusa with prompt copies (`generate --algo medusa --copy-ngram 3`),
-speculative decoding with the shipped draft (`generate --algo speculative`) and lookahead (`generate --algo
-lookahead`), then the engine at max_running 1 plain, with Medusa heads in the batch, with Medusa heads and prompt
-lookup (the copy grafted onto the tree), with the draft, with the draft and prompt lookup, and with lookahead, each
-right after the other so that a drifting host slows a prompt's runs alike.
-Greedy: every output must equal plain decoding's. Prints each prompt's tokens/s, then per mode the median tokens/s
-and the median speedup over plain decoding.
+"""Batch-1 generation through the engine (`playground.engine.generate`, the serving step with one request) against
+the single-sequence decoders it replaces, interleaved on the benchmark suite: on every prompt, for each algorithm,
+the decoder then the engine with that algorithm's proposer, so that a drifting host slows both alike. Greedy: the
+two must give the same tokens. Prints per algorithm the median tokens/s of each, the median ratio engine / decoder
+and each one's median speedup over plain decoding's decoder.
 
-    python scripts/compare_engine.py [--limit N] [--max-new-tokens 128] [--device cpu]
+    python scripts/compare_engine.py [--limit N] [--max-new-tokens 96] [--kv contiguous|paged] [--rounds 2]
 
-The decoders' time is their own measured generation time, the engine's its clock inside `step()`: neither counts
-loading or the prompt's tokenisation.
+Times are each path's own engine clock: neither counts loading or the prompt's tokenisation.
 """
 
 from __future__ import annotations
@@ -18,86 +14,62 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import SUITE, spread  # noqa: E402
-from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams,  # noqa: E402
-                               GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
-                               SamplingParams)
-from playground.decoding import (AutoregressiveDecoder, Decoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
-                                 SpeculativeDecoder, generate)
-from playground.decoding.registry import engine_proposer  # noqa: E402
-from playground.engine import Engine  # noqa: E402
-from playground.models import LoadedModel, load_model  # noqa: E402
+from playground.config import (EngineDraftParams, EngineMedusaParams, GenerationParams,  # noqa: E402
+                               LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
+from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
+                                 PromptLookupDecoder, SpeculativeDecoder, generate)
+from playground.decoding.registry import PROPOSERS  # noqa: E402
+from playground.engine.generate import generate as engine_generate  # noqa: E402
+from playground.models import load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
-
-GREEDY = SamplingParams()
-
-
-def decoder_run(decoder: Decoder) -> Callable[[str], tuple[tuple[int, ...], float]]:
-    def run(prompt: str) -> tuple[tuple[int, ...], float]:
-        output, _ = generate(decoder, prompt)
-        return output.token_ids, output.wall_s
-    return run
-
-
-def engine_run(target: LoadedModel, generation: GenerationParams, draft_model: LoadedModel | None = None,
-               **proposers: object) -> Callable[[str], tuple[tuple[int, ...], float]]:
-    def run(prompt: str) -> tuple[tuple[int, ...], float]:
-        params = EngineParams(max_running=1, **proposers)
-        engine = Engine(target, params, record_blocks=False,
-                        proposer=engine_proposer(target, params, draft=draft_model))
-        request = engine.add_request(prompt, GREEDY, generation)
-        return engine.run_all()[request].token_ids, engine.busy_s
-    return run
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=int, default=len(SUITE), help=f"prompts of the suite, 1..{len(SUITE)}")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=8, help=f"prompts of the suite, 1..{len(SUITE)} (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--kv", default="contiguous", choices=("contiguous", "paged"))
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     if not 1 <= args.limit <= len(SUITE):
         parser.error(f"--limit must be in [1, {len(SUITE)}], got {args.limit}")
     target = load_model(ModelSpec(device=args.device, dtype="float32"))
-    generation = GenerationParams(max_new_tokens=args.max_new_tokens)
     draft = load_draft(None, target)
-    modes = {
-        "plain decoding": decoder_run(AutoregressiveDecoder(target, GREEDY, generation)),
-        "Medusa + copies": decoder_run(MedusaDecoder(target, GREEDY, generation, MedusaParams(copy_ngram=3))),
-        "speculative": decoder_run(SpeculativeDecoder(target, draft, GREEDY, generation)),
-        "lookahead": decoder_run(LookaheadDecoder(target, GREEDY, generation)),
-        "engine, plain": engine_run(target, generation),
-        "engine, Medusa": engine_run(target, generation, medusa=EngineMedusaParams()),
-        "engine, Medusa + lookup": engine_run(target, generation, medusa=EngineMedusaParams(),
-                                              lookup=PromptLookupParams()),
-        "engine, draft": engine_run(target, generation, draft, draft=EngineDraftParams()),
-        "engine, draft + lookup": engine_run(target, generation, draft, draft=EngineDraftParams(),
-                                             lookup=PromptLookupParams()),
-        "engine, lookahead": engine_run(target, generation, lookahead=LookaheadParams()),
-    }
-    prompts = [SUITE[i] for i in spread(args.limit)]
-    for run in modes.values():  # unmeasured warm-up: first-call allocations and kernel choices
-        run(prompts[0][1])
-    rates: dict[str, list[float]] = {name: [] for name in modes}
-    for category, prompt in prompts:
-        reference = None
-        for name, run in modes.items():
-            tokens, seconds = run(prompt)
-            reference = reference or tokens
-            if tokens != reference:
-                print(f"MISMATCH: {name} on {prompt!r}", file=sys.stderr)
-                return 1
-            rates[name].append(len(tokens) / seconds)
-        print(category, "  ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
-    plain = rates["plain decoding"]
-    for name, rate in rates.items():
-        speedup = statistics.median(r / p for r, p in zip(rate, plain))
-        print(f"{name}: median {statistics.median(rate):.1f} tok/s, median speedup {speedup:.2f}x")
+    greedy, generation = SamplingParams(), GenerationParams(max_new_tokens=args.max_new_tokens, kv=args.kv)
+    decoders = {"ar": AutoregressiveDecoder(target, greedy, generation),
+                "prompt-lookup": PromptLookupDecoder(target, greedy, generation),
+                "lookahead": LookaheadDecoder(target, greedy, generation),
+                "medusa": MedusaDecoder(target, greedy, generation),
+                "speculative": SpeculativeDecoder(target, draft, greedy, generation)}
+    proposers = {"ar": None, "prompt-lookup": PROPOSERS["prompt-lookup"](target, PromptLookupParams()),
+                 "lookahead": PROPOSERS["lookahead"](target, LookaheadParams()),
+                 "medusa": PROPOSERS["medusa"](target, EngineMedusaParams()),
+                 "speculative": PROPOSERS["speculative"](target, EngineDraftParams(), draft)}
+    generate(decoders["ar"], "Hello")  # unmeasured warm-up: first-call allocations and kernel choices
+    rates = {algo: {"decoder": [], "engine": []} for algo in decoders}
+    for _ in range(args.rounds):
+        for _, prompt in (SUITE[i] for i in spread(args.limit)):
+            for algo, decoder in decoders.items():
+                ours, _ = generate(decoder, prompt)
+                theirs, _ = engine_generate(target, prompt, proposers[algo], greedy, generation, algo)
+                if ours.token_ids != theirs.token_ids:
+                    print(f"MISMATCH: {algo} on {prompt!r}", file=sys.stderr)
+                    return 1
+                rates[algo]["decoder"].append(len(ours.token_ids) / ours.wall_s)
+                rates[algo]["engine"].append(len(theirs.token_ids) / theirs.wall_s)
+    plain = statistics.median(rates["ar"]["decoder"])
+    print(f"| algorithm ({args.kv} cache) | decoder tok/s | engine tok/s | engine / decoder | decoder vs plain | "
+          "engine vs plain |\n|---|---|---|---|---|---|")
+    for algo, r in rates.items():
+        decoder, engine = statistics.median(r["decoder"]), statistics.median(r["engine"])
+        ratio = statistics.median(e / d for e, d in zip(r["engine"], r["decoder"]))
+        print(f"| {algo} | {decoder:.1f} | {engine:.1f} | {ratio:.2f} | {decoder / plain:.2f}x | {engine / plain:.2f}x |")
     return 0
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
 from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
-from playground.decoding.lookahead import candidate_tree, jacobi_block, step_layout
+from playground.decoding.lookahead import jacobi_block, step_layout
+from playground.decoding.proposer import merge_chains
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers
@@ -145,10 +146,10 @@ def test_jacobi_block_and_candidate_tree_on_small_cases() -> None:
     sees = {i: [j for j in range(4) if mask[i, j]] for i in range(4)}
     # as in step_layout's case: row 0 up to the column, then the column's rows below row 0 (x is seen by all)
     assert sees == {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}
-    tokens, parents, source = candidate_tree([(5, 6, 7), (5, 8), (9,)])
+    tokens, parents, source = merge_chains([(5, 6, 7), (5, 8), (9,)])
     # rows: 1 = 5, 2 = 6, 3 = 7 (candidate 0); 4 = 8 under 5 (candidate 1 shares 5); 5 = 9 under the last token
     assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 1, 0] and source == [0, 0, 0, 1, 2]
-    assert candidate_tree([]) == ([], [], [])
+    assert merge_chains([]) == ([], [], [])
 
 
 # the first two: the automatic N, G and M where 7 tokens cost one pass of the CPU kernel, and where they do not

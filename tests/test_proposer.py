@@ -20,7 +20,7 @@ from playground.decoding.registry import PROPOSERS
 from playground.engine import Engine
 from playground.engine.generate import generate
 from playground.metrics import compute
-from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, Trace
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS
 
@@ -147,3 +147,39 @@ def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> Non
             proposer = None if params is None else PROPOSERS[algo](target, params)
             output, _ = generate(target, prompt, proposer, sampling, generation, algo)
             assert output.token_ids == plain.token_ids, (algo, prompt)
+
+
+@pytest.mark.parametrize("algo, params", [
+    ("prompt-lookup", PromptLookupParams(num_draft=4, branches=3, verify_overhead=0.0)),
+    ("medusa", EngineMedusaParams(tree="small", verify_overhead=0.0)),
+    ("medusa", EngineMedusaParams(tree="chain", acceptance="typical")),
+    ("speculative", EngineDraftParams(sample=True))])
+def test_proposer_settings_keep_greedy_exact(target, plain_outputs, algo, params) -> None:
+    """Several copies merged into a tree, the named Medusa trees, typical acceptance and sampled draft chains (the
+    last two matter only when sampling) leave greedy outputs plain decoding's."""
+    proposer = PROPOSERS[algo](target, params)
+    trees = 0
+    for prompt in PROMPTS[:12]:
+        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS))
+        assert output.token_ids == plain_outputs[prompt], (algo, params, prompt)
+        trees += sum(1 for e in trace.events if isinstance(e, DraftEvent) and any(t.parent for t in e.tokens[1:]))
+    assert trees > 0 or params in (EngineMedusaParams(tree="chain", acceptance="typical"),
+                                   EngineDraftParams(sample=True))
+
+
+def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None:
+    """Under sampling, Medusa's typical acceptance (lossy) keeps more of the heads' tokens than the exact rule on the
+    same prompts and seeds, and a sampled draft chain is judged by the lossless rule: both run to the end."""
+    generation = GenerationParams(max_new_tokens=32)
+    accepted = {}
+    for acceptance in ("lossless", "typical"):
+        proposer = PROPOSERS["medusa"](target, EngineMedusaParams(acceptance=acceptance))
+        accepted[acceptance] = sum(
+            compute(generate(target, p, proposer, SamplingParams(temperature=0.7, seed=i), generation,
+                             "medusa")[1]).accepted
+            for i, p in enumerate(PROMPTS[:6]))
+    assert accepted["typical"] > accepted["lossless"] > 0
+    proposer = PROPOSERS["speculative"](target, EngineDraftParams(sample=True))
+    output, trace = generate(target, PROMPTS[0], proposer, SamplingParams(temperature=0.7, seed=0), generation,
+                             "speculative")
+    assert len(output.token_ids) > 0 and compute(trace).drafted > 0

@@ -16,13 +16,21 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
+import torch
+
 from .copies import Lookup
 from .planning import RunningAcceptance, at, plan_width, widest_paying
 from .prompt_lookup import CopyProposer
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 from .tree import COPY_PRIOR, best_first
 
-Guesses = tuple[list[list[float]], list[list[int]]]  # log-probabilities and tokens, (D, k) each, best first
+class Guesses(NamedTuple):
+    """A request's guesses: log-probabilities and tokens, (D, k) each, best first; for a chain sampled from the
+    guesser's distributions (k = 1), those distributions q (D, V), judged by the lossless rule."""
+
+    logp: list[list[float]]
+    tokens: list[list[int]]
+    q: torch.Tensor | None = None
 
 
 class GuessCalibration:
@@ -91,14 +99,21 @@ class _Node(NamedTuple):
 
 def guess_tree(rated: list[list[float]], logp: list[list[float]], tokens: list[list[int]], nodes: int,
                eos_ids: frozenset[int], label: str, chained: bool, copy: Lookup | None = None,
-               copy_rate: float = COPY_PRIOR, copy_label: str = "") -> Proposal:
+               copy_rate: float = COPY_PRIOR, copy_label: str = "",
+               shape: tuple[tuple[int, ...], ...] | None = None) -> Proposal:
     """The dynamic tree of at most `nodes` tokens from (D, k) guesses ranked by their calibrated log-rates `rated`
-    (`logp`: the guesser's own), with a copy grafted on (`best_first`; a copied token worth at least `copy_rate`).
-    `chained`: the guesses are a draft's, only its top path has guesses below it. No token follows an
-    end-of-sequence token: nothing after one can be committed."""
+    (`logp`: the guesser's own), with a copy grafted on (`best_first`; a copied token worth at least `copy_rate`),
+    or, with `shape`, a fixed tree of paths of ranks (those the guesses reach), a copy running through it and on
+    as nodes of its own. `chained`: the guesses are a draft's, only its top path has guesses below it. No token
+    follows an end-of-sequence token: nothing after one can be committed. Rows come best first, by the chance of
+    reaching them."""
     copied = copy.tokens if copy else []
     prior = math.log(copy_rate) if copy else 0.0
-    paths, chain = best_first(rated, tokens, copied, nodes, copy_rate, chained=chained)
+    if shape is None:
+        paths, chain = best_first(rated, tokens, copied, nodes, copy_rate, chained=chained)
+    else:
+        paths = tuple(p for p in shape if len(p) <= len(tokens) and all(r < len(tokens[d]) for d, r in enumerate(p)))
+        chain = len(copied)
     # The copy runs through the guessed nodes whose token it is, then on as `chain` nodes of its own.
     chosen, walk = set(paths), ()
     for depth, token in enumerate(copied[: len(tokens)]):
@@ -139,8 +154,10 @@ class Guesser(Proposer):
 
     chained: ClassVar[bool] = False  # a draft's guesses: each depth's drawn after the top guess of the one before
 
-    def __init__(self, eos_ids: frozenset[int], depth: int, nodes: int) -> None:
-        self.eos_ids, self.depth, self.nodes = eos_ids, depth, nodes
+    def __init__(self, eos_ids: frozenset[int], depth: int, nodes: int,
+                 shape: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """shape: a fixed tree of paths of ranks (None: the dynamic tree)."""
+        self.eos_ids, self.depth, self.nodes, self.shape = eos_ids, depth, nodes, shape
         self.calibration = GuessCalibration(depth)
 
     def ready(self, request: RequestView) -> bool:
@@ -161,9 +178,13 @@ class Guesser(Proposer):
 
     def tree(self, guesses: Guesses, room: int, nodes: int, copy: Lookup | None = None, copy_rate: float = COPY_PRIOR,
              copy_label: str = "") -> Proposal:
-        logp, tokens = guesses[0][:room], guesses[1][:room]
-        return guess_tree(self.calibration.log_rates(logp), logp, tokens, nodes, self.eos_ids, self.label,
-                          self.chained, copy, copy_rate, copy_label)
+        """The tree of the guesses (a sampled chain stays a chain: no copy is grafted onto it)."""
+        logp, tokens = guesses.logp[:room], guesses.tokens[:room]
+        if guesses.q is not None:
+            copy = None
+        tree = guess_tree(self.calibration.log_rates(logp), logp, tokens, nodes, self.eos_ids, self.label,
+                          self.chained, copy, copy_rate, copy_label, self.shape)
+        return tree if guesses.q is None else replace(tree, q=guesses.q[: len(tree.tokens)])
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         longest = widest_paying([self.bound(r, room) for r, room in zip(requests, rooms)], cost) - 1
@@ -218,14 +239,19 @@ class Grafted(Proposer):
         guesses = self.guesser.guesses(requests, rooms, longest, cost)
         proposals = {}
         for request, room in zip(requests, rooms):
-            copy = self.copies.find(request, min(longest, room)) if search else None
+            found = self.copies.find(request, min(longest, room)) if search else []
+            copy = found[0] if found else None
             if request.id in guesses and room > 0:
                 rate = self.copies.rate(request, copy) if copy else COPY_PRIOR
                 tree = self.guesser.tree(guesses[request.id], room, longest, copy, rate, self.copies.label)
-                proposals[request.id] = replace(tree, span=[copy.start, copy.start + len(copy.tokens)],
-                                                ngram=copy.ngram) if copy else tree
             elif copy:
-                proposals[request.id] = self.copies.chain(request, copy)
+                tree = Proposal.chain(copy.tokens, self.copies.label, self.copies.rate(request, copy))
+            else:
+                continue
+            if copy and self.copies.label in tree.sources:
+                tree = replace(tree, span=[copy.start, copy.start + len(copy.tokens)], ngram=copy.ngram)
+                self.copies.remember(request, tree, [copy.ngram] * len(tree.tokens))
+            proposals[request.id] = tree
         return proposals
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:

@@ -37,7 +37,7 @@ from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new
 from .chain import ChainOutcome, accept_chain, longest_match, one_hot
 from .planning import ProposalGate
 from .pools import TextPools, seed_pools, start_pools
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, merge_chains
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,24 +68,6 @@ def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.T
             mask[me, : i + 1] = True  # row 0 up to this column
             mask[me, [r * width + i for r in range(1, l + 1)]] = True  # rows 1..l of this column, itself included
     return tokens, positions, mask
-
-
-def candidate_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
-    """Candidates merged where they start alike: (tokens, parents, source), node i following the node parents[i] - 1
-    (0: the last committed token, as `Proposal` numbers rows) and first proposed by candidates[source[i]]; each
-    candidate's nodes in order, so every parent comes before its children and any leading part is a tree."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    source: list[int] = []
-    rows: dict[tuple[int, ...], int] = {(): 0}
-    for c, candidate in enumerate(candidates):
-        for depth in range(1, len(candidate) + 1):
-            if candidate[:depth] not in rows:
-                tokens.append(candidate[depth - 1])
-                parents.append(rows[candidate[: depth - 1]])
-                source.append(c)
-                rows[candidate[:depth]] = len(tokens)
-    return tokens, parents, source
 
 
 def step_layout(x: int, window: list[list[int]], candidates: list[tuple[int, ...]]) -> StepLayout:
@@ -274,7 +256,7 @@ class LookaheadProposer(Proposer):
                 state.pooled = request.num_computed
             block, offsets, mask = jacobi_block(state.window)
             found, keys = state.pools.candidates(request.tokens)
-            tokens, parents, source = candidate_tree([c[:room] for c in found])
+            tokens, parents, source = merge_chains([c[:room] for c in found])
             state.keys = [keys[c] for c in source]
             depths = Proposal(tokens, parents, [], []).depths()[1:]
             # A node of candidate c at depth d is reached with about a_c^d (a_c: the acceptance of candidates found

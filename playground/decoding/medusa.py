@@ -30,38 +30,14 @@ from ..config import (DYNAMIC_TREE, ConfigError, EngineMedusaParams, GenerationP
                       dynamic_nodes)
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads, load_heads
-from ..sampling import (TreeVerdict, probabilities, sample, shown_probabilities, verify_tree_greedy,
-                        verify_tree_lossless)
+from ..sampling import (TreeVerdict, probabilities, shown_probabilities, verify_tree_greedy, verify_tree_lossless,
+                        verify_tree_typical)
 from ..trace import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TreeEvent, VerifyEvent
 from .base import Decoder, EventStream, commit_event, forward_tree, new_cache
 from .copies import Lookup, find_continuation
 from .guesses import Guesser, Guesses
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .tree import TreeBuffers, best_first, follow, graft_chain, load_tree, paths_tree
-
-
-def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,
-                        alpha: float, generator: torch.Generator,
-                        children: tuple[tuple[int, ...], ...]) -> TreeVerdict:
-    """Typical acceptance (lossy): node x after node n is accepted if p_n(x) > min(epsilon, alpha * exp(-H(p_n))).
-    The root-to-leaf path with the longest accepted prefix wins (the earliest on ties); the next token is drawn
-    from p at its last accepted node. p (n+1, V)."""
-    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n+1,)
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy)).tolist()
-    best: list[int] = []
-    failed: int | None = None  # the first node of the best path that failed the test, if any
-    for chain in retrieve:
-        kept, miss = [], None
-        for parent, node in zip(chain, chain[1:]):
-            if float(p[parent, tokens[node]]) <= threshold[parent]:
-                miss = node
-                break
-            kept.append(node)
-        if len(kept) > len(best) or failed is None and not best and miss is not None:
-            best, failed = kept, miss
-    last = best[-1] if best else 0
-    judged = [(n, True, None) for n in best] + ([(failed, False, None)] if failed is not None else [])
-    return TreeVerdict(tuple(best), tuple(judged), int(sample(p[last], generator)), bool(children[last]))
 
 
 def shown_cells(tree: TreeBuffers, ids: list[int], verdict: TreeVerdict) -> list[tuple[int, int]]:
@@ -274,14 +250,25 @@ class MedusaGuesser(Guesser):
     label = "medusa"
 
     def __init__(self, target: LoadedModel, params: EngineMedusaParams, heads: LoadedHeads | None = None) -> None:
-        self.target = target
+        self.target, self.params = target, params
         self.heads = heads or load_heads(params.heads, target)
         num_heads = self.heads.heads.num_heads
         depth = params.depth or num_heads
         if depth > num_heads:
             raise ConfigError(f"medusa.depth must be in [1, {num_heads}] (the heads' number), got {depth}")
-        nodes = params.nodes or dynamic_nodes(target.model.rows_per_pass, target.model.device.type == "cuda")
-        super().__init__(frozenset(target.eos_token_ids), depth, nodes)
+        shape, self.top_k = None, 0  # a fixed tree's paths, and the most ranks it takes at a depth
+        if params.tree == DYNAMIC_TREE:
+            nodes = params.nodes or dynamic_nodes(target.model.rows_per_pass, target.model.device.type == "cuda")
+        else:
+            tree = load_tree(params.tree)
+            if tree.depth > depth:
+                raise ConfigError(f"tree: depth {tree.depth} needs that many heads; {depth} are used")
+            if max(tree.top_k()) > self.heads.vocab_size:
+                raise ConfigError(f"tree: a depth takes the top {max(tree.top_k())} tokens; the heads score only "
+                                  f"{self.heads.vocab_size}")
+            shape, nodes, depth = tree.paths, tree.num_nodes, tree.depth
+            self.top_k = max(tree.top_k())
+        super().__init__(frozenset(target.eos_token_ids), depth, nodes, shape)
         self.verify_overhead = params.verify_overhead
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
 
@@ -300,14 +287,20 @@ class MedusaGuesser(Guesser):
         ready = [r for r in requests if r.id in self.hidden]
         if not ready:
             return {}
-        model, depth, k = self.target.model, min(longest, self.depth), min(longest, self.heads.vocab_size)
+        model, depth = self.target.model, min(longest, self.depth)
+        k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)
         hidden = torch.stack([self.hidden[r.id] for r in ready])  # (B, E)
         last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
         logits = self.heads.logits(hidden, model.embed_tokens.weight[last], depth)  # (D, B, V')
         top = logits.log_softmax(-1).topk(k, dim=-1)  # values, indices: (D, B, k)
         logp = top.values.transpose(0, 1).tolist()  # (B, D, k)
         tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
-        return {r.id: (lp, t) for r, lp, t in zip(ready, logp, tokens)}
+        return {r.id: Guesses(lp, t) for r, lp, t in zip(ready, logp, tokens)}
+
+    def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
+        tree = super().tree(guesses, room, nodes, *copy)
+        typical = self.params.acceptance == "typical"
+        return replace(tree, typical=(self.params.epsilon, self.params.alpha)) if typical else tree
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         super().observe(request, proposal, outcome)
@@ -315,4 +308,5 @@ class MedusaGuesser(Guesser):
             self.hidden[request.id] = outcome.hidden[outcome.walk[-1]].clone()
 
     def describe(self) -> dict[str, Any]:
-        return {"proposer": self.label, "heads": str(self.heads.folder), "depth": self.depth, "nodes": self.nodes}
+        return {"proposer": self.label, "heads": str(self.heads.folder), "depth": self.depth, "nodes": self.nodes,
+                "tree": self.params.tree, "acceptance": self.params.acceptance}

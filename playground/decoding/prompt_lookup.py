@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
@@ -30,7 +29,7 @@ from .base import Decoder, EventStream, commit_event, new_cache
 from .chain import accept_chain, one_hot, verify_candidates
 from .copies import Lookup, find_continuations
 from .planning import ProposalGate, plan_width, widest_paying
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, merge_chains
 
 
 class PromptLookupDecoder(Decoder):
@@ -109,19 +108,18 @@ class PromptLookupDecoder(Decoder):
 
 
 class CopyProposer(Proposer):
-    """Prompt lookup in the engine: each decoding request's copy of earlier text (one per request), proposed as a
-    chain when its n-gram length's running acceptance says the wider forward pays. Also the copies `Grafted` puts
-    onto a guesser's trees."""
+    """Prompt lookup in the engine: each decoding request's copies of earlier text (up to `branches`, merged into a
+    tree where they start alike), proposed when their n-gram lengths' running acceptance says the wider forward
+    pays. Also the copy `Grafted` puts onto a guesser's trees."""
 
     label = "copy"
 
     def __init__(self, target: LoadedModel, params: PromptLookupParams) -> None:
-        # One copy per request, as long as one fits a pass of the CPU kernel at batch 1; wider batches trim it.
-        self.lookup = replace(params, branches=1).resolve(target.model.rows_per_pass)
+        self.lookup = params.resolve(target.model.rows_per_pass)
         self.verify_overhead = self.lookup.verify_overhead
         self.eos_ids = frozenset(target.eos_token_ids)
         self.gates: dict[int, ProposalGate] = {}  # request id -> acceptance per matched n-gram length
-        self.ngrams: dict[int, int] = {}  # request id -> the matched n-gram length of the copy it was proposed
+        self.ngrams: dict[int, list[int | None]] = {}  # request id -> per node proposed, its copy's n-gram length
 
     def bind(self, settings: Any) -> None:
         self.gates, self.ngrams = {}, {}
@@ -142,22 +140,20 @@ class CopyProposer(Proposer):
         gate = self.gates[request.id]
         return [gate.best_expected_tokens(k) for k in range(min(self.lookup.num_draft, room) + 1)]
 
-    def find(self, request: RequestView, room: int) -> Lookup | None:
-        """The request's copy of at most `room` tokens, if there is one."""
+    def find(self, request: RequestView, room: int, limit: int = 1) -> list[Lookup]:
+        """Up to `limit` copies of at most `room` tokens each for the request, best first."""
         if room <= 0:
-            return None
-        found = find_continuations(request.tokens, self.lookup.max_ngram, min(self.lookup.num_draft, room),
-                                   self.eos_ids)
-        if found:
-            self.ngrams[request.id] = found[0].ngram
-        return found[0] if found else None
+            return []
+        return find_continuations(request.tokens, self.lookup.max_ngram, min(self.lookup.num_draft, room),
+                                  self.eos_ids, limit)
 
     def rate(self, request: RequestView, copy: Lookup) -> float:
         return self.gates[request.id].acceptance(copy.ngram)
 
-    def chain(self, request: RequestView, copy: Lookup) -> Proposal:
-        return Proposal.chain(copy.tokens, self.label, self.rate(request, copy),
-                              [copy.start, copy.start + len(copy.tokens)], copy.ngram)
+    def remember(self, request: RequestView, proposal: Proposal, ngram: list[int | None]) -> Proposal:
+        """Note the n-gram length behind each of the proposal's nodes (None: not a copy's), for `observe`."""
+        self.ngrams[request.id] = ngram
+        return proposal
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         self.decay(requests)
@@ -167,18 +163,32 @@ class CopyProposer(Proposer):
         longest = widest_paying(bounds, cost) - 1
         proposals = {}
         for request, room in zip(requests, rooms):
-            copy = self.find(request, min(longest, room))
-            if copy:
-                proposals[request.id] = self.chain(request, copy)
+            found = self.find(request, min(longest, room), self.lookup.branches)
+            if not found:
+                continue
+            tokens, parents, source = merge_chains([copy.tokens for copy in found])
+            # a node of copy c at depth d is reached with about a_c^d (a_c: the acceptance of copies of c's n-gram
+            # length), one of a later copy only where the first was refused
+            rates = [self.rate(request, copy) for copy in found]
+            depths = Proposal(tokens, parents, [], []).depths()[1:]
+            reach = [rates[c] ** d * (1.0 if c == 0 else 1.0 - rates[0]) for c, d in zip(source, depths)]
+            first = found[0]
+            proposal = Proposal(tokens, parents, [self.label] * len(tokens), reach, [None] * len(tokens),
+                                span=[first.start, first.start + len(first.tokens)], ngram=first.ngram)
+            proposals[request.id] = self.remember(request, proposal, [found[c].ngram for c in source])
         return proposals
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
-        ngram = self.ngrams.pop(request.id, None)
-        copied = 0 if proposal is None else proposal.sources.count(self.label)
-        if copied:
-            kept = sum(1 for _ in itertools.takewhile(lambda row: proposal.sources[row - 1] == self.label,
-                                                      outcome.path))
-            self.gates[request.id].record(ngram, kept, min(kept + 1, copied))
+        """The copy the kept path follows (where none was kept, the first) was judged up to its first refusal."""
+        ngrams = self.ngrams.pop(request.id, None)
+        rows = [] if proposal is None else [i + 1 for i, s in enumerate(proposal.sources) if s == self.label]
+        if not rows or ngrams is None:
+            return
+        path = list(itertools.takewhile(lambda row: proposal.sources[row - 1] == self.label, outcome.path))
+        end = path[-1] if path else 0
+        refused = any(proposal.parents[row - 1] == end for row in rows)
+        self.gates[request.id].record(ngrams[(path[0] if path else rows[0]) - 1], len(path), len(path) + refused)
 
     def describe(self) -> dict[str, Any]:
-        return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft}
+        return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
+                "branches": self.lookup.branches}

@@ -40,7 +40,9 @@ class SideRows:
 class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order. sources[i]: the label of the
     proposer whose node i is (the trace and the engine's counts read it); reach[i]: the chance node i is kept;
-    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). For the trace:
+    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). How the tokens are
+    judged (`sampling.accept`): q (n, V), the distributions a sampled chain was drawn from, for the lossless rule;
+    typical (epsilon, alpha) for Medusa's typical acceptance; neither, one-hot proposals. For the trace:
     `forwards`, the model forwards proposing took; `span` and `ngram`, where copied nodes come from (the [start,
     end) positions of their source in the text so far, and the length of the match that ends at start)."""
 
@@ -50,6 +52,8 @@ class Proposal:
     reach: list[float]
     probs: list[float | None] = field(default_factory=list)
     side: SideRows | None = None
+    q: torch.Tensor | None = None
+    typical: tuple[float, float] | None = None
     forwards: int = 0
     span: list[int] | None = None
     ngram: int | None = None
@@ -66,7 +70,7 @@ class Proposal:
         if span is not None and self.is_chain():  # a chain's nodes are its source's tokens in order
             span = [span[0], min(span[1], span[0] + n)]
         return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
-                       reach=self.reach[:n], probs=self.probs[:n], span=span)
+                       reach=self.reach[:n], probs=self.probs[:n], span=span, q=None if self.q is None else self.q[:n])
 
     def children(self) -> list[list[int]]:
         """Each row's children rows, best first."""
@@ -96,6 +100,7 @@ class RequestView(Protocol):
     id: int
     prompt_ids: list[int]
     sampling: Any  # SamplingParams
+    generator: torch.Generator  # its own random stream
     num_computed: int  # leading tokens whose KV is in the cache
 
     @property
@@ -157,3 +162,21 @@ class Proposer(ABC):
     def describe(self) -> dict[str, Any]:
         """The settings a trace header or a server's state shows."""
         return {"proposer": self.label}
+
+
+def merge_chains(chains: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Chains of candidate tokens merged into one tree where they start alike: (tokens, parents, source), node i
+    following row parents[i] (0: the last token, row i + 1: node i) and first proposed by chains[source[i]]; each
+    chain's nodes in order, so every parent comes before its children and any leading part is a tree."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    source: list[int] = []
+    rows: dict[tuple[int, ...], int] = {(): 0}
+    for c, chain in enumerate(map(tuple, chains)):
+        for depth in range(1, len(chain) + 1):
+            if chain[:depth] not in rows:
+                tokens.append(chain[depth - 1])
+                parents.append(rows[chain[: depth - 1]])
+                source.append(c)
+                rows[chain[:depth]] = len(tokens)
+    return tokens, parents, source

@@ -253,14 +253,16 @@ class SpeculativeDecoder(Decoder):
 
 class DraftGuesser(Guesser):
     """A draft model in the engine: each decoding request's greedy chain of up to gamma tokens and the runner-up at
-    its first place, batched over the requests on the draft's own paged cache (one forward per drafted token), as
-    deep as the chain's acceptance so far says pays for the draft's forwards and the wider verification."""
+    its first place, batched over the requests on the draft's own cache (one forward per drafted token), as deep as
+    the chain's acceptance so far says pays for the draft's forwards and the wider verification. With
+    `EngineDraftParams.sample`, a sampling request's chain is drawn from the draft's distributions instead, and
+    judged by the lossless rule for them."""
 
     label = "draft"
     chained = True
 
     def __init__(self, target: LoadedModel, params: EngineDraftParams, draft: LoadedModel | None = None) -> None:
-        self.target = target
+        self.target, self.sample = target, params.sample
         self.draft = draft or load_draft(params.draft, target)
         check_compatible(target, self.draft)
         super().__init__(frozenset(target.eos_token_ids), params.gamma, params.gamma + 1)  # chain + runner-up
@@ -347,6 +349,9 @@ class DraftGuesser(Guesser):
                 cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
         drafting = [r for r, _ in todo.values()]
         hidden = torch.stack([last[r.id] for r in drafting])  # (B, E)
+        sampled = [i for i, r in enumerate(drafting) if self.sample and not r.sampling.greedy]
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}  # request index -> (V,) per place
+        vocab = self.target.model.config.vocab_size
         logp: list[list[list[float]]] = []  # (D, B, k)
         chains: list[list[list[int]]] = []  # (D, B, k)
         for d in range(depth):
@@ -358,15 +363,23 @@ class DraftGuesser(Guesser):
             ranked = best.indices if self.rows is None else self.rows.ids[best.indices]  # (B, k)
             logp.append(best.values.tolist())
             chains.append(ranked.tolist())
+            for i in sampled:  # x ~ q, q kept for the lossless rule (zero outside a proposal vocabulary)
+                r = drafting[i]
+                full = logits[i] if self.rows is None else self.rows.full_logits(hidden[i], vocab)  # (V,)
+                q_rows[i].append(probabilities(full, r.sampling))
+                x = int(sample(q_rows[i][-1], r.generator))
+                logp[-1][i], chains[-1][i] = [math.log(float(q_rows[i][-1][x]))], [x]
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
+            fed = torch.tensor([[place[0]] for place in chains[-1]], device=model.device)  # (B, 1)
             positions = torch.tensor([[cache.length(r.id)] for r in drafting], device=model.device)  # (B, 1)
-            _, states = model(ranked[:, :1], positions, cache, [r.id for r in drafting], num_logits=0)
+            _, states = model(fed, positions, cache, [r.id for r in drafting], num_logits=0)
             hidden = states[:, 0]  # (B, E)
         out = {}
         for i, r in enumerate(drafting):
             self.drafted[r.id] = [place[i][0] for place in chains[:-1]]  # the chain: the top guess at each place
-            out[r.id] = ([lp[i] for lp in logp], [place[i] for place in chains])
+            q = torch.stack(q_rows[i]) if i in q_rows else None  # (D, V)
+            out[r.id] = Guesses([lp[i] for lp in logp], [place[i] for place in chains], q)
         return out
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:

@@ -1,4 +1,5 @@
-"""A continuous-batching engine over the paged KV cache; every accelerated algorithm is its proposer.
+"""A continuous-batching engine over a paged (or, one request at a time, contiguous) KV cache; every accelerated
+algorithm is its proposer.
 
 `add_request` queues a prompt with its own sampling settings; every `step()` reads
 schedule -> propose -> verify -> accept -> commit:
@@ -7,10 +8,12 @@ candidates, a token tree (`decoding.proposer`), and the decode rows grow to one 
 tokens per unit of forward cost (`plan_width`, `batch_step_cost`) within the token budget and the free blocks; the
 runner verifies everything in one forward (`runner.py`); each request draws its next token from its own row as plain
 decoding would (argmax, or a sample from its own random stream) and moves on to the row of the proposed node equal
-to the draw, if any (`sampling.draws_along`, the lossless rule for one-hot proposals), so greedy and seeded outputs
-are plain decoding's token for token, whatever the batch and the proposer; the kept path's KV moves next to the last
-token and the rest is dropped. Every step leaves a `MemoryEvent` (block map, bytes, fragmentation, contiguous
-counterfactual) in `events`, beside the scheduler's KV and preemption events.
+to the draw, if any (`sampling.accept`: for one-hot proposals the lossless rule in the form that draws what plain
+decoding draws), so greedy and seeded outputs are plain decoding's token for token, whatever the batch and the
+proposer (a sampled draft chain is judged by the lossless rule for its q instead, Medusa's typical acceptance by its
+own lossy rule); the kept path's KV moves next to the last token and the rest is dropped. Every step leaves a
+`MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) in `events`, beside the scheduler's KV and
+preemption events; with `trace`, each request also records its own trace (`tracing.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..decoding.registry import engine_proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
-from ..sampling import draws_along, make_generator
+from ..sampling import accept, make_generator
 from ..trace import Event, MemoryEvent
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
@@ -237,7 +240,8 @@ class Engine:
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
         new, walk, probs, done = [], [], [], False
-        for row, token, p in draws_along(read, tokens, request.sampling, request.generator, parents):
+        q, typical = (proposal.q, proposal.typical) if proposal else (None, None)
+        for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, q, typical):
             new.append(token)
             walk.append(row)
             probs.append(p)
