@@ -439,14 +439,12 @@ class EngineMedusaParams:
     of top-k paths; nodes: the most guesses per dynamic tree (None: `dynamic_nodes`; the batch's width then trims
     every tree to what pays); acceptance, which matters only when sampling: "lossless" (each token drawn as plain
     decoding draws it, the tree followed where a node holds the draw: exact) or "typical" (Cai et al.: accept x if
-    p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, accepts more); verify_overhead: where no pass of the native CPU
-    kernel sizes a wider forward (a GPU, PyTorch's kernels), its extra cost over a one-token forward, as a fraction
-    of that forward."""
+    p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, accepts more). How wide a tree pays is the engine's to decide,
+    from this machine's measured forward costs."""
 
     heads: str | None = None
     depth: int | None = None
     nodes: int | None = None
-    verify_overhead: float = LOOKUP_OVERHEAD
     tree: str = DYNAMIC_TREE
     acceptance: str = "lossless"
     epsilon: float = 0.3
@@ -459,9 +457,6 @@ class EngineMedusaParams:
             check_int("depth", self.depth, 1, MAX_GAMMA)
         if self.nodes is not None:
             check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
-        overhead = _check_finite("verify_overhead", self.verify_overhead)
-        if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
-            raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
         if not isinstance(self.tree, str) or not self.tree.strip():
             raise ConfigError("tree must be a tree name or a JSON file of paths")
         if self.nodes is not None and self.tree != DYNAMIC_TREE:
@@ -477,8 +472,8 @@ class EngineDraftParams:
     """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
     up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
     every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
-    model spec with the target's tokenizer (None: the draft shipped for the embedded target); verify_overhead: as
-    for `EngineMedusaParams`; draft_cost: one draft forward's cost as a fraction of the target's at the same batch,
+    model spec with the target's tokenizer (None: the draft shipped for the embedded target); draft_cost: one draft
+    forward's cost as a fraction of the target's at the same batch,
     which a chain's drafted tokens must pay for besides the wider verifying forward (None: estimated by `Engine`,
     from the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work
     dominates on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
@@ -489,7 +484,6 @@ class EngineDraftParams:
 
     draft: str | None = None
     gamma: int = 4
-    verify_overhead: float = LOOKUP_OVERHEAD
     draft_cost: float | None = None
     sample: bool = False
 
@@ -497,9 +491,6 @@ class EngineDraftParams:
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
             raise ConfigError(f"draft must be a model spec or None, got {self.draft!r}")
         check_int("gamma", self.gamma, 1, MAX_GAMMA)
-        overhead = _check_finite("verify_overhead", self.verify_overhead)
-        if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
-            raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
         if self.draft_cost is not None and not 0.0 <= _check_finite("draft_cost", self.draft_cost) <= 1.0:
             raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
         if not isinstance(self.sample, bool):

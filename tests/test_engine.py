@@ -21,12 +21,13 @@ from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
 from playground.decoding.planning import widest_paying
 from playground.decoding import prompt_lookup
+from playground.decoding import costs as costs_module
+from playground.decoding.costs import ForwardCosts
 from playground.decoding.guesses import Grafted, GuessCalibration, guess_tree
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import engine_proposer
 from playground.decoding.speculative import DraftGuesser
 from playground.engine import Engine, ProposalCounts, Status
-from playground.engine import engine as engine_module
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
@@ -179,8 +180,6 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         EngineParams(medusa=True)
     with pytest.raises(ConfigError, match=r"depth must be an integer in \[1, 16\]"):
         EngineMedusaParams(depth=0)
-    with pytest.raises(ConfigError, match=r"verify_overhead must be in \[0, 4\], got -1"):
-        EngineMedusaParams(verify_overhead=-1.0)
     with pytest.raises(ConfigError, match="heads must be a folder of Medusa heads or None"):
         EngineMedusaParams(heads=" ")
     with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\] \(the heads' number\), got 5"):
@@ -308,12 +307,11 @@ def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monke
         check_no_leak(engine)
 
 
-def every_width_pays(monkeypatch) -> None:
-    """A forward costs one step however wide: every proposal and window the budget and the blocks allow runs."""
-    monkeypatch.setattr(engine_module, "batch_step_cost", lambda rows_per_pass, batch, width, overhead: 1.0)
+# A forward costs one step however wide: every proposal and window the budget and the blocks allow runs.
+FLAT = ForwardCosts((1, 2), (1.0, 1.0))
 
 
-def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs, monkeypatch) -> None:
+def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs) -> None:
     """Each request's Jacobi window and pool candidates (merged into a tree) beside its next token change how many
     tokens a step commits, never which: at batch 1 as planned, and at batch 4 and 20 with every window and
     candidate run (a wider forward costs nothing here), every request gets plain decoding's greedy tokens, with
@@ -321,9 +319,8 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs, mo
     generation = GenerationParams(max_new_tokens=24)
     prompts = list(grounded_outputs)
     for max_running in (1, 4, 20):
-        if max_running > 1:
-            every_width_pays(monkeypatch)
-        engine = Engine(target, EngineParams(max_running=max_running, lookahead=LookaheadParams()))
+        engine = Engine(target, EngineParams(max_running=max_running, lookahead=LookaheadParams()),
+                        costs=FLAT if max_running > 1 else None)
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         states = dict(engine.proposer.states)  # ended requests' states are dropped: keep them to look at
         first_windows = {rid: states[rid].window for rid in ids}
@@ -493,20 +490,19 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     largest = max(-(-(len(p) + n) // block_size) for p, (_, n, _) in zip(prompts, requests))
     lookahead = LookaheadParams(window=guesses, ngram=2 + guesses // 3, guesses=2, text_ngram=2 + guesses // 2,
                                 corpus_pool=False) if guesses and guesser == "lookahead" else None
-    lookup = PromptLookupParams(num_draft=copy_tokens, verify_overhead=0.0) if copy_tokens and not lookahead \
+    lookup = PromptLookupParams(num_draft=copy_tokens) if copy_tokens and not lookahead \
         else None
-    medusa = EngineMedusaParams(depth=guesses, verify_overhead=0.0) if guesses and guesser == "heads" else None
-    draft = EngineDraftParams(gamma=guesses, verify_overhead=0.0, draft_cost=0.0) if guesses and guesser == "draft" \
+    medusa = EngineMedusaParams(depth=guesses) if guesses and guesser == "heads" else None
+    draft = EngineDraftParams(gamma=guesses, draft_cost=0.0) if guesses and guesser == "draft" \
         else None
     params = EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                           max_running=max_running, policy=policy, prefix_caching=caching, lookup=lookup, medusa=medusa,
                           draft=draft, lookahead=lookahead)
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS, draft=TINY_DRAFT))
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS, draft=TINY_DRAFT),
+                    costs=FLAT)
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
-    with pytest.MonkeyPatch.context() as patch:
-        every_width_pays(patch)
-        run_load(engine, requests, prompts, aborted, ids, outputs, draft is not None)
+    run_load(engine, requests, prompts, aborted, ids, outputs, draft is not None)
     for i, rid in ids.items():
         if engine.requests[rid].status is Status.ABORTED:
             continue
@@ -536,18 +532,19 @@ def run_load(engine: Engine, requests, prompts: list[list[int]], aborted: set[in
 
 def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
     """The search scans each request's whole text, so it is skipped when even the longest copy at each request's
-    best acceptance so far could not pay for a wider forward (here a forward over several tokens costs 5 steps)."""
+    best acceptance so far could not pay for a wider forward (here each token of a forward costs 4 one-token
+    forwards more)."""
     searched = []
     real = prompt_lookup.find_continuations
     monkeypatch.setattr(prompt_lookup, "find_continuations", lambda *a, **k: searched.append(1) or real(*a, **k))
     outputs = {}
-    for overhead in (4.0, 0.0):
-        engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(num_draft=4, verify_overhead=overhead)))
+    for name, costs in (("dear", ForwardCosts((1, 2), (1.0, 5.0))), ("free", FLAT)):
+        engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(num_draft=4)), costs=costs)
         ids = [engine.add_request(PREFIX * 3, generation=GenerationParams(max_new_tokens=12)) for _ in range(2)]
         done = engine.run_all()
-        outputs[overhead] = [done[i].token_ids for i in ids]
-        assert bool(searched) == (overhead == 0.0) and (counts(engine, "copy").steps > 0) == (overhead == 0.0)
-    assert outputs[4.0] == outputs[0.0]
+        outputs[name] = [done[i].token_ids for i in ids]
+        assert bool(searched) == (name == "free") and (counts(engine, "copy").steps > 0) == (name == "free")
+    assert outputs["dear"] == outputs["free"]
 
 
 def check_cache_holds(cache, model: LoadedModel, seq: int, tokens: list[int], block_size: int) -> None:
@@ -570,8 +567,8 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     runner_up = runner_up_kept(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
     generation = GenerationParams(max_new_tokens=16)
-    params = EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams(verify_overhead=0.0))
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS))
+    params = EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams())
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS), costs=FLAT)
     assert run_checking_the_cache(engine, prompts, generation) > 20
     guessed = counts(engine, "medusa")
     assert 0 < guessed.accepted < guessed.proposed and any(runner_up)
@@ -601,10 +598,10 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     the drafts, copies and padded catch-up forwards did; the outputs are the solo ones."""
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
     generation = GenerationParams(max_new_tokens=16)
-    lookup = PromptLookupParams(num_draft=3, verify_overhead=0.0)
-    drafts = EngineDraftParams(gamma=3, verify_overhead=0.0, draft_cost=0.0)
+    lookup = PromptLookupParams(num_draft=3)
+    drafts = EngineDraftParams(gamma=3, draft_cost=0.0)
     params = EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts)
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, draft=TINY_DRAFT))
+    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, draft=TINY_DRAFT), costs=FLAT)
     draft = drafter(engine)
     ids = [engine.add_request(p, generation=generation) for p in prompts]
     outputs, checked = {}, 0
@@ -634,15 +631,14 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     check_no_leak(engine)
 
 
-def test_lookahead_in_the_batch_keeps_the_cache_exact(monkeypatch) -> None:
+def test_lookahead_in_the_batch_keeps_the_cache_exact() -> None:
     """On the tiny model, with windows of two rows of two columns and three candidates from the pools every step:
     after every step each running request's KV holds exactly its committed tokens (the window's rows and the
     refused candidates dropped), whatever a small pool preempted; the outputs are the solo ones."""
-    every_width_pays(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
     generation = GenerationParams(max_new_tokens=16)
     lookahead = LookaheadParams(window=2, ngram=3, guesses=3, corpus_pool=False)
-    engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead))
+    engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead), costs=FLAT)
     assert run_checking_the_cache(engine, prompts, generation) > 20
     assert any(isinstance(e, PreemptEvent) for e in engine.events)
     ahead = counts(engine, "lookahead")
@@ -672,9 +668,9 @@ def token_counts(target: LoadedModel, draft: LoadedModel | None, seeds: int, sam
     """How often each token came at generated positions 2 and 3 over `seeds` seeded runs of one prompt (temperature
     1), plain or with the draft's chains proposed (sampled from its distributions when `sample`)."""
     params = EngineParams(num_blocks=seeds * 2, block_size=8, max_running=16,
-                          draft=EngineDraftParams(gamma=3, verify_overhead=0.0, draft_cost=0.0, sample=sample)
+                          draft=EngineDraftParams(gamma=3, draft_cost=0.0, sample=sample)
                           if draft is not None else None)
-    engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft))
+    engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft), costs=FLAT)
     ids = [engine.add_request(PREFIX, SamplingParams(temperature=1.0, seed=seed), GenerationParams(max_new_tokens=3))
            for seed in range(seeds)]
     outputs = engine.run_all()
@@ -702,3 +698,21 @@ def test_sampled_draft_chains_are_judged_losslessly() -> None:
     for place in range(2):
         assert total_variation(drafted[place], plain[place]) < 0.05, place
         assert total_variation(own[place], plain[place]) > 0.15, place
+
+
+def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypatch) -> None:
+    """A forward's cost by width is measured on this machine once per model and read from the cache after; a
+    decode step of width W over a batch of B costs time(B W) / time(B), interpolated between the widths measured
+    and extrapolated past the widest."""
+    costs = ForwardCosts((1, 2, 4), (1.0, 1.0, 3.0))
+    assert costs.time(3) == 2.0 and costs.time(6) == 5.0  # between 2 and 4; past 4 at the last slope
+    assert costs.step_cost(1, 1) == 1.0 and costs.step_cost(1, 2) == 1.0 and costs.step_cost(2, 2) == 3.0
+    measured = []
+    real = costs_module.measure
+    monkeypatch.setattr(costs_module, "measure", lambda model: measured.append(1) or real(model, rounds=1))
+    first = costs_module.forward_costs(TINY.model, tmp_path)
+    again = costs_module.forward_costs(TINY.model, tmp_path)
+    assert measured == [1] and first == again and first.tokens == costs_module.WIDTHS
+    assert all(a <= b for a, b in zip(first.seconds, first.seconds[1:]))  # a wider forward never costs less
+    (next((tmp_path / "forward-costs").iterdir())).write_text("not json")
+    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]  # measured again

@@ -15,6 +15,7 @@ from playground.config import (EngineDraftParams, EngineMedusaParams, EnginePara
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder
 from playground.decoding import generate as generate_plain
+from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import PROPOSERS
 from playground.engine import Engine
@@ -150,17 +151,19 @@ def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> Non
 
 
 @pytest.mark.parametrize("algo, params", [
-    ("prompt-lookup", PromptLookupParams(num_draft=4, branches=3, verify_overhead=0.0)),
-    ("medusa", EngineMedusaParams(tree="small", verify_overhead=0.0)),
+    ("prompt-lookup", PromptLookupParams(num_draft=4, branches=3)),
+    ("medusa", EngineMedusaParams(tree="small")),
     ("medusa", EngineMedusaParams(tree="chain", acceptance="typical")),
     ("speculative", EngineDraftParams(sample=True))])
 def test_proposer_settings_keep_greedy_exact(target, plain_outputs, algo, params) -> None:
     """Several copies merged into a tree, the named Medusa trees, typical acceptance and sampled draft chains (the
-    last two matter only when sampling) leave greedy outputs plain decoding's."""
+    last two matter only when sampling) leave greedy outputs plain decoding's (with every width run, as if a forward
+    cost one step however wide)."""
     proposer = PROPOSERS[algo](target, params)
     trees = 0
     for prompt in PROMPTS[:12]:
-        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS))
+        output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS),
+                                 costs=ForwardCosts((1, 2), (1.0, 1.0)))
         assert output.token_ids == plain_outputs[prompt], (algo, params, prompt)
         trees += sum(1 for e in trace.events if isinstance(e, DraftEvent) and any(t.parent for t in e.tokens[1:]))
     assert trees > 0 or params in (EngineMedusaParams(tree="chain", acceptance="typical"),

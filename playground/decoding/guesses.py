@@ -206,7 +206,6 @@ class Grafted(Proposer):
     def __init__(self, guesser: Guesser, copies: CopyProposer) -> None:
         self.guesser, self.copies = guesser, copies
         self.label = f"{guesser.label}+{copies.label}"
-        self.verify_overhead = max(guesser.verify_overhead, copies.verify_overhead)
 
     def bind(self, settings: Any) -> None:
         self.guesser.bind(settings)

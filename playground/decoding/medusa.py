@@ -269,7 +269,6 @@ class MedusaGuesser(Guesser):
             shape, nodes, depth = tree.paths, tree.num_nodes, tree.depth
             self.top_k = max(tree.top_k())
         super().__init__(frozenset(target.eos_token_ids), depth, nodes, shape)
-        self.verify_overhead = params.verify_overhead
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
 
     def bind(self, settings: Any) -> None:

@@ -1,10 +1,9 @@
 """How much to propose: running acceptance estimates, the gate that lets a proposal through only when its expected
 tokens pay for a wider forward, and the width of a batch's decode forward that commits the most tokens per unit
-of cost."""
+of cost (priced by this machine's measured `costs.ForwardCosts`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 
@@ -67,27 +66,6 @@ class ProposalGate:
     def decay(self) -> None:
         for estimate in self.by_ngram:
             estimate.decay()
-
-
-# A batched decode forward's cost in passes of the CPU kernel over the weights: fixed work, then one unit per pass,
-# then a little per token (attention, norms). Fitted on a 2-core Zen 3 EPYC (AVX2, 6 rows per pass, 250 tokens of
-# context, the embedded model): 5.7 ms fixed, 9.3 ms a pass, 0.13 ms a token over batches of 1..16 rows of 1..8
-# tokens; the fit is within 0.98-1.46x of the measured ratios (README, Paged KV cache).
-PASS_FIXED, PASS_PER_TOKEN = 0.6, 0.014
-
-
-def batch_step_cost(rows_per_pass: int | None, batch: int, width: int, overhead: float) -> float:
-    """What a decode forward over `batch` sequences of `width` tokens each costs, relative to the same batch's
-    one-token forward: from the passes of the CPU kernel it takes (`Transformer.rows_per_pass`), or, where there
-    is no such pass (a GPU, PyTorch's kernels), 1 + `overhead` for any width over 1, as at batch 1."""
-    if width == 1:
-        return 1.0
-    if rows_per_pass is None:
-        return 1.0 + overhead
-
-    def cost(tokens: int) -> float:
-        return PASS_FIXED + math.ceil(tokens / rows_per_pass) + PASS_PER_TOKEN * tokens
-    return cost(batch * width) / cost(batch)
 
 
 def at(gains: list[float], k: int) -> float:

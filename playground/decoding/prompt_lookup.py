@@ -116,7 +116,6 @@ class CopyProposer(Proposer):
 
     def __init__(self, target: LoadedModel, params: PromptLookupParams) -> None:
         self.lookup = params.resolve(target.model.rows_per_pass)
-        self.verify_overhead = self.lookup.verify_overhead
         self.eos_ids = frozenset(target.eos_token_ids)
         self.gates: dict[int, ProposalGate] = {}  # request id -> acceptance per matched n-gram length
         self.ngrams: dict[int, list[int | None]] = {}  # request id -> per node proposed, its copy's n-gram length

@@ -134,7 +134,6 @@ class Proposer(ABC):
     """Candidates for every decoding request of a step, and what to learn from what the verifier kept."""
 
     label: ClassVar[str]
-    verify_overhead: float = 0.0  # a wider forward's extra cost, where no pass of the CPU kernel sizes it
 
     def bind(self, settings: Any) -> None:
         """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every

@@ -266,7 +266,6 @@ class DraftGuesser(Guesser):
         self.draft = draft or load_draft(params.draft, target)
         check_compatible(target, self.draft)
         super().__init__(frozenset(target.eos_token_ids), params.gamma, params.gamma + 1)  # chain + runner-up
-        self.verify_overhead = params.verify_overhead
         self.rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
         self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
         self.cache: PagedKVCache | ContiguousKVCache | None = None  # made by `bind`, as the engine's cache

@@ -5,7 +5,8 @@ algorithm is its proposer.
 schedule -> propose -> verify -> accept -> commit:
 the scheduler picks the requests and their token counts (`scheduler.py`); the proposer gives each decoding request
 candidates, a token tree (`decoding.proposer`), and the decode rows grow to one width, chosen for the most expected
-tokens per unit of forward cost (`plan_width`, `batch_step_cost`) within the token budget and the free blocks; the
+tokens per unit of forward cost (`plan_width`, this machine's measured `ForwardCosts`) within the token budget and
+the free blocks; the
 runner verifies everything in one forward (`runner.py`); each request draws its next token from its own row as plain
 decoding would (argmax, or a sample from its own random stream) and moves on to the row of the proposed node equal
 to the draw, if any (`sampling.accept`: for one-hot proposals the lossless rule in the form that draws what plain
@@ -26,7 +27,8 @@ import torch
 
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, contiguous_cache, encode_prompt, paged_cache
-from ..decoding.planning import batch_step_cost, plan_width
+from ..decoding.costs import ForwardCosts, forward_costs
+from ..decoding.planning import plan_width
 from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..decoding.registry import engine_proposer
 from ..kv import PagedKVCache, blocks_for
@@ -61,10 +63,11 @@ class ProposalCounts:
 
 class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
-                 proposer: Proposer | None = None, trace: bool = False) -> None:
+                 proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
         """`proposer`: the one to use (None: the one `params` names, or plain decoding); it is bound to this engine,
         dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
-        as `generate` does."""
+        as `generate` does. `costs`: what forwards cost by width (None: this machine's, measured once and cached,
+        when a proposer first proposes)."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
@@ -83,6 +86,7 @@ class Engine:
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
         self.tracer = Tracer(target.tokenizer) if trace else None
+        self.costs = costs
 
     @property
     def running(self) -> list[Request]:
@@ -204,10 +208,12 @@ class Engine:
         """The proposer's candidates for each decoding request, and the decode rows' width that pays most."""
         if self.proposer is None or not plan.decode:
             return
-        rows_per_pass, batch = self.target.model.rows_per_pass, len(plan.decode)
+        if self.costs is None:
+            self.costs = forward_costs(self.target.model)
+        batch = len(plan.decode)
 
         def cost(width: int) -> float:
-            return batch_step_cost(rows_per_pass, batch, width, self.proposer.verify_overhead)
+            return self.costs.step_cost(batch, width)
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, encode_prompt
+from ..decoding.costs import ForwardCosts
 from ..decoding.proposer import Proposer
 from ..kv import blocks_for
 from ..models import LoadedModel
@@ -19,16 +20,18 @@ SPARE_TOKENS = 128
 
 def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
                     sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-                    algo: str = "ar") -> Generator[Event, None, tuple[DecodeOutput, Trace]]:
+                    algo: str = "ar", costs: ForwardCosts | None = None) -> Generator[Event, None,
+                                                                                  tuple[DecodeOutput, Trace]]:
     """Generate from a text prompt with `proposer` (None: plain decoding) on a cache of its own (the kind
     `generation.kv` names), yielding each trace event after the engine step that made it (the engine's clock is
-    stopped meanwhile); returns the output and the whole trace, recorded under the name `algo`."""
+    stopped meanwhile); returns the output and the whole trace, recorded under the name `algo`. `costs`: what
+    forwards cost by width (None: this machine's, as measured)."""
     sampling, generation = sampling or SamplingParams(), generation or GenerationParams()
     prompt_ids = encode_prompt(target, prompt, generation)
     tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
     params = EngineParams(num_blocks=blocks_for(tokens, generation.block_size), block_size=generation.block_size,
                           max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1, kv=generation.kv)
-    engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True)
+    engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True, costs=costs)
     request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
     trace = Trace(algo=algo, model=target.name, prompt=prompt, prompt_ids=prompt_ids,
                   params=header(sampling, generation, proposer))
@@ -46,9 +49,9 @@ def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None 
 
 def generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
              sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-             algo: str = "ar") -> tuple[DecodeOutput, Trace]:
+             algo: str = "ar", costs: ForwardCosts | None = None) -> tuple[DecodeOutput, Trace]:
     """`stream_generate` to the end."""
-    stream = stream_generate(target, prompt, proposer, sampling, generation, algo)
+    stream = stream_generate(target, prompt, proposer, sampling, generation, algo, costs)
     while True:
         try:
             next(stream)

@@ -1,0 +1,97 @@
+"""What a forward costs on this machine by how many new tokens it runs: measured once per model, device, dtype,
+kernel and thread count, cached beside the converted weights, and read by the engine's width planning (so by every
+proposer through it) instead of constants fitted on one kind of CPU.
+
+A batch of B sequences of W tokens each runs the same matrix products as one sequence of B x W tokens (the rows are
+what the weights are read for); attention differs a little. So one curve, the time of a forward over T tokens after
+a prompt of CONTEXT, prices every decode forward: a step of width W over a batch of B costs time(B W) / time(B)
+one-token steps of that batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import GenerationParams
+from ..models import Transformer
+from ..paths import default_cache_root
+from .base import forward_tokens, new_cache
+
+# the forward widths measured (new tokens), and the context they follow; between them time is interpolated
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 20, 24, 32, 48, 64)
+CONTEXT = 256
+ROUNDS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCosts:
+    tokens: tuple[int, ...]  # widths measured, ascending, the first 1
+    seconds: tuple[float, ...]  # median seconds of a forward over that many tokens, never decreasing
+
+    def time(self, tokens: int) -> float:
+        """Seconds of a forward over `tokens` new tokens: interpolated between widths measured, extrapolated past
+        the widest at the slope of the last two."""
+        xs, ys = self.tokens, self.seconds
+        i = next((k for k in range(1, len(xs)) if xs[k] >= tokens), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + slope * (tokens - xs[i - 1])
+
+    def step_cost(self, batch: int, width: int) -> float:
+        """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
+        return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
+
+
+@torch.inference_mode()
+def measure(model: Transformer, rounds: int = ROUNDS) -> ForwardCosts:
+    """Median time of a forward over each of WIDTHS new tokens after a prompt of CONTEXT, the widths interleaved
+    round by round so that a drifting host slows them alike."""
+    vocab = model.config.vocab_size
+    cache = new_cache(model, CONTEXT + max(WIDTHS), GenerationParams())
+    forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])
+    times: dict[int, list[float]] = {width: [] for width in WIDTHS}
+    for _ in range(rounds):
+        for width in WIDTHS:
+            start = time.perf_counter()
+            forward_tokens(model, cache, [(7 * i) % vocab for i in range(width)], num_logits=width)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times[width].append(time.perf_counter() - start)
+            cache.truncate(0, CONTEXT)
+    seconds, slowest = [], 0.0
+    for width in WIDTHS:  # a wider forward never costs less: noise that says so is flattened
+        slowest = max(slowest, statistics.median(times[width]))
+        seconds.append(slowest)
+    return ForwardCosts(WIDTHS, tuple(seconds))
+
+
+def machine_key(model: Transformer) -> str:
+    """What a forward's cost depends on besides the widths: the model's shape, dtype, device, kernel and threads."""
+    shape = json.dumps(asdict(model.config), sort_keys=True, default=str)
+    parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), str(torch.get_num_threads()),
+             torch.__version__]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def forward_costs(model: Transformer, cache_root: Path | None = None) -> ForwardCosts:
+    """This machine's costs for the model: read from the cache, else measured (a few seconds) and cached."""
+    path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model)}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]))
+        if costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS):
+            return costs
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not measured yet, or by another version of this module: measure again
+    costs = measure(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{time.time_ns()}.tmp")  # written whole, then moved into place
+    partial.write_text(json.dumps({"tokens": costs.tokens, "seconds": costs.seconds}), encoding="utf-8")
+    partial.replace(path)
+    return costs
