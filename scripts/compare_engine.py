@@ -69,7 +69,8 @@ def main() -> int:
     for algo, r in rates.items():
         decoder, engine = statistics.median(r["decoder"]), statistics.median(r["engine"])
         ratio = statistics.median(e / d for e, d in zip(r["engine"], r["decoder"]))
-        print(f"| {algo} | {decoder:.1f} | {engine:.1f} | {ratio:.2f} | {decoder / plain:.2f}x | {engine / plain:.2f}x |")
+        print(f"| {algo} | {decoder:.1f} | {engine:.1f} | {ratio:.2f} | {decoder / plain:.2f}x | "
+              f"{engine / plain:.2f}x |")
     return 0
 
 

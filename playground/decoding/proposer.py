@@ -143,7 +143,8 @@ class Proposer(ABC):
         """A request was added."""
 
     def pause(self, request: RequestView) -> None:
-        """The request's KV was dropped (preempted): it is recomputed before it decodes again."""
+        """The request's KV was dropped: preempted (it is recomputed before it decodes again), or released at its
+        end. Called again by `end`: it must be safe to repeat."""
 
     def end(self, request: RequestView) -> None:
         """The request finished, failed or was aborted."""

@@ -11,8 +11,8 @@ runner verifies everything in one forward (`runner.py`); each request draws its 
 decoding would (argmax, or a sample from its own random stream) and moves on to the row of the proposed node equal
 to the draw, if any (`sampling.accept`: for one-hot proposals the lossless rule in the form that draws what plain
 decoding draws), so greedy and seeded outputs are plain decoding's token for token, whatever the batch and the
-proposer (a sampled draft chain is judged by the lossless rule for its q instead, Medusa's typical acceptance by its
-own lossy rule); the kept path's KV moves next to the last token and the rest is dropped. Every step leaves a
+proposer (a proposal that carries the distributions it was sampled from, or asks for a lossy rule, is judged by that
+rule instead); the kept path's KV moves next to the last token and the rest is dropped. Every step leaves a
 `MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) in `events`, beside the scheduler's KV and
 preemption events; with `trace`, each request also records its own trace (`tracing.py`).
 """
@@ -66,8 +66,8 @@ class Engine:
                  proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
         """`proposer`: the one to use (None: the one `params` names, or plain decoding); it is bound to this engine,
         dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
-        as `generate` does. `costs`: what forwards cost by width (None: this machine's, measured once and cached,
-        when a proposer first proposes)."""
+        as `generate` does. `costs`: what forwards cost by width, which only a proposer's steps read (None: this
+        machine's, measured once per machine and cached)."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
@@ -86,7 +86,7 @@ class Engine:
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
         self.tracer = Tracer(target.tokenizer) if trace else None
-        self.costs = costs
+        self.costs = costs if costs is not None or self.proposer is None else forward_costs(target.model)
 
     @property
     def running(self) -> list[Request]:
@@ -208,8 +208,6 @@ class Engine:
         """The proposer's candidates for each decoding request, and the decode rows' width that pays most."""
         if self.proposer is None or not plan.decode:
             return
-        if self.costs is None:
-            self.costs = forward_costs(self.target.model)
         batch = len(plan.decode)
 
         def cost(width: int) -> float:
