@@ -148,9 +148,8 @@ def fits_one_pass(rows_per_pass: int | None, tokens: int) -> bool:
 def copy_length(rows_per_pass: int | None, copies: int) -> int:
     """The most tokens per copy for a step that verifies `copies` copies after the last token, where the matrix
     products serve rows_per_pass tokens per pass (None: no such step, as on a GPU): LOOKUP_BRANCH_TOKENS with more
-    than one copy, or where copies that long fit one pass and LOOKUP_TOKENS-long ones do not (AVX2's 6 rows: a
-    copy of 8 costs a second pass), else LOOKUP_TOKENS. Measured for prompt lookup and speculative decoding's
-    copies (see `PromptLookupParams.resolve` and `SpeculativeParams.resolve`)."""
+    than one copy, or where copies that long fit one pass and LOOKUP_TOKENS-long ones do not, else LOOKUP_TOKENS
+    (docs/defaults.md says why)."""
     def fits(tokens: int) -> bool:
         return fits_one_pass(rows_per_pass, 1 + copies * tokens)
 
@@ -201,12 +200,8 @@ class SpeculativeParams:
     def resolve(self, rows_per_pass: int | None, greedy: bool) -> SpeculativeParams:
         """These settings with `siblings` and `copy_tokens` fixed. Siblings: 1 under greedy acceptance where the
         last token, gamma drafts and one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`;
-        None: no such step, as on a GPU), else 0. Why: with AVX-512 (12 rows per pass) the sixth row of gamma 4 made
-        the verifying forward about 0.05 of a plain step dearer while the shipped draft's runner-up raised tokens
-        per target forward from 1.43 to 1.55 (bench run 12, README: 1.05x against 1.01x plain decoding in one run).
-        Copy tokens: as `copy_length` says for one copy, 5 with AVX2 and 8 elsewhere. Why: on a Zen 3 EPYC (AVX2)
-        copies of 5 ran 1.41x, 1.38x and (with the confidence stop 0.5) 1.40x plain decoding where copies of 8 ran
-        1.38x, 1.33x and 1.36x, in interleaved rounds over the suite (README, Command line)."""
+        None: no such step, as on a GPU), else 0. Copy tokens: as `copy_length` says for one copy (docs/defaults.md
+        says why)."""
         self.check_acceptance(greedy)
         siblings = self.siblings
         if siblings is None:
@@ -245,14 +240,8 @@ class PromptLookupParams:
         serve rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on
         a GPU or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit
         one pass, otherwise 1; K 5 with more than one copy or where one copy fits a pass at 5 tokens and not at 8,
-        else 8. Why: on a 2-core AVX-512 Xeon (12 rows per pass) B 2, K 5 (11 tokens) ran 1.73x and 1.68x plain
-        decoding on the input-grounded suite prompts where B 1, K 8 ran 1.45x and 1.54x (two interleaved rounds,
-        README Command line); with AVX2 (6 rows) a second copy costs a second pass, and so does a copy of 8: there
-        B 1, K 5 ran 1.31x and 1.34x over the suite (grounded 1.44x and 1.53x) where K 8 ran 1.23x and 1.32x
-        (grounded 1.35x and 1.33x). The overhead as measured: where the widest forward (B K + 1 tokens) fits one pass
-        of the native kernel, a forward over 6 and 11 tokens cost 1.06-1.09x and 1.11-1.17x a one-token step (AVX-512,
-        README Command line), so 0.15; else 0.4, what a second pass or PyTorch's kernels cost (a forward over 5 tokens
-        1.3-1.5x a one-token step with PyTorch's CPU kernels, 1.5x on an H100 at batch 1)."""
+        else 8; the overhead 0.15 where the widest forward (B K + 1 tokens) fits one pass of the native kernel, else
+        0.4 (docs/defaults.md says why)."""
         branches = self.branches
         if branches is None:
             two = fits_one_pass(rows_per_pass, 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS))
@@ -278,10 +267,8 @@ class LookaheadParams:
     for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
     tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
     step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
-    only); it changes which G n-grams are verified, not how many. The defaults are measured (README,
-    Command line): on a 2-core CPU a forward's cost grows with its `width()` tokens, and W 1 ran fastest over the
-    benchmark suite, with N 3, G 2 and M = N where 7 tokens cost one pass of the CPU kernel, and with N 2, G 2, M 3
-    where 6 do (see `resolve`).
+    only); it changes which G n-grams are verified, not how many. N and G left None are chosen by `resolve` for
+    the forward's `width()` (docs/defaults.md says why).
     `text_n` and `width` need N: call them on resolved settings.
     """
 
@@ -324,14 +311,9 @@ class LookaheadParams:
         """These settings with N, G (and, when chosen here, M) fixed for a forward whose matrix products serve
         rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
         GPU). N, when unset, is 3, or 2 where G guesses (2 unless set) of M-grams (3 unless set) fit one pass at N 2
-        and not at N 3: the window's second row gives way to a second guess. Why: with AVX2's 6 rows, N 2, G 2, M 3
-        committed 1.67 tokens per forward over the benchmark suite against 1.58 for N 3, G 1, M 4, in the same 6
-        rows, and ran 1.32x plain decoding against 1.24x in one interleaved run (README, Command line).
-        Then, for a given N: G 2 where that forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and
-        the forward still fits, so that it fills the pass. Why: past a pass each token costs a second pass of
-        arithmetic (with AVX2 the kernel serves 6 rows: on a Zen 3 EPYC a forward's matrix products took 1.03-1.06
-        times their one-token time over 6 tokens and 1.17-1.21 over the 7 of W 1, N 3, G 2), and there G 1, M 4 ran
-        1.30x and 1.38x plain decoding where G 2, M 3 ran 1.25x (README, Command line)."""
+        and not at N 3: the window's second row gives way to a second guess. Then, for a given N: G 2 where that
+        forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and the forward still fits, so that it
+        fills the pass (docs/defaults.md says why)."""
         if self.ngram is None:
             wide = replace(self, ngram=LOOKAHEAD_NGRAM)
             short = replace(self, ngram=2, text_ngram=self.text_ngram or LOOKAHEAD_NGRAM)
@@ -352,9 +334,7 @@ class LookaheadParams:
 
 MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")
 DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
-# the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes: the width the dynamic tree's
-# tokens per forward were first measured at (README, Medusa heads and tree decoding); never raced there
-DYNAMIC_NODES = 11
+DYNAMIC_NODES = 11  # the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes
 GPU_DYNAMIC_NODES = 23  # on a GPU (see `dynamic_nodes`)
 CPU_TREE_ROWS = 6  # the most rows of a native CPU verification of the dynamic tree by default (see `dynamic_nodes`)
 MAX_DYNAMIC_NODES = 64
@@ -363,18 +343,7 @@ MAX_DYNAMIC_NODES = 64
 def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
     """The dynamic tree's nodes when tree_nodes is None: with the native CPU kernel, the rows one pass serves beside
     the last token, at most CPU_TREE_ROWS - 1 (`Transformer.rows_per_pass` - 1, so 5 with AVX2 and with AVX-512);
-    on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES. Why at most 5: on a 2-core Zen 3 EPYC
-    (AVX2) past one pass the extra rows cost more than they bring, and on a 2-core AVX-512 Xeon with AMX rows that
-    share a pass are not free (forwards over 6 and 12 tokens 1.17 and 1.50 one-token steps): there, over the suite,
-    5 nodes ran 1.31x plain decoding, 6 1.28x, 8 1.19x and 11 1.16x (1.63 to 1.78 tokens per forward), with prompt
-    copies 6 nodes 1.48x against 1.32x at 11, and in two more rounds 5 nodes with copies 1.63x against 1.64x at 6
-    (interleaved rounds; README, Medusa heads and tree decoding). Why 23 on a GPU: on an H100 at batch 1 a verifying
-    forward cost the same from 12 to 48 tokens (12.7-13.0 ms, 1.10-1.13 plain steps; launch-bound), while choosing
-    the tree, host work, grew with its nodes (median 0.73 ms at 11, 1.10 at 23, 1.58 at 35, 2.33 at 47) and tokens
-    per forward with copies rose 2.47, 2.75, 2.81, 2.88: 23 commits the most tokens per millisecond (three
-    interleaved rounds over the suite: 1.72x plain decoding in all against 1.57x at 11; README, Measured on a GPU).
-    Those times predate `tree.best_first` revealing ranks lazily, which cheapens choosing most for large trees:
-    worth racing again."""
+    on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES (docs/defaults.md says why)."""
     if rows_per_pass is not None and rows_per_pass > 1:
         return min(rows_per_pass, CPU_TREE_ROWS) - 1
     return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES
@@ -395,8 +364,7 @@ class MedusaParams:
     file tree: where the tree and the last token fit one pass of the native CPU kernel's rows
     (`Transformer.rows_per_pass`), a copy adds at most the nodes left in that pass (it may still run further down
     the tree's own nodes), so the step's forward stays one pass; False grafts up to copy_tokens new nodes whatever
-    the width. Measured on a 2-core AVX-512 Xeon (12 rows, `small` tree: 6 new nodes at most;
-    README, Medusa): a second pass cost more than the longer copies brought."""
+    the width."""
 
     heads: str | None = None
     tree: str = DYNAMIC_TREE

@@ -3,14 +3,8 @@ server with no other file changed, and keeps greedy and seeded outputs those of 
 
 from __future__ import annotations
 
-import http.client
-import json
-import threading
-import time
-
 import pytest
 
-from playground.api import Service, listen
 from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder
@@ -24,6 +18,7 @@ from playground.metrics import compute
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS
+from .test_server import get, post, running
 
 
 class Bigrams(Proposer):
@@ -89,27 +84,14 @@ def test_a_proposer_defined_in_a_test_runs_in_the_engine_batch(target, plain_out
 
 def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) -> None:
     """The server takes the proposer as it is and reports what it proposed."""
-    service = Service(target, EngineParams(max_running=4), listen("127.0.0.1", 0), quiet=True, proposer=Bigrams())
-    service.start()
-    worker = threading.Thread(target=service.worker.run)
-    worker.start()
-    while not service.http.started:
-        time.sleep(0.01)
-    try:
-        connection = http.client.HTTPConnection(service.host, service.port, timeout=120)
+    with running(target, EngineParams(max_running=4), proposer=Bigrams()) as service:
         prompt = PROMPTS[0]
-        connection.request("POST", "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": prompt}], "max_tokens": NEW_TOKENS}))
-        reply = json.loads(connection.getresponse().read())
+        status, reply = post(service, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": prompt}], "max_tokens": NEW_TOKENS})
         expected = target.tokenizer.decode(plain_outputs[prompt], skip_special_tokens=True)
-        assert reply["choices"][0]["message"]["content"] == expected
-        connection.request("GET", "/v1/engine")
-        state = json.loads(connection.getresponse().read())
+        assert status == 200 and reply["choices"][0]["message"]["content"] == expected
+        status, state = get(service, "/v1/engine")
         assert state["proposer"]["proposer"] == "bigrams" and state["proposer"]["counts"]["bigrams"]["proposed"] > 0
-    finally:
-        service.worker.close()
-        worker.join()
-        service.stop()
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])
