@@ -13,7 +13,7 @@ from playground.decoding.base import new_cache as decoding_cache
 from playground.kv import ContiguousKVCache
 from playground.models import Transformer, UnsupportedModelError, native
 from playground.models.loader import build_model
-from playground.models.transformer import linear, pack
+from playground.models.linear import linear, pack
 from playground.models.vocab import output_rows
 
 TOL = 1e-4

@@ -70,7 +70,7 @@ def test_non_contiguous_input(kernel: native.Kernel) -> None:
 
 
 def test_inputs_needing_gradients_go_through_pytorch(kernel: native.Kernel) -> None:
-    from playground.models.transformer import linear
+    from playground.models.linear import linear
 
     weight = torch.randn(64, 48)
     x = torch.randn(5, 48, requires_grad=True)

@@ -20,7 +20,8 @@ from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
 from .native import Panels
-from .transformer import Transformer, linear
+from .linear import linear
+from .transformer import Transformer
 from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"

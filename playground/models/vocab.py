@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from .loader import LoadedModel, ModelLoadError
-from .transformer import Transformer, linear
+from .linear import linear
+from .transformer import Transformer
 
 VOCAB_IDS = "vocab_ids"  # the tensor listing the token ids a proposer scores, ascending
 # Beside a draft's Hugging Face weights, written by `python -m playground.train draft`; transformers ignores it.
@@ -28,7 +29,7 @@ class OutputRows:
 
     ids: torch.Tensor  # (V',) int64 ascending, on the model's device
     weight: torch.Tensor  # (V', E)
-    packed: torch.Tensor | None  # `weight` prepacked for the CPU (see transformer.pack), or None
+    packed: torch.Tensor | None  # `weight` prepacked for the CPU (see linear.pack), or None
 
     def __len__(self) -> int:
         return len(self.ids)
