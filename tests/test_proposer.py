@@ -15,7 +15,8 @@ from playground.decoding.registry import PROPOSERS
 from playground.engine import Engine
 from playground.engine.generate import generate
 from playground.metrics import compute
-from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Trace
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace
+from playground.viz.steps import render_step_detail
 
 from .prompts import NEW_TOKENS, PROMPTS
 from .test_server import get, post, running
@@ -168,3 +169,15 @@ def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None
     output, trace = generate(target, PROMPTS[0], proposer, SamplingParams(temperature=0.7, seed=0), generation,
                              "speculative")
     assert len(output.token_ids) > 0 and compute(trace).drafted > 0
+
+
+def test_a_proposer_adds_its_own_trace_events(target) -> None:
+    """Lookahead's window, pool size and candidates go into the engine's trace before each step's draft, and the
+    step detail draws them."""
+    proposer = PROPOSERS["lookahead"](target, LookaheadParams())
+    _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=12),
+                        algo="lookahead")
+    windows = [e for e in trace.events if isinstance(e, LookaheadEvent)]
+    assert windows and all(e.step >= 1 and e.pool_size > 0 and len(e.window) >= 1 for e in windows)
+    assert "Jacobi window" in render_step_detail(trace.events, windows[-1].step)
+    assert Trace.from_json(trace.to_json()).events == trace.events

@@ -217,6 +217,7 @@ class _Sequence:
     pooled: int  # leading tokens whose n-grams are in the pools
     gate: ProposalGate
     keys: list[int] = field(default_factory=list)
+    shown: LookaheadEvent | None = None  # its last proposal as the trace shows it (step and time filled in later)
 
 
 class LookaheadProposer(Proposer):
@@ -256,6 +257,9 @@ class LookaheadProposer(Proposer):
                 state.pooled = request.num_computed
             block, offsets, mask = jacobi_block(state.window)
             found, keys = state.pools.candidates(request.tokens)
+            state.shown = LookaheadEvent(step=0, t=0.0, window=[list(row) for row in state.window],
+                                         pool_size=len(state.pools), candidates=[list(c[:room]) for c in found],
+                                         keys=list(keys))
             tokens, parents, source = merge_chains([c[:room] for c in found])
             state.keys = [keys[c] for c in source]
             depths = Proposal(tokens, parents, [], []).depths()[1:]
@@ -277,6 +281,11 @@ class LookaheadProposer(Proposer):
             end = path[-1] if path else 0
             state.gate.record(state.keys[path[0] - 1 if path else 0], len(path), len(path) + (end in proposal.parents))
         state.window = slide(state.window, argmax_rows(outcome.side_logits), state.pools)
+
+    def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:
+        """The window, the pools' size and the candidates the request's last proposal was made from."""
+        shown, self.states[request.id].shown = self.states[request.id].shown, None
+        return [] if shown is None else [replace(shown, step=step, t=t)]
 
     def describe(self) -> dict[str, Any]:
         la = self.lookahead

@@ -159,6 +159,11 @@ class Proposer(ABC):
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         """What the verifier kept of the request's step (proposal None: it ran plain, or this was its prefill)."""
 
+    def trace_events(self, request: RequestView, step: int, t: float) -> list[Any]:
+        """Trace events of its own for the request's step `step` (engine time t), recorded before its draft: what
+        a viewer needs to see how the proposal was made (none by default)."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         """The settings a trace header or a server's state shows."""
         return {"proposer": self.label}

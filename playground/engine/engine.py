@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -264,8 +265,9 @@ class Engine:
                 self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
         now = self.now()
         if request.trace is not None:
+            own = partial(self.proposer.trace_events, request) if self.proposer is not None else lambda *_: []
             request.trace += self.tracer.step(request, proposal, outcome, logits[: 1 + len(tokens)], times, now,
-                                              self.cache.memory().bytes_used)
+                                              self.cache.memory().bytes_used, own)
         if request.first_token_t is None:
             request.first_token_t = now
         else:

@@ -9,6 +9,7 @@ and verifying time of a step is the whole batch's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,9 @@ class Tracer:
         return TokenInfo(id=token, text=self.tokenizer.decode([token]), position=position, p=p, q=q, parent=parent)
 
     def step(self, request: Request, proposal: Proposal | None, outcome: Outcome, logits: torch.Tensor,
-             times: StepTimes, now: float, kv_bytes: int) -> list[Event]:
-        """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n nodes."""
+             times: StepTimes, now: float, kv_bytes: int, own: Callable[[int, float], list[Event]]) -> list[Event]:
+        """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n nodes;
+        `own(step, t)`: the proposer's own events for it, recorded before the draft."""
         base = request.num_computed - 1  # the last token's position
         prefill = request.first_token_t is None
         step = 0 if prefill else request.decode_steps + 1
@@ -60,6 +62,7 @@ class Tracer:
                        KVAllocEvent(step=0, t=times.verified, seq=request.id, num_tokens=len(request.prompt_ids),
                                     bytes_used=kv_bytes, bytes_reserved=kv_bytes)]
         else:
+            events += own(step, times.proposed)
             if proposal.tokens:
                 chain = proposal.is_chain()
                 events.append(DraftEvent(
