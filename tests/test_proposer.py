@@ -181,3 +181,16 @@ def test_a_proposer_adds_its_own_trace_events(target) -> None:
     assert windows and all(e.step >= 1 and e.pool_size > 0 and len(e.window) >= 1 for e in windows)
     assert "Jacobi window" in render_step_detail(trace.events, windows[-1].step)
     assert Trace.from_json(trace.to_json()).events == trace.events
+
+
+def test_the_step_detail_draws_an_engine_tree_with_its_texts(target) -> None:
+    """A Medusa step through the engine: its tree drawn from the draft event alone, with the tokens' own texts (no
+    tokenizer at hand) and the kept path marked."""
+    proposer = PROPOSERS["medusa"](target, EngineMedusaParams())
+    _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=16),
+                        algo="medusa")
+    step = next(e.step for e in trace.events if isinstance(e, AcceptEvent) and e.step > 0)
+    draft = next(e for e in trace.events if isinstance(e, DraftEvent) and e.step == step)
+    html = render_step_detail(trace.events, step)
+    assert "Proposal tree" in html and "pg-accepted" in html and "#" + str(draft.tokens[0].id) not in html
+    assert all(t.text.strip() == "" or t.text.strip() in html for t in draft.tokens if "<" not in t.text)

@@ -1,6 +1,6 @@
 """Per-step views of a trace: the decision counts of every step (the bar chart and the step table share them),
 the step table, and the detail of one step: what was proposed and from where (draft model, copied span,
-lookahead's Jacobi window and pool hits)."""
+lookahead's Jacobi window and pool hits, a proposal tree)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,53 @@ def render_tree(event: TreeEvent, token_text: TokenText | None = None) -> str:
             f"{branch(0)}</div>")
 
 
+def texts_of(draft: DraftEvent) -> TokenText:
+    """Token id -> text as the draft event recorded it (an id it does not hold shows as #id)."""
+    texts = {t.id: t.text for t in draft.tokens}
+    return lambda token: texts.get(token, f"#{token}")
+
+
+def branched(draft: DraftEvent) -> bool:
+    """Whether a draft is a tree beyond a chain with runners-up beside its first token (which `is_sibling` tells):
+    some token follows one other than the token before it, and not the last committed token."""
+    return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
+
+
+def render_draft_tree(draft: DraftEvent, decisions: list[Event]) -> str:
+    """A proposal tree as its draft event carries it (token i + 1 follows token `parent`, 0 the last committed
+    token; None: the token before it), with the texts the trace recorded: the path the target kept in the accepted
+    style, the node it refused there struck through, every other node not judged; q the proposal's probability,
+    p the target's where it judged the node."""
+    children: dict[int, list[int]] = {}
+    for node, token in enumerate(draft.tokens, start=1):
+        children.setdefault(node - 1 if token.parent is None else token.parent, []).append(node)
+    states: dict[int, str] = {}
+    judged: dict[int, float | None] = {}
+    node = 0
+    for event in decisions:  # the kept path from the root, then the refusal at its end
+        if isinstance(event, (AcceptEvent, RejectEvent)):
+            child = next((c for c in children.get(node, []) if draft.tokens[c - 1].id == event.token.id), None)
+            if child is None:
+                break
+            accepted = isinstance(event, AcceptEvent)
+            states[child], judged[child] = "accepted" if accepted else "rejected", event.token.p
+            node = child if accepted else node
+
+    def branch(parent: int) -> str:
+        items = []
+        for node in children.get(parent, []):
+            token = draft.tokens[node - 1]
+            meta = [f"q {token.q:.2f}"] if token.q is not None else []
+            meta += [f"p {judged[node]:.2f}"] if judged.get(node) is not None else []
+            items.append(f'<li><span class="pg-tok pg-{states.get(node, "discarded")}">'
+                         f'{html.escape(repr(token.text)[1:-1])}</span><span class="pg-meta">{" · ".join(meta)}</span>'
+                         f'{branch(node)}</li>')
+        return f"<ul>{''.join(items)}</ul>" if items else ""
+    kept = sum(state == "accepted" for state in states.values())
+    return (f"<div>Proposal tree ({len(draft.tokens)} nodes, {kept} accepted; q: proposal probability, p: target "
+            f"probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>{branch(0)}</div>")
+
+
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None) -> str:
     """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
     first) and the pool's candidates for the last token, the verified one outlined. Token ids are shown as text
@@ -134,12 +181,18 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
         origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
                   if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards
                   else f" by the Medusa heads{grafted} (the judged nodes)" if tree is not None else "")
-        chain = [t.id for i, t in enumerate(draft.tokens) if not draft.is_sibling(i)]
-        siblings = [t.id for i, t in enumerate(draft.tokens) if draft.is_sibling(i)]
-        label = "runner-up" if len(siblings) == 1 else "runners-up"
-        beside = f"; beside its first token the draft's {label} {_ngram(siblings, token_text)}" if siblings else ""
-        parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; "
-                     f"{verdicts[0]} accepted, {verdicts[1]} rejected")
+        if token_text is None:  # a trace carries each proposed token's text: show it rather than ids
+            token_text = texts_of(draft)
+        if branched(draft):
+            parts.append(f"proposed a tree of {len(draft.tokens)} tokens{origin}; "
+                         f"{verdicts[0]} accepted, {verdicts[1]} rejected")
+        else:
+            chain = [t.id for i, t in enumerate(draft.tokens) if not draft.is_sibling(i)]
+            siblings = [t.id for i, t in enumerate(draft.tokens) if draft.is_sibling(i)]
+            label = "runner-up" if len(siblings) == 1 else "runners-up"
+            beside = f"; beside its first token the draft's {label} {_ngram(siblings, token_text)}" if siblings else ""
+            parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; "
+                         f"{verdicts[0]} accepted, {verdicts[1]} rejected")
     if commit is not None:
         parts.append(f"; {commit.num_tokens} token(s) committed (draft {1000 * commit.draft_s:.1f} ms, "
                      f"verify {1000 * commit.verify_s:.1f} ms)")
@@ -157,5 +210,7 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
                      f"last k tokens{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
     if tree is not None:
         parts.append(render_tree(tree, token_text))
+    elif draft is not None and branched(draft):
+        parts.append(render_draft_tree(draft, mine))  # a tree the draft event alone describes (the engine's)
     parts.append("</div>")
     return "".join(parts)
