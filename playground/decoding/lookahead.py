@@ -37,7 +37,7 @@ from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new
 from .chain import ChainOutcome, accept_chain, longest_match, one_hot
 from .planning import ProposalGate
 from .pools import TextPools, seed_pools, start_pools
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, merge_chains
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,16 +260,10 @@ class LookaheadProposer(Proposer):
             state.shown = LookaheadEvent(step=0, t=0.0, window=[list(row) for row in state.window],
                                          pool_size=len(state.pools), candidates=[list(c[:room]) for c in found],
                                          keys=list(keys))
-            tokens, parents, source = merge_chains([c[:room] for c in found])
+            proposal, source = candidates([c[:room] for c in found], [state.gate.acceptance(k) for k in keys],
+                                          self.label)
             state.keys = [keys[c] for c in source]
-            depths = Proposal(tokens, parents, [], []).depths()[1:]
-            # A node of candidate c at depth d is reached with about a_c^d (a_c: the acceptance of candidates found
-            # by c's key length); one of a later candidate only where the first was refused.
-            rates = [state.gate.acceptance(key) for key in keys]
-            reach = [rates[c] ** d * (1.0 if c == 0 else 1.0 - rates[0]) for c, d in zip(source, depths)]
-            proposals[request.id] = Proposal(tokens, parents, [self.label] * len(tokens), reach,
-                                             [None] * len(tokens), SideRows(block, offsets, mask,
-                                                                            len(state.window[-1])))
+            proposals[request.id] = replace(proposal, side=SideRows(block, offsets, mask, len(state.window[-1])))
         return proposals
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..config import GenerationParams, PromptLookupParams, SamplingParams
@@ -29,7 +30,7 @@ from .base import Decoder, EventStream, commit_event, new_cache
 from .chain import accept_chain, one_hot, verify_candidates
 from .copies import Lookup, find_continuations
 from .planning import ProposalGate, plan_width, widest_paying
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, merge_chains
+from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 
 
 class PromptLookupDecoder(Decoder):
@@ -165,15 +166,10 @@ class CopyProposer(Proposer):
             found = self.find(request, min(longest, room), self.lookup.branches)
             if not found:
                 continue
-            tokens, parents, source = merge_chains([copy.tokens for copy in found])
-            # a node of copy c at depth d is reached with about a_c^d (a_c: the acceptance of copies of c's n-gram
-            # length), one of a later copy only where the first was refused
-            rates = [self.rate(request, copy) for copy in found]
-            depths = Proposal(tokens, parents, [], []).depths()[1:]
-            reach = [rates[c] ** d * (1.0 if c == 0 else 1.0 - rates[0]) for c, d in zip(source, depths)]
+            proposal, source = candidates([copy.tokens for copy in found],
+                                          [self.rate(request, copy) for copy in found], self.label)
             first = found[0]
-            proposal = Proposal(tokens, parents, [self.label] * len(tokens), reach, [None] * len(tokens),
-                                span=[first.start, first.start + len(first.tokens)], ngram=first.ngram)
+            proposal = replace(proposal, span=[first.start, first.start + len(first.tokens)], ngram=first.ngram)
             proposals[request.id] = self.remember(request, proposal, [found[c].ngram for c in source])
         return proposals
 

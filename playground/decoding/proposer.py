@@ -185,3 +185,13 @@ def merge_chains(chains: Sequence[Sequence[int]]) -> tuple[list[int], list[int],
                 source.append(c)
                 rows[chain[:depth]] = len(tokens)
     return tokens, parents, source
+
+
+def candidates(chains: Sequence[Sequence[int]], rates: Sequence[float], label: str) -> tuple[Proposal, list[int]]:
+    """Candidate chains, best first, as one proposal (`merge_chains`), and for each node the chain that first
+    proposed it. A node of chain c at depth d is reached with about a_c^d (rates[c] = a_c: how often that kind of
+    candidate is accepted), one of a later chain only where the first was refused."""
+    tokens, parents, source = merge_chains(chains)
+    depths = Proposal(tokens, parents, [], []).depths()[1:]
+    reach = [rates[c] ** d * (1.0 if c == 0 else 1.0 - rates[0]) for c, d in zip(source, depths)]
+    return Proposal(tokens, parents, [label] * len(tokens), reach, [None] * len(tokens)), source
