@@ -8,7 +8,7 @@ from playground.config import ConfigError, GenerationParams, PromptLookupParams,
 from playground.decoding import AutoregressiveDecoder, PromptLookupDecoder, generate
 from playground.decoding.chain import merge_proposals
 from playground.decoding.copies import best_copy, copy_bound, find_continuation, find_continuations
-from playground.decoding.planning import ProposalGate, batch_step_cost, plan_width
+from playground.decoding.planning import ProposalGate, plan_width
 from playground.decoding.tree import tree_from_parents
 from playground.metrics import compute
 
@@ -104,18 +104,6 @@ def test_gate_lets_through_what_pays_for_the_forward() -> None:
     assert gate.best_expected_tokens(2) == pytest.approx(max(gate.expected_tokens(n, 2) for n in (1, 2, 3)))
     gate.record(1, accepted=50, judged=50)
     assert gate.best_expected_tokens(2) == gate.expected_tokens(1, 2) > gate.expected_tokens(2, 2)
-
-
-def test_batch_step_cost_counts_the_kernel_passes() -> None:
-    assert batch_step_cost(6, 4, 1, 0.4) == 1.0 and batch_step_cost(None, 16, 1, 0.4) == 1.0
-    assert batch_step_cost(None, 1, 6, 0.4) == batch_step_cost(None, 16, 3, 0.4) == pytest.approx(1.4)
-    # batch 1 on AVX2 (6 rows a pass): a copy of 5 stays in the one-token step's pass; 8 tokens take a second
-    assert batch_step_cost(6, 1, 6, 0.4) == pytest.approx((0.6 + 1 + 6 * 0.014) / (0.6 + 1 + 0.014))
-    assert batch_step_cost(6, 1, 6, 0.4) < 1.1 < batch_step_cost(6, 1, 8, 0.4)
-    # batch 8 already takes two passes; three tokens each take four (measured 1.75x, README)
-    assert batch_step_cost(6, 8, 3, 0.4) == pytest.approx((0.6 + 4 + 24 * 0.014) / (0.6 + 2 + 8 * 0.014))
-    costs = [batch_step_cost(6, 4, w, 0.4) for w in range(1, 9)]
-    assert costs == sorted(costs) and costs[-1] > 2.5
 
 
 def test_plan_width_commits_the_most_tokens_per_cost() -> None:
