@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config import ConfigError, GenerationParams, SamplingParams
+from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..kv import ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..models import LoadedModel, Transformer
 from ..models.vocab import OutputRows
@@ -75,6 +75,14 @@ def contiguous_cache(model: Transformer, capacity: int) -> ContiguousKVCache:
     cfg = model.config
     return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype=model.dtype,
                              device=model.device)
+
+
+def engine_cache(model: Transformer, params: EngineParams) -> PagedKVCache | ContiguousKVCache:
+    """The cache of the kind `params.kv` names for an engine's model: the pool of num_blocks x block_size slots,
+    paged, or one contiguous row of as many."""
+    if params.kv == "paged":
+        return paged_cache(model, params.num_blocks, params.block_size)
+    return contiguous_cache(model, params.num_blocks * params.block_size)
 
 
 def new_cache(model: Transformer, capacity: int, generation: GenerationParams) -> KVCache:

@@ -30,7 +30,7 @@ from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import argmax_rows, next_token, probabilities, sample, shown_probabilities
 from ..trace import DraftEvent, RejectEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, contiguous_cache, forward_tokens, new_cache, paged_cache
+from .base import Decoder, EventStream, commit_event, engine_cache, forward_tokens, new_cache
 from .chain import accept_chain, one_hot, verify_candidates
 from .copies import Lookup, agreement, find_continuation
 from .guesses import Guesser, Guesses
@@ -287,8 +287,7 @@ class DraftGuesser(Guesser):
 
     def bind(self, settings: Any) -> None:
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
-        self.cache = paged_cache(self.draft.model, settings.num_blocks, settings.block_size) if settings.kv == "paged" \
-            else contiguous_cache(self.draft.model, settings.num_blocks * settings.block_size)
+        self.cache = engine_cache(self.draft.model, settings)
         self.prefix_caching = settings.prefix_caching
         self.drafted = {}
 

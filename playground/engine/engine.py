@@ -27,7 +27,7 @@ from functools import partial
 import torch
 
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
-from ..decoding.base import DecodeOutput, Stopper, contiguous_cache, encode_prompt, paged_cache
+from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, forward_costs
 from ..decoding.planning import plan_width
 from ..decoding.proposer import Outcome, Proposal, Proposer
@@ -74,9 +74,7 @@ class Engine:
         self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
         if self.proposer is not None:
             self.proposer.bind(self.params)
-        slots = self.params.num_blocks * self.params.block_size
-        self.cache = paged_cache(target.model, self.params.num_blocks, self.params.block_size) \
-            if self.params.kv == "paged" else contiguous_cache(target.model, slots)
+        self.cache = engine_cache(target.model, self.params)
         self.record_blocks = record_blocks
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
@@ -266,7 +264,7 @@ class Engine:
         now = self.now()
         if request.trace is not None:
             own = partial(self.proposer.trace_events, request) if self.proposer is not None else lambda *_: []
-            request.trace += self.tracer.step(request, proposal, outcome, logits[: 1 + len(tokens)], times, now,
+            request.trace += self.tracer.step(request, proposal, outcome, read, times, now,
                                               self.cache.memory().bytes_used, own)
         if request.first_token_t is None:
             request.first_token_t = now
