@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import (CPU_TREE_ROWS, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES,
-                     MAX_GAMMA, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineDraftParams,
-                     EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
-                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int, check_text)
+from .config import (CPU_TREE_ROWS, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA,
+                     MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams,
+                     LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams,
+                     check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
 
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
+SPECULATIVE = SpeculativeParams()
 ENGINE = EngineParams()
 
 
@@ -92,53 +93,48 @@ def check_writable(name: str, path: Path) -> None:
         raise ConfigError(f"{name}: cannot write into {folder}")
 
 
-def algo_params(args: argparse.Namespace) -> Any:
-    """The chosen algorithm's validated parameters (None for plain decoding), checked before any model loads."""
+def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | None]:
+    """The chosen algorithm's validated parameters (None for plain decoding) and the copies grafted onto its trees
+    (None: none), checked before any model loads."""
+    copies = None
+    if args.copy_ngram:
+        if args.algo not in ("speculative", "medusa"):
+            raise ConfigError(f"copy-ngram: copies graft onto the trees of --algo speculative or medusa, not "
+                              f"{args.algo}")
+        copies = PromptLookupParams(max_ngram=args.copy_ngram, num_draft=args.copy_tokens, branches=1)
+    elif args.copy_tokens is not None:
+        raise ConfigError("copy-tokens sizes the copies --copy-ngram grafts: add --copy-ngram")
     if args.algo == "speculative":
         args.draft = args.draft or default_draft(args.model)
         if not args.draft:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
-        params = SpeculativeParams(gamma=args.gamma, adaptive=args.adaptive_gamma, copy_ngram=args.copy_ngram,
-                                   copy_tokens=args.copy_tokens, confidence=args.draft_confidence,
-                                   siblings=args.siblings)
-        params.check_acceptance(greedy=SamplingParams(temperature=args.temperature).greedy)
-        return params
+        return SpeculativeParams(draft=args.draft, gamma=args.gamma, sample=args.sample_draft), copies
     if args.algo == "prompt-lookup":
-        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches,
-                                  verify_overhead=args.verify_overhead)
+        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches), None
     if args.algo == "lookahead":
         return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
                                prompt_pool=not args.no_prompt_pool, output_pool=not args.no_output_pool,
                                text_ngram=args.text_ngram, corpus_pool=not args.no_corpus_pool,
-                               corpus=args.corpus, context=args.context)
+                               corpus=args.corpus, context=args.context), None
     if args.algo == "medusa":
-        return MedusaParams(heads=args.medusa_heads, tree=args.tree, tree_nodes=args.tree_nodes,
-                            acceptance=args.acceptance,
-                            epsilon=args.typical_epsilon, alpha=args.typical_alpha, copy_ngram=args.copy_ngram,
-                            copy_in_pass=not args.copy_past_pass,
-                            **({} if args.copy_tokens is None else {"copy_tokens": args.copy_tokens}))
-    return None
+        return MedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, tree=args.tree, nodes=args.tree_nodes,
+                            acceptance=args.acceptance, epsilon=args.typical_epsilon,
+                            alpha=args.typical_alpha), copies
+    return None, None
 
 
-def build_decoder(args: argparse.Namespace, target: Any, sampling: SamplingParams,
-                  generation: GenerationParams, params: Any) -> Any:
-    from .decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
-                           SpeculativeDecoder)
+def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: PromptLookupParams | None) -> Any:
+    """The proposer of the chosen algorithm (None: plain decoding), its draft model loaded as the target is."""
+    from .decoding.registry import build_proposer
     from .models import load_model
 
+    draft = None
     if args.algo == "speculative":
         print(f"Loading draft {args.draft!r}...", file=sys.stderr, flush=True)
         draft = load_model(ModelSpec(source=args.draft, device=args.device, dtype=args.dtype,
                                      quant=args.draft_quant, cache_dir=args.cache_dir))
-        return SpeculativeDecoder(target, draft, sampling, generation, params)
-    if args.algo == "prompt-lookup":
-        return PromptLookupDecoder(target, sampling, generation, params)
-    if args.algo == "lookahead":
-        return LookaheadDecoder(target, sampling, generation, params)
-    if args.algo == "medusa":
-        return MedusaDecoder(target, sampling, generation, params)
-    return AutoregressiveDecoder(target, sampling, generation)
+    return build_proposer(target, args.algo, params, copies, draft=draft)
 
 
 def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str) -> str:
@@ -157,21 +153,21 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str) -> str
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .decoding import generate
+    from .engine import generate
     from .metrics import compute
     from .models import load_model
 
     spec = model_spec(args)
     sampling, generation = sampling_params(args)
-    params = algo_params(args)
+    params, copies = algo_params(args)
     prompts = read_prompts(args)
     if args.trace_out:
         check_writable("trace-out", trace_path(args.trace_out, 0, len(prompts)))
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
-    decoder = build_decoder(args, target, sampling, generation, params)
+    proposer = build_proposer(args, target, params, copies)
     for index, prompt in enumerate(prompts):
-        output, trace = generate(decoder, prompt)
+        output, trace = generate(target, prompt, proposer, sampling, generation, args.algo)
         metrics = compute(trace)
         if args.trace_out:
             trace.save(trace_path(args.trace_out, index, len(prompts)))
@@ -201,11 +197,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.medusa and any(v is not None for v in (args.medusa_heads, args.medusa_depth, args.medusa_nodes)):
         raise ConfigError("--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add "
                           "--medusa")
-    medusa = EngineMedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, nodes=args.medusa_nodes) \
+    medusa = MedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, nodes=args.medusa_nodes) \
         if args.medusa else None
     if not args.speculative and (args.draft is not None or args.gamma is not None):
         raise ConfigError("--draft and --gamma set a draft model in the batch: add --speculative")
-    draft = EngineDraftParams(draft=args.draft, **({} if args.gamma is None else {"gamma": args.gamma})) \
+    draft = SpeculativeParams(draft=args.draft, **({} if args.gamma is None else {"gamma": args.gamma})) \
         if args.speculative else None
     if not args.lookahead and any(v is not None for v in (args.window, args.ngram, args.guesses)):
         raise ConfigError("--window, --ngram and --guesses set lookahead in the batch: add --lookahead")
@@ -227,13 +223,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_args
-    from .decoding import ALGORITHMS
+    from .decoding.registry import algorithms
 
     parser = OneLineParser(prog="python -m playground", description="The decoding playground.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = commands.add_parser("generate", help="generate text with one decoding algorithm")
-    gen.add_argument("--algo", default="ar", choices=sorted(ALGORITHMS))
+    gen.add_argument("--algo", default="ar", choices=algorithms())
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
@@ -242,24 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     spec = gen.add_argument_group("speculative decoding (--algo speculative)")
     spec.add_argument("--draft", help="draft model spec (same tokenizer as the target); default for the embedded "
                                       "model: the draft trained by `python -m playground.train draft`")
-    spec.add_argument("--gamma", type=int, default=4, help="draft tokens per step, 1..16 (default 4)")
-    spec.add_argument("--adaptive-gamma", action="store_true", help="+2 after a full accept, -1 otherwise")
-    spec.add_argument("--draft-confidence", type=float, default=0.0,
-                      help="stop drafting after a token the draft gave a probability below this, 0 <= X < 1 "
-                           "(default 0: always gamma tokens)")
-    spec.add_argument("--siblings", type=int, default=None,
-                      help="greedy only: the draft's runners-up at the first drafted position verified beside its "
-                           "chain in the same forward, 0..4 (default: 1 where gamma + 2 tokens fit one pass of the "
-                           "native CPU kernel's rows, as with AVX-512; else 0)")
+    spec.add_argument("--gamma", type=int, default=SPECULATIVE.gamma,
+                      help=f"most draft tokens per step, 1..{MAX_GAMMA} (default {SPECULATIVE.gamma}); each step "
+                           "drafts as deep as the chain's acceptance so far pays for")
+    spec.add_argument("--sample-draft", action="store_true",
+                      help="when sampling, draw the chain from the draft's distributions and judge it by the lossless "
+                           "rule for them: more accepted, same distribution, but a seed no longer gives plain "
+                           "decoding's text (default: the draft's greedy chain, seeded outputs unchanged)")
     spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
-    copy = gen.add_argument_group("prompt copies (--algo speculative or medusa)")
+    copy = gen.add_argument_group("prompt copies grafted onto the tree (--algo speculative or medusa)")
     copy.add_argument("--copy-ngram", type=int, default=0,
-                      help="0..8 (default 0: off): a step may also propose a copy of earlier text matching the last "
-                           "1..N tokens: speculative proposes it instead of drafting when copies are accepted at "
-                           "least as well; Medusa grafts it onto its tree")
+                      help="0..8 (default 0: off): each step may also propose a copy of earlier text matching the last "
+                           "1..N tokens, grafted onto the draft's or the heads' tree")
     copy.add_argument("--copy-tokens", type=int, default=None,
-                      help="most tokens a copy proposes, 1..16 (default 8; speculative: 5 where only a copy of 5 "
-                           "fits one pass of the native CPU kernel's rows, as with AVX2)")
+                      help="most tokens a copy proposes, 1..16 (default: as prompt lookup's --num-draft)")
     lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
     lookup.add_argument("--max-ngram", type=int, default=3,
                         help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
@@ -268,14 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "only a copy of 5 fits one pass of the native CPU kernel's rows, as with AVX2; "
                              "else 8)")
     lookup.add_argument("--branches", type=int, default=None,
-                        help="distinct copies (of different earlier occurrences) verified together in one forward "
-                             "under greedy decoding, 1..8 (default: 2 where two copies and the last token fit one "
-                             "pass of the native CPU kernel's rows, as with AVX-512; else 1)")
-    lookup.add_argument("--verify-overhead", type=float, default=None,
-                        help="extra cost of a verification forward over a one-token step, 0..4: a match is "
-                             "proposed only when its expected accepted tokens pay for it (0 proposes every match; "
-                             "default 0.15 where the widest verification fits one pass of the native CPU kernel, "
-                             "else 0.4)")
+                        help="distinct copies (of different earlier occurrences) verified together in one forward, "
+                             "merged into a tree, 1..8 (default: 2 where two copies and the last token fit one pass "
+                             "of the native CPU kernel's rows, as with AVX-512; else 1)")
     ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
     ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
                        help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
@@ -305,22 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--medusa-heads", default=None,
                       help="folder of heads trained by `python -m playground.train medusa` (default: the heads "
                            "shipped for the embedded model)")
+    tree.add_argument("--medusa-depth", type=int, default=None,
+                      help="heads used, so the deepest guess, 1..the heads' number (default: every head)")
     tree.add_argument("--tree", default=DYNAMIC_TREE,
                       help="candidate tree: dynamic (default: the nodes the heads rate likeliest, chosen at every "
                            "step), chain, small, medium, wide, or a JSON file of top-k paths")
     tree.add_argument("--tree-nodes", type=int, default=None,
-                      help=f"nodes of the dynamic tree, a copy's included, 1..{MAX_DYNAMIC_NODES} (default: what one "
+                      help=f"nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default: what one "
                            f"pass of the native CPU kernel serves beside the last token, at most {CPU_TREE_ROWS - 1}; "
                            f"{GPU_DYNAMIC_NODES} on a GPU, {DYNAMIC_NODES} with PyTorch's CPU kernels)")
     tree.add_argument("--acceptance", default="lossless", choices=MEDUSA_ACCEPTANCE,
-                      help="when sampling: lossless (exact, default), typical (LOSSY, faster) or greedy "
-                           "(temperature 0 only); at temperature 0 all are greedy and exact")
+                      help="when sampling: lossless (exact, default) or typical (LOSSY, accepts more); at "
+                           "temperature 0 both are greedy and exact")
     tree.add_argument("--typical-epsilon", type=float, default=0.3, help="typical acceptance epsilon, (0, 1]")
     tree.add_argument("--typical-alpha", type=float, default=0.09, help="typical acceptance alpha, (0, 1]")
-    tree.add_argument("--copy-past-pass", action="store_true",
-                      help="with a named or file tree, graft up to --copy-tokens new copy nodes even where they "
-                           "take the forward past one pass of the native CPU kernel's rows (default: at most the "
-                           "rows the pass has left beside the tree, e.g. 6 with AVX-512 and the small tree)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)
@@ -385,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "embedded model)")
     drafts.add_argument("--gamma", type=int, default=None,
                         help=f"most tokens drafted per request and step, 1..{MAX_GAMMA} (default "
-                             f"{EngineDraftParams().gamma}); larger batches draft fewer")
+                             f"{SPECULATIVE.gamma}); larger batches draft fewer")
     ahead = server.add_argument_group("lookahead in the batch (alone: no prompt lookup, Medusa or draft)")
     ahead.add_argument("--lookahead", action="store_true",
                        help="give each request a Jacobi window and n-gram pools (corpus, prompt, window, output); "

@@ -1,4 +1,4 @@
-"""Benchmark harness (`python -m playground bench`): our decoders vs plain decoding vs transformers, in one run.
+"""Benchmark harness (`python -m playground bench`): our algorithms vs plain decoding vs transformers, in one run.
 
 Speed claims are ratios measured in the same process, one prompt after another, because these machines are
 noisy; absolute tokens/s are reported next to the memory-bandwidth bound that caps batch-1 decoding.
@@ -12,7 +12,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --draft, 1..16 (default 4)")
-    parser.add_argument("--draft-confidence", type=float, default=0.5,
-                        help="adds two speculative rows that stop drafting below this draft probability, alone "
-                             "and with prompt copies, against assisted generation with the same "
-                             "assistant_confidence_threshold; 0 <= X < 1 (default 0.5; 0 skips both rows)")
     parser.add_argument("--tree", default=DYNAMIC_TREE,
                         help="Medusa candidate tree: dynamic (default), chain, small, medium, wide or a JSON file "
                              "of top-k paths")
@@ -97,12 +93,12 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return sum(read.values())
 
 
-def run_ours(decoder: Any, prompt: str) -> tuple[Run, Any, Any]:
+def run_ours(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> tuple[Run, Any, Any]:
     """One generation on our engine: the timing run, its metrics and its trace."""
-    from .decoding import generate
+    from .engine import generate
     from .metrics import compute
 
-    output, trace = generate(decoder, prompt)
+    output, trace = generate(target, prompt, contender.proposer, contender.sampling, generation, contender.algo)
     metrics = compute(trace)
     return Run(metrics.tokens, metrics.wall_s, output.token_ids), metrics, trace
 
@@ -174,10 +170,7 @@ ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
-    "speculative-chain": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
-    "speculative-confident": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
-    "speculative-copy-confident": [("median_speedup_vs_ar", 1.8)],
     "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
     "lookahead": [("median_speedup_vs_ar", 1.3)],
     "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
@@ -206,11 +199,16 @@ class Contender:
     """One algorithm in the benchmark, with the transformers feature that does the same thing (if any)."""
 
     name: str
-    decoder: Any
+    algo: str
+    proposer: Any  # None: plain decoding
     setting: str  # its parameters, for the report
     peer: str | None = None  # the transformers feature used as its peer
     peer_kwargs: dict[str, Any] | None = None
-    sampled: bool = False  # sampled at SAMPLED, so its tokens are not expected to equal greedy plain decoding
+    sampling: SamplingParams = SamplingParams()  # SAMPLED: its tokens are not expected to equal greedy plain decoding
+
+    @property
+    def sampled(self) -> bool:
+        return not self.sampling.greedy
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -286,85 +284,58 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
     return lines
 
 
-def build_contenders(args: argparse.Namespace, target: Any, sampling: SamplingParams,
-                     generation: GenerationParams) -> tuple[list[Contender], Any]:
+def setting(proposer: Any, *extra: str) -> str:
+    """A proposer's settings as the report shows them."""
+    shown = [f"{key.replace('_', ' ')} {value}" for key, value in proposer.describe().items() if key != "proposer"]
+    return ", ".join([*shown, *extra])
+
+
+def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Contender], Any]:
     """The algorithms to race against plain decoding (and the draft model, when speculative is among them)."""
-    from .config import LOOKUP_TOKENS, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SpeculativeParams
-    from .decoding import LookaheadDecoder, MedusaDecoder, PromptLookupDecoder, SpeculativeDecoder
+    from .config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams, SpeculativeParams
+    from .decoding.registry import build_proposer
     from .models import load_model
     from .models.loader import default_draft
 
     contenders, draft = [], None
-    like = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants copy one span
+    copies = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants graft one span
     if "speculative" in args.algos:
         draft_source = default_draft(args.model) if args.draft is None else args.draft
         if draft_source and draft_source != "none":
             draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
                                          cache_dir=args.cache_dir))
-            copying = SpeculativeParams(gamma=args.gamma, copy_ngram=like.max_ngram)  # copies as the machine suits
-            length = copying.resolve(target.model.rows_per_pass, sampling.greedy).copy_tokens
-            copies = f", copies of up to {length} tokens after a {copying.copy_ngram}..1-gram match"
-            variants = [("speculative", SpeculativeParams(gamma=args.gamma), ""),
-                        ("speculative-chain", SpeculativeParams(gamma=args.gamma, siblings=0), ""),
-                        ("speculative-adaptive", SpeculativeParams(gamma=args.gamma, adaptive=True), ", adaptive"),
-                        ("speculative-copy", copying, copies)]
-            if args.draft_confidence:
-                # the stop alone, and with copies: the fastest speculative setting measured on the CPU
-                stop = f", drafting stops after a token of draft probability below {args.draft_confidence:g}"
-                variants += [("speculative-confident",
-                              SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence), stop),
-                             ("speculative-copy-confident", replace(copying, confidence=args.draft_confidence),
-                              copies + stop)]
-            for name, spec, label in variants:
-                # transformers' assisted generation with the same draft length rule as ours: fixed, or its
-                # "heuristic" schedule (+2 after a full accept, -1 otherwise: our adaptive rule), reset every call
-                # as ours is, stopping at the same draft probability; it has no copy proposals, so the copying
-                # variants meet the fixed schedule (the same peer run as their copy-free rows: see `PeerRuns`)
-                schedule = "heuristic_transient" if spec.adaptive else "constant"
-                decoder = SpeculativeDecoder(target, draft, sampling, generation, spec)
-                if any(decoder.spec == other.decoder.spec for other in contenders):
-                    # where the default verifies no sibling (a GPU), the chain-only row would time it again
-                    continue
-                siblings = decoder.spec.siblings  # as resolved for this machine
-                beside = f", {siblings} sibling(s) beside the first draft" if siblings else ", chain only"
-                contenders.append(Contender(
-                    name, decoder, f"draft {draft.name}, gamma {spec.gamma}{beside}{label}",
-                    f"assisted generation ({schedule})",
-                    {"num_assistant_tokens": spec.gamma, "num_assistant_tokens_schedule": schedule,
-                     "assistant_confidence_threshold": spec.confidence}))
+            # transformers' assisted generation with the same most draft tokens, its fixed schedule; it has no copy
+            # proposals, so the copying variant meets the same peer run as the copy-free row (`PeerRuns`)
+            peer = {"num_assistant_tokens": args.gamma, "num_assistant_tokens_schedule": "constant"}
+            for name, grafted in (("speculative", None), ("speculative-copy", copies)):
+                proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=args.gamma), grafted,
+                                          draft=draft)
+                contenders.append(Contender(name, "speculative", proposer, setting(proposer),
+                                            "assisted generation (constant)", dict(peer)))
     if "prompt-lookup" in args.algos:
-        copier = PromptLookupDecoder(target, sampling, generation, PromptLookupParams())
+        copier = build_proposer(target, "prompt-lookup")
         lookup = copier.lookup  # K and B as chosen for this machine
-        contenders.append(Contender(
-            "prompt-lookup", copier,
-            f"max n-gram {lookup.max_ngram}, at most {lookup.num_draft} tokens per proposal, "
-            f"{lookup.branches} per step, verify overhead {lookup.verify_overhead:g}", "prompt lookup",
-            {"prompt_lookup_num_tokens": lookup.num_draft, "max_matching_ngram_size": lookup.max_ngram}))
+        contenders.append(Contender("prompt-lookup", "prompt-lookup", copier, setting(copier), "prompt lookup",
+                                    {"prompt_lookup_num_tokens": lookup.num_draft,
+                                     "max_matching_ngram_size": lookup.max_ngram}))
     if "lookahead" in args.algos:
-        decoder = LookaheadDecoder(target, sampling, generation, LookaheadParams())
-        ahead = decoder.lookahead  # G and M as chosen for this machine
-        seeded = f", pool seeded from {Path(decoder.corpus).parent.name}" if decoder.corpus else ""
-        contenders.append(Contender("lookahead", decoder,
-                                    f"W {ahead.window}, N {ahead.ngram}, G {ahead.guesses}, M {ahead.text_n}"
-                                    f"{seeded}"))
+        ahead = build_proposer(target, "lookahead")
+        seeded = f"pool seeded from {Path(ahead.corpus).parent.name}" if ahead.corpus else "no corpus pool"
+        contenders.append(Contender("lookahead", "lookahead", ahead, setting(ahead, seeded)))
     if "medusa" in args.algos:
-        greedy = MedusaDecoder(target, sampling, generation, MedusaParams(tree=args.tree))
-        setting = f"tree {args.tree} ({greedy.params()['tree_nodes']} nodes), heads {greedy.heads.folder.name}"
-        contenders.append(Contender("medusa", greedy, setting))
-        copying = MedusaParams(tree=args.tree, copy_ngram=like.max_ngram, copy_tokens=like.num_draft)
-        grafting = MedusaDecoder(target, sampling, generation, copying, greedy.heads)
-        room = (", ranked among the tree's nodes" if grafting.tree is None else "" if grafting.copy_room is None
-                else f", at most {grafting.copy_room} new nodes (one pass)")
-        contenders.append(Contender("medusa-copy", grafting,
-                                    f"{setting}, copies of up to {copying.copy_tokens} tokens after a "
-                                    f"{copying.copy_ngram}..1-gram match grafted on{room}"))
+        from .config import MedusaParams
+
+        greedy = build_proposer(target, "medusa", MedusaParams(tree=args.tree))
+        contenders.append(Contender("medusa", "medusa", greedy, setting(greedy)))
+        grafting = build_proposer(target, "medusa", MedusaParams(tree=args.tree), copies, heads=greedy.heads)
+        contenders.append(Contender("medusa-copy", "medusa", grafting, setting(grafting)))
         for acceptance in ("lossless", "typical"):  # the same heads and tree, sampled: what lossy buys
-            decoder = MedusaDecoder(target, SAMPLED, generation, MedusaParams(tree=args.tree, acceptance=acceptance),
-                                    greedy.heads)
-            label = f"{setting}, temperature {SAMPLED.temperature}, seed {SAMPLED.seed}, {acceptance} acceptance"
-            contenders.append(Contender(f"medusa-{acceptance}", decoder,
+            proposer = build_proposer(target, "medusa", MedusaParams(tree=args.tree, acceptance=acceptance),
+                                      heads=greedy.heads)
+            label = setting(proposer, f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}")
+            contenders.append(Contender(f"medusa-{acceptance}", "medusa", proposer,
                                         label + (" (LOSSY)" if acceptance == "typical" else " (exact)"),
-                                        sampled=True))
+                                        sampling=SAMPLED))
     return contenders, draft
 
 
@@ -401,7 +372,7 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import SpeculativeParams
-    from .decoding import AutoregressiveDecoder, SpeculativeDecoder, encode_prompt
+    from .decoding import encode_prompt
     from .metrics import expected_tokens_per_step, mean_draft_length
     from .models import load_model
     from .models.loader import load_hf_peer
@@ -412,30 +383,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.markdown = args.markdown or f"bench_results/{stem}.md"
     if args.suite == "serving":
         return cmd_bench_serving(args)
-    SpeculativeParams(gamma=args.gamma, confidence=args.draft_confidence)  # refuses a bad --gamma or confidence
+    SpeculativeParams(gamma=args.gamma)  # refuses a bad --gamma before any model loads
     args.algos = parse_algos(args.algos)
     indices = list(range(len(SUITE)))
     if args.limit is not None:
         check_int("limit", args.limit, 1, len(SUITE))
         indices = spread(args.limit)
     target = load_model(model_spec(args))
-    sampling = SamplingParams()
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
-    plain = AutoregressiveDecoder(target, sampling, generation)
-    contenders, draft = build_contenders(args, target, sampling, generation)
+    plain = Contender("ar", "ar", None, "plain decoding")
+    contenders, draft = build_contenders(args, target)
     hf_model = None if args.no_peers else load_hf_peer(target)
     if hf_model is not None and draft is not None:
         assistant = load_hf_peer(draft)
         for contender in contenders:
-            if isinstance(contender.decoder, SpeculativeDecoder):
+            if contender.algo == "speculative":
                 contender.peer_kwargs["assistant_model"] = assistant
     device = target.model.device
 
     warm = GenerationParams(max_new_tokens=8)
     warm_ids = encode_prompt(target, "Hello", warm)
-    run_ours(AutoregressiveDecoder(target, sampling, warm), "Hello")
-    for contender in contenders:
-        run_ours(contender.decoder, "Hello")
+    for contender in (plain, *contenders):
+        run_ours(target, contender, "Hello", warm)
     if hf_model is not None:
         run_hf(hf_model, warm_ids, target, warm)
         for contender in contenders:
@@ -449,7 +418,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         category, prompt = SUITE[index]
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
-        ours, plain_metrics, plain_trace = run_ours(plain, prompt)
+        ours, plain_metrics, plain_trace = run_ours(target, plain, prompt, generation)
         plain_costs.add(plain_trace)
         plain_step_s = seconds_per_step(plain_trace, plain_metrics)
         row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt,
@@ -463,7 +432,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             row["same_tokens"] = ours.token_ids == peer.token_ids
             progress += f", transformers {peer.tokens_per_s:.1f}"
         for contender in contenders:
-            fast, metrics, trace = run_ours(contender.decoder, prompt)
+            fast, metrics, trace = run_ours(target, contender, prompt, generation)
             result: dict[str, Any] = {
                 **run_stats(fast), "speedup_vs_ar": fast.tokens_per_s / ours.tokens_per_s,
                 "same_tokens_as_ar": None if contender.sampled else fast.token_ids == ours.token_ids,
@@ -472,7 +441,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "target_forwards": metrics.target_forwards,
                 "step_cost": seconds_per_step(trace, metrics) / plain_step_s if plain_step_s else None}
             costs[contender.name].add(trace)
-            if isinstance(contender.decoder, SpeculativeDecoder):
+            if contender.algo == "speculative":
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
             progress += f", {contender.name} {fast.tokens_per_s:.1f}"
@@ -531,7 +500,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if plain_forward_s:
             info.update(costs[name].ratios(plain_forward_s))
         if name == "prompt-lookup" and "verify_cost_ratio" in info:
-            add_copy_bounds(contender.decoder.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
+            add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
 

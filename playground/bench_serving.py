@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .bench_suite import workload
-from .config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
+from .config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
                      PromptLookupParams, SamplingParams)
 from .engine import Engine
 from .metrics import memory_summary
@@ -60,17 +60,17 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
     heads = default_heads(target.spec.source)
     if heads is not None:
         modes.update({
-            "continuous + Medusa": EngineParams(max_running=max_running, medusa=EngineMedusaParams(), **base),
-            "sequential + Medusa": EngineParams(max_running=1, medusa=EngineMedusaParams(), **base),
-            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=EngineMedusaParams(),
+            "continuous + Medusa": EngineParams(max_running=max_running, medusa=MedusaParams(), **base),
+            "sequential + Medusa": EngineParams(max_running=1, medusa=MedusaParams(), **base),
+            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=MedusaParams(),
                                               **base)})
     else:
         progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")
     drafted = default_draft(target.spec.source) is not None
     if drafted:
         modes.update({
-            "continuous + draft": EngineParams(max_running=max_running, draft=EngineDraftParams(), **base),
-            "sequential + draft": EngineParams(max_running=1, draft=EngineDraftParams(), **base)})
+            "continuous + draft": EngineParams(max_running=max_running, draft=SpeculativeParams(), **base),
+            "sequential + draft": EngineParams(max_running=1, draft=SpeculativeParams(), **base)})
     else:
         progress("no draft ships for this model: the serving suite runs without the draft modes")
     serve(target, workload(2, 8), modes["continuous"])  # warm-up: first-call allocations and kernel choices

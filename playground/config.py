@@ -16,7 +16,6 @@ MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
 KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
-MAX_VERIFY_OVERHEAD = 4.0
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
 LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
@@ -24,7 +23,6 @@ LOOKAHEAD_NGRAM = 3  # lookahead's N unless two guesses fit a pass only with N 2
 # prompt lookup's B and K where two copies fit one pass of the CPU kernel; K 5 also where one copy fits a pass only
 # at that length, else 8 (copy_length)
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
-LOOKUP_NATIVE_OVERHEAD, LOOKUP_OVERHEAD = 0.15, 0.4  # prompt lookup's verify_overhead: within one pass, beyond
 
 
 class ConfigError(ValueError):
@@ -118,7 +116,7 @@ class GenerationParams:
     stop: generation ends once the decoded continuation contains one of these strings; the returned text is
     cut before it, the returned token ids keep the token that completed it.
     raw: feed the prompt as is instead of wrapping it in the tokenizer's chat template.
-    kv: the KV cache a single-sequence decoder runs on; block_size: tokens per block of the paged cache.
+    kv: the KV cache one generation runs on; block_size: tokens per block of the paged cache.
     """
 
     max_new_tokens: int = 128
@@ -136,7 +134,6 @@ class GenerationParams:
 
 
 MAX_GAMMA = 16
-MAX_SIBLINGS = 4  # the draft's runners-up at the first drafted position verified beside its chain
 
 
 def fits_one_pass(rows_per_pass: int | None, tokens: int) -> bool:
@@ -158,71 +155,15 @@ def copy_length(rows_per_pass: int | None, copies: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeculativeParams:
-    """Draft-model speculative decoding. gamma: draft tokens per step (the starting value when adaptive);
-    adaptive: +2 after a fully accepted draft, -1 otherwise, kept within [1, 16]. copy_ngram: when above 0, a
-    step whose last 1..copy_ngram tokens occur earlier in the prompt or output may propose up to copy_tokens
-    (None: chosen for the machine by `resolve`) tokens copied from there (as prompt lookup does) instead of
-    drafting, when copies have lately been accepted at least as well as the draft's tokens; 0 always drafts.
-    confidence: stop drafting early, after a token the draft gave a probability below this (that token is still
-    proposed); 0 always drafts gamma. It is decided from the draft's own distribution alone, so greedy output
-    stays exact and sampling lossless.
-    siblings: under greedy acceptance, the draft's runners-up at the first drafted position (its 2nd, 3rd, ...
-    choices there) verified as extra leaves beside the chain in the same forward; when the target takes one, the
-    step keeps it and the target's token after it (None: chosen for the machine by `resolve`). Sampling verifies
-    the chain alone, so it takes 0 or None."""
-
-    gamma: int = 4
-    adaptive: bool = False
-    copy_ngram: int = 0
-    copy_tokens: int | None = None
-    confidence: float = 0.0
-    siblings: int | None = None
-
-    def __post_init__(self) -> None:
-        check_int("gamma", self.gamma, 1, MAX_GAMMA)
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
-        check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
-        if self.copy_tokens is not None:
-            check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
-        if not 0.0 <= _check_finite("confidence", self.confidence) < 1.0:
-            raise ConfigError(f"confidence must be in [0, 1), got {self.confidence}")
-        if self.siblings is not None:
-            check_int("siblings", self.siblings, 0, MAX_SIBLINGS)
-
-    def check_acceptance(self, greedy: bool) -> None:
-        """Siblings are verified under greedy acceptance only: refused when sampling, before any model loads."""
-        if self.siblings and not greedy:
-            raise ConfigError(f"siblings: only greedy decoding (temperature 0) verifies siblings, got "
-                              f"{self.siblings}; use 0 when sampling")
-
-    def resolve(self, rows_per_pass: int | None, greedy: bool) -> SpeculativeParams:
-        """These settings with `siblings` and `copy_tokens` fixed. Siblings: 1 under greedy acceptance where the
-        last token, gamma drafts and one sibling fit one pass of the CPU kernel's rows (`Transformer.rows_per_pass`;
-        None: no such step, as on a GPU), else 0. Copy tokens: as `copy_length` says for one copy (docs/defaults.md
-        says why)."""
-        self.check_acceptance(greedy)
-        siblings = self.siblings
-        if siblings is None:
-            siblings = int(greedy and fits_one_pass(rows_per_pass, self.gamma + 2))
-        copy_tokens = copy_length(rows_per_pass, 1) if self.copy_tokens is None else self.copy_tokens
-        return replace(self, siblings=siblings, copy_tokens=copy_tokens)
-
-
-@dataclass(frozen=True, slots=True)
 class PromptLookupParams:
-    """Prompt-lookup decoding. max_ngram: the longest suffix of the text so far that is looked up (then
-    shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: under greedy
-    acceptance, how many distinct copies (of different earlier occurrences) one forward verifies as a tree, the
-    longest match winning; verify_overhead: the extra cost of a verification forward over a one-token step, as a
-    fraction of that step (a match is proposed only when its expected accepted tokens pay for it; 0 proposes every
-    match); num_draft, branches and verify_overhead left None are chosen for the machine by `resolve`."""
+    """Prompt lookup (Saxena 2023). max_ngram: the longest suffix of the text so far that is looked up (then
+    shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: how many distinct copies
+    (of different earlier occurrences) one forward verifies, merged into a tree; num_draft and branches left None
+    are chosen for the machine by `resolve`."""
 
     max_ngram: int = 3
     num_draft: int | None = None
     branches: int | None = None
-    verify_overhead: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
@@ -230,28 +171,19 @@ class PromptLookupParams:
             check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
         if self.branches is not None:
             check_int("branches", self.branches, 1, MAX_BRANCHES)
-        if self.verify_overhead is not None:
-            overhead = _check_finite("verify_overhead", self.verify_overhead)
-            if not 0.0 <= overhead <= MAX_VERIFY_OVERHEAD:
-                raise ConfigError(f"verify_overhead must be in [0, {MAX_VERIFY_OVERHEAD:g}], got {overhead:g}")
 
     def resolve(self, rows_per_pass: int | None) -> PromptLookupParams:
-        """These settings with num_draft K, branches B and verify_overhead fixed for a forward whose matrix products
-        serve rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on
-        a GPU or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit
-        one pass, otherwise 1; K 5 with more than one copy or where one copy fits a pass at 5 tokens and not at 8,
-        else 8; the overhead 0.15 where the widest forward (B K + 1 tokens) fits one pass of the native kernel, else
-        0.4 (docs/defaults.md says why)."""
+        """These settings with num_draft K and branches B fixed for a forward whose matrix products serve
+        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a GPU
+        or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit one
+        pass, otherwise 1; K 5 with more than one copy or where one copy fits a pass at 5 tokens and not at 8, else
+        8 (docs/defaults.md says why)."""
         branches = self.branches
         if branches is None:
             two = fits_one_pass(rows_per_pass, 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS))
             branches = LOOKUP_BRANCHES if two else 1
         num_draft = copy_length(rows_per_pass, branches) if self.num_draft is None else self.num_draft
-        overhead = self.verify_overhead
-        if overhead is None:
-            in_pass = fits_one_pass(rows_per_pass, 1 + branches * num_draft)
-            overhead = LOOKUP_NATIVE_OVERHEAD if in_pass else LOOKUP_OVERHEAD
-        return replace(self, num_draft=num_draft, branches=branches, verify_overhead=overhead)
+        return replace(self, num_draft=num_draft, branches=branches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +264,7 @@ class LookaheadParams:
         return replace(self, guesses=1)
 
 
-MEDUSA_ACCEPTANCE = ("lossless", "typical", "greedy")
+MEDUSA_ACCEPTANCE = ("lossless", "typical")
 DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
 DYNAMIC_NODES = 11  # the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes
 GPU_DYNAMIC_NODES = 23  # on a GPU (see `dynamic_nodes`)
@@ -341,9 +273,10 @@ MAX_DYNAMIC_NODES = 64
 
 
 def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
-    """The dynamic tree's nodes when tree_nodes is None: with the native CPU kernel, the rows one pass serves beside
-    the last token, at most CPU_TREE_ROWS - 1 (`Transformer.rows_per_pass` - 1, so 5 with AVX2 and with AVX-512);
-    on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES (docs/defaults.md says why)."""
+    """The dynamic tree's nodes when `MedusaParams.nodes` is None: with the native CPU kernel, the rows one pass
+    serves beside the last token, at most CPU_TREE_ROWS - 1 (`Transformer.rows_per_pass` - 1, so 5 with AVX2 and
+    with AVX-512); on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES (docs/defaults.md says
+    why)."""
     if rows_per_pass is not None and rows_per_pass > 1:
         return min(rows_per_pass, CPU_TREE_ROWS) - 1
     return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES
@@ -351,55 +284,6 @@ def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MedusaParams:
-    """Medusa decoding. heads: a folder of trained heads (None: the shipped heads of the embedded target);
-    tree: "dynamic" (chosen at every step from the heads' probabilities, `tree.best_first`), a named tree or a JSON
-    file of top-k paths; tree_nodes: the dynamic tree's nodes, a copy's included (None: chosen for the machine by
-    `dynamic_nodes`: 5 with the native CPU kernel, 23 on a GPU); acceptance, which matters only when sampling:
-    "lossless" (each node's candidates verified in turn as one-hot proposals with the residual rule: exact),
-    "typical" (Cai et al.: accept x if p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, faster), or "greedy"
-    (argmax matching, temperature 0 only). At temperature 0 every mode reduces to greedy and is exact.
-    copy_ngram: when above 0, a step whose last 1..copy_ngram tokens occur earlier in the prompt or output
-    grafts up to copy_tokens tokens copied from there (as prompt lookup proposes them) onto the tree (the dynamic
-    tree ranks them among the heads' candidates); 0 proposes the heads' tree alone. copy_in_pass, for a named or
-    file tree: where the tree and the last token fit one pass of the native CPU kernel's rows
-    (`Transformer.rows_per_pass`), a copy adds at most the nodes left in that pass (it may still run further down
-    the tree's own nodes), so the step's forward stays one pass; False grafts up to copy_tokens new nodes whatever
-    the width."""
-
-    heads: str | None = None
-    tree: str = DYNAMIC_TREE
-    tree_nodes: int | None = None
-    acceptance: str = "lossless"
-    epsilon: float = 0.3
-    alpha: float = 0.09
-    copy_ngram: int = 0
-    copy_tokens: int = 8
-    copy_in_pass: bool = True
-
-    def __post_init__(self) -> None:
-        check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
-        if not isinstance(self.copy_in_pass, bool):
-            raise ConfigError(f"copy_in_pass must be true or false, got {self.copy_in_pass!r}")
-        for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
-            v = _check_finite(name, value)
-            if not 0 < v <= 1:
-                raise ConfigError(f"{name} must be in (0, 1], got {value}")
-        if not isinstance(self.tree, str) or not self.tree.strip():
-            raise ConfigError("tree must be a tree name or a JSON file of paths")
-        check_int("copy_ngram", self.copy_ngram, 0, MAX_NGRAM)
-        check_int("copy_tokens", self.copy_tokens, 1, MAX_GAMMA)
-        dynamic = self.tree == DYNAMIC_TREE
-        if self.tree_nodes is not None:
-            if not dynamic:
-                raise ConfigError(f"tree_nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
-            check_int("tree_nodes", self.tree_nodes, 1, MAX_DYNAMIC_NODES)
-        if dynamic and not self.copy_in_pass:
-            raise ConfigError("copy_in_pass: the dynamic tree holds its copy within tree_nodes; lifting the cut "
-                              "applies to a named or file tree")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMedusaParams:
     """Medusa heads in the engine: after each decoding request's last token, a tree of the heads' guesses verified in
     the batch's decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped
     heads of the embedded target); depth: the heads used, so the deepest guess (None: every head); tree: "dynamic"
@@ -429,14 +313,14 @@ class EngineMedusaParams:
             raise ConfigError("tree must be a tree name or a JSON file of paths")
         if self.nodes is not None and self.tree != DYNAMIC_TREE:
             raise ConfigError(f"nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
-        check_choice("acceptance", self.acceptance, ("lossless", "typical"))
+        check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
         for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
             if not 0 < _check_finite(name, value) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
 
 
 @dataclass(frozen=True, slots=True)
-class EngineDraftParams:
+class SpeculativeParams:
     """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
     up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
     every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
@@ -497,8 +381,8 @@ class EngineParams:
     policy: str = "continuous"
     prefix_caching: bool = True
     lookup: PromptLookupParams | None = None
-    medusa: EngineMedusaParams | None = None
-    draft: EngineDraftParams | None = None
+    medusa: MedusaParams | None = None
+    draft: SpeculativeParams | None = None
     lookahead: LookaheadParams | None = None
     kv: str = "paged"
 
@@ -516,11 +400,11 @@ class EngineParams:
             raise ConfigError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
         if self.lookup is not None and not isinstance(self.lookup, PromptLookupParams):
             raise ConfigError(f"lookup must be PromptLookupParams or None, got {type(self.lookup).__name__}")
-        if self.medusa is not None and not isinstance(self.medusa, EngineMedusaParams):
-            raise ConfigError(f"medusa must be EngineMedusaParams or None, got {type(self.medusa).__name__}")
+        if self.medusa is not None and not isinstance(self.medusa, MedusaParams):
+            raise ConfigError(f"medusa must be MedusaParams or None, got {type(self.medusa).__name__}")
         if self.draft is not None:
-            if not isinstance(self.draft, EngineDraftParams):
-                raise ConfigError(f"draft must be EngineDraftParams or None, got {type(self.draft).__name__}")
+            if not isinstance(self.draft, SpeculativeParams):
+                raise ConfigError(f"draft must be SpeculativeParams or None, got {type(self.draft).__name__}")
             if self.medusa is not None:
                 raise ConfigError("draft and medusa: a request is proposed either the heads' tree or the draft's "
                                   "chain; set one of them")

@@ -78,29 +78,6 @@ class LookaheadEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class TreeEvent:
-    """A Medusa step's whole candidate tree, after verification. Node i has the top-k path paths[i] (head
-    len(path) - 1 proposed it at rank path[-1]; its parent is the node whose path is path[:-1], or the last
-    committed token for a path of length 1), token tokens[i] with head probability probs[i] and target
-    probability target_probs[i]. accepted: the nodes kept, in depth order. A step that grafted a copy of earlier
-    text has more tokens than paths: the nodes past the paths form a chain below node copy_parent (0: the last
-    committed token), their probs 1 (a copy is a one-hot proposal); copy_source is the [start, end) positions of
-    those tokens in prompt + generated tokens and copy_ngram the length of the match that ends at start."""
-
-    KIND: ClassVar[str] = "tree"
-    step: int
-    t: float
-    paths: list[list[int]]
-    tokens: list[int]
-    probs: list[float]
-    target_probs: list[float]
-    accepted: list[int]
-    copy_parent: int | None = None
-    copy_source: list[int] | None = None
-    copy_ngram: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class VerifyEvent:
     """One target forward over `num_tokens` new positions (the last committed token plus any proposals)."""
 
@@ -231,7 +208,7 @@ class FinishEvent:
     wall_s: float
 
 
-Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, TreeEvent, VerifyEvent, AcceptEvent, RejectEvent,
+Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, AcceptEvent, RejectEvent,
               CorrectEvent, BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
 EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
 JSONScalar = Union[str, int, float, bool, None]

@@ -109,3 +109,17 @@ def memory_summary(events: list[Event]) -> dict[str, float]:
         "kv_waste_fraction": sum(e.bytes_reserved - e.bytes_used for e in memory) / used,
         "contiguous_waste_fraction": sum(e.contiguous_bytes - e.logical_bytes for e in memory) / logical,
     }
+
+
+def chain_acceptance(agrees: list[bool], gamma: int) -> tuple[int, int, int]:
+    """(accepted, drafted, judged) of greedy speculative steps of `gamma` drafts over a text where `agrees[i]` says
+    whether the draft's greedy token at position i equals the text's: each step drafts gamma tokens (fewer at the
+    end), keeps the agreeing run, is judged up to the first disagreement and moves past the run and one token."""
+    accepted = drafted = judged = 0
+    i = 0
+    while i < len(agrees):
+        chain = agrees[i : i + gamma]
+        run = next((k for k, agree in enumerate(chain) if not agree), len(chain))
+        accepted, drafted, judged = accepted + run, drafted + len(chain), judged + min(run + 1, len(chain))
+        i += run + 1
+    return accepted, drafted, judged

@@ -16,13 +16,13 @@ from pydantic_core import from_json
 
 from .events import (EVENT_TYPES, SCHEMA_VERSION, AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent,
                      Event, FinishEvent, JSONScalar, KVAllocEvent, KVFreeEvent, LookaheadEvent, MemoryEvent,
-                     PrefillEvent, PreemptEvent, RejectEvent, TokenInfo, TraceError, TreeEvent, VerifyEvent)
+                     PrefillEvent, PreemptEvent, RejectEvent, TokenInfo, TraceError, VerifyEvent)
 from .trace_check import trace_fields
 
 MAX_TRACE_BYTES = 64 * 1024 * 1024
 __all__ = ["EVENT_TYPES", "SCHEMA_VERSION", "AcceptEvent", "BonusEvent", "CommitEvent", "CorrectEvent", "DraftEvent",
            "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "LookaheadEvent", "MemoryEvent", "PrefillEvent",
-           "PreemptEvent", "RejectEvent", "TokenInfo", "Trace", "TraceError", "TreeEvent", "VerifyEvent"]
+           "PreemptEvent", "RejectEvent", "TokenInfo", "Trace", "TraceError", "VerifyEvent"]
 
 
 @dataclass(slots=True)

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .events import (EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError,
-                     TreeEvent)
+from .events import (EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError)
 
 _Check = Callable[[Any], Any]
 
@@ -179,38 +178,6 @@ def _check_lookahead(event: LookaheadEvent) -> None:
         raise _Bad(f"one entry per candidate ({len(event.candidates)}), got {len(event.keys)}").at("keys")
 
 
-def _check_tree(event: TreeEvent) -> None:
-    """A tree event's lists must describe one tree, or the viewers could not draw it."""
-    heads, nodes = len(event.paths), len(event.tokens)
-    _within("tokens", nodes, 0, MAX_NODES)
-    if len(event.probs) != nodes or len(event.target_probs) != nodes:
-        raise _Bad(f"tokens, probs and target_probs must have one entry per node ({nodes})")
-    if nodes < heads:
-        raise _Bad(f"{nodes} tokens for {heads} paths; every path needs its token").at("tokens")
-    seen: set[tuple[int, ...]] = set()
-    for i, path in enumerate(event.paths):
-        if not 1 <= len(path) <= MAX_DEPTH or min(path) < 0 or (len(path) > 1 and tuple(path[:-1]) not in seen):
-            raise _Bad(f"a path of 1..{MAX_DEPTH} ranks >= 0 whose parent path comes before it, got "
-                       f"{_shown(path)}").at(f"[{i}]").at("paths")
-        seen.add(tuple(path))
-    if not all(1 <= node <= nodes for node in event.accepted):
-        raise _Bad(f"nodes must be in [1, {nodes}]").at("accepted")
-    copied = nodes - heads
-    if not copied:
-        if (event.copy_parent, event.copy_source, event.copy_ngram) != (None, None, None):
-            raise _Bad("copy_parent, copy_source and copy_ngram are set only when tokens has more entries than "
-                       "paths (a grafted copy)").at("copy_parent")
-        return
-    if event.copy_parent is None or not 0 <= event.copy_parent <= heads:
-        raise _Bad(f"the node in [0, {heads}] the {copied} copied nodes hang below, got "
-                   f"{event.copy_parent!r}").at("copy_parent")
-    if event.copy_source is None:
-        raise _Bad(f"[start, end) with end - start = {copied} copied nodes, got None").at("copy_source")
-    _span("copy_source", event.copy_source, copied)
-    if event.copy_ngram is None or event.copy_ngram < 1:
-        raise _Bad(f"the matched n-gram length (>= 1), got {event.copy_ngram!r}").at("copy_ngram")
-
-
 def _check_memory(event: MemoryEvent) -> None:
     _within("blocks_total", event.blocks_total, 0, MAX_BLOCKS)
     _within("blocks_used", event.blocks_used, 0, event.blocks_total)
@@ -225,7 +192,7 @@ MAX_NODES = 4096  # tokens one step may propose or verify
 MAX_DEPTH = 64  # a tree's deepest path
 MAX_BLOCKS = 1 << 20
 _RULES: dict[type, tuple[Callable[[Any], None], ...]] = {
-    DraftEvent: (_check_draft,), LookaheadEvent: (_check_lookahead,), TreeEvent: (_check_tree,),
+    DraftEvent: (_check_draft,), LookaheadEvent: (_check_lookahead,),
     MemoryEvent: (_check_memory,)}
 _EVENTS = {kind: _dataclass(cls, skip=frozenset({"kind"})) for kind, cls in EVENT_TYPES.items()}
 

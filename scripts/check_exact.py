@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams,  # noqa: E402
+from playground.config import (EngineParams,  # noqa: E402
                                GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
                                SamplingParams, SpeculativeParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
@@ -71,12 +71,12 @@ def main() -> int:
     for name, params in {f"engine batch of {len(PROMPTS)}": EngineParams(),
                          f"engine batch of {len(PROMPTS)}, prompt lookup": EngineParams(lookup=PromptLookupParams()),
                          "engine batch of 2, prompt lookup": EngineParams(max_running=2, lookup=PromptLookupParams()),
-                         f"engine batch of {len(PROMPTS)}, Medusa": EngineParams(medusa=EngineMedusaParams()),
+                         f"engine batch of {len(PROMPTS)}, Medusa": EngineParams(medusa=MedusaParams()),
                          "engine batch of 2, Medusa and prompt lookup": EngineParams(
-                             max_running=2, lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
-                         f"engine batch of {len(PROMPTS)}, draft": EngineParams(draft=EngineDraftParams()),
+                             max_running=2, lookup=PromptLookupParams(), medusa=MedusaParams()),
+                         f"engine batch of {len(PROMPTS)}, draft": EngineParams(draft=SpeculativeParams()),
                          "engine batch of 2, draft and prompt lookup": EngineParams(
-                             max_running=2, lookup=PromptLookupParams(), draft=EngineDraftParams()),
+                             max_running=2, lookup=PromptLookupParams(), draft=SpeculativeParams()),
                          "engine batch of 1, lookahead": EngineParams(max_running=1, lookahead=LookaheadParams()),
                          "engine batch of 1, lookahead W 2 N 3 G 3": EngineParams(
                              max_running=1, lookahead=LookaheadParams(window=2, ngram=3, guesses=3)),

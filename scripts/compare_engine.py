@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import SUITE, spread  # noqa: E402
-from playground.config import (EngineDraftParams, EngineMedusaParams, GenerationParams,  # noqa: E402
+from playground.config import (SpeculativeParams, MedusaParams, GenerationParams,  # noqa: E402
                                LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
                                  PromptLookupDecoder, SpeculativeDecoder, generate)
@@ -49,8 +49,8 @@ def main() -> int:
                 "speculative": SpeculativeDecoder(target, draft, greedy, generation)}
     proposers = {"ar": None, "prompt-lookup": PROPOSERS["prompt-lookup"](target, PromptLookupParams()),
                  "lookahead": PROPOSERS["lookahead"](target, LookaheadParams()),
-                 "medusa": PROPOSERS["medusa"](target, EngineMedusaParams()),
-                 "speculative": PROPOSERS["speculative"](target, EngineDraftParams(), draft)}
+                 "medusa": PROPOSERS["medusa"](target, MedusaParams()),
+                 "speculative": PROPOSERS["speculative"](target, SpeculativeParams(), draft)}
     generate(decoders["ar"], "Hello")  # unmeasured warm-up: first-call allocations and kernel choices
     rates = {algo: {"decoder": [], "engine": []} for algo in decoders}
     for _ in range(args.rounds):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
+from playground.config import (ConfigError, SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
                                LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
@@ -176,34 +176,34 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         engine.abort(99)
     with pytest.raises(ConfigError, match="lookup must be PromptLookupParams or None, got dict"):
         EngineParams(lookup={"max_ngram": 3})
-    with pytest.raises(ConfigError, match="medusa must be EngineMedusaParams or None, got bool"):
+    with pytest.raises(ConfigError, match="medusa must be MedusaParams or None, got bool"):
         EngineParams(medusa=True)
     with pytest.raises(ConfigError, match=r"depth must be an integer in \[1, 16\]"):
-        EngineMedusaParams(depth=0)
+        MedusaParams(depth=0)
     with pytest.raises(ConfigError, match="heads must be a folder of Medusa heads or None"):
-        EngineMedusaParams(heads=" ")
+        MedusaParams(heads=" ")
     with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\] \(the heads' number\), got 5"):
-        Engine(target, EngineParams(medusa=EngineMedusaParams(depth=5)))
+        Engine(target, EngineParams(medusa=MedusaParams(depth=5)))
     with pytest.raises(ModelLoadError, match="medusa heads: made for hidden size 576"):
-        Engine(TINY, EngineParams(medusa=EngineMedusaParams()))  # the shipped heads are the embedded model's
+        Engine(TINY, EngineParams(medusa=MedusaParams()))  # the shipped heads are the embedded model's
     with pytest.raises(ConfigError, match="draft and medusa: .* set one of them"):
-        EngineParams(medusa=EngineMedusaParams(), draft=EngineDraftParams())
-    with pytest.raises(ConfigError, match="draft must be EngineDraftParams or None, got str"):
+        EngineParams(medusa=MedusaParams(), draft=SpeculativeParams())
+    with pytest.raises(ConfigError, match="draft must be SpeculativeParams or None, got str"):
         EngineParams(draft="embedded")
     with pytest.raises(ConfigError, match=r"gamma must be an integer in \[1, 16\]"):
-        EngineDraftParams(gamma=17)
+        SpeculativeParams(gamma=17)
     with pytest.raises(ConfigError, match="draft must be a model spec or None"):
-        EngineDraftParams(draft="")
+        SpeculativeParams(draft="")
     with pytest.raises(ConfigError, match=r"draft_cost must be in \[0, 1\] or None, got 2"):
-        EngineDraftParams(draft_cost=2.0)
+        SpeculativeParams(draft_cost=2.0)
     with pytest.raises(ConfigError, match="draft: its tokenizer differs from the target's"):
-        engine_proposer(target, EngineParams(draft=EngineDraftParams()), draft=TINY)
+        engine_proposer(target, EngineParams(draft=SpeculativeParams()), draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
-        Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=EngineDraftParams()))
+        Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=SpeculativeParams()))
     with pytest.raises(ConfigError, match="lookahead must be LookaheadParams or None, got dict"):
         EngineParams(lookahead={"window": 2})
     with pytest.raises(ConfigError, match="lookahead and lookup, draft: .* set one of them"):
-        EngineParams(lookahead=LookaheadParams(), lookup=PromptLookupParams(), draft=EngineDraftParams())
+        EngineParams(lookahead=LookaheadParams(), lookup=PromptLookupParams(), draft=SpeculativeParams())
     with pytest.raises(ConfigError, match=r"window must be an integer in \[1, 16\]"):
         LookaheadParams(window=0)
     with pytest.raises(ModelLoadError, match="corpus: .* written for a vocabulary of 49152 tokens, the target has 48"):
@@ -251,8 +251,8 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
-    on = {"lookup": PromptLookupParams(), "medusa": EngineMedusaParams(),
-          "draft": EngineDraftParams(draft_cost=0.0), "lookahead": LookaheadParams()}[proposer]
+    on = {"lookup": PromptLookupParams(), "medusa": MedusaParams(),
+          "draft": SpeculativeParams(draft_cost=0.0), "lookahead": LookaheadParams()}[proposer]
     # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
     batch = 1 if proposer == "lookahead" else 3
     results, kept = [], []
@@ -288,7 +288,7 @@ def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monke
     runner_up = runner_up_kept(monkeypatch)
     generation = GenerationParams(max_new_tokens=24)
     prompts = list(grounded_outputs)
-    guesses = {"medusa": EngineMedusaParams(), "draft": EngineDraftParams()}[guesser]
+    guesses = {"medusa": MedusaParams(), "draft": SpeculativeParams()}[guesser]
     draft = None
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
         params = EngineParams(max_running=max_running, lookup=lookup, **{guesser: guesses})
@@ -492,8 +492,8 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
                                 corpus_pool=False) if guesses and guesser == "lookahead" else None
     lookup = PromptLookupParams(num_draft=copy_tokens) if copy_tokens and not lookahead \
         else None
-    medusa = EngineMedusaParams(depth=guesses) if guesses and guesser == "heads" else None
-    draft = EngineDraftParams(gamma=guesses, draft_cost=0.0) if guesses and guesser == "draft" \
+    medusa = MedusaParams(depth=guesses) if guesses and guesser == "heads" else None
+    draft = SpeculativeParams(gamma=guesses, draft_cost=0.0) if guesses and guesser == "draft" \
         else None
     params = EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
                           max_running=max_running, policy=policy, prefix_caching=caching, lookup=lookup, medusa=medusa,
@@ -567,7 +567,7 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     runner_up = runner_up_kept(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
     generation = GenerationParams(max_new_tokens=16)
-    params = EngineParams(num_blocks=32, block_size=4, medusa=EngineMedusaParams())
+    params = EngineParams(num_blocks=32, block_size=4, medusa=MedusaParams())
     engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS), costs=FLAT)
     assert run_checking_the_cache(engine, prompts, generation) > 20
     guessed = counts(engine, "medusa")
@@ -599,7 +599,7 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
     generation = GenerationParams(max_new_tokens=16)
     lookup = PromptLookupParams(num_draft=3)
-    drafts = EngineDraftParams(gamma=3, draft_cost=0.0)
+    drafts = SpeculativeParams(gamma=3, draft_cost=0.0)
     params = EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts)
     engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, draft=TINY_DRAFT), costs=FLAT)
     draft = drafter(engine)
@@ -668,7 +668,7 @@ def token_counts(target: LoadedModel, draft: LoadedModel | None, seeds: int, sam
     """How often each token came at generated positions 2 and 3 over `seeds` seeded runs of one prompt (temperature
     1), plain or with the draft's chains proposed (sampled from its distributions when `sample`)."""
     params = EngineParams(num_blocks=seeds * 2, block_size=8, max_running=16,
-                          draft=EngineDraftParams(gamma=3, draft_cost=0.0, sample=sample)
+                          draft=SpeculativeParams(gamma=3, draft_cost=0.0, sample=sample)
                           if draft is not None else None)
     engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft), costs=FLAT)
     ids = [engine.add_request(PREFIX, SamplingParams(temperature=1.0, seed=seed), GenerationParams(max_new_tokens=3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams, LookaheadParams,
+from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
                                PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder
 from playground.decoding import generate as generate_plain
@@ -101,7 +101,7 @@ def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_ou
     """`generate` runs one request through the engine: plain decoding's greedy tokens for every algorithm on either
     cache, and a trace that survives its JSON round trip and adds up (tokens drawn, decisions, steps)."""
     params = {"prompt-lookup": PromptLookupParams(), "lookahead": LookaheadParams(),
-              "medusa": EngineMedusaParams(), "speculative": EngineDraftParams()}.get(algo)
+              "medusa": MedusaParams(), "speculative": SpeculativeParams()}.get(algo)
     proposer = None if params is None else PROPOSERS[algo](target, params)
     drafted = 0
     for prompt in PROMPTS:
@@ -127,7 +127,7 @@ def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> Non
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=i)
         plain, _ = generate_plain(AutoregressiveDecoder(target, sampling, generation), prompt)
         for algo, params in (("ar", None), ("prompt-lookup", PromptLookupParams()), ("lookahead", LookaheadParams()),
-                             ("medusa", EngineMedusaParams())):
+                             ("medusa", MedusaParams())):
             proposer = None if params is None else PROPOSERS[algo](target, params)
             output, _ = generate(target, prompt, proposer, sampling, generation, algo)
             assert output.token_ids == plain.token_ids, (algo, prompt)
@@ -135,9 +135,9 @@ def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> Non
 
 @pytest.mark.parametrize("algo, params", [
     ("prompt-lookup", PromptLookupParams(num_draft=4, branches=3)),
-    ("medusa", EngineMedusaParams(tree="small")),
-    ("medusa", EngineMedusaParams(tree="chain", acceptance="typical")),
-    ("speculative", EngineDraftParams(sample=True))])
+    ("medusa", MedusaParams(tree="small")),
+    ("medusa", MedusaParams(tree="chain", acceptance="typical")),
+    ("speculative", SpeculativeParams(sample=True))])
 def test_proposer_settings_keep_greedy_exact(target, plain_outputs, algo, params) -> None:
     """Several copies merged into a tree, the named Medusa trees, typical acceptance and sampled draft chains (the
     last two matter only when sampling) leave greedy outputs plain decoding's (with every width run, as if a forward
@@ -149,8 +149,8 @@ def test_proposer_settings_keep_greedy_exact(target, plain_outputs, algo, params
                                  costs=ForwardCosts((1, 2), (1.0, 1.0)))
         assert output.token_ids == plain_outputs[prompt], (algo, params, prompt)
         trees += sum(1 for e in trace.events if isinstance(e, DraftEvent) and any(t.parent for t in e.tokens[1:]))
-    assert trees > 0 or params in (EngineMedusaParams(tree="chain", acceptance="typical"),
-                                   EngineDraftParams(sample=True))
+    assert trees > 0 or params in (MedusaParams(tree="chain", acceptance="typical"),
+                                   SpeculativeParams(sample=True))
 
 
 def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None:
@@ -159,13 +159,13 @@ def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None
     generation = GenerationParams(max_new_tokens=32)
     accepted = {}
     for acceptance in ("lossless", "typical"):
-        proposer = PROPOSERS["medusa"](target, EngineMedusaParams(acceptance=acceptance))
+        proposer = PROPOSERS["medusa"](target, MedusaParams(acceptance=acceptance))
         accepted[acceptance] = sum(
             compute(generate(target, p, proposer, SamplingParams(temperature=0.7, seed=i), generation,
                              "medusa")[1]).accepted
             for i, p in enumerate(PROMPTS[:6]))
     assert accepted["typical"] > accepted["lossless"] > 0
-    proposer = PROPOSERS["speculative"](target, EngineDraftParams(sample=True))
+    proposer = PROPOSERS["speculative"](target, SpeculativeParams(sample=True))
     output, trace = generate(target, PROMPTS[0], proposer, SamplingParams(temperature=0.7, seed=0), generation,
                              "speculative")
     assert len(output.token_ids) > 0 and compute(trace).drafted > 0
@@ -186,7 +186,7 @@ def test_a_proposer_adds_its_own_trace_events(target) -> None:
 def test_the_step_detail_draws_an_engine_tree_with_its_texts(target) -> None:
     """A Medusa step through the engine: its tree drawn from the draft event alone, with the tokens' own texts (no
     tokenizer at hand) and the kept path marked."""
-    proposer = PROPOSERS["medusa"](target, EngineMedusaParams())
+    proposer = PROPOSERS["medusa"](target, MedusaParams())
     _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=16),
                         algo="medusa")
     step = next(e.step for e in trace.events if isinstance(e, AcceptEvent) and e.step > 0)

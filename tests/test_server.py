@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import (EngineDraftParams, EngineMedusaParams, EngineParams, GenerationParams,
+from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
                                LookaheadParams, PromptLookupParams, SamplingParams)
 from playground.decoding import AutoregressiveDecoder, encode_prompt
 from playground.decoding.base import chat_ids
@@ -33,8 +33,8 @@ from .prompts import PROMPTS
 TOKENS = 24
 
 
-PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=EngineMedusaParams()),
-             "drafts": dict(lookup=PromptLookupParams(), draft=EngineDraftParams()),
+PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=MedusaParams()),
+             "drafts": dict(lookup=PromptLookupParams(), draft=SpeculativeParams()),
              "lookahead": dict(lookahead=LookaheadParams())}
 
 

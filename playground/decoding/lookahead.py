@@ -1,23 +1,19 @@
 """Lookahead decoding (Fu et al. 2024): Jacobi iteration makes n-grams, one forward both makes and checks them.
 
-Each step is one target forward over three branches, kept apart by the attention mask:
-- the last committed token x (not yet in the cache);
-- the lookahead branch: a window of N - 1 rows by W columns of guessed tokens. Token (row l, column i) sits at
-  position P + 1 + i + l and sees x, row 0 up to column i and rows 1..l of column i: a consecutive text. The
-  target's argmax after the last row gives a new row; each column read top to bottom plus its new token is an
+Each step's forward holds, for each request, three branches kept apart by the attention mask:
+- the last committed token x;
+- the lookahead branch (side rows): a window of N - 1 rows by W columns of guessed tokens. Token (row l, column i)
+  sits at position P + 1 + i + l and sees x, row 0 up to column i and rows 1..l of column i: a consecutive text.
+  The target's argmax after the last row gives a new row; each column read top to bottom plus its new token is an
   n-gram for the pool, and the window slides up one row;
-- the verification branch: up to G n-grams from the pool that start with x, each seeing x and itself. Besides
-  the window's n-grams, the pool holds the prompt's (`prompt_pool`) and those of the text committed so far
-  (`output_pool`): an answer repeats its own phrases and its prompt's more often than a small model's Jacobi
-  window guesses them. Those two take n-grams of `text_ngram` M tokens (default N), so a guess from the text
-  may run longer than the window's. Before them the pool is seeded (`corpus_pool`) with the most frequent
-  M-grams of the target's own answers to other prompts: its habitual phrases, a static pool in the spirit of
-  retrieval-based drafting (REST, He et al. 2023), which no text so far may hold yet. The text's n-grams are
-  also kept keyed by their first 2..K tokens (`context`), and the candidates following the longest run of x and
-  the tokens before it come first (`TextPools`).
-Accept: greedy keeps the candidate with the longest prefix equal to the target's argmaxes; sampling verifies
-the most recent candidate with the lossless rule (one-hot q). Commit: the cache keeps x and the accepted tokens
-of that candidate, moved into place; the window and the other candidates are dropped.
+- the verification branch: up to G n-grams from the pools that start with x, merged into a tree. Besides the
+  window's n-grams, the pools hold the prompt's (`prompt_pool`) and those of the text committed so far
+  (`output_pool`), of `text_ngram` M tokens (default N). Before them the pool is seeded (`corpus_pool`) with the
+  most frequent M-grams of the target's own answers to other prompts: its habitual phrases, in the spirit of
+  retrieval-based drafting (REST, He et al. 2023). The text's n-grams are also kept keyed by their first 2..K
+  tokens (`context`), and the candidates following the longest run of x and the tokens before it come first
+  (`TextPools`).
+The engine accepts along the tree as for any proposal and keeps the accepted path; the window's rows are dropped.
 """
 
 from __future__ import annotations
@@ -29,29 +25,13 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationParams, LookaheadParams, SamplingParams
+from ..config import LookaheadParams
 from ..models import LoadedModel
 from ..sampling import argmax_rows
-from ..trace import DraftEvent, LookaheadEvent, VerifyEvent
-from .base import Decoder, EventStream, Stopper, commit_event, forward_tree, new_cache
-from .chain import ChainOutcome, accept_chain, longest_match, one_hot
+from ..trace import LookaheadEvent
 from .planning import ProposalGate
 from .pools import TextPools, seed_pools, start_pools
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
-
-
-@dataclass(frozen=True, slots=True)
-class StepLayout:
-    """Where each token of one lookahead forward sits. Order: window rows 0..N-3, then x, the last window row and
-    the candidates, so that every token whose logits are read is among the last `num_logits`."""
-
-    tokens: list[int]
-    positions: list[int]  # offsets from x's position
-    mask: torch.Tensor  # (T, T) bool: who sees whom among the new tokens
-    x_index: int
-    last_row: list[int]  # index of each column of the last window row
-    candidate_rows: list[list[int]]  # index of each candidate token
-    num_logits: int
 
 
 def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor]:
@@ -60,40 +40,14 @@ def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.T
     up to column i and rows 1..l of column i, a consecutive text after x (which every one of them also sees)."""
     rows, width = len(window), len(window[0])
     tokens = [token for row in window for token in row]
-    positions = [1 + i + l for l in range(rows) for i in range(width)]
+    positions = [1 + i + r for r in range(rows) for i in range(width)]
     mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
-    for l in range(rows):
+    for r in range(rows):
         for i in range(width):
-            me = l * width + i
+            me = r * width + i
             mask[me, : i + 1] = True  # row 0 up to this column
-            mask[me, [r * width + i for r in range(1, l + 1)]] = True  # rows 1..l of this column, itself included
+            mask[me, [k * width + i for k in range(1, r + 1)]] = True  # rows 1..l of this column, itself included
     return tokens, positions, mask
-
-
-def step_layout(x: int, window: list[list[int]], candidates: list[tuple[int, ...]]) -> StepLayout:
-    """Tokens, positions and mask of one lookahead forward (window rows l = 0..N-2 of W tokens)."""
-    rows, width = len(window), len(window[0])
-    block, block_positions, block_mask = jacobi_block(window)
-    split = (rows - 1) * width  # rows 0..N-3 go before x, the last row after it
-    tokens = block[:split] + [x] + block[split:]
-    positions = block_positions[:split] + [0] + block_positions[split:]
-    x_index = split
-    window_index = list(range(split)) + list(range(split + 1, len(tokens)))  # each window token's index
-    candidate_rows = []
-    for c in candidates:
-        candidate_rows.append(list(range(len(tokens), len(tokens) + len(c))))
-        tokens += c
-        positions += range(1, len(c) + 1)
-
-    mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
-    mask[x_index, x_index] = True
-    mask[window_index, x_index] = True
-    mask[torch.tensor(window_index)[:, None], torch.tensor(window_index)] = block_mask
-    for row in candidate_rows:
-        for j, me in enumerate(row):
-            mask[me, x_index] = True
-            mask[me, row[: j + 1]] = True
-    return StepLayout(tokens, positions, mask, x_index, window_index[split:], candidate_rows, len(tokens) - x_index)
 
 
 def first_window(prompt_ids: list[int], params: LookaheadParams, seed: int | None) -> list[list[int]]:
@@ -109,102 +63,6 @@ def slide(window: list[list[int]], new_row: list[int], pools: TextPools) -> list
     for i, token in enumerate(new_row):
         pools.add_window(tuple(row[i] for row in window) + (token,))
     return window[1:] + [new_row]
-
-
-class LookaheadDecoder(Decoder):
-    algo = "lookahead"
-
-    def __init__(self, target: LoadedModel, sampling: SamplingParams, generation: GenerationParams,
-                 params: LookaheadParams | None = None) -> None:
-        super().__init__(target, sampling, generation)
-        la = self.lookahead = (params or LookaheadParams()).resolve(target.model.rows_per_pass)
-        self.corpus, self.seeds = seed_pools(target, la)  # every run starts its pools as copies of the seeds
-
-    def params(self) -> dict[str, Any]:
-        la = self.lookahead
-        return {**super().params(), "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
-                "prompt_pool": la.prompt_pool, "output_pool": la.output_pool, "text_ngram": la.text_n,
-                "context": la.context, "corpus": self.corpus}
-
-    def run(self, prompt_ids: list[int]) -> EventStream:
-        target = self.target.model
-        la = self.lookahead
-        clock, generator, stopper = self.start()
-        widest = la.width(la.guesses, la.text_n)
-        cache = new_cache(target, len(prompt_ids) + self.generation.max_new_tokens + widest, self.generation)
-        pool = start_pools(self.seeds, la, prompt_ids)
-        text = list(prompt_ids)  # prompt + committed tokens: the context candidates are keyed by
-        window = first_window(prompt_ids, la, self.sampling.seed)
-
-        last, done = yield from self.prefill(cache, prompt_ids, clock, generator, stopper)
-        step = 0
-        while not done:
-            step += 1
-            step_start = clock.now()
-            base = cache.length(0)  # position of `last`
-            # Never propose past max_new_tokens: those tokens could only be thrown away.
-            budget = self.generation.max_new_tokens - len(stopper.tokens)
-            found, keys = pool.candidates([*text[-la.context :], last])
-            candidates = [c[:budget] for c in found]
-            if not self.sampling.greedy:  # one chain keeps the lossless rule simple
-                candidates, keys = candidates[:1], keys[:1]
-            layout = step_layout(last, window, candidates)
-            draft_end = clock.now()
-            yield from clock.emit(LookaheadEvent(step=step, t=draft_end, window=[list(r) for r in window],
-                                                 pool_size=len(pool), candidates=[list(c) for c in candidates],
-                                                 keys=keys))
-
-            verify_start = clock.now()
-            # one forward over every branch: logits (num_logits, V) of the last num_logits tokens
-            logits, _ = forward_tree(target, cache, layout.tokens, layout.positions, layout.mask, layout.num_logits)
-            verify_end = clock.now()
-            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=len(layout.tokens),
-                                              wall_s=verify_end - verify_start, target_forwards=1))
-
-            first = len(layout.tokens) - layout.num_logits  # token index of logits row 0
-            argmax = argmax_rows(logits)  # (num_logits,) the target's next token after each
-            new_row = [argmax[i - first] for i in layout.last_row]  # (W,)
-            window = slide(window, new_row, pool)
-
-            draft_s, verify_s = draft_end - step_start, verify_end - verify_start
-            chosen, outcome = self.accept(step, clock.now(), draft_s, base, logits, argmax, first, layout,
-                                          candidates, generator, stopper)
-            done = outcome.done
-            accepted = layout.candidate_rows[chosen][: outcome.accepted] if chosen is not None else []
-            # commit: token index i of this forward sits in slot base + i; x and the accepted tokens move to
-            # slots base, base + 1, ..., everything else is dropped
-            cache.keep(0, base, [layout.x_index] + accepted)
-            grown = len(text)
-            text += [last] + [layout.tokens[i] for i in accepted]
-            if la.output_pool:  # the answer's own phrases are likely to come back
-                pool.add_text(text, grown)
-            last = outcome.token
-            yield from clock.emit(*outcome.events, commit_event(step, step_start, clock.now(), draft_s, verify_s,
-                                                                outcome.kept, cache.memory().bytes_used))
-        event, output = self.finish(stopper, clock, step)
-        yield from clock.emit(event)
-        return output
-
-    def accept(self, step: int, t: float, draft_s: float, base: int, logits: torch.Tensor, argmax: list[int],
-               first: int, layout: StepLayout, candidates: list[tuple[int, ...]], generator: torch.Generator,
-               stopper: Stopper) -> tuple[int | None, ChainOutcome]:
-        """Judge the candidates; returns the index of the one kept (None when there were none) and the outcome.
-        A DraftEvent for that candidate precedes the accept/reject events: it is the chain that was verified.
-        logits (num_logits, V) and their argmax: row i belongs to token index first + i of the forward."""
-        x_row = layout.x_index - first
-        if not candidates:
-            return None, accept_chain(self, step, t, base, logits[x_row : x_row + 1], [], None, None, generator,
-                                      stopper)
-        rows = [[x_row] + [i - first for i in row] for row in layout.candidate_rows]  # each candidate's K+1 rows
-        # under sampling the one candidate verified; under greedy the longest match, earliest on ties
-        chosen = longest_match(argmax, rows, [list(c) for c in candidates]) if self.sampling.greedy else 0
-        proposals = list(candidates[chosen])
-        q = None if self.sampling.greedy else one_hot(proposals, logits.shape[-1], logits.device)
-        q_shown = None if self.sampling.greedy else [1.0] * len(proposals)
-        outcome = accept_chain(self, step, t, base, logits[rows[chosen]], proposals, q, q_shown, generator, stopper)
-        infos = [self.token_info(x, base + 1 + i, q=None if q_shown is None else 1.0) for i, x in enumerate(proposals)]
-        draft = DraftEvent(step=step, t=t, tokens=infos, wall_s=draft_s, draft_forwards=0)
-        return chosen, replace(outcome, events=[draft, *outcome.events])
 
 
 @dataclass
@@ -226,7 +84,8 @@ class LookaheadProposer(Proposer):
 
     label = "lookahead"
 
-    def __init__(self, target: LoadedModel, params: LookaheadParams) -> None:
+    def __init__(self, target: LoadedModel, params: LookaheadParams | None = None) -> None:
+        params = params or LookaheadParams()
         self.lookahead = la = params.resolve(target.model.rows_per_pass)
         self.corpus, self.seeds = seed_pools(target, la)  # every request's pools start as copies of these
         self.states: dict[int, _Sequence] = {}

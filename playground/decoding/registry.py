@@ -1,11 +1,11 @@
-"""From settings to the engine's proposer: the one place that knows every algorithm's proposer by name."""
+"""From settings to a proposer: the one place that knows every algorithm's proposer by name."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from ..config import EngineParams
+from ..config import ConfigError, EngineParams, PromptLookupParams
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads
 from .guesses import Grafted, Guesser
@@ -15,28 +15,52 @@ from .prompt_lookup import CopyProposer
 from .proposer import Proposer
 from .speculative import DraftGuesser
 
-# algorithm name -> (target, its parameters) -> proposer; a new algorithm is one module and one line here
-PROPOSERS: dict[str, Callable[[LoadedModel, Any], Proposer]] = {
+# algorithm name -> (target, its parameters or None for the defaults) -> proposer; a new algorithm is one module and
+# one line here
+PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "prompt-lookup": CopyProposer,
     "lookahead": LookaheadProposer,
     "medusa": MedusaGuesser,
     "speculative": DraftGuesser,
 }
+PLAIN = "ar"  # plain decoding: no proposer
+
+
+def algorithms() -> list[str]:
+    """Every algorithm's name, plain decoding first."""
+    return [PLAIN, *PROPOSERS]
+
+
+def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: PromptLookupParams | None = None,
+                   heads: LoadedHeads | None = None, draft: LoadedModel | None = None) -> Proposer | None:
+    """The proposer of algorithm `algo` with its parameters (None: its defaults; plain decoding has none), with
+    prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms that guess a tree: Medusa
+    and the draft model). `heads`, `draft`: ones already loaded for Medusa, for the draft model."""
+    if algo not in algorithms():
+        raise ConfigError(f"algo must be one of {', '.join(algorithms())}, got {algo!r}")
+    if algo == PLAIN:
+        if params is not None or copies is not None:
+            raise ConfigError("plain decoding (ar) takes no proposer settings and no copies")
+        return None
+    loaded = {name: value for name, value in (("heads", heads), ("draft", draft)) if value is not None}
+    proposer = PROPOSERS[algo](target, params, **loaded)
+    if copies is None:
+        return proposer
+    if not isinstance(proposer, Guesser):
+        raise ConfigError(f"copies: prompt lookup's copies graft onto Medusa's or the draft's trees, not onto {algo}")
+    return Grafted(proposer, CopyProposer(target, copies))
 
 
 def engine_proposer(target: LoadedModel, params: EngineParams, heads: LoadedHeads | None = None,
                     draft: LoadedModel | None = None) -> Proposer | None:
     """The proposer `params` names (None: plain decoding): lookahead alone, or the Medusa heads' or the draft's
-    guesses with the copies of prompt lookup grafted on where `params.lookup` is set too. `heads`, `draft`: ones
-    already loaded for `params.medusa`, `params.draft`."""
+    guesses with the copies of prompt lookup grafted on where `params.lookup` is set too."""
     if params.lookahead is not None:
-        return PROPOSERS["lookahead"](target, params.lookahead)
-    guesser: Guesser | None = None
+        return build_proposer(target, "lookahead", params.lookahead)
     if params.medusa is not None:
-        guesser = MedusaGuesser(target, params.medusa, heads)
-    elif params.draft is not None:
-        guesser = DraftGuesser(target, params.draft, draft)
-    copies = None if params.lookup is None else PROPOSERS["prompt-lookup"](target, params.lookup)
-    if guesser is not None and copies is not None:
-        return Grafted(guesser, copies)
-    return guesser or copies
+        return build_proposer(target, "medusa", params.medusa, params.lookup, heads=heads)
+    if params.draft is not None:
+        return build_proposer(target, "speculative", params.draft, params.lookup, draft=draft)
+    if params.lookup is not None:
+        return build_proposer(target, "prompt-lookup", params.lookup)
+    return None

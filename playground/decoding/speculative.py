@@ -1,40 +1,32 @@
-"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023) in the engine.
 
-Each step: propose gamma tokens with the draft model -> verify them with one target forward over
-[last token, drafts] -> accept a prefix (greedy match or lossless rejection sampling, both in `sampling`) ->
-commit: roll both KV caches back to the kept tokens. Greedy output equals plain decoding token for token;
-sampled output follows the target's distribution exactly.
-
-Under greedy acceptance the draft's runners-up at the first drafted position (`siblings`) are verified in the same
-forward as leaves beside the chain: where the target refuses the draft's first choice it often takes its second,
-and then the step keeps that token and the target's next one instead of a correction alone.
-
-With `copy_ngram` a step may propose a span copied from earlier text instead (prompt lookup's proposal, one-hot
-q), which the small draft rarely predicts: it does not learn to copy. Verification is the same either way, so
-exactness and losslessness hold; which source proposes is chosen from the tokens alone.
+For each decoding request the draft model proposes a chain of its greedy tokens and the runner-up at the chain's
+first place (a tree of gamma + 1 nodes), batched over the requests on the draft's own cache; the target verifies
+it in the step's one forward and every token is drawn from the target's row as plain decoding draws it. With
+`SpeculativeParams.sample` a sampling request's chain is drawn from the draft's distributions q instead and judged
+by the lossless rule for q: the output follows the target's distribution, though a seed no longer gives plain
+decoding's text.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..config import MAX_GAMMA, ConfigError, EngineDraftParams, GenerationParams, SamplingParams, SpeculativeParams
-from ..kv import ContiguousKVCache, KVCache, PagedKVCache
+from ..config import ConfigError, SpeculativeParams
+from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel, Transformer
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
-from ..sampling import argmax_rows, next_token, probabilities, sample, shown_probabilities
-from ..trace import DraftEvent, RejectEvent, VerifyEvent
-from .base import Decoder, EventStream, commit_event, engine_cache, forward_tokens, new_cache
-from .chain import accept_chain, one_hot, verify_candidates
-from .copies import Lookup, agreement, find_continuation
+from ..sampling import probabilities, sample
+from .base import engine_cache
+from .copies import agreement
 from .guesses import Guesser, Guesses
-from .planning import ProposalGate, RunningAcceptance, plan_width
+from .planning import plan_width
 from .proposer import Cost, Outcome, Proposal, RequestView
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
@@ -53,215 +45,19 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise ConfigError(f"draft: output vocabulary of {d_size} rows, the target has {t_size}; they must be equal")
 
 
-@dataclass(frozen=True, slots=True)
-class Drafted:
-    tokens: list[int]  # the chain the draft proposes
-    q: torch.Tensor | None  # (K, V): the distributions the chain was drawn from; None under greedy
-    shown: list[float]  # each chain token's draft probability, for the trace
-    siblings: list[int]  # the draft's runners-up at the first position, best first
-    sibling_q: list[float]  # their draft probabilities
-
-
-def runners_up(logits: torch.Tensor, chosen: int, chosen_p: float, count: int) -> tuple[list[int], list[float]]:
-    """The `count` rows of logits (V,) ranked highest after row `chosen`, best first, and their softmax
-    probabilities, found from `chosen`'s probability chosen_p (p_s = chosen_p * exp(l_s - l_chosen)) rather than
-    a second normaliser. One native argmax per pick over a copy with the picks masked: on the 2-core CPU topk over
-    the vocabulary and its logsumexp cost 0.2-0.3 ms a step, a tenth of the sibling's gain."""
-    rest = logits.float().clone()  # (V,)
-    top = float(rest[chosen])
-    rest[chosen] = -math.inf
-    rows: list[int] = []
-    probs: list[float] = []
-    for _ in range(count):
-        row = argmax_rows(rest.unsqueeze(0))[0]
-        rows.append(row)
-        probs.append(chosen_p * math.exp(float(rest[row]) - top))
-        rest[row] = -math.inf
-    return rows, probs
-
-
-class SpeculativeDecoder(Decoder):
-    algo = "speculative"
-
-    def __init__(self, target: LoadedModel, draft: LoadedModel, sampling: SamplingParams,
-                 generation: GenerationParams, params: SpeculativeParams | None = None) -> None:
-        super().__init__(target, sampling, generation)
-        check_compatible(target, draft)
-        self.draft = draft
-        self.spec = (params or SpeculativeParams()).resolve(target.model.rows_per_pass, sampling.greedy)
-        self.proposal = proposal_rows(draft)  # the tokens the draft may propose; None: all of them
-        self.proposal_ids = None if self.proposal is None else self.proposal.ids.tolist()  # row -> token id
-        self.eos_ids = frozenset(target.eos_token_ids)  # a copy stops after one
-
-    def params(self) -> dict[str, Any]:
-        vocab = self.draft.model.config.vocab_size if self.proposal is None else len(self.proposal)
-        return {**super().params(), "draft": self.draft.name, "gamma": self.spec.gamma,
-                "adaptive_gamma": self.spec.adaptive, "draft_vocab": vocab, "copy_ngram": self.spec.copy_ngram,
-                "copy_tokens": self.spec.copy_tokens, "confidence": self.spec.confidence,
-                "siblings": self.spec.siblings}
-
-    def propose(self, cache: KVCache, pending: list[int], gamma: int, generator: torch.Generator,
-                siblings: int = 0) -> Drafted:
-        """Draft up to gamma tokens after feeding `pending` (tokens the draft has not seen yet): fewer when one's
-        draft probability falls below `confidence`, since the tokens after an unlikely one are rarely accepted and
-        each costs a draft forward; under greedy, also the draft's `siblings` runners-up at the first position
-        (from the same forward's logits).
-
-        The last drafted token is not fed to the draft (saves a forward). With a proposal vocabulary the draft
-        scores only its rows: q is zero elsewhere, which the lossless rule allows (the target's residual covers
-        those tokens). Stopping looks at the draft's own draws only, never at the target, so every proposed
-        position is still verified against p as it would be at a fixed length.
-        """
-        model = self.draft.model
-        # Greedy drafting needs only the argmax and its probability, both found among the scored rows: spreading
-        # them over the whole vocabulary (-inf elsewhere) and reducing that cost a draft step more than scoring.
-        compact = self.proposal_ids is not None and self.sampling.greedy
-        logits = forward_tokens(model, cache, pending, rows=self.proposal, scored_only=compact)[-1]  # (V,) or (V',)
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        shown: list[float] = []
-        others: list[int] = []
-        others_q: list[float] = []
-        for i in range(gamma):
-            if self.sampling.greedy:
-                row, q_x = next_token(logits, self.sampling, generator)
-                if i == 0 and siblings:
-                    others, others_q = runners_up(logits, int(row), float(q_x), siblings)
-                token = self.proposal_ids[int(row)] if compact else int(row)
-            else:
-                # x ~ q, keeping q itself for the acceptance test (computed once, not again for the trace)
-                q_rows.append(probabilities(logits, self.sampling))  # (V,)
-                token = sample(q_rows[-1], generator)
-                q_x = q_rows[-1][token]
-            tokens.append(int(token))
-            shown.append(float(q_x))
-            if i == gamma - 1 or shown[-1] < self.spec.confidence:
-                break
-            logits = forward_tokens(model, cache, [tokens[-1]], rows=self.proposal, scored_only=compact)[-1]
-        if compact:
-            others = [self.proposal_ids[row] for row in others]
-        return Drafted(tokens, torch.stack(q_rows) if q_rows else None, shown, others, others_q)  # q: (K, V)
-
-    def copy_proposal(self, sequence: list[int], budget: int, gamma: int, copies: ProposalGate,
-                      drafted: RunningAcceptance) -> Lookup | None:
-        """The copy to propose this step instead of drafting, if any: the prompt-lookup match for the text so
-        far, when copies of its n-gram length are expected to commit at least as many tokens as gamma drafts
-        (a copy step also saves the draft's forwards). Depends only on the tokens, so seeds stay reproducible."""
-        if not self.spec.copy_ngram:
-            return None
-        copies.decay()
-        drafted.decay()
-        found = find_continuation(sequence, self.spec.copy_ngram, min(self.spec.copy_tokens, budget), self.eos_ids)
-        if found and copies.expected_tokens(found.ngram, len(found.tokens)) >= drafted.expected_tokens(gamma):
-            return found
-        return None
-
-    def run(self, prompt_ids: list[int]) -> EventStream:
-        target, draft = self.target.model, self.draft.model
-        clock, generator, stopper = self.start()
-        capacity = len(prompt_ids) + self.generation.max_new_tokens + MAX_GAMMA + 1  # copy_tokens <= MAX_GAMMA
-        target_cache = new_cache(target, capacity, self.generation)
-        draft_cache = new_cache(draft, capacity, self.generation)
-        vocab = target.config.vocab_size
-        copies, drafted = ProposalGate(0.0, self.spec.copy_ngram), RunningAcceptance()
-
-        last, done = yield from self.prefill(target_cache, prompt_ids, clock, generator, stopper)
-        # The draft sees the prompt now and the first token with its first proposal.
-        draft_pending = list(prompt_ids) + [last]
-        sequence = list(prompt_ids) + [last]  # prompt + generated: what a copy is looked up in
-        gamma, step = self.spec.gamma, 0
-        while not done:
-            step += 1
-            step_start = clock.now()
-            # Never propose past max_new_tokens: those tokens could only be thrown away.
-            budget = self.generation.max_new_tokens - len(stopper.tokens)
-            gamma = min(gamma, budget)
-            base = target_cache.length(0)  # position of `last`
-            draft_base = draft_cache.length(0)
-            found = self.copy_proposal(sequence, budget, gamma, copies, drafted)
-            siblings: list[int] = []  # the draft's runners-up at the first position
-            sibling_q: list[float] = []
-            if found:
-                # q is one-hot: a copied token was proposed with certainty
-                proposals, q_shown = found.tokens, [1.0] * len(found.tokens)
-                q = None if self.sampling.greedy else one_hot(proposals, vocab, target.device)
-                forwards, source, ngram = 0, [found.start, found.start + len(proposals)], found.ngram
-            else:
-                chain = self.propose(draft_cache, draft_pending, gamma, generator, self.spec.siblings)
-                proposals, q, q_shown = chain.tokens, chain.q, chain.shown
-                siblings, sibling_q = chain.siblings, chain.sibling_q
-                forwards, source, ngram = len(proposals), None, None
-            draft_end = clock.now()
-            # with siblings the proposals form a tree: node 0 is `last`, chain token i node i + 1, siblings after
-            infos = [self.token_info(x, base + 1 + i, q=q_shown[i], parent=i if siblings else None)
-                     for i, x in enumerate(proposals)]
-            infos += [self.token_info(x, base + 1, q=q_x, parent=0) for x, q_x in zip(siblings, sibling_q)]
-            yield from clock.emit(DraftEvent(step=step, t=draft_end, tokens=infos, wall_s=draft_end - step_start,
-                                             draft_forwards=forwards, source=source, ngram=ngram))
-
-            verify_start = clock.now()
-            count = len(proposals)
-            verified = verify_candidates(target, target_cache, last, [proposals, *([x] for x in siblings)])
-            verify_end = clock.now()
-            yield from clock.emit(VerifyEvent(step=step, t=verify_end, num_tokens=verified.width,
-                                              wall_s=verify_end - verify_start, target_forwards=1))
-
-            # verified.logits (K+1, V) or, when a sibling won, (2, V): the root's row and the sibling's
-            sibling = verified.chosen - 1  # index of the sibling the target took; -1: the chain won
-            if sibling < 0:
-                outcome = accept_chain(self, step, clock.now(), base, verified.logits, proposals, q, q_shown,
-                                       generator, stopper)
-                refused = []
-            else:
-                # The target refused the draft's first choice (its argmax is the sibling): show that refusal, then
-                # judge the sibling as a one-token chain, whose row gives the bonus token.
-                refused = [RejectEvent(step=step, t=clock.now(), token=self.token_info(
-                    proposals[0], base + 1, p=shown_probabilities(verified.logits, None, [(0, proposals[0])])[0],
-                    q=q_shown[0]), u=None)]
-                outcome = accept_chain(self, step, clock.now(), base, verified.logits, [siblings[sibling]], None,
-                                       [sibling_q[sibling]], generator, stopper)
-            done = outcome.done
-            accepted = outcome.accepted
-            kept = (proposals if sibling < 0 else [siblings[sibling]])[:accepted]  # proposals committed
-            # commit: keep `last` and the accepted nodes in the target cache; the new `last` is not fed yet.
-            target_cache.keep(0, base, [0, *verified.paths[verified.chosen][:accepted]])
-            if found:
-                copies.record(found.ngram, accepted, outcome.judged)
-                # the draft saw none of this step's tokens: it reads them with its next proposal
-                draft_pending = draft_pending + kept + [outcome.token]
-            else:
-                chain_accepted = accepted if sibling < 0 else 0
-                drafted.record(accepted, outcome.judged + len(refused))
-                # The draft cache holds draft_pending and drafts[:-1]; keep the accepted ones it has seen.
-                draft_cache.truncate(0, draft_base + len(draft_pending) + min(chain_accepted, count - 1))
-                # nor has it seen a sibling, or the chain's last token: they are pending when kept
-                unseen = kept[-1:] if sibling >= 0 or accepted == count else []
-                draft_pending = unseen + [outcome.token]
-                # the schedule grows only when a draft of the full gamma was accepted (as transformers' does)
-                if self.spec.adaptive:
-                    gamma = min(MAX_GAMMA, gamma + 2) if chain_accepted == gamma else max(1, gamma - 1)
-            sequence += kept + [outcome.token]
-            last = outcome.token
-            kv_bytes = target_cache.memory().bytes_used + draft_cache.memory().bytes_used
-            yield from clock.emit(*refused, *outcome.events, commit_event(
-                step, step_start, clock.now(), draft_end - step_start, verify_end - verify_start, outcome.kept,
-                kv_bytes))
-        event, output = self.finish(stopper, clock, step)
-        yield from clock.emit(event)
-        return output
-
-
 class DraftGuesser(Guesser):
     """A draft model in the engine: each decoding request's greedy chain of up to gamma tokens and the runner-up at
     its first place, batched over the requests on the draft's own cache (one forward per drafted token), as deep as
     the chain's acceptance so far says pays for the draft's forwards and the wider verification. With
-    `EngineDraftParams.sample`, a sampling request's chain is drawn from the draft's distributions instead, and
+    `SpeculativeParams.sample`, a sampling request's chain is drawn from the draft's distributions instead, and
     judged by the lossless rule for them."""
 
     label = "draft"
     chained = True
 
-    def __init__(self, target: LoadedModel, params: EngineDraftParams, draft: LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, params: SpeculativeParams | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        params = params or SpeculativeParams()
         self.target, self.sample = target, params.sample
         self.draft = draft or load_draft(params.draft, target)
         check_compatible(target, self.draft)

@@ -2,6 +2,8 @@
 schedule -> propose -> verify -> accept -> commit."""
 
 from .engine import Engine, ProposalCounts, RequestOutput
+from .generate import generate, stream_generate
 from .scheduler import Request, Scheduler, Status, StepPlan
 
-__all__ = ["Engine", "ProposalCounts", "Request", "RequestOutput", "Scheduler", "Status", "StepPlan"]
+__all__ = ["Engine", "ProposalCounts", "Request", "RequestOutput", "Scheduler", "Status", "StepPlan", "generate",
+           "stream_generate"]

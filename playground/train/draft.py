@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, SpeculativeParams, check_int
+from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, rows_of
 from .prompts import (EXTRA_TEMPLATES, TEMPLATES, WIDE_TOPICS, held_out_prompts, second_stage_prompts,
@@ -323,25 +323,30 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
     return model.eval()
 
 
+@torch.inference_mode()
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, float]:
-    """Greedy acceptance on held-out prompts at gamma 4: per judged proposal (the theory's a) and per drafted
-    token (proposals after a rejection are drafted but never judged); and the decode-step cost ratio."""
-    from ..decoding.base import decode_step_seconds
-    from ..decoding import SpeculativeDecoder, generate
-    from ..metrics import compute
+    """Greedy acceptance on held-out prompts at gamma 4, from the draft's greedy token after each prefix of the
+    target's own greedy answers (what a chain of fixed length would be accepted): per judged proposal (the theory's
+    a) and per drafted token (proposals after a rejection are drafted but never judged); and the decode-step cost
+    ratio."""
+    from ..decoding.base import decode_step_seconds, encode_prompt, forward_tokens, new_cache
+    from ..engine import generate
+    from ..metrics import chain_acceptance
     from ..models import load_model
+    from ..models.vocab import proposal_rows
 
     draft = load_model(ModelSpec(source=str(folder), device=str(target.model.device)))
-    # the draft's own chain, no sibling: a runner-up the target takes would count as the draft's token accepted
-    decoder = SpeculativeDecoder(target, draft, SamplingParams(), GenerationParams(max_new_tokens=64),
-                                 SpeculativeParams(gamma=GAMMA, siblings=0))
+    rows = proposal_rows(draft)
+    generation = GenerationParams(max_new_tokens=64)
     accepted = drafted = judged = 0
     for prompt in prompts:
-        metrics = compute(generate(decoder, prompt)[1])
-        accepted += metrics.accepted
-        drafted += metrics.drafted
-        judged += metrics.accepted + metrics.rejected
-    cost = decode_step_seconds(draft.model, rows=decoder.proposal) / decode_step_seconds(target.model)
+        answer = list(generate(target, prompt, None, SamplingParams(), generation)[0].token_ids)
+        ids = encode_prompt(target, prompt, generation)
+        cache = new_cache(draft.model, len(ids) + len(answer), generation)
+        logits = forward_tokens(draft.model, cache, ids + answer[:-1], num_logits=len(answer), rows=rows)  # (n, V)
+        agrees = [int(guess) == token for guess, token in zip(logits.argmax(-1).tolist(), answer)]
+        accepted, drafted, judged = map(sum, zip((accepted, drafted, judged), chain_acceptance(agrees, GAMMA)))
+    cost = decode_step_seconds(draft.model, rows=rows) / decode_step_seconds(target.model)
     return {"held_out_token_acceptance": accepted / judged, "held_out_accepted_per_drafted": accepted / drafted,
             "gamma": GAMMA, "draft_target_cost_ratio": cost, "held_out_prompts": len(prompts)}
 

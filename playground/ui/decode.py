@@ -14,12 +14,13 @@ import gradio as gr
 
 from ..config import (CPU_TREE_ROWS, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, ConfigError, GenerationParams,
                       LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams, SpeculativeParams)
-from ..decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder, PromptLookupDecoder,
-                        SpeculativeDecoder, encode_prompt, stream_generate)
+from ..engine import stream_generate
+from ..decoding import encode_prompt, registry
+from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
 from ..metrics import Metrics, compute, mean_draft_length
 from ..models import ModelLoadError
-from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError, TreeEvent
+from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
@@ -27,7 +28,7 @@ from .models import get_draft, get_model, target_spec
 
 ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
          "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa"}
-ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical", "greedy (temperature 0)": "greedy"}
+ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical"}
 EXAMPLES = [
     ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
      "two miles. The council said the extension will be finished next spring.", "prompt lookup"],
@@ -66,25 +67,23 @@ def as_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingParams,
-                  generation: GenerationParams, gamma: Any, adaptive: bool, max_ngram: Any, num_draft: Any,
-                  window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE, tree_nodes: Any = 0,
-                  acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
-                  text_ngram: Any = 0, pools: Any = POOLS, confidence: Any = 0.0) -> Any:
-    """The decoder for the form's settings; every parameter is validated by its dataclass. Speculative and
-    Medusa copies propose at most num_draft tokens, as prompt lookup does; num_draft 0 leaves each its default
-    (prompt lookup's is chosen for the machine)."""
-    tokens = as_int("tokens per proposal", num_draft)
-    copying = {"copy_tokens": tokens} if tokens else {}  # 0: the dataclass's default
+def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ngram: Any, num_draft: Any,
+                   window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE, tree_nodes: Any = 0,
+                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
+                   text_ngram: Any = 0, pools: Any = POOLS) -> Proposer | None:
+    """The proposer for the form's settings (None: plain decoding); every parameter is validated by its dataclass.
+    Copies grafted onto the draft's or the heads' trees propose at most num_draft tokens, as prompt lookup does;
+    num_draft 0 leaves it chosen for the machine."""
+    tokens = as_int("tokens per proposal", num_draft) or None  # 0: as suits the machine
+    copy = as_int("copy n-gram", copy_ngram)
+    copies = PromptLookupParams(max_ngram=copy, num_draft=tokens, branches=1) if copy else None
+    draft = None
     if algo == "speculative":
-        params = SpeculativeParams(gamma=as_int("gamma", gamma), adaptive=bool(adaptive),
-                                   copy_ngram=as_int("copy n-gram", copy_ngram),
-                                   confidence=as_float("stop drafting below", confidence), **copying)
-        return SpeculativeDecoder(target, get_draft(target, draft_source), sampling, generation, params)
-    if algo == "prompt-lookup":
-        params = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram), num_draft=tokens or None)
-        return PromptLookupDecoder(target, sampling, generation, params)
-    if algo == "lookahead":
+        params: Any = SpeculativeParams(gamma=as_int("gamma", gamma))
+        draft = get_draft(target, draft_source)
+    elif algo == "prompt-lookup":
+        params, copies = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram), num_draft=tokens), None
+    elif algo == "lookahead":
         chosen = set(pools or ())
         unknown = sorted(map(str, chosen - set(POOLS)))
         if unknown:
@@ -93,26 +92,21 @@ def build_decoder(algo: str, target: Any, draft_source: str, sampling: SamplingP
         params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram) or None,
                                  guesses=as_int("guesses G", guesses) or None, context=as_int("context K", context),
                                  text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # 0: auto
-        return LookaheadDecoder(target, sampling, generation, params)
-    if algo == "medusa":
+        copies = None
+    elif algo == "medusa":
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
-        params = MedusaParams(tree=tree, tree_nodes=as_int("tree nodes", tree_nodes) or None,
-                              acceptance=ACCEPTANCE[acceptance], copy_ngram=as_int("copy n-gram", copy_ngram),
-                              **copying)
-        return MedusaDecoder(target, sampling, generation, params)
-    return AutoregressiveDecoder(target, sampling, generation)
+        params = MedusaParams(tree=tree, nodes=as_int("tree nodes", tree_nodes) or None,
+                              acceptance=ACCEPTANCE[acceptance])
+    else:
+        params, copies = None, None
+    return registry.build_proposer(target, algo, params, copies, draft=draft)
 
 
 def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
-    """The copied source of the latest proposal up to a step (a copied chain, or the copy grafted onto a Medusa
-    tree, whose tree event follows its draft event); none when that proposal came from a model alone."""
-    proposals = [e for e in events
-                 if isinstance(e, (DraftEvent, TreeEvent)) and (upto_step is None or e.step <= upto_step)]
-    if not proposals:
-        return None
-    latest = proposals[-1]
-    source = latest.source if isinstance(latest, DraftEvent) else latest.copy_source
+    """The copied source of the latest proposal up to a step; none when that proposal came from a model alone."""
+    proposals = [e for e in events if isinstance(e, DraftEvent) and (upto_step is None or e.step <= upto_step)]
+    source = proposals[-1].source if proposals else None
     return (source[0], source[1]) if source else None
 
 
@@ -166,7 +160,7 @@ def _save(trace: Trace) -> str:
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
-               seed: Any, kv: str, gamma: Any, adaptive: bool, confidence: Any, max_ngram: Any, num_draft: Any,
+               seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
                dtype: str, quant: str, history: list[dict[str, Any]] | None,
@@ -185,12 +179,12 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
         target = get_model(spec)
-        decoder = build_decoder(ALGOS[algo_label], target, draft_source, sampling, generation, gamma, adaptive,
-                                max_ngram, num_draft, window, ngram, guesses, tree, tree_nodes, acceptance, copy_ngram,
-                                context, text_ngram, pools, confidence)
+        algo = ALGOS[algo_label]
+        proposer = build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram, guesses,
+                                  tree, tree_nodes, acceptance, copy_ngram, context, text_ngram, pools)
         prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
-        stream = stream_generate(decoder, prompt)
+        stream = stream_generate(target, prompt, proposer, sampling, generation, algo)
         events: list[Event] = []
         last_frame = 0.0
         while True:
@@ -255,17 +249,15 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             algo = gr.Radio(list(ALGOS), value="prompt lookup", label="Algorithm")
             with gr.Accordion("Algorithm parameters", open=False):
                 with gr.Row():
-                    gamma = gr.Number(4, label="gamma (draft tokens, 1..16)", step=1)
-                    adaptive = gr.Checkbox(False, label="adaptive gamma")
-                    confidence = gr.Number(0.0, label="stop drafting below q (0 = never, <1)", step=0.05,
-                                           info="speculative: end a draft after a token the draft doubts")
+                    gamma = gr.Number(4, label="gamma (most draft tokens, 1..16)", step=1,
+                                      info="speculative: each step drafts as deep as its acceptance pays for")
                     copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
-                                           info="speculative, Medusa: also propose earlier text after a match")
+                                           info="speculative, Medusa: graft copies of earlier text onto the tree")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
-                                          info="auto: as suits the machine (prompt lookup: two copies of 5 "
-                                               "with AVX-512, one of 5 with AVX2; speculative: 5 with AVX2; else 8)")
+                                          info="auto: as suits the machine (two copies of 5 with AVX-512, "
+                                               "one of 5 with AVX2; else 8)")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
                     ngram = gr.Number(0, label="n-gram N (0 = auto, 2..8)", step=1,
@@ -316,10 +308,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Accordion("Per-step table", open=False):
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
-    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, adaptive, confidence, max_ngram,
-              num_draft, window, ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram,
-              *model,
-              history]
+    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, max_ngram, num_draft, window,
+              ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model, history]
     run.click(on_gpu(run_decode), inputs,
               [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
                table], api_name="decode")

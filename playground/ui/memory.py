@@ -11,7 +11,7 @@ import gradio as gr
 
 from ..bench_suite import workload
 from ..metrics import memory_summary
-from ..config import (ConfigError, EngineDraftParams, EngineMedusaParams, EngineParams, LookaheadParams,
+from ..config import (ConfigError, SpeculativeParams, MedusaParams, EngineParams, LookaheadParams,
                       PromptLookupParams, SamplingParams)
 from ..decoding.registry import engine_proposer
 from ..engine import Engine
@@ -78,8 +78,8 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
                               lookup=PromptLookupParams() if prompt_lookup else None,
-                              medusa=EngineMedusaParams() if medusa else None,
-                              draft=EngineDraftParams() if draft else None,
+                              medusa=MedusaParams() if medusa else None,
+                              draft=SpeculativeParams() if draft else None,
                               lookahead=LookaheadParams() if lookahead else None)
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")

@@ -11,25 +11,23 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..decoding import generate
+from ..engine import generate
 from ..metrics import Metrics, compute
 from ..models import ModelLoadError
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_decoder, history_entry
+from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_proposer, history_entry
 from .models import get_model, target_spec
 
-# name -> (algorithm, KV cache, build_decoder's parameters that differ from DEFAULTS)
-DEFAULTS: dict[str, Any] = {"gamma": 4, "adaptive": False, "max_ngram": 3, "num_draft": 0,
+# name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
+DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
                             "window": LOOKAHEAD.window, "ngram": 0,
                             "guesses": 0}  # 0: N and G as suit the machine (LookaheadParams.resolve)
 PLAIN = "plain"
 RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "speculative (gamma 4)": ("speculative", "contiguous", {}),
-    "speculative (adaptive gamma)": ("speculative", "contiguous", {"adaptive": True}),
     "speculative + prompt copies": ("speculative", "contiguous", {"copy_ngram": 3}),
-    "speculative (stops below q 0.5)": ("speculative", "contiguous", {"confidence": 0.5}),
     "prompt lookup": ("prompt-lookup", "contiguous", {}),
     "lookahead": ("lookahead", "contiguous", {}),
     "Medusa (dynamic tree)": ("medusa", "contiguous", {}),
@@ -70,26 +68,25 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
+        GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         names = [PLAIN, *chosen]
-        decoders, warmups = [], []
+        runs = []  # (name, algorithm, proposer, cache kind) per entrant
         for name in names:
             algo, kv, overrides = ENTRANTS[name]
-            for budget, into in ((tokens, decoders), (WARMUP_TOKENS, warmups)):
-                generation = GenerationParams(max_new_tokens=budget, kv=kv)
-                into.append(build_decoder(algo, target, draft_source, sampling, generation,
-                                          **{**DEFAULTS, **overrides}))
+            runs.append((name, algo, build_proposer(algo, target, draft_source, **{**DEFAULTS, **overrides}), kv))
         yield gr.update(), "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 3
-        for warmup in warmups:
-            generate(warmup, prompt)
+        for _, algo, proposer, kv in runs:
+            generate(target, prompt, proposer, sampling, GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv), algo)
         traces: dict[str, Trace] = {}
-        for i, (name, decoder) in enumerate(zip(names, decoders)):
+        for i, (name, algo, proposer, kv) in enumerate(runs):
             status = f"measuring **{name}** ({i + 1} of {len(names)}); runs go one at a time so none slows another"
             progress(i / len(names), desc=f"measuring {name}")
             yield gr.update(), status, gr.update(), gr.update(), gr.update()
-            traces[name] = generate(decoder, prompt)[1]
+            generation = GenerationParams(max_new_tokens=tokens, kv=kv)
+            traces[name] = generate(target, prompt, proposer, sampling, generation, algo)[1]
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     lanes = [Lane(name, trace.events) for name, trace in traces.items()]

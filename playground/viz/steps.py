@@ -8,7 +8,7 @@ import html
 from collections.abc import Callable, Iterable
 
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, LookaheadEvent,
-                     RejectEvent, TreeEvent, VerifyEvent)
+                     RejectEvent, VerifyEvent)
 from .palette import token_css
 from .tokens import decision_of
 
@@ -67,50 +67,6 @@ def detail_css() -> str:
             ".pg-tree,.pg-tree ul{list-style:none;margin:0;padding-left:1.1rem;border-left:1px dotted #c9ccd1;}"
             ".pg-tree{padding-left:0.3rem;}.pg-tree li{margin:1px 0;white-space:nowrap;}"
             ".pg-tree .pg-meta{color:#6e6e6e;font-size:0.75rem;margin-left:0.3rem;}")
-
-
-def tree_parents(event: TreeEvent) -> list[int]:
-    """Each node's parent (0: the last committed token), node i + 1 at index i: a head's node hangs below the
-    node of its path's prefix; a grafted copy's nodes form a chain below copy_parent."""
-    index = {tuple(path): node for node, path in enumerate(event.paths, start=1)}
-    parents = [index.get(tuple(path[:-1]), 0) for path in event.paths]
-    copied = len(event.tokens) - len(event.paths)
-    if copied > 0:
-        first = len(event.paths) + 1
-        parents += [event.copy_parent or 0, *range(first, first + copied - 1)]
-    return parents
-
-
-def render_tree(event: TreeEvent, token_text: TokenText | None = None) -> str:
-    """A Medusa candidate tree as nested lists under the last committed token: each node's token, the head and
-    rank that proposed it (or the copy it came from), its proposal probability q and target probability p; the
-    accepted path in the accepted style, every other node as not judged."""
-    accepted = set(event.accepted)
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree_parents(event), start=1):
-        children.setdefault(parent, []).append(node)
-    source = event.copy_source[0] if event.copy_source else None
-
-    def meta(node: int) -> str:
-        if node <= len(event.paths):
-            path = event.paths[node - 1]
-            return f"head {len(path) - 1} #{path[-1] + 1}"
-        return "copy" if source is None else f"copy of position {source + node - len(event.paths) - 1}"
-
-    def branch(parent: int) -> str:
-        items = []
-        for node in children.get(parent, []):
-            state = "accepted" if node in accepted else "discarded"
-            items.append(f'<li><span class="pg-tok pg-{state}">{_text(event.tokens[node - 1], token_text)}</span>'
-                         f'<span class="pg-meta">{meta(node)} · q {event.probs[node - 1]:.2f}'
-                         f' · p {event.target_probs[node - 1]:.2f}</span>{branch(node)}</li>')
-        return f"<ul>{''.join(items)}</ul>" if items else ""
-
-    copied = (f"; {len(event.tokens) - len(event.paths)} copied after a {event.copy_ngram}-token match"
-              if len(event.tokens) > len(event.paths) else "")
-    return (f"<div>Candidate tree ({len(event.tokens)} nodes{copied}, {len(accepted)} accepted; q: proposal "
-            f"probability, p: target probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>"
-            f"{branch(0)}</div>")
 
 
 def texts_of(draft: DraftEvent) -> TokenText:
@@ -172,15 +128,11 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
     draft = next((e for e in mine if isinstance(e, DraftEvent)), None)
     commit = next((e for e in mine if isinstance(e, CommitEvent)), None)
     verdicts = sum(isinstance(e, AcceptEvent) for e in mine), sum(isinstance(e, RejectEvent) for e in mine)
-    tree = next((e for e in mine if isinstance(e, TreeEvent)), None)
     if draft is None:
         parts.append("nothing proposed")
     else:
-        grafted = (f" and a copy of positions {tree.copy_source[0]}..{tree.copy_source[1] - 1} grafted on"
-                   if tree is not None and tree.copy_source else "")
         origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
-                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards
-                  else f" by the Medusa heads{grafted} (the judged nodes)" if tree is not None else "")
+                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards else "")
         if token_text is None:  # a trace carries each proposed token's text: show it rather than ids
             token_text = texts_of(draft)
         if branched(draft):
@@ -208,9 +160,7 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
                      f"n-gram for the pool):</div><table>{rows}</table>"
                      f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s), each found after the "
                      f"last k tokens{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
-    if tree is not None:
-        parts.append(render_tree(tree, token_text))
-    elif draft is not None and branched(draft):
-        parts.append(render_draft_tree(draft, mine))  # a tree the draft event alone describes (the engine's)
+    if draft is not None and branched(draft):
+        parts.append(render_draft_tree(draft, mine))
     parts.append("</div>")
     return "".join(parts)
