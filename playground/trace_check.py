@@ -3,7 +3,7 @@
 Each schema type is turned once into a check: a function from a parsed JSON value to the value the dataclass holds,
 raising TraceError on the first problem with the path of the field. A dataclass's check calls its fields' checks
 positionally, then the class's consistency rules (_RULES), so that a loaded trace is one the viewers can draw:
-integers within 64 bits, finite floats, trees whose paths are at most MAX_DEPTH deep and whose parents exist,
+integers within 64 bits, finite floats, proposal trees whose parents come before their children,
 spans that are spans, a block map with one owner per block. Paths are put together only on failure.
 """
 
@@ -189,7 +189,6 @@ def _check_memory(event: MemoryEvent) -> None:
 
 MAX_INT = 2**63
 MAX_NODES = 4096  # tokens one step may propose or verify
-MAX_DEPTH = 64  # a tree's deepest path
 MAX_BLOCKS = 1 << 20
 _RULES: dict[type, tuple[Callable[[Any], None], ...]] = {
     DraftEvent: (_check_draft,), LookaheadEvent: (_check_lookahead,),

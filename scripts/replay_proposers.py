@@ -1,5 +1,4 @@
-"""Tokens per target forward of the copying proposers (and of Medusa's tree), replayed over plain decoding's greedy
-tokens.
+"""Tokens per target forward of the copying proposers, replayed over plain decoding's greedy tokens.
 
 Under greedy acceptance a step commits the longest agreement between a proposal and the target's own output, plus
 one token from the target. Given plain decoding's tokens for a prompt, how many forwards a proposer that reads
@@ -7,16 +6,12 @@ only the text needs therefore follows without running the model per step: a prop
 and free of the machine's timing noise. Replayed over the benchmark suite: prompt lookup (`--max-ngram`,
 `--num-draft`, with its gate at `--verify-overhead` and ungated) and lookahead's prompt and output pools for
 n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
-pool (`--corpus`), without the Jacobi window, whose guesses need the model; and with `--medusa-trees`, Medusa's
-tree for each tree named (`dynamic`: chosen at every step, of `--tree-nodes`), alone and with prompt copies
-grafted on, proposed by the decoder's own code from the heads (`--medusa-heads`, default the shipped ones) reading
-the target's hidden states over plain decoding's tokens.
+pool (`--corpus`), without the Jacobi window, whose guesses need the model.
 
     python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
-        [--medusa-trees dynamic,small,medium] [--tree-nodes N] [--medusa-heads FOLDER]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
-replays skip the model. Speed is not replayed: a wider verification costs more (see README, Command line).
+replays skip the model. Speed is not replayed: a wider verification costs more (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -30,13 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench import GROUNDED  # noqa: E402
-from playground.config import (DYNAMIC_TREE, LOOKUP_NATIVE_OVERHEAD, ConfigError, GenerationParams,  # noqa: E402
-                               LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams)
-from playground.decoding import AutoregressiveDecoder, encode_prompt, generate  # noqa: E402
+from playground.config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec,  # noqa: E402
+                               PromptLookupParams, SamplingParams)
+from playground.decoding import encode_prompt  # noqa: E402
 from playground.bench_suite import SUITE  # noqa: E402
-from playground.decoding.base import new_cache  # noqa: E402
 from playground.decoding.pools import TextPools  # noqa: E402
-from playground.decoding.medusa import MedusaDecoder  # noqa: E402
+from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
 from playground.decoding.copies import agreement, find_continuation  # noqa: E402
@@ -88,29 +82,8 @@ class TextPoolProposer:
         pass
 
 
-class MedusaProposer:
-    """Medusa's step as the decoder builds it (its `propose`): every root-to-leaf path of the step's tree, the heads'
-    nodes and any grafted copy, as a proposal. The heads read the final hidden state of
-    the position that predicted the last token, from one forward of the target over the prompt and the output;
-    the native kernel's rows are independent of the other rows of a forward, so on the CPU these are the bits a
-    decode step sees and the replay commits what the decoder does."""
-
-    def __init__(self, decoder: MedusaDecoder, prompt_ids: list[int], output_ids: list[int]) -> None:
-        self.decoder = decoder
-        text = list(prompt_ids) + list(output_ids)
-        cache = new_cache(decoder.target.model, len(text), decoder.generation)
-        self.hidden = decoder.forward(cache, None, text, 0)[1]  # (T, E): row i predicted token i + 1
-
-    def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
-        tree, ids, _, _ = self.decoder.propose(self.hidden[len(sequence) - 2], sequence[-1], sequence, budget)
-        return [[ids[node] for node in chain[1:]] for chain in tree.retrieve]
-
-    def judged(self, proposal: list[int], agreed: int) -> None:
-        pass
-
-
 def replay(prompt_ids: list[int], output_ids: list[int],
-           proposer: LookupProposer | TextPoolProposer | MedusaProposer) -> float:
+           proposer: LookupProposer | TextPoolProposer) -> float:
     """Tokens per target forward after the first token (which the prefill commits), bonus tokens included, as
     the metrics count them: each step keeps the proposal that agrees longest, plus the target's next token."""
     if len(output_ids) < 2:
@@ -131,10 +104,9 @@ def replay(prompt_ids: list[int], output_ids: list[int],
 def plain_outputs(target: LoadedModel, new_tokens: int) -> list[dict[str, object]]:
     """Plain decoding's greedy tokens for every suite prompt."""
     generation = GenerationParams(max_new_tokens=new_tokens)
-    decoder = AutoregressiveDecoder(target, SamplingParams(), generation)
     runs = []
     for i, (category, prompt) in enumerate(SUITE, 1):
-        output, _ = generate(decoder, prompt)
+        output, _ = generate(target, prompt, None, SamplingParams(), generation)
         runs.append({"category": category, "prompt_ids": encode_prompt(target, prompt, generation),
                      "output_ids": list(output.token_ids)})
         print(f"plain decoding {i}/{len(SUITE)}", file=sys.stderr)
@@ -149,19 +121,15 @@ def sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,4,5, got {text!r}") from None
 
 
-def names(text: str) -> list[str]:
-    """A comma-separated list of names."""
-    return [x for x in text.split(",") if x]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--outputs", type=Path, default=None)
     parser.add_argument("--max-ngram", type=int, default=3)
     parser.add_argument("--num-draft", type=int, default=8)
-    parser.add_argument("--verify-overhead", type=float, default=LOOKUP_NATIVE_OVERHEAD,
-                        help="the gate's overhead (default: the decoder's with the native CPU kernel, %(default)s)")
+    parser.add_argument("--verify-overhead", type=float, default=0.15,
+                        help="the gate's price of a verifying forward over a one-token step, in such steps, minus "
+                             "one (default %(default)s)")
     parser.add_argument("--text-ngrams", type=sizes, default=[3, 4, 5, 6])
     parser.add_argument("--guesses", type=int, default=2)
     parser.add_argument("--contexts", type=sizes, default=[1, 3],
@@ -169,28 +137,16 @@ def main() -> int:
     parser.add_argument("--corpus", default=default_answers("embedded"),
                         help="answers file whose M-grams seed the pools, as lookahead's corpus pool does (default: "
                              "the shipped one); 'none' to replay without")
-    parser.add_argument("--medusa-trees", type=names, default=[],
-                        help="Medusa trees to replay, comma-separated names or JSON files (default: none)")
-    parser.add_argument("--tree-nodes", type=int, default=None,
-                        help="nodes of the dynamic tree (default: the decoder's for this machine)")
-    parser.add_argument("--medusa-heads", default=None,
-                        help="Medusa heads folder (default: the shipped heads of the embedded model)")
     args = parser.parse_args()
-    try:  # the decoders' own checks name the field and its range
-        PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, verify_overhead=args.verify_overhead)
+    try:  # the proposers' own checks name the field and its range
+        PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft)
         for m in args.text_ngrams:
             for k in args.contexts:
                 LookaheadParams(guesses=args.guesses, text_ngram=m, context=k)
         GenerationParams(max_new_tokens=args.new_tokens)
         corpus = read_answers(args.corpus)[0] if args.corpus and args.corpus != "none" else None
         cached = args.outputs is not None and args.outputs.exists()
-        target = None if cached and not args.medusa_trees else load_model(ModelSpec())
-        generation = GenerationParams(max_new_tokens=args.new_tokens)
-        # copies as the benchmark grafts them: prompt lookup's n-gram size and proposal length
-        medusa = {(tree, copies): MedusaDecoder(target, SamplingParams(), generation, MedusaParams(
-                      heads=args.medusa_heads, tree=tree, copy_ngram=copies, copy_tokens=args.num_draft,
-                      tree_nodes=args.tree_nodes if tree == DYNAMIC_TREE else None))
-                  for tree in args.medusa_trees for copies in (0, args.max_ngram)}
+        target = None if cached else load_model(ModelSpec())
     except (ConfigError, ModelLoadError) as error:
         parser.error(str(error))
 
@@ -213,10 +169,6 @@ def main() -> int:
             (lambda run, m=m, k=k, seeds=TextPools.seeded(args.guesses, m, k, corpus):
              TextPoolProposer(run["prompt_ids"], m, args.guesses, k, seeds))
             for m in args.text_ngrams for k in args.contexts} if corpus else {}),
-        **{f"medusa, tree {tree}" + (f" ({decoder.nodes} nodes)" if decoder.tree is None else "")
-           + (f", copies ({copies}-gram, {args.num_draft} tokens)" if copies else ""):
-           (lambda run, decoder=decoder: MedusaProposer(decoder, run["prompt_ids"], run["output_ids"]))
-           for (tree, copies), decoder in medusa.items()},
     }
     print(f"tokens per target forward, replayed over plain decoding's tokens ({len(runs)} suite prompts)")
     print(f"{'proposer':60s} {'median':>7s} {'grounded':>9s}  per prompt")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams
-from playground.decoding import AutoregressiveDecoder, generate
+from playground.engine import generate
 from playground.models import LoadedModel, load_model
 
 from .prompts import NEW_TOKENS, PROMPTS
@@ -28,8 +28,8 @@ def target() -> LoadedModel:
 @pytest.fixture(scope="session")
 def plain_outputs(target) -> dict[str, tuple[int, ...]]:
     """Plain greedy decoding of every exactness prompt: the reference each algorithm must reproduce."""
-    decoder = AutoregressiveDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS))
-    return {prompt: generate(decoder, prompt)[0].token_ids for prompt in PROMPTS}
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    return {prompt: generate(target, prompt, None, SamplingParams(), generation)[0].token_ids for prompt in PROMPTS}
 
 
 def write_draft_copy(source: Path, target: Path, num_layers: int, noise: float = 0.0) -> Path:

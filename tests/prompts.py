@@ -1,6 +1,7 @@
 """Varied prompts for exactness tests: chat, code, maths, lists, translation, grounded QA, rewriting."""
 
-from playground.decoding import generate
+from playground.config import GenerationParams
+from playground.engine import generate
 from playground.metrics import compute
 
 NEW_TOKENS = 24  # generated per prompt in exactness tests
@@ -29,12 +30,15 @@ PROMPTS = (
 )
 
 
-def assert_greedy_exact(decoder, plain_outputs: dict[str, tuple[int, ...]]) -> tuple[int, int]:
-    """Every prompt gives plain decoding's tokens; returns (accepted, drafted) proposals over all prompts."""
+def assert_greedy_exact(target, proposer, plain_outputs: dict[str, tuple[int, ...]],
+                        generation: GenerationParams | None = None) -> tuple[int, int]:
+    """Every prompt gives plain decoding's tokens with `proposer`; returns (accepted, drafted) proposals over all
+    prompts."""
     assert len(PROMPTS) >= 20
     accepted = drafted = 0
     for prompt in PROMPTS:
-        output, trace = generate(decoder, prompt)
+        output, trace = generate(target, prompt, proposer, None, generation or GenerationParams(
+            max_new_tokens=NEW_TOKENS))
         assert output.token_ids == plain_outputs[prompt], prompt
         metrics = compute(trace)
         accepted += metrics.accepted or 0

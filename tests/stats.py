@@ -4,13 +4,13 @@ goodness-of-fit test against it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from playground.config import GenerationParams, SamplingParams
-from playground.decoding import encode_prompt, generate
+from playground.decoding import encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
-from playground.sampling import probabilities
+from playground.engine import generate
+from playground.sampling import make_generator, next_token, probabilities
 
 # 99.9th percentiles of chi-square by degrees of freedom: a correct sampler fails 1 run in 1,000 (seeds are fixed).
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
@@ -43,24 +43,38 @@ def chi_square_vs(samples: list[tuple[int, int]], expected: dict[tuple[int, int]
     return stat, len(cells) - 1
 
 
-def first_two_tokens(make_decoder: Callable[[SamplingParams], Any], prompt: str, sampling: SamplingParams,
-                     runs: int = 300) -> tuple[list[tuple[int, int]], int]:
-    """The first two generated tokens of `runs` generations seeded 0..runs-1, and how many runs proposed
-    anything (had a draft event)."""
+def first_two_tokens(target: Any, proposer: Any, prompt: str, sampling: SamplingParams,
+                     generation: GenerationParams, runs: int = 300) -> tuple[list[tuple[int, int]], int]:
+    """The first two generated tokens of `runs` generations with `proposer` (None: plain decoding) seeded
+    0..runs-1, and how many runs proposed anything (had a draft event)."""
     samples, proposed = [], 0
     for seed in range(runs):
-        output, trace = generate(make_decoder(dataclasses.replace(sampling, seed=seed)), prompt)
+        output, trace = generate(target, prompt, proposer, dataclasses.replace(sampling, seed=seed), generation)
         samples.append(output.token_ids[:2])
         proposed += any(e.KIND == "draft" for e in trace.events)
     return samples, proposed
 
 
-def assert_follows_target(target: Any, make_decoder: Callable[[SamplingParams], Any], prompt: str,
-                          sampling: SamplingParams) -> int:
+def assert_follows_target(target: Any, proposer: Any, prompt: str, sampling: SamplingParams,
+                          generation: GenerationParams) -> int:
     """Chi-square test of the first two tokens against the analytic joint; returns the runs that proposed."""
-    generation = make_decoder(sampling).generation
     joint = joint_first_two(target, encode_prompt(target, prompt, generation), sampling)
-    samples, proposed = first_two_tokens(make_decoder, prompt, sampling)
+    samples, proposed = first_two_tokens(target, proposer, prompt, sampling, generation)
     stat, df = chi_square_vs(samples, joint)
     assert stat < CHI2_999[df], (stat, df)
     return proposed
+
+
+def reference_tokens(target: Any, prompt: str, sampling: SamplingParams, generation: GenerationParams) -> list[int]:
+    """Plain decoding written out as a loop of one-token forwards, independent of the engine: each token drawn by
+    `next_token` from a generator seeded as the engine seeds a request's, until an end-of-sequence id or the
+    length limit."""
+    prompt_ids = encode_prompt(target, prompt, generation)
+    cache = new_cache(target.model, len(prompt_ids) + generation.max_new_tokens, generation)
+    generator = make_generator(sampling.seed, target.model.device)
+    logits, tokens = forward_tokens(target.model, cache, prompt_ids)[-1], []
+    while True:
+        tokens.append(int(next_token(logits, sampling, generator)[0]))
+        if tokens[-1] in target.eos_token_ids or len(tokens) == generation.max_new_tokens:
+            return tokens
+        logits = forward_tokens(target.model, cache, tokens[-1:])[-1]

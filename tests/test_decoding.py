@@ -1,4 +1,4 @@
-"""Plain decoder behaviour: stop rules, chat template, seeds, prompt limits, the engine clock."""
+"""Generation's common behaviour: stop rules, chat template, seeds, prompt limits, the engine clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from playground.config import ConfigError, GenerationParams, SamplingParams
-from playground.decoding import AutoregressiveDecoder, Stopper, encode_prompt, generate
+from playground.decoding import Stopper, encode_prompt
+from playground.engine import generate, stream_generate
 
 
 def test_chat_template_and_raw(target) -> None:
@@ -42,8 +43,8 @@ def test_stopper_rules(target) -> None:
 
 
 def test_generation_stops_on_stop_string(target) -> None:
-    decoder = AutoregressiveDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=60, stop=("Paris",)))
-    output, trace = generate(decoder, "What is the capital of France?")
+    output, trace = generate(target, "What is the capital of France?", None, SamplingParams(),
+                             GenerationParams(max_new_tokens=60, stop=("Paris",)))
     assert output.finish_reason == "stop" and "Paris" not in output.text
     assert "Paris" in target.tokenizer.decode(list(output.token_ids))
     assert trace.finish().text == output.text
@@ -51,9 +52,8 @@ def test_generation_stops_on_stop_string(target) -> None:
 
 def test_seeded_sampling_is_reproducible(target) -> None:
     def run(seed: int) -> tuple[int, ...]:
-        decoder = AutoregressiveDecoder(target, SamplingParams(temperature=1.0, seed=seed),
-                                        GenerationParams(max_new_tokens=16))
-        return generate(decoder, "Tell me a story about a fox.")[0].token_ids
+        return generate(target, "Tell me a story about a fox.", None, SamplingParams(temperature=1.0, seed=seed),
+                        GenerationParams(max_new_tokens=16))[0].token_ids
 
     assert run(11) == run(11)
     assert run(11) != run(12)
@@ -62,9 +62,7 @@ def test_seeded_sampling_is_reproducible(target) -> None:
 def test_time_spent_by_the_consumer_is_not_engine_time(target) -> None:
     import time
 
-    decoder = AutoregressiveDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=4))
-    prompt_ids = encode_prompt(target, "Hi", decoder.generation)
-    stream = decoder.run(prompt_ids)
+    stream = stream_generate(target, "Hi", None, SamplingParams(), GenerationParams(max_new_tokens=4))
     start = time.perf_counter()
     events = []
     try:
@@ -73,6 +71,6 @@ def test_time_spent_by_the_consumer_is_not_engine_time(target) -> None:
             assert not torch.is_inference_mode_enabled()  # the engine's modes stay inside the engine
             time.sleep(0.05)  # a slow renderer
     except StopIteration as stop:
-        output = stop.value
+        output, _ = stop.value
     elapsed = time.perf_counter() - start
     assert elapsed - output.wall_s >= 0.05 * (len(events) - 1)

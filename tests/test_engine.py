@@ -16,7 +16,8 @@ from transformers import AutoConfig
 
 from playground.config import (ConfigError, SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
                                LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
-from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground.decoding import encode_prompt
+from playground.engine import generate
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
 from playground.decoding.planning import widest_paying
@@ -41,12 +42,7 @@ LENGTHS = (24, 7, 16, 3, 20)  # max_new_tokens per request, cycled: outputs of m
 
 def solo(target: LoadedModel, prompt_ids: list[int], sampling: SamplingParams, generation: GenerationParams):
     """The token ids plain decoding gives for one prompt on its own."""
-    stream = AutoregressiveDecoder(target, sampling, generation).run(prompt_ids)
-    while True:
-        try:
-            next(stream)
-        except StopIteration as stop:
-            return stop.value.token_ids
+    return generate(target, prompt_ids, None, sampling, generation)[0].token_ids
 
 
 def drafter(engine: Engine) -> DraftGuesser | None:

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from playground.config import GenerationParams, SamplingParams
-from playground.decoding import AutoregressiveDecoder, encode_prompt, generate
+from playground.decoding import encode_prompt
+from playground.engine import generate
 
 from .prompts import PROMPTS
 
@@ -22,7 +23,7 @@ def reference(target):
 @pytest.mark.parametrize("prompt", PROMPTS[:10])
 def test_greedy_matches_transformers_generate(target, reference, prompt: str) -> None:
     generation = GenerationParams(max_new_tokens=NEW_TOKENS)
-    output, _ = generate(AutoregressiveDecoder(target, SamplingParams(), generation), prompt)
+    output, _ = generate(target, prompt, None, SamplingParams(), generation)
     ids = torch.tensor([encode_prompt(target, prompt, generation)])
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,

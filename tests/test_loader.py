@@ -7,15 +7,14 @@ import pytest
 import torch
 
 from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
-from playground.decoding import AutoregressiveDecoder, generate
+from playground.engine import generate
 from playground.models import ModelLoadError, load_model
 from playground.models.loader import cache_root, embedded_gguf
 from playground.paths import CACHE_ENV
 
 
 def greedy_ids(model, prompt: str = "Name three planets.", tokens: int = 12) -> tuple[int, ...]:
-    decoder = AutoregressiveDecoder(model, SamplingParams(), GenerationParams(max_new_tokens=tokens))
-    return generate(decoder, prompt)[0].token_ids
+    return generate(model, prompt, None, SamplingParams(), GenerationParams(max_new_tokens=tokens))[0].token_ids
 
 
 def test_local_folder_loads_the_same_model(target) -> None:

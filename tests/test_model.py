@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from playground.config import GenerationParams
-from playground.decoding.base import forward_tokens, forward_tree
+from playground.decoding.base import forward_tokens
 from playground.decoding.base import new_cache as decoding_cache
 from playground.kv import ContiguousKVCache
 from playground.models import Transformer, UnsupportedModelError, native
@@ -212,5 +212,8 @@ def test_a_tokens_logits_are_the_same_bits_in_every_forward(target, kv: str) -> 
     tokens = [t for pair in zip(chain, other) for t in pair]
     depths = [i // 2 for i in range(len(tokens))]
     mask = torch.tensor([[j <= i and j % 2 == i % 2 for j in range(len(tokens))] for i in range(len(tokens))])
-    tree_logits, _ = forward_tree(model, prefilled(), tokens, depths, mask)  # (10, V)
-    assert torch.equal(tree_logits[0::2], plain)
+    positions = torch.tensor([depths]) + len(prompt)  # (1, 10)
+    with torch.inference_mode():
+        tree_logits, _ = model(torch.tensor([tokens]), positions, prefilled(), (0,), attn_mask=mask,
+                               num_logits=None)  # (1, 10, V)
+    assert torch.equal(tree_logits[0, 0::2], plain)

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from playground.config import GenerationParams, SamplingParams, SpeculativeParams
-from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, PromptLookupDecoder, SpeculativeDecoder
+from playground.config import GenerationParams, MedusaParams, SpeculativeParams
+from playground.decoding.registry import build_proposer
 from playground.kv import ContiguousKVCache, OutOfBlocksError, PagedKVCache
 from playground.kv.blocks import BlockKey
 
@@ -205,13 +205,8 @@ def test_random_operations_keep_the_cache_consistent(ops) -> None:
 GREEDY_PAGED = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged", block_size=4)
 
 
-@pytest.mark.parametrize("algo", ["ar", "speculative", "prompt-lookup", "lookahead"])
+@pytest.mark.parametrize("algo", ["ar", "speculative", "prompt-lookup", "lookahead", "medusa"])
 def test_every_algorithm_is_greedy_exact_on_the_paged_cache(target, noisy_draft, plain_outputs, algo) -> None:
-    decoder = {
-        "ar": lambda: AutoregressiveDecoder(target, SamplingParams(), GREEDY_PAGED),
-        "speculative": lambda: SpeculativeDecoder(target, noisy_draft, SamplingParams(), GREEDY_PAGED,
-                                                  SpeculativeParams(gamma=3, siblings=1)),
-        "prompt-lookup": lambda: PromptLookupDecoder(target, SamplingParams(), GREEDY_PAGED),
-        "lookahead": lambda: LookaheadDecoder(target, SamplingParams(), GREEDY_PAGED),
-    }[algo]()
-    assert_greedy_exact(decoder, plain_outputs)
+    params = {"speculative": SpeculativeParams(gamma=3), "medusa": MedusaParams(tree="small")}.get(algo)
+    proposer = build_proposer(target, algo, params, draft=noisy_draft if algo == "speculative" else None)
+    assert_greedy_exact(target, proposer, plain_outputs, GREEDY_PAGED)

@@ -7,18 +7,17 @@ import pytest
 
 from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
                                PromptLookupParams, SamplingParams)
-from playground.decoding import AutoregressiveDecoder
-from playground.decoding import generate as generate_plain
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import PROPOSERS
 from playground.engine import Engine
-from playground.engine.generate import generate
+from playground.engine import generate
 from playground.metrics import compute
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace
 from playground.viz.steps import render_step_detail
 
 from .prompts import NEW_TOKENS, PROMPTS
+from .stats import reference_tokens
 from .test_server import get, post, running
 
 
@@ -121,16 +120,16 @@ def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_ou
 
 
 def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> None:
-    """Seeded sampling through the engine: the plain decoder's tokens, seed for seed, whatever the proposer."""
+    """Seeded sampling through the engine: plain decoding's tokens, seed for seed, whatever the proposer."""
     generation = GenerationParams(max_new_tokens=16)
     for i, prompt in enumerate(PROMPTS[:4]):
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=i)
-        plain, _ = generate_plain(AutoregressiveDecoder(target, sampling, generation), prompt)
+        plain = tuple(reference_tokens(target, prompt, sampling, generation))
         for algo, params in (("ar", None), ("prompt-lookup", PromptLookupParams()), ("lookahead", LookaheadParams()),
                              ("medusa", MedusaParams())):
             proposer = None if params is None else PROPOSERS[algo](target, params)
             output, _ = generate(target, prompt, proposer, sampling, generation, algo)
-            assert output.token_ids == plain.token_ids, (algo, prompt)
+            assert output.token_ids == plain, (algo, prompt)
 
 
 @pytest.mark.parametrize("algo, params", [

@@ -7,13 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-from playground.config import GenerationParams, MedusaParams, SamplingParams
-from playground.decoding import MedusaDecoder, encode_prompt, generate
-from playground.metrics import compute
 
-from .prompts import NEW_TOKENS, PROMPTS
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "replay_proposers.py"
 spec = importlib.util.spec_from_file_location("replay_proposers", SCRIPT)
@@ -46,25 +41,8 @@ def test_lookup_replay_on_a_hand_checked_case() -> None:
     assert replay_proposers.replay(PROMPT, OUTPUT, closed) == 1.0
 
 
-@pytest.mark.parametrize("tree, copy_ngram", [("dynamic", 0), ("dynamic", 3), ("small", 3)],
-                         ids=["heads", "heads+copies", "small+copies"])
-def test_medusa_replay_commits_what_the_decoder_does(target, tree: str, copy_ngram: int) -> None:
-    """Replayed over the decoder's own greedy output, Medusa's proposer commits as many tokens per target forward
-    as the run did: the replay reads the same hidden states and builds the same trees."""
-    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
-    decoder = MedusaDecoder(target, SamplingParams(), generation, MedusaParams(tree=tree, copy_ngram=copy_ngram))
-    for prompt in (*PROMPTS[:4], "Repeat exactly: red green blue red green blue red green blue"):
-        output, trace = generate(decoder, prompt)
-        prompt_ids, output_ids = encode_prompt(target, prompt, generation), list(output.token_ids)
-        proposer = replay_proposers.MedusaProposer(decoder, prompt_ids, output_ids)
-        replayed = replay_proposers.replay(prompt_ids, output_ids, proposer)
-        assert replayed == pytest.approx(compute(trace).mean_accepted_tokens), prompt
-
-
 def test_bad_arguments_name_the_field() -> None:
     result = subprocess.run([sys.executable, str(SCRIPT), "--text-ngrams", "3,1"], capture_output=True, text=True)
     assert result.returncode == 2 and "text_ngram must be an integer in [2, 16]" in result.stderr
     result = subprocess.run([sys.executable, str(SCRIPT), "--text-ngrams", "three"], capture_output=True, text=True)
     assert result.returncode == 2 and "comma-separated integers" in result.stderr
-    result = subprocess.run([sys.executable, str(SCRIPT), "--medusa-trees", "bushy"], capture_output=True, text=True)
-    assert result.returncode == 2 and "tree" in result.stderr and "bushy" in result.stderr

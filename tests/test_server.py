@@ -23,7 +23,8 @@ import pytest
 from playground.__main__ import main
 from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
                                LookaheadParams, PromptLookupParams, SamplingParams)
-from playground.decoding import AutoregressiveDecoder, encode_prompt
+from playground.decoding import encode_prompt
+from playground.engine import generate
 from playground.decoding.base import chat_ids
 from playground.api import Service, listen
 from playground.server import EngineWorker, settled_text
@@ -96,13 +97,7 @@ def events(srv: Service, path: str, body) -> list:
 
 def solo(target, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stop: tuple[str, ...] = ()):
     """Plain decoding of one prompt on its own."""
-    stream = AutoregressiveDecoder(target, sampling, GenerationParams(max_new_tokens=max_tokens, stop=stop)).run(
-        prompt_ids)
-    while True:
-        try:
-            next(stream)
-        except StopIteration as stop_iteration:
-            return stop_iteration.value
+    return generate(target, prompt_ids, None, sampling, GenerationParams(max_new_tokens=max_tokens, stop=stop))[0]
 
 
 def chat(prompt: str) -> list[dict[str, str]]:

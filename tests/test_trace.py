@@ -14,17 +14,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from playground.config import GenerationParams, SamplingParams
-from playground.decoding import AutoregressiveDecoder, generate
+from playground.engine import generate
 from playground.metrics import compute, drafted_count
 from playground.trace import (SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace,
-                              TraceError, TreeEvent)
+                              TraceError)
 
 
 @pytest.fixture(scope="module")
 def real_trace(target) -> Trace:
-    decoder = AutoregressiveDecoder(target, SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-                                    GenerationParams(max_new_tokens=12))
-    return generate(decoder, "Name a colour.")[1]
+    return generate(target, "Name a colour.", None, SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+                    GenerationParams(max_new_tokens=12))[1]
 
 
 def synthetic_trace() -> Trace:
@@ -88,34 +87,6 @@ def test_malformed_traces_are_rejected(text: str, message: str) -> None:
         Trace.from_json(text)
 
 
-def tree_trace(**change) -> str:
-    """A trace with one Medusa tree event: two head nodes and a copied node below node 1, with `change` applied."""
-    tree = dict(step=1, t=0.1, paths=[[0], [1]], tokens=[5, 6, 7], probs=[0.5, 0.2, 1.0],
-                target_probs=[0.4, 0.1, 0.9], accepted=[1, 3], copy_parent=1, copy_source=[0, 1], copy_ngram=2)
-    trace = Trace(algo="medusa", model="m", prompt="p", prompt_ids=[7, 2], params={},
-                  events=[TreeEvent(**{**tree, **change})])
-    return trace.to_json()
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"probs": [0.5, 0.2]}, "one entry per node"),
-    ({"tokens": [5], "probs": [0.5], "target_probs": [0.4], "accepted": [], "copy_parent": None},
-     "1 tokens for 2 paths"),
-    ({"accepted": [4]}, r"events\[0\]\.accepted: nodes must be in \[1, 3\]"),
-    ({"copy_parent": None}, r"events\[0\]\.copy_parent: the node in \[0, 2\] the 1 copied nodes hang below"),
-    ({"copy_parent": 3}, r"copy_parent: the node in \[0, 2\].*got 3"),
-    ({"copy_source": [0, 2]}, r"events\[0\]\.copy_source: \[start, end\) with end - start = 1 copied nodes"),
-    ({"copy_source": None}, r"copy_source: .*got None"),
-    ({"copy_ngram": 0}, r"events\[0\]\.copy_ngram: the matched n-gram length"),
-    ({"tokens": [5, 6], "probs": [0.5, 0.2], "target_probs": [0.4, 0.1], "accepted": [1]},
-     "set only when tokens has more entries than paths"),
-])
-def test_inconsistent_tree_events_are_rejected(change, message) -> None:
-    assert Trace.from_json(tree_trace()).events[0].copy_parent == 1
-    with pytest.raises(TraceError, match=message):
-        Trace.from_json(tree_trace(**change))
-
-
 def test_load_rejects_missing_and_binary_files(tmp_path) -> None:
     with pytest.raises(TraceError, match="no such file"):
         Trace.load(tmp_path / "missing.json")
@@ -149,9 +120,6 @@ def upload(tmp_path, text: str | bytes):
 @pytest.mark.parametrize("text, message", [
     # each of these once escaped the validator as an IndexError, RecursionError, ValueError or OverflowError
     (mutate("events.0.source", [4]), r"events\[0\]\.source: \[start, end\) and 0 <= start <= end, got \[4\]"),
-    (tree_trace(paths=[[0], [0] * 1200], tokens=[5, 6, 7], probs=[1.0] * 3, target_probs=[1.0] * 3),
-     r"events\[0\]\.paths\[1\]: a path of 1\.\.64 ranks >= 0 whose parent path comes before it"),
-    (tree_trace(paths=[[0], [1, 0]]), r"events\[0\]\.paths\[1\]: .*whose parent path comes before it"),
     ('{"schema_version": 1, "events": ' + "[" * 200_000 + "]" * 200_000 + "}", "not valid JSON"),
     (mutate("prompt_ids", [1, 0]).replace("[1, 0]", "[1, " + "9" * 5001 + "]"), "not valid JSON"),
     (mutate("events.0.wall_s", 10**400), r"events\[0\]\.wall_s: expected a finite number, got 1000"),
@@ -167,17 +135,16 @@ def test_hostile_traces_are_refused_in_one_line(text: str, message: str, tmp_pat
 
 @pytest.fixture(scope="module")
 def real_traces(target) -> list[dict]:
-    """Small real traces of every kind of step (chains, siblings, trees with copies, lookahead windows)."""
-    from playground.config import LookaheadParams, MedusaParams, SpeculativeParams
-    from playground.decoding import LookaheadDecoder, MedusaDecoder, SpeculativeDecoder
-    from playground.models.loader import load_draft
+    """Small real traces of every kind of step (chains with runners-up, trees with copies, lookahead windows)."""
+    from playground.config import PromptLookupParams
+    from playground.decoding.registry import build_proposer
 
     generation = GenerationParams(max_new_tokens=10)
-    decoders = [SpeculativeDecoder(target, load_draft(None, target), SamplingParams(), generation,
-                                   SpeculativeParams(copy_ngram=2)),
-                MedusaDecoder(target, SamplingParams(), generation, MedusaParams(copy_ngram=2)),
-                LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams())]
-    return [json.loads(generate(d, "List the days of the week: Monday, Tuesday,")[1].to_json()) for d in decoders]
+    copies = PromptLookupParams(max_ngram=2)
+    proposers = [build_proposer(target, "speculative", None, copies), build_proposer(target, "medusa", None, copies),
+                 build_proposer(target, "lookahead")]
+    return [json.loads(generate(target, "List the days of the week: Monday, Tuesday,", p, SamplingParams(),
+                                generation)[1].to_json()) for p in proposers]
 
 
 def paths_in(node, prefix=()):

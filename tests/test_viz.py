@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 
 from playground.config import GenerationParams, PromptLookupParams, SamplingParams
-from playground.decoding import PromptLookupDecoder, generate
+from playground.decoding.prompt_lookup import CopyProposer
+from playground.engine import generate
 from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, FinishEvent,
-                              LookaheadEvent, MemoryEvent, PreemptEvent, RejectEvent, TokenInfo, TreeEvent)
+                              LookaheadEvent, MemoryEvent, PreemptEvent, RejectEvent, TokenInfo)
 from playground.ui.decode import _source_span
 from playground.viz import STATES, render_legend, render_prompt, render_tokens, token_views
 from playground.viz.memory import memory_figure, render_block_map, request_colour
@@ -98,9 +99,9 @@ def test_prompt_source_span_is_highlighted():
 
 
 def test_a_real_trace_renders_the_generated_text(target):
-    decoder = PromptLookupDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
-                                  PromptLookupParams(max_ngram=2, num_draft=4))
-    output, trace = generate(decoder, "Repeat exactly: one two three four five six seven eight.")
+    proposer = CopyProposer(target, PromptLookupParams(max_ngram=2, num_draft=4))
+    output, trace = generate(target, "Repeat exactly: one two three four five six seven eight.", proposer,
+                             SamplingParams(), GenerationParams(max_new_tokens=24))
     views = token_views(trace.events)
     kept = [v.token.id for v in views if v.state not in ("rejected", "discarded", "pending")]
     assert tuple(kept) == output.token_ids
@@ -241,25 +242,13 @@ def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
     assert "pool: 7 n-grams; 2 hit(s)" in detail and detail.count("pg-ngram pg-verified") == 1
 
 
-def test_a_grafted_copy_is_drawn_in_the_tree_and_highlights_its_source():
-    tree = TreeEvent(step=1, t=0.0, paths=[[0], [1], [0, 0]], tokens=[5, 6, 7, 8, 9], probs=[0.5, 0.2, 0.4, 1.0, 1.0],
-                     target_probs=[0.6, 0.1, 0.3, 0.7, 0.2], accepted=[1, 4], copy_parent=1, copy_source=[2, 4],
-                     copy_ngram=3)
-    draft = DraftEvent(step=1, t=0.0, tokens=[tok(5, 3), tok(8, 4), tok(9, 5)], wall_s=0.0, draft_forwards=0)
-    detail = render_step_detail([draft, tree], 1, {5: "a", 6: "b", 7: "c", 8: "<d>", 9: "e"}.get)
-    assert "Candidate tree (5 nodes; 2 copied after a 3-token match, 2 accepted" in detail
-    assert "copy of position 2" in detail and "copy of position 3" in detail and "&lt;d&gt;" in detail
-    assert "by the Medusa heads and a copy of positions 2..3 grafted on (the judged nodes)" in detail
-    # the copied chain hangs below node 1 ("a"), beside node 3 ("c"), and its second node below its first
-    nested = re.sub(r'<span class="pg-meta">.*?</span>', "", detail.split("pg-tree'>")[1])
-    assert re.sub(r"<[^>]*>", "|", nested).replace("|", "") == "last tokenac&lt;d&gt;eb"
-    assert nested.index(">c<") < nested.index("&lt;d&gt;") < nested.index(">e<") < nested.index(">b<")
-    assert _source_span([draft, tree], 1) == (2, 4)
-    plain_tree = replace(tree, tokens=tree.tokens[:3], probs=tree.probs[:3], target_probs=tree.target_probs[:3],
-                         accepted=[1], copy_parent=None, copy_source=None, copy_ngram=None)
-    assert _source_span([draft, tree, replace(draft, step=2), replace(plain_tree, step=2)], 2) is None
-    assert "copied" not in render_step_detail([draft, plain_tree], 1)
-    assert "by the Medusa heads (the judged nodes)" in render_step_detail([draft, plain_tree], 1)
+def test_a_copy_highlights_its_source_until_a_proposal_without_one():
+    copy = DraftEvent(step=1, t=0.0, tokens=[tok(5, 3), tok(8, 4)], wall_s=0.0, draft_forwards=0, source=[2, 4],
+                      ngram=3)
+    assert _source_span([copy], 1) == (2, 4)
+    guessed = replace(copy, step=2, source=None, ngram=None)
+    assert _source_span([copy, guessed], 2) is None and _source_span([copy, guessed], 1) == (2, 4)
+    assert "copied from positions 2..3 after a 3-token match" in render_step_detail([copy], 1)
 
 
 def test_step_player_shows_the_last_step_and_rerenders_on_every_move():

@@ -18,22 +18,23 @@ from .engine import Engine
 SPARE_TOKENS = 128
 
 
-def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
+def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
                     sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
                     algo: str = "ar", costs: ForwardCosts | None = None) -> Generator[Event, None,
                                                                                   tuple[DecodeOutput, Trace]]:
-    """Generate from a text prompt with `proposer` (None: plain decoding) on a cache of its own (the kind
-    `generation.kv` names), yielding each trace event after the engine step that made it (the engine's clock is
+    """Generate from a prompt (text, wrapped in the chat template unless generation.raw, or token ids) with
+    `proposer` (None: plain decoding) on a cache of its own (the kind `generation.kv` names), yielding each trace event after the engine step that made it (the engine's clock is
     stopped meanwhile); returns the output and the whole trace, recorded under the name `algo`. `costs`: what
     forwards cost by width (None: this machine's, as measured)."""
     sampling, generation = sampling or SamplingParams(), generation or GenerationParams()
-    prompt_ids = encode_prompt(target, prompt, generation)
+    prompt_ids = encode_prompt(target, prompt, generation) if isinstance(prompt, str) else list(prompt)
     tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
     params = EngineParams(num_blocks=blocks_for(tokens, generation.block_size), block_size=generation.block_size,
                           max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1, kv=generation.kv)
     engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True, costs=costs)
     request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
-    trace = Trace(algo=algo, model=target.name, prompt=prompt, prompt_ids=prompt_ids,
+    text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt_ids)
+    trace = Trace(algo=algo, model=target.name, prompt=text, prompt_ids=prompt_ids,
                   params=header(sampling, generation, proposer))
     output = None
     while engine.has_unfinished():
@@ -47,7 +48,7 @@ def stream_generate(target: LoadedModel, prompt: str, proposer: Proposer | None 
     return output, trace
 
 
-def generate(target: LoadedModel, prompt: str, proposer: Proposer | None = None,
+def generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
              sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
              algo: str = "ar", costs: ForwardCosts | None = None) -> tuple[DecodeOutput, Trace]:
     """`stream_generate` to the end."""
