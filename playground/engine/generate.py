@@ -20,12 +20,13 @@ SPARE_TOKENS = 128
 
 def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
                     sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-                    algo: str = "ar", costs: ForwardCosts | None = None) -> Generator[Event, None,
+                    algo: str | None = None, costs: ForwardCosts | None = None) -> Generator[Event, None,
                                                                                   tuple[DecodeOutput, Trace]]:
     """Generate from a prompt (text, wrapped in the chat template unless generation.raw, or token ids) with
-    `proposer` (None: plain decoding) on a cache of its own (the kind `generation.kv` names), yielding each trace event after the engine step that made it (the engine's clock is
-    stopped meanwhile); returns the output and the whole trace, recorded under the name `algo`. `costs`: what
-    forwards cost by width (None: this machine's, as measured)."""
+    `proposer` (None: plain decoding) on a cache of its own (the kind `generation.kv` names), yielding each trace
+    event after the engine step that made it (the engine's clock is stopped meanwhile); returns the output and the
+    whole trace, recorded under the name `algo` (None: "ar" for plain decoding, else the proposer's label).
+    `costs`: what forwards cost by width (None: this machine's, as measured)."""
     sampling, generation = sampling or SamplingParams(), generation or GenerationParams()
     prompt_ids = encode_prompt(target, prompt, generation) if isinstance(prompt, str) else list(prompt)
     tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
@@ -34,7 +35,8 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True, costs=costs)
     request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
     text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt_ids)
-    trace = Trace(algo=algo, model=target.name, prompt=text, prompt_ids=prompt_ids,
+    name = algo or ("ar" if proposer is None else proposer.label)
+    trace = Trace(algo=name, model=target.name, prompt=text, prompt_ids=prompt_ids,
                   params=header(sampling, generation, proposer))
     output = None
     while engine.has_unfinished():
@@ -50,7 +52,7 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
 
 def generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
              sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-             algo: str = "ar", costs: ForwardCosts | None = None) -> tuple[DecodeOutput, Trace]:
+             algo: str | None = None, costs: ForwardCosts | None = None) -> tuple[DecodeOutput, Trace]:
     """`stream_generate` to the end."""
     stream = stream_generate(target, prompt, proposer, sampling, generation, algo, costs)
     while True:
