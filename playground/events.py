@@ -56,11 +56,11 @@ class DraftEvent:
     ngram: int | None = None
 
     def is_sibling(self, index: int) -> bool:
-        """Whether tokens[index] is a second guess beside an earlier token for the same position (a speculative
-        step's runner-up of the draft's first token: parent 0 at index > 0) rather than the next token of the
-        chain (parent None, or node `index`: the token before it). The one rule for metrics, text and detail."""
-        parent = self.tokens[index].parent
-        return parent is not None and parent != index
+        """Whether tokens[index] is another guess for the first proposed position beside an earlier one (parent 0,
+        the last committed token, at index > 0: a draft's runner-up, a tree's second branch) rather than a token
+        proposed for a position of its own (parent None: the chain's next token; or a node that follows another).
+        The one rule for metrics, text and detail."""
+        return index > 0 and self.tokens[index].parent == 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,15 +32,15 @@ from playground.bench import GROUNDED  # noqa: E402
 from playground.bench_suite import SUITE, spread  # noqa: E402
 from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
                                ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
-from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
-                                 PromptLookupDecoder, SpeculativeDecoder, generate)
+from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.engine import generate  # noqa: E402
 from playground.metrics import compute  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.models.loader import default_draft  # noqa: E402
 from playground.trace import DraftEvent, Trace, VerifyEvent  # noqa: E402
 
-ALGOS = {"lookahead": (LookaheadParams, LookaheadDecoder), "prompt-lookup": (PromptLookupParams, PromptLookupDecoder),
-         "medusa": (MedusaParams, MedusaDecoder), "speculative": (SpeculativeParams, SpeculativeDecoder)}
+ALGOS = {"lookahead": LookaheadParams, "prompt-lookup": PromptLookupParams, "medusa": MedusaParams,
+         "speculative": SpeculativeParams}  # algorithm -> its parameters' dataclass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ def parse_setting(text: str) -> tuple[str, Any]:
     algo, _, fields = text.partition(":")
     if algo not in ALGOS:
         raise argparse.ArgumentTypeError(f"setting {text!r}: algorithm must be one of {', '.join(ALGOS)}")
-    params_type = ALGOS[algo][0]
+    params_type = ALGOS[algo]
     known = {f.name for f in dataclasses.fields(params_type)}
     changes = {}
     for item in filter(None, fields.split(",")):
@@ -130,23 +130,22 @@ def main() -> int:
     draft = load_model(ModelSpec(source=draft_source, device=args.device)) if draft_source else None
     greedy, generation = SamplingParams(), GenerationParams(max_new_tokens=args.max_new_tokens)
     names = [f"{i}:{algo}" for i, (algo, _) in enumerate(args.settings)]
-    decoders = [SpeculativeDecoder(target, draft, greedy, generation, params) if algo == "speculative"
-                else ALGOS[algo][1](target, greedy, generation, params) for algo, params in args.settings]
-    for name, decoder in zip(names, decoders):
-        print(f"{name} = {decoder.params()}")
-    plain = AutoregressiveDecoder(target, greedy, generation)
-    generate(plain, "Warm up.")  # the first run of a process pays one-off costs
+    proposers = [build_proposer(target, algo, params, draft=draft if algo == "speculative" else None)
+                 for algo, params in args.settings]
+    for name, proposer in zip(names, proposers):
+        print(f"{name} = {proposer.describe()}")
+    generate(target, "Warm up.", None, greedy, generation)  # the first run of a process pays one-off costs
     runs: dict[str, list[Run]] = {name: [] for name in ["plain", *names]}
     indices = spread(args.limit)
     for round_ in range(1, args.rounds + 1):
         for index in indices:
             category, prompt = SUITE[index]
-            reference, plain_trace = generate(plain, prompt)
+            reference, plain_trace = generate(target, prompt, None, greedy, generation)
             base = Run.of(category, plain_trace)
             runs["plain"].append(base)
             cells = []
-            for name, decoder in zip(names, decoders):
-                output, trace = generate(decoder, prompt)
+            for name, proposer in zip(names, proposers):
+                output, trace = generate(target, prompt, proposer, greedy, generation)
                 if output.token_ids != reference.token_ids:
                     print(f"{name} gave other tokens than plain decoding on prompt {index}", file=sys.stderr)
                     return 1

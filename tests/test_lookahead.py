@@ -1,18 +1,18 @@
-"""Lookahead decoding: the n-gram pool, the step's mask and positions, greedy exactness, lossless sampling."""
+"""Lookahead decoding: the n-gram pools, the window's mask and positions, greedy exactness, sampling."""
 
 from __future__ import annotations
 
 import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
-from playground.decoding import AutoregressiveDecoder, LookaheadDecoder, generate
-from playground.decoding.lookahead import jacobi_block, step_layout
+from playground.decoding.lookahead import LookaheadProposer, jacobi_block
 from playground.decoding.proposer import merge_chains
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
+from playground.engine import generate
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers
 
-from .prompts import NEW_TOKENS, assert_greedy_exact
+from .prompts import assert_greedy_exact
 from .stats import assert_follows_target
 
 
@@ -118,33 +118,13 @@ def test_text_pools_let_a_longer_guess_replace_one_it_starts() -> None:
     assert pools.candidates([1, 2]) == ([(3, 5)], [1])  # guesses all that (3,) does, and more
 
 
-def test_step_layout_on_a_small_case() -> None:
-    """x = 9, window rows [10, 11] and [20, 21] (N = 3, W = 2), one candidate (30, 31); checked by hand."""
-    layout = step_layout(9, [[10, 11], [20, 21]], [(30, 31)])
-    # order: window row 0, then x, the last window row and the candidate (the rows whose logits are read)
-    assert layout.tokens == [10, 11, 9, 20, 21, 30, 31]
-    assert layout.positions == [1, 2, 0, 2, 3, 1, 2]
-    assert layout.x_index == 2 and layout.last_row == [3, 4] and layout.candidate_rows == [[5, 6]]
-    assert layout.num_logits == 5
-    sees = {i: [j for j in range(7) if layout.mask[i, j]] for i in range(7)}
-    assert sees == {
-        0: [0, 2],  # row 0, column 0: x and itself
-        1: [0, 1, 2],  # row 0, column 1: x, row 0 up to here
-        2: [2],  # x: only the committed prefix (always visible) and itself
-        3: [0, 2, 3],  # row 1, column 0: x, row 0 column 0, itself: positions 0, 1, 2
-        4: [0, 1, 2, 4],  # row 1, column 1: x, row 0 columns 0-1, itself: positions 0, 1, 2, 3
-        5: [2, 5],  # candidate token 0: x and itself
-        6: [2, 5, 6],  # candidate token 1: x, the candidate so far
-    }
-
-
 def test_jacobi_block_and_candidate_tree_on_small_cases() -> None:
     """The engine's pieces of a lookahead row, checked by hand: the window of N = 3, W = 2 row by row, and three
     candidates of which two start alike."""
     tokens, positions, mask = jacobi_block([[10, 11], [20, 21]])
     assert tokens == [10, 11, 20, 21] and positions == [1, 2, 2, 3]
     sees = {i: [j for j in range(4) if mask[i, j]] for i in range(4)}
-    # as in step_layout's case: row 0 up to the column, then the column's rows below row 0 (x is seen by all)
+    # row 0 up to the column, then the column's rows below row 0 (x, the last token, is seen by all)
     assert sees == {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}
     tokens, parents, source = merge_chains([(5, 6, 7), (5, 8), (9,)])
     # rows: 1 = 5, 2 = 6, 3 = 7 (candidate 0); 4 = 8 under 5 (candidate 1 shares 5); 5 = 9 under the last token
@@ -167,24 +147,23 @@ SETTINGS = [LookaheadParams(ngram=3, guesses=2),
 @pytest.mark.parametrize("params", SETTINGS,
                          ids=lambda p: f"W{p.window}-N{p.ngram}-G{p.guesses}-M{p.text_n}-K{p.context}")
 def test_greedy_equals_plain_decoding(target, plain_outputs, params) -> None:
-    decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), params)
-    accepted, drafted = assert_greedy_exact(decoder, plain_outputs)
+    accepted, drafted = assert_greedy_exact(target, LookaheadProposer(target, params), plain_outputs)
     assert 0 < accepted < drafted  # the pool produced guesses, some right and some wrong
 
 
 def test_trace_shows_window_pool_and_the_verified_candidate(target) -> None:
     params = LookaheadParams(window=3, ngram=3, guesses=2)
-    decoder = LookaheadDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=30), params)
-    output, trace = generate(decoder, "Count from one to twenty, separated by commas.")
+    output, trace = generate(target, "Count from one to twenty, separated by commas.",
+                             LookaheadProposer(target, params), SamplingParams(), GenerationParams(max_new_tokens=30))
     steps = [e for e in trace.events if e.KIND == "lookahead"]
     assert steps and all(len(e.window) == 2 and all(len(r) == 3 for r in e.window) for e in steps)
     assert all(len(e.candidates) <= 2 for e in steps) and steps[-1].pool_size > steps[0].pool_size
     assert all(len(e.keys) == len(e.candidates) and all(1 <= k <= params.context for k in e.keys) for e in steps)
     assert any(k > 1 for e in steps for k in e.keys)  # the counting repeats its own longer phrases
     for event in trace.events:
-        if event.KIND == "draft":  # the verified candidate is one of the step's hits
+        if event.KIND == "draft":  # the verified tree is made of the step's hits
             hit = next(e for e in steps if e.step == event.step)
-            assert [t.id for t in event.tokens] in hit.candidates
+            assert {t.id for t in event.tokens} <= {token for c in hit.candidates for token in c}
     assert sum(e.num_tokens for e in trace.events if e.KIND == "commit") == len(output.token_ids)
 
 
@@ -195,7 +174,7 @@ def test_output_pool_supplies_the_answers_own_phrases(target) -> None:
     accepted = {}
     for output_pool in (False, True):
         params = LookaheadParams(window=1, ngram=4, guesses=2, prompt_pool=False, output_pool=output_pool)
-        output, trace = generate(LookaheadDecoder(target, SamplingParams(), generation, params), prompt)
+        output, trace = generate(target, prompt, LookaheadProposer(target, params), SamplingParams(), generation)
         assert output.text.startswith(" Tuesday, Wednesday, Thursday")
         accepted[output_pool] = sum(1 for e in trace.events if e.KIND == "accept")
     assert accepted[True] >= accepted[False] + 5  # measured 25 against 18
@@ -207,9 +186,11 @@ def test_text_ngrams_longer_than_the_windows_verify_longer_copies(target) -> Non
     longest = {}
     for text_ngram in (None, 6):
         params = LookaheadParams(window=1, ngram=3, guesses=2, text_ngram=text_ngram)
-        output, trace = generate(LookaheadDecoder(target, SamplingParams(), generation, params), prompt)
+        output, trace = generate(target, prompt, LookaheadProposer(target, params), SamplingParams(), generation)
         assert output.text.startswith(" Tuesday, Wednesday, Thursday") and trace.params["text_ngram"] == params.text_n
-        runs = [len(e.tokens) for e in trace.events if e.KIND == "draft"]
+        # each step's deepest guess: the verified tree's depth
+        runs = [1 + max(t.position for t in e.tokens) - min(t.position for t in e.tokens)
+                for e in trace.events if e.KIND == "draft"]
         assert all(n <= params.text_n - 1 for n in runs)
         longest[text_ngram] = max(runs)
     assert longest[None] == 2 and longest[6] == 5  # copies of the day names, M - 1 tokens at a time
@@ -222,44 +203,42 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     generation = GenerationParams(max_new_tokens=12)
     # G 2 keeps M = N = 3 on any machine (see LookaheadParams.resolve)
     only_corpus = LookaheadParams(guesses=2, prompt_pool=False, output_pool=False, corpus=str(corpus))
-    decoder = LookaheadDecoder(target, SamplingParams(), generation, only_corpus)
+    proposer = LookaheadProposer(target, only_corpus)
     # per key length k = 1, 2, 3: every (k + 2)-gram of the phrase, seen twice
-    assert decoder.params()["corpus"] == str(corpus)
-    assert [len(seeds) for seeds in decoder.seeds.pools] == [len(phrase) - 2, len(phrase) - 3, len(phrase) - 4]
-    output, trace = generate(decoder, "Suggest a short plan for a relaxing Sunday afternoon at home.")
+    assert proposer.describe()["corpus"] == str(corpus)
+    assert [len(seeds) for seeds in proposer.seeds.pools] == [len(phrase) - 2, len(phrase) - 3, len(phrase) - 4]
+    prompt = "Suggest a short plan for a relaxing Sunday afternoon at home."
+    output, trace = generate(target, prompt, proposer, SamplingParams(), generation)
     assert next(e for e in trace.events if e.KIND == "lookahead").pool_size == 3 * len(phrase) - 9
-    plain, _ = generate(AutoregressiveDecoder(target, SamplingParams(), generation),
-                        "Suggest a short plan for a relaxing Sunday afternoon at home.")
-    assert output.token_ids == plain.token_ids
+    assert output.token_ids == generate(target, prompt, None, SamplingParams(), generation)[0].token_ids
     # by default the embedded target's shipped answers seed the pool; switched off, nothing does
-    assert LookaheadDecoder(target, SamplingParams(), generation).corpus == str(EMBEDDED_ANSWERS)
-    off = LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus_pool=False))
-    assert off.corpus is None and len(off.seeds) == 0 and off.params()["corpus"] is None
+    assert LookaheadProposer(target).corpus == str(EMBEDDED_ANSWERS)
+    off = LookaheadProposer(target, LookaheadParams(corpus_pool=False))
+    assert off.corpus is None and len(off.seeds) == 0 and off.describe()["corpus"] is None
 
 
 def test_a_bad_corpus_names_the_field(target, tmp_path) -> None:
-    generation = GenerationParams(max_new_tokens=4)
     with pytest.raises(ModelLoadError, match="corpus: .* is not a file"):
-        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(tmp_path / "none")))
+        LookaheadProposer(target, LookaheadParams(corpus=str(tmp_path / "none")))
     wrong_vocab = tmp_path / "other.safetensors"
     save_answers(wrong_vocab, [[1, 2, 3]], 1000, "another model")
     with pytest.raises(ModelLoadError, match="written for a vocabulary of 1000 tokens, the target has 49152"):
-        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(wrong_vocab)))
+        LookaheadProposer(target, LookaheadParams(corpus=str(wrong_vocab)))
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="is not an answers file"):
-        LookaheadDecoder(target, SamplingParams(), generation, LookaheadParams(corpus=str(garbage)))
+        LookaheadProposer(target, LookaheadParams(corpus=str(garbage)))
     with pytest.raises(ConfigError, match="corpus must be a file path or None"):
         LookaheadParams(corpus=" ")
 
 
 def test_sampling_matches_the_target_distribution(target) -> None:
     sampling = SamplingParams(temperature=1.0, top_k=4)
-    generation = GenerationParams(max_new_tokens=2, raw=True)
+    generation = GenerationParams(max_new_tokens=3, raw=True)  # the step that draws the second token may propose
     prompt = "one two one two one two one"
-    assert_follows_target(target, lambda s: AutoregressiveDecoder(target, s, generation), prompt, sampling)
-    proposed = assert_follows_target(
-        target, lambda s: LookaheadDecoder(target, s, generation, LookaheadParams(ngram=2)), prompt, sampling)
+    assert_follows_target(target, None, prompt, sampling, generation)
+    proposed = assert_follows_target(target, LookaheadProposer(target, LookaheadParams(ngram=2)), prompt, sampling,
+                                     generation)
     assert proposed > 150  # the second token was usually a verified guess from the prompt's pool
 
 
@@ -297,17 +276,17 @@ def test_automatic_guesses_fit_the_forward_to_one_pass(params, rows_per_pass, ex
     assert params.ngram in (None, resolved.ngram)
 
 
-def test_the_decoder_chooses_its_settings_for_its_models_kernel(target, monkeypatch) -> None:
-    """The decoder resolves N, G and M from the model it runs; its trace parameters show what it chose."""
+def test_the_proposer_chooses_its_settings_for_its_models_kernel(target, monkeypatch) -> None:
+    """The proposer resolves N, G and M from the model it runs; the trace's parameters show what it chose."""
     from playground.models.transformer import Transformer
 
     generation = GenerationParams(max_new_tokens=4)
     for rows, expected in ((6, (2, 2, 3)), (12, (3, 2, 3)), (None, (3, 2, 3))):
         monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
-        decoder = LookaheadDecoder(target, SamplingParams(), generation)
-        params = decoder.params()
+        proposer = LookaheadProposer(target)
+        params = proposer.describe()
         assert (params["ngram"], params["guesses"], params["text_ngram"]) == expected
-        _, trace = generate(decoder, "Count to five.")
+        _, trace = generate(target, "Count to five.", proposer, SamplingParams(), generation)
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
         ngram, guesses, text_n = expected
         assert widest <= 1 + (ngram - 1) + guesses * (text_n - 1)  # x, the window's N - 1, G guesses of M - 1
@@ -323,11 +302,11 @@ def test_compare_settings_script_races_settings_against_plain_decoding(target) -
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "compare_settings.py"
     done = subprocess.run([sys.executable, str(script), "lookahead:guesses=1,text_ngram=4", "prompt-lookup:num_draft=5",
-                           "speculative:copy_ngram=3,copy_tokens=6", "--limit", "2", "--max-new-tokens", "10",
+                           "speculative:gamma=3", "--limit", "2", "--max-new-tokens", "10",
                            "--rounds", "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout and "'copy_tokens': 6" in done.stdout
+    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout and "'gamma': 3" in done.stdout
     # two prompts spread over the categories (bench_suite.spread): suite prompts 0 and 2, twice
     for round_ in (1, 2):
         assert f"round {round_} [0] chat: 0:lookahead" in done.stdout

@@ -160,6 +160,11 @@ class Guesser(Proposer):
         self.eos_ids, self.depth, self.nodes, self.shape = eos_ids, depth, nodes, shape
         self.calibration = GuessCalibration(depth)
 
+    def bind(self, settings: Any) -> None:
+        """A new engine starts from the prior: how well guesses were accepted is learned again, so that one
+        generation does not depend on those before it."""
+        self.calibration = GuessCalibration(self.depth)
+
     def ready(self, request: RequestView) -> bool:
         """Whether it can guess for this request now."""
         return True

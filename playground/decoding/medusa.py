@@ -56,6 +56,7 @@ class MedusaGuesser(Guesser):
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
 
     def bind(self, settings: Any) -> None:
+        super().bind(settings)
         self.hidden = {}
 
     def pause(self, request: RequestView) -> None:

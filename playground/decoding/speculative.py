@@ -82,6 +82,7 @@ class DraftGuesser(Guesser):
         return weights(draft, rows) / weights(target, target.config.vocab_size)
 
     def bind(self, settings: Any) -> None:
+        super().bind(settings)
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
         self.cache = engine_cache(self.draft.model, settings)
         self.prefix_caching = settings.prefix_caching
