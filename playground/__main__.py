@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import (CPU_TREE_ROWS, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA,
-                     MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams,
+                     MAX_NGRAM, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams,
                      LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams,
                      check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
@@ -97,6 +97,9 @@ def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | Non
     """The chosen algorithm's validated parameters (None for plain decoding) and the copies grafted onto its trees
     (None: none), checked before any model loads."""
     copies = None
+    check_int("copy_ngram", args.copy_ngram, 0, MAX_NGRAM)
+    if args.copy_tokens is not None:
+        check_int("copy_tokens", args.copy_tokens, 1, MAX_GAMMA)
     if args.copy_ngram:
         if args.algo not in ("speculative", "medusa"):
             raise ConfigError(f"copy-ngram: copies graft onto the trees of --algo speculative or medusa, not "

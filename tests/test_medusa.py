@@ -1,8 +1,7 @@
-"""Medusa: tree buffers against hand-computed trees (grafted copies too), the dynamic tree's choice by hand, the
-committed KV against a recomputation after every step, greedy exactness on every test prompt with the dynamic and
-three named trees, with copies and on both caches, the lossless tree sampler against the analytic distribution
-(synthetic and on the real model, named and dynamic trees, with and without copies), typical acceptance labelled
-lossy, bad settings."""
+"""Medusa: tree buffers against hand-computed trees (grafted copies too), the dynamic tree's choice by hand, greedy
+exactness on every test prompt with the dynamic and three named trees, with copies and on both caches, the tree
+samplers against the analytic distribution (synthetic and on the real model, named and dynamic trees, with and
+without copies), typical acceptance lossy, bad settings."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import math
 import random
 import re
 from collections import Counter
-from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -21,22 +19,26 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from playground.config import (DYNAMIC_NODES, GPU_DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams,
-                               SamplingParams, dynamic_nodes)
-from playground.decoding import MedusaDecoder, encode_prompt, generate
-from playground.decoding import medusa as medusa_module
-from playground.decoding.base import forward_tokens, new_cache
+                               PromptLookupParams, SamplingParams, dynamic_nodes)
+from playground.decoding import encode_prompt
+from playground.decoding.base import new_cache
+from playground.decoding.costs import ForwardCosts
+from playground.decoding.proposer import Proposer
+from playground.decoding.registry import build_proposer
+from playground.engine import generate
 from playground.decoding.tree import (COPY_PRIOR, TREES, best_first, build_tree, follow, graft_chain, load_tree,
                                      paths_tree)
 from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads, save_heads
 from playground.sampling import verify_tree_greedy, verify_tree_lossless
-from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, Trace, TreeEvent
 
-from .prompts import NEW_TOKENS, PROMPTS
+from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
 from .stats import CHI2_999, assert_follows_target
 
 REPEATING = "red green blue red green blue red green"  # its continuation is mostly a copy of itself
+COPIES = PromptLookupParams(max_ngram=3, branches=1)
+FREE = ForwardCosts((1, 2), (1.0, 1.0))  # a wider forward costs what a one-token one does
 
 
 @pytest.fixture(scope="module")
@@ -204,51 +206,28 @@ def test_the_dynamic_tree_is_a_tree_of_the_requested_size() -> None:
         assert all(len(p) == 1 or p[:-1] in paths[: paths.index(p)] for p in paths)  # every parent chosen first
 
 
+def medusa(target, heads, copies: PromptLookupParams | None = None, **settings) -> Proposer:
+    """Medusa's proposer over `heads` with `settings` (MedusaParams fields), copies grafted on where given."""
+    return build_proposer(target, "medusa", MedusaParams(**settings), copies, heads=heads)
+
+
 @pytest.mark.parametrize("tree", ["dynamic", "small", "medium", "wide"])
 def test_greedy_equals_plain_decoding(target, heads, plain_outputs, tree) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                            MedusaParams(tree=tree), heads)
-    accepted = 0
-    for prompt in PROMPTS:
-        output, trace = generate(decoder, prompt)
-        assert output.token_ids == plain_outputs[prompt], prompt
-        accepted += compute(trace).accepted
+    accepted, _ = assert_greedy_exact(target, medusa(target, heads, tree=tree), plain_outputs)
     assert accepted > 0  # the heads really proposed tokens the target kept
 
 
-# (the small tree copies past the pass: with AVX2 the tree and the last token fill one, leaving a copy no room)
-@pytest.mark.parametrize("tree, copy_ngram, options", [("dynamic", 3, {}), ("dynamic", 1, {"tree_nodes": 16}),
-                                                       ("small", 3, {"copy_in_pass": False}), ("wide", 1, {}),
-                                                       ("chain", 8, {})])
+@pytest.mark.parametrize("tree, copy_ngram, options", [("dynamic", 3, {}), ("dynamic", 1, {"nodes": 16}),
+                                                       ("small", 3, {}), ("wide", 1, {}), ("chain", 8, {})])
 def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, tree, copy_ngram, options) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                            MedusaParams(tree=tree, copy_ngram=copy_ngram, copy_tokens=6, **options), heads)
-    grafted = 0
-    for prompt in PROMPTS:
-        output, trace = generate(decoder, prompt)
-        assert output.token_ids == plain_outputs[prompt], prompt
-        grafted += sum(e.copy_parent is not None for e in trace.events if isinstance(e, TreeEvent))
+    proposer = medusa(target, heads, PromptLookupParams(max_ngram=copy_ngram, num_draft=6, branches=1), tree=tree,
+                      **options)
+    assert_greedy_exact(target, proposer, plain_outputs)
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    grafted = sum(bool(e.source) for prompt in PROMPTS[:6]
+                  for e in generate(target, prompt, proposer, SamplingParams(), generation)[1].events
+                  if e.KIND == "draft")
     assert grafted > 0  # copies really were grafted onto trees
-
-
-@pytest.mark.parametrize("rows, copy_in_pass", [(9, True), (9, False), (6, True)])
-def test_copies_add_at_most_the_rows_left_in_one_pass(target, heads, plain_outputs, monkeypatch, rows,
-                                                      copy_in_pass) -> None:
-    """With copy_in_pass a copy adds no more nodes than one pass of the kernel's rows leaves beside the `small`
-    tree and the last token (9 rows: 3; 6 rows: none, so a copy only runs down the tree's own nodes); off, it adds
-    up to copy_tokens. Greedy output stays plain decoding's either way."""
-    from playground.models.transformer import Transformer
-
-    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS),
-                            MedusaParams(tree="small", copy_ngram=3, copy_tokens=12, copy_in_pass=copy_in_pass), heads)
-    assert decoder.params()["copy_room"] == (rows - 6 if copy_in_pass else None)
-    widest = 0
-    for prompt in PROMPTS:
-        output, trace = generate(decoder, prompt)
-        assert output.token_ids == plain_outputs[prompt], prompt
-        widest = max([widest] + [e.num_tokens for e in trace.events if e.KIND == "verify"])
-    assert widest <= rows if copy_in_pass else widest > rows
 
 
 @pytest.mark.parametrize("rows, gpu, expected", [(12, False, 5), (6, False, 5), (4, False, 3),
@@ -261,130 +240,39 @@ def test_dynamic_nodes_by_machine(rows, gpu, expected) -> None:
 
 
 @pytest.mark.parametrize("rows", [4, 12, None])
-def test_the_dynamic_tree_fills_one_pass_of_the_kernels_rows(target, heads, monkeypatch, rows) -> None:
-    """By default the dynamic tree and the last token take exactly one pass of the kernel's rows, copies included
-    (DYNAMIC_NODES nodes with PyTorch's CPU kernels, where there are no passes); tree_nodes sets another size."""
+def test_the_dynamic_tree_takes_the_nodes_the_machine_suits(target, heads, monkeypatch, rows) -> None:
+    """By default the dynamic tree has the nodes one pass of the kernel's rows serves beside the last token
+    (DYNAMIC_NODES with PyTorch's CPU kernels); `nodes` sets another size; no forward verifies more."""
     from playground.models.transformer import Transformer
 
     monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
     for nodes in (None, 7):
-        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
-                                MedusaParams(tree_nodes=nodes, copy_ngram=3), heads)
+        proposer = medusa(target, heads, nodes=nodes)
         expected = nodes or dynamic_nodes(rows, gpu=False)
-        assert decoder.params()["tree_nodes"] == expected
-        _, trace = generate(decoder, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")
-        assert {e.num_tokens for e in trace.events if e.KIND == "verify"} == {expected + 1}
-        assert {len(e.tokens) for e in trace.events if isinstance(e, TreeEvent)} == {expected}
+        assert proposer.describe()["nodes"] == expected
+        _, trace = generate(target, "Repeat exactly: the cat sat on the mat, the dog sat on the log.", proposer,
+                            SamplingParams(), GenerationParams(max_new_tokens=24), costs=FREE)
+        assert max(e.num_tokens for e in trace.events if e.KIND == "verify") == expected + 1
 
 
 def test_the_dynamic_tree_takes_the_gpu_width_on_a_gpu(target, heads, monkeypatch) -> None:
-    """The decoder asks for the GPU's width when the target's weights are on a CUDA device (the device is faked:
-    building the decoder creates no tensor on it)."""
+    """The proposer asks for the GPU's width when the target's weights are on a CUDA device (the device is faked:
+    building the proposer creates no tensor on it)."""
     from playground.models.transformer import Transformer
 
     monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: None))
     monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
     for nodes in (None, 7):
-        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree_nodes=nodes), heads)
-        assert decoder.params()["tree_nodes"] == (nodes or GPU_DYNAMIC_NODES)
+        assert medusa(target, heads, nodes=nodes).describe()["nodes"] == (nodes or GPU_DYNAMIC_NODES)
 
 
 def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
-    for copy_ngram in (0, 3):
-        decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"),
-                                MedusaParams(copy_ngram=copy_ngram), heads)
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged")
+    for copies in (None, PromptLookupParams(branches=1)):
+        proposer = medusa(target, heads, copies)
         for prompt in PROMPTS[:8]:
-            assert generate(decoder, prompt)[0].token_ids == plain_outputs[prompt], prompt
-
-
-@pytest.mark.parametrize("copy_ngram, prompt", [
-    (0, "Explain what a hash table is."),
-    (3, "Repeat exactly: the cat sat on the mat, the dog sat on the log."),
-])
-def test_committed_kv_equals_a_recomputation_after_every_step(target, heads, monkeypatch, copy_ngram,
-                                                              prompt) -> None:
-    caches = []
-
-    def keep_cache(*args, **kwargs):
-        caches.append(new_cache(*args, **kwargs))
-        return caches[-1]
-
-    monkeypatch.setattr(medusa_module, "new_cache", keep_cache)
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=20),
-                            MedusaParams(tree="wide", copy_ngram=copy_ngram), heads)
-    prompt_ids = encode_prompt(target, prompt, decoder.generation)
-    committed: list[int] = []
-    checked = pending = 0
-    trees = []
-    for event in decoder.run(prompt_ids):
-        if isinstance(event, TreeEvent):
-            trees.append(event)
-        if isinstance(event, (AcceptEvent, CorrectEvent, BonusEvent)):
-            committed.append(event.token.id)
-            # A step's correction or bonus token enters the cache with the next step's forward; an accepted node
-            # is there already, and a run that stops on one ends with it in the cache.
-            pending = 0 if isinstance(event, AcceptEvent) else 1
-        if isinstance(event, CommitEvent) and event.step > 0:
-            cache = caches[0]
-            length = cache.length(0)
-            assert length == len(prompt_ids) + len(committed) - pending
-            fresh = new_cache(target.model, length, GenerationParams())
-            forward_tokens(target.model, fresh, (prompt_ids + committed)[:length])
-            for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
-                torch.testing.assert_close(mine[:, 0, :, :length], theirs[:, 0, :, :length], atol=1e-4, rtol=1e-4)
-            checked += 1
-    assert checked >= 3
-    assert not copy_ngram or any(e.copy_parent is not None and e.accepted and max(e.accepted) > len(e.paths)
-                                 for e in trees)  # a grafted copy node was committed and checked
-
-
-def test_trace_carries_the_tree_and_the_accepted_path(target, heads) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=16), MedusaParams(tree="small"),
-                            heads)
-    _, trace = generate(decoder, "List the numbers from one to ten.")
-    trees = [e for e in trace.events if isinstance(e, TreeEvent)]
-    assert trees and all(len(e.paths) == len(e.tokens) == len(e.probs) == 5 for e in trees)
-    assert all(0 <= p <= 1 for e in trees for p in e.probs + e.target_probs)
-    # accepted nodes form a root-to-node path: each one's path extends the previous one's
-    for event in trees:
-        paths = [event.paths[n - 1] for n in event.accepted]
-        assert all(len(p) == i + 1 and p[:-1] == (paths[i - 1] if i else []) for i, p in enumerate(paths))
-    assert trace.params["tree"] == "small" and trace.params["acceptance"] == "lossless"
-    assert Trace.from_json(trace.to_json()) == trace  # tree events round-trip exactly
-
-
-def test_trace_carries_each_step_of_the_dynamic_tree(target, heads) -> None:
-    """Each step's dynamic tree is in its event as paths of ranks, every node's parent among them; the shapes change
-    from step to step."""
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
-                            MedusaParams(tree_nodes=8), heads)
-    _, trace = generate(decoder, "Explain what a hash table is.")
-    trees = [e for e in trace.events if isinstance(e, TreeEvent)]
-    assert trees and all(len(e.paths) == len(e.tokens) == 8 for e in trees)
-    for event in trees:
-        paths = {tuple(path) for path in event.paths}
-        assert all(len(p) == 1 or tuple(p[:-1]) in paths for p in event.paths)
-    assert len({tuple(map(tuple, e.paths)) for e in trees}) > 1
-    assert trace.params["tree"] == "dynamic" and trace.params["tree_nodes"] == 8
-    assert Trace.from_json(trace.to_json()) == trace
-
-
-def test_trace_carries_the_grafted_copy(target, heads) -> None:
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=24),
-                            MedusaParams(copy_ngram=3, copy_tokens=5), heads)
-    output, trace = generate(decoder, "Repeat exactly: the cat sat on the mat, the dog sat on the log.")
-    grafts = [e for e in trace.events if isinstance(e, TreeEvent) and e.copy_parent is not None]
-    assert grafts
-    sequence = trace.prompt_ids + list(output.token_ids)
-    for event in grafts:
-        copied = event.tokens[len(event.paths):]
-        start, end = event.copy_source
-        assert 1 <= len(copied) <= 5 and end - start == len(copied) and 1 <= event.copy_ngram <= 3
-        assert copied == sequence[start:end]  # the chain holds the tokens of its source span
-        assert event.probs[len(event.paths):] == [1.0] * len(copied)  # one-hot proposals
-        assert 0 <= event.copy_parent <= len(event.paths)
-    assert trace.params["copy_ngram"] == 3 and trace.params["copy_tokens"] == 5
-    assert Trace.from_json(trace.to_json()) == trace
+            assert generate(target, prompt, proposer, SamplingParams(), generation)[0].token_ids == \
+                plain_outputs[prompt], prompt
 
 
 @pytest.mark.parametrize("case", ["mixed", "proposal is certain", "proposals cover everything"])
@@ -431,72 +319,46 @@ def test_greedy_tree_walk_by_hand() -> None:
     assert verdict.path == () and verdict.token == 3 and verdict.corrected and verdict.judged == ((1, False, None),)
 
 
-@pytest.mark.parametrize("tree", ["chain", "dynamic"])
-def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(target, heads, tree) -> None:
+@pytest.mark.parametrize("tree, copies", [("chain", None), ("dynamic", None), ("chain", COPIES), ("dynamic", COPIES)],
+                         ids=["chain", "dynamic", "chain-copies", "dynamic-copies"])
+def test_lossless_medusa_on_the_real_model_matches_the_target_distribution(target, heads, tree, copies) -> None:
+    """The first two tokens (the second a verified proposal in most runs) follow the target's joint, on a prompt
+    whose continuation is mostly a copy of itself when copies are grafted on."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
-    generation = GenerationParams(max_new_tokens=2, raw=True)
-    proposed = assert_follows_target(
-        target, lambda s: MedusaDecoder(target, s, generation, MedusaParams(tree=tree), heads),
-        "The best thing about summer is", sampling)
-    assert proposed == 300  # every run verified a tree in its first step
-
-
-@pytest.mark.parametrize("tree", ["chain", "dynamic"])
-def test_lossless_medusa_with_copies_matches_the_target_distribution(target, heads, tree) -> None:
-    """On a repetitive prompt most first steps graft a copy; the first two tokens still follow the target."""
-    sampling = SamplingParams(temperature=1.0, top_k=4)
-    generation = GenerationParams(max_new_tokens=2, raw=True)
-
-    def make(s: SamplingParams) -> MedusaDecoder:
-        return MedusaDecoder(target, s, generation, MedusaParams(tree=tree, copy_ngram=3), heads)
-
-    assert_follows_target(target, make, REPEATING, sampling)
-    grafted = sum(any(e.copy_parent is not None for e in generate(make(replace(sampling, seed=seed)), REPEATING)[1]
-                      .events if isinstance(e, TreeEvent)) for seed in range(40))
-    assert grafted > 20
+    generation = GenerationParams(max_new_tokens=3, raw=True)
+    prompt = REPEATING if copies else "The best thing about summer is"
+    proposed = assert_follows_target(target, medusa(target, heads, copies, tree=tree), prompt, sampling, generation)
+    assert proposed > 150
 
 
 def test_same_seed_same_output_and_typical_differs_from_lossless(target, heads) -> None:
-    def run(seed: int, acceptance: str) -> tuple[int, ...]:
-        decoder = MedusaDecoder(target, SamplingParams(temperature=0.8, seed=seed), GenerationParams(max_new_tokens=24),
-                                MedusaParams(acceptance=acceptance), heads)
-        return generate(decoder, "Write a sentence about the sea.")[0].token_ids
+    def run(seed: int, acceptance: str, prompt: str = "Write a sentence about the sea.", copies=None) -> tuple:
+        return generate(target, prompt, medusa(target, heads, copies, acceptance=acceptance),
+                        SamplingParams(temperature=0.8, seed=seed), GenerationParams(max_new_tokens=24))[0].token_ids
 
     assert run(3, "lossless") == run(3, "lossless") and run(3, "typical") == run(3, "typical")
     assert run(3, "lossless") != run(4, "lossless")
-
-    def run_copying(seed: int) -> tuple[int, ...]:
-        decoder = MedusaDecoder(target, SamplingParams(temperature=1.0, seed=seed), GenerationParams(max_new_tokens=20),
-                                MedusaParams(copy_ngram=2), heads)
-        return generate(decoder, "Say 'la la la' ten times.")[0].token_ids
-
-    assert run_copying(1) == run_copying(1) and run_copying(1) != run_copying(2)
+    assert any(run(seed, "lossless") != run(seed, "typical") for seed in range(3))  # typical is lossy
+    copying = "Say 'la la la' ten times."
+    assert run(1, "lossless", copying, COPIES) == run(1, "lossless", copying, COPIES)
+    assert run(1, "lossless", copying, COPIES) != run(2, "lossless", copying, COPIES)
 
 
 def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
-    with pytest.raises(ConfigError, match="acceptance greedy needs temperature 0"):
-        MedusaDecoder(target, SamplingParams(temperature=0.7), GenerationParams(), MedusaParams(acceptance="greedy"),
-                      heads)
     with pytest.raises(ConfigError, match="acceptance must be one of"):
-        MedusaParams(acceptance="optimistic")
+        MedusaParams(acceptance="greedy")
     with pytest.raises(ConfigError, match=r"epsilon must be in \(0, 1\]"):
         MedusaParams(epsilon=0)
-    with pytest.raises(ConfigError, match=r"copy_ngram must be an integer in \[0, 8\]"):
-        MedusaParams(copy_ngram=9)
-    with pytest.raises(ConfigError, match=r"copy_tokens must be an integer in \[1, 16\]"):
-        MedusaParams(copy_ngram=2, copy_tokens=17)
-    with pytest.raises(ConfigError, match="copy_in_pass must be true or false, got 'yes'"):
-        MedusaParams(copy_in_pass="yes")
-    with pytest.raises(ConfigError, match=r"tree_nodes must be an integer in \[1, 64\], got 0"):
-        MedusaParams(tree_nodes=0)
-    with pytest.raises(ConfigError, match="tree_nodes sizes the dynamic tree only; tree 'wide' has its own nodes"):
-        MedusaParams(tree="wide", tree_nodes=8)
-    with pytest.raises(ConfigError, match="copy_in_pass: the dynamic tree holds its copy within tree_nodes"):
-        MedusaParams(copy_ngram=3, copy_in_pass=False)
+    with pytest.raises(ConfigError, match=r"nodes must be an integer in \[1, 64\], got 0"):
+        MedusaParams(nodes=0)
+    with pytest.raises(ConfigError, match="nodes sizes the dynamic tree only; tree 'wide' has its own nodes"):
+        MedusaParams(tree="wide", nodes=8)
+    with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\]"):
+        medusa(target, heads, depth=5)
     deep = tmp_path / "deep.json"
     deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
-    with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; the heads have 4"):
-        MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree=str(deep)), heads)
+    with pytest.raises(ConfigError, match="tree: depth 6 needs that many heads; 4 are used"):
+        medusa(target, heads, tree=str(deep))
     with pytest.raises(ModelLoadError, match="is not a folder with config.json and medusa.safetensors"):
         load_heads(str(tmp_path), target)
     old = tmp_path / "old"  # heads saved before they read the next token's embedding
@@ -508,33 +370,25 @@ def test_bad_medusa_settings_name_the_field(target, heads, tmp_path) -> None:
 
 
 def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
-    """The same hidden state with a different next token gives a different tree: the heads see that token."""
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="chain"), heads)
-    _, hidden = decoder.forward(new_cache(target.model, 64, GenerationParams()), None,
-                                encode_prompt(target, "The capital of France is", GenerationParams()), 0)
+    """The same hidden state with a different next token gives different guesses: the heads see that token."""
+    cache = new_cache(target.model, 64, GenerationParams())
+    ids = encode_prompt(target, "The capital of France is", GenerationParams())
+    with torch.inference_mode():
+        _, hidden = target.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache, (0,),
+                                 num_logits=0)  # hidden: (1, T, E)
     lasts = target.tokenizer.encode(" Paris London cat")
-    assert len({tuple(decoder.propose(hidden[-1], last, [last], 8)[1]) for last in lasts}) > 1
-    logits = [heads.logits(hidden[-1], target.model.embed_tokens.weight[last]) for last in lasts]  # each (K, V')
+    logits = [heads.logits(hidden[0, -1], target.model.embed_tokens.weight[last]) for last in lasts]  # each (K, V')
+    assert len({tuple(row.argmax(-1).tolist()) for row in logits}) > 1
     assert not any(torch.allclose(a, b, atol=1e-3) for a, b in combinations(logits, 2))
 
 
-def test_fused_blocks_and_one_top_k_propose_what_the_heads_module_does(target, heads) -> None:
-    """Decoding runs the heads' blocks as one stacked product and takes every depth's candidates from one top-k;
-    the tree must hold the tokens the module's heads rank at each node's depth and rank."""
+def test_fused_blocks_propose_what_the_heads_module_does(target, heads) -> None:
+    """Decoding runs the heads' blocks as one stacked product: the logits the module's heads give one by one."""
     torch.manual_seed(5)
     hidden, lasts = torch.randn(3, 576), [42, 1000, 7]
     embedding = target.model.embed_tokens.weight[lasts]  # (3, E)
     reference = heads.output.logits(heads.heads(hidden, embedding))  # (K, 3, V'), head by head
     torch.testing.assert_close(heads.logits(hidden, embedding), reference, atol=1e-4, rtol=1e-4)
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="medium"), heads)
-    for row, last in enumerate(lasts):
-        probs = reference[:, row].softmax(-1)  # (K, V')
-        tree, ids, head_probs, graft = decoder.propose(hidden[row], last, [last], 8)
-        assert tree is decoder.tree and ids[0] == last and graft is None
-        tokens = ids[1:]
-        ranked = [probs[len(path) - 1].topk(path[-1] + 1) for path in decoder.tree.paths]
-        assert tokens == [int(heads.vocab_ids[top.indices[-1]]) for top in ranked]
-        assert head_probs == pytest.approx([float(top.values[-1]) for top in ranked], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -557,13 +411,12 @@ def test_reduced_vocabulary_logits_are_the_full_projection_restricted(target, he
 def test_reduced_vocabulary_heads_propose_only_their_tokens_and_stay_exact(target, narrow_heads,
                                                                            plain_outputs) -> None:
     allowed = set(narrow_heads.vocab_ids.tolist())
-    decoder = MedusaDecoder(target, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS), MedusaParams(),
-                            narrow_heads)
+    proposer = medusa(target, narrow_heads)
     accepted = 0
     for prompt in PROMPTS[:6]:
-        output, trace = generate(decoder, prompt)
+        output, trace = generate(target, prompt, proposer, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS))
         assert output.token_ids == plain_outputs[prompt], prompt
-        assert all(set(e.tokens) <= allowed for e in trace.events if isinstance(e, TreeEvent))
+        assert all({t.id for t in e.tokens} <= allowed for e in trace.events if e.KIND == "draft")
         accepted += compute(trace).accepted
     assert accepted > 0
 
@@ -582,5 +435,4 @@ def test_malformed_reduced_vocabularies_are_refused(target, heads, tmp_path) -> 
 def test_a_tree_wider_than_the_heads_vocabulary_is_refused(target, heads, tmp_path) -> None:
     save_heads(heads.heads, tmp_path, target, torch.float32, torch.tensor([4, 8, 15]))
     with pytest.raises(ConfigError, match="tree: a depth takes the top 5 tokens; the heads score only 3"):
-        MedusaDecoder(target, SamplingParams(), GenerationParams(), MedusaParams(tree="wide"),
-                      load_heads(str(tmp_path), target))
+        medusa(target, load_heads(str(tmp_path), target), tree="wide")

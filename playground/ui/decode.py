@@ -12,8 +12,9 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (CPU_TREE_ROWS, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, ConfigError, GenerationParams,
-                      LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams, SpeculativeParams)
+from ..config import (CPU_TREE_ROWS, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError,
+                      GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams,
+                      SpeculativeParams, check_int)
 from ..engine import stream_generate
 from ..decoding import encode_prompt, registry
 from ..decoding.proposer import Proposer
@@ -76,6 +77,7 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
     num_draft 0 leaves it chosen for the machine."""
     tokens = as_int("tokens per proposal", num_draft) or None  # 0: as suits the machine
     copy = as_int("copy n-gram", copy_ngram)
+    check_int("copy_ngram", copy, 0, MAX_NGRAM)
     copies = PromptLookupParams(max_ngram=copy, num_draft=tokens, branches=1) if copy else None
     draft = None
     if algo == "speculative":
