@@ -7,18 +7,17 @@ noisy; absolute tokens/s are reported next to the memory-bandwidth bound that ca
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .bench_suite import SUITE, spread
+from .bench_report import Costs, add_copy_bounds, environment, markdown, write_report
+from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
 from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
 
@@ -103,37 +102,6 @@ def run_ours(target: Any, contender: Contender, prompt: str, generation: Generat
     return Run(metrics.tokens, metrics.wall_s, output.token_ids), metrics, trace
 
 
-@dataclass
-class Costs:
-    """What one algorithm's steps cost over the suite, read from its traces: the wall time of every verifying
-    target forward (with its width) and of every draft forward. Priced against plain decoding's forwards in
-    the same run, these are what the runs actually paid, context lengths and all, unlike a forward timed apart."""
-
-    verify: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per verifying forward
-    draft: list[float] = field(default_factory=list)  # seconds per draft forward, one entry per drafting step
-
-    def add(self, trace: Any) -> None:
-        from .trace import DraftEvent, VerifyEvent
-
-        for event in trace.events:
-            if isinstance(event, VerifyEvent) and event.target_forwards == 1:
-                self.verify.append((event.num_tokens, event.wall_s))
-            elif isinstance(event, DraftEvent) and event.draft_forwards:
-                self.draft.append(event.wall_s / event.draft_forwards)
-
-    def ratios(self, plain_forward_s: float) -> dict[str, float]:
-        """Median costs in plain decode forwards: of a verifying forward over more than one token (and its median
-        width), and of one draft forward, where the algorithm had any."""
-        wide = [(tokens, wall) for tokens, wall in self.verify if tokens > 1]
-        out: dict[str, float] = {}
-        if wide:
-            out["verify_cost_ratio"] = statistics.median(wall for _, wall in wide) / plain_forward_s
-            out["verify_tokens"] = statistics.median(tokens for tokens, _ in wide)
-        if self.draft:
-            out["draft_cost_ratio"] = statistics.median(self.draft) / plain_forward_s
-        return out
-
-
 def seconds_per_step(trace: Any, metrics: Any) -> float:
     """Engine seconds per step after the first token (proposing, verifying and bookkeeping; prefill excluded) of a
     run and its metrics: speedup over plain decoding is about tokens per target forward / (this over plain
@@ -165,19 +133,8 @@ def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
 
 
-GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
-GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
-    "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
-    "speculative-copy": [("median_speedup_vs_ar", 1.8)],
-    "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
-    "lookahead": [("median_speedup_vs_ar", 1.3)],
-    "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
-    "medusa-copy": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
-}
-
-
 class PeerRuns:
     """One prompt's transformers peer runs by their generate() arguments: rows whose peers are called alike (a
     variant with prompt copies, which transformers lacks, and its copy-free row) share one run instead of timing
@@ -209,79 +166,6 @@ class Contender:
     @property
     def sampled(self) -> bool:
         return not self.sampling.greedy
-
-
-def markdown(report: dict[str, Any]) -> str:
-    env = report["environment"]
-    lines = [
-        f"# Benchmark: {report['model']} ({env['device']}, {env['dtype']}, batch 1, greedy, "
-        f"{report['max_new_tokens']} new tokens)",
-        "",
-        f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernels: "
-        f"{env['native_kernel']}.",
-        "",
-        "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["prompts"]:
-        hf = row.get("hf")
-        peer = (f"{hf['tokens_per_s']:.1f} | {row['ratio_vs_hf']:.2f}x | {'yes' if row['same_tokens'] else 'NO'}"
-                if hf else "- | - | -")
-        lines.append(f"| {row['index']} | {row['category']} | {row['prompt_tokens']} | {row['ar']['tokens']} | "
-                     f"{row['ar']['tokens_per_s']:.1f} | {peer} |")
-    s = report["summary"]
-    bound = report["bandwidth"]
-    lines += ["", f"- ours, plain decoding: median {s['ar_median_tokens_per_s']:.1f} tok/s"]
-    if s.get("hf_median_tokens_per_s") is not None:
-        lines += [
-            f"- transformers `generate`: median {s['hf_median_tokens_per_s']:.1f} tok/s",
-            f"- ours / transformers: median {s['median_ratio_vs_hf']:.2f}x (goal >= 1.5x)",
-        ]
-    lines.append(
-        f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
-        f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
-        f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)")
-    if report.get("algos"):
-        lines += ["", "Costs come from the runs themselves, in plain decoding's steps and forwards of this run: step "
-                  "cost is an algorithm's seconds per step after the first token over plain decoding's on the same "
-                  "prompt, so its speedup is about tokens per target forward / step cost; verify cost ratio is the "
-                  "median wall time of its verifying forwards over more than one token (their median width: verify "
-                  "tokens) over a plain decode forward's; draft cost ratio the same for one draft forward."]
-    for name, info in report.get("algos", {}).items():
-        lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
-    return "\n".join(lines) + "\n"
-
-
-def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
-    peer = info.get("peer")
-    lines = ["", f"## {name} ({info['setting']})", "",
-             "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | "
-             "tokens per target forward | step cost (plain steps) | same tokens as plain |"
-             + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
-    for i, row in enumerate(rows):
-        r = row["algos"][name]
-        acceptance = ("-" if r["acceptance_rate"] is None else
-                      f"{r['acceptance_rate']:.2f}; {r['token_acceptance'] or 0:.2f}")
-        forward = f"{r['mean_accepted_tokens']:.2f}"
-        if "predicted_tokens_per_forward" in r:
-            forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"
-        same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["same_tokens_as_ar"]]
-        cost = "-" if r["step_cost"] is None else f"{r['step_cost']:.2f}"
-        line = (f"| {i} | {row['category']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {acceptance} | "
-                f"{forward} | {cost} | {same} |")
-        if peer:
-            line += (f" {r['peer']['tokens_per_s']:.1f} | {r['ratio_vs_peer']:.2f}x |" if "peer" in r else " - | - |")
-        lines.append(line)
-    lines.append("")
-    for key, value in summary.items():
-        goal = dict(GOALS.get(name, [])).get(key)
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"- {key.replace('_', ' ')}: {shown}" + (f" (goal >= {goal})" if goal is not None else ""))
-    for key, value in info.items():
-        if key not in ("setting", "peer"):
-            lines.append(f"- {key.replace('_', ' ')}: {value:.3f}")
-    return lines
 
 
 def setting(proposer: Any, *extra: str) -> str:
@@ -337,29 +221,6 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
                                         label + (" (LOSSY)" if acceptance == "typical" else " (exact)"),
                                         sampling=SAMPLED))
     return contenders, draft
-
-
-def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list[tuple[list[int], list[int]]],
-                    entry: dict[str, Any], verify_cost: float) -> None:
-    """Put next to prompt lookup's measured figures what the best copy per step could reach on plain decoding's
-    output (`copy_bound`): per prompt in `rows`, and as grounded-prompt medians in the summary `entry`.
-
-    verify_cost prices a verifying forward in one-token steps: the caller passes what prompt lookup's own
-    verifying forwards cost in the runs (median), so the bound's speedup is an estimate at this machine's prices.
-    """
-    from .decoding.copies import copy_bound
-
-    grounded = []
-    for row, (prompt_ids, output_ids) in zip(rows, plain_outputs):
-        bound = copy_bound(prompt_ids, output_ids, lookup.max_ngram, lookup.num_draft, verify_cost)
-        row["algos"]["prompt-lookup"]["copy_bound"] = {"tokens_per_forward": bound.tokens_per_forward,
-                                                       "speedup_vs_ar": bound.speedup}
-        if row["category"] in GROUNDED:
-            grounded.append(bound)
-    if grounded:
-        entry["copy_bound_median_tokens_per_forward_grounded"] = statistics.median(
-            b.tokens_per_forward for b in grounded)
-        entry["copy_bound_median_speedup_grounded"] = statistics.median(b.speedup for b in grounded)
 
 
 def parse_algos(text: str) -> tuple[str, ...]:
@@ -503,23 +364,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
-
-
-def write_report(args: argparse.Namespace, report: dict[str, Any], text: str) -> int:
-    for path, content in ((args.json, json.dumps(report, indent=2)), (args.markdown, text)):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(content, encoding="utf-8")
-    print(text)
-    return 0
-
-
-def environment(model: Any) -> dict[str, Any]:
-    from .models import native
-
-    return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
-            "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)"}
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:

@@ -35,6 +35,8 @@ CODE_SNIPPET = (
     "    return total / len(values)\n"
 )
 
+GROUNDED = ("summarisation", "qa", "code editing", "rewriting")  # categories whose prompts carry the text to reuse
+
 SUITE: tuple[tuple[str, str], ...] = (
     ("chat", "What are three good habits for staying focused while studying?"),
     ("chat", "Suggest a short plan for a relaxing Sunday afternoon at home."),

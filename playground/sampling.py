@@ -136,24 +136,6 @@ class ChainVerdict:
     uniforms: tuple[float, ...]
 
 
-def verify_greedy(target_logits: torch.Tensor, proposals: list[int]) -> ChainVerdict:
-    """Accept while the target's argmax equals the proposal; then emit the target's argmax.
-
-    target_logits: (K+1, V), row i scoring the position of proposal i, row K the position after them all.
-    """
-    argmax = argmax_rows(target_logits)  # (K+1,)
-    accepted = greedy_matches(argmax, proposals)
-    return ChainVerdict(accepted, argmax[accepted], accepted < len(proposals), ())
-
-
-def greedy_matches(argmax: list[int], proposals: list[int]) -> int:
-    """How many leading proposals equal the target's argmax at their position (argmax[i] scores proposal i)."""
-    accepted = 0
-    while accepted < len(proposals) and argmax[accepted] == proposals[accepted]:
-        accepted += 1
-    return accepted
-
-
 def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
                     generator: torch.Generator) -> ChainVerdict:
     """Speculative sampling (Leviathan et al. 2023): the emitted tokens are distributed exactly as under p.
@@ -216,56 +198,6 @@ class TreeVerdict:
     judged: tuple[tuple[int, bool, float | None], ...]
     token: int
     corrected: bool
-
-
-def verify_tree_greedy(target_logits: torch.Tensor, children: tuple[tuple[int, ...], ...],
-                       tokens: list[int]) -> TreeVerdict:
-    """Walk down from the root while one child holds the target's argmax (siblings are distinct tokens, so at
-    most one can); the stopping node's argmax is emitted. target_logits (n+1, V): row i scores node i's
-    successor; tokens: node -> token id (the root's entry is unused). The judged rejection shown is the
-    stopping node's top-ranked child."""
-    argmax = argmax_rows(target_logits)  # (n+1,)
-    node, path, judged = 0, [], []
-    while True:
-        match = next((c for c in children[node] if tokens[c] == argmax[node]), None)
-        if match is None:
-            if children[node]:
-                judged.append((children[node][0], False, None))
-            return TreeVerdict(tuple(path), tuple(judged), argmax[node], bool(children[node]))
-        path.append(match)
-        judged.append((match, True, None))
-        node = match
-
-
-def verify_tree_lossless(p: torch.Tensor, children: tuple[tuple[int, ...], ...], tokens: list[int],
-                         generator: torch.Generator) -> TreeVerdict:
-    """Lossless verification of a tree of one-hot proposals (SpecInfer-style): at each node the children are
-    tried in rank order; child x is accepted with probability r(x) where r starts as the node's p and, after
-    each rejected child, becomes norm(max(0, r - onehot(x))) (r with x removed). The first accepted child is
-    descended into; if none is, the token is drawn from the final r. Every emitted token is distributed exactly
-    as under p: P(x_1) = p(x_1), P(x_2) = (1 - p(x_1)) p(x_2) / (1 - p(x_1)) = p(x_2), and so on.
-    p (n+1, V): row i is the target's distribution after node i."""
-    node, path, judged = 0, [], []
-    while True:
-        residual = p[node]  # (V,)
-        accepted = None
-        for child in children[node]:
-            u = float(torch.rand(1, generator=generator, device=p.device))
-            x = tokens[child]
-            if u < float(residual[x]):
-                accepted = child
-                judged.append((child, True, u))
-                break
-            judged.append((child, False, u))
-            residual = residual.clone()
-            residual[x] = 0.0
-            mass = residual.sum()
-            # mass 0 would need residual[x] == 1, which u < 1 always accepts; guard against rounding anyway
-            residual = residual / mass if mass > 1e-12 else p[node]
-        if accepted is None:
-            return TreeVerdict(tuple(path), tuple(judged), int(sample(residual, generator)), bool(children[node]))
-        path.append(accepted)
-        node = accepted
 
 
 def verify_tree_typical(p: torch.Tensor, retrieve: tuple[tuple[int, ...], ...], tokens: list[int], epsilon: float,

@@ -1,4 +1,4 @@
-"""Greedy exactness on any device: every algorithm, on both KV caches, and the batching engine (plain and with
+"""Greedy exactness on any device: every algorithm at batch 1 on both KV caches, and the batching engine (plain and with
 prompt lookup, Medusa heads, the draft or lookahead in the batch), against plain decoding on the contiguous cache,
 over the test suite's 20 prompts.
 
@@ -17,12 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineParams,  # noqa: E402
-                               GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams,
-                               SamplingParams, SpeculativeParams)
-from playground.decoding import (AutoregressiveDecoder, LookaheadDecoder, MedusaDecoder,  # noqa: E402
-                                 PromptLookupDecoder, SpeculativeDecoder, generate)
-from playground.engine import Engine  # noqa: E402
+from playground.config import (EngineParams, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
+                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.engine import Engine, generate  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.models.loader import default_draft  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
@@ -38,35 +36,31 @@ def main() -> int:
     draft = load_model(ModelSpec(source=default_draft("embedded"), device=args.device, dtype="float32"))
     greedy = SamplingParams()
 
-    def settings(kv: str) -> dict[str, object]:
-        generation = GenerationParams(max_new_tokens=args.new_tokens, kv=kv, block_size=4)
-        return {
-            f"ar/{kv}": AutoregressiveDecoder(target, greedy, generation),
-            f"speculative-g5/{kv}": SpeculativeDecoder(target, draft, greedy, generation, SpeculativeParams(gamma=5)),
-            f"speculative-adaptive/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
-                                                             SpeculativeParams(gamma=3, adaptive=True)),
-            f"speculative-copy/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
-                                                         SpeculativeParams(gamma=4, copy_ngram=3)),
-            f"speculative-confident/{kv}": SpeculativeDecoder(target, draft, greedy, generation,
-                                                              SpeculativeParams(gamma=6, confidence=0.5)),
-            f"prompt-lookup/{kv}": PromptLookupDecoder(target, greedy, generation, PromptLookupParams()),
-            f"prompt-lookup-branches/{kv}": PromptLookupDecoder(target, greedy, generation,
-                                                                PromptLookupParams(num_draft=5, branches=2)),
-            f"lookahead/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams()),
-            f"lookahead-text6/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(text_ngram=6)),
-            f"lookahead-context1/{kv}": LookaheadDecoder(target, greedy, generation, LookaheadParams(context=1)),
-            **{f"medusa-{tree}/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(tree=tree))
-               for tree in ("dynamic", "small", "wide")},
-            f"medusa-copy/{kv}": MedusaDecoder(target, greedy, generation, MedusaParams(copy_ngram=3)),
-        }
+    copies = PromptLookupParams(max_ngram=3, branches=1)
+    proposers = {
+        "ar": None,
+        "speculative-g5": build_proposer(target, "speculative", SpeculativeParams(gamma=5), draft=draft),
+        "speculative-copy": build_proposer(target, "speculative", SpeculativeParams(gamma=4), copies, draft=draft),
+        "prompt-lookup": build_proposer(target, "prompt-lookup"),
+        "prompt-lookup-branches": build_proposer(target, "prompt-lookup", PromptLookupParams(num_draft=5, branches=2)),
+        "lookahead": build_proposer(target, "lookahead"),
+        "lookahead-text6": build_proposer(target, "lookahead", LookaheadParams(text_ngram=6)),
+        "lookahead-context1": build_proposer(target, "lookahead", LookaheadParams(context=1)),
+        **{f"medusa-{tree}": build_proposer(target, "medusa", MedusaParams(tree=tree))
+           for tree in ("dynamic", "small", "wide")},
+        "medusa-copy": build_proposer(target, "medusa", MedusaParams(), copies),
+    }
 
-    plain = AutoregressiveDecoder(target, greedy, GenerationParams(max_new_tokens=args.new_tokens))
-    reference = {prompt: generate(plain, prompt)[0].token_ids for prompt in PROMPTS}
+    reference = {prompt: generate(target, prompt, None, greedy, GenerationParams(max_new_tokens=args.new_tokens))[0]
+                 .token_ids for prompt in PROMPTS}
     failures = 0
-    for name, decoder in {**settings("contiguous"), **settings("paged")}.items():
-        bad = [p for p in PROMPTS if generate(decoder, p)[0].token_ids != reference[p]]
-        failures += len(bad)
-        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact" + "".join(f"\n  MISMATCH {p!r}" for p in bad))
+    for kv in ("contiguous", "paged"):
+        generation = GenerationParams(max_new_tokens=args.new_tokens, kv=kv, block_size=4)
+        for name, proposer in proposers.items():
+            bad = [p for p in PROMPTS if generate(target, p, proposer, greedy, generation)[0].token_ids != reference[p]]
+            failures += len(bad)
+            print(f"{name}/{kv}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact"
+                  + "".join(f"\n  MISMATCH {p!r}" for p in bad))
 
     for name, params in {f"engine batch of {len(PROMPTS)}": EngineParams(),
                          f"engine batch of {len(PROMPTS)}, prompt lookup": EngineParams(lookup=PromptLookupParams()),

@@ -28,8 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench import GROUNDED  # noqa: E402
-from playground.bench_suite import SUITE, spread  # noqa: E402
+from playground.bench_suite import GROUNDED, SUITE, spread  # noqa: E402
 from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
                                ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
 from playground.decoding.registry import build_proposer  # noqa: E402

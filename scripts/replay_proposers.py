@@ -24,11 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench import GROUNDED  # noqa: E402
+from playground.bench_suite import GROUNDED, SUITE  # noqa: E402
 from playground.config import (ConfigError, GenerationParams, LookaheadParams, ModelSpec,  # noqa: E402
                                PromptLookupParams, SamplingParams)
 from playground.decoding import encode_prompt  # noqa: E402
-from playground.bench_suite import SUITE  # noqa: E402
 from playground.decoding.pools import TextPools  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402

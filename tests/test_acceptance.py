@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from playground.sampling import make_generator, sample, verify_greedy, verify_lossless
+from playground.sampling import make_generator, sample, verify_lossless
 
 V = 6
 P0 = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
@@ -21,32 +21,6 @@ def chi_square(tokens: list[int], expected: torch.Tensor) -> float:
 
 def one_hot(token: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(token), V).float()
-
-
-def test_greedy_accepts_the_matching_prefix() -> None:
-    logits = torch.full((4, V), -1.0)
-    for row, best in enumerate([2, 5, 1, 3]):
-        logits[row, best] = 1.0
-    assert verify_greedy(logits, [2, 5, 0]) == verify_greedy(logits, [2, 5, 4])
-    verdict = verify_greedy(logits, [2, 5, 0])
-    assert (verdict.num_accepted, verdict.token, verdict.corrected) == (2, 1, True)
-    full = verify_greedy(logits, [2, 5, 1])
-    assert (full.num_accepted, full.token, full.corrected) == (3, 3, False)
-    assert verify_greedy(logits[:1], []).token == 2  # nothing proposed: plain decoding
-
-
-def test_the_longest_greedy_match_among_candidates_wins_the_earliest_on_ties() -> None:
-    """Candidates read their rows of one forward's argmaxes: the one the target keeps longest is chosen."""
-    from playground.decoding.chain import longest_match
-    from playground.sampling import greedy_matches
-
-    argmax = [7, 3, 9, 4, 8, 1]  # the target's argmax per logits row; row 0 is the root
-    assert greedy_matches([7, 3, 9], [7, 3]) == 2 and greedy_matches([7, 3], [5]) == 0
-    assert greedy_matches([7], []) == 0
-    rows = [[0, 1], [0, 2, 3], [0, 4, 5]]
-    assert longest_match(argmax, rows, [[7, 3], [7, 9, 4], [7, 8]]) == 1  # 3 kept against 2 and 2
-    assert longest_match(argmax, rows, [[7, 3], [7, 5, 4], [7, 8]]) == 0  # 2, 1, 2: the earliest of the longest
-    assert longest_match(argmax, rows, [[1, 3], [2, 5, 4], [8, 8]]) == 0  # none matches
 
 
 Q_CASES = {

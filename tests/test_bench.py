@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from playground.__main__ import main
-from playground.bench import Costs
+from playground.bench_report import Costs
 from playground.bench_suite import SUITE, spread
 from playground.config import dynamic_nodes
 

@@ -11,7 +11,6 @@ import json
 import math
 import random
 import re
-from collections import Counter
 from itertools import combinations
 
 import pytest
@@ -26,15 +25,13 @@ from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import Proposer
 from playground.decoding.registry import build_proposer
 from playground.engine import generate
-from playground.decoding.tree import (COPY_PRIOR, TREES, best_first, build_tree, follow, graft_chain, load_tree,
-                                     paths_tree)
+from playground.decoding.tree import (COPY_PRIOR, TREES, best_first, build_tree, load_tree)
 from playground.metrics import compute
 from playground.models import ModelLoadError
 from playground.models.medusa import load_heads, save_heads
-from playground.sampling import verify_tree_greedy, verify_tree_lossless
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
-from .stats import CHI2_999, assert_follows_target
+from .stats import assert_follows_target
 
 REPEATING = "red green blue red green blue red green"  # its continuation is mostly a copy of itself
 COPIES = PromptLookupParams(max_ngram=3, branches=1)
@@ -73,32 +70,6 @@ def test_tree_buffers_of_a_chain_and_the_named_trees() -> None:
         assert tree.mask.sum(1).tolist() == [d + 1 for d in tree.depths]
 
 
-def test_a_grafted_chain_by_hand() -> None:
-    tree = build_tree([[0], [1], [0, 0]])  # nodes 1 = (0,), 2 = (1,), 3 = (0, 0)
-    grafted = graft_chain(tree, 1, 2)  # nodes 4 and 5: a chain below node 1
-    assert grafted.paths == tree.paths and grafted.num_nodes == 5
-    assert grafted.parents == (-1, 0, 0, 1, 1, 4) and grafted.depths == (0, 1, 1, 2, 2, 3)
-    assert grafted.children == ((1, 2), (3, 4), (), (), (5,), ())
-    assert grafted.retrieve == ((0, 2), (0, 1, 3), (0, 1, 4, 5))
-    assert grafted.mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
-                                           [1, 1, 0, 0, 0, 0],
-                                           [1, 0, 1, 0, 0, 0],
-                                           [1, 1, 0, 1, 0, 0],
-                                           [1, 1, 0, 0, 1, 0],
-                                           [1, 1, 0, 0, 1, 1]]
-    assert graft_chain(tree, 0, 1).parents == (-1, 0, 0, 1, 0)  # below the root: a sibling of the heads' nodes
-    with pytest.raises(ValueError, match=r"attach must be a node in \[0, 3\]"):
-        graft_chain(tree, 4, 1)
-
-
-def test_a_copy_follows_the_tree_as_far_as_its_tokens_match() -> None:
-    tree = build_tree([[0], [1], [0, 0]])
-    ids = [9, 5, 6, 7]  # node -> token
-    assert follow(tree, ids, [5, 7, 8]) == (3, 2)  # through nodes 1 and 3; token 8 would hang below node 3
-    assert follow(tree, ids, [6, 7]) == (2, 1)  # node 2 is a leaf
-    assert follow(tree, ids, [8]) == (0, 0)
-
-
 @pytest.mark.parametrize("paths, message", [
     ([], "a non-empty list of paths"),
     ([[0], [0]], "appears twice"),
@@ -135,22 +106,6 @@ def test_the_dynamic_tree_takes_the_likeliest_candidates_by_hand() -> None:
     assert best_first(LOGP, TOKENS, [], 10) == (((0,), (0, 0), (0, 1), (1,), (1, 0), (1, 1)), 0)  # all there are
 
 
-def test_the_dynamic_tree_ranks_a_copy_among_the_heads_candidates_by_hand() -> None:
-    # The copy proposes 11, 30, 31. Token 11 is head 0's rank 1: as the copy's it is worth COPY_PRIOR 0.8. Token 30
-    # is not among head 1's candidates, so the copy goes on as its own nodes below (1,): 0.64, then 0.512, with
-    # nothing else below them. Order: (1,) 0.8, copy 0.64, (0,) 0.6, copy 0.512, (1, 0) 0.4, (1, 1) 0.36, ...
-    assert best_first(LOGP, TOKENS, [11, 30, 31], 2) == (((1,),), 1)
-    assert best_first(LOGP, TOKENS, [11, 30, 31], 5) == (((1,), (0,), (1, 0)), 2)
-    assert best_first(LOGP, TOKENS, [11, 30, 31], 7) == (((1,), (0,), (1, 0), (1, 1), (0, 0)), 2)
-    # a copy whose first token no head proposes starts its own chain at the root; one past the heads' depth too
-    assert best_first(LOGP, TOKENS, [12], 3) == (((0,), (0, 0)), 1)
-    assert best_first(LOGP, TOKENS, [10, 20, 40], 4) == (((0,), (0, 0), (0, 1)), 1)
-    # the decoder's tree for the second case: the copy runs through node 2 (11), its new nodes hang below it
-    tree = paths_tree(tuple(sorted(((1,), (0,), (1, 0)), key=lambda p: (len(p), p))))
-    assert follow(tree, [9, 10, 11, 20], [11, 30, 31]) == (2, 1)
-    assert paths_tree(()).num_nodes == 0  # every node may go to the copy: the root alone before grafting
-
-
 def every_child_best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int],
                            nodes: int) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The dynamic tree's choice as first written: every child of a chosen node on the heap at once (O(nodes x k)
@@ -181,6 +136,18 @@ def every_child_best_first(logp: list[list[float]], tokens: list[list[int]], cop
         copy_depth = len(path) if on_copy else copy_depth
         offer(path, -estimate, on_copy)
     return tuple(chosen), chain
+
+
+def test_the_dynamic_tree_ranks_a_copy_among_the_heads_candidates_by_hand() -> None:
+    # The copy proposes 11, 30, 31. Token 11 is head 0's rank 1: as the copy's it is worth COPY_PRIOR 0.8. Token 30
+    # is not among head 1's candidates, so the copy goes on as its own nodes below (1,): 0.64, then 0.512, with
+    # nothing else below them. Order: (1,) 0.8, copy 0.64, (0,) 0.6, copy 0.512, (1, 0) 0.4, (1, 1) 0.36, ...
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 2) == (((1,),), 1)
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 5) == (((1,), (0,), (1, 0)), 2)
+    assert best_first(LOGP, TOKENS, [11, 30, 31], 7) == (((1,), (0,), (1, 0), (1, 1), (0, 0)), 2)
+    # a copy whose first token no head proposes starts its own chain at the root; one past the heads' depth too
+    assert best_first(LOGP, TOKENS, [12], 3) == (((0,), (0, 0)), 1)
+    assert best_first(LOGP, TOKENS, [10, 20, 40], 4) == (((0,), (0, 0), (0, 1)), 1)
 
 
 def test_the_dynamic_tree_reveals_ranks_lazily_yet_chooses_as_if_it_saw_them_all() -> None:
@@ -273,50 +240,6 @@ def test_greedy_exact_on_the_paged_cache(target, heads, plain_outputs) -> None:
         for prompt in PROMPTS[:8]:
             assert generate(target, prompt, proposer, SamplingParams(), generation)[0].token_ids == \
                 plain_outputs[prompt], prompt
-
-
-@pytest.mark.parametrize("case", ["mixed", "proposal is certain", "proposals cover everything"])
-def test_lossless_tree_sampler_follows_the_target_distribution(case) -> None:
-    """Root with children (a, b, c), node a with children (d, e). The first token must follow p_root and, when it
-    is a, the second must follow p_a, whatever the proposals are."""
-    torch.manual_seed(0)
-    vocab = 6
-    tree = build_tree([[0], [1], [2], [0, 0], [0, 1]])
-    p = torch.distributions.Dirichlet(torch.full((vocab,), 0.8)).sample((6,))  # (n+1, V) rows sum to 1
-    tokens = [0, 2, 4, 1, 3, 5]  # node -> token
-    if case == "proposal is certain":
-        p[0] = torch.nn.functional.one_hot(torch.tensor(2), vocab).float()  # the root surely emits node 1's token
-    if case == "proposals cover everything":
-        p[0] = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.5, 0.0])  # all mass on two of the root's children
-    generator = torch.Generator().manual_seed(1)
-    runs = 20_000
-    first, second = Counter(), Counter()
-    for _ in range(runs):
-        verdict = verify_tree_lossless(p, tree.children, tokens, generator)
-        emitted = [tokens[n] for n in verdict.path] + [verdict.token]
-        first[emitted[0]] += 1
-        if verdict.path[:1] == (1,):
-            second[emitted[1]] += 1
-    for counts, dist in ((first, p[0]), (second, p[1])):
-        n = sum(counts.values())
-        if n == 0:
-            continue
-        cells = [t for t in range(vocab) if dist[t] * n >= 5]
-        assert all(counts[t] == 0 for t in range(vocab) if dist[t] == 0)
-        stat = sum((counts[t] - dist[t] * n) ** 2 / (dist[t] * n) for t in cells)
-        assert stat < CHI2_999[max(1, len(cells) - 1)], (case, stat, dict(counts), dist.tolist())
-
-
-def test_greedy_tree_walk_by_hand() -> None:
-    tree = build_tree([[0], [1], [0, 0]])  # nodes 1 = (0,), 2 = (1,), 3 = (0, 0)
-    tokens = [9, 5, 6, 7]
-    logits = torch.full((4, 10), -5.0)
-    logits[0, 6] = logits[2, 8] = 5.0  # root's argmax is node 2's token; node 2 (a leaf) predicts 8
-    verdict = verify_tree_greedy(logits, tree.children, tokens)
-    assert verdict.path == (2,) and verdict.token == 8 and not verdict.corrected
-    logits[0, 6], logits[0, 3] = -5.0, 5.0  # no child matches: the top-ranked child is shown rejected
-    verdict = verify_tree_greedy(logits, tree.children, tokens)
-    assert verdict.path == () and verdict.token == 3 and verdict.corrected and verdict.judged == ((1, False, None),)
 
 
 @pytest.mark.parametrize("tree, copies", [("chain", None), ("dynamic", None), ("chain", COPIES), ("dynamic", COPIES)],

@@ -8,7 +8,7 @@ import torch
 from playground.config import ConfigError, SamplingParams
 from playground.models import native
 from playground.sampling import (argmax_rows, draws_along, greedy_rows, make_generator, next_token, probabilities, sample,
-                                softmax_at, verify_greedy)
+                                softmax_at)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -91,15 +91,16 @@ def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
 
 def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refusal() -> None:
     """The one-hot rule of the batching engine: row by row the same draws as `next_token` on the same stream, kept
-    while they equal the proposals; greedy, the verdict of `verify_greedy`."""
+    while they equal the proposals; greedy, the argmaxes as long as they equal the proposals and the one after."""
     torch.manual_seed(0)
     logits = torch.randn(4, 12) * 2  # (K+1, V) for K = 3 proposals
     greedy = SamplingParams()
     for proposals in ([int(logits[0].argmax()), int(logits[1].argmax()), 5], [1, 2, 3],
                       [int(r.argmax()) for r in logits[:3]]):
         rows, drawn, _ = zip(*draws_along(logits, proposals, greedy, make_generator(0)))
-        verdict = verify_greedy(logits, proposals)
-        assert list(drawn) == proposals[: verdict.num_accepted] + [verdict.token]
+        argmax = logits.argmax(-1).tolist()  # (K+1,)
+        matched = next((i for i, (a, x) in enumerate(zip(argmax, proposals)) if a != x), len(proposals))
+        assert list(drawn) == proposals[:matched] + [argmax[matched]]
         assert rows == tuple(range(len(drawn)))
     params = SamplingParams(temperature=1.5, top_k=8)
     kept = set()

@@ -122,41 +122,6 @@ def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     return _buffers(ordered, parents)
 
 
-@lru_cache(maxsize=1024)
-def paths_tree(paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
-    """`build_tree` built once per shape: the dynamic tree repeats a few hundred shapes over a run. No paths: the
-    root alone (a dynamic tree may spend every node on a copy)."""
-    return build_tree(paths) if paths else _buffers((), (-1,))
-
-
-def graft_chain(tree: TreeBuffers, attach: int, length: int) -> TreeBuffers:
-    """`tree` with a chain of `length` more nodes below node `attach` (0: the root): nodes n + 1, ..., n + length,
-    each the child of the one before. The chain carries tokens from elsewhere (a copy of earlier text), so it
-    has no paths of ranks; `paths` stays the heads' nodes. Built once per tree shape, attach node and length."""
-    if not 0 <= attach <= tree.num_nodes or length < 1:
-        raise ValueError(f"graft_chain: attach must be a node in [0, {tree.num_nodes}] and length >= 1")
-    return _chained(tree.paths, tree.parents, attach, length)
-
-
-@lru_cache(maxsize=1024)
-def _chained(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...], attach: int, length: int) -> TreeBuffers:
-    n = len(parents) - 1
-    return _buffers(paths, parents + (attach, *range(n + 1, n + length)))
-
-
-def follow(tree: TreeBuffers, ids: list[int], span: list[int]) -> tuple[int, int]:
-    """How far `span` runs down the tree whose node i holds token ids[i] (ids[0]: the root's): from the root,
-    step to the child holding the next token of `span` while there is one. Returns (node reached, tokens
-    matched); the rest of `span` would be new nodes below that node."""
-    node, matched = 0, 0
-    for token in span:
-        child = next((c for c in tree.children[node] if ids[c] == token), None)
-        if child is None:
-            break
-        node, matched = child, matched + 1
-    return node, matched
-
-
 def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int], nodes: int,
                copy_prior: float = COPY_PRIOR, chained: bool = False) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The dynamic tree: the `nodes` candidates with the highest estimated probability of being accepted.
