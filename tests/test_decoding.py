@@ -74,3 +74,17 @@ def test_time_spent_by_the_consumer_is_not_engine_time(target) -> None:
         output, _ = stop.value
     elapsed = time.perf_counter() - start
     assert elapsed - output.wall_s >= 0.05 * (len(events) - 1)
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_the_prefill_records_the_kv_bytes_used_and_reserved(target, kv) -> None:
+    """A contiguous row is reserved whole at the start (room for the prompt, every new token and the widest
+    verification); the paged cache reserves the blocks the prompt fills."""
+    _, trace = generate(target, "Hi", None, SamplingParams(), GenerationParams(max_new_tokens=8, kv=kv, block_size=4))
+    alloc = next(e for e in trace.events if e.KIND == "kv-alloc")
+    per_token = alloc.bytes_used // alloc.num_tokens
+    assert alloc.bytes_used == alloc.num_tokens * per_token
+    if kv == "contiguous":
+        assert alloc.bytes_reserved > (alloc.num_tokens + 8) * per_token
+    else:
+        assert alloc.bytes_reserved == -(-alloc.num_tokens // 4) * 4 * per_token

@@ -143,4 +143,5 @@ class LookaheadProposer(Proposer):
     def describe(self) -> dict[str, Any]:
         la = self.lookahead
         return {"proposer": self.label, "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
-                "text_ngram": la.text_n, "context": la.context, "corpus": self.corpus}
+                "text_ngram": la.text_n, "context": la.context, "prompt_pool": la.prompt_pool,
+                "output_pool": la.output_pool, "corpus": self.corpus}

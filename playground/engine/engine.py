@@ -264,8 +264,8 @@ class Engine:
         now = self.now()
         if request.trace is not None:
             own = partial(self.proposer.trace_events, request) if self.proposer is not None else lambda *_: []
-            request.trace += self.tracer.step(request, proposal, outcome, read, times, now,
-                                              self.cache.memory().bytes_used, own)
+            request.trace += self.tracer.step(request, proposal, outcome, read, times, now, self.cache.memory(),
+                                              own)
         if request.first_token_t is None:
             request.first_token_t = now
         else:

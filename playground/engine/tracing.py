@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..decoding.proposer import Outcome, Proposal
+from ..kv import KVMemory
 from ..sampling import probabilities, shown_probabilities
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, FinishEvent,
                      KVAllocEvent, PrefillEvent, RejectEvent, TokenInfo, VerifyEvent)
@@ -40,9 +41,10 @@ class Tracer:
         return TokenInfo(id=token, text=self.tokenizer.decode([token]), position=position, p=p, q=q, parent=parent)
 
     def step(self, request: Request, proposal: Proposal | None, outcome: Outcome, logits: torch.Tensor,
-             times: StepTimes, now: float, kv_bytes: int, own: Callable[[int, float], list[Event]]) -> list[Event]:
+             times: StepTimes, now: float, memory: KVMemory, own: Callable[[int, float], list[Event]]) -> list[Event]:
         """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n nodes;
-        `own(step, t)`: the proposer's own events for it, recorded before the draft."""
+        `memory`: the cache's after the step; `own(step, t)`: the proposer's own events for it, recorded before the
+        draft."""
         base = request.num_computed - 1  # the last token's position
         prefill = request.first_token_t is None
         step = 0 if prefill else request.decode_steps + 1
@@ -60,7 +62,7 @@ class Tracer:
             events += [PrefillEvent(step=0, t=times.verified, num_tokens=len(request.prompt_ids),
                                     wall_s=times.verified - times.proposed),
                        KVAllocEvent(step=0, t=times.verified, seq=request.id, num_tokens=len(request.prompt_ids),
-                                    bytes_used=kv_bytes, bytes_reserved=kv_bytes)]
+                                    bytes_used=memory.bytes_used, bytes_reserved=memory.bytes_reserved)]
         else:
             events += own(step, times.proposed)
             if proposal.tokens:
@@ -91,7 +93,7 @@ class Tracer:
         verify_s = times.verified - times.proposed
         events.append(CommitEvent(step=step, t=now, num_tokens=len(outcome.new), draft_s=0.0 if prefill else draft_s,
                                   verify_s=verify_s, overhead_s=now - times.verified + (draft_s if prefill else 0.0),
-                                  kv_bytes=kv_bytes))
+                                  kv_bytes=memory.bytes_used))
         return events
 
     @staticmethod
