@@ -98,6 +98,21 @@ def test_prompt_source_span_is_highlighted():
     assert "pg-source" not in render_prompt(["a", "b"], source=(5, 7)).split("</style>")[1]
 
 
+def test_a_tree_shows_its_kept_path_and_what_stood_behind_the_refusal_not_the_other_branches():
+    """Nodes 1 (a) and 2 (b) follow the last token; 3 (c) and 4 (d) follow a, 5 (e) follows c. The target keeps a,
+    refuses c, so e stood behind the refusal (discarded); b and d were branches beside the kept path (dropped)."""
+    def node(token_id: int, position: int, parent: int) -> TokenInfo:
+        return replace(tok(token_id, position), parent=parent)
+
+    draft = DraftEvent(step=1, t=0.0, wall_s=0.0, draft_forwards=0, tokens=[
+        node(11, 4, 0), node(12, 4, 0), node(13, 5, 1), node(14, 5, 1), node(15, 6, 3)])
+    events = [BonusEvent(step=0, t=0.0, token=tok(10, 3)), commit(0), draft,
+              AcceptEvent(step=1, t=0.0, token=tok(11, 4)), RejectEvent(step=1, t=0.0, token=tok(13, 5)),
+              CorrectEvent(step=1, t=0.0, token=tok(16, 5)), commit(1)]
+    assert states(token_views(events)) == [(10, "generated"), (11, "accepted"), (13, "rejected"), (15, "discarded"),
+                                           (16, "corrected")]
+
+
 def test_a_real_trace_renders_the_generated_text(target):
     proposer = CopyProposer(target, PromptLookupParams(max_ngram=2, num_draft=4))
     output, trace = generate(target, "Repeat exactly: one two three four five six seven eight.", proposer,

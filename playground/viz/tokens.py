@@ -35,13 +35,13 @@ def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, pr
 def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
-    A sibling (`DraftEvent.is_sibling`: a speculative step's runner-up beside the draft's first choice) left
-    undecided lost to the token beside it: it is dropped from the text; the step detail shows it. Any other
-    proposal left undecided stood behind a rejection."""
+    A proposal left undecided is shown as discarded where it stood behind a rejection (it hangs below the refused
+    node); any other (a runner-up or a branch of a tree beside the kept path) lost to the token beside it and is
+    dropped from the text; the step detail shows it."""
     views: list[TokenView] = []
-    # (position, token id) -> proposal of the current step not yet judged; siblings share a position
+    # (position, token id) -> proposal of the current step not yet judged
     pending: dict[tuple[int, int], TokenView] = {}
-    siblings: set[tuple[int, int]] = set()  # the keys in `pending` of the current step's siblings
+    nodes: list[tuple[TokenView, int]] = []  # the current step's proposal: node i + 1's view and its parent node
     proposed_steps: set[int] = set()
     for event in events:
         if upto_step is not None and event.step > upto_step:
@@ -52,8 +52,7 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
                 view = TokenView(info, "pending", event.step)
                 pending[info.position, info.id] = view
                 views.append(view)
-                if event.is_sibling(index):
-                    siblings.add((info.position, info.id))
+                nodes.append((view, index if info.parent is None else info.parent))
         elif isinstance(event, (AcceptEvent, RejectEvent)):
             view = pending.pop((event.token.position, event.token.id), None)
             if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
@@ -64,13 +63,16 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
         elif isinstance(event, (CorrectEvent, BonusEvent)):
             views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
         elif isinstance(event, CommitEvent):
-            for key, view in pending.items():
-                if key in siblings:
-                    views.remove(view)
-                else:
-                    view.state = "discarded"
+            behind = {0: False}  # node -> whether it is a refused node or hangs below one
+            for node, (view, parent) in enumerate(nodes, start=1):
+                behind[node] = view.state == "rejected" or behind.get(parent, False)
+                if view.state == "pending":
+                    if behind[parent]:
+                        view.state = "discarded"
+                    else:
+                        views.remove(view)
             pending.clear()
-            siblings.clear()
+            nodes.clear()
     return views
 
 
