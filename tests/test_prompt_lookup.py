@@ -9,8 +9,8 @@ from playground.decoding.copies import best_copy, copy_bound, find_continuation,
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.planning import ProposalGate, plan_width
 from playground.decoding.prompt_lookup import CopyProposer
-from playground.decoding.proposer import merge_chains
-from playground.decoding.tree import tree_from_parents
+from playground.decoding.proposer import Proposal, merge_chains
+from playground.decoding.tree import ancestor_mask
 from playground.engine import generate
 from playground.metrics import compute
 
@@ -53,9 +53,9 @@ def test_several_distinct_copies_best_first() -> None:
 def test_copies_merge_into_a_tree_sharing_prefixes() -> None:
     tokens, parents, source = merge_chains([[5, 6, 7], [5, 8], [9]])
     assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 1, 0] and source == [0, 0, 0, 1, 2]
-    tree = tree_from_parents([-1, *parents])
-    assert tree.depths == (0, 1, 2, 3, 2, 1)
-    sees = {i: [j for j in range(6) if tree.mask[i, j]] for i in range(6)}
+    assert list(Proposal(tokens, parents, ["copy"] * 5, [1.0] * 5).depths()) == [0, 1, 2, 3, 2, 1]
+    mask = ancestor_mask([-1, *parents])  # (6, 6): row 0 the last token, row i + 1 node i
+    sees = {i: [j for j in range(6) if mask[i, j]] for i in range(6)}
     assert sees == {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 4], 5: [0, 5]}
     assert merge_chains([]) == ([], [], [])
 

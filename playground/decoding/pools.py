@@ -81,9 +81,8 @@ class TextPools:
     (k + M - 1)-grams keyed by their first k tokens, so its continuations have the same M - 1 tokens but follow a
     longer match: after "the" many phrases go on, after "of the" fewer. A step takes up to G continuations from
     the longest key that has any, then shorter ones, skipping a guess that starts one already taken and letting
-    a longer guess replace one it starts; the forward stays as wide as with one pool. Measured on the benchmark
-    suite (replayed, W 1 N 3 G 2, corpus pool on): 1.59 tokens per forward with K 1, 1.61 with K 2, 1.64 with K 3.
-    """
+    a longer guess replace one it starts; the forward stays as wide as with one pool (docs/defaults.md has what
+    each K measured)."""
 
     def __init__(self, guesses: int, text_ngram: int, context: int, base: TextPools | None = None) -> None:
         """`base`: pools of the same settings this one starts as a copy of (see `NGramPool`)."""

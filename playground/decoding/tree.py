@@ -4,7 +4,6 @@ Path (i0, i1, ..., id) is the node reached by taking rank i0 of head 0's top-k a
 committed token), then rank i1 of head 1's top-k, and so on; its depth is its length. The buffers are built once
 per tree: node order, parents, the attention mask among the new tokens, position offsets and the
 root-to-leaf paths used to pick the accepted one. Node 0 is the root; nodes 1..n follow in (depth, path) order.
-A step may graft a chain of copied tokens below one node (`graft_chain`); its nodes come after the heads'.
 The dynamic tree (`best_first`) is chosen anew at every step from the heads' own probabilities.
 """
 
@@ -15,7 +14,6 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -24,10 +22,7 @@ from ..config import DYNAMIC_TREE, ConfigError
 
 MAX_TREE_NODES = 128
 MAX_TREE_DEPTH = 16
-# The probability the dynamic tree's ranking gives each token a copy proposes. Replayed over the benchmark suite
-# (scripts/replay_proposers.py, 11 nodes, copies of 8 after a 3-gram match), 0.6 / 0.8 / 0.9 committed 2.38 /
-# 2.39 / 2.39 tokens per target forward (means over the prompts): the ranking is not sensitive to it.
-COPY_PRIOR = 0.8
+COPY_PRIOR = 0.8  # the probability the dynamic tree's ranking gives each token a copy proposes (docs/defaults.md)
 
 
 @dataclass(frozen=True)
@@ -86,19 +81,6 @@ def _buffers(paths: tuple[tuple[int, ...], ...], parents: tuple[int, ...]) -> Tr
     return TreeBuffers(paths, parents, tuple(depths), tuple(tuple(c) for c in children), mask, tuple(retrieve))
 
 
-def tree_from_parents(parents: list[int] | tuple[int, ...]) -> TreeBuffers:
-    """Buffers for a tree of proposed tokens given by node parents (the root's -1 first, every parent before its
-    children), with no paths of ranks: candidates merged by prefix rather than the heads' top-k."""
-    return _parents_tree(tuple(parents))
-
-
-@lru_cache(maxsize=256)
-def _parents_tree(parents: tuple[int, ...]) -> TreeBuffers:
-    """Built once per shape: steps verifying candidates as a tree repeat a few shapes, and building one took
-    ~0.2 ms (the mask node by node), 0.7% of a decode step on the 2-core CPU."""
-    return _buffers((), parents)
-
-
 def build_tree(paths: list[list[int]] | list[tuple[int, ...]]) -> TreeBuffers:
     """Buffers for a tree given by its paths; every prefix of a path must be a path too (a tree, not a forest)."""
     if not isinstance(paths, (list, tuple)) or not paths:
@@ -132,11 +114,9 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     token the copy proposes at that place when that is higher. Every ancestor of a chosen node outranks it, so
     the choice is a tree. Where the copy's token is not among its head's top k (or lies past the heads' depth) the
     copy goes on as a chain of its own nodes below the deepest head node it runs through, with nothing else below
-    it: replayed over the benchmark suite (11 nodes, copies of 8), letting the heads' candidates hang below copied
-    nodes too committed fewer tokens per forward (2.34 against 2.38, means over the prompts, in a scratch
-    variant). With `chained`, the guesses are a draft model's: its guess at depth d + 1 was drawn after its top guess
-    at depth d, so only the top-ranked path has guesses below it (a runner-up is a leaf, the copy's own nodes
-    aside).
+    it (docs/defaults.md says why). With `chained`, the guesses are a draft model's: its guess at depth d + 1 was
+    drawn after its top guess at depth d, so only the top-ranked path has guesses below it (a runner-up is a leaf,
+    the copy's own nodes aside).
     Returns the chosen heads' paths of ranks and how many of the copy's own nodes hang below."""
     prior, depth_limit, order = math.log(copy_prior), len(logp), itertools.count()
     # (-estimate, tie order, path of ranks or None for the copy's next own node, on the copy's path, and for a head
@@ -186,12 +166,8 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
     return tuple(chosen), chain
 
 
-# Named trees. On the 2-core CPU a target forward over 1 + n tokens cost 1.7x a one-token step for the 4-node
-# chain, 1.95x for "small" and about 3.5x for the 9-node "medium" (bench `verify cost ratio`, measured before
-# `linear` made its input contiguous, which lowered every wide forward's cost); with the shipped
-# heads "small" and "chain" were fastest (0.57x plain on 6 suite prompts), "small" committing more per forward.
-# The dynamic tree (best_first), now the default, commits more than any of them at the same width. Where a wider
-# forward is nearly free (a GPU with a model large enough to be bound by reading weights), "wide" suits better.
+# Named trees, for teaching and for comparison with the dynamic tree (best_first, the default), which commits more
+# than any of them at the same width; "wide" suits where a wider forward is nearly free.
 TREES: dict[str, list[tuple[int, ...]]] = {
     "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "small": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],

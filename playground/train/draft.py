@@ -148,11 +148,10 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     soft labels; the corpus keeps the prompts' order.
 
     Batches are cut from the prompts sorted by length (stable), since a batch is padded to its longest prompt: the
-    grounded prompts of the second stage run from one sentence to a paragraph, and answering them in their own
-    order at 256 a batch wrote 174 tokens/s, sorted 264, against the first stage's ~370. bfloat16 answers 1.6x
-    faster than float32 on a 2-core AVX-512 EPYC (294 against 182 tokens/s, 64 prompts) and is still the target
-    writing: its answers follow float32's for about half their tokens before a near tie tips another way, and its
-    labels are the same distribution to bfloat16's precision."""
+    grounded prompts of the second stage run from one sentence to a paragraph. bfloat16 answers faster than
+    float32 on a CPU with bfloat16 instructions and is still the target writing: its answers follow float32's for
+    about half their tokens before a near tie tips another way, and its labels are the same distribution to
+    bfloat16's precision (docs/defaults.md has the measurements)."""
     from transformers import LogitsProcessorList
 
     from ..models.loader import load_hf_peer
