@@ -10,18 +10,20 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (CPU_TREE_ROWS, DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA,
-                     MAX_NGRAM, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EngineParams, GenerationParams,
-                     LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams,
-                     check_int, check_text)
+from .config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES,
+                     LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_GAMMA, MAX_NGRAM, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS,
+                     ConfigError, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
+                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
 
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
 SPECULATIVE = SpeculativeParams()
+MEDUSA = MedusaParams()
 ENGINE = EngineParams()
 
 
@@ -93,38 +95,36 @@ def check_writable(name: str, path: Path) -> None:
         raise ConfigError(f"{name}: cannot write into {folder}")
 
 
+# --algo -> its parameters' type; the fields are the dests of its options (`add_algo_args`)
+PARAMS: dict[str, type] = {"speculative": SpeculativeParams, "prompt-lookup": PromptLookupParams,
+                           "lookahead": LookaheadParams, "medusa": MedusaParams}
+NOT_PARAMS = ("draft_quant", "copy_ngram", "copy_tokens")  # options that are not the parameters' own fields
+
+
 def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | None]:
     """The chosen algorithm's validated parameters (None for plain decoding) and the copies grafted onto its trees
-    (None: none), checked before any model loads."""
+    (None: none), checked before any model loads: an option of another algorithm is an error, not ignored."""
+    given = {dest: getattr(args, dest) for dest in args.algo_options if getattr(args, dest) is not None}
+    for dest in given:
+        flag, algos = args.algo_options[dest]
+        if args.algo not in algos:
+            raise ConfigError(f"{flag.lstrip('-')}: a setting of --algo {' or '.join(algos)}, not {args.algo}")
     copies = None
-    check_int("copy_ngram", args.copy_ngram, 0, MAX_NGRAM)
-    if args.copy_tokens is not None:
+    if "copy_tokens" in given:
         check_int("copy_tokens", args.copy_tokens, 1, MAX_GAMMA)
-    if args.copy_ngram:
-        if args.algo not in ("speculative", "medusa"):
-            raise ConfigError(f"copy-ngram: copies graft onto the trees of --algo speculative or medusa, not "
-                              f"{args.algo}")
+    if "copy_ngram" in given:
+        check_int("copy_ngram", args.copy_ngram, 1, MAX_NGRAM)
         copies = PromptLookupParams(max_ngram=args.copy_ngram, num_draft=args.copy_tokens, branches=1)
-    elif args.copy_tokens is not None:
+    elif "copy_tokens" in given:
         raise ConfigError("copy-tokens sizes the copies --copy-ngram grafts: add --copy-ngram")
     if args.algo == "speculative":
-        args.draft = args.draft or default_draft(args.model)
+        given["draft"] = args.draft = args.draft or default_draft(args.model)
         if not args.draft:
             raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
                               "(a default draft ships only for the embedded model)")
-        return SpeculativeParams(draft=args.draft, gamma=args.gamma, sample=args.sample_draft), copies
-    if args.algo == "prompt-lookup":
-        return PromptLookupParams(max_ngram=args.max_ngram, num_draft=args.num_draft, branches=args.branches), None
-    if args.algo == "lookahead":
-        return LookaheadParams(window=args.window, ngram=args.ngram, guesses=args.guesses,
-                               prompt_pool=not args.no_prompt_pool, output_pool=not args.no_output_pool,
-                               text_ngram=args.text_ngram, corpus_pool=not args.no_corpus_pool,
-                               corpus=args.corpus, context=args.context), None
-    if args.algo == "medusa":
-        return MedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, tree=args.tree, nodes=args.tree_nodes,
-                            acceptance=args.acceptance, epsilon=args.typical_epsilon,
-                            alpha=args.typical_alpha), copies
-    return None, None
+    if args.algo not in PARAMS:
+        return None, None
+    return PARAMS[args.algo](**{k: v for k, v in given.items() if k not in NOT_PARAMS}), copies
 
 
 def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: PromptLookupParams | None) -> Any:
@@ -193,122 +193,113 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .api import listen, serve
 
     spec = model_spec(args)
-    if not args.prompt_lookup and (args.max_ngram is not None or args.num_draft is not None):
-        raise ConfigError("--max-ngram and --num-draft set prompt lookup: add --prompt-lookup")
-    lookup = PromptLookupParams(max_ngram=3 if args.max_ngram is None else args.max_ngram,
-                                num_draft=args.num_draft) if args.prompt_lookup else None
-    if not args.medusa and any(v is not None for v in (args.medusa_heads, args.medusa_depth, args.medusa_nodes)):
-        raise ConfigError("--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add "
-                          "--medusa")
-    medusa = MedusaParams(heads=args.medusa_heads, depth=args.medusa_depth, nodes=args.medusa_nodes) \
-        if args.medusa else None
-    if not args.speculative and (args.draft is not None or args.gamma is not None):
-        raise ConfigError("--draft and --gamma set a draft model in the batch: add --speculative")
-    draft = SpeculativeParams(draft=args.draft, **({} if args.gamma is None else {"gamma": args.gamma})) \
-        if args.speculative else None
-    if not args.lookahead and any(v is not None for v in (args.window, args.ngram, args.guesses)):
-        raise ConfigError("--window, --ngram and --guesses set lookahead in the batch: add --lookahead")
-    lookahead = LookaheadParams(window=LOOKAHEAD.window if args.window is None else args.window, ngram=args.ngram,
-                                guesses=args.guesses) if args.lookahead else None
+    settings, copies = algo_params(args)
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
-                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
-                          lookup=lookup, medusa=medusa, draft=draft, lookahead=lookahead)
+                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching)
     check_int("max_waiting", args.max_waiting, 0, MAX_WAITING)
     api_key = args.api_key or os.environ.get("PLAYGROUND_API_KEY") or None
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
-        serve(load_model(spec), params, sock, api_key=api_key, max_waiting=args.max_waiting)
+        target = load_model(spec)
+        serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
+              proposer=build_proposer(args, target, settings, copies))
     finally:
         sock.close()
     return 0
 
 
+def add_algo_args(parser: argparse.ArgumentParser) -> None:
+    """--algo and every algorithm's settings, as `generate` and `serve` take them. A setting left out takes its
+    parameters' default; one given for another algorithm than --algo is an error (`algo_params`)."""
+    from .decoding.registry import algorithms
+
+    parser.add_argument("--algo", default="ar", choices=algorithms(), help="what each step proposes (default ar: "
+                        "plain decoding, nothing)")
+    owners: dict[str, tuple[str, tuple[str, ...]]] = {}  # dest -> (its flag, the algorithms it sets)
+
+    def group(title: str, *algos: str) -> Callable[..., None]:
+        options = parser.add_argument_group(title)
+
+        def add(flag: str, **kwargs: Any) -> None:
+            if kwargs.get("action") == "store_true":  # None unless given, like every other setting
+                kwargs.update(action="store_const", const=True)
+            owners[options.add_argument(flag, **kwargs).dest] = (flag, algos)
+        return add
+
+    spec = group("speculative decoding (--algo speculative)", "speculative")
+    spec("--draft", help="draft model spec (same tokenizer as the target); default for the embedded model: the "
+                         "draft trained by `python -m playground.train draft`")
+    spec("--gamma", type=int, help=f"most draft tokens per step, 1..{MAX_GAMMA} (default {SPECULATIVE.gamma}); "
+                                   "each step drafts as deep as the chain's acceptance so far pays for")
+    spec("--sample-draft", action="store_true", dest="sample",
+         help="when sampling, draw the chain from the draft's distributions and judge it by the lossless rule for "
+              "them: more accepted, same distribution, but a seed no longer gives plain decoding's text (default: "
+              "the draft's greedy chain, seeded outputs unchanged)")
+    spec("--draft-quant", choices=QUANTS, help="bitsandbytes quantization of the draft")
+    copy = group("prompt copies grafted onto the tree (--algo speculative or medusa)", "speculative", "medusa")
+    copy("--copy-ngram", type=int, help=f"1..{MAX_NGRAM} (default: off): each step may also propose a copy of "
+                                        "earlier text matching the last 1..N tokens, grafted onto the draft's or the "
+                                        "heads' tree")
+    copy("--copy-tokens", type=int, help=f"most tokens a copy proposes, 1..{MAX_GAMMA} (default: as prompt lookup's "
+                                         "--num-draft)")
+    lookup = group("prompt-lookup decoding (--algo prompt-lookup)", "prompt-lookup")
+    lookup("--max-ngram", type=int, help=f"longest suffix looked up in the prompt and the text so far, "
+                                         f"1..{MAX_NGRAM} (default {PromptLookupParams().max_ngram})")
+    lookup("--num-draft", type=int, help=f"most tokens copied after a match, 1..{MAX_GAMMA} (default "
+                                         f"{LOOKUP_BRANCH_TOKENS} with more than one branch, else {LOOKUP_TOKENS})")
+    lookup("--branches", type=int, help="distinct copies (of different earlier occurrences) verified together in "
+                                        f"one forward, merged into a tree, 1..8 (default {LOOKUP_BRANCHES})")
+    ahead = group("lookahead decoding (--algo lookahead)", "lookahead")
+    ahead("--window", type=int, help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
+    ahead("--ngram", type=int, help=f"n-gram size N (window of N - 1 rows), 2..8 (default {LOOKAHEAD.ngram})")
+    ahead("--guesses", type=int, help=f"n-grams kept per first token and verified per step G, 1..16 (default "
+                                      f"{LOOKAHEAD.guesses})")
+    ahead("--no-prompt-pool", action="store_const", const=False, dest="prompt_pool",
+          help="do not seed the n-gram pool from the prompt")
+    ahead("--no-output-pool", action="store_const", const=False, dest="output_pool",
+          help="do not add the committed text's n-grams to the pool (only the window's)")
+    ahead("--text-ngram", type=int, help="size M of the n-grams the prompt, output and corpus pools take from text, "
+                                         "2..16 (default: N; a longer M verifies longer copies in wider forwards)")
+    ahead("--corpus", help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed the "
+                           "pool (default: the one shipped for the embedded model)")
+    ahead("--no-corpus-pool", action="store_const", const=False, dest="corpus_pool",
+          help="do not seed the pool from the target's answers to other prompts")
+    ahead("--context", type=int, help=f"look candidates up by the last K tokens first, then fewer, down to the last "
+                                      f"one, 1..8 (default {LOOKAHEAD.context}; 1: keyed by the last token only, as "
+                                      "in the paper)")
+    tree = group("Medusa decoding (--algo medusa)", "medusa")
+    tree("--medusa-heads", dest="heads", help="folder of heads trained by `python -m playground.train medusa` "
+                                              "(default: the heads shipped for the embedded model)")
+    tree("--medusa-depth", type=int, dest="depth", help="heads used, so the deepest guess, 1..the heads' number "
+                                                        "(default: every head)")
+    tree("--tree", help=f"candidate tree: {DYNAMIC_TREE} (default: the nodes the heads rate likeliest, chosen at "
+                        "every step), chain, small, medium, wide, or a JSON file of top-k paths")
+    tree("--tree-nodes", type=int, dest="nodes",
+         help=f"most nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default {CPU_DYNAMIC_NODES}, "
+              f"{GPU_DYNAMIC_NODES} on a GPU); each step verifies as many as pay for the wider forward")
+    tree("--acceptance", choices=MEDUSA_ACCEPTANCE, help="when sampling: lossless (exact, default) or typical "
+                                                         "(LOSSY, accepts more); at temperature 0 both are greedy "
+                                                         "and exact")
+    tree("--typical-epsilon", type=float, dest="epsilon",
+         help=f"typical acceptance epsilon, (0, 1] (default {MEDUSA.epsilon})")
+    tree("--typical-alpha", type=float, dest="alpha", help=f"typical acceptance alpha, (0, 1] (default {MEDUSA.alpha})")
+    parser.set_defaults(algo_options=owners)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_args
-    from .decoding.registry import algorithms
 
     parser = OneLineParser(prog="python -m playground", description="The decoding playground.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = commands.add_parser("generate", help="generate text with one decoding algorithm")
-    gen.add_argument("--algo", default="ar", choices=algorithms())
+    add_algo_args(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
     add_sampling_args(gen)
     add_model_args(gen)
-    spec = gen.add_argument_group("speculative decoding (--algo speculative)")
-    spec.add_argument("--draft", help="draft model spec (same tokenizer as the target); default for the embedded "
-                                      "model: the draft trained by `python -m playground.train draft`")
-    spec.add_argument("--gamma", type=int, default=SPECULATIVE.gamma,
-                      help=f"most draft tokens per step, 1..{MAX_GAMMA} (default {SPECULATIVE.gamma}); each step "
-                           "drafts as deep as the chain's acceptance so far pays for")
-    spec.add_argument("--sample-draft", action="store_true",
-                      help="when sampling, draw the chain from the draft's distributions and judge it by the lossless "
-                           "rule for them: more accepted, same distribution, but a seed no longer gives plain "
-                           "decoding's text (default: the draft's greedy chain, seeded outputs unchanged)")
-    spec.add_argument("--draft-quant", default=None, choices=QUANTS, help="bitsandbytes quantization of the draft")
-    copy = gen.add_argument_group("prompt copies grafted onto the tree (--algo speculative or medusa)")
-    copy.add_argument("--copy-ngram", type=int, default=0,
-                      help="0..8 (default 0: off): each step may also propose a copy of earlier text matching the last "
-                           "1..N tokens, grafted onto the draft's or the heads' tree")
-    copy.add_argument("--copy-tokens", type=int, default=None,
-                      help="most tokens a copy proposes, 1..16 (default: as prompt lookup's --num-draft)")
-    lookup = gen.add_argument_group("prompt-lookup decoding (--algo prompt-lookup)")
-    lookup.add_argument("--max-ngram", type=int, default=3,
-                        help="longest suffix looked up in the prompt and the text so far, 1..8 (default 3)")
-    lookup.add_argument("--num-draft", type=int, default=None,
-                        help="most tokens copied after a match, 1..16 (default 5 with more than one branch or where "
-                             "only a copy of 5 fits one pass of the native CPU kernel's rows, as with AVX2; "
-                             "else 8)")
-    lookup.add_argument("--branches", type=int, default=None,
-                        help="distinct copies (of different earlier occurrences) verified together in one forward, "
-                             "merged into a tree, 1..8 (default: 2 where two copies and the last token fit one pass "
-                             "of the native CPU kernel's rows, as with AVX-512; else 1)")
-    ahead = gen.add_argument_group("lookahead decoding (--algo lookahead)")
-    ahead.add_argument("--window", type=int, default=LOOKAHEAD.window,
-                       help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
-    ahead.add_argument("--ngram", type=int, default=LOOKAHEAD.ngram,
-                       help="n-gram size N (window of N - 1 rows), 2..8 (default: 3, or 2 where only then do two "
-                            "guesses fit one pass of the CPU kernel's rows: 6 tokens with AVX2)")
-    ahead.add_argument("--guesses", type=int, default=LOOKAHEAD.guesses,
-                       help="n-grams kept per first token and verified per step G, 1..16 (default: 2 where the "
-                            "step's forward fits one pass of the CPU kernel's rows or on a GPU; else 1, with "
-                            "M = N + 1 unless --text-ngram is given)")
-    ahead.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
-    ahead.add_argument("--no-output-pool", action="store_true",
-                       help="do not add the committed text's n-grams to the pool (only the window's)")
-    ahead.add_argument("--text-ngram", type=int, default=LOOKAHEAD.text_ngram,
-                       help="size M of the n-grams the prompt, output and corpus pools take from text, 2..16 "
-                            "(default: N, 3 where --ngram chooses 2, or N + 1 as --guesses says; a longer M "
-                            "verifies longer copies in wider forwards)")
-    ahead.add_argument("--corpus", default=None,
-                       help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed "
-                            "the pool (default: the one shipped for the embedded model)")
-    ahead.add_argument("--no-corpus-pool", action="store_true",
-                       help="do not seed the pool from the target's answers to other prompts")
-    ahead.add_argument("--context", type=int, default=LOOKAHEAD.context,
-                       help="look candidates up by the last K tokens first, then fewer, down to the last one, "
-                            f"1..8 (default {LOOKAHEAD.context}; 1: keyed by the last token only, as in the paper)")
-    tree = gen.add_argument_group("Medusa decoding (--algo medusa)")
-    tree.add_argument("--medusa-heads", default=None,
-                      help="folder of heads trained by `python -m playground.train medusa` (default: the heads "
-                           "shipped for the embedded model)")
-    tree.add_argument("--medusa-depth", type=int, default=None,
-                      help="heads used, so the deepest guess, 1..the heads' number (default: every head)")
-    tree.add_argument("--tree", default=DYNAMIC_TREE,
-                      help="candidate tree: dynamic (default: the nodes the heads rate likeliest, chosen at every "
-                           "step), chain, small, medium, wide, or a JSON file of top-k paths")
-    tree.add_argument("--tree-nodes", type=int, default=None,
-                      help=f"nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default: what one "
-                           f"pass of the native CPU kernel serves beside the last token, at most {CPU_TREE_ROWS - 1}; "
-                           f"{GPU_DYNAMIC_NODES} on a GPU, {DYNAMIC_NODES} with PyTorch's CPU kernels)")
-    tree.add_argument("--acceptance", default="lossless", choices=MEDUSA_ACCEPTANCE,
-                      help="when sampling: lossless (exact, default) or typical (LOSSY, accepts more); at "
-                           "temperature 0 both are greedy and exact")
-    tree.add_argument("--typical-epsilon", type=float, default=0.3, help="typical acceptance epsilon, (0, 1]")
-    tree.add_argument("--typical-alpha", type=float, default=0.09, help="typical acceptance alpha, (0, 1]")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
     gen.set_defaults(func=cmd_generate)
@@ -318,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
 
     server = commands.add_parser("serve", help="serve the model over HTTP (OpenAI-style API) with continuous "
-                                               "batching on the paged KV cache")
+                                               "batching on the paged KV cache; --algo proposes in every step")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                             "only; 0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="0..65535 (default 8000; 0: any free port)")
@@ -340,52 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{ENGINE.max_batch_tokens})")
     server.add_argument("--no-prefix-caching", action="store_true",
                         help="do not share the KV blocks of identical prompt prefixes between requests")
-    copies = server.add_argument_group("prompt lookup in the batch")
-    copies.add_argument("--prompt-lookup", action="store_true",
-                        help="verify copies of earlier text (prompt lookup) in the batch's forward where they pay "
-                             "for its extra rows: the same tokens as without, more per step on grounded requests")
-    copies.add_argument("--max-ngram", type=int, default=None,
-                        help="longest suffix looked up in a request's prompt and text so far, 1..8 (default 3)")
-    copies.add_argument("--num-draft", type=int, default=None,
-                        help="most tokens copied after a match, 1..16 (default: as generate's --num-draft with one "
-                             "branch: 5 where only a copy of 5 fits one pass of the native CPU kernel, else 8); "
-                             "larger batches copy fewer")
-    guesses = server.add_argument_group("Medusa heads in the batch")
-    guesses.add_argument("--medusa", action="store_true",
-                         help="verify a tree of the Medusa heads' guesses per request in the batch's forward where "
-                              "it pays for the extra rows (with --prompt-lookup too, a request's copy grafted onto "
-                              "its tree): the same tokens as without")
-    guesses.add_argument("--medusa-heads", default=None,
-                         help="folder of trained heads (default: the shipped heads of the embedded model)")
-    guesses.add_argument("--medusa-depth", type=int, default=None,
-                         help="heads used, so the deepest guess, 1..the heads' number (default: every head)")
-    guesses.add_argument("--medusa-nodes", type=int, default=None,
-                         help=f"most guesses per tree, 1..{MAX_DYNAMIC_NODES} (default: as generate's dynamic tree: "
-                              f"the rows one pass of the native CPU kernel serves beside the last token, "
-                              f"{GPU_DYNAMIC_NODES} on a GPU); larger batches guess fewer")
-    drafts = server.add_argument_group("a draft model in the batch (instead of Medusa heads)")
-    drafts.add_argument("--speculative", action="store_true",
-                        help="verify a chain of the draft model's greedy tokens per request in the batch's forward "
-                             "where it pays for the extra rows (with --prompt-lookup too, a copy that parts from "
-                             "the chain verified beside it): the same tokens as without")
-    drafts.add_argument("--draft", default=None,
-                        help="draft model spec with the target's tokenizer (default: the draft shipped for the "
-                             "embedded model)")
-    drafts.add_argument("--gamma", type=int, default=None,
-                        help=f"most tokens drafted per request and step, 1..{MAX_GAMMA} (default "
-                             f"{SPECULATIVE.gamma}); larger batches draft fewer")
-    ahead = server.add_argument_group("lookahead in the batch (alone: no prompt lookup, Medusa or draft)")
-    ahead.add_argument("--lookahead", action="store_true",
-                       help="give each request a Jacobi window and n-gram pools (corpus, prompt, window, output); "
-                            "verify the pools' candidates for it, with the window's rows beside them, in the "
-                            "batch's forward where they pay for the extra rows: the same tokens as without")
-    ahead.add_argument("--window", type=int, default=None,
-                       help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
-    ahead.add_argument("--ngram", type=int, default=None,
-                       help="n-gram size N (window of N - 1 rows), 2..8 (default: as generate's)")
-    ahead.add_argument("--guesses", type=int, default=None,
-                       help="n-grams kept per key and verified per request and step G, 1..16 (default: as "
-                            "generate's)")
+    add_algo_args(server)
     add_model_args(server)
     server.set_defaults(func=cmd_serve)
     return parser

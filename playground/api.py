@@ -406,7 +406,7 @@ class Service:
 
 def serve(target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
           max_waiting: int = 64, proposer: Proposer | None = None) -> None:
-    """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: the engine's (None: the one `params` names)."""
+    """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: what every step proposes (None: plain decoding)."""
     service = Service(target, params, sock, api_key, max_waiting, proposer=proposer)
     service.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: service.worker.close())

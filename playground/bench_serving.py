@@ -3,10 +3,9 @@
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
 --max-new-tokens to all of it, all queued at time 0) runs up to twelve ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
-sequentially (one request at a time), continuous and sequential again with prompt lookup in the batch
-(`EngineParams.lookup`), with lookahead's windows and candidates (`EngineParams.lookahead`), with the Medusa
-heads' trees (`EngineParams.medusa`, where heads ship for the target) and with the draft model's chains
-(`EngineParams.draft`, where a draft ships for the target), and sequential with lookup and Medusa. Greedy
+sequentially (one request at a time), continuous and sequential again with the proposers of prompt lookup,
+lookahead, the Medusa heads (where heads ship for the target) and the draft model (where a draft ships for it),
+and sequential with prompt lookup's copies grafted onto the Medusa heads' trees. Greedy
 outputs must be identical in every mode. KV memory is read from the engine's per-step memory events: the paged
 pool's internal fragmentation versus what reserving prompt + max_new_tokens slots per running request (a
 contiguous cache) would waste.
@@ -14,21 +13,23 @@ contiguous cache) would waste.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from .bench_suite import workload
-from .config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
-                     PromptLookupParams, SamplingParams)
+from .config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from .decoding.proposer import Proposer
+from .decoding.registry import build_proposer
 from .engine import Engine
 from .metrics import memory_summary
 from .models.loader import default_draft
 from .models.medusa import default_heads
 
 
-def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: EngineParams) -> dict[str, Any]:
+def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: EngineParams,
+          proposer: Proposer | None = None) -> dict[str, Any]:
     """Run the workload to the end on a fresh engine; throughput and memory from its own clock and events."""
-    engine = Engine(target, params, record_blocks=False)
+    engine = Engine(target, params, record_blocks=False, proposer=proposer)
     ids = [engine.add_request(prompt, SamplingParams(), generation) for prompt, generation in requests]
     outputs = engine.run_all()
     tokens = sum(len(outputs[i].token_ids) for i in ids)
@@ -47,36 +48,31 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
 def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running: int, block_size: int,
                 num_blocks: int, progress: Any) -> dict[str, Any]:
     requests = workload(num_requests, max_new_tokens)
-    base = dict(num_blocks=num_blocks, block_size=block_size)
-    modes = {
-        "continuous": EngineParams(max_running=max_running, **base),
-        "static": EngineParams(max_running=max_running, policy="static", **base),
-        "sequential": EngineParams(max_running=1, **base),
-        "continuous + prompt lookup": EngineParams(max_running=max_running, lookup=PromptLookupParams(), **base),
-        "sequential + prompt lookup": EngineParams(max_running=1, lookup=PromptLookupParams(), **base),
-        "continuous + lookahead": EngineParams(max_running=max_running, lookahead=LookaheadParams(), **base),
-        "sequential + lookahead": EngineParams(max_running=1, lookahead=LookaheadParams(), **base),
+    many = EngineParams(num_blocks=num_blocks, block_size=block_size, max_running=max_running)
+    one = EngineParams(num_blocks=num_blocks, block_size=block_size, max_running=1)
+    # mode -> (engine settings, algorithm, prompt lookup's copies grafted onto its trees)
+    modes: dict[str, tuple[EngineParams, str, PromptLookupParams | None]] = {
+        "continuous": (many, "ar", None), "static": (replace(many, policy="static"), "ar", None),
+        "sequential": (one, "ar", None), "continuous + prompt lookup": (many, "prompt-lookup", None),
+        "sequential + prompt lookup": (one, "prompt-lookup", None),
+        "continuous + lookahead": (many, "lookahead", None), "sequential + lookahead": (one, "lookahead", None),
     }
     heads = default_heads(target.spec.source)
     if heads is not None:
-        modes.update({
-            "continuous + Medusa": EngineParams(max_running=max_running, medusa=MedusaParams(), **base),
-            "sequential + Medusa": EngineParams(max_running=1, medusa=MedusaParams(), **base),
-            "sequential + both": EngineParams(max_running=1, lookup=PromptLookupParams(), medusa=MedusaParams(),
-                                              **base)})
+        modes.update({"continuous + Medusa": (many, "medusa", None), "sequential + Medusa": (one, "medusa", None),
+                      "sequential + both": (one, "medusa", PromptLookupParams())})
     else:
         progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")
     drafted = default_draft(target.spec.source) is not None
     if drafted:
-        modes.update({
-            "continuous + draft": EngineParams(max_running=max_running, draft=SpeculativeParams(), **base),
-            "sequential + draft": EngineParams(max_running=1, draft=SpeculativeParams(), **base)})
+        modes.update({"continuous + draft": (many, "speculative", None),
+                      "sequential + draft": (one, "speculative", None)})
     else:
         progress("no draft ships for this model: the serving suite runs without the draft modes")
-    serve(target, workload(2, 8), modes["continuous"])  # warm-up: first-call allocations and kernel choices
+    serve(target, workload(2, 8), many)  # warm-up: first-call allocations and kernel choices
     results = {}
-    for name, params in modes.items():
-        results[name] = serve(target, requests, params)
+    for name, (params, algo, copies) in modes.items():
+        results[name] = serve(target, requests, params, build_proposer(target, algo, copies=copies))
         progress(f"{name}: {results[name]['tokens']} tokens in {results[name]['wall_s']:.1f} s = "
                  f"{results[name]['tokens_per_s']:.1f} tok/s")
     same = all(results[m]["token_ids"] == results["continuous"]["token_ids"] for m in modes)

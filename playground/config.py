@@ -18,12 +18,8 @@ KV_KINDS = ("contiguous", "paged")
 MAX_BLOCK_SIZE = 256
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
-LOOKAHEAD_GUESSES = 2  # lookahead's G wherever its forward fits one pass of the CPU kernel (LookaheadParams.resolve)
-LOOKAHEAD_NGRAM = 3  # lookahead's N unless two guesses fit a pass only with N 2 (LookaheadParams.resolve)
-# prompt lookup's B and K where two copies fit one pass of the CPU kernel; K 5 also where one copy fits a pass only
-# at that length, else 8 (copy_length)
+# prompt lookup's copies: LOOKUP_BRANCHES of LOOKUP_BRANCH_TOKENS each by default, LOOKUP_TOKENS for a copy alone
 LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
-
 
 class ConfigError(ValueError):
     """A parameter is out of its allowed range; the message names the field and the range."""
@@ -136,77 +132,50 @@ class GenerationParams:
 MAX_GAMMA = 16
 
 
-def fits_one_pass(rows_per_pass: int | None, tokens: int) -> bool:
-    """Whether a forward over `tokens` tokens runs in one pass of the CPU kernel's rows (`Transformer.rows_per_pass`;
-    None: there is no such pass, as on a GPU or with PyTorch's kernels)."""
-    return rows_per_pass is not None and tokens <= rows_per_pass
-
-
-def copy_length(rows_per_pass: int | None, copies: int) -> int:
-    """The most tokens per copy for a step that verifies `copies` copies after the last token, where the matrix
-    products serve rows_per_pass tokens per pass (None: no such step, as on a GPU): LOOKUP_BRANCH_TOKENS with more
-    than one copy, or where copies that long fit one pass and LOOKUP_TOKENS-long ones do not, else LOOKUP_TOKENS
-    (docs/defaults.md says why)."""
-    def fits(tokens: int) -> bool:
-        return fits_one_pass(rows_per_pass, 1 + copies * tokens)
-
-    shorter = not fits(LOOKUP_TOKENS) and fits(LOOKUP_BRANCH_TOKENS)
-    return LOOKUP_BRANCH_TOKENS if copies > 1 or shorter else LOOKUP_TOKENS
-
-
 @dataclass(frozen=True, slots=True)
 class PromptLookupParams:
     """Prompt lookup (Saxena 2023). max_ngram: the longest suffix of the text so far that is looked up (then
-    shorter ones, down to 1); num_draft: the most tokens proposed after a match; branches: how many distinct copies
-    (of different earlier occurrences) one forward verifies, merged into a tree; num_draft and branches left None
-    are chosen for the machine by `resolve`."""
+    shorter ones, down to 1); num_draft: the most tokens proposed after a match (None: LOOKUP_BRANCH_TOKENS with
+    more than one branch, else LOOKUP_TOKENS, `resolve`); branches: how many distinct copies (of different earlier
+    occurrences) one forward verifies, merged into a tree. How many of them a step verifies is the engine's to plan
+    from this machine's measured forward costs."""
 
     max_ngram: int = 3
     num_draft: int | None = None
-    branches: int | None = None
+    branches: int = LOOKUP_BRANCHES
 
     def __post_init__(self) -> None:
         check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
         if self.num_draft is not None:
             check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
-        if self.branches is not None:
-            check_int("branches", self.branches, 1, MAX_BRANCHES)
+        check_int("branches", self.branches, 1, MAX_BRANCHES)
 
-    def resolve(self, rows_per_pass: int | None) -> PromptLookupParams:
-        """These settings with num_draft K and branches B fixed for a forward whose matrix products serve
-        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a GPU
-        or with PyTorch's kernels). B 2 where two copies of K tokens (K 5 unless given) and the last token fit one
-        pass, otherwise 1; K 5 with more than one copy or where one copy fits a pass at 5 tokens and not at 8, else
-        8 (docs/defaults.md says why)."""
-        branches = self.branches
-        if branches is None:
-            two = fits_one_pass(rows_per_pass, 1 + LOOKUP_BRANCHES * (self.num_draft or LOOKUP_BRANCH_TOKENS))
-            branches = LOOKUP_BRANCHES if two else 1
-        num_draft = copy_length(rows_per_pass, branches) if self.num_draft is None else self.num_draft
-        return replace(self, num_draft=num_draft, branches=branches)
+    def resolve(self) -> PromptLookupParams:
+        """These settings with num_draft fixed (docs/defaults.md says why shorter copies go with more of them)."""
+        if self.num_draft is not None:
+            return self
+        return replace(self, num_draft=LOOKUP_BRANCH_TOKENS if self.branches > 1 else LOOKUP_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
 class LookaheadParams:
     """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
-    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (N and G
-    None: chosen for the machine by `resolve`); prompt_pool: seed the pool with the prompt's own n-grams; output_pool:
-    add every n-gram of the committed text; text_ngram: M, the size of the n-grams those two and the corpus pool
-    take from text (None: N, or as `resolve` chooses); a longer M verifies longer copies, since text repeats in
-    longer runs than the window guesses, in wider forwards.
+    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (how many
+    of them a step verifies is the engine's to plan from this machine's measured forward costs); prompt_pool: seed
+    the pool with the prompt's own n-grams; output_pool: add every n-gram of the committed text; text_ngram: M,
+    the size of the n-grams those two and the corpus pool take from text (None: N); a longer M verifies longer
+    copies, since text repeats in longer runs than the window guesses, in wider forwards.
     corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
     target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
     for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
     tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
     step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
-    only); it changes which G n-grams are verified, not how many. N and G left None are chosen by `resolve` for
-    the forward's `width()` (docs/defaults.md says why).
-    `text_n` and `width` need N: call them on resolved settings.
+    only); it changes which G n-grams are verified, not how many.
     """
 
     window: int = 1
-    ngram: int | None = None
-    guesses: int | None = None
+    ngram: int = 3
+    guesses: int = 2
     prompt_pool: bool = True
     output_pool: bool = True
     text_ngram: int | None = None
@@ -216,10 +185,8 @@ class LookaheadParams:
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, 16)
-        if self.ngram is not None:
-            check_int("ngram", self.ngram, 2, 8)
-        if self.guesses is not None:
-            check_int("guesses", self.guesses, 1, 16)
+        check_int("ngram", self.ngram, 2, 8)
+        check_int("guesses", self.guesses, 1, 16)
         if self.text_ngram is not None:
             check_int("text_ngram", self.text_ngram, 2, 16)
         check_int("context", self.context, 1, 8)
@@ -234,52 +201,19 @@ class LookaheadParams:
         """M, the size of the n-grams the prompt, output and corpus pools take."""
         return self.ngram if self.text_ngram is None else self.text_ngram
 
-    def width(self, guesses: int, text_n: int) -> int:
-        """Tokens of a step's forward at most, with G guesses of M-grams: the last token, the window's (N - 1) W
-        and G guesses of max(N, M) - 1 tokens each."""
-        return 1 + (self.ngram - 1) * self.window + guesses * (max(self.ngram, text_n) - 1)
-
-    def resolve(self, rows_per_pass: int | None) -> LookaheadParams:
-        """These settings with N, G (and, when chosen here, M) fixed for a forward whose matrix products serve
-        rows_per_pass tokens per pass over the weights (`Transformer.rows_per_pass`; None: no such step, as on a
-        GPU). N, when unset, is 3, or 2 where G guesses (2 unless set) of M-grams (3 unless set) fit one pass at N 2
-        and not at N 3: the window's second row gives way to a second guess. Then, for a given N: G 2 where that
-        forward fits one pass; otherwise G 1, with M = N + 1 when M is unset and the forward still fits, so that it
-        fills the pass (docs/defaults.md says why)."""
-        if self.ngram is None:
-            wide = replace(self, ngram=LOOKAHEAD_NGRAM)
-            short = replace(self, ngram=2, text_ngram=self.text_ngram or LOOKAHEAD_NGRAM)
-            guesses = self.guesses or LOOKAHEAD_GUESSES
-            if rows_per_pass is None or wide.width(guesses, wide.text_n) <= rows_per_pass \
-                    or short.width(guesses, short.text_n) > rows_per_pass:
-                return wide.resolve(rows_per_pass)
-            return short.resolve(rows_per_pass)
-        if self.guesses is not None:
-            return self
-        if rows_per_pass is None or self.width(LOOKAHEAD_GUESSES, self.text_n) <= rows_per_pass:
-            return replace(self, guesses=LOOKAHEAD_GUESSES)
-        longer = self.ngram + 1
-        if self.text_ngram is None and self.width(1, longer) <= rows_per_pass:
-            return replace(self, guesses=1, text_ngram=longer)
-        return replace(self, guesses=1)
-
 
 MEDUSA_ACCEPTANCE = ("lossless", "typical")
 DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
-DYNAMIC_NODES = 11  # the dynamic tree's nodes with PyTorch's CPU kernels, which no pass of rows sizes
-GPU_DYNAMIC_NODES = 23  # on a GPU (see `dynamic_nodes`)
-CPU_TREE_ROWS = 6  # the most rows of a native CPU verification of the dynamic tree by default (see `dynamic_nodes`)
+CPU_DYNAMIC_NODES = 5  # the dynamic tree's nodes on a CPU (see `dynamic_nodes`)
+GPU_DYNAMIC_NODES = 23  # on a GPU
 MAX_DYNAMIC_NODES = 64
 
 
-def dynamic_nodes(rows_per_pass: int | None, gpu: bool) -> int:
-    """The dynamic tree's nodes when `MedusaParams.nodes` is None: with the native CPU kernel, the rows one pass
-    serves beside the last token, at most CPU_TREE_ROWS - 1 (`Transformer.rows_per_pass` - 1, so 5 with AVX2 and
-    with AVX-512); on a GPU GPU_DYNAMIC_NODES; else (PyTorch's CPU kernels) DYNAMIC_NODES (docs/defaults.md says
-    why)."""
-    if rows_per_pass is not None and rows_per_pass > 1:
-        return min(rows_per_pass, CPU_TREE_ROWS) - 1
-    return GPU_DYNAMIC_NODES if gpu else DYNAMIC_NODES
+def dynamic_nodes(gpu: bool) -> int:
+    """The dynamic tree's most nodes when `MedusaParams.nodes` is None: the engine verifies as many of them as pay
+    at this machine's measured forward costs, but choosing among more costs host time on a CPU (docs/defaults.md
+    says what was measured)."""
+    return GPU_DYNAMIC_NODES if gpu else CPU_DYNAMIC_NODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,16 +296,8 @@ class EngineParams:
     "static" admits a new batch only when the whole previous batch has finished.
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
     kv: "paged", or "contiguous": one request at a time (max_running 1) in a row of num_blocks x block_size slots
-    reserved whole, as a single-sequence decoder holds its cache (no gathering of slots at every layer).
-    lookup: prompt lookup in the batch (None: plain decoding): each step, every decoding request may have copies
-    of earlier text verified with its next token; the batch's width is chosen for the most tokens per unit of
-    forward cost. Every token is still drawn from its own row's
-    distribution exactly as plain decoding draws it, so greedy and seeded outputs are plain decoding's.
-    medusa: Medusa heads in the batch (None: off): each decoding request may have a tree of the heads' guesses
-    verified the same way (a draw follows the guess equal to it); with lookup too, a request's copy is grafted onto
-    its tree. draft: a draft model in the batch (None: off), each request's chain verified the same way (with
-    lookup too, a copy that parts from the chain is verified beside it); a request has the heads' tree or the
-    draft's chain, so medusa and draft exclude each other.
+    reserved whole (no gathering of slots at every layer).
+    What each step proposes is the engine's proposer's to say (`decoding.registry.build_proposer`), not these.
     """
 
     num_blocks: int = 512
@@ -380,10 +306,6 @@ class EngineParams:
     max_running: int = 16
     policy: str = "continuous"
     prefix_caching: bool = True
-    lookup: PromptLookupParams | None = None
-    medusa: MedusaParams | None = None
-    draft: SpeculativeParams | None = None
-    lookahead: LookaheadParams | None = None
     kv: str = "paged"
 
     def __post_init__(self) -> None:
@@ -398,20 +320,3 @@ class EngineParams:
         check_choice("policy", self.policy, SCHEDULING_POLICIES)
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
-        if self.lookup is not None and not isinstance(self.lookup, PromptLookupParams):
-            raise ConfigError(f"lookup must be PromptLookupParams or None, got {type(self.lookup).__name__}")
-        if self.medusa is not None and not isinstance(self.medusa, MedusaParams):
-            raise ConfigError(f"medusa must be MedusaParams or None, got {type(self.medusa).__name__}")
-        if self.draft is not None:
-            if not isinstance(self.draft, SpeculativeParams):
-                raise ConfigError(f"draft must be SpeculativeParams or None, got {type(self.draft).__name__}")
-            if self.medusa is not None:
-                raise ConfigError("draft and medusa: a request is proposed either the heads' tree or the draft's "
-                                  "chain; set one of them")
-        if self.lookahead is not None:
-            if not isinstance(self.lookahead, LookaheadParams):
-                raise ConfigError(f"lookahead must be LookaheadParams or None, got {type(self.lookahead).__name__}")
-            others = [name for name in ("lookup", "medusa", "draft") if getattr(self, name) is not None]
-            if others:
-                raise ConfigError(f"lookahead and {', '.join(others)}: lookahead's own proposals (its pools hold the "
-                                  f"prompt's and the output's n-grams) stand alone in the engine; set one of them")

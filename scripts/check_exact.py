@@ -62,20 +62,22 @@ def main() -> int:
             print(f"{name}/{kv}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact"
                   + "".join(f"\n  MISMATCH {p!r}" for p in bad))
 
-    for name, params in {f"engine batch of {len(PROMPTS)}": EngineParams(),
-                         f"engine batch of {len(PROMPTS)}, prompt lookup": EngineParams(lookup=PromptLookupParams()),
-                         "engine batch of 2, prompt lookup": EngineParams(max_running=2, lookup=PromptLookupParams()),
-                         f"engine batch of {len(PROMPTS)}, Medusa": EngineParams(medusa=MedusaParams()),
-                         "engine batch of 2, Medusa and prompt lookup": EngineParams(
-                             max_running=2, lookup=PromptLookupParams(), medusa=MedusaParams()),
-                         f"engine batch of {len(PROMPTS)}, draft": EngineParams(draft=SpeculativeParams()),
-                         "engine batch of 2, draft and prompt lookup": EngineParams(
-                             max_running=2, lookup=PromptLookupParams(), draft=SpeculativeParams()),
-                         "engine batch of 1, lookahead": EngineParams(max_running=1, lookahead=LookaheadParams()),
-                         "engine batch of 1, lookahead W 2 N 3 G 3": EngineParams(
-                             max_running=1, lookahead=LookaheadParams(window=2, ngram=3, guesses=3)),
-                         }.items():
-        engine = Engine(target, params)
+    lookup, draft_copy = build_proposer(target, "prompt-lookup"), PromptLookupParams()
+    batches = {  # name -> (requests run together, proposer)
+        f"engine batch of {len(PROMPTS)}": (16, None),
+        f"engine batch of {len(PROMPTS)}, prompt lookup": (16, lookup), "engine batch of 2, prompt lookup": (2, lookup),
+        f"engine batch of {len(PROMPTS)}, Medusa": (16, proposers["medusa-dynamic"]),
+        "engine batch of 2, Medusa and prompt lookup": (
+            2, build_proposer(target, "medusa", MedusaParams(), draft_copy)),
+        f"engine batch of {len(PROMPTS)}, draft": (16, build_proposer(target, "speculative", draft=draft)),
+        "engine batch of 2, draft and prompt lookup": (
+            2, build_proposer(target, "speculative", SpeculativeParams(), draft_copy, draft=draft)),
+        "engine batch of 1, lookahead": (1, proposers["lookahead"]),
+        "engine batch of 1, lookahead W 2 N 3 G 3": (
+            1, build_proposer(target, "lookahead", LookaheadParams(window=2, ngram=3, guesses=3))),
+    }
+    for name, (running, proposer) in batches.items():
+        engine = Engine(target, EngineParams(max_running=running), proposer=proposer)
         ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
         batched = {i: out.token_ids for i, out in engine.run_all().items()}
         bad = [p for i, p in ids.items() if batched[i] != reference[p]]

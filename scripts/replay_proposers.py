@@ -33,23 +33,25 @@ from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402
 from playground.decoding.copies import agreement, find_continuation  # noqa: E402
-from playground.decoding.planning import ProposalGate  # noqa: E402
+from playground.decoding.planning import NgramAcceptance  # noqa: E402
 
 
 class LookupProposer:
     """Prompt lookup's proposal: the copy after the latest occurrence of the longest matching suffix, let
-    through by its gate (`overhead` None: every match, as classic prompt lookup does)."""
+    through where its n-gram length's running acceptance says the copy's expected tokens exceed 1 + `overhead`
+    one-token steps (`overhead` None: every match, as classic prompt lookup does)."""
 
     def __init__(self, max_ngram: int, num_draft: int, overhead: float | None) -> None:
         self.max_ngram, self.num_draft = max_ngram, num_draft
-        self.gate = None if overhead is None else ProposalGate(overhead, max_ngram)
+        self.overhead = overhead
+        self.gate = None if overhead is None else NgramAcceptance(max_ngram)
         self.ngram = 0
 
     def propose(self, sequence: list[int], budget: int) -> list[list[int]]:
         lookup = find_continuation(sequence, self.max_ngram, min(self.num_draft, budget))
         if self.gate is not None:
             self.gate.decay()
-            if lookup and not self.gate.worth(lookup.ngram, len(lookup.tokens)):
+            if lookup and self.gate.expected_tokens(lookup.ngram, len(lookup.tokens)) <= 1.0 + self.overhead:
                 lookup = None
         self.ngram = lookup.ngram if lookup else 0
         return [lookup.tokens] if lookup else []

@@ -11,7 +11,7 @@ import re
 import pytest
 from gradio_client import Client, handle_file
 
-from playground.config import LookaheadParams, PromptLookupParams
+from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, PromptLookupParams
 from playground.models import native
 from playground.ui import build_app, launch_options
 
@@ -167,23 +167,19 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     assert forwards[(), 0] > forwards[("prompt", "output", "corpus"), 0]
 
 
-def test_lookahead_zeros_let_the_machine_choose(client, target):
-    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=0,
-                        guesses=0)[4]
+def test_lookahead_settings_reach_the_run(client):
+    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=2, guesses=3)[4]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
-    chosen = LookaheadParams().resolve(target.model.rows_per_pass)
-    assert (params["ngram"], params["guesses"], params["text_ngram"]) == (chosen.ngram, chosen.guesses, chosen.text_n)
-    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=3,
-                        guesses=0)[4]
-    assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["ngram"] == 3  # a chosen N stays
+    assert (params["ngram"], params["guesses"], params["text_ngram"]) == (2, 3, 2)  # M 0: N
+    with pytest.raises(Exception, match=re.escape("ngram must be an integer in [2, 8], got 0")):
+        decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, ngram=0)
 
 
-def test_tokens_per_proposal_zero_lets_the_machine_choose(client, target):
+def test_tokens_per_proposal_zero_follows_the_copies(client, target):
     trace_file = decode(client, "Repeat: one two three, one two three.", max_new_tokens=8, num_draft=0)[4]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
-    chosen = PromptLookupParams().resolve(target.model.rows_per_pass)
-    assert (params["num_draft"], params["branches"]) == (chosen.num_draft, chosen.branches)
-    copies = PromptLookupParams(branches=1).resolve(target.model.rows_per_pass)  # one copy grafted on
+    assert (params["num_draft"], params["branches"]) == (LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES)
+    copies = PromptLookupParams(branches=1).resolve()  # one copy grafted on
     for algo in ("Medusa (tree)", "speculative (draft model)"):
         trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copy_ngram=3,
                             num_draft=0)[4]
@@ -252,21 +248,21 @@ def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
-    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, False, False, False, False,
+    block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, "none (plain decoding)",
                                                         "embedded", "", "cpu", "float32", "none", api_name="/memory")
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None and "Prompt lookup" not in summary
     table = rows(table)
-    proposed = client.predict(4, 12, 8, 24, 4, True, True, True, False, False, "embedded", "", "cpu", "float32",
+    proposed = client.predict(4, 12, 8, 24, 4, True, "Medusa heads + prompt lookup", "embedded", "", "cpu", "float32",
                               "none", api_name="/memory")
     assert re.search(r"Prompt lookup: \*\*\d+ of \d+\*\* copied tokens accepted", proposed[2])
     assert re.search(r"Medusa heads: \*\*\d+ of \d+\*\* guessed tokens accepted", proposed[2])
     assert rows(proposed[3]) == table  # the same requests, the same tokens
-    drafted = client.predict(4, 12, 8, 24, 4, True, False, False, True, False, "embedded", "", "cpu", "float32",
+    drafted = client.predict(4, 12, 8, 24, 4, True, "draft model", "embedded", "", "cpu", "float32",
                              "none", api_name="/memory")
     assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
     assert rows(drafted[3]) == table
-    ahead = client.predict(4, 12, 8, 24, 1, True, False, False, False, True, "embedded", "", "cpu", "float32",
+    ahead = client.predict(4, 12, 8, 24, 1, True, "lookahead", "embedded", "", "cpu", "float32",
                            "none", api_name="/memory")  # one at a time: where lookahead's window pays on a CPU
     assert re.search(r"Lookahead: \*\*[1-9]\d* of \d+\*\* candidate tokens accepted", ahead[2])
     # the same tokens (preemptions differ: one request at a time never runs out of blocks)
@@ -284,14 +280,12 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     ({"block_size": 0}, "block_size must be"),
     ({"requests": 17}, "requests must be in [1, 16]"),
     ({"max_running": 1.5}, "max running must be a whole number"),
-    ({"medusa": True, "draft": True}, "draft and medusa: a request is proposed either"),
-    ({"draft": True, "draft_model": "/no/such/draft"}, "/no/such/draft"),
-    ({"lookahead": True, "prompt_lookup": True}, "lookahead and lookup: lookahead's own proposals"),
+    ({"proposals": "Medusa heads + draft model"}, "proposals must be one of none (plain decoding), prompt lookup"),
+    ({"proposals": "draft model", "draft_model": "/no/such/draft"}, "/no/such/draft"),
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
-            "prefix_caching": True, "prompt_lookup": False, "medusa": False, "draft": False, "lookahead": False,
-            "model": "embedded",
+            "prefix_caching": True, "proposals": "none (plain decoding)", "model": "embedded",
             "draft_model": "", "device": "cpu", "dtype": "float32", "quant": "none",
             **changes}
     with pytest.raises(Exception, match=re.escape(message)):

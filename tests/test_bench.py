@@ -86,7 +86,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert all(entry["median_step_cost"] > 0 for entry in summary.values())
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
-    nodes = dynamic_nodes(target.model.rows_per_pass, gpu=False)
+    nodes = dynamic_nodes(gpu=False)
     assert f"depth 4, nodes {nodes}, tree dynamic, acceptance typical" in text and "(LOSSY)" in text
     assert "n/a (sampled)" in text
     assert "Costs come from the runs themselves" in text and "step cost (plain steps)" in text

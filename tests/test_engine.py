@@ -26,7 +26,7 @@ from playground.decoding import costs as costs_module
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.guesses import Grafted, GuessCalibration, guess_tree
 from playground.decoding.proposer import Proposal
-from playground.decoding.registry import engine_proposer
+from playground.decoding.registry import build_proposer
 from playground.decoding.speculative import DraftGuesser
 from playground.engine import Engine, ProposalCounts, Status
 from playground.models import LoadedModel
@@ -170,22 +170,14 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         EngineParams(max_batch_tokens=0)
     with pytest.raises(KeyError):
         engine.abort(99)
-    with pytest.raises(ConfigError, match="lookup must be PromptLookupParams or None, got dict"):
-        EngineParams(lookup={"max_ngram": 3})
-    with pytest.raises(ConfigError, match="medusa must be MedusaParams or None, got bool"):
-        EngineParams(medusa=True)
     with pytest.raises(ConfigError, match=r"depth must be an integer in \[1, 16\]"):
         MedusaParams(depth=0)
     with pytest.raises(ConfigError, match="heads must be a folder of Medusa heads or None"):
         MedusaParams(heads=" ")
     with pytest.raises(ConfigError, match=r"medusa.depth must be in \[1, 4\] \(the heads' number\), got 5"):
-        Engine(target, EngineParams(medusa=MedusaParams(depth=5)))
+        build_proposer(target, "medusa", MedusaParams(depth=5))
     with pytest.raises(ModelLoadError, match="medusa heads: made for hidden size 576"):
-        Engine(TINY, EngineParams(medusa=MedusaParams()))  # the shipped heads are the embedded model's
-    with pytest.raises(ConfigError, match="draft and medusa: .* set one of them"):
-        EngineParams(medusa=MedusaParams(), draft=SpeculativeParams())
-    with pytest.raises(ConfigError, match="draft must be SpeculativeParams or None, got str"):
-        EngineParams(draft="embedded")
+        build_proposer(TINY, "medusa")  # the shipped heads are the embedded model's
     with pytest.raises(ConfigError, match=r"gamma must be an integer in \[1, 16\]"):
         SpeculativeParams(gamma=17)
     with pytest.raises(ConfigError, match="draft must be a model spec or None"):
@@ -193,17 +185,16 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
     with pytest.raises(ConfigError, match=r"draft_cost must be in \[0, 1\] or None, got 2"):
         SpeculativeParams(draft_cost=2.0)
     with pytest.raises(ConfigError, match="draft: its tokenizer differs from the target's"):
-        engine_proposer(target, EngineParams(draft=SpeculativeParams()), draft=TINY)
+        build_proposer(target, "speculative", draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
-        Engine(replace(TINY, spec=ModelSpec(source="some/other-model")), EngineParams(draft=SpeculativeParams()))
-    with pytest.raises(ConfigError, match="lookahead must be LookaheadParams or None, got dict"):
-        EngineParams(lookahead={"window": 2})
-    with pytest.raises(ConfigError, match="lookahead and lookup, draft: .* set one of them"):
-        EngineParams(lookahead=LookaheadParams(), lookup=PromptLookupParams(), draft=SpeculativeParams())
+        build_proposer(replace(TINY, spec=ModelSpec(source="some/other-model")), "speculative")
+    with pytest.raises(ConfigError, match="copies: prompt lookup's copies graft onto Medusa's or the draft's trees, "
+                                          "not onto lookahead"):
+        build_proposer(target, "lookahead", copies=PromptLookupParams())
     with pytest.raises(ConfigError, match=r"window must be an integer in \[1, 16\]"):
         LookaheadParams(window=0)
     with pytest.raises(ModelLoadError, match="corpus: .* written for a vocabulary of 49152 tokens, the target has 48"):
-        Engine(TINY, EngineParams(lookahead=LookaheadParams()))  # the shipped corpus is the embedded model's
+        build_proposer(TINY, "lookahead")  # the shipped corpus is the embedded model's
 
 
 GROUNDED = ("Repeat this sentence twice, word for word: the quick brown fox jumps over the lazy dog.",
@@ -227,7 +218,7 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, grounded_outputs
     generation = GenerationParams(max_new_tokens=24)
     prompts = list(grounded_outputs)
     for max_running in (1, 4, 20):
-        engine = Engine(target, EngineParams(max_running=max_running, lookup=PromptLookupParams()))
+        engine = Engine(target, EngineParams(max_running=max_running), proposer=build_proposer(target, "prompt-lookup"))
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
         for rid, prompt in ids.items():
@@ -247,13 +238,13 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
-    on = {"lookup": PromptLookupParams(), "medusa": MedusaParams(),
-          "draft": SpeculativeParams(draft_cost=0.0), "lookahead": LookaheadParams()}[proposer]
+    algo, on = {"lookup": ("prompt-lookup", None), "medusa": ("medusa", None),
+                "draft": ("speculative", SpeculativeParams(draft_cost=0.0)), "lookahead": ("lookahead", None)}[proposer]
     # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
     batch = 1 if proposer == "lookahead" else 3
     results, kept = [], []
-    for params in (EngineParams(max_running=batch), EngineParams(max_running=batch, **{proposer: on})):
-        engine = Engine(target, params)
+    for proposing in (None, build_proposer(target, algo, on)):
+        engine = Engine(target, EngineParams(max_running=batch), proposer=proposing)
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
                for i, p in enumerate(prompts)]
         outputs = engine.run_all()
@@ -284,11 +275,11 @@ def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monke
     runner_up = runner_up_kept(monkeypatch)
     generation = GenerationParams(max_new_tokens=24)
     prompts = list(grounded_outputs)
-    guesses = {"medusa": MedusaParams(), "draft": SpeculativeParams()}[guesser]
+    algo = {"medusa": "medusa", "draft": "speculative"}[guesser]
     draft = None
     for max_running, lookup in ((1, None), (4, None), (20, None), (4, PromptLookupParams())):
-        params = EngineParams(max_running=max_running, lookup=lookup, **{guesser: guesses})
-        engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft))
+        engine = Engine(target, EngineParams(max_running=max_running),
+                        proposer=build_proposer(target, algo, copies=lookup, draft=draft))
         draft = drafter(engine).draft if guesser == "draft" else None  # the shipped draft, loaded once
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
@@ -315,7 +306,7 @@ def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs) ->
     generation = GenerationParams(max_new_tokens=24)
     prompts = list(grounded_outputs)
     for max_running in (1, 4, 20):
-        engine = Engine(target, EngineParams(max_running=max_running, lookahead=LookaheadParams()),
+        engine = Engine(target, EngineParams(max_running=max_running), proposer=build_proposer(target, "lookahead"),
                         costs=FLAT if max_running > 1 else None)
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         states = dict(engine.proposer.states)  # ended requests' states are dropped: keep them to look at
@@ -492,10 +483,15 @@ def test_random_loads_give_solo_outputs_and_leak_nothing(requests, block_size, b
     draft = SpeculativeParams(gamma=guesses, draft_cost=0.0) if guesses and guesser == "draft" \
         else None
     params = EngineParams(num_blocks=largest + spare, block_size=block_size, max_batch_tokens=budget,
-                          max_running=max_running, policy=policy, prefix_caching=caching, lookup=lookup, medusa=medusa,
-                          draft=draft, lookahead=lookahead)
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS, draft=TINY_DRAFT),
-                    costs=FLAT)
+                          max_running=max_running, policy=policy, prefix_caching=caching)
+    if medusa:
+        proposer = build_proposer(TINY, "medusa", medusa, lookup, heads=TINY_HEADS)
+    elif draft:
+        proposer = build_proposer(TINY, "speculative", draft, lookup, draft=TINY_DRAFT)
+    else:
+        proposer = build_proposer(TINY, "lookahead", lookahead) if lookahead else \
+            build_proposer(TINY, "prompt-lookup", lookup) if lookup else None
+    engine = Engine(TINY, params, proposer=proposer, costs=FLAT)
     ids: dict[int, int] = {}  # request index -> engine id
     outputs = {}
     run_load(engine, requests, prompts, aborted, ids, outputs, draft is not None)
@@ -535,7 +531,8 @@ def test_no_copy_is_looked_up_when_none_could_pay(monkeypatch) -> None:
     monkeypatch.setattr(prompt_lookup, "find_continuations", lambda *a, **k: searched.append(1) or real(*a, **k))
     outputs = {}
     for name, costs in (("dear", ForwardCosts((1, 2), (1.0, 5.0))), ("free", FLAT)):
-        engine = Engine(TINY, EngineParams(lookup=PromptLookupParams(num_draft=4)), costs=costs)
+        engine = Engine(TINY, EngineParams(), proposer=build_proposer(TINY, "prompt-lookup",
+                                                                      PromptLookupParams(num_draft=4)), costs=costs)
         ids = [engine.add_request(PREFIX * 3, generation=GenerationParams(max_new_tokens=12)) for _ in range(2)]
         done = engine.run_all()
         outputs[name] = [done[i].token_ids for i in ids]
@@ -563,8 +560,8 @@ def test_untrained_heads_in_the_batch_are_refused_and_accepted_and_the_cache_sta
     runner_up = runner_up_kept(monkeypatch)
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1]]
     generation = GenerationParams(max_new_tokens=16)
-    params = EngineParams(num_blocks=32, block_size=4, medusa=MedusaParams())
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, heads=TINY_HEADS), costs=FLAT)
+    engine = Engine(TINY, EngineParams(num_blocks=32, block_size=4),
+                    proposer=build_proposer(TINY, "medusa", heads=TINY_HEADS), costs=FLAT)
     assert run_checking_the_cache(engine, prompts, generation) > 20
     guessed = counts(engine, "medusa")
     assert 0 < guessed.accepted < guessed.proposed and any(runner_up)
@@ -596,8 +593,8 @@ def test_a_tiny_draft_in_the_batch_keeps_both_caches_exact() -> None:
     generation = GenerationParams(max_new_tokens=16)
     lookup = PromptLookupParams(num_draft=3)
     drafts = SpeculativeParams(gamma=3, draft_cost=0.0)
-    params = EngineParams(num_blocks=64, block_size=4, max_running=3, lookup=lookup, draft=drafts)
-    engine = Engine(TINY, params, proposer=engine_proposer(TINY, params, draft=TINY_DRAFT), costs=FLAT)
+    engine = Engine(TINY, EngineParams(num_blocks=64, block_size=4, max_running=3),
+                    proposer=build_proposer(TINY, "speculative", drafts, lookup, draft=TINY_DRAFT), costs=FLAT)
     draft = drafter(engine)
     ids = [engine.add_request(p, generation=generation) for p in prompts]
     outputs, checked = {}, 0
@@ -634,7 +631,8 @@ def test_lookahead_in_the_batch_keeps_the_cache_exact() -> None:
     prompts = [PREFIX, PREFIX[:4] + [8, 8], [9] * 6, PREFIX[::-1], PREFIX * 2]
     generation = GenerationParams(max_new_tokens=16)
     lookahead = LookaheadParams(window=2, ngram=3, guesses=3, corpus_pool=False)
-    engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4, lookahead=lookahead), costs=FLAT)
+    engine = Engine(TINY, EngineParams(num_blocks=12, block_size=4, max_running=4),
+                    proposer=build_proposer(TINY, "lookahead", lookahead), costs=FLAT)
     assert run_checking_the_cache(engine, prompts, generation) > 20
     assert any(isinstance(e, PreemptEvent) for e in engine.events)
     ahead = counts(engine, "lookahead")
@@ -663,10 +661,10 @@ def test_finished_requests_can_be_forgotten_and_events_handed_over() -> None:
 def token_counts(target: LoadedModel, draft: LoadedModel | None, seeds: int, sample: bool) -> list[collections.Counter]:
     """How often each token came at generated positions 2 and 3 over `seeds` seeded runs of one prompt (temperature
     1), plain or with the draft's chains proposed (sampled from its distributions when `sample`)."""
-    params = EngineParams(num_blocks=seeds * 2, block_size=8, max_running=16,
-                          draft=SpeculativeParams(gamma=3, draft_cost=0.0, sample=sample)
-                          if draft is not None else None)
-    engine = Engine(target, params, proposer=engine_proposer(target, params, draft=draft), costs=FLAT)
+    drafting = SpeculativeParams(gamma=3, draft_cost=0.0, sample=sample)
+    proposer = build_proposer(target, "speculative", drafting, draft=draft) if draft is not None else None
+    engine = Engine(target, EngineParams(num_blocks=seeds * 2, block_size=8, max_running=16), proposer=proposer,
+                    costs=FLAT)
     ids = [engine.add_request(PREFIX, SamplingParams(temperature=1.0, seed=seed), GenerationParams(max_new_tokens=3))
            for seed in range(seeds)]
     outputs = engine.run_all()
@@ -697,18 +695,23 @@ def test_sampled_draft_chains_are_judged_losslessly() -> None:
 
 
 def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypatch) -> None:
-    """A forward's cost by width is measured on this machine once per model and read from the cache after; a
-    decode step of width W over a batch of B costs time(B W) / time(B), interpolated between the widths measured
-    and extrapolated past the widest."""
+    """A forward's cost by width is measured on this machine once per model and read from the cache after (once
+    per process); a decode step of width W over a batch of B costs time(B W) / time(B), interpolated between the
+    widths measured and extrapolated past the widest."""
     costs = ForwardCosts((1, 2, 4), (1.0, 1.0, 3.0))
     assert costs.time(3) == 2.0 and costs.time(6) == 5.0  # between 2 and 4; past 4 at the last slope
     assert costs.step_cost(1, 1) == 1.0 and costs.step_cost(1, 2) == 1.0 and costs.step_cost(2, 2) == 3.0
     measured = []
     real = costs_module.measure
     monkeypatch.setattr(costs_module, "measure", lambda model: measured.append(1) or real(model, rounds=1))
+    monkeypatch.setattr(costs_module, "_READ", {})
     first = costs_module.forward_costs(TINY.model, tmp_path)
+    saved = next((tmp_path / "forward-costs").iterdir())
+    saved.write_text("not json")  # this process has read it already
     again = costs_module.forward_costs(TINY.model, tmp_path)
     assert measured == [1] and first == again and first.tokens == costs_module.WIDTHS
     assert all(a <= b for a, b in zip(first.seconds, first.seconds[1:]))  # a wider forward never costs less
-    (next((tmp_path / "forward-costs").iterdir())).write_text("not json")
-    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]  # measured again
+    monkeypatch.setattr(costs_module, "_READ", {})  # a new process: reads the broken file, measures again
+    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]
+    monkeypatch.setattr(costs_module, "_READ", {})  # and the file it rewrote is read by the next one
+    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]

@@ -6,6 +6,7 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
 from playground.decoding.lookahead import LookaheadProposer, jacobi_block
+from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import merge_chains
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
 from playground.engine import generate
@@ -14,6 +15,8 @@ from playground.models.answers import EMBEDDED_ANSWERS, save_answers
 
 from .prompts import assert_greedy_exact
 from .stats import assert_follows_target
+
+FREE = ForwardCosts((1, 2), (1.0, 1.0))  # a wider forward costs what a one-token one does
 
 
 def test_pool_keys_lru_and_bound() -> None:
@@ -201,7 +204,7 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     corpus = tmp_path / "answers.safetensors"
     save_answers(corpus, [phrase, phrase, [5, 6]], target.model.config.vocab_size, "test")
     generation = GenerationParams(max_new_tokens=12)
-    # G 2 keeps M = N = 3 on any machine (see LookaheadParams.resolve)
+    # M = N = 3 by default
     only_corpus = LookaheadParams(guesses=2, prompt_pool=False, output_pool=False, corpus=str(corpus))
     proposer = LookaheadProposer(target, only_corpus)
     # per key length k = 1, 2, 3: every (k + 2)-gram of the phrase, seen twice
@@ -252,45 +255,18 @@ def test_parameter_ranges(field, value, message) -> None:
         LookaheadParams(**{field: value})
 
 
-@pytest.mark.parametrize("params, rows_per_pass, expected", [
-    (LookaheadParams(), None, (3, 2, 3, 7)),  # no native kernel (GPU, PyTorch's kernels): the paper's two guesses
-    (LookaheadParams(), 12, (3, 2, 3, 7)),  # AVX-512: 7 tokens fit one pass
-    (LookaheadParams(), 7, (3, 2, 3, 7)),
-    (LookaheadParams(), 6, (2, 2, 3, 6)),  # AVX2: the window's second row gives way to a second guess
-    (LookaheadParams(), 5, (3, 1, 3, 5)),  # neither fits: one guess at N 3, M 4 would not fit either
-    (LookaheadParams(ngram=3), 6, (3, 1, 4, 6)),  # a chosen N stays: one guess, one token longer, fills the pass
-    (LookaheadParams(ngram=3, text_ngram=3), 6, (3, 1, 3, 5)),  # a chosen M stays
-    (LookaheadParams(text_ngram=4), 6, (3, 1, 4, 6)),  # two guesses of 4-grams fit at neither N
-    (LookaheadParams(text_ngram=5), 12, (3, 2, 5, 11)),
-    (LookaheadParams(window=3), 6, (3, 1, 3, 9)),  # nothing fits: one guess of N - 1 tokens
-    (LookaheadParams(guesses=3), 6, (3, 3, 3, 9)),  # a chosen G stays, and at N 2 it does not fit either
-    (LookaheadParams(guesses=1), 6, (3, 1, 3, 5)),  # one guess fits at N 3
-    (LookaheadParams(ngram=2, window=2), 6, (2, 2, 2, 5)),
-])
-def test_automatic_guesses_fit_the_forward_to_one_pass(params, rows_per_pass, expected) -> None:
-    resolved = params.resolve(rows_per_pass)
-    assert (resolved.ngram, resolved.guesses, resolved.text_n,
-            resolved.width(resolved.guesses, resolved.text_n)) == expected
-    assert resolved.resolve(rows_per_pass) == resolved
-    assert (resolved.window, resolved.context) == (params.window, params.context)
-    assert params.ngram in (None, resolved.ngram)
-
-
-def test_the_proposer_chooses_its_settings_for_its_models_kernel(target, monkeypatch) -> None:
-    """The proposer resolves N, G and M from the model it runs; the trace's parameters show what it chose."""
-    from playground.models.transformer import Transformer
-
-    generation = GenerationParams(max_new_tokens=4)
-    for rows, expected in ((6, (2, 2, 3)), (12, (3, 2, 3)), (None, (3, 2, 3))):
-        monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self, rows=rows: rows))
-        proposer = LookaheadProposer(target)
-        params = proposer.describe()
-        assert (params["ngram"], params["guesses"], params["text_ngram"]) == expected
-        _, trace = generate(target, "Count to five.", proposer, SamplingParams(), generation)
+def test_no_forward_is_wider_than_the_window_and_guesses(target) -> None:
+    """The trace's parameters show N, G and M, and no forward runs more than the last token, the window's N - 1
+    rows and G guesses of M - 1 tokens, even where a wider forward costs nothing."""
+    generation = GenerationParams(max_new_tokens=8)
+    for params in (LookaheadParams(), LookaheadParams(ngram=2, guesses=3, text_ngram=4)):
+        _, trace = generate(target, "Count to five.", LookaheadProposer(target, params), SamplingParams(), generation,
+                            costs=FREE)
+        assert (trace.params["ngram"], trace.params["guesses"], trace.params["text_ngram"]) == (
+            params.ngram, params.guesses, params.text_n)
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
-        ngram, guesses, text_n = expected
-        assert widest <= 1 + (ngram - 1) + guesses * (text_n - 1)  # x, the window's N - 1, G guesses of M - 1
-        assert all(len(e.window) == ngram - 1 for e in trace.events if e.KIND == "lookahead")
+        assert widest <= 1 + (params.ngram - 1) + params.guesses * (params.text_n - 1)
+        assert all(len(e.window) == params.ngram - 1 for e in trace.events if e.KIND == "lookahead")
 
 
 def test_compare_settings_script_races_settings_against_plain_decoding(target) -> None:

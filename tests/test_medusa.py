@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from playground.config import (DYNAMIC_NODES, GPU_DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams,
+from playground.config import (CPU_DYNAMIC_NODES, GPU_DYNAMIC_NODES, ConfigError, GenerationParams, MedusaParams,
                                PromptLookupParams, SamplingParams, dynamic_nodes)
 from playground.decoding import encode_prompt
 from playground.decoding.base import new_cache
@@ -197,25 +197,13 @@ def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, 
     assert grafted > 0  # copies really were grafted onto trees
 
 
-@pytest.mark.parametrize("rows, gpu, expected", [(12, False, 5), (6, False, 5), (4, False, 3),
-                                                 (None, False, DYNAMIC_NODES), (None, True, GPU_DYNAMIC_NODES),
-                                                 (1, False, DYNAMIC_NODES)])
-def test_dynamic_nodes_by_machine(rows, gpu, expected) -> None:
-    """One pass of the native kernel's rows beside the last token, at most 5; with no passes, the GPU's width or
-    PyTorch's."""
-    assert dynamic_nodes(rows, gpu) == expected
-
-
-@pytest.mark.parametrize("rows", [4, 12, None])
-def test_the_dynamic_tree_takes_the_nodes_the_machine_suits(target, heads, monkeypatch, rows) -> None:
-    """By default the dynamic tree has the nodes one pass of the kernel's rows serves beside the last token
-    (DYNAMIC_NODES with PyTorch's CPU kernels); `nodes` sets another size; no forward verifies more."""
-    from playground.models.transformer import Transformer
-
-    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: rows))
+def test_the_dynamic_tree_takes_its_default_nodes(target, heads) -> None:
+    """By default the dynamic tree has CPU_DYNAMIC_NODES nodes on a CPU; `nodes` sets another size; no forward
+    verifies more, even where a wider forward costs nothing."""
+    assert dynamic_nodes(gpu=False) == CPU_DYNAMIC_NODES and dynamic_nodes(gpu=True) == GPU_DYNAMIC_NODES
     for nodes in (None, 7):
         proposer = medusa(target, heads, nodes=nodes)
-        expected = nodes or dynamic_nodes(rows, gpu=False)
+        expected = nodes or CPU_DYNAMIC_NODES
         assert proposer.describe()["nodes"] == expected
         _, trace = generate(target, "Repeat exactly: the cat sat on the mat, the dog sat on the log.", proposer,
                             SamplingParams(), GenerationParams(max_new_tokens=24), costs=FREE)
@@ -227,7 +215,6 @@ def test_the_dynamic_tree_takes_the_gpu_width_on_a_gpu(target, heads, monkeypatc
     building the proposer creates no tensor on it)."""
     from playground.models.transformer import Transformer
 
-    monkeypatch.setattr(Transformer, "rows_per_pass", property(lambda self: None))
     monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
     for nodes in (None, 7):
         assert medusa(target, heads, nodes=nodes).describe()["nodes"] == (nodes or GPU_DYNAMIC_NODES)

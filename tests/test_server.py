@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from playground.__main__ import main
-from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
-                               LookaheadParams, PromptLookupParams, SamplingParams)
+from playground.config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.decoding.registry import build_proposer
 from playground.decoding import encode_prompt
 from playground.engine import generate
 from playground.decoding.base import chat_ids
@@ -34,9 +34,9 @@ from .prompts import PROMPTS
 TOKENS = 24
 
 
-PROPOSERS = {"plain": {}, "proposals": dict(lookup=PromptLookupParams(), medusa=MedusaParams()),
-             "drafts": dict(lookup=PromptLookupParams(), draft=SpeculativeParams()),
-             "lookahead": dict(lookahead=LookaheadParams())}
+# fixture name -> (algorithm, prompt lookup's copies grafted onto its trees)
+PROPOSERS = {"plain": ("ar", None), "proposals": ("medusa", PromptLookupParams()),
+             "drafts": ("speculative", PromptLookupParams()), "lookahead": ("lookahead", None)}
 
 
 @contextmanager
@@ -61,8 +61,9 @@ def server(target, request):
     """Every test runs against plain decoding and against proposals in the batch (prompt lookup's copies with the
     Medusa heads' trees, or with the draft's chains; lookahead's windows and candidates), which must answer alike."""
     # 4 running at most, so that of 8 requests sent together some wait and join the batch as others finish
-    with running(target, EngineParams(num_blocks=256, block_size=8, max_running=4,
-                                      **PROPOSERS[request.param])) as service:
+    algo, copies = PROPOSERS[request.param]
+    with running(target, EngineParams(num_blocks=256, block_size=8, max_running=4),
+                 proposer=build_proposer(target, algo, copies=copies)) as service:
         yield service
 
 
@@ -245,17 +246,17 @@ def test_the_read_endpoints(server, target):
     assert state["kv"]["blocks_used"] == 0 and state["kv"]["blocks_total"] == 256
     assert state["params"]["max_running"] == 4
     proposer = state["proposer"]
-    if server.worker.params.lookahead is not None:  # the pools' candidates were verified, some accepted
+    if proposer is not None and proposer["proposer"] == "lookahead":  # the pools' candidates were verified, some kept
         ahead = proposer["counts"]["lookahead"]
         assert proposer["proposer"] == "lookahead" and list(proposer["counts"]) == ["lookahead"]
         assert proposer["window"] == 1 and proposer["ngram"] >= 2 and proposer["guesses"] == 2 and ahead["steps"] > 0
         assert 0 < ahead["accepted"] < ahead["proposed"]
-    elif server.worker.params.lookup is None:
-        assert proposer is None
+    elif proposer is None:
+        assert server.worker.engine.proposer is None
     else:  # copies and the heads' trees or the draft's chains were verified, some of their tokens accepted
         copies = proposer["counts"]["copy"]
         assert proposer["copy_max_ngram"] == 3
-        if server.worker.params.medusa is not None:
+        if proposer["proposer"] == "medusa":
             guesses = proposer["counts"]["medusa"]
             assert proposer["proposer"] == "medusa" and proposer["depth"] == 4
             assert proposer["heads"].endswith("medusa-smollm2-135m")
@@ -320,20 +321,20 @@ def test_cli_errors_before_loading_a_model(capsys):
     for argv, message in [
             (["serve", "--port", "70000"], "port must be an integer in [0, 65535], got 70000"),
             (["serve", "--num-blocks", "0"], "num_blocks must be an integer in [1,"),
-            (["serve", "--num-draft", "4"], "--max-ngram and --num-draft set prompt lookup: add --prompt-lookup"),
-            (["serve", "--prompt-lookup", "--max-ngram", "0"], "max_ngram must be an integer in [1, 8], got 0"),
-            (["serve", "--medusa-depth", "2"],
-             "--medusa-heads, --medusa-depth and --medusa-nodes set Medusa heads in the batch: add --medusa"),
-            (["serve", "--medusa", "--medusa-nodes", "65"], "nodes must be an integer in [1, 64], got 65"),
-            (["serve", "--medusa", "--medusa-depth", "0"], "depth must be an integer in [1, 16], got 0"),
-            (["serve", "--port", "0", "--medusa", "--medusa-heads", "/no/such/heads"],
+            (["serve", "--num-draft", "4"], "num-draft: a setting of --algo prompt-lookup, not ar"),
+            (["serve", "--algo", "prompt-lookup", "--max-ngram", "0"], "max_ngram must be an integer in [1, 8], got 0"),
+            (["serve", "--algo", "lookahead", "--medusa-depth", "2"], "medusa-depth: a setting of --algo medusa, not "
+                                                                      "lookahead"),
+            (["serve", "--algo", "medusa", "--tree-nodes", "65"], "nodes must be an integer in [1, 64], got 65"),
+            (["serve", "--algo", "medusa", "--medusa-depth", "0"], "depth must be an integer in [1, 16], got 0"),
+            (["serve", "--port", "0", "--algo", "medusa", "--medusa-heads", "/no/such/heads"],
              "medusa heads: '/no/such/heads' is not a folder"),
-            (["serve", "--gamma", "2"], "--draft and --gamma set a draft model in the batch: add --speculative"),
-            (["serve", "--speculative", "--gamma", "17"], "gamma must be an integer in [1, 16], got 17"),
-            (["serve", "--speculative", "--medusa"], "draft and medusa: a request is proposed either"),
-            (["serve", "--window", "2"], "--window, --ngram and --guesses set lookahead in the batch: add --lookahead"),
-            (["serve", "--lookahead", "--window", "0"], "window must be an integer in [1, 16], got 0"),
-            (["serve", "--lookahead", "--prompt-lookup"], "lookahead and lookup: lookahead's own proposals"),
+            (["serve", "--gamma", "2"], "gamma: a setting of --algo speculative, not ar"),
+            (["serve", "--algo", "speculative", "--gamma", "17"], "gamma must be an integer in [1, 16], got 17"),
+            (["serve", "--algo", "lookahead", "--copy-ngram", "3"], "copy-ngram: a setting of --algo speculative or "
+                                                                    "medusa, not lookahead"),
+            (["serve", "--window", "2"], "window: a setting of --algo lookahead, not ar"),
+            (["serve", "--algo", "lookahead", "--window", "0"], "window must be an integer in [1, 16], got 0"),
     ]:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -80,8 +80,18 @@ def machine_key(model: Transformer) -> str:
 
 
 def forward_costs(model: Transformer, cache_root: Path | None = None) -> ForwardCosts:
-    """This machine's costs for the model: read from the cache, else measured (a few seconds) and cached."""
+    """This machine's costs for the model: read from the cache (once per process), else measured (a few seconds)
+    and cached."""
     path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model)}.json"
+    if path not in _READ:
+        _READ[path] = _read_or_measure(model, path)
+    return _READ[path]
+
+
+_READ: dict[Path, ForwardCosts] = {}
+
+
+def _read_or_measure(model: Transformer, path: Path) -> ForwardCosts:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]))

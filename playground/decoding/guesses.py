@@ -252,8 +252,9 @@ class Grafted(Proposer):
                 tree = Proposal.chain(copy.tokens, self.copies.label, self.copies.rate(request, copy))
             else:
                 continue
-            if copy and self.copies.label in tree.sources:
-                tree = replace(tree, span=[copy.start, copy.start + len(copy.tokens)], ngram=copy.ngram)
+            copied = tree.sources.count(self.copies.label)  # the copy's first tokens: the node budget cuts its tail
+            if copy and copied:
+                tree = replace(tree, span=[copy.start, copy.start + copied], ngram=copy.ngram)
                 self.copies.remember(request, tree, [copy.ngram] * len(tree.tokens))
             proposals[request.id] = tree
         return proposals

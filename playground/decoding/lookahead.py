@@ -29,7 +29,7 @@ from ..config import LookaheadParams
 from ..models import LoadedModel
 from ..sampling import argmax_rows
 from ..trace import LookaheadEvent
-from .planning import ProposalGate
+from .planning import NgramAcceptance
 from .pools import TextPools, seed_pools, start_pools
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
 
@@ -73,7 +73,7 @@ class _Sequence:
     pools: TextPools
     window: list[list[int]]
     pooled: int  # leading tokens whose n-grams are in the pools
-    gate: ProposalGate
+    accepted: NgramAcceptance
     keys: list[int] = field(default_factory=list)
     shown: LookaheadEvent | None = None  # its last proposal as the trace shows it (step and time filled in later)
 
@@ -86,7 +86,7 @@ class LookaheadProposer(Proposer):
 
     def __init__(self, target: LoadedModel, params: LookaheadParams | None = None) -> None:
         params = params or LookaheadParams()
-        self.lookahead = la = params.resolve(target.model.rows_per_pass)
+        self.lookahead = la = params
         self.corpus, self.seeds = seed_pools(target, la)  # every request's pools start as copies of these
         self.states: dict[int, _Sequence] = {}
 
@@ -97,7 +97,7 @@ class LookaheadProposer(Proposer):
         la = self.lookahead
         self.states[request.id] = _Sequence(start_pools(self.seeds, la, request.prompt_ids),
                                             first_window(request.prompt_ids, la, request.sampling.seed),
-                                            len(request.prompt_ids), ProposalGate(0.0, la.context))
+                                            len(request.prompt_ids), NgramAcceptance(la.context))
 
     def end(self, request: RequestView) -> None:
         self.states.pop(request.id, None)
@@ -108,7 +108,7 @@ class LookaheadProposer(Proposer):
         proposals = {}
         for request, room in zip(requests, rooms):
             state = self.states[request.id]
-            state.gate.decay()
+            state.accepted.decay()
             if not room:
                 continue
             if self.lookahead.output_pool:  # the answer's own phrases are likely to come back
@@ -119,7 +119,7 @@ class LookaheadProposer(Proposer):
             state.shown = LookaheadEvent(step=0, t=0.0, window=[list(row) for row in state.window],
                                          pool_size=len(state.pools), candidates=[list(c[:room]) for c in found],
                                          keys=list(keys))
-            proposal, source = candidates([c[:room] for c in found], [state.gate.acceptance(k) for k in keys],
+            proposal, source = candidates([c[:room] for c in found], [state.accepted.acceptance(k) for k in keys],
                                           self.label)
             state.keys = [keys[c] for c in source]
             proposals[request.id] = replace(proposal, side=SideRows(block, offsets, mask, len(state.window[-1])))
@@ -132,7 +132,7 @@ class LookaheadProposer(Proposer):
         path = outcome.path
         if proposal.tokens:  # the candidate the kept path follows (where none was kept, the first)
             end = path[-1] if path else 0
-            state.gate.record(state.keys[path[0] - 1 if path else 0], len(path), len(path) + (end in proposal.parents))
+            state.accepted.record(state.keys[path[0] - 1 if path else 0], len(path), len(path) + (end in proposal.parents))
         state.window = slide(state.window, argmax_rows(outcome.side_logits), state.pools)
 
     def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:

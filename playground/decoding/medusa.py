@@ -42,7 +42,7 @@ class MedusaGuesser(Guesser):
             raise ConfigError(f"medusa.depth must be in [1, {num_heads}] (the heads' number), got {depth}")
         shape, self.top_k = None, 0  # a fixed tree's paths, and the most ranks it takes at a depth
         if params.tree == DYNAMIC_TREE:
-            nodes = params.nodes or dynamic_nodes(target.model.rows_per_pass, target.model.device.type == "cuda")
+            nodes = params.nodes or dynamic_nodes(target.model.device.type == "cuda")
         else:
             tree = load_tree(params.tree)
             if tree.depth > depth:

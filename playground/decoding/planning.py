@@ -1,6 +1,5 @@
-"""How much to propose: running acceptance estimates, the gate that lets a proposal through only when its expected
-tokens pay for a wider forward, and the width of a batch's decode forward that commits the most tokens per unit
-of cost (priced by this machine's measured `costs.ForwardCosts`)."""
+"""How much to propose: running acceptance estimates, and the width of a batch's decode forward that commits the
+most tokens per unit of cost (priced by this machine's measured `costs.ForwardCosts`)."""
 
 from __future__ import annotations
 
@@ -37,13 +36,11 @@ class RunningAcceptance:
         self.judged = self.PRIOR_JUDGED + d * (self.judged - self.PRIOR_JUDGED)
 
 
-class ProposalGate:
-    """Proposes a match only when the expected tokens a step commits with its K copied tokens
-    (`RunningAcceptance.expected_tokens`, estimated per matched n-gram length) exceed the step's cost,
-    1 + overhead one-token steps."""
+class NgramAcceptance:
+    """`RunningAcceptance` per matched n-gram length: how often copies found by matching that many tokens were
+    accepted."""
 
-    def __init__(self, overhead: float, max_ngram: int) -> None:
-        self.overhead = overhead
+    def __init__(self, max_ngram: int) -> None:
         self.by_ngram = [RunningAcceptance() for _ in range(max_ngram + 1)]  # indexed by matched n-gram length
 
     def acceptance(self, ngram: int) -> float:
@@ -56,9 +53,6 @@ class ProposalGate:
         """The most `expected_tokens` any matched n-gram length gives a copy of `length` tokens: a bound for a copy
         not looked up yet."""
         return max(estimate.expected_tokens(length) for estimate in self.by_ngram[1:])
-
-    def worth(self, ngram: int, length: int) -> bool:
-        return self.expected_tokens(ngram, length) > 1.0 + self.overhead
 
     def record(self, ngram: int, accepted: int, judged: int) -> None:
         self.by_ngram[ngram].record(accepted, judged)

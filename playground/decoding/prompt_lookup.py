@@ -2,7 +2,7 @@
 
 For each decoding request: the longest suffix of its text so far (up to max_ngram tokens, then shorter) that occurs
 earlier; the num_draft tokens that followed its latest earlier occurrences (cut after an end-of-sequence token),
-up to `branches` copies merged into one tree. A wider forward is not free, so `ProposalGate` keeps, per matched
+up to `branches` copies merged into one tree. A wider forward is not free, so `NgramAcceptance` keeps, per matched
 n-gram length, a running estimate of how often a copied token is accepted, and a copy is proposed only when the
 tokens it is expected to commit pay for its rows at this machine's measured forward costs. It changes which steps
 propose, never which tokens come out.
@@ -18,7 +18,7 @@ from typing import Any
 from ..config import PromptLookupParams
 from ..models import LoadedModel
 from .copies import Lookup, find_continuations
-from .planning import ProposalGate, plan_width, widest_paying
+from .planning import NgramAcceptance, plan_width, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 
 
@@ -31,29 +31,29 @@ class CopyProposer(Proposer):
 
     def __init__(self, target: LoadedModel, params: PromptLookupParams | None = None) -> None:
         params = params or PromptLookupParams()
-        self.lookup = params.resolve(target.model.rows_per_pass)
+        self.lookup = params.resolve()
         self.eos_ids = frozenset(target.eos_token_ids)
-        self.gates: dict[int, ProposalGate] = {}  # request id -> acceptance per matched n-gram length
+        self.accepted: dict[int, NgramAcceptance] = {}  # request id -> acceptance per matched n-gram length
         self.ngrams: dict[int, list[int | None]] = {}  # request id -> per node proposed, its copy's n-gram length
 
     def bind(self, settings: Any) -> None:
-        self.gates, self.ngrams = {}, {}
+        self.accepted, self.ngrams = {}, {}
 
     def start(self, request: RequestView) -> None:
-        self.gates[request.id] = ProposalGate(0.0, self.lookup.max_ngram)
+        self.accepted[request.id] = NgramAcceptance(self.lookup.max_ngram)
 
     def end(self, request: RequestView) -> None:
-        self.gates.pop(request.id, None)
+        self.accepted.pop(request.id, None)
         self.ngrams.pop(request.id, None)
 
     def decay(self, requests: Sequence[RequestView]) -> None:
         for request in requests:
-            self.gates[request.id].decay()
+            self.accepted[request.id].decay()
 
     def bound(self, request: RequestView, room: int) -> list[float]:
         """The most a copy could commit with k = 0.. tokens, at the request's best acceptance of any n-gram length."""
-        gate = self.gates[request.id]
-        return [gate.best_expected_tokens(k) for k in range(min(self.lookup.num_draft, room) + 1)]
+        accepted = self.accepted[request.id]
+        return [accepted.best_expected_tokens(k) for k in range(min(self.lookup.num_draft, room) + 1)]
 
     def find(self, request: RequestView, room: int, limit: int = 1) -> list[Lookup]:
         """Up to `limit` copies of at most `room` tokens each for the request, best first."""
@@ -63,7 +63,7 @@ class CopyProposer(Proposer):
                                   self.eos_ids, limit)
 
     def rate(self, request: RequestView, copy: Lookup) -> float:
-        return self.gates[request.id].acceptance(copy.ngram)
+        return self.accepted[request.id].acceptance(copy.ngram)
 
     def remember(self, request: RequestView, proposal: Proposal, ngram: list[int | None]) -> Proposal:
         """Note the n-gram length behind each of the proposal's nodes (None: not a copy's), for `observe`."""
@@ -97,7 +97,7 @@ class CopyProposer(Proposer):
         path = list(itertools.takewhile(lambda row: proposal.sources[row - 1] == self.label, outcome.path))
         end = path[-1] if path else 0
         refused = any(proposal.parents[row - 1] == end for row in rows)
-        self.gates[request.id].record(ngrams[(path[0] if path else rows[0]) - 1], len(path), len(path) + refused)
+        self.accepted[request.id].record(ngrams[(path[0] if path else rows[0]) - 1], len(path), len(path) + refused)
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,

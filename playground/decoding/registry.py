@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..config import ConfigError, EngineParams, PromptLookupParams
+from ..config import ConfigError, PromptLookupParams
 from ..models import LoadedModel
 from ..models.medusa import LoadedHeads
 from .guesses import Grafted, Guesser
@@ -50,17 +50,3 @@ def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: P
         raise ConfigError(f"copies: prompt lookup's copies graft onto Medusa's or the draft's trees, not onto {algo}")
     return Grafted(proposer, CopyProposer(target, copies))
 
-
-def engine_proposer(target: LoadedModel, params: EngineParams, heads: LoadedHeads | None = None,
-                    draft: LoadedModel | None = None) -> Proposer | None:
-    """The proposer `params` names (None: plain decoding): lookahead alone, or the Medusa heads' or the draft's
-    guesses with the copies of prompt lookup grafted on where `params.lookup` is set too."""
-    if params.lookahead is not None:
-        return build_proposer(target, "lookahead", params.lookahead)
-    if params.medusa is not None:
-        return build_proposer(target, "medusa", params.medusa, params.lookup, heads=heads)
-    if params.draft is not None:
-        return build_proposer(target, "speculative", params.draft, params.lookup, draft=draft)
-    if params.lookup is not None:
-        return build_proposer(target, "prompt-lookup", params.lookup)
-    return None

@@ -31,7 +31,6 @@ from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, forward_costs
 from ..decoding.planning import plan_width
 from ..decoding.proposer import Outcome, Proposal, Proposer
-from ..decoding.registry import engine_proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..sampling import accept, make_generator
@@ -65,13 +64,13 @@ class ProposalCounts:
 class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
                  proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
-        """`proposer`: the one to use (None: the one `params` names, or plain decoding); it is bound to this engine,
-        dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
+        """`proposer`: what each step proposes (None: plain decoding; `decoding.registry.build_proposer` makes one);
+        it is bound to this engine, dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
         as `generate` does. `costs`: what forwards cost by width, which only a proposer's steps read (None: this
         machine's, measured once per machine and cached)."""
         self.target = target
         self.params = params or EngineParams()
-        self.proposer = proposer if proposer is not None else engine_proposer(target, self.params)
+        self.proposer = proposer
         if self.proposer is not None:
             self.proposer.bind(self.params)
         self.cache = engine_cache(target.model, self.params)

@@ -10,127 +10,27 @@ held-out acceptance measures generalisation; the benchmark suite's passages and 
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from pathlib import Path
 
-TEMPLATES = (
-    "Explain {topic} in simple terms.",
-    "Write a short paragraph about {topic}.",
-    "Give three interesting facts about {topic}.",
-    "What are the advantages and disadvantages of {topic}?",
-    "Write a short story that involves {topic}.",
-    "Summarise what a beginner should know about {topic}.",
-    "List five questions a student might ask about {topic}, with short answers.",
-    "Write a haiku about {topic}.",
-    "How would you explain {topic} to a ten-year-old?",
-    "Write a Python function related to {topic}, with a docstring.",
-    "Compare {topic} with something similar and explain the difference.",
-    "Give step-by-step instructions for getting started with {topic}.",
-    "What is the history of {topic}?",
-    "Describe {topic} in one sentence, then in one paragraph.",
-    "Why do people care about {topic}?",
-    "Write a short poem about {topic}.",
-    "What are common misconceptions about {topic}?",
-    "Write an email to a friend recommending they learn about {topic}.",
-    "What careers are connected to {topic}?",
-    "Write a dialogue between a teacher and a student about {topic}.",
-    "What does the future of {topic} look like?",
-    "Create a quiz with three multiple-choice questions about {topic}.",
-    "Give me a fun fact about {topic}.",
-    "Write a product description for something inspired by {topic}.",
-)
-
-TRAIN_TOPICS = (
-    "volcanoes", "the water cycle", "photosynthesis", "black holes", "the Roman Empire", "bread baking",
-    "electric cars", "honey bees", "the internet", "chess", "recycling", "the human heart", "rainbows",
-    "machine learning", "the moon landing", "coffee", "earthquakes", "the printing press", "solar panels",
-    "penguins", "sorting algorithms", "the French language", "climate change", "guitars", "vaccines",
-    "the stock market", "origami", "dinosaurs", "bicycles", "the pyramids of Egypt", "prime numbers",
-    "sleep", "coral reefs", "spreadsheets", "the Olympic Games", "tea ceremonies", "gravity", "bridges",
-    "marathon running", "mushrooms", "tornadoes", "the immune system", "democracy", "smartphones",
-    "gardening", "the Renaissance", "elephants", "hash tables", "meditation", "deserts", "the piano",
-    "nuclear energy", "public libraries", "rain forests", "the periodic table", "airplanes", "cheese making",
-    "the Great Wall of China", "wolves", "linked lists", "photography", "the solar system", "soccer",
-    "the human brain", "volunteering", "trains", "bacteria", "poetry", "lighthouses", "budgeting",
-    "the ocean tides", "robots", "ancient Greece", "yoga", "SQL databases", "butterflies", "snow",
-    "video games", "the Amazon river", "pizza", "magnets", "recursion", "whales", "time zones",
-    "the violin", "composting", "satellites",
-)
+# The task templates and topics (data, in prompts.json beside this module)
+TABLES = json.loads((Path(__file__).with_name("prompts.json")).read_text(encoding="utf-8"))
+TEMPLATES: tuple[str, ...] = tuple(TABLES["templates"])
+TRAIN_TOPICS: tuple[str, ...] = tuple(TABLES["train_topics"])
 
 # More task types, for the draft: a seeded sample of these per topic (`--extra-templates`) widens what it sees
 # beyond the held-out report's templates, towards the benchmark's mix of chat, code, rewriting and translation.
-EXTRA_TEMPLATES = (
-    "Suggest a weekend plan for a family that loves {topic}.",
-    "Write a short FAQ about {topic} with four questions and answers.",
-    "Explain the most important idea behind {topic} in two sentences.",
-    "Give a checklist for someone starting a project about {topic}.",
-    "Write a tweet announcing a public talk about {topic}.",
-    "Describe a typical day for a person whose job involves {topic}.",
-    "What tips would you give someone who wants to get better at understanding {topic}?",
-    "Write a limerick about {topic}.",
-    "Write a short news report about a new discovery related to {topic}.",
-    "Explain {topic} using an analogy from everyday life.",
-    "What would change in the world if {topic} disappeared tomorrow?",
-    "Write the opening paragraph of an essay about {topic}.",
-    "Give a short glossary of five terms related to {topic}.",
-    "Write a Python class that models something related to {topic}, with a short example of its use.",
-    "Design a small SQL table for data about {topic} and write one query on it.",
-    "Explain {topic} to a grandparent in a warm, friendly tone.",
-    "Give two arguments for and two against spending public money on {topic}.",
-    "Write an encouraging message for a student who finds {topic} hard.",
-    "Summarise {topic} as a numbered list of key points.",
-    "Describe {topic} from the point of view of a curious cat.",
-    "Correct the mistakes in this sentence and explain each one: 'Their is many thing to learn about {topic}.'",
-    "Translate into French: 'My sister is reading a book about {topic}.'",
-    "Translate into Spanish: 'Our teacher talked about {topic} for the whole lesson.'",
-    "Rewrite this sentence to be more polite: 'Tell me everything about {topic} right now.'",
-)
+EXTRA_TEMPLATES: tuple[str, ...] = tuple(TABLES["extra_templates"])
 
-HELD_OUT_TOPICS = ("glaciers", "jazz music", "octopuses", "binary search", "the Silk Road", "wind turbines")
+HELD_OUT_TOPICS: tuple[str, ...] = tuple(TABLES["held_out_topics"])
 
 # More subjects, for the draft (`--wide-topics`): a draft trained on the topics above alone agreed with the target on
 # 92-98% of its training answers but on 48% of the held-out topics' answers. None is a held-out topic or a near
 # neighbour of one (ice, jazz, cephalopods, searching, trade routes, wind power), and no prompt built on them is a
 # benchmark prompt; "habits" and "time management" do touch the suite's chat question on study habits.
-WIDE_TOPICS = (
-    "ants", "owls", "sharks", "horses", "frogs", "parrots", "spiders", "camels", "kangaroos", "salmon migration",
-    "bird songs", "tigers", "jellyfish", "earthworms", "bats", "dolphins", "crows", "tortoises", "foxes",
-    "hummingbirds", "oak trees", "cactuses", "bamboo", "sunflowers", "seaweed", "wetlands", "caves", "islands",
-    "rivers and deltas", "thunderstorms", "fog", "hurricanes", "the seasons", "soil", "fossils", "crystals",
-    "sand dunes", "waterfalls", "the northern lights", "comets", "Mars", "Jupiter", "telescopes", "the Big Bang",
-    "space stations", "rockets", "exoplanets", "eclipses", "atoms", "electricity", "sound waves", "light and colour",
-    "friction", "temperature", "chemical reactions", "acids and bases", "DNA", "evolution", "cells", "the skeleton",
-    "muscles", "the lungs", "digestion", "blood types", "allergies", "the five senses", "dreams", "memory",
-    "habits", "emotions", "friendship", "laughter", "first aid", "nutrition", "vitamins", "hydration", "running shoes",
-    "swimming", "tennis", "basketball", "cricket", "rock climbing", "skiing", "cycling races", "table tennis",
-    "martial arts", "chess openings", "board games", "card tricks", "jigsaw puzzles", "crossword puzzles", "knitting",
-    "pottery", "woodworking", "painting with watercolours", "sculpture", "calligraphy", "comic books", "animation",
-    "film making", "theatre", "opera", "ballet", "drums", "the flute", "choirs", "folk songs", "movie soundtracks",
-    "podcasts", "radio", "newspapers", "museums", "zoos", "theme parks", "city parks", "skyscrapers", "castles",
-    "fountains", "canals", "tunnels", "roads", "traffic lights", "maps", "compasses", "clocks", "calendars",
-    "the metric system", "money", "banks", "taxes", "inflation", "small businesses", "advertising", "supermarkets",
-    "online shopping", "shipping containers", "farming", "tractors", "rice", "wheat", "chocolate", "spices",
-    "soup", "sandwiches", "noodles", "ice cream", "fermentation", "vegetarian cooking", "breakfast around the world",
-    "kitchen knives", "table manners", "weddings", "birthdays", "holidays in winter", "camping", "hiking trails",
-    "packing a suitcase", "airports", "passports", "hotels", "learning a new language", "sign language", "alphabets",
-    "dictionaries", "punctuation", "storytelling", "fairy tales", "myths and legends", "science fiction",
-    "detective novels", "writing letters", "handwriting", "public speaking", "job interviews", "teamwork",
-    "leadership", "time management", "saving money", "renting a flat", "moving house", "cleaning", "laundry",
-    "houseplants", "pets", "dog training", "cats", "aquariums", "beekeeping tools", "fire fighters", "nurses",
-    "architects", "pilots", "librarians", "teachers", "farmers", "chefs", "journalists", "engineers", "lawyers",
-    "the ancient Maya", "the Vikings", "medieval knights", "samurai", "the Industrial Revolution", "the steam engine",
-    "the telephone", "the light bulb", "the wheel", "writing systems", "the compass", "paper", "glass", "steel",
-    "plastic", "concrete", "cotton", "wool", "rubber", "batteries", "computer memory", "operating systems",
-    "web browsers", "passwords", "encryption", "email", "open-source software", "version control", "unit testing",
-    "regular expressions", "stacks and queues", "the command line", "graphs in computer science",
-    "object-oriented programming", "functional programming", "APIs", "JSON", "cloud computing", "computer viruses",
-    "pixels", "3D printing", "drones", "virtual reality", "spelling", "fractions", "percentages", "geometry",
-    "probability", "statistics", "negative numbers", "the number zero", "infinity", "symmetry", "triangles",
-    "circles", "graphs and charts", "logic puzzles", "elections", "human rights", "the United Nations", "cities",
-    "villages", "immigration", "population growth", "clean water", "pollution", "endangered species",
-    "national parks", "forest fires", "floods", "droughts", "electric bicycles", "buses", "ships", "submarines",
-    "hot air balloons", "motorcycles", "car engines", "road safety",
-)
+WIDE_TOPICS: tuple[str, ...] = tuple(TABLES["wide_topics"])
 
 
 def training_prompts(extra_templates: int = 0, seed: int = 0, wide_topics: int = 0,
@@ -156,21 +56,9 @@ def held_out_prompts() -> list[str]:
 # (offset 3) adds a word problem: about a quarter more prompts, whose answers run at longer positions.
 GROUNDED_EVERY, MATHS_EVERY = 4, 20
 
-PASSAGE_TEMPLATES = (
-    "Summarise the following text in two sentences.\n\n{text}",
-    "{text}\n\nUsing only the text above, answer: what is the main idea, and which detail supports it?",
-    "Rewrite the following paragraph in simpler words.\n\n{text}",
-    "Turn the text below into a bulleted list of its key points.\n\n{text}",
-    "Translate into French: '{sentence}'",
-    "Translate into Spanish: '{sentence}'",
-    "Translate into German: '{sentence}'",
-    "Rewrite this sentence to be more formal: '{sentence}'",
-)
-
-CODE_TEMPLATES = (
-    "Add comments to the code below and explain what it does.\n\n{text}",
-    "Improve the names and add type hints to this code, keeping its behaviour.\n\n{text}",
-)
+# second-stage tasks: on a passage ({text}) or its first sentence ({sentence}), and on code
+PASSAGE_TEMPLATES: tuple[str, ...] = tuple(TABLES["passage_templates"])
+CODE_TEMPLATES: tuple[str, ...] = tuple(TABLES["code_templates"])
 
 
 SENTENCE_END = re.compile(r"[.!?](?=\s|$)")  # a full stop, ! or ? before whitespace or the end: not "3.14"

@@ -12,9 +12,9 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (CPU_TREE_ROWS, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError,
-                      GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams,
-                      SpeculativeParams, check_int)
+from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS,
+                      MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
+                      PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
 from ..engine import stream_generate
 from ..decoding import encode_prompt, registry
 from ..decoding.proposer import Proposer
@@ -74,8 +74,8 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
                    text_ngram: Any = 0, pools: Any = POOLS) -> Proposer | None:
     """The proposer for the form's settings (None: plain decoding); every parameter is validated by its dataclass.
     Copies grafted onto the draft's or the heads' trees propose at most num_draft tokens, as prompt lookup does;
-    num_draft 0 leaves it chosen for the machine."""
-    tokens = as_int("tokens per proposal", num_draft) or None  # 0: as suits the machine
+    num_draft 0 leaves it to the number of copies (`PromptLookupParams.resolve`)."""
+    tokens = as_int("tokens per proposal", num_draft) or None  # 0: as many copies make it
     copy = as_int("copy n-gram", copy_ngram)
     check_int("copy_ngram", copy, 0, MAX_NGRAM)
     copies = PromptLookupParams(max_ngram=copy, num_draft=tokens, branches=1) if copy else None
@@ -91,9 +91,9 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
         if unknown:
             raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(unknown)}")
         switches = {f"{pool}_pool": pool in chosen for pool in POOLS}
-        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram) or None,
-                                 guesses=as_int("guesses G", guesses) or None, context=as_int("context K", context),
-                                 text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # 0: auto
+        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
+                                 guesses=as_int("guesses G", guesses), context=as_int("context K", context),
+                                 text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # M 0: N
         copies = None
     elif algo == "medusa":
         if acceptance not in ACCEPTANCE:
@@ -258,21 +258,18 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
-                                          info="auto: as suits the machine (two copies of 5 with AVX-512, "
-                                               "one of 5 with AVX2; else 8)")
+                                          info=f"auto: {LOOKUP_BRANCH_TOKENS} for prompt lookup's two copies, "
+                                               f"{LOOKUP_TOKENS} for a copy grafted onto a tree")
                 with gr.Row():
                     window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
-                    ngram = gr.Number(0, label="n-gram N (0 = auto, 2..8)", step=1,
-                                      info="auto: 3, or 2 where only then two guesses fit one pass (AVX2)")
-                    guesses = gr.Number(0, label="guesses G (0 = auto, 1..16)", step=1,
-                                        info="auto: 2, or 1 where the CPU kernel serves fewer rows than that "
-                                             "forward")
+                    ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)
+                    guesses = gr.Number(LOOKAHEAD.guesses, label="guesses G (1..16)", step=1,
+                                        info="lookahead: n-grams verified per step at most")
                     context = gr.Number(LOOKAHEAD.context, label="context K (1..8)", step=1,
                                         info="lookahead: look guesses up by the last K tokens first, then fewer")
                 with gr.Row():
-                    text_ngram = gr.Number(0, label="text n-gram M (0 = auto, 2..16)", step=1,
-                                           info="lookahead: size of the n-grams the pools take from text (auto: N, "
-                                                "3 when auto N takes 2, or N + 1 when auto G takes 1)")
+                    text_ngram = gr.Number(0, label="text n-gram M (0 = N, 2..16)", step=1,
+                                           info="lookahead: size of the n-grams the pools take from text")
                     pools = gr.CheckboxGroup(list(POOLS), value=list(POOLS), label="lookahead pools",
                                              info="seed guesses from the prompt, the text so far, the target's "
                                                   "habitual phrases")
@@ -280,8 +277,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
                                        info="dynamic: the nodes the heads rate likeliest, chosen at every step")
                     tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
-                                           info=f"auto: {CPU_TREE_ROWS - 1} with the native CPU kernel, "
-                                                f"{GPU_DYNAMIC_NODES} on a GPU")
+                                           info=f"auto: {CPU_DYNAMIC_NODES} on a CPU, {GPU_DYNAMIC_NODES} on a GPU")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")

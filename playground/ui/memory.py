@@ -11,9 +11,8 @@ import gradio as gr
 
 from ..bench_suite import workload
 from ..metrics import memory_summary
-from ..config import (ConfigError, SpeculativeParams, MedusaParams, EngineParams, LookaheadParams,
-                      PromptLookupParams, SamplingParams)
-from ..decoding.registry import engine_proposer
+from ..config import ConfigError, EngineParams, PromptLookupParams, SamplingParams, check_choice
+from ..decoding.registry import build_proposer
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
@@ -49,6 +48,11 @@ def _summary(engine: Engine) -> str:
             f"generated).{_proposals(engine)}")
 
 
+# what every step of the batch proposes: choice -> (algorithm, prompt lookup's copies grafted onto its trees)
+PROPOSALS = {"none (plain decoding)": ("ar", False), "prompt lookup": ("prompt-lookup", False),
+             "lookahead": ("lookahead", False), "Medusa heads": ("medusa", False),
+             "Medusa heads + prompt lookup": ("medusa", True), "draft model": ("speculative", False),
+             "draft model + prompt lookup": ("speculative", True)}
 # a proposal source's name and what its tokens are called
 SOURCES = {"copy": ("Prompt lookup", "copied"), "lookahead": ("Lookahead", "candidate"),
            "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted")}
@@ -66,9 +70,8 @@ def _proposals(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, prompt_lookup: bool, medusa: bool, draft: bool, lookahead: bool,
-               model_source: str, draft_source: str, device: str, dtype: str, quant: str,
-               progress: gr.Progress = gr.Progress()):
+               prefix_caching: bool, proposals: str, model_source: str, draft_source: str, device: str, dtype: str,
+               quant: str, progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
     try:
@@ -76,17 +79,16 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         if not 1 <= requests <= MAX_REQUESTS:
             raise ConfigError(f"requests must be in [1, {MAX_REQUESTS}], got {requests}")
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
-                              max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching),
-                              lookup=PromptLookupParams() if prompt_lookup else None,
-                              medusa=MedusaParams() if medusa else None,
-                              draft=SpeculativeParams() if draft else None,
-                              lookahead=LookaheadParams() if lookahead else None)
+                              max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
+        check_choice("proposals", proposals, tuple(PROPOSALS))
+        algo, copies = PROPOSALS[proposals]
         spec = target_spec(model_source, device, dtype, quant)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         # the app's loaded draft (the panel's, else the shipped one), not a fresh load on every run
-        engine = Engine(target, params, proposer=engine_proposer(
-            target, params, draft=get_draft(target, draft_source) if draft else None))
+        draft = get_draft(target, draft_source) if algo == "speculative" else None
+        proposer = build_proposer(target, algo, copies=PromptLookupParams() if copies else None, draft=draft)
+        engine = Engine(target, params, proposer=proposer)
         for prompt, generation in workload(requests, as_int("max new tokens", max_new_tokens)):
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:
@@ -134,7 +136,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
                 "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
                 "draft, or the one shipped for the embedded model), a chain of its greedy tokens; with "
-                "**lookahead** (alone), each request's Jacobi window beside the candidates of its n-gram pools. "
+                "**lookahead**, each request's Jacobi window beside the candidates of its n-gram pools. "
                 "Run locally, the same engine answers HTTP requests from OpenAI-style clients: "
                 "`python -m playground serve`.")
     with gr.Row(equal_height=False):
@@ -147,14 +149,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
-            # proposals verified in the batch, two to a row (four cut their labels off): Medusa heads and a draft
-            # exclude each other, lookahead excludes the other three
-            with gr.Row():
-                prompt_lookup = gr.Checkbox(False, label="prompt lookup")
-                medusa = gr.Checkbox(False, label="Medusa heads")
-            with gr.Row():
-                draft = gr.Checkbox(False, label="draft model")
-                lookahead = gr.Checkbox(False, label="lookahead")
+            proposals = gr.Dropdown(list(PROPOSALS), value="none (plain decoding)", label="proposals in the batch")
             run = gr.Button("Serve", variant="primary")
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
@@ -167,7 +162,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, draft_source, device, dtype, quant = model
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   prompt_lookup, medusa, draft, lookahead, source, draft_source, device, dtype,
-                                   quant],
+                                   proposals, source, draft_source, device, dtype, quant],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

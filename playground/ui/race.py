@@ -22,8 +22,7 @@ from .models import get_model, target_spec
 
 # name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
 DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
-                            "window": LOOKAHEAD.window, "ngram": 0,
-                            "guesses": 0}  # 0: N and G as suit the machine (LookaheadParams.resolve)
+                            "window": LOOKAHEAD.window, "ngram": LOOKAHEAD.ngram, "guesses": LOOKAHEAD.guesses}
 PLAIN = "plain"
 RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "speculative (gamma 4)": ("speculative", "contiguous", {}),
