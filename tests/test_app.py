@@ -280,7 +280,7 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     ({"block_size": 0}, "block_size must be"),
     ({"requests": 17}, "requests must be in [1, 16]"),
     ({"max_running": 1.5}, "max running must be a whole number"),
-    ({"proposals": "Medusa heads + draft model"}, "proposals must be one of none (plain decoding), prompt lookup"),
+    ({"proposals": "Medusa heads + draft model"}, "Medusa heads + draft model is not in the list of choices"),
     ({"proposals": "draft model", "draft_model": "/no/such/draft"}, "/no/such/draft"),
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
