@@ -152,9 +152,8 @@ class PromptLookupParams:
 
     def resolve(self) -> PromptLookupParams:
         """These settings with num_draft fixed (docs/defaults.md says why shorter copies go with more of them)."""
-        if self.num_draft is not None:
-            return self
-        return replace(self, num_draft=LOOKUP_BRANCH_TOKENS if self.branches > 1 else LOOKUP_TOKENS)
+        tokens = LOOKUP_BRANCH_TOKENS if self.branches > 1 else LOOKUP_TOKENS
+        return self if self.num_draft is not None else replace(self, num_draft=tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,14 @@ def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, 
 def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
     trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[4]
     prompt_html, tokens_html, detail, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
-    assert "replayed trace of **prompt-lookup**" in stats and "pg-tok" in tokens_html and "<b>step" in detail
+    assert "replayed trace of **prompt\\-lookup**" in stats and "pg-tok" in tokens_html and "<b>step" in detail
+    # a trace's text fields reach the page as literal text, never as markup the browser would act on
+    hostile = json.loads(open(trace_file, encoding="utf-8").read())
+    hostile.update(model="<img src=x onerror=alert(1)>", algo="[a](javascript:alert(1))")
+    forged = tmp_path / "forged.json"
+    forged.write_text(json.dumps(hostile))
+    stats = client.predict(handle_file(str(forged)), api_name="/load_trace")[3]
+    assert "<img" not in stats and "&lt;img" in stats and "\\[a\\]\\(javascript:" in stats
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema_version": 1, "algo": "ar"}))
     with pytest.raises(Exception, match="trace file is not a valid trace"):
@@ -154,7 +161,7 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
                             text_ngram=text_ngram)[4]
         traces[tuple(pools), text_ngram] = json.loads(open(trace_file, encoding="utf-8").read())
     header = {key: trace["params"] for key, trace in traces.items()}
-    assert header[("prompt", "output", "corpus"), 0]["corpus"] is not None
+    assert header[("prompt", "output", "corpus"), 0]["corpus"] == "answers.safetensors"  # named, no local folder
     assert header[(), 0]["prompt_pool"] is False and header[(), 0]["output_pool"] is False
     assert header[(), 0]["corpus"] is None and header[(), 0]["text_ngram"] == 3  # M defaults to N
     assert header[("output",), 5]["output_pool"] is True and header[("output",), 5]["text_ngram"] == 5

@@ -208,7 +208,7 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     only_corpus = LookaheadParams(guesses=2, prompt_pool=False, output_pool=False, corpus=str(corpus))
     proposer = LookaheadProposer(target, only_corpus)
     # per key length k = 1, 2, 3: every (k + 2)-gram of the phrase, seen twice
-    assert proposer.describe()["corpus"] == str(corpus)
+    assert proposer.describe()["corpus"] == corpus.name  # a trace names no local folder
     assert [len(seeds) for seeds in proposer.seeds.pools] == [len(phrase) - 2, len(phrase) - 3, len(phrase) - 4]
     prompt = "Suggest a short plan for a relaxing Sunday afternoon at home."
     output, trace = generate(target, prompt, proposer, SamplingParams(), generation)

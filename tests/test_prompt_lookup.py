@@ -92,7 +92,8 @@ def test_acceptance_is_estimated_per_matched_ngram_length() -> None:
     for _ in range(6):
         estimate.record(1, accepted=0, judged=1)  # single-token matches keep being refused
         estimate.record(3, accepted=4, judged=4)  # three-token matches keep being copied whole
-    assert estimate.acceptance(1) == pytest.approx((2 / 3) / 7) and estimate.acceptance(3) == pytest.approx((24 + 2 / 3) / 25)
+    assert estimate.acceptance(1) == pytest.approx((2 / 3) / 7)
+    assert estimate.acceptance(3) == pytest.approx((24 + 2 / 3) / 25)
     assert estimate.expected_tokens(1, 8) < 1.11  # 1 + a + a^2 + ... for a = 0.095
     assert estimate.expected_tokens(3, 8) > 7
     for _ in range(150):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,7 +133,8 @@ class LookaheadProposer(Proposer):
         path = outcome.path
         if proposal.tokens:  # the candidate the kept path follows (where none was kept, the first)
             end = path[-1] if path else 0
-            state.accepted.record(state.keys[path[0] - 1 if path else 0], len(path), len(path) + (end in proposal.parents))
+            key = state.keys[path[0] - 1 if path else 0]
+            state.accepted.record(key, len(path), len(path) + (end in proposal.parents))
         state.window = slide(state.window, argmax_rows(outcome.side_logits), state.pools)
 
     def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:
@@ -144,4 +146,4 @@ class LookaheadProposer(Proposer):
         la = self.lookahead
         return {"proposer": self.label, "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
                 "text_ngram": la.text_n, "context": la.context, "prompt_pool": la.prompt_pool,
-                "output_pool": la.output_pool, "corpus": self.corpus}
+                "output_pool": la.output_pool, "corpus": self.corpus and Path(self.corpus).name}

@@ -92,5 +92,5 @@ class MedusaGuesser(Guesser):
             self.hidden[request.id] = outcome.hidden[outcome.walk[-1]].clone()
 
     def describe(self) -> dict[str, Any]:
-        return {"proposer": self.label, "heads": str(self.heads.folder), "depth": self.depth, "nodes": self.nodes,
+        return {"proposer": self.label, "heads": self.heads.folder.name, "depth": self.depth, "nodes": self.nodes,
                 "tree": self.params.tree, "acceptance": self.params.acceptance}

@@ -65,8 +65,8 @@ class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
                  proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
         """`proposer`: what each step proposes (None: plain decoding; `decoding.registry.build_proposer` makes one);
-        it is bound to this engine, dropping any state it held for another. `trace`: every request records its trace events (`Request.trace`),
-        as `generate` does. `costs`: what forwards cost by width, which only a proposer's steps read (None: this
+        it is bound to this engine, dropping any state it held for another. `trace`: every request records its
+        trace events (`Request.trace`), as `generate` does. `costs`: what forwards cost by width, which only a proposer's steps read (None: this
         machine's, measured once per machine and cached)."""
         self.target = target
         self.params = params or EngineParams()

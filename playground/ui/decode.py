@@ -3,6 +3,8 @@ any step; the trace can be downloaded, and an uploaded trace is replayed with no
 
 from __future__ import annotations
 
+import html
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -154,9 +156,16 @@ def _prompt_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[str]:
     return [_token_text(tokenizer, i) for i in prompt_ids]
 
 
+def markdown_text(text: str, limit: int = 80) -> str:
+    """Text from a file as literal Markdown: at most `limit` characters, HTML escaped and Markdown's punctuation
+    backslashed (Gradio's sanitizer keeps tags such as <img src=x>, which a browser would fetch)."""
+    shown = text if len(text) <= limit else text[: limit - 1] + "…"
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", html.escape(shown, quote=False))
+
+
 def _save(trace: Trace) -> str:
     folder = Path(tempfile.mkdtemp(prefix="pg-trace-"))
-    path = folder / f"trace-{trace.algo}.json"
+    path = folder / f"trace-{re.sub(r'[^A-Za-z0-9+-]', '_', trace.algo)}.json"
     trace.save(path)
     return str(path)
 
@@ -239,7 +248,7 @@ def load_trace(file: Any):
     steps = _steps(trace)
     state = {"trace": trace.to_dict(), "prompt_tokens": tokens, "tokenized": False}
     return (*render(trace.events, tokens, known_texts(trace, tokens, False), tokenized=False),
-            f"replayed trace of **{trace.algo}** on {trace.model}: " + stats, state,
+            f"replayed trace of **{markdown_text(trace.algo)}** on {markdown_text(trace.model)}: " + stats, state,
             gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
             steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
