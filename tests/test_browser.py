@@ -29,10 +29,21 @@ def page(target, tmp_path_factory):
         browser = pw.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, args=FLAGS,
                                                         viewport={"width": 1280, "height": 900})
         tab = browser.new_page()
+        tab.requested = []  # every URL the page asked for
+        tab.on("request", lambda request: tab.requested.append(request.url))
         tab.goto(app.local_url)
         yield tab
         browser.close()
     app.close()
+
+
+def test_the_page_fetches_nothing_from_elsewhere(page):
+    """Fonts and scripts come from the app itself: offline (or on a Space) nothing fails to load."""
+    expect(page.get_by_role("button", name="Decode")).to_be_visible(timeout=60_000)
+    page.wait_for_timeout(3000)  # fonts and late scripts
+    local = page.url.split("/?")[0].rstrip("/")
+    away = [url for url in page.requested if not url.startswith((local, "data:", "blob:"))]
+    assert not away, away[:5]
 
 
 def test_decode_shows_coloured_tokens_and_the_legend(page):

@@ -43,7 +43,9 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
 
 def launch_options() -> dict[str, Any]:
     """Theme and stylesheet: the layout rules from assets/style.css, the decision colours from viz.palette."""
+    # fonts Gradio serves itself: nothing is fetched from elsewhere, so the app looks the same offline
     theme = gr.themes.Soft(primary_hue="teal", neutral_hue="slate",
-                           font=[gr.themes.GoogleFont("Inter"), "system-ui", "sans-serif"])
+                           font=[gr.themes.LocalFont("IBMPlexSans"), "system-ui", "sans-serif"],
+                           font_mono=[gr.themes.LocalFont("IBMPlexMono"), "ui-monospace", "monospace"])
     return {"theme": theme, "css": STYLESHEET.read_text(encoding="utf-8") + token_css(),
             "max_file_size": MAX_TRACE_BYTES}  # the only uploads are traces

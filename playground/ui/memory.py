@@ -127,18 +127,11 @@ def replay_step(state: dict[str, Any] | None, step: Any) -> str:
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable]) -> None:
-    gr.Markdown("The serving engine runs several requests at once on the **paged KV cache**: each request holds "
-                "blocks of a shared pool, requests with the same prompt prefix (here, the chat template's system "
-                "prompt) share its blocks, and when the pool runs out the newest request is **preempted** and "
-                "recomputed later. The chart compares the pool with a contiguous cache that reserves prompt + max "
-                "new tokens for every running request. Greedy decoding; engine time only. With **prompt lookup**, "
-                "each request's copy of earlier text is verified in the batch's forward where it pays for the "
-                "extra rows (the same tokens, fewer steps when copies are accepted); with **Medusa heads**, a tree "
-                "of the heads' guesses, under its own tree mask; with the **draft model** (the model panel's "
-                "draft, or the one shipped for the embedded model), a chain of its greedy tokens; with "
-                "**lookahead**, each request's Jacobi window beside the candidates of its n-gram pools. "
-                "Run locally, the same engine answers HTTP requests from OpenAI-style clients: "
-                "`python -m playground serve`.")
+    gr.Markdown("Several requests at once on the **paged KV cache**: each holds blocks of a shared pool, requests "
+                "with the same prompt prefix share its blocks, and when the pool runs out the newest request is "
+                "**preempted** and recomputed later. The chart sets the pool against a contiguous cache that "
+                "reserves prompt + max new tokens per request. Greedy; engine time only; any proposals in the batch "
+                "leave the tokens unchanged. The same engine serves HTTP: `python -m playground serve`.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             num_requests = gr.Number(8, label=f"requests (1..{MAX_REQUESTS})", step=1)
