@@ -60,8 +60,7 @@ def _row_kernel(logits: torch.Tensor) -> native.Kernel | None:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The argmax of each row of logits (N, V): the first of equal maxima (the first NaN, if any), as torch.argmax
-    gives it. Natively on the CPU: torch.argmax took ~240 us over 5 rows of a 49,152-token vocabulary, about what
-    the rest of a lookahead step's bookkeeping costs; the native pass ~40 us."""
+    gives it; natively on the CPU, where one pass is several times faster than torch.argmax."""
     kernel = _row_kernel(logits)
     return logits.argmax(-1).tolist() if kernel is None else native.row_top(kernel, logits, False)[0]
 

@@ -62,6 +62,9 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
     kept = "".join(text for state, text in shown if state not in ("rejected", "discarded", "pending"))
     output = trace["events"][-1]["token_ids"]
     assert html.unescape(kept).replace("↵\n", "\n") == "".join(target.tokenizer.decode([t]) for t in output)
+    # and the clean view holds exactly that text, with no marks
+    clean = re.search(r'<div class="pg-clean">(.*?)</div>', tokens_html, re.S).group(1)
+    assert html.unescape(clean) == "".join(target.tokenizer.decode([t]) for t in output)
 
 
 def test_seed_minus_one_samples_afresh_and_a_seed_repeats(client):

@@ -46,6 +46,32 @@ def test_the_page_fetches_nothing_from_elsewhere(page):
     assert not away, away[:5]
 
 
+def test_parameters_follow_the_chosen_algorithm(page):
+    page.get_by_text("Algorithm parameters").click()
+    page.get_by_label("lookahead").first.check()
+    expect(page.get_by_label("window W (1..16)")).to_be_visible()
+    expect(page.get_by_label("gamma (most draft tokens, 1..16)")).to_be_hidden()
+    page.get_by_label("Medusa (tree)").first.check()
+    expect(page.get_by_label("Medusa tree")).to_be_visible()
+    expect(page.get_by_label("window W (1..16)")).to_be_hidden()
+    page.get_by_label("prompt lookup").first.check()  # the other tests' algorithm
+    page.get_by_text("Algorithm parameters").click()
+
+
+def test_stop_ends_a_run_and_frees_the_queue(page):
+    page.get_by_text("Sampling").first.click()
+    page.get_by_label("max new tokens (1..4096)").fill("2000")
+    page.get_by_role("button", name="Decode").click()
+    expect(page.locator("#pg-generated .pg-tok").first).to_be_visible(timeout=120_000)
+    page.get_by_role("button", name="Stop").click()
+    page.wait_for_timeout(2000)
+    stopped = page.locator("#pg-generated .pg-tok").count()
+    page.wait_for_timeout(3000)
+    assert page.locator("#pg-generated .pg-tok").count() == stopped  # nothing more arrives
+    page.get_by_label("max new tokens (1..4096)").fill("64")
+    page.get_by_text("Sampling").first.click()
+
+
 def test_decode_shows_coloured_tokens_and_the_legend(page):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.get_by_label("Prompt", exact=True).fill("Repeat exactly: red green blue, red green blue, red green blue.")
@@ -60,6 +86,20 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     # the accepted colour really reaches the page (the stylesheet is applied, not just the class names)
     colour = page.locator("#pg-generated .pg-accepted").first.evaluate("e => getComputedStyle(e).color")
     assert colour == "rgb(0, 122, 90)"
+    # a long answer scrolls inside its panel instead of spilling over the stats line below it
+    generated = page.locator("#pg-generated")
+    assert generated.evaluate("e => getComputedStyle(e).overflowY") == "auto"
+    assert generated.bounding_box()["y"] + generated.bounding_box()["height"] <= page.locator(
+        "#pg-stats").bounding_box()["y"]
+    # the clean view shows the text alone, and switches back
+    page.get_by_label("clean text").check()
+    expect(page.locator("#pg-generated .pg-clean")).to_be_visible()
+    expect(page.locator("#pg-generated .pg-tokens")).to_be_hidden()
+    text = page.locator("#pg-generated .pg-clean").inner_text()
+    assert text.strip() and "↵" not in text
+    page.get_by_label("annotated").check()
+    expect(page.locator("#pg-generated .pg-tokens")).to_be_visible()
+    expect(page.locator("#pg-generated .pg-clean")).to_be_hidden()
     for plot in ("#pg-steps-plot", "#pg-time-plot"):  # the run's charts are drawn, not left as placeholders
         expect(page.locator(f"{plot} .js-plotly-plot")).to_be_visible(timeout=30_000)
     page.screenshot(path=str(SHOTS / "decode.png"), full_page=True)

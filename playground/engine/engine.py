@@ -1,20 +1,12 @@
 """A continuous-batching engine over a paged (or, one request at a time, contiguous) KV cache; every accelerated
 algorithm is its proposer.
 
-`add_request` queues a prompt with its own sampling settings; every `step()` reads
-schedule -> propose -> verify -> accept -> commit:
-the scheduler picks the requests and their token counts (`scheduler.py`); the proposer gives each decoding request
-candidates, a token tree (`decoding.proposer`), and the decode rows grow to one width, chosen for the most expected
-tokens per unit of forward cost (`plan_width`, this machine's measured `ForwardCosts`) within the token budget and
-the free blocks; the
-runner verifies everything in one forward (`runner.py`); each request draws its next token from its own row as plain
-decoding would (argmax, or a sample from its own random stream) and moves on to the row of the proposed node equal
-to the draw, if any (`sampling.accept`: for one-hot proposals the lossless rule in the form that draws what plain
-decoding draws), so greedy and seeded outputs are plain decoding's token for token, whatever the batch and the
-proposer (a proposal that carries the distributions it was sampled from, or asks for a lossy rule, is judged by that
-rule instead); the kept path's KV moves next to the last token and the rest is dropped. Every step leaves a
-`MemoryEvent` (block map, bytes, fragmentation, contiguous counterfactual) in `events`, beside the scheduler's KV and
-preemption events; with `trace`, each request also records its own trace (`tracing.py`).
+`add_request` queues a prompt with its own sampling settings; every `step()` reads schedule (`scheduler.py`) ->
+propose (the proposer's token trees, trimmed to the one width that commits the most expected tokens per unit of this
+machine's measured forward cost) -> verify (`runner.py`, one forward) -> accept (`sampling.accept`: each token drawn
+as plain decoding draws it, so greedy and seeded outputs are plain decoding's whatever the batch and the proposer)
+-> commit (the kept path's KV stays, the rest is dropped). Every step leaves a `MemoryEvent` in `events`; with
+`trace`, each request also records its own trace (`tracing.py`). docs/architecture.md has the whole picture.
 """
 
 from __future__ import annotations
@@ -66,8 +58,8 @@ class Engine:
                  proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
         """`proposer`: what each step proposes (None: plain decoding; `decoding.registry.build_proposer` makes one);
         it is bound to this engine, dropping any state it held for another. `trace`: every request records its
-        trace events (`Request.trace`), as `generate` does. `costs`: what forwards cost by width, which only a proposer's steps read (None: this
-        machine's, measured once per machine and cached)."""
+        trace events (`Request.trace`), as `generate` does. `costs`: what forwards cost by width, which only a
+        proposer's steps read (None: this machine's, measured once per machine and cached)."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer

@@ -26,16 +26,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> native.Panels | torch.Tensor:
     """A prepacked copy of a (out, in) float32 CPU weight for `linear(..., packed=)`: panels for the native kernel
-    where it is built (every row count then runs there: on the 2-core AVX-512 EPYC it matched the row-blocked bmm
-    below on one row and beat oneDNN by 20-35% on 2-16 rows (the body's products over 9 rows 13-15 ms against
-    19-21, the output projection 3.5-4.0 ms against 4.6-5.5); a 300-row prefill product ran 10% faster than
-    F.linear and 10% slower than oneDNN), else for oneDNN.
-
-    oneDNN, measured on a 2-core AVX2 CPU with SmolLM2-135M's shapes: against MKL (F.linear or the split bmm
-    below), the packed weight makes 2-16 rows 1.3-2x faster and prefills ~10% faster, but one row ~20% slower. On
-    the AVX-512 EPYC the split bmm also wins at 2 rows, so up to `PACKED_MIN_ROWS` - 1 rows keep the split bmm.
-    The oneDNN layout is tuned for 16 rows and serves every row count; it is opaque to other ops.
-    """
+    where it is built (every row count then runs there), else oneDNN's layout (opaque to other ops), which serves
+    `PACKED_MIN_ROWS` rows and more while fewer keep the split bmm (docs/performance.md has the measurements)."""
     kernel = native.kernel()
     if kernel is not None:
         return native.pack_panels(weight, kernel)
@@ -67,9 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     # Every op here costs microseconds of dispatch, ~120 times per decode step: keep the chain short.
     blocks = weight.view(splits, out_features // splits, in_features)  # (S, out/S, in)
-    # The input must have contiguous rows: for several rows, the previous linear's output and elementwise ops on
-    # it may not, and MKL's bmm then takes a path that made a 5-token verify forward cost 1.7x a one-token step
-    # instead of 1.4x. Copying N x in values is negligible.
+    # The input must have contiguous rows (for several rows the previous ops' output may not, and MKL's bmm then
+    # takes a much slower path); copying N x in values is negligible.
     cols = x.reshape(rows, in_features).contiguous().t().expand(splits, in_features, rows)  # (S, in, N)
     y = torch.bmm(blocks, cols)  # (S, out/S, N)
     if rows > 1:

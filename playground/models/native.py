@@ -1,32 +1,18 @@
 """The native CPU kernels (`kernels.c`): built once per machine with the system C compiler, loaded with ctypes.
 
-Matrix product: on the 2-core AVX-512 CPU this project measures on, a forward over 9 new tokens of SmolLM2-135M
-cost about 1.5 one-token steps through PyTorch's kernels (oneDNN for several rows, a row-blocked bmm for one) and
-about 1.2 through this kernel, whose products over 1-12 rows all take about the time of reading the weights once.
-Every fast decoding algorithm verifies several tokens per step, so this is their main cost on a CPU.
+- Matrix product: products over 1-12 rows at about the cost of reading the weights once, so verifying several
+  tokens costs little more than decoding one.
+- Attention: a query's result depends on its own visible keys alone (see kernels.c), so a token's logits are
+  bit-identical in a plain decode step, a verifying forward, a tree and a batch.
+- RMSNorm, the decoder layer's halves around attention, and the whole layer stack over a contiguous cache (`layers`,
+  the cache writes included), each in one call instead of chains of small PyTorch ops.
+- 16-bit panels: a product whose every weight is exactly a float16 (or bfloat16) number packs in that format; the
+  kernel widens the weights as it loads them, so the sums keep their bits and a step reads half the bytes.
 
-Attention: a query's result depends on its own visible keys alone (see kernels.c), so with both kernels a token's
-logits are bit-identical in a plain decode step, a verifying forward, a tree and a batch; PyTorch's attention
-differed in the last bits between those, and greedy exactness then rested on no near-tie falling there.
-
-RMSNorm: one call instead of PyTorch's chain of small kernels, row by row in a fixed order (61 norms per SmolLM2
-forward).
-
-Decoder layer halves: the work before attention (norm, q/k/v product, RoPE) and after it (output product, residual
-adds, norm, gate/up product, SiLU, down product) in one call each instead of about twenty PyTorch ops per layer,
-whose dispatch costs a large share of a small model's one-token forward on a CPU.
-
-Layer stack: over a contiguous KV cache, every layer in one call (`layers`), the cache writes included; the Python
-between the halves cost a small draft model more than its arithmetic.
-
-16-bit panels: a product whose every weight is exactly a float16 (or bfloat16) number, as in a checkpoint saved in
-either and run in float32 (the shipped draft), packs in that format; the kernel widens the weights as it loads them,
-so the sums keep their bits and a one-token step reads half the bytes.
-
-The build is optional: without a C compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the
-model keeps PyTorch's kernels, with the reason in `status()`. The shared library is cached under the model cache
-($PLAYGROUND_CACHE or ~/.cache/decoding-playground)/native, keyed by the source, the compiler and this CPU's
-model and flags: it is built with -march=native, so a library built on another CPU is never loaded.
+What each of these bought, measured, is in docs/performance.md. The build is optional: without a C compiler with
+OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the model keeps PyTorch's kernels, with the reason in
+`status()`. The library is cached under $PLAYGROUND_CACHE (or ~/.cache/decoding-playground)/native, keyed by the
+source, the compiler and this CPU's model and flags (it is built with -march=native).
 """
 
 from __future__ import annotations

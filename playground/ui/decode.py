@@ -253,6 +253,19 @@ def load_trace(file: Any):
             steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
+# the algorithms each parameter field sets
+FIELDS_OF = {"gamma": ("speculative",), "copy_ngram": ("speculative", "medusa"),
+             "max_ngram": ("prompt-lookup",), "num_draft": ("prompt-lookup", "speculative", "medusa"),
+             **{name: ("lookahead",) for name in ("window", "ngram", "guesses", "context", "text_ngram", "pools")},
+             **{name: ("medusa",) for name in ("tree", "tree_nodes", "acceptance")}}
+
+
+def fields_for(algo_label: str) -> list[dict[str, Any]]:
+    """Show the parameter fields of the chosen algorithm, in FIELDS_OF's order; hide the others."""
+    algo = ALGOS.get(algo_label)
+    return [gr.update(visible=algo in algos) for algos in FIELDS_OF.values()]
+
+
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
@@ -290,19 +303,35 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
+            # each field shows for the algorithms it sets (FIELDS_OF), so a visitor sees only what matters
+            fields = {"gamma": gamma, "copy_ngram": copy_ngram, "max_ngram": max_ngram, "num_draft": num_draft,
+                      "window": window, "ngram": ngram, "guesses": guesses, "context": context,
+                      "text_ngram": text_ngram, "pools": pools, "tree": tree, "tree_nodes": tree_nodes,
+                      "acceptance": acceptance}
+            algo.change(fields_for, [algo], [fields[name] for name in FIELDS_OF], api_name=False, queue=False)
+            for name, field in fields.items():
+                field.visible = ALGOS[algo.value] in FIELDS_OF[name]
             with gr.Accordion("Sampling", open=False):
                 max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy, ..100)")
                 top_k = gr.Number(0, label="top-k (0 = off)", step=1)
                 top_p = gr.Number(1.0, label="top-p (0, 1]")
                 seed = gr.Number(-1, label="seed (-1 = random)", step=1)
-            run = gr.Button("Decode", variant="primary")
+            with gr.Row():
+                run = gr.Button("Decode", variant="primary", scale=3)
+                stop = gr.Button("Stop", variant="stop", scale=1)
             gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):
-            gr.HTML(render_legend(), elem_id="pg-legend")
+            with gr.Row(equal_height=True):
+                gr.HTML(render_legend(), elem_id="pg-legend")
+                view = gr.Radio(["annotated", "clean text"], value="annotated", show_label=False, min_width=160,
+                                elem_id="pg-view", scale=0)
             prompt_view = gr.HTML(label="Prompt (as the model sees it)", show_label=True, container=True,
                                   elem_id="pg-prompt")
             tokens_view = gr.HTML(label="Generated", show_label=True, container=True, elem_id="pg-generated")
+            # in the browser only: the panel holds both views (`render_tokens`), the class picks one
+            view.change(None, [view], None, api_name=False, js="(v) => document.querySelector('#pg-generated')"
+                        ".classList.toggle('pg-show-clean', v === 'clean text')")
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
             detail = gr.HTML(label="Step detail", show_label=True, container=True, elem_id="pg-step-detail")
@@ -317,9 +346,11 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, max_ngram, num_draft, window,
               ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model, history]
-    run.click(on_gpu(run_decode), inputs,
-              [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot, time_plot,
-               table], api_name="decode")
+    decoding = run.click(on_gpu(run_decode), inputs,
+                         [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot,
+                          time_plot, table], api_name="decode")
+    # a run stops between engine steps, which frees the queue for the next visitor
+    stop.click(None, None, None, cancels=[decoding], api_name=False, queue=False)
     step.release(replay_step, [state, step], [prompt_view, tokens_view, detail], api_name="replay_step")
     upload.upload(load_trace, [upload],
                   [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],

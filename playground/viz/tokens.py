@@ -97,10 +97,17 @@ def _span(text: str, classes: str, title: str | None = None) -> str:
     return f'<span class="{classes}"{title_attr}>{shown}</span>'
 
 
+COMMITTED = ("generated", "accepted", "corrected", "bonus")  # the states of tokens that are part of the text
+
+
 def render_tokens(events: Iterable[Event], upto_step: int | None = None) -> str:
-    """The generated text as coloured token spans (HTML)."""
-    spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in token_views(events, upto_step))
-    return f'<style>{token_css()}</style><div class="pg-tokens">{spans}</div>'
+    """The generated text as coloured token spans (HTML), and beside them, hidden unless a `pg-show-clean` class
+    above shows it instead, the text alone: the committed tokens as the output has them."""
+    views = token_views(events, upto_step)
+    spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in views)
+    clean = html.escape("".join(v.token.text for v in views if v.state in COMMITTED))
+    return (f'<style>{token_css()} .pg-clean {{ display: none; white-space: pre-wrap; }}</style>'
+            f'<div class="pg-tokens">{spans}</div><div class="pg-clean">{clean}</div>')
 
 
 def render_legend(states: Iterable[str] = tuple(STATES)) -> str:
