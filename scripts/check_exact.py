@@ -63,13 +63,15 @@ def main() -> int:
                   + "".join(f"\n  MISMATCH {p!r}" for p in bad))
 
     lookup, draft_copy = build_proposer(target, "prompt-lookup"), PromptLookupParams()
+    many = EngineParams().max_running  # the engine's default batch
     batches = {  # name -> (requests run together, proposer)
-        f"engine batch of {len(PROMPTS)}": (16, None),
-        f"engine batch of {len(PROMPTS)}, prompt lookup": (16, lookup), "engine batch of 2, prompt lookup": (2, lookup),
-        f"engine batch of {len(PROMPTS)}, Medusa": (16, proposers["medusa-dynamic"]),
+        f"engine batch of {len(PROMPTS)}": (many, None),
+        f"engine batch of {len(PROMPTS)}, prompt lookup": (many, lookup),
+        "engine batch of 2, prompt lookup": (2, lookup),
+        f"engine batch of {len(PROMPTS)}, Medusa": (many, proposers["medusa-dynamic"]),
         "engine batch of 2, Medusa and prompt lookup": (
             2, build_proposer(target, "medusa", MedusaParams(), draft_copy)),
-        f"engine batch of {len(PROMPTS)}, draft": (16, build_proposer(target, "speculative", draft=draft)),
+        f"engine batch of {len(PROMPTS)}, draft": (many, build_proposer(target, "speculative", draft=draft)),
         "engine batch of 2, draft and prompt lookup": (
             2, build_proposer(target, "speculative", SpeculativeParams(), draft_copy, draft=draft)),
         "engine batch of 1, lookahead": (1, proposers["lookahead"]),

@@ -161,7 +161,7 @@ def markdown_text(text: str, limit: int = 80) -> str:
 
 def _save(trace: Trace) -> str:
     folder = Path(tempfile.mkdtemp(prefix="pg-trace-"))
-    path = folder / f"trace-{re.sub(r'[^A-Za-z0-9+-]', '_', trace.algo)}.json"
+    path = folder / f"trace-{trace.algo}.json"  # a run's algo is a registry name
     trace.save(path)
     return str(path)
 
