@@ -48,6 +48,9 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
         client, "Repeat exactly: red green blue, red green blue, red green blue.")
     assert re.search(r'class="pg-tok pg-(accepted|generated|bonus)"', tokens_html)
     assert re.search(r"\*\*\d+ tokens\*\* in [\d.]+ s = \*\*[\d.]+ tok/s\*\*", stats)
+    # the headline: measured against plain decoding over three interleaved rounds, with where a step's time went
+    assert re.search(r"^### \d\\\.\d\dx plain decoding \\\(median of 3 rounds\\\)", stats)
+    assert "a step keeps" in stats and "same tokens as plain decoding: yes" in stats
     trace = json.loads(open(trace_file, encoding="utf-8").read())
     assert trace["algo"] == "prompt-lookup" and trace["events"][-1]["kind"] == "finish"
     assert step["maximum"] == max(e["step"] for e in trace["events"])
@@ -65,6 +68,16 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
     # and the clean view holds exactly that text, with no marks
     clean = re.search(r'<div class="pg-clean">(.*?)</div>', tokens_html, re.S).group(1)
     assert html.unescape(clean) == "".join(target.tokenizer.decode([t]) for t in output)
+
+
+def test_play_replays_the_measured_run_in_step_order(client):
+    step = decode(client, "Count: one, two, three, four, five.", max_new_tokens=16)[5]
+    frames = list(client.submit(step["maximum"], "as measured", api_name="/play"))  # at the end: from the start
+    shown = [frame[3]["value"] for frame in frames]
+    assert shown[0] == 0 and shown[-1] == step["maximum"] and shown == sorted(set(shown))
+    assert frames[0][1].count('class="pg-tok ') < frames[-1][1].count('class="pg-tok ')
+    with pytest.raises(Exception, match="warp is not in the list of choices"):
+        client.predict(0, "warp", api_name="/play")
 
 
 def test_seed_minus_one_samples_afresh_and_a_seed_repeats(client):
@@ -244,7 +257,11 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     table = rows(table)
     assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "Medusa + prompt copies", "lookahead",
                                      "plain, paged KV"]
-    assert all(r[-1] == "yes" for r in table) and float(table[0][4]) == 1.0
+    assert all(r[6] == "yes" for r in table) and float(table[0][2]) == 1.0
+    # every speedup says where a step's time went, and is checked or flagged
+    assert all(re.fullmatch(r"\d+\.\d\d = \d+\.\d\d \+ \d+\.\d\d \+ \d+\.\d\d", r[4]) for r in table)
+    assert all(r[7] == "ok" or "rerun" in r[7] or "explains" in r[7] or "varied" in r[7] for r in table)
+    assert "median round of 3" in status and lanes.count('class="pg-lane-why"') == 4  # plain has nothing to explain
     assert chart is not None
 
 

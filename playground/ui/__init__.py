@@ -11,7 +11,7 @@ import gradio as gr
 
 from ..trace import MAX_TRACE_BYTES
 from ..viz import token_css
-from . import decode, memory, models, race, theory
+from . import decode, memory, models, quota, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
@@ -20,8 +20,10 @@ CACHE_CLEANUP_S = 3600
 
 def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool = False) -> gr.Blocks:
     """The app. on_gpu wraps the handlers that run models (a Space passes `spaces.GPU`); public (also on whenever
-    SPACE_ID is set, as on a Space) limits the model panel to the embedded model and $PLAYGROUND_MODELS."""
+    SPACE_ID is set, as on a Space) limits the model panel to the embedded model and $PLAYGROUND_MODELS and each
+    visitor to `quota.TOKENS_PER_HOUR` generated tokens an hour."""
     models.catalog.access = models.Access.from_env(public)
+    quota.QUOTA.limit = quota.TOKENS_PER_HOUR if models.catalog.access.public else None
     # uploads and exported traces are temporary files: each is deleted an hour after it was made
     with gr.Blocks(title="Decoding playground", delete_cache=(CACHE_CLEANUP_S, CACHE_CLEANUP_S)) as app:
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "

@@ -3,11 +3,13 @@ any step; the trace can be downloaded, and an uploaded trace is replayed with no
 
 from __future__ import annotations
 
+import bisect
 import html
 import re
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,19 +19,22 @@ import gradio as gr
 from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS,
                       MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
                       PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
-from ..engine import stream_generate
-from ..decoding import encode_prompt, registry
+from ..engine import generate
+from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
 from ..metrics import Metrics, compute, mean_draft_length
+from ..speedup import ROUNDS, Speedup, compare, interleave, median_run
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_draft, get_model, target_spec
+from .quota import QUOTA
 
-ALGOS = {"plain (autoregressive)": "ar", "speculative (draft model)": "speculative",
+PLAIN = "ar"
+ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculative",
          "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa"}
 ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical"}
 EXAMPLES = [
@@ -42,7 +47,8 @@ EXAMPLES = [
 ]
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
-FRAME_S = 0.08  # at most ~12 redraws a second while streaming: enough to animate, cheap to render
+FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
+SPEEDS = {"as measured": 1.0, "1/2": 0.5, "1/4": 0.25, "1/10": 0.1}  # replay pace, as a share of the measured one
 
 
 def as_int(name: str, value: Any, optional: bool = False) -> int | None:
@@ -114,14 +120,19 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics) -> str:
-    parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time; "
-             f"rendering excluded)", f"target forwards {m.target_forwards}"]
+def _stats(m: Metrics, against: Speedup | None, same: bool | None) -> str:
+    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers."""
+    parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
+             f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
         parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
     if m.acceptance_rate is not None:
         parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
-    return " · ".join(parts)
+    if same is not None:
+        parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
+    head = ("" if against is None else
+            f"### {markdown_text(against.headline(), 600)}\n{markdown_text(against.why(), 300)}\n\n")
+    return head + " · ".join(parts)
 
 
 def _steps(trace: Trace) -> int:
@@ -170,11 +181,11 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
                seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
-               dtype: str, quant: str, history: list[dict[str, Any]] | None,
-               progress: gr.Progress = gr.Progress()):
-    """Stream one run: yields (prompt HTML, tokens HTML, step detail, stats, trace state, trace file, step
-    slider, session history, per-step chart, tokens-vs-time chart, step table); the last seven change once the
-    run has finished."""
+               dtype: str, quant: str, history: list[dict[str, Any]] | None, request: gr.Request | None = None):
+    """Measure first, then show: the algorithm and plain decoding run on the engine alone, interleaved over
+    ROUNDS rounds (nothing is drawn meanwhile, so the browser never competes with the clock); yields (prompt HTML,
+    tokens HTML, step detail, stats, trace state, trace file, step slider, session history, per-step chart,
+    tokens-vs-time chart, step table): a cleared page with progress in the stats line, then the median round."""
     try:
         if algo_label not in ALGOS:
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
@@ -183,39 +194,49 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
                                   top_p=as_float("top_p", top_p), seed=as_seed(seed))
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
-        spec = target_spec(model_source, device, dtype, quant)
-        progress(0.1, desc=f"loading model {spec.source!r} (the first load converts it; later ones are instant)")
-        target = get_model(spec)
         algo = ALGOS[algo_label]
-        proposer = build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram, guesses,
-                                  tree, tree_nodes, acceptance, copy_ngram, context, text_ngram, pools)
-        token_text = partial(_token_text, target.tokenizer)
-        prompt_tokens = [token_text(i) for i in encode_prompt(target, prompt, generation)]
-        stream = stream_generate(target, prompt, proposer, sampling, generation, algo)
-        events: list[Event] = []
-        last_frame = 0.0
-        # the first frame clears what the previous run left (its trace, slider, charts and table)
-        later = [None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(), None, None, []]
-        while True:
-            try:
-                events.append(next(stream))
-            except StopIteration as stop:
-                _, trace = stop.value
-                break
-            now = time.perf_counter()
-            if now - last_frame >= FRAME_S:
-                last_frame = now
-                yield *render(events, prompt_tokens, token_text), "decoding...", *later
-                later = [gr.update()] * 7
+        names = [algo] if algo == PLAIN else [algo, PLAIN]
+        QUOTA.take(request, generation.max_new_tokens * len(names) * ROUNDS)
+        spec = target_spec(model_source, device, dtype, quant)
+        # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
+        cleared = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(),
+                   None, None, []]
+        yield *cleared[:3], f"loading model {spec.source!r} (the first load converts it; later ones are instant)", \
+            *cleared[3:]
+        target = get_model(spec)
+        proposers = {algo: build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram,
+                                          guesses, tree, tree_nodes, acceptance, copy_ngram, context, text_ngram,
+                                          pools), PLAIN: None}
+        runs = {name: partial(_run, target, prompt, proposers[name], sampling, generation, name) for name in names}
+        yield *[gr.update()] * 3, "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 7
+        for name in names:
+            _run(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
+        traces: dict[str, list[Trace]] = {name: [] for name in names}
+        for done, (round_, name, trace) in enumerate(interleave(runs, ROUNDS)):
+            traces[name].append(trace)
+            yield *[gr.update()] * 3, (f"measured {done + 1} of {len(names) * ROUNDS} runs (round {round_ + 1} of "
+                                       f"{ROUNDS}: {'plain decoding' if name == PLAIN else algo_label}); the replay "
+                                       "follows"), *[gr.update()] * 7
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
+    trace = median_run(traces[algo])
+    against = compare(traces, PLAIN)[algo] if algo != PLAIN else None
+    same = trace.finish().token_ids == median_run(traces[PLAIN]).finish().token_ids if against and \
+        sampling.greedy else None
+    token_text = partial(_token_text, target.tokenizer)
+    prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)
     metrics = compute(trace)
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True}
-    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics), state, _save(trace),
+    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same), state, _save(trace),
            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
+
+
+def _run(target: Any, prompt: str, proposer: Proposer | None, sampling: SamplingParams, generation: GenerationParams,
+         algo: str) -> Trace:
+    return generate(target, prompt, proposer, sampling, generation, algo)[1]
 
 
 def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
@@ -225,12 +246,45 @@ def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
             "mean_draft": mean_draft_length(trace)}
 
 
-def replay_step(state: dict | None, step: Any) -> tuple[str, str, str]:
+def _replayed(state: dict | None) -> tuple[Trace, list[str], bool, TokenText]:
     if not state:
         raise gr.Error("step: run a decode or upload a trace first")
     trace = Trace.from_dict(state["trace"])
     tokens, tokenized = state["prompt_tokens"], state["tokenized"]
-    return render(trace.events, tokens, known_texts(trace, tokens, tokenized), as_int("step", step), tokenized)
+    return trace, tokens, tokenized, known_texts(trace, tokens, tokenized)
+
+
+def replay_step(state: dict | None, step: Any) -> tuple[str, str, str]:
+    trace, tokens, tokenized, text = _replayed(state)
+    return render(trace.events, tokens, text, as_int("step", step), tokenized)
+
+
+def nudge(state: dict | None, step: Any, delta: int) -> tuple[str, str, str, dict[str, Any]]:
+    """One step back or forward from the slider's step (staying within the run)."""
+    trace, tokens, tokenized, text = _replayed(state)
+    shown = min(max(as_int("step", step) + delta, 0), _steps(trace))
+    return *render(trace.events, tokens, text, shown, tokenized), gr.update(value=shown)
+
+
+def play(state: dict | None, step: Any, speed: str):
+    """Replay from the slider's step (from the start when it stands at the end) at `speed` times the pace the run
+    was measured at, one frame per step reached; yields (prompt HTML, tokens HTML, step detail, slider)."""
+    if speed not in SPEEDS:
+        raise gr.Error(f"replay speed must be one of {', '.join(SPEEDS)}, got {speed!r}")
+    trace, tokens, tokenized, text = _replayed(state)
+    ends = [0.0] * (_steps(trace) + 1)  # engine time at which each step ended
+    for event in trace.events:
+        ends[event.step] = max(ends[event.step], event.t)
+    first = as_int("step", step)
+    first = 0 if first >= len(ends) - 1 else first
+    start, shown = time.perf_counter(), -1
+    while shown < len(ends) - 1:
+        t = ends[first] + (time.perf_counter() - start) * SPEEDS[speed]
+        now = max(first, bisect.bisect_right(ends, t) - 1)
+        if now != shown:
+            shown = now
+            yield *render(trace.events, tokens, text, shown, tokenized), gr.update(value=shown)
+        time.sleep(FRAME_S)
 
 
 def load_trace(file: Any):
@@ -240,7 +294,7 @@ def load_trace(file: Any):
     path = file if isinstance(file, str) else getattr(file, "name", str(file))
     try:
         trace = Trace.load(path)
-        stats = _stats(compute(trace))
+        stats = _stats(compute(trace), None, None)
     except TraceError as exc:
         raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
@@ -333,6 +387,13 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                         ".classList.toggle('pg-show-clean', v === 'clean text')")
             stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
+            with gr.Row(elem_id="pg-player"):
+                play_button = gr.Button("▶ Play", size="sm", min_width=70)
+                pause = gr.Button("⏸ Pause", size="sm", min_width=70)
+                back = gr.Button("◀ Step", size="sm", min_width=70)
+                forward = gr.Button("Step ▶", size="sm", min_width=70)
+                speed = gr.Dropdown(list(SPEEDS), value="1/4", label="replay speed (of the measured pace)",
+                                    min_width=120)
             detail = gr.HTML(label="Step detail", show_label=True, container=True, elem_id="pg-step-detail")
             with gr.Row():
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
@@ -345,12 +406,21 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, max_ngram, num_draft, window,
               ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model, history]
-    decoding = run.click(on_gpu(run_decode), inputs,
-                         [prompt_view, tokens_view, detail, stats, state, download, step, history, steps_plot,
-                          time_plot, table], api_name="decode")
+    shown = [prompt_view, tokens_view, detail]
+    # Decode stays disabled while a run measures; the replay of what it measured follows on its own
+    decoding = run.click(lambda: gr.update(interactive=False), None, run, api_name=False, queue=False).then(
+        on_gpu(run_decode), inputs, [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
+        api_name="decode", show_progress_on=[stats])
+    decoding.then(lambda: gr.update(interactive=True), None, run, api_name=False, queue=False)
+    replay = decoding.success(play, [state, step, speed], [*shown, step], api_name=False, show_progress="hidden")
+    playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
     # a run stops between engine steps, which frees the queue for the next visitor
-    stop.click(None, None, None, cancels=[decoding], api_name=False, queue=False)
-    step.release(replay_step, [state, step], [prompt_view, tokens_view, detail], api_name="replay_step")
+    stop.click(lambda: gr.update(interactive=True), None, run, cancels=[decoding, replay, playing], api_name=False,
+               queue=False)
+    pause.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
+    back.click(partial(nudge, delta=-1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
+    forward.click(partial(nudge, delta=1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
+    step.release(replay_step, [state, step], shown, api_name="replay_step")
     upload.upload(load_trace, [upload],
                   [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],
                   api_name="load_trace")

@@ -120,16 +120,17 @@ def describe(model: LoadedModel) -> str:
             f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token{panels}")
 
 
-def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
-         progress: gr.Progress = gr.Progress()) -> str:
-    """Load the target and its draft now (a run would load them too); a summary, or the error as a message."""
+def load(source: str, draft_source: str, device: str, dtype: str, quant: str):
+    """Load the target and its draft now (a run would load them too); yields what it is doing, then a summary (or
+    the error as a message)."""
     try:
         spec = target_spec(source, device, dtype, quant)
-        progress(0.1, desc=f"loading {spec.source!r} (a GGUF is converted once, then loads in under a second)")
+        yield (f"Loading {spec.source!r}: a GGUF file is converted once (about 30 s on a laptop CPU), then loads in "
+               "under a second...")
         target = get_model(spec)
         lines = [f"Target: {describe(target)}"]
         if (draft_source or "").strip() or default_draft(target.spec.source):
-            progress(0.6, desc="loading the draft and checking its tokenizer against the target's")
+            yield f"Target: {describe(target)}\n\nLoading the draft and checking its tokenizer against the target's..."
             draft = get_draft(target, draft_source)
             rows = proposal_rows(draft)
             vocab = ("" if rows is None else
@@ -141,7 +142,7 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str,
             lines.append(f"Float32 matrix products and attention on the CPU: native kernels {native.status()}.")
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
-    return "\n\n".join(lines)
+    yield "\n\n".join(lines)
 
 
 def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
@@ -165,5 +166,5 @@ def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown
             quant = gr.Dropdown([NO_QUANT, *QUANTS], value=NO_QUANT, label="Quantisation (bitsandbytes)")
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
-    button.click(load, [source, draft, device, dtype, quant], [status], api_name="load_model")
+    button.click(load, [source, draft, device, dtype, quant], [status], api_name="load_model", show_progress="minimal")
     return source, draft, device, dtype, quant

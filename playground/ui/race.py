@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..engine import generate
-from ..metrics import Metrics, compute
+from ..metrics import compute
 from ..models import ModelLoadError
+from ..speedup import ROUNDS, Speedup, compare, interleave, median_run
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
 from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_proposer, history_entry
 from .models import get_model, target_spec
+from .quota import QUOTA
 
 # name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
 DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
@@ -34,28 +37,32 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "plain, paged KV": ("ar", "paged", {}),
 }
 ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}
-MAX_RIVALS = 4  # plain plus four lanes fit a laptop screen and keep a race under a minute
-MAX_REPLAY_S = 12.0  # longer races replay faster than measured, by a factor the tab states
-TABLE_HEADERS = ["algorithm", "tokens", "engine s", "tokens/s", "speedup vs plain", "tokens per target forward",
-                 "target forwards", "acceptance rate", "same tokens as plain"]
+MAX_RIVALS = 4  # plain plus four lanes fit a laptop screen
+REPLAY_S = (6.0, 12.0)  # a replay lasts this long at least and at most: slowed or sped up by a factor it states
+TABLE_HEADERS = ["algorithm", "tokens/s (median)", "speedup vs plain (median of rounds)", "tokens per step",
+                 "step cost in plain steps: draft + verify + other", "drafted tokens kept", "same tokens as plain",
+                 "check"]
 WARMUP_TOKENS = 2  # a short unmeasured run per entrant, so the first one measured pays no first-call costs
 PROMPT = ("Summarise in one sentence: The library will close for renovation from June to August. During the "
           "closure, books can be returned at the town hall.")
 
 
-def _row(name: str, trace: Trace, m: Metrics, plain: Trace, base: Metrics, greedy: bool) -> list[Any]:
-    same = trace.finish().token_ids == plain.finish().token_ids
-    return [name, m.tokens, round(m.wall_s, 3), round(m.tokens_per_s, 1),
-            round(m.tokens_per_s / base.tokens_per_s, 2) if base.tokens_per_s else None,
-            None if m.mean_accepted_tokens is None else round(m.mean_accepted_tokens, 2), m.target_forwards,
-            None if m.acceptance_rate is None else round(m.acceptance_rate, 2),
-            ("yes" if same else "NO") if greedy else "n/a (sampling)"]
+def _row(s: Speedup, same: bool | None) -> list[Any]:
+    return [s.name, round(s.tokens_per_s, 1), round(s.speedup, 2), round(s.tokens_per_step, 2),
+            f"{s.step_cost:.2f} = {s.draft:.2f} + {s.verify:.2f} + {s.other:.2f}",
+            None if s.kept is None else f"{s.kept:.0%}",
+            "n/a (sampling)" if same is None else ("yes" if same else "NO"), "; ".join(s.flags) or "ok"]
+
+
+def replay_speed(end_s: float) -> float:
+    """How much faster than measured a race of end_s engine seconds replays (below 1: slow motion)."""
+    shortest, longest = REPLAY_S
+    return min(max(end_s / longest, 1.0), end_s / shortest) if end_s > 0 else 1.0
 
 
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
              model_source: str, draft_source: str, device: str, dtype: str, quant: str,
-             history: list[dict[str, Any]] | None,
-             progress: gr.Progress = gr.Progress()):
+             history: list[dict[str, Any]] | None, request: gr.Request | None = None):
     """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay."""
     try:
         if not isinstance(prompt, str) or not prompt.strip():
@@ -68,47 +75,61 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
-        spec = target_spec(model_source, device, dtype, quant)
-        progress(0.0, desc=f"loading model {spec.source!r}")
-        target = get_model(spec)
         names = [PLAIN, *chosen]
-        runs = []  # (name, algorithm, proposer, cache kind) per entrant
+        QUOTA.take(request, tokens * len(names) * ROUNDS)
+        spec = target_spec(model_source, device, dtype, quant)
+        yield gr.update(), f"loading model {spec.source!r}", *[gr.update()] * 3
+        target = get_model(spec)
+        runs = {}
         for name in names:
             algo, kv, overrides = ENTRANTS[name]
-            runs.append((name, algo, build_proposer(algo, target, draft_source, **{**DEFAULTS, **overrides}), kv))
+            proposer = build_proposer(algo, target, draft_source, **{**DEFAULTS, **overrides})
+            runs[name] = partial(_race_run, target, prompt, proposer, sampling, kv, algo)
         yield gr.update(), "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 3
-        for _, algo, proposer, kv in runs:
-            generate(target, prompt, proposer, sampling, GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv), algo)
-        traces: dict[str, Trace] = {}
-        for i, (name, algo, proposer, kv) in enumerate(runs):
-            status = f"measuring **{name}** ({i + 1} of {len(names)}); runs go one at a time so none slows another"
-            progress(i / len(names), desc=f"measuring {name}")
-            yield gr.update(), status, gr.update(), gr.update(), gr.update()
-            generation = GenerationParams(max_new_tokens=tokens, kv=kv)
-            traces[name] = generate(target, prompt, proposer, sampling, generation, algo)[1]
+        for run in runs.values():
+            run(WARMUP_TOKENS)
+        measured = {name: partial(run, tokens) for name, run in runs.items()}
+        traces: dict[str, list[Trace]] = {name: [] for name in names}
+        total = len(names) * ROUNDS
+        for done, (round_, name, trace) in enumerate(interleave(measured, ROUNDS)):
+            traces[name].append(trace)
+            yield (gr.update(), f"measured {done + 1} of {total} runs (round {round_ + 1} of {ROUNDS}: **{name}**); "
+                   "one at a time, so none slows another", *[gr.update()] * 3)
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
-    lanes = [Lane(name, trace.events) for name, trace in traces.items()]
+    speedups = compare(traces, PLAIN)
+    shown = {name: median_run(runs) for name, runs in traces.items()}
+    lanes = [Lane(name, trace.events, speedups[name].why() if name != PLAIN else "") for name, trace in shown.items()]
     end = max(lane.wall_s for lane in lanes)
-    speed = max(1.0, end / MAX_REPLAY_S)
-    pace = "at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured"
+    speed = replay_speed(end)
+    pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
+            else f"in slow motion, {1 / speed:.1f}x slower than measured")
     start = time.perf_counter()
     while (t := (time.perf_counter() - start) * speed) < end:
         yield render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", gr.update(), gr.update(), gr.update()
         time.sleep(FRAME_S)
-    greedy = sampling.greedy
-    metrics = {name: compute(trace) for name, trace in traces.items()}
-    rows = [_row(name, trace, metrics[name], traces[PLAIN], metrics[PLAIN], greedy) for name, trace in traces.items()]
-    done = f"replayed {pace}. Engine time only; page drawing is never counted."
-    yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in traces.items()}),
-           [*(history or []), *(history_entry(traces[n], metrics[n]) for n in traces)])
+    plain = shown[PLAIN].finish().token_ids
+    rows = [_row(speedups[name], trace.finish().token_ids == plain if sampling.greedy else None)
+            for name, trace in shown.items()]
+    flagged = sum(bool(s.flags) for s in speedups.values())
+    done = (f"replayed {pace} (each lane: its median round of {ROUNDS}). Engine time only; page drawing is never "
+            "counted." + (f" **{flagged} row(s) flagged: see the check column.**" if flagged else ""))
+    metrics = {name: compute(trace) for name, trace in shown.items()}
+    yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in shown.items()}),
+           [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
+
+
+def _race_run(target: Any, prompt: str, proposer: Any, sampling: SamplingParams, kv: str, algo: str,
+              tokens: int) -> Trace:
+    return generate(target, prompt, proposer, sampling, GenerationParams(max_new_tokens=tokens, kv=kv), algo)[1]
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
-    gr.Markdown("Plain decoding against up to four others on one prompt. Each run is **measured alone**, one after "
-                "another, then all are **replayed together** from their own timestamps, so they never compete for "
-                "the processor and the animation shows each at the pace it was measured. At temperature 0 every "
-                "algorithm must produce the same tokens as plain decoding; the table checks it.")
+    gr.Markdown(f"Plain decoding against up to four others on one prompt. Every run is **measured alone**, "
+                f"interleaved over {ROUNDS} rounds; each lane then **replays** its median round from its own "
+                "timestamps, so none competes for the processor. Each speedup is the median of its rounds and says "
+                "where a step's time went; a row the measurement cannot explain is flagged. At temperature 0 every "
+                "algorithm must produce plain decoding's tokens; the table checks it.")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(PROMPT, label="Prompt", lines=3, max_lines=10)
@@ -124,7 +145,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             status = gr.Markdown(elem_id="pg-race-status")
             lanes = gr.HTML(elem_id="pg-race")
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True,
-                         column_widths=["19%", "8%", "9%", "9%", "10%", "12%", "10%", "10%", "13%"])
+                         column_widths=["16%", "9%", "10%", "8%", "18%", "9%", "10%", "20%"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
     run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
-              [lanes, status, table, chart, history], api_name="race")
+              [lanes, status, table, chart, history], api_name="race", show_progress="hidden")

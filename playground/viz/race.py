@@ -16,6 +16,7 @@ from .tokens import render_tokens
 class Lane:
     name: str
     events: Sequence[Event]
+    why: str = ""  # where its time went, shown once the lane has finished
 
     @property
     def wall_s(self) -> float:
@@ -41,6 +42,7 @@ def race_css() -> str:
             ".pg-lane-head span{font-variant-numeric:tabular-nums;color:var(--body-text-color-subdued,#57606a);}"
             f".pg-bar{{height:4px;background:{border};border-radius:2px;margin:0.3rem 0;}}"
             ".pg-bar>div{height:100%;background:#009E73;border-radius:2px;}"
+            ".pg-lane-why{font-size:0.8rem;color:var(--body-text-color-subdued,#57606a);margin-bottom:0.2rem;}"
             # column-reverse keeps the newest tokens in view as a lane outgrows its box; text sits at the bottom,
             # so the top fade only touches a lane whose text has reached the top: the cue that it scrolls
             ".pg-lane-tokens{height:6.5rem;overflow-y:auto;display:flex;flex-direction:column-reverse;"
@@ -62,6 +64,7 @@ def render_race(lanes: Sequence[Lane], t: float | None = None) -> str:
             f'<div class="pg-lane-head"><b>{html.escape(lane.name)}</b>'
             f'<span>{tokens} tokens · {clock}</span></div>'
             f'<div class="pg-bar"><div style="width:{share:.1f}%"></div></div>'
-            f'<div class="pg-lane-tokens">{render_tokens(seen)}</div></div>')
+            + (f'<div class="pg-lane-why">{html.escape(lane.why)}</div>' if done and lane.why else "")
+            + f'<div class="pg-lane-tokens">{render_tokens(seen)}</div></div>')
     parts.append("</div>")
     return "".join(parts)
