@@ -72,7 +72,7 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
 
 def test_play_replays_the_measured_run_in_step_order(client):
     step = decode(client, "Count: one, two, three, four, five.", max_new_tokens=16)[5]
-    frames = list(client.submit(step["maximum"], "as measured", api_name="/play"))  # at the end: from the start
+    frames = list(client.submit(step["maximum"], "1x (as measured)", api_name="/play"))  # at the end: from the start
     shown = [frame[3]["value"] for frame in frames]
     assert shown[0] == 0 and shown[-1] == step["maximum"] and shown == sorted(set(shown))
     assert frames[0][1].count('class="pg-tok ') < frames[-1][1].count('class="pg-tok ')

@@ -14,6 +14,7 @@ from playground.viz import STATES
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parent.parent / "bench_results" / "ui"
+WIDE, PHONE = {"width": 1440, "height": 900}, {"width": 390, "height": 844}
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 
@@ -27,7 +28,7 @@ def page(target, tmp_path_factory):
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, args=FLAGS,
-                                                        viewport={"width": 1280, "height": 900})
+                                                        viewport=WIDE)
         tab = browser.new_page()
         tab.requested = []  # every URL the page asked for
         tab.on("request", lambda request: tab.requested.append(request.url))
@@ -35,6 +36,17 @@ def page(target, tmp_path_factory):
         yield tab
         browser.close()
     app.close()
+
+
+def shoot(page, name: str) -> None:
+    """Full-page screenshots at both viewports; no element may be wider than a phone's screen."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    page.set_viewport_size(PHONE)
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(SHOTS / f"{name}-phone.png"), full_page=True)
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"] + 1
+    page.set_viewport_size(WIDE)
 
 
 def test_the_page_fetches_nothing_from_elsewhere(page):
@@ -61,13 +73,29 @@ def test_parameters_follow_the_chosen_algorithm(page):
 def test_stop_ends_a_run_and_frees_the_queue(page):
     page.get_by_text("Sampling").first.click()
     page.get_by_label("max new tokens (1..4096)").fill("2000")
-    page.get_by_role("button", name="Decode").click()
-    expect(page.locator("#pg-generated .pg-tok").first).to_be_visible(timeout=120_000)
+    decode = page.get_by_role("button", name="Decode")
+    decode.click()
+    expect(page.locator("#pg-stats")).to_contain_text("measured 1 of 6 runs", timeout=120_000)
+    expect(decode).to_be_disabled()  # a second click cannot be silently ignored: there is none to make
     page.get_by_role("button", name="Stop").click()
-    page.wait_for_timeout(2000)
-    stopped = page.locator("#pg-generated .pg-tok").count()
+    expect(decode).to_be_enabled(timeout=10_000)
+    status = page.locator("#pg-stats").inner_text()
     page.wait_for_timeout(3000)
-    assert page.locator("#pg-generated .pg-tok").count() == stopped  # nothing more arrives
+    assert page.locator("#pg-stats").inner_text() == status  # nothing more arrives
+    page.get_by_label("max new tokens (1..4096)").fill("64")
+    page.get_by_text("Sampling").first.click()
+
+
+def test_one_bad_field_is_one_message(page):
+    page.get_by_text("Sampling").first.click()
+    page.get_by_label("max new tokens (1..4096)").fill("0")
+    page.get_by_role("button", name="Decode").click()
+    expect(page.get_by_text("max_new_tokens must be").first).to_be_visible(timeout=30_000)
+    # the error is told once, in a toast and a badge on the stats line: not as a badge on every output
+    badges = page.locator(".error:not([class*=toast])")
+    assert badges.count() == 1 and page.locator("#pg-stats .error").count() == 1
+    expect(page.get_by_role("button", name="Decode")).to_be_enabled()
+    page.locator(".toast-close").first.click()
     page.get_by_label("max new tokens (1..4096)").fill("64")
     page.get_by_text("Sampling").first.click()
 
@@ -77,6 +105,12 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     page.get_by_label("Prompt", exact=True).fill("Repeat exactly: red green blue, red green blue, red green blue.")
     page.get_by_role("button", name="Decode").click()
     expect(page.locator("#pg-stats")).to_contain_text("tok/s", timeout=120_000)
+    expect(page.locator("#pg-stats h3")).to_contain_text("x plain decoding (median of 3 rounds)")
+    # the measured run replays by itself: the slider walks from the start to the last step
+    slider = page.locator("#pg-step input[type=range]")
+    last = slider.get_attribute("max")
+    expect(slider).not_to_have_value(last, timeout=10_000)
+    expect(slider).to_have_value(last, timeout=60_000)
     tokens = page.locator("#pg-generated .pg-tok")
     assert tokens.count() > 3
     assert page.locator("#pg-generated .pg-accepted").count() > 0
@@ -102,10 +136,22 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     expect(page.locator("#pg-generated .pg-clean")).to_be_hidden()
     for plot in ("#pg-steps-plot", "#pg-time-plot"):  # the run's charts are drawn, not left as placeholders
         expect(page.locator(f"{plot} .js-plotly-plot")).to_be_visible(timeout=30_000)
-    page.screenshot(path=str(SHOTS / "decode.png"), full_page=True)
-    page.set_viewport_size({"width": 390, "height": 844})
-    page.screenshot(path=str(SHOTS / "decode-phone.png"), full_page=True)
-    page.set_viewport_size({"width": 1280, "height": 900})
+    # the player: play from the start, pause, a step back shows fewer tokens, a step forward more
+    page.get_by_role("button", name="▶ Play").click()
+    expect(slider).not_to_have_value(last, timeout=10_000)
+    page.get_by_role("button", name="Pause").click()
+    page.wait_for_timeout(1000)
+    paused = int(slider.input_value())
+    assert paused < int(last)
+    page.wait_for_timeout(1000)
+    assert int(slider.input_value()) == paused  # paused means paused
+    page.get_by_role("button", name="Step ▶").click()
+    expect(slider).to_have_value(str(paused + 1), timeout=10_000)
+    more = tokens.count()
+    page.get_by_role("button", name="◀ Step").click()
+    expect(slider).to_have_value(str(paused), timeout=10_000)
+    assert tokens.count() < more
+    shoot(page, "decode")
 
 
 def test_uploaded_trace_replays(page, tmp_path):
@@ -136,7 +182,9 @@ def test_race_replays_every_lane_and_fills_the_table(page):
     assert page.locator("#pg-race .pg-tok").count() > 10
     expect(page.locator("#pg-race-table")).to_contain_text("same tokens as plain")
     expect(page.locator("#pg-race-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
-    page.screenshot(path=str(SHOTS / "race.png"), full_page=True)
+    expect(page.locator("#pg-race-table")).to_contain_text("check")
+    assert page.locator("#pg-race .pg-lane-why").count() == 4
+    shoot(page, "race")
 
 
 def test_memory_tab_draws_the_block_map(page):
@@ -147,7 +195,7 @@ def test_memory_tab_draws_the_block_map(page):
     assert page.locator("#pg-block-map .pg-block").count() == 40
     assert page.locator("#pg-block-map .pg-block-shared").count() > 0  # the chat template's shared prefix
     expect(page.locator("#pg-memory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
-    page.screenshot(path=str(SHOTS / "memory.png"), full_page=True)
+    shoot(page, "memory")
     page.get_by_role("tab", name="Theory").click()
     expect(page.locator("#pg-theory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
-    page.screenshot(path=str(SHOTS / "theory.png"), full_page=True)
+    shoot(page, "theory")

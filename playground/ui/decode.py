@@ -48,7 +48,8 @@ EXAMPLES = [
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
-SPEEDS = {"as measured": 1.0, "1/2": 0.5, "1/4": 0.25, "1/10": 0.1}  # replay pace, as a share of the measured one
+# replay pace, as a share of the measured one
+SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/30x": 1 / 30}
 
 
 def as_int(name: str, value: Any, optional: bool = False) -> int | None:
@@ -386,14 +387,14 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             view.change(None, [view], None, api_name=False, js="(v) => document.querySelector('#pg-generated')"
                         ".classList.toggle('pg-show-clean', v === 'clean text')")
             stats = gr.Markdown(elem_id="pg-stats")
-            step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False)
+            step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False, elem_id="pg-step")
             with gr.Row(elem_id="pg-player"):
                 play_button = gr.Button("▶ Play", size="sm", min_width=70)
-                pause = gr.Button("⏸ Pause", size="sm", min_width=70)
+                pause = gr.Button("Pause", size="sm", min_width=70)
                 back = gr.Button("◀ Step", size="sm", min_width=70)
                 forward = gr.Button("Step ▶", size="sm", min_width=70)
-                speed = gr.Dropdown(list(SPEEDS), value="1/4", label="replay speed (of the measured pace)",
-                                    min_width=120)
+                speed = gr.Dropdown(list(SPEEDS), value="1/4x", label="replay speed", show_label=False,
+                                    container=False, min_width=110, elem_id="pg-speed")
             detail = gr.HTML(label="Step detail", show_label=True, container=True, elem_id="pg-step-detail")
             with gr.Row():
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
@@ -411,7 +412,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     decoding = run.click(lambda: gr.update(interactive=False), None, run, api_name=False, queue=False).then(
         on_gpu(run_decode), inputs, [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
         api_name="decode", show_progress_on=[stats])
-    decoding.then(lambda: gr.update(interactive=True), None, run, api_name=False, queue=False)
+    for after in (decoding.then, decoding.failure):  # in the browser `then` does not follow a failed run
+        after(lambda: gr.update(interactive=True), None, run, api_name=False, queue=False)
     replay = decoding.success(play, [state, step, speed], [*shown, step], api_name=False, show_progress="hidden")
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
     # a run stops between engine steps, which frees the queue for the next visitor

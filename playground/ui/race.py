@@ -145,7 +145,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             status = gr.Markdown(elem_id="pg-race-status")
             lanes = gr.HTML(elem_id="pg-race")
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True,
-                         column_widths=["16%", "9%", "10%", "8%", "18%", "9%", "10%", "20%"])
+                         # widths in pixels: on a phone the table scrolls sideways instead of crushing its columns
+                         column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "320px"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
     run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
               [lanes, status, table, chart, history], api_name="race", show_progress="hidden")
