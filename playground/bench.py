@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from .bench_report import Costs, add_copy_bounds, environment, markdown, write_r
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
 from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
+from .speedup import ROUNDS, compare, measure, median_run
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="1..4096 (default 128); serving: the longest output limit of the workload")
     parser.add_argument("--limit", type=int, default=None,
                         help="run only N prompts of the suite, spread over its categories (one of each first)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"runs of plain decoding and each algorithm per prompt, interleaved; speedups are the "
+                             f"median of their rounds' ratios, 1..10 (default {ROUNDS})")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--draft", default=None,
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
@@ -92,24 +97,19 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return sum(read.values())
 
 
-def run_ours(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> tuple[Run, Any, Any]:
-    """One generation on our engine: the timing run, its metrics and its trace."""
+def trace_of(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> Any:
+    """One generation on our engine: its trace."""
     from .engine import generate
+
+    return generate(target, prompt, contender.proposer, contender.sampling, generation, contender.algo)[1]
+
+
+def run_of(trace: Any) -> Run:
+    """A trace's run as the report counts it."""
     from .metrics import compute
 
-    output, trace = generate(target, prompt, contender.proposer, contender.sampling, generation, contender.algo)
-    metrics = compute(trace)
-    return Run(metrics.tokens, metrics.wall_s, output.token_ids), metrics, trace
-
-
-def seconds_per_step(trace: Any, metrics: Any) -> float:
-    """Engine seconds per step after the first token (proposing, verifying and bookkeeping; prefill excluded) of a
-    run and its metrics: speedup over plain decoding is about tokens per target forward / (this over plain
-    decoding's)."""
-    from .trace import VerifyEvent
-
-    steps = sum(1 for event in trace.events if isinstance(event, VerifyEvent))
-    return (metrics.wall_s - (metrics.ttft_s or 0.0)) / steps if steps else 0.0
+    finish = trace.finish()
+    return Run(len(finish.token_ids), compute(trace).wall_s, tuple(finish.token_ids))
 
 
 def run_hf(hf_model: Any, prompt_ids: list[int], target: Any, generation: GenerationParams, **extra: Any) -> Run:
@@ -234,11 +234,12 @@ def parse_algos(text: str) -> tuple[str, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import SpeculativeParams
     from .decoding import encode_prompt
-    from .metrics import expected_tokens_per_step, mean_draft_length
+    from .metrics import compute, expected_tokens_per_step, mean_draft_length
     from .models import load_model
     from .models.loader import load_hf_peer
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
+    check_int("rounds", args.rounds, 1, 10)
     stem = "bench" if args.suite == "default" else args.suite
     args.json = args.json or f"bench_results/{stem}.json"
     args.markdown = args.markdown or f"bench_results/{stem}.md"
@@ -265,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warm = GenerationParams(max_new_tokens=8)
     warm_ids = encode_prompt(target, "Hello", warm)
     for contender in (plain, *contenders):
-        run_ours(target, contender, "Hello", warm)
+        trace_of(target, contender, "Hello", warm)
     if hf_model is not None:
         run_hf(hf_model, warm_ids, target, warm)
         for contender in contenders:
@@ -279,11 +280,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         category, prompt = SUITE[index]
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
-        ours, plain_metrics, plain_trace = run_ours(target, plain, prompt, generation)
+        # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
+        traces = measure({c.name: partial(trace_of, target, c, prompt, generation) for c in (plain, *contenders)},
+                         args.rounds)
+        speedups = compare(traces, plain.name)
+        plain_trace = median_run(traces[plain.name])
         plain_costs.add(plain_trace)
-        plain_step_s = seconds_per_step(plain_trace, plain_metrics)
+        ours = run_of(plain_trace)
         row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt,
-                               "prompt_tokens": len(prompt_ids), "ar": run_stats(ours), "algos": {}}
+                               "prompt_tokens": len(prompt_ids), "ar": run_stats(ours), "algos": {},
+                               "ar_spread": speedups[plain.name].spread}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
         progress = f"[{run + 1}/{len(indices)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
         if hf_model is not None:
@@ -293,19 +299,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             row["same_tokens"] = ours.token_ids == peer.token_ids
             progress += f", transformers {peer.tokens_per_s:.1f}"
         for contender in contenders:
-            fast, metrics, trace = run_ours(target, contender, prompt, generation)
+            trace, measured = median_run(traces[contender.name]), speedups[contender.name]
+            fast, metrics = run_of(trace), compute(trace)
             result: dict[str, Any] = {
-                **run_stats(fast), "speedup_vs_ar": fast.tokens_per_s / ours.tokens_per_s,
-                "same_tokens_as_ar": None if contender.sampled else fast.token_ids == ours.token_ids,
+                **run_stats(fast), "speedup_vs_ar": measured.speedup,
+                "same_tokens_as_ar": None if contender.sampled else all(
+                    run_of(t).token_ids == ours.token_ids for t in traces[contender.name]),
                 "acceptance_rate": metrics.acceptance_rate,
                 "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
-                "target_forwards": metrics.target_forwards,
-                "step_cost": seconds_per_step(trace, metrics) / plain_step_s if plain_step_s else None}
-            costs[contender.name].add(trace)
+                "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
+                "step_split": {"draft": measured.draft, "verify": measured.verify, "other": measured.other},
+                "flags": list(measured.flags)}
+            for each in traces[contender.name]:
+                costs[contender.name].add(each)
             if contender.algo == "speculative":
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
-            progress += f", {contender.name} {fast.tokens_per_s:.1f}"
+            progress += f", {contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")
             if hf_model is not None and contender.peer_kwargs is not None:
                 peer = peer_runs.get(contender.peer_kwargs,
                                      lambda: run_hf(hf_model, prompt_ids, target, generation, **contender.peer_kwargs))
@@ -329,6 +339,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
         "environment": environment(target.model),
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
                       "bound_tokens_per_s": bound},
@@ -350,9 +361,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
         if all("ratio_vs_peer" in r for r in results):
             entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
-        steps = [r["step_cost"] for r in results if r["step_cost"] is not None]
-        if steps:
-            entry["median_step_cost"] = statistics.median(steps)
+        entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)
+        entry["flagged_prompts"] = sum(bool(r["flags"]) for r in results)
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)

@@ -63,7 +63,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_new_tokens']} new tokens)",
         "",
         f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernels: "
-        f"{env['native_kernel']}.",
+        f"{env['native_kernel']}. Per prompt, plain decoding and every algorithm ran interleaved, "
+        f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios.",
         "",
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",
         "|---|---|---|---|---|---|---|---|",
@@ -88,10 +89,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)")
     if report.get("algos"):
         lines += ["", "Costs come from the runs themselves, in plain decoding's steps and forwards of this run: step "
-                  "cost is an algorithm's seconds per step after the first token over plain decoding's on the same "
-                  "prompt, so its speedup is about tokens per target forward / step cost; verify cost ratio is the "
-                  "median wall time of its verifying forwards over more than one token (their median width: verify "
-                  "tokens) over a plain decode forward's; draft cost ratio the same for one draft forward."]
+                  "cost is an algorithm's mean engine time per decode step over plain decoding's on the same "
+                  "prompt (draft + verify + other), so its speedup is about tokens per target forward / step cost, "
+                  "diluted by the prefill both pay; verify cost ratio is the median wall time of its verifying "
+                  "forwards over more than one token (their median width: verify tokens) over a plain decode "
+                  "forward's; draft cost ratio the same for one draft forward. `check` flags a speedup the "
+                  "measurement cannot explain (playground/speedup.py): rerun before quoting it."]
     for name, info in report.get("algos", {}).items():
         lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
     return "\n".join(lines) + "\n"
@@ -101,9 +104,9 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
     peer = info.get("peer")
     lines = ["", f"## {name} ({info['setting']})", "",
              "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | "
-             "tokens per target forward | step cost (plain steps) | same tokens as plain |"
-             + (f" {peer} tok/s | ours / {peer} |" if peer else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "")]
+             "tokens per target forward | step cost: draft + verify + other (plain steps) | same tokens as plain |"
+             + (f" {peer} tok/s | ours / {peer} |" if peer else "") + " check |",
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "") + "---|"]
     for i, row in enumerate(rows):
         r = row["algos"][name]
         acceptance = ("-" if r["acceptance_rate"] is None else
@@ -112,12 +115,13 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
         if "predicted_tokens_per_forward" in r:
             forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"
         same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["same_tokens_as_ar"]]
-        cost = "-" if r["step_cost"] is None else f"{r['step_cost']:.2f}"
+        split = r["step_split"]
+        cost = f"{r['step_cost']:.2f} = {split['draft']:.2f} + {split['verify']:.2f} + {split['other']:.2f}"
         line = (f"| {i} | {row['category']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {acceptance} | "
                 f"{forward} | {cost} | {same} |")
         if peer:
             line += (f" {r['peer']['tokens_per_s']:.1f} | {r['ratio_vs_peer']:.2f}x |" if "peer" in r else " - | - |")
-        lines.append(line)
+        lines.append(line + " " + ("; ".join(r["flags"]) or "ok").replace("|", "/") + " |")
     lines.append("")
     for key, value in summary.items():
         goal = dict(GOALS.get(name, [])).get(key)

@@ -18,14 +18,19 @@ EXPLAIN_LIMIT = 0.25  # how far a speedup may stray from what its steps and pref
 CHEAPEST_STEP = 0.85  # a step verifies at least one token, so it cannot cost much less than a plain step
 
 
-def interleave(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> Iterator[tuple[int, str, Trace]]:
-    """Run every entrant once per round, the order rotated each round so none always runs first or after the same
-    one; yields (round, name, trace) as each run ends."""
-    names = list(runs)
+def order(names: list[str], rounds: int = ROUNDS) -> Iterator[tuple[int, str]]:
+    """(round, name): every entrant once per round, the order rotated each round so none always runs first or after
+    the same one."""
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            yield round_, name, runs[name]()
+            yield round_, name
+
+
+def interleave(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> Iterator[tuple[int, str, Trace]]:
+    """Run the entrants in `order`; yields (round, name, trace) as each run ends."""
+    for round_, name in order(list(runs), rounds):
+        yield round_, name, runs[name]()
 
 
 def measure(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> dict[str, list[Trace]]:
@@ -145,13 +150,14 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
         if name != plain and len(runs) > 1 and spread(speeds) > SPREAD_LIMIT:
             flags.append(f"its speed varied {spread(speeds):.0%} across rounds (limit {SPREAD_LIMIT:.0%})")
         cost = draft + verify + other
-        if cost < CHEAPEST_STEP:
+        judged = base_step > 0 and all(c.total_s > 0 for c in costs)  # a run of one token has no step to judge
+        if judged and cost < CHEAPEST_STEP:
             flags.append(f"its steps cost {cost:.2f} of plain decoding's though each verifies at least one token: "
                          f"the baseline was slowed, rerun")
         result = Speedup(name=name, rounds=len(runs), tokens_per_s=statistics.median(speeds), speedup=speedup,
                          spread=spread(speeds), tokens_per_step=per_step, draft=draft, verify=verify, other=other,
                          kept=accepted / drafted if drafted else None, prefill=prefill, flags=())
-        if cost >= CHEAPEST_STEP and abs(speedup / result.explained - 1) > EXPLAIN_LIMIT:
+        if judged and cost >= CHEAPEST_STEP and abs(speedup / result.explained - 1) > EXPLAIN_LIMIT:
             flags.append(f"{speedup:.2f}x is not what {per_step:.2f} tokens per step at {cost:.2f} plain steps "
                          f"each (prefill {prefill:.0%} of the time) explains: {result.explained:.2f}x")
         out[name] = replace(result, flags=tuple(flags))

@@ -16,8 +16,9 @@ from playground.config import dynamic_nodes
 def test_bench_writes_report(tmp_path, target) -> None:
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
     assert main(["bench", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", "--algos", "speculative",
-                 "--draft", "none", "--json", str(out_json), "--markdown", str(out_md)]) == 0
+                 "--draft", "none", "--rounds", "3", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     report = json.loads(out_json.read_text())
+    assert report["rounds"] == 3 and "interleaved, 3 round(s)" in out_md.read_text()
     # two prompts spread over the categories: the first chat prompt and the code prompt after the second chat one
     assert [(row["index"], row["category"]) for row in report["prompts"]] == [(0, "chat"), (2, "code")]
     assert "| 2 | code |" in out_md.read_text()
@@ -53,13 +54,15 @@ def test_bench_rejects_bad_limit(capsys) -> None:
     assert "limit must be an integer in [1, 14]" in capsys.readouterr().err
     assert main(["bench", "--gamma", "17"]) == 2
     assert "gamma must be an integer in [1, 16], got 17" in capsys.readouterr().err
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert "rounds must be an integer in [1, 10], got 0" in capsys.readouterr().err
 
 
 def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target) -> None:
     out_json = tmp_path / "s.json"
     # chat, code and the grounded code-editing prompt (the third of the spread): prompt lookup has text to copy
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
-                 "--gamma", "2", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
+                 "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-copy", "prompt-lookup", "lookahead", "medusa",
                                     "medusa-copy", "medusa-lossless", "medusa-typical"}
@@ -82,14 +85,18 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     summary = report["summary"]["algos"]
     assert "median_speedup_vs_ar_grounded" in summary["prompt-lookup"]
     for row in report["prompts"]:
-        assert all(result["step_cost"] > 0 for result in row["algos"].values())
-    assert all(entry["median_step_cost"] > 0 for entry in summary.values())
+        for result in row["algos"].values():
+            split = result["step_split"]
+            assert result["step_cost"] == pytest.approx(split["draft"] + split["verify"] + split["other"])
+            assert result["step_cost"] > 0 and isinstance(result["flags"], list)
+    assert all(entry["median_step_cost"] > 0 and entry["flagged_prompts"] >= 0 for entry in summary.values())
     text = (tmp_path / "s.md").read_text()
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     nodes = dynamic_nodes(gpu=False)
     assert f"depth 4, nodes {nodes}, tree dynamic, acceptance typical" in text and "(LOSSY)" in text
     assert "n/a (sampled)" in text
-    assert "Costs come from the runs themselves" in text and "step cost (plain steps)" in text
+    assert "Costs come from the runs themselves" in text and "step cost: draft + verify + other" in text
+    assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 8
 
 
 def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:

@@ -75,7 +75,7 @@ def test_stop_ends_a_run_and_frees_the_queue(page):
     page.get_by_label("max new tokens (1..4096)").fill("2000")
     decode = page.get_by_role("button", name="Decode")
     decode.click()
-    expect(page.locator("#pg-stats")).to_contain_text("measured 1 of 6 runs", timeout=120_000)
+    expect(page.locator("#pg-stats")).to_contain_text("measuring run 1 of 6", timeout=120_000)
     expect(decode).to_be_disabled()  # a second click cannot be silently ignored: there is none to make
     page.get_by_role("button", name="Stop").click()
     expect(decode).to_be_enabled(timeout=10_000)

@@ -1,6 +1,6 @@
 """The teaching notebooks: committed without outputs, and built the same way (a parameter cell holding the token
-budget, the engine imported rather than re-implemented, a visible check, the shared renderers, exercises).
-Executing them is nbmake's job: pytest collects notebooks/*.ipynb (see pyproject.toml)."""
+budget, the engine imported rather than re-implemented, a visible check, the shared renderers, exercises); each
+runs top to bottom and its exported HTML page shows every figure (scripts/build_notebooks.py, run here)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from scripts import build_notebooks as build
+
+from .test_browser import CHROMIUM
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -61,7 +66,38 @@ def test_notebook_structure(path):
     assert "from playground" in code
     assert "step_player(" in code and "playground.viz" in code, "a step-through widget on the shared renderers"
     assert ".show()" in code, "plotly charts"
+    assert "offline_figures()" in code, "figures an exported page can show"
     assert "assert " in code and "✓" in code, "a check the reader sees pass"
     assert "class " not in code, "notebooks use the engine; they do not re-implement it"
     markdown = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
     assert markdown.lstrip().startswith("# ") and "## Exercises" in markdown
+
+
+@pytest.fixture(scope="module")
+def offline_browser():
+    """Chromium with every network request refused: a page must draw its figures from what it holds."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        context = browser.new_context()
+        context.route("**/*", lambda route: route.abort() if route.request.url.startswith("http")
+                      else route.continue_())
+        yield context
+        browser.close()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_its_page_shows_every_figure(path, offline_browser, tmp_path):
+    notebook = build.execute(path)  # every assert in it passes, or this raises naming the cell
+    assert build.unrenderable(notebook) == []
+    html = tmp_path / f"{path.stem}.html"
+    html.write_text(build.to_html(notebook), encoding="utf-8")
+    shows = sum(cell.source.count(".show()") for cell in notebook.cells if cell.cell_type == "code")
+    page = offline_browser.new_page()
+    page.goto(html.as_uri())
+    figures = page.locator(".plotly-graph-div")
+    assert figures.count() >= shows
+    for i in range(figures.count()):  # drawn: plotly.js came with the page
+        expect(figures.nth(i).locator(".main-svg").first).to_be_attached(timeout=30_000)
+    assert page.locator(".pg-tok, .pg-block").count() > 3  # a step player's frame, drawn statically
+    assert "VBox(children" not in page.content()
+    page.close()

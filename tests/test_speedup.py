@@ -18,7 +18,7 @@ def fake(algo: str, tokens: int, steps: int, step_s: float, draft_s: float = 0.0
     prefill = 0.01
     events: list = [CommitEvent(step=0, t=prefill, num_tokens=1, draft_s=0.0, verify_s=prefill, overhead_s=0.0,
                                 kv_bytes=0)]
-    per_step = (tokens - 1) / steps
+    per_step = (tokens - 1) / steps if steps else 0
     for step in range(1, steps + 1):
         t = prefill + step * step_s
         events += [VerifyEvent(step=step, t=t, num_tokens=2, wall_s=step_s - draft_s, target_forwards=1),
@@ -69,7 +69,10 @@ def test_the_median_round_is_replayed():
     assert median_run(runs) is runs[2]
 
 
-def test_on_the_engine_prompt_lookup_beats_plain_decoding_and_explains_itself(target):
+def test_on_the_engine_every_round_is_measured_and_explained_or_flagged(target):
+    """Timings depend on the machine, so this checks the bookkeeping, not a speed: three interleaved rounds each,
+    tokens per step from the traces, the step split adding up, and a speedup that is either explained by them or
+    flagged."""
     prompt = "Repeat exactly: one two three four five six, one two three four five six."
     generation = GenerationParams(max_new_tokens=24)
     proposer = registry.build_proposer(target, "prompt-lookup", PromptLookupParams())
@@ -78,9 +81,9 @@ def test_on_the_engine_prompt_lookup_beats_plain_decoding_and_explains_itself(ta
     traces = measure(runs)
     assert [len(t) for t in traces.values()] == [3, 3]
     result = compare(traces, "ar")["prompt-lookup"]
-    assert result.tokens_per_step > 1.5 and result.verify >= 0.85 and result.kept is not None
-    # tokens/s follows from tokens per step, the step's cost and the prefill both pay
-    assert result.speedup == pytest.approx(result.explained, rel=0.25) and 0 < result.prefill < 1
+    assert result.tokens_per_step > 1.5 and result.kept is not None and 0 < result.prefill < 1
+    assert min(result.draft, result.verify, result.other) >= 0 and result.step_cost > 0
+    assert result.flags or result.speedup == pytest.approx(result.explained, rel=0.25)
 
 
 def test_a_public_app_caps_each_visitors_tokens_an_hour(monkeypatch):
@@ -101,3 +104,8 @@ def test_a_public_app_caps_each_visitors_tokens_an_hour(monkeypatch):
     clock[0] += quota.WINDOW_S + 1
     cap.take(alice, 100)  # an hour later the first run no longer counts
     quota.Quota(limit=None).take(alice, 10**9)  # a local app has no cap
+
+
+def test_a_run_without_decode_steps_is_not_judged_by_its_steps():
+    traces = {"ar": [fake("ar", 1, 0, 0.01)] * 3, "spec": [fake("speculative", 1, 0, 0.01)] * 3}
+    assert compare(traces, "ar")["spec"].flags == ()

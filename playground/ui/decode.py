@@ -8,7 +8,7 @@ import html
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -19,14 +19,14 @@ import gradio as gr
 from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS,
                       MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
                       PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
-from ..engine import generate
+from ..engine import generate, stream_generate
 from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
 from ..metrics import Metrics, compute, mean_draft_length
-from ..speedup import ROUNDS, Speedup, compare, interleave, median_run
+from ..speedup import ROUNDS, Speedup, compare, median_run, order
 from ..models import ModelLoadError
-from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
+from ..trace import CommitEvent, DraftEvent, Event, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
@@ -48,6 +48,7 @@ EXAMPLES = [
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
+PROGRESS_S = 0.5  # while measuring, a progress line at most this often
 # replay pace, as a share of the measured one
 SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/30x": 1 / 30}
 
@@ -178,6 +179,11 @@ def _save(trace: Trace) -> str:
     return str(path)
 
 
+def status_frame(outputs: int, at: int, line: str) -> tuple:
+    """An event's outputs left as they are but one: the status line at index `at`."""
+    return (*[gr.update()] * at, line, *[gr.update()] * (outputs - at - 1))
+
+
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
                seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
@@ -208,16 +214,13 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         proposers = {algo: build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram,
                                           guesses, tree, tree_nodes, acceptance, copy_ngram, context, text_ngram,
                                           pools), PLAIN: None}
-        runs = {name: partial(_run, target, prompt, proposers[name], sampling, generation, name) for name in names}
-        yield *[gr.update()] * 3, "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 7
+        status = partial(status_frame, 11, 3)
+        yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
-            _run(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
-        traces: dict[str, list[Trace]] = {name: [] for name in names}
-        for done, (round_, name, trace) in enumerate(interleave(runs, ROUNDS)):
-            traces[name].append(trace)
-            yield *[gr.update()] * 3, (f"measured {done + 1} of {len(names) * ROUNDS} runs (round {round_ + 1} of "
-                                       f"{ROUNDS}: {'plain decoding' if name == PLAIN else algo_label}); the replay "
-                                       "follows"), *[gr.update()] * 7
+            generate(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
+        streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling, generation, name)
+                   for name in names}
+        traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status)
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     trace = median_run(traces[algo])
@@ -235,9 +238,29 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
-def _run(target: Any, prompt: str, proposer: Proposer | None, sampling: SamplingParams, generation: GenerationParams,
-         algo: str) -> Trace:
-    return generate(target, prompt, proposer, sampling, generation, algo)[1]
+Stream = Callable[[], Generator[Event, None, tuple[Any, Trace]]]
+
+
+def measured(streams: dict[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple]):
+    """Run every entrant's stream to its end, interleaved over ROUNDS rounds (`speedup.order`); yields
+    `frame(progress line)` at most every PROGRESS_S (the engine's clock stops while it is shown, and a Stop takes
+    effect there) and returns each entrant's traces in round order."""
+    traces: dict[str, list[Trace]] = {name: [] for name in streams}
+    total, last = len(streams) * ROUNDS, time.perf_counter()
+    for done, (round_, name) in enumerate(order(list(streams), ROUNDS)):
+        stream, tokens = streams[name](), 0
+        while True:
+            try:
+                event = next(stream)
+            except StopIteration as stop:
+                traces[name].append(stop.value[1])
+                break
+            tokens += event.num_tokens if isinstance(event, CommitEvent) else 0
+            if time.perf_counter() - last >= PROGRESS_S:
+                last = time.perf_counter()
+                yield frame(f"measuring run {done + 1} of {total} (round {round_ + 1} of {ROUNDS}: {label(name)}, "
+                            f"{tokens} tokens so far); one at a time, so none slows another; the replay follows")
+    return traces
 
 
 def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:

@@ -12,14 +12,14 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..engine import generate
+from ..engine import generate, stream_generate
 from ..metrics import compute
 from ..models import ModelLoadError
-from ..speedup import ROUNDS, Speedup, compare, interleave, median_run
-from ..trace import Trace
+from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_proposer, history_entry
+from .decode import (FRAME_S, LOOKAHEAD, status_frame, as_float, as_int, as_seed, build_proposer, history_entry,
+                     measured)
 from .models import get_model, target_spec
 from .quota import QUOTA
 
@@ -80,21 +80,18 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         spec = target_spec(model_source, device, dtype, quant)
         yield gr.update(), f"loading model {spec.source!r}", *[gr.update()] * 3
         target = get_model(spec)
-        runs = {}
+        status = partial(status_frame, 5, 1)
+        proposers = {name: build_proposer(ENTRANTS[name][0], target, draft_source, **{**DEFAULTS, **ENTRANTS[name][2]})
+                     for name in names}
+        yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
-            algo, kv, overrides = ENTRANTS[name]
-            proposer = build_proposer(algo, target, draft_source, **{**DEFAULTS, **overrides})
-            runs[name] = partial(_race_run, target, prompt, proposer, sampling, kv, algo)
-        yield gr.update(), "warming up (first calls allocate buffers; not measured)", *[gr.update()] * 3
-        for run in runs.values():
-            run(WARMUP_TOKENS)
-        measured = {name: partial(run, tokens) for name, run in runs.items()}
-        traces: dict[str, list[Trace]] = {name: [] for name in names}
-        total = len(names) * ROUNDS
-        for done, (round_, name, trace) in enumerate(interleave(measured, ROUNDS)):
-            traces[name].append(trace)
-            yield (gr.update(), f"measured {done + 1} of {total} runs (round {round_ + 1} of {ROUNDS}: **{name}**); "
-                   "one at a time, so none slows another", *[gr.update()] * 3)
+            algo, kv, _ = ENTRANTS[name]
+            generate(target, prompt, proposers[name], sampling, GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv),
+                     algo)
+        streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
+                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1]), ENTRANTS[name][0])
+                   for name in names}
+        traces = yield from measured(streams, lambda name: f"**{name}**", status)
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     speedups = compare(traces, PLAIN)
@@ -117,11 +114,6 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     metrics = {name: compute(trace) for name, trace in shown.items()}
     yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in shown.items()}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
-
-
-def _race_run(target: Any, prompt: str, proposer: Any, sampling: SamplingParams, kv: str, algo: str,
-              tokens: int) -> Trace:
-    return generate(target, prompt, proposer, sampling, GenerationParams(max_new_tokens=tokens, kv=kv), algo)[1]
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
