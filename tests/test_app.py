@@ -166,6 +166,8 @@ def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_st
     assert re.search(r"<sub>after [123]</sub>", detail)  # each hit says how many tokens it was found after
     _, tokens_html, first = client.predict(1, api_name="/replay_step")
     assert "<b>step 1</b>" in first and "Jacobi window" in first
+    for later in range(2, step["maximum"] + 1):  # replayed, the window's guesses show as text, as in the live run
+        assert not re.search(r">#\d+<", client.predict(later, api_name="/replay_step")[2]), later
     assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')
 
 

@@ -1,5 +1,6 @@
-"""The Decode tab: one run of one algorithm, tokens coloured live by decision, then a step scrubber to replay
-any step; the trace can be downloaded, and an uploaded trace is replayed with no model loaded."""
+"""The Decode tab: one algorithm measured against plain decoding (interleaved rounds, engine time only), then its
+median run replayed with tokens coloured by decision, a player and a step scrubber; the trace can be downloaded,
+and an uploaded trace is replayed with no model loaded."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import html
 import re
 import tempfile
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -24,13 +25,14 @@ from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
 from ..metrics import Metrics, compute, mean_draft_length
-from ..speedup import ROUNDS, Speedup, compare, median_run, order
+from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..models import ModelLoadError
-from ..trace import CommitEvent, DraftEvent, Event, TokenInfo, Trace, TraceError
+from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_draft, get_model, target_spec
+from .measure import measured, status_frame
 from .quota import QUOTA
 
 PLAIN = "ar"
@@ -48,7 +50,6 @@ EXAMPLES = [
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
-PROGRESS_S = 0.5  # while measuring, a progress line at most this often
 # replay pace, as a share of the measured one
 SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/30x": 1 / 30}
 
@@ -150,10 +151,12 @@ def render(events: list[Event], prompt_tokens: list[str], token_text: TokenText,
             render_step_detail(events, upto_step, token_text))
 
 
-def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool) -> TokenText:
-    """Token text with no tokenizer (replays): the texts the trace and the tokenized prompt carry; other ids
-    (lookahead's window guesses, say) show as #id."""
-    texts = dict(zip(trace.prompt_ids, prompt_tokens)) if tokenized else {}
+def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool,
+                extra: dict[str, str] | None = None) -> TokenText:
+    """Token text with no tokenizer (replays): the texts the trace, the tokenized prompt and `extra` (a run's
+    texts of ids the trace holds without text: lookahead's window and candidates) carry; others show as #id."""
+    texts = {int(i): text for i, text in (extra or {}).items()}
+    texts.update(zip(trace.prompt_ids, prompt_tokens) if tokenized else {})
     for event in trace.events:
         for info in getattr(event, "tokens", None) or [getattr(event, "token", None)]:
             if isinstance(info, TokenInfo):  # events without one give None
@@ -177,11 +180,6 @@ def _save(trace: Trace) -> str:
     path = folder / f"trace-{trace.algo}.json"  # a run's algo is a registry name
     trace.save(path)
     return str(path)
-
-
-def status_frame(outputs: int, at: int, line: str) -> tuple:
-    """An event's outputs left as they are but one: the status line at index `at`."""
-    return (*[gr.update()] * at, line, *[gr.update()] * (outputs - at - 1))
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
@@ -231,36 +229,13 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)
     metrics = compute(trace)
-    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True}
+    bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
+    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
+             "texts": {str(i): token_text(i) for i in bare}}
     yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same), state, _save(trace),
            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
-
-
-Stream = Callable[[], Generator[Event, None, tuple[Any, Trace]]]
-
-
-def measured(streams: dict[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple]):
-    """Run every entrant's stream to its end, interleaved over ROUNDS rounds (`speedup.order`); yields
-    `frame(progress line)` at most every PROGRESS_S (the engine's clock stops while it is shown, and a Stop takes
-    effect there) and returns each entrant's traces in round order."""
-    traces: dict[str, list[Trace]] = {name: [] for name in streams}
-    total, last = len(streams) * ROUNDS, time.perf_counter()
-    for done, (round_, name) in enumerate(order(list(streams), ROUNDS)):
-        stream, tokens = streams[name](), 0
-        while True:
-            try:
-                event = next(stream)
-            except StopIteration as stop:
-                traces[name].append(stop.value[1])
-                break
-            tokens += event.num_tokens if isinstance(event, CommitEvent) else 0
-            if time.perf_counter() - last >= PROGRESS_S:
-                last = time.perf_counter()
-                yield frame(f"measuring run {done + 1} of {total} (round {round_ + 1} of {ROUNDS}: {label(name)}, "
-                            f"{tokens} tokens so far); one at a time, so none slows another; the replay follows")
-    return traces
 
 
 def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
@@ -275,7 +250,7 @@ def _replayed(state: dict | None) -> tuple[Trace, list[str], bool, TokenText]:
         raise gr.Error("step: run a decode or upload a trace first")
     trace = Trace.from_dict(state["trace"])
     tokens, tokenized = state["prompt_tokens"], state["tokenized"]
-    return trace, tokens, tokenized, known_texts(trace, tokens, tokenized)
+    return trace, tokens, tokenized, known_texts(trace, tokens, tokenized, state.get("texts"))
 
 
 def replay_step(state: dict | None, step: Any) -> tuple[str, str, str]:

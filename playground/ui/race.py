@@ -18,8 +18,8 @@ from ..models import ModelLoadError
 from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import (FRAME_S, LOOKAHEAD, status_frame, as_float, as_int, as_seed, build_proposer, history_entry,
-                     measured)
+from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_proposer, history_entry
+from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
 

@@ -46,13 +46,15 @@ def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, histo
 
 
 def build_tab(app: gr.Blocks, history: gr.State) -> None:
-    gr.Markdown("Each of g drafted tokens is accepted with probability a, independently: a step yields "
-                "(1 - a^(g+1)) / (1 - a) tokens (bonus included) for the cost of g draft forwards (each c of a "
-                "target forward) and one target forward over g + 1 tokens. The classic model prices that forward "
-                "like a one-token one (v = 0): true where reading the weights bounds a step, as for a large model "
-                "on a GPU. On this project's 2-core CPUs it costs 1 + g v one-token forwards with v = 0.01-0.04 "
-                "(the benchmark's verify cost ratio). Diamonds are this session's speculative runs from the "
-                "Decode tab (x: mean draft length; speedup needs a plain run of the same prompt).")
+    gr.Markdown("What speculation should buy: g drafted tokens, each accepted with probability a, yield "
+                "(1 - a^(g+1)) / (1 - a) tokens per target forward, for g draft forwards costing c each and one "
+                "wider verify forward. Move the sliders; diamonds are this session's speculative runs.")
+    with gr.Accordion("The model in full", open=False):
+        gr.Markdown("Acceptances are independent, the bonus token included. The classic model prices the verify "
+                    "forward over g + 1 tokens like a one-token one (v = 0): true where reading the weights bounds a "
+                    "step, as for a large model on a GPU. On this project's 2-core CPUs it costs 1 + g v one-token "
+                    "forwards with v = 0.01-0.04 (the benchmark's verify cost ratio). Diamonds: x is a run's mean "
+                    "draft length; its speedup needs a plain run of the same prompt.")
     with gr.Row():
         acceptance = gr.Slider(0, 1, value=0.7, step=0.01, label="acceptance a")
         gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="draft length g")
