@@ -86,7 +86,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(
         f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
         f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
-        f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)")
+        f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)"
+        + (" — CHECK: above the bound, so the bandwidth was measured while the host was slowed; rerun"
+           if s["fraction_of_bound"] > 1 else ""))
     if report.get("algos"):
         lines += ["", "Costs come from the runs themselves, in plain decoding's steps and forwards of this run: step "
                   "cost is an algorithm's mean engine time per decode step over plain decoding's on the same "
@@ -164,10 +166,19 @@ def write_report(args: argparse.Namespace, report: dict[str, Any], text: str) ->
     return 0
 
 
+def cpu_model() -> str | None:
+    """The processor's name as Linux reports it (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def environment(model: Any) -> dict[str, Any]:
     from .models import native
 
     return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+            "machine": f"{platform.machine()} {cpu_model() or platform.processor() or platform.system()}",
             "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)"}

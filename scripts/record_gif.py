@@ -47,8 +47,13 @@ def main() -> None:
         page.get_by_role("button", name="Decode").click()
         expect(page.locator("#pg-stats h3")).to_contain_text("x plain decoding", timeout=180_000)
         slider = page.locator("#pg-step input[type=range]")
+        at_end = lambda: slider.input_value() == slider.get_attribute("max")  # noqa: E731
+        expect(slider).not_to_have_value(slider.get_attribute("max"), timeout=10_000)  # the replay after measuring
+        expect(slider).to_have_value(slider.get_attribute("max"), timeout=120_000)
         page.locator("#pg-generated").scroll_into_view_if_needed()
-        decode = capture(page, 20, lambda: slider.input_value() == slider.get_attribute("max"))
+        page.get_by_role("button", name="▶ Play").click()  # from the first step, for the recording
+        expect(slider).not_to_have_value(slider.get_attribute("max"), timeout=10_000)
+        decode = capture(page, 30, at_end)
         decode += [decode[-1]] * 12  # hold the finished run
         page.screenshot(path=str(ASSETS / "screenshot-decode.png"))
         page.get_by_role("tab", name="Race").click()
