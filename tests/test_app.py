@@ -322,7 +322,9 @@ def test_memory_tab_names_the_bad_field(client, changes, message):
 
 
 def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target, tmp_path):
-    summary = client.predict("embedded", "", "cpu", "float32", "none", api_name="/load_model")
+    shown = list(client.submit("embedded", "", "cpu", "float32", "none", api_name="/load_model"))
+    assert shown[0].startswith("Loading 'embedded'")  # said at once, while a first load converts the file
+    summary = shown[-1]
     assert "Target: **SmolLM2-135M-Instruct**: llama, 30 layers, 135M parameters, float32 on cpu" in summary
     assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
     assert "proposes from 8,192 of its 49,152 tokens; tokenizer matches the target's" in summary

@@ -101,3 +101,16 @@ def test_notebook_runs_and_its_page_shows_every_figure(path, offline_browser, tm
     assert page.locator(".pg-tok, .pg-block").count() > 3  # a step player's frame, drawn statically
     assert "VBox(children" not in page.content()
     page.close()
+
+
+def test_the_build_writes_a_page_and_fails_on_a_figure_cell_without_html(tmp_path, capsys):
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    for path, code in ((good, "from IPython.display import HTML\nHTML('<b>drawn</b>')  # .show() equivalent"),
+                       (bad, "figure = None  # figure.show() forgotten")):
+        notebook = nbformat.v4.new_notebook()
+        notebook.cells = [nbformat.v4.new_code_cell(code)]
+        nbformat.write(notebook, path)
+    assert build.main([str(good), "--out", str(tmp_path / "out")]) == 0
+    assert "<b>drawn</b>" in (tmp_path / "out" / "good.html").read_text()
+    assert build.main([str(bad), "--out", str(tmp_path / "out")]) == 1
+    assert "no HTML output for a figure: cell 0" in capsys.readouterr().err
