@@ -27,17 +27,11 @@ def order(names: list[str], rounds: int = ROUNDS) -> Iterator[tuple[int, str]]:
             yield round_, name
 
 
-def interleave(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> Iterator[tuple[int, str, Trace]]:
-    """Run the entrants in `order`; yields (round, name, trace) as each run ends."""
-    for round_, name in order(list(runs), rounds):
-        yield round_, name, runs[name]()
-
-
 def measure(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> dict[str, list[Trace]]:
-    """`interleave` to the end: each entrant's traces in round order."""
+    """Run the entrants in `order`: each entrant's traces in round order."""
     traces: dict[str, list[Trace]] = {name: [] for name in runs}
-    for _, name, trace in interleave(runs, rounds):
-        traces[name].append(trace)
+    for _, name in order(list(runs), rounds):
+        traces[name].append(runs[name]())
     return traces
 
 

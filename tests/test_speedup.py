@@ -8,7 +8,7 @@ import pytest
 from playground.config import GenerationParams, PromptLookupParams
 from playground.decoding import registry
 from playground.engine import generate
-from playground.speedup import compare, interleave, measure, median_run, spread
+from playground.speedup import compare, measure, median_run, order, spread
 from playground.trace import CommitEvent, FinishEvent, Trace, VerifyEvent
 
 
@@ -31,8 +31,8 @@ def fake(algo: str, tokens: int, steps: int, step_s: float, draft_s: float = 0.0
 
 
 def test_interleave_rotates_the_order_every_round():
-    order = [(r, name) for r, name, _ in interleave({n: lambda n=n: n for n in "abc"}, rounds=3)]
-    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")]
+    assert list(order(list("abc"), rounds=3)) == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                                                   (2, "c"), (2, "a"), (2, "b")]
 
 
 def test_a_consistent_speedup_is_explained_and_unflagged():
