@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams
+from playground.decoding.costs import ForwardCosts
+from playground.engine import engine as engine_module
 from playground.engine import generate
 from playground.models import LoadedModel, load_model
 
@@ -18,6 +20,14 @@ from .prompts import NEW_TOKENS, PROMPTS
 
 
 NOISE = 0.1
+# what a forward over T new tokens costs, in one-token forwards: a typical 2-core CPU's curve, fixed so that the
+# widths the engine plans (and so every test's proposals) do not depend on how busy the test machine is
+TEST_COSTS = ForwardCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.03, 1.1, 1.22, 1.6, 2.5, 4.8))
+
+
+@pytest.fixture(autouse=True)
+def fixed_forward_costs(monkeypatch) -> None:
+    monkeypatch.setattr(engine_module, "forward_costs", lambda model, cache_root=None: TEST_COSTS)
 
 
 @pytest.fixture(scope="session")
