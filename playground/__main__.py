@@ -14,16 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES,
-                     LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_GAMMA, MAX_NGRAM, MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS,
-                     ConfigError, EngineParams, GenerationParams, LookaheadParams, MedusaParams, ModelSpec,
-                     PromptLookupParams, SamplingParams, SpeculativeParams, check_int, check_text)
+from .config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GPU_NODES, GPU_DYNAMIC_NODES,
+                     LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_GAMMA, MAX_NGRAM,
+                     MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EagleParams, EngineParams, GenerationParams,
+                     LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams,
+                     check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
 
 LOOKAHEAD = LookaheadParams()  # the defaults the options show
 SPECULATIVE = SpeculativeParams()
 MEDUSA = MedusaParams()
+EAGLE = EagleParams()
 ENGINE = EngineParams()
 
 
@@ -97,8 +99,10 @@ def check_writable(name: str, path: Path) -> None:
 
 # --algo -> its parameters' type; the fields are the dests of its options (`add_algo_args`)
 PARAMS: dict[str, type] = {"speculative": SpeculativeParams, "prompt-lookup": PromptLookupParams,
-                           "lookahead": LookaheadParams, "medusa": MedusaParams}
+                           "lookahead": LookaheadParams, "medusa": MedusaParams, "eagle": EagleParams}
 NOT_PARAMS = ("draft_quant", "copy_ngram", "copy_tokens")  # options that are not the parameters' own fields
+# options named apart from Medusa's (and sampling's top-k) -> their fields
+RENAMED = {"eagle_depth": "depth", "eagle_top_k": "top_k", "eagle_nodes": "nodes"}
 
 
 def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | None]:
@@ -124,7 +128,8 @@ def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | Non
                               "(a default draft ships only for the embedded model)")
     if args.algo not in PARAMS:
         return None, None
-    return PARAMS[args.algo](**{k: v for k, v in given.items() if k not in NOT_PARAMS}), copies
+    fields = {RENAMED.get(k, k): v for k, v in given.items() if k not in NOT_PARAMS}
+    return PARAMS[args.algo](**fields), copies
 
 
 def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: PromptLookupParams | None) -> Any:
@@ -284,6 +289,16 @@ def add_algo_args(parser: argparse.ArgumentParser) -> None:
     tree("--typical-epsilon", type=float, dest="epsilon",
          help=f"typical acceptance epsilon, (0, 1] (default {MEDUSA.epsilon})")
     tree("--typical-alpha", type=float, dest="alpha", help=f"typical acceptance alpha, (0, 1] (default {MEDUSA.alpha})")
+    eagle = group("EAGLE decoding (--algo eagle)", "eagle")
+    eagle("--eagle-head", dest="head", help="folder of a head trained by `python -m playground.train eagle` (default: "
+                                            "the head shipped for the embedded model)")
+    eagle("--eagle-depth", type=int, dest="eagle_depth", help=f"deepest drafted token, 1..{MAX_GAMMA} (default "
+                                                              f"{EAGLE.depth}); each step drafts as deep as pays")
+    eagle("--eagle-top-k", type=int, dest="eagle_top_k", help=f"nodes expanded per depth and children per node, 1..16 "
+                                                        f"(default {EAGLE.top_k})")
+    eagle("--eagle-nodes", type=int, dest="eagle_nodes",
+          help=f"most nodes of the tree, 1..{MAX_DYNAMIC_NODES} (default {EAGLE_CPU_NODES}, {EAGLE_GPU_NODES} on a "
+               "GPU); each step verifies as many as pay for the wider forward")
     parser.set_defaults(algo_options=owners)
 
 

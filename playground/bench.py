@@ -133,7 +133,7 @@ def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
 
 
-ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa")
+ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 class PeerRuns:
     """One prompt's transformers peer runs by their generate() arguments: rows whose peers are called alike (a
@@ -220,6 +220,13 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
             contenders.append(Contender(f"medusa-{acceptance}", "medusa", proposer,
                                         label + (" (LOSSY)" if acceptance == "typical" else " (exact)"),
                                         sampling=SAMPLED))
+    if "eagle" in args.algos:
+        eagle = build_proposer(target, "eagle")
+        contenders.append(Contender("eagle", "eagle", eagle, setting(eagle)))
+        sampled = build_proposer(target, "eagle", head=eagle.eagle)
+        contenders.append(Contender("eagle-sampled", "eagle", sampled,
+                                    setting(sampled, f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}",
+                                            "(exact)"), sampling=SAMPLED))
     return contenders, draft
 
 
@@ -234,7 +241,7 @@ def parse_algos(text: str) -> tuple[str, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import SpeculativeParams
     from .decoding import encode_prompt
-    from .metrics import compute, expected_tokens_per_step, mean_draft_length
+    from .metrics import compute, depth_profile, expected_tokens_per_step, mean_draft_length
     from .models import load_model
     from .models.loader import load_hf_peer
 
@@ -313,6 +320,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "flags": list(measured.flags)}
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
+            result.update(depth_profile(trace))
             if contender.algo == "speculative":
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
@@ -364,6 +372,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
         entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)
         entry["flagged_prompts"] = sum(bool(r["flags"]) for r in results)
+        oracle = [r["oracle_tokens_per_forward"] for r in results if "oracle_tokens_per_forward" in r]
+        if oracle:  # what the same trees would commit were their deepest path right: the ceiling of their size
+            entry["median_oracle_tokens_per_forward"] = statistics.median(oracle)
+            deepest = max(len(r["kept_at_least"]) for r in results if "kept_at_least" in r)
+            entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
+                                                      for r in results) for d in range(deepest)]
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)

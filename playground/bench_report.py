@@ -22,6 +22,7 @@ GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to 
     "lookahead": [("median_speedup_vs_ar", 1.3)],
     "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
     "medusa-copy": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
+    "eagle": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 3.0)],
 }
 
 
@@ -127,7 +128,10 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
     lines.append("")
     for key, value in summary.items():
         goal = dict(GOALS.get(name, [])).get(key)
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        if isinstance(value, list):  # per depth d = 1, 2, ...
+            shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
+        else:
+            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
         lines.append(f"- {key.replace('_', ' ')}: {shown}" + (f" (goal >= {goal})" if goal is not None else ""))
     for key, value in info.items():
         if key not in ("setting", "peer"):

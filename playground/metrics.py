@@ -94,6 +94,28 @@ def mean_draft_length(trace: Trace) -> float | None:
     return sum(drafts) / len(drafts) if drafts else None
 
 
+def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
+    """How deep the verified proposals went and how much of them was kept, over the steps that proposed: the share of
+    those steps that kept at least d drafted tokens (d = 1 .. the deepest proposal), and the tokens per such forward
+    an oracle would commit with the same trees (their deepest path always right: 1 + its depth). Empty when nothing
+    was proposed."""
+    deepest: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    for event in trace.events:
+        if isinstance(event, DraftEvent) and event.tokens:
+            depths = [0]  # node 0: the last committed token; node i: tokens[i - 1]
+            for i, token in enumerate(event.tokens):
+                depths.append(depths[i if token.parent is None else token.parent] + 1)
+            deepest[event.step] = max(depths)
+        elif isinstance(event, AcceptEvent):
+            kept[event.step] = kept.get(event.step, 0) + 1
+    if not deepest:
+        return {}
+    return {"kept_at_least": [sum(kept.get(s, 0) >= d for s in deepest) / len(deepest)
+                              for d in range(1, max(deepest.values()) + 1)],
+            "oracle_tokens_per_forward": 1 + statistics.mean(deepest.values())}
+
+
 def memory_summary(events: list[Event]) -> dict[str, float]:
     """KV memory of a served workload from the engine's memory events (steps holding any KV)."""
     memory = [e for e in events if isinstance(e, MemoryEvent) and e.bytes_used]

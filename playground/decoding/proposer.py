@@ -150,6 +150,10 @@ class Proposer(ABC):
         """The request finished, failed or was aborted."""
         self.pause(request)
 
+    def prefilled(self, request: RequestView, hidden: torch.Tensor) -> None:
+        """A prefill chunk ran: the target's final hidden states (n, E) of its tokens, the last at position
+        `request.num_computed - 1` (EAGLE's head reads them)."""
+
     @abstractmethod
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         """Candidates for the decoding requests (request id -> proposal; none for a request left plain). rooms[i]:

@@ -7,7 +7,9 @@ from typing import Any
 
 from ..config import ConfigError, PromptLookupParams
 from ..models import LoadedModel
+from ..models.eagle import LoadedEagle
 from ..models.medusa import LoadedHeads
+from .eagle import EagleProposer
 from .guesses import Grafted, Guesser
 from .lookahead import LookaheadProposer
 from .medusa import MedusaGuesser
@@ -22,6 +24,7 @@ PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "lookahead": LookaheadProposer,
     "medusa": MedusaGuesser,
     "speculative": DraftGuesser,
+    "eagle": EagleProposer,
 }
 PLAIN = "ar"  # plain decoding: no proposer
 
@@ -32,17 +35,18 @@ def algorithms() -> list[str]:
 
 
 def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: PromptLookupParams | None = None,
-                   heads: LoadedHeads | None = None, draft: LoadedModel | None = None) -> Proposer | None:
+                   heads: LoadedHeads | None = None, draft: LoadedModel | None = None,
+                   head: LoadedEagle | None = None) -> Proposer | None:
     """The proposer of algorithm `algo` with its parameters (None: its defaults; plain decoding has none), with
     prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms that guess a tree: Medusa
-    and the draft model). `heads`, `draft`: ones already loaded for Medusa, for the draft model."""
+    and the draft model). `heads`, `draft`, `head`: ones already loaded for Medusa, the draft model, EAGLE."""
     if algo not in algorithms():
         raise ConfigError(f"algo must be one of {', '.join(algorithms())}, got {algo!r}")
     if algo == PLAIN:
         if params is not None or copies is not None:
             raise ConfigError("plain decoding (ar) takes no proposer settings and no copies")
         return None
-    loaded = {name: value for name, value in (("heads", heads), ("draft", draft)) if value is not None}
+    loaded = {name: value for name, value in (("heads", heads), ("draft", draft), ("head", head)) if value is not None}
     proposer = PROPOSERS[algo](target, params, **loaded)
     if copies is None:
         return proposer

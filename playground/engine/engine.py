@@ -214,13 +214,19 @@ class Engine:
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 times: StepTimes) -> list[RequestOutput]:
         outputs = []
+        prefilled = {r.id for r, _ in plan.prefill}
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
+            states = hidden[request.id]
+            if request.id in prefilled:  # every row's state goes to the proposer, the last one's on
+                if self.proposer is not None:
+                    self.proposer.prefilled(request, states)
+                states = states[-1:]
             if request.num_computed < len(request.tokens):
                 continue  # a prefill chunk that has not reached the end of the known tokens
             try:
-                outputs.append(self._advance(request, plan.proposals.get(request.id), logits[request.id],
-                                             hidden[request.id], times))
+                outputs.append(self._advance(request, plan.proposals.get(request.id), logits[request.id], states,
+                                             times))
             except Exception as exc:  # this request's sampling or detokenizing failed: it ends, the others go on
                 if request in self.running:
                     self.scheduler.release(request)

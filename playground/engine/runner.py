@@ -27,7 +27,8 @@ class Runner:
 
     def run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """For every request that ran: logits (1 + n + s, V) at its last token, after each of the n nodes of its
-        proposal and at the s side rows read, and the final hidden states (1 + n + s, E) of those rows."""
+        proposal and at the s side rows read, and the final hidden states (1 + n + s, E) of those rows; for a
+        prefill chunk of n tokens, the logits (1, V) at its last token and the hidden states (n, E) of all."""
         logits: dict[int, torch.Tensor] = {}
         hidden: dict[int, torch.Tensor] = {}
         if plan.decode and plan.width == 1:
@@ -40,7 +41,7 @@ class Runner:
             ids = torch.tensor([request.tokens[start : start + n]], device=device)  # (1, n)
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
             out, states = model(ids, positions, self.cache, [request.id], num_logits=1)  # (1, 1, V)
-            logits[request.id], hidden[request.id] = out[0], states[0, -1:]
+            logits[request.id], hidden[request.id] = out[0], states[0]  # (1, V), (n, E)
         return logits, hidden
 
     def _plain(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]) -> None:

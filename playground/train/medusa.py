@@ -57,15 +57,15 @@ def log(message: str) -> None:
     print(f"[train medusa] {message}", file=sys.stderr, flush=True)
 
 
-def hidden_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32) -> tuple[torch.Tensor, list[int]]:
-    """Final-norm hidden states (N, E), float32, at every position that predicts an answer token, in corpus order
-    (sequence by sequence, position answer_start - 1 onwards), and each sequence's count of such positions.
+def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, keep: torch.dtype = torch.float32,
+                    device: str = "cpu") -> list[torch.Tensor]:
+    """Each corpus sequence's final-norm hidden states (T_i, E) at every position, as `keep`, in corpus order.
 
-    The target runs in `dtype`. Sequences go through it in batches of similar length, which cuts the padded
-    positions by a sixth on the project's corpus (458k against 552k for 456k real ones)."""
+    The target runs in `dtype` on `device`. Sequences go through it in batches of similar length, which cuts the
+    padded positions by a sixth on the project's corpus (458k against 552k for 456k real ones)."""
     from ..models.loader import load_hf_peer
 
-    hf = load_hf_peer(target).to(TORCH_DTYPES[dtype])
+    hf = load_hf_peer(target).to(device=device, dtype=TORCH_DTYPES[dtype])
     pad = target.eos_token_ids[0]
     sequences = corpus.sequences
     states: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
@@ -75,15 +75,23 @@ def hidden_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32) -> t
         picked = order[first : first + batch]
         width = max(len(sequences[i]) for i in picked)
         # right padding, which a causal model never attends to from the real positions
-        ids = torch.tensor([sequences[i] + [pad] * (width - len(sequences[i])) for i in picked])  # (B, T)
+        ids = torch.tensor([sequences[i] + [pad] * (width - len(sequences[i])) for i in picked], device=device)
         with torch.inference_mode():
-            hidden = hf.model(input_ids=ids).last_hidden_state.float()  # (B, T, E), after the final norm
+            hidden = hf.model(input_ids=ids).last_hidden_state.to("cpu", keep)  # (B, T, E), after the final norm
         for row, i in enumerate(picked):
-            # the position before each answer token predicts it
-            states[i] = hidden[row, corpus.answer_starts[i] - 1 : len(sequences[i]) - 1].clone()  # (count_i, E)
+            states[i] = hidden[row, : len(sequences[i])].clone()  # (T_i, E)
         if (first // batch) % 10 == 0:
             log(f"hidden states: {first + len(picked)}/{len(order)} sequences ({time.perf_counter() - start:.0f} s)")
-    return torch.cat(states), [len(s) - a for s, a in zip(sequences, corpus.answer_starts)]
+    return states
+
+
+def hidden_states(target: Any, corpus: Corpus, dtype: str) -> tuple[torch.Tensor, list[int]]:
+    """Final-norm hidden states (N, E), float32, at every position that predicts an answer token, in corpus order
+    (sequence by sequence, position answer_start - 1 onwards), and each sequence's count of such positions."""
+    states = sequence_states(target, corpus, dtype)
+    # the position before each answer token predicts it
+    answers = [s[a - 1 : len(seq) - 1] for s, a, seq in zip(states, corpus.answer_starts, corpus.sequences)]
+    return torch.cat(answers), [len(s) - a for s, a in zip(corpus.sequences, corpus.answer_starts)]
 
 
 def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS,
-                      MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, GenerationParams, LookaheadParams, MedusaParams,
-                      PromptLookupParams, SamplingParams, SpeculativeParams, check_int)
+from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GPU_NODES, GPU_DYNAMIC_NODES,
+                      LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, EagleParams,
+                      GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams,
+                      SpeculativeParams, check_int)
 from ..engine import generate, stream_generate
 from ..decoding import registry
 from ..decoding.proposer import Proposer
@@ -37,7 +38,8 @@ from .quota import QUOTA
 
 PLAIN = "ar"
 ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculative",
-         "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa"}
+         "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa",
+         "EAGLE (tree)": "eagle"}
 ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical"}
 EXAMPLES = [
     ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
@@ -45,6 +47,7 @@ EXAMPLES = [
     ["Write a Python function that returns the n-th Fibonacci number.", "speculative (draft model)"],
     ["List the days of the week, one per line.", "lookahead"],
     ["Give three tips for staying focused while studying.", "Medusa (tree)"],
+    ["Describe how a bicycle works in a short paragraph.", "EAGLE (tree)"],
     ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
 ]
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
@@ -111,6 +114,8 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
         params = MedusaParams(tree=tree, nodes=as_int("tree nodes", tree_nodes) or None,
                               acceptance=ACCEPTANCE[acceptance])
+    elif algo == "eagle":
+        params, copies = EagleParams(nodes=as_int("tree nodes", tree_nodes) or None), None
     else:
         params, copies = None, None
     return registry.build_proposer(target, algo, params, copies, draft=draft)
@@ -309,7 +314,7 @@ def load_trace(file: Any):
 FIELDS_OF = {"gamma": ("speculative",), "copy_ngram": ("speculative", "medusa"),
              "max_ngram": ("prompt-lookup",), "num_draft": ("prompt-lookup", "speculative", "medusa"),
              **{name: ("lookahead",) for name in ("window", "ngram", "guesses", "context", "text_ngram", "pools")},
-             **{name: ("medusa",) for name in ("tree", "tree_nodes", "acceptance")}}
+             **{name: ("medusa",) for name in ("tree", "acceptance")}, "tree_nodes": ("medusa", "eagle")}
 
 
 def fields_for(algo_label: str) -> list[dict[str, Any]]:
@@ -351,7 +356,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
                                        info="dynamic: the nodes the heads rate likeliest, chosen at every step")
                     tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
-                                           info=f"auto: {CPU_DYNAMIC_NODES} on a CPU, {GPU_DYNAMIC_NODES} on a GPU")
+                                           info=f"auto: Medusa {CPU_DYNAMIC_NODES}, EAGLE {EAGLE_CPU_NODES} on a "
+                                                f"CPU; {GPU_DYNAMIC_NODES}, {EAGLE_GPU_NODES} on a GPU")
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")

@@ -52,10 +52,11 @@ def _summary(engine: Engine) -> str:
 PROPOSALS = {"none (plain decoding)": ("ar", False), "prompt lookup": ("prompt-lookup", False),
              "lookahead": ("lookahead", False), "Medusa heads": ("medusa", False),
              "Medusa heads + prompt lookup": ("medusa", True), "draft model": ("speculative", False),
-             "draft model + prompt lookup": ("speculative", True)}
+             "draft model + prompt lookup": ("speculative", True), "EAGLE head": ("eagle", False)}
 # a proposal source's name and what its tokens are called
 SOURCES = {"copy": ("Prompt lookup", "copied"), "lookahead": ("Lookahead", "candidate"),
-           "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted")}
+           "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted"),
+           "eagle": ("EAGLE head", "drafted")}
 
 
 def _proposals(engine: Engine) -> str:

@@ -34,6 +34,7 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "lookahead": ("lookahead", "contiguous", {}),
     "Medusa (dynamic tree)": ("medusa", "contiguous", {}),
     "Medusa + prompt copies": ("medusa", "contiguous", {"copy_ngram": 3}),
+    "EAGLE (dynamic tree)": ("eagle", "contiguous", {}),
     "plain, paged KV": ("ar", "paged", {}),
 }
 ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}
@@ -125,8 +126,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(PROMPT, label="Prompt", lines=3, max_lines=10)
-            racers = gr.CheckboxGroup(list(RACERS), value=["speculative (gamma 4)", "prompt lookup", "lookahead",
-                                                               "Medusa (dynamic tree)"],
+            racers = gr.CheckboxGroup(list(RACERS), value=["speculative (gamma 4)", "prompt lookup",
+                                                               "Medusa (dynamic tree)", "EAGLE (dynamic tree)"],
                                       label="Race against plain decoding (1 to 4)")
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)

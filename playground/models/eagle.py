@@ -1,0 +1,154 @@
+"""The EAGLE head (Li et al. 2024): a draft that reads the target's own features.
+
+At position t the head reads f_t, the target's final hidden state there, and the embedding of the token x_{t+1}
+drawn from it; an FC layer mixes the two and one decoder layer of the target's kind (with its own keys and values
+over the positions before) predicts f_{t+1}, which the target's frozen output projection reads as the next token's
+distribution. Drafting runs the head on its own predicted features: (f^_{t+1}, x^_{t+2}) -> f^_{t+2}, and so on.
+The head scores a reduced vocabulary (the target's output rows for the tokens it writes), as the draft and the
+Medusa heads do. Stored as safetensors plus config.json beside them (never pickled).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .linear import Linear
+from .loader import LoadedModel, ModelLoadError
+from .transformer import Block, RMSNorm, Transformer, TransformerConfig
+from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
+
+EMBEDDED_EAGLE = Path(__file__).resolve().parents[2] / "assets" / "eagle-smollm2-135m"
+WEIGHTS, CONFIG = "eagle.safetensors", "config.json"
+FEATURES = "final-norm hidden state"  # what the head reads and predicts, recorded in config.json
+
+
+class _PastKeys:
+    """What a head forward attends over: the keys and values given (B, Hkv, L, D) and the forward's own, which it
+    keeps (`k`, `v`) for the caller to store. Stands in for a KV cache in the layer's attention."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.past_k, self.past_v = k, v
+        self.k = self.v = k[:, :, :0]
+
+    def update(self, layer: int, layout: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k, self.v = k, v  # (B, Hkv, T, D)
+        return torch.cat((self.past_k, k), 2), torch.cat((self.past_v, v), 2)  # (B, Hkv, L + T, D)
+
+
+class EagleHead(nn.Module):
+    """fc([e(x_{t+1}); f_t]) -> one decoder layer -> RMSNorm: the predicted f_{t+1} (final-norm, as the target's)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = Block(config, 0)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embeddings: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor,
+                visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Predicted features (B, T, E) for T new positions, and their keys and values (B, Hkv, T, D).
+
+        embeddings, features: (B, T, E) the next tokens' input embeddings and the features before them; cos, sin:
+        the target's RoPE at the new positions (`Transformer.rope`); past_k, past_v: (B, Hkv, L, D); visible:
+        (B, T, L + T) bool, which keys each new position sees."""
+        cfg = self.config
+        x = self.fc(torch.cat((embeddings, features), dim=-1))  # (B, T, E)
+        b, t, _ = x.shape
+        group = cfg.num_heads // cfg.num_kv_heads
+        additive = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
+        additive = additive.unsqueeze(1).expand(b, group, t, -1).reshape(b, 1, group * t, -1)  # (B, 1, G*T, L+T)
+        keys = _PastKeys(past_k, past_v)
+        x = self.layer(x, cos, sin, keys, None, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, additive))
+        return self.norm(x), keys.k, keys.v
+
+
+@dataclass(frozen=True)
+class LoadedEagle:
+    head: EagleHead
+    folder: Path
+    target_name: str
+    output: OutputRows  # the target's output projection rows for the token ids the head scores
+
+    @property
+    def vocab_ids(self) -> torch.Tensor:
+        return self.output.ids  # (V',) int64 ascending
+
+    def empty_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (Hkv, 0, D) of no position, in the head's device and dtype."""
+        cfg, weight = self.head.config, self.head.fc.weight
+        shape = (cfg.num_kv_heads, 0, cfg.head_dim)
+        return weight.new_zeros(shape), weight.new_zeros(shape)
+
+
+def head_config(target: Transformer) -> TransformerConfig:
+    """The target's layer shape for the head's one layer."""
+    from dataclasses import replace
+
+    return replace(target.config, num_layers=1)
+
+
+def save_head(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.dtype, vocab_ids: torch.Tensor,
+              report: dict | None = None) -> None:
+    """Weights in `dtype` plus the (V',) token ids the head scores, and config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    save_file({**tensors, VOCAB_IDS: vocab_ids.to(torch.int64).contiguous()}, str(folder / WEIGHTS))
+    cfg = target.model.config
+    config = {"features": FEATURES, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+              "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+              "head_vocab_size": len(vocab_ids), "target": target.name}
+    (folder / CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def default_head(target_source: str) -> str | None:
+    """The shipped head for a target spec, if the project has one."""
+    if target_source == "embedded" and (EMBEDDED_EAGLE / WEIGHTS).is_file():
+        return str(EMBEDDED_EAGLE)
+    return None
+
+
+def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
+    """A head from a folder (config.json + eagle.safetensors), checked against the target's shape; None means the
+    shipped head of the embedded target."""
+    source = source or default_head(target.spec.source)
+    if not source:
+        raise ModelLoadError("eagle head: none ships for this target; train one with `python -m playground.train "
+                             "eagle --model SPEC --out FOLDER` and pass --eagle-head FOLDER")
+    folder = Path(source).expanduser()
+    if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
+        raise ModelLoadError(f"eagle head: {source!r} is not a folder with {CONFIG} and {WEIGHTS}")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        shape = {name: int(config[name]) for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                                       "intermediate_size", "vocab_size")}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"eagle head: {folder / CONFIG} is malformed ({exc})") from exc
+    cfg = target.model.config
+    own = {name: getattr(cfg, name) for name in shape}
+    if shape != own or config.get("features") != FEATURES:
+        raise ModelLoadError(f"eagle head: made for a target of {shape} reading {config.get('features')!r}; this "
+                             f"target has {own}")
+    head = EagleHead(head_config(target.model))
+    tensors = load_file(str(folder / WEIGHTS))
+    vocab_ids = tensors.pop(VOCAB_IDS, torch.arange(cfg.vocab_size))
+    try:
+        head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"eagle head: {folder / WEIGHTS} does not match its config ({exc})") from exc
+    check_vocab_ids(vocab_ids, cfg.vocab_size, f"eagle head: {folder / WEIGHTS}")
+    model = target.model
+    head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+    for module in head.modules():  # its products run beside the target's: packed as the target packs its own
+        if isinstance(module, Linear):
+            module.packed = model.pack_like_own(module.weight)
+    return LoadedEagle(head, folder, str(config.get("target", "")), output_rows(model, vocab_ids))

@@ -1,0 +1,212 @@
+"""Train an EAGLE head for a frozen target by self-distillation: `python -m playground.train eagle`.
+
+1. The target answers the project's training prompts greedily (the corpus of the Medusa heads, with the same
+   options: one `--corpus` file serves both).
+2. One pass of the frozen target over every sequence gives its final-norm features at every position.
+3. The head's vocabulary (`--head-vocab`): the target's most frequent answer tokens, then its most frequent top-k
+   alternatives, as the Medusa heads'.
+4. At every position t the head reads the target's feature f_t (with Gaussian noise of `--noise` times the
+   features' RMS, so that it learns to draft on its own imperfect predictions) and the embedding of x_{t+1}, and
+   learns f_{t+1}: a smooth-L1 regression on the feature plus `--token-weight` times the cross-entropy of the
+   target's next-token distribution (its output rows over the head's vocabulary) against the head's.
+5. A report: the engine drafting with the head on the held-out prompts, greedy: tokens per target forward,
+   the share of steps that kept at least d drafted tokens for each depth d, and the head's forward cost.
+Everything is seeded; the run is reproducible up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, EagleParams, GenerationParams, ModelSpec, SamplingParams, check_int
+from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save_head
+from ..models.loader import TORCH_DTYPES
+from ..models.vocab import rows_of
+from .draft import (Corpus, add_corpus_args, frequent_vocabulary, load_or_generate_corpus, one_cycle, run_report,
+                    training_setup)
+from .medusa import sequence_states
+from .prompts import held_out_prompts
+
+EVAL_TOKENS = 64  # tokens each held-out prompt is answered with in the report
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded", help="target model spec (default: embedded)")
+    parser.add_argument("--out", default=str(EMBEDDED_EAGLE), help="output folder")
+    parser.add_argument("--epochs", type=int, default=4, help="passes over the corpus (default 4)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per optimiser step (default 16)")
+    parser.add_argument("--head-vocab", type=int, default=8192,
+                        help="tokens the head scores, from 1 to the target's vocabulary size (default 8192)")
+    parser.add_argument("--noise", type=float, default=0.1,
+                        help="Gaussian noise on the input features, times their RMS, 0..1 (default 0.1)")
+    parser.add_argument("--token-weight", type=float, default=0.5,
+                        help="weight of the next-token cross-entropy beside the feature regression (default 0.5)")
+    parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
+                        "(default) or cuda")
+    parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
+                        help="dtype the weights are saved in (default float16)")
+    parser.add_argument("--eval-prompts", type=int, default=len(held_out_prompts()),
+                        help=f"held-out prompts the report drafts on (default all {len(held_out_prompts())})")
+    add_corpus_args(parser, "precision of the target writing the corpus and computing the features, and of the "
+                            "head's products in training (default bfloat16; the report drafts in float32)",
+                    wide_topics=0, generate_batch=64)
+
+
+def log(message: str) -> None:
+    print(f"[train eagle] {message}", file=sys.stderr, flush=True)
+
+
+def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[list[int]]:
+    """Sequence indices in batches of `size` of similar length (little padding), the batches shuffled."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    return [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
+
+
+def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
+              starts: torch.Tensor, output: torch.Tensor, noise: float,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(regression, token cross-entropy) for a padded batch: ids (B, T), features (B, T, E) float32, lengths (B,),
+    starts (B,) each sequence's first answer token; output (V', E) the target's rows over the head's vocabulary.
+    The head reads every position, and learns where what it predicts chooses an answer token (the prompts share
+    a chat template, which would otherwise weigh as much as every answer)."""
+    b, t = ids.shape
+    inputs = features[:, :-1]  # f_t (B, T-1, E)
+    if noise:
+        rms = features.pow(2).mean().sqrt()
+        inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator).to(inputs.device)
+    embeddings = target.model.embed_tokens.weight[ids[:, 1:]].float()  # e(x_{t+1}) (B, T-1, E)
+    positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)  # (B, T-1)
+    cos, sin = target.model.rope(positions, torch.float32)
+    cfg = head.config
+    empty = features.new_zeros(b, cfg.num_kv_heads, 0, cfg.head_dim)
+    causal = torch.ones(t - 1, t - 1, dtype=torch.bool, device=ids.device).tril().expand(b, t - 1, t - 1)
+    predicted, _, _ = head(embeddings, inputs, cos, sin, empty, empty, causal)  # (B, T-1, E)
+    # (B, T-1): f_{j+1} is real and chooses an answer token x_{j+2}
+    j = torch.arange(t - 1, device=ids.device).unsqueeze(0)
+    valid = (j + 1 < lengths.unsqueeze(1)) & (j + 2 >= starts.unsqueeze(1))
+    guess, truth = predicted[valid].float(), features[:, 1:][valid]  # (N, E)
+    regression = F.smooth_l1_loss(guess, truth)
+    with torch.no_grad():
+        teacher = (truth @ output.T).softmax(-1)  # (N, V')
+    tokens = -(teacher * (guess @ output.T).log_softmax(-1)).sum(-1).mean()
+    return regression, tokens
+
+
+def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tensor], output: torch.Tensor,
+          args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    pad = target.eos_token_ids[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    corpus_ids = corpus.sequences
+    steps_per_epoch = math.ceil(len(corpus_ids) / args.batch)
+    total = args.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = one_cycle(optimizer, args.lr, total, 0.05)
+    low = TORCH_DTYPES[args.dtype]
+    autocast = torch.autocast(device.type, dtype=low) if low != torch.float32 else nullcontext()
+    head.train()
+    step, start = 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sums = [0.0, 0.0]
+        for group in batches([len(s) for s in corpus_ids], args.batch, generator):
+            width = max(len(corpus_ids[i]) for i in group)
+            ids = torch.tensor([corpus_ids[i] + [pad] * (width - len(corpus_ids[i])) for i in group], device=device)
+            features = torch.zeros(len(group), width, states[0].shape[-1], device=device)  # (B, T, E)
+            for row, i in enumerate(group):
+                features[row, : len(states[i])] = states[i].to(device, torch.float32)
+            lengths = torch.tensor([len(corpus_ids[i]) for i in group], device=device)
+            starts = torch.tensor([corpus.answer_starts[i] for i in group], device=device)
+            with autocast:
+                regression, tokens = head_loss(head, target, ids, features, lengths, starts, output, args.noise,
+                                               generator)
+            loss = regression + args.token_weight * tokens
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            sums[0] += regression.item()
+            sums[1] += tokens.item()
+            if step % 50 == 0:
+                log(f"epoch {epoch + 1}, step {step}/{total}: regression {regression.item():.4f}, tokens "
+                    f"{tokens.item():.3f} ({time.perf_counter() - start:.0f} s)")
+        log(f"epoch {epoch + 1}/{args.epochs}: regression {sums[0] / steps_per_epoch:.4f}, tokens "
+            f"{sums[1] / steps_per_epoch:.3f} ({time.perf_counter() - start:.0f} s)")
+    head.eval()
+
+
+def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
+    """The engine drafting with the head saved in `folder` on `prompts`, greedy, in float32 on the CPU: tokens per
+    target forward and the share of steps that kept at least d drafted tokens, d = 1..depth."""
+    from ..decoding.eagle import EagleProposer
+    from ..engine import generate
+    from ..trace import AcceptEvent, CommitEvent
+
+    proposer = EagleProposer(target, EagleParams(head=str(folder)))
+    generation = GenerationParams(max_new_tokens=EVAL_TOKENS)
+    kept_per_step: list[int] = []
+    tokens = forwards = 0
+    for prompt in prompts:
+        output, trace = generate(target, prompt, proposer, SamplingParams(), generation, algo="eagle")
+        accepted: dict[int, int] = {}
+        for event in trace.events:
+            if isinstance(event, AcceptEvent) and event.step > 0:
+                accepted[event.step] = accepted.get(event.step, 0) + 1
+            if isinstance(event, CommitEvent) and event.step > 0:
+                kept_per_step.append(accepted.get(event.step, 0))
+        tokens += len(output.token_ids) - 1  # the first token comes from the prefill
+        forwards += sum(1 for e in trace.events if isinstance(e, CommitEvent) and e.step > 0)
+    depth = proposer.depth
+    return {"held_out_prompts": len(prompts), "held_out_tokens_per_target_forward": tokens / max(forwards, 1),
+            "held_out_kept_at_least": {d: sum(k >= d for k in kept_per_step) / max(len(kept_per_step), 1)
+                                       for d in range(1, depth + 1)},
+            "head_target_cost_ratio": proposer.draft_cost}
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..models import load_model
+
+    check_int("batch", args.batch, 1, 1024)
+    check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
+    for name, value, most in (("noise", args.noise, 1), ("token_weight", args.token_weight, 10)):
+        if not 0 <= value <= most:
+            raise ConfigError(f"{name} must be in [0, {most}], got {value}")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"device must be cpu or cuda (with a CUDA GPU present), got {args.device!r}")
+    prompts = training_setup(args)
+    start = time.perf_counter()
+    target = load_model(ModelSpec(source=args.model, device=args.device))
+    check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
+    states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device)
+    vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
+    output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
+    log(f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head scores "
+        f"{len(vocab_ids)} tokens")
+    head = EagleHead(head_config(target.model)).to(args.device)
+    target.model.requires_grad_(False)
+    train(target, head, corpus, states, output, args)
+    out = Path(args.out)
+    save_head(head, out, target, TORCH_DTYPES[args.weights_dtype], vocab_ids)
+    evaluation_target = target if args.device == "cpu" else load_model(ModelSpec(source=args.model, device="cpu"))
+    report = evaluate(evaluation_target, out, held_out_prompts()[: args.eval_prompts])
+    report.update({**run_report(args, prompts, corpus, generation_s, start),
+                   "train_positions": sum(len(s) for s in corpus.sequences), "batch": args.batch,
+                   "noise": args.noise, "token_weight": args.token_weight, "head_vocab": args.head_vocab,
+                   "device": args.device, "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+    return 0

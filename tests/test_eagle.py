@@ -1,0 +1,182 @@
+"""EAGLE: greedy exactness on every test prompt with the shipped head, on both caches and in batches with chunked
+prefills and preemption; sampled outputs are plain decoding's for the same seed and follow the target's
+distribution (chi-square); the head's trees (parents first, within the budget, nothing below an end of sequence);
+the head reads every feature once; bad heads and settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from playground.config import ConfigError, EagleParams, EngineParams, GenerationParams, SamplingParams
+from playground.decoding.eagle import EagleProposer
+from playground.decoding.registry import build_proposer
+from playground.engine import Engine, generate
+from playground.metrics import compute, depth_profile
+from playground.models import ModelLoadError
+from playground.models.eagle import CONFIG, EMBEDDED_EAGLE, WEIGHTS, EagleHead, default_head, head_config, load_head
+from playground.trace import DraftEvent
+
+from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
+from .stats import assert_follows_target, reference_tokens
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return load_head(None, target)  # the head shipped for the embedded model
+
+
+def eagle(target, head, **settings) -> EagleProposer:
+    return build_proposer(target, "eagle", EagleParams(**settings), head=head)
+
+
+def test_greedy_exact_on_every_prompt_with_most_drafts_kept(target, head, plain_outputs) -> None:
+    accepted, drafted = assert_greedy_exact(target, eagle(target, head), plain_outputs)
+    assert drafted > 0 and 0.3 < accepted / drafted < 1
+
+
+def test_greedy_exact_on_the_paged_cache_and_with_narrow_trees(target, head, plain_outputs) -> None:
+    for settings in ({}, {"top_k": 1, "depth": 3}, {"nodes": 2}):
+        proposer = eagle(target, head, **settings)
+        for prompt in PROMPTS[:6]:
+            output, trace = generate(target, prompt, proposer, SamplingParams(),
+                                     GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"))
+            assert output.token_ids == plain_outputs[prompt], (settings, prompt)
+            nodes = settings.get("nodes", proposer.nodes)
+            assert all(len(e.tokens) <= nodes for e in trace.events if isinstance(e, DraftEvent))
+
+
+def test_a_batch_with_chunked_prefills_and_preemption_gives_every_request_its_solo_output(target, head,
+                                                                                         plain_outputs) -> None:
+    """Prompts prefilled in chunks of 16 tokens (the head reads each chunk's features), a pool so small that
+    requests are preempted and recomputed (the head drops and reads their features again), batches of 1-8."""
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    prompts = list(PROMPTS[:8])
+    for params in (EngineParams(max_running=8, max_batch_tokens=16), EngineParams(max_running=4, num_blocks=48),
+                   EngineParams(max_running=1)):
+        proposer = eagle(target, head)
+        engine = Engine(target, params, proposer=proposer)
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        for rid, prompt in ids.items():
+            assert outputs[rid].token_ids == plain_outputs[prompt], (params, prompt)
+        counts = engine.counts["eagle"]
+        assert 0 < counts.accepted < counts.proposed, params
+        assert proposer.states == {}  # every request's head state went with it
+
+
+def test_sampled_outputs_are_plain_decodings_for_the_same_seed(target, head) -> None:
+    """One-hot trees: each token is drawn from the target's row as plain decoding draws it."""
+    proposer = eagle(target, head)
+    generation = GenerationParams(max_new_tokens=20)
+    for prompt, temperature, seed in ((PROMPTS[0], 0.7, 0), (PROMPTS[3], 1.0, 5), (PROMPTS[8], 0.5, 11)):
+        sampling = SamplingParams(temperature=temperature, top_p=0.9, seed=seed)
+        output, trace = generate(target, prompt, proposer, sampling, generation)
+        assert list(output.token_ids) == reference_tokens(target, prompt, sampling, generation), prompt
+        assert compute(trace).accepted > 0
+
+
+def test_sampled_eagle_follows_the_target_distribution(target, head) -> None:
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    generation = GenerationParams(max_new_tokens=3, raw=True)
+    proposed = assert_follows_target(target, eagle(target, head), "The best thing about summer is", sampling,
+                                     generation)
+    assert proposed > 0
+
+
+def test_trees_put_parents_first_stay_within_room_and_stop_at_an_end_of_sequence(target, head) -> None:
+    proposer = eagle(target, head, nodes=16)
+    _, trace = generate(target, PROMPTS[1], proposer, SamplingParams(), GenerationParams(max_new_tokens=40))
+    drafts = [e for e in trace.events if isinstance(e, DraftEvent)]
+    assert drafts and any(len({t.parent for t in e.tokens}) > 1 for e in drafts)  # trees, not only chains
+    eos = set(target.eos_token_ids)
+    for event in drafts:
+        depths = [0]
+        for i, token in enumerate(event.tokens):
+            parent = i if token.parent is None else token.parent  # None: a chain, each node after the one before
+            assert parent <= i and (parent == 0 or event.tokens[parent - 1].id not in eos)
+            depths.append(depths[parent] + 1)
+        assert max(depths) <= proposer.depth and event.draft_forwards >= 1
+    profile = depth_profile(trace)
+    assert profile["kept_at_least"][0] >= profile["kept_at_least"][-1] and profile["oracle_tokens_per_forward"] > 1
+
+
+def test_the_head_reads_each_feature_once_and_drafts_every_step(target, head) -> None:
+    """After the prefill the head holds the prompt's features; every decode step drafts (the head has read up to
+    the last token's predecessor) and its keys grow by exactly the tokens committed."""
+    proposer = eagle(target, head)
+    seen: list[tuple[int, int]] = []
+    original = proposer.tree
+
+    def tree(request, depth):
+        proposal = original(request, depth)
+        state = proposer.states[request.id]
+        seen.append((state.k.shape[1], request.num_computed))
+        return proposal
+    proposer.tree = tree
+    output, trace = generate(target, PROMPTS[2], proposer, SamplingParams(), GenerationParams(max_new_tokens=30))
+    assert seen and all(keys == computed for keys, computed in seen)  # keys at positions 0 .. last token - 1
+    steps = {e.step for e in trace.events if isinstance(e, DraftEvent)}
+    assert len(steps) == len(seen) >= compute(trace).target_forwards - 2
+
+
+def test_shipped_head_contract(target, head) -> None:
+    assert default_head("embedded") == str(EMBEDDED_EAGLE) and default_head("some/other-model") is None
+    assert (EMBEDDED_EAGLE / WEIGHTS).stat().st_size <= 30 * 2**20
+    report = json.loads((EMBEDDED_EAGLE / "train_report.json").read_text())
+    assert report["corpus_generation_s"] + report["wall_s_this_run"] <= 90 * 60
+    assert report["held_out_tokens_per_target_forward"] > 1.5 and report["head_vocab"] == len(head.vocab_ids)
+
+
+def test_bad_heads_are_refused_with_one_line(tmp_path, target) -> None:
+    with pytest.raises(ModelLoadError, match="is not a folder with config.json and eagle.safetensors"):
+        load_head(str(tmp_path), target)
+    (tmp_path / WEIGHTS).write_bytes(b"")
+    (tmp_path / CONFIG).write_text("{not json")
+    with pytest.raises(ModelLoadError, match="malformed"):
+        load_head(str(tmp_path), target)
+    shape = json.loads((EMBEDDED_EAGLE / CONFIG).read_text())
+    (tmp_path / CONFIG).write_text(json.dumps({**shape, "hidden_size": 64}))
+    with pytest.raises(ModelLoadError, match="made for a target of"):
+        load_head(str(tmp_path), target)
+    (tmp_path / CONFIG).write_text(json.dumps(shape))
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / WEIGHTS))
+    with pytest.raises(ModelLoadError, match="does not match its config"):
+        load_head(str(tmp_path), target)
+    with pytest.raises(ModelLoadError, match="none ships for this target"):
+        load_head(None, dataclasses.replace(target, spec=dataclasses.replace(target.spec, source="some/model")))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"depth": 0}, "depth must be an integer in [1, 16]"),
+    ({"top_k": 17}, "top_k must be an integer in [1, 16]"),
+    ({"nodes": 0}, "nodes must be an integer in [1, 64]"),
+    ({"draft_cost": 2.0}, "draft_cost must be in [0, 1]"),
+    ({"head": " "}, "head must be a folder"),
+])
+def test_bad_settings_name_the_field(settings, message) -> None:
+    with pytest.raises(ConfigError) as error:
+        EagleParams(**settings)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_head_predicts_a_feature_for_every_position_and_masks_what_it_must_not_see(target) -> None:
+    """Run causally over 5 positions at once, the head gives what it gives position by position with the keys of
+    the positions before: what drafting does one depth at a time."""
+    torch.manual_seed(0)
+    module = EagleHead(head_config(target.model)).eval()
+    cfg = module.config
+    embeddings, features = torch.randn(1, 5, cfg.hidden_size), torch.randn(1, 5, cfg.hidden_size)
+    cos, sin = target.model.rope(torch.arange(5).unsqueeze(0), torch.float32)
+    empty = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim)
+    with torch.no_grad():
+        whole, k, v = module(embeddings, features, cos, sin, empty, empty, torch.ones(1, 5, 5, dtype=torch.bool).tril())
+        for i in range(5):
+            visible = torch.ones(1, 1, i + 1, dtype=torch.bool)
+            one, _, _ = module(embeddings[:, i : i + 1], features[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1],
+                               k[:, :, :i], v[:, :, :i], visible)
+            torch.testing.assert_close(one[0, 0], whole[0, i], rtol=1e-4, atol=1e-4)
