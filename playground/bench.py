@@ -375,6 +375,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         oracle = [r["oracle_tokens_per_forward"] for r in results if "oracle_tokens_per_forward" in r]
         if oracle:  # what the same trees would commit were their deepest path right: the ceiling of their size
             entry["median_oracle_tokens_per_forward"] = statistics.median(oracle)
+            entry["median_nodes_verified"] = statistics.median(r["mean_nodes_verified"] for r in results
+                                                               if "mean_nodes_verified" in r)
             deepest = max(len(r["kept_at_least"]) for r in results if "kept_at_least" in r)
             entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
                                                       for r in results) for d in range(deepest)]

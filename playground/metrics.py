@@ -95,11 +95,13 @@ def mean_draft_length(trace: Trace) -> float | None:
 
 
 def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
-    """How deep the verified proposals went and how much of them was kept, over the steps that proposed: the share of
-    those steps that kept at least d drafted tokens (d = 1 .. the deepest proposal), and the tokens per such forward
+    """How large and deep the verified proposals were and how much of them was kept, over the steps that proposed:
+    the share of those steps that kept at least d drafted tokens (d = 1 .. the deepest proposal), the mean nodes
+    verified (an oracle knowing the text would commit 1 + that many as a chain), and the tokens per such forward
     an oracle would commit with the same trees (their deepest path always right: 1 + its depth). Empty when nothing
     was proposed."""
     deepest: dict[int, int] = {}
+    nodes: list[int] = []
     kept: dict[int, int] = {}
     for event in trace.events:
         if isinstance(event, DraftEvent) and event.tokens:
@@ -107,12 +109,14 @@ def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
             for i, token in enumerate(event.tokens):
                 depths.append(depths[i if token.parent is None else token.parent] + 1)
             deepest[event.step] = max(depths)
+            nodes.append(len(event.tokens))
         elif isinstance(event, AcceptEvent):
             kept[event.step] = kept.get(event.step, 0) + 1
     if not deepest:
         return {}
     return {"kept_at_least": [sum(kept.get(s, 0) >= d for s in deepest) / len(deepest)
                               for d in range(1, max(deepest.values()) + 1)],
+            "mean_nodes_verified": statistics.mean(nodes),
             "oracle_tokens_per_forward": 1 + statistics.mean(deepest.values())}
 
 

@@ -14,6 +14,8 @@ from gradio_client import Client, handle_file
 from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, PromptLookupParams
 from playground.models import native
 from playground.ui import build_app, launch_options
+from playground.trace import DraftEvent, Trace
+from playground.viz.steps import branched
 
 from .conftest import write_draft_copy
 
@@ -209,6 +211,18 @@ def test_tokens_per_proposal_zero_follows_the_copies(client, target):
         trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copy_ngram=3,
                             num_draft=0)[4]
         assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_num_draft"] == copies.num_draft
+
+
+def test_eagle_step_detail_draws_the_heads_tree(client, target):
+    outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
+                     max_new_tokens=24, tree_nodes=8)
+    assert "tokens per target forward" in outputs[3]
+    trace = Trace.load(outputs[4])
+    assert trace.params["nodes"] == 8
+    # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)
+    trees = [e.step for e in trace.events if isinstance(e, DraftEvent) and branched(e)]
+    _, _, replayed = client.predict(trees[0], api_name="/replay_step")
+    assert f"<b>step {trees[0]}</b>" in replayed and "Proposal tree (" in replayed
 
 
 def test_medusa_step_detail_draws_the_candidate_tree(client, target):

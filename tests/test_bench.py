@@ -65,11 +65,11 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"speculative", "speculative-copy", "prompt-lookup", "lookahead", "medusa",
-                                    "medusa-copy", "medusa-lossless", "medusa-typical"}
+                                    "medusa-copy", "medusa-lossless", "medusa-typical", "eagle", "eagle-sampled"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
-            # the sampled Medusa rows show what lossless and typical acceptance buy; they are not greedy
-            sampled = name in ("medusa-lossless", "medusa-typical")
+            # the sampled rows show what lossless and typical acceptance buy; they are not greedy
+            sampled = name in ("medusa-lossless", "medusa-typical", "eagle-sampled")
             assert result["same_tokens_as_ar"] is (None if sampled else True), name
     spec = report["prompts"][0]["algos"]["speculative"]
     assert spec["peer"]["tokens"] >= 1 and spec["ratio_vs_peer"] > 0

@@ -79,6 +79,12 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "medusa", "--tree-nodes", "65"], r"nodes must be an integer in \[1, 64\]"),
     (["--prompt", "hi", "--algo", "medusa", "--tree", "small", "--tree-nodes", "8"],
      "nodes sizes the dynamic tree only; tree 'small' has its own nodes"),
+    (["--prompt", "hi", "--algo", "eagle", "--eagle-nodes", "65"], r"nodes must be an integer in \[1, 64\]"),
+    (["--prompt", "hi", "--algo", "eagle", "--eagle-top-k", "0"], r"top_k must be an integer in \[1, 16\]"),
+    (["--prompt", "hi", "--algo", "medusa", "--eagle-depth", "3"],
+     "eagle-depth: a setting of --algo eagle, not medusa"),
+    (["--prompt", "hi", "--algo", "eagle", "--eagle-head", "/nonexistent"],
+     "eagle head: '/nonexistent' is not a folder"),
     (["--prompt", "hi", "--algo", "prompt-lookup", "--max-ngram", "9"], r"max_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--ngram", "1"], r"ngram must be an integer in \[2, 8\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--text-ngram", "17"], r"text_ngram must be an integer in \[2, 16\]"),
@@ -114,11 +120,12 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     assert copies and all(e.source[1] - e.source[0] <= 5 for e in copies)
 
 
-def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
+def test_draft_free_algorithms_medusa_copies_and_eagle_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
     for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", ["--text-ngram", "4"]),
-                        ("medusa", ["--tree", "small", "--copy-ngram", "2", "--copy-tokens", "5"])):
+                        ("medusa", ["--tree", "small", "--copy-ngram", "2", "--copy-tokens", "5"]),
+                        ("eagle", ["--eagle-top-k", "2", "--eagle-nodes", "6"])):
         result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
         assert result.returncode == 0, result.stderr
@@ -135,6 +142,10 @@ def test_draft_free_algorithms_and_medusa_copies_match_plain_and_trace_their_pro
     trace = Trace.load(tmp_path / "medusa.json")
     assert trace.params["copy_max_ngram"] == 2 and trace.params["copy_num_draft"] == 5
     assert any(e.KIND == "draft" and e.source for e in trace.events)  # copies were grafted onto trees
+    assert outputs["eagle"]["token_ids"] == outputs["ar"]["token_ids"]
+    trace = Trace.load(tmp_path / "eagle.json")
+    assert trace.params["top_k"] == 2 and trace.params["nodes"] == 6
+    assert all(len(e.tokens) <= 6 for e in trace.events if e.KIND == "draft")
 
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:

@@ -133,6 +133,7 @@ class EagleProposer(Proposer):
         nodes = self._children(out[-1:], [-1], [0.0], [1])  # the feature at the last token: depth 1's guesses
         expanded: list[int] = []  # nodes run through the head, in order; their keys are tree_k, tree_v's rows
         tree_k, tree_v = state.k[:, :0], state.v[:, :0]
+        forwards = 1
         for d in range(1, depth):
             layer = [i for i, n in enumerate(nodes) if n.depth == d and n.token not in self.eos_ids]
             chosen = sorted(layer, key=lambda i: -nodes[i].worth)[: self.top_k]
@@ -152,6 +153,7 @@ class EagleProposer(Proposer):
                                       torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible)
             tree_k, tree_v = torch.cat((tree_k, k), 1), torch.cat((tree_v, v), 1)
             expanded += chosen
+            forwards += 1
             nodes += self._children(out, chosen, [nodes[i].worth for i in chosen], [d + 1] * len(chosen))
         # The likeliest nodes, best first; a child is never likelier than its parent, and the sort is stable by
         # depth, so parents come first.
@@ -160,7 +162,7 @@ class EagleProposer(Proposer):
         kept = [nodes[i] for i in order]
         return Proposal([n.token for n in kept], [0 if n.parent < 0 else row[n.parent] for n in kept],
                         [self.label] * len(kept), [math.exp(n.worth) for n in kept],
-                        [math.exp(n.logp) for n in kept], forwards=depth)
+                        [math.exp(n.logp) for n in kept], forwards=forwards)
 
     def _forward(self, tokens: list[int], features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
                  past_v: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

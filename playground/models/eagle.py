@@ -11,7 +11,7 @@ Medusa heads do. Stored as safetensors plus config.json beside them (never pickl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,13 +91,10 @@ class LoadedEagle:
 
 def head_config(target: Transformer) -> TransformerConfig:
     """The target's layer shape for the head's one layer."""
-    from dataclasses import replace
-
     return replace(target.config, num_layers=1)
 
 
-def save_head(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.dtype, vocab_ids: torch.Tensor,
-              report: dict | None = None) -> None:
+def save_head(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.dtype, vocab_ids: torch.Tensor) -> None:
     """Weights in `dtype` plus the (V',) token ids the head scores, and config.json."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}

@@ -43,7 +43,7 @@ EVAL_TOKENS = 64  # tokens each held-out prompt is answered with in the report
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded", help="target model spec (default: embedded)")
     parser.add_argument("--out", default=str(EMBEDDED_EAGLE), help="output folder")
-    parser.add_argument("--epochs", type=int, default=4, help="passes over the corpus (default 4)")
+    parser.add_argument("--epochs", type=int, default=16, help="passes over the corpus (default 16)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per optimiser step (default 16)")
     parser.add_argument("--head-vocab", type=int, default=8192,
