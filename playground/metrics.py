@@ -94,6 +94,15 @@ def mean_draft_length(trace: Trace) -> float | None:
     return sum(drafts) / len(drafts) if drafts else None
 
 
+def kept_by_step(trace: Trace) -> dict[int, int]:
+    """Proposed tokens the verifier kept, by step (steps that kept none are absent)."""
+    kept: dict[int, int] = {}
+    for event in trace.events:
+        if isinstance(event, AcceptEvent):
+            kept[event.step] = kept.get(event.step, 0) + 1
+    return kept
+
+
 def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
     """How large and deep the verified proposals were and how much of them was kept, over the steps that proposed:
     the share of those steps that kept at least d drafted tokens (d = 1 .. the deepest proposal), the mean nodes
@@ -102,7 +111,6 @@ def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
     was proposed."""
     deepest: dict[int, int] = {}
     nodes: list[int] = []
-    kept: dict[int, int] = {}
     for event in trace.events:
         if isinstance(event, DraftEvent) and event.tokens:
             depths = [0]  # node 0: the last committed token; node i: tokens[i - 1]
@@ -110,8 +118,7 @@ def depth_profile(trace: Trace) -> dict[str, float | list[float]]:
                 depths.append(depths[i if token.parent is None else token.parent] + 1)
             deepest[event.step] = max(depths)
             nodes.append(len(event.tokens))
-        elif isinstance(event, AcceptEvent):
-            kept[event.step] = kept.get(event.step, 0) + 1
+    kept = kept_by_step(trace)
     if not deepest:
         return {}
     return {"kept_at_least": [sum(kept.get(s, 0) >= d for s in deepest) / len(deepest)

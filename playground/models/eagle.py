@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .linear import Linear
 from .loader import LoadedModel, ModelLoadError
 from .transformer import Block, RMSNorm, Transformer, TransformerConfig
-from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
+from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows, save_with_vocab
 
 EMBEDDED_EAGLE = Path(__file__).resolve().parents[2] / "assets" / "eagle-smollm2-135m"
 WEIGHTS, CONFIG = "eagle.safetensors", "config.json"
@@ -97,8 +97,7 @@ def head_config(target: Transformer) -> TransformerConfig:
 def save_head(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.dtype, vocab_ids: torch.Tensor) -> None:
     """Weights in `dtype` plus the (V',) token ids the head scores, and config.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
-    save_file({**tensors, VOCAB_IDS: vocab_ids.to(torch.int64).contiguous()}, str(folder / WEIGHTS))
+    save_with_vocab(head, str(folder / WEIGHTS), dtype, vocab_ids)
     cfg = target.model.config
     config = {"features": FEATURES, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
               "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

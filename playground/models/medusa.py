@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
 from .native import Panels
 from .linear import linear
 from .transformer import Transformer
-from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
+from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows, save_with_vocab
 
 EMBEDDED_MEDUSA = Path(__file__).resolve().parents[2] / "assets" / "medusa-smollm2-135m"
 WEIGHTS, CONFIG = "medusa.safetensors", "config.json"
@@ -106,8 +106,7 @@ def save_heads(heads: MedusaHeads, folder: Path, target: LoadedModel, dtype: tor
                vocab_ids: torch.Tensor) -> None:
     """Weights in `dtype` plus the (V',) token ids they score, and config.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
-    save_file({**tensors, VOCAB_IDS: vocab_ids.to(torch.int64).contiguous()}, str(folder / WEIGHTS))
+    save_with_vocab(heads, str(folder / WEIGHTS), dtype, vocab_ids)
     config = {"num_heads": heads.num_heads, "inputs": INPUTS, "hidden_size": target.model.config.hidden_size,
               "vocab_size": target.model.config.vocab_size, "head_vocab_size": len(vocab_ids), "target": target.name}
     (folder / CONFIG).write_text(json.dumps(config, indent=2))

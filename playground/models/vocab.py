@@ -12,7 +12,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from torch import nn
 
 from .loader import LoadedModel, ModelLoadError
 from .linear import linear
@@ -60,6 +61,12 @@ def output_rows(model: Transformer, ids: torch.Tensor) -> OutputRows:
     else:
         packed = model.pack_like_own(weight)
     return OutputRows(ids.to(model.device), weight, packed)
+
+
+def save_with_vocab(module: nn.Module, path: str, dtype: torch.dtype, ids: torch.Tensor) -> None:
+    """A proposer's weights in `dtype` and the (V',) token ids it scores, as one safetensors file."""
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()}
+    save_file({**tensors, VOCAB_IDS: ids.to(torch.int64).contiguous()}, path)
 
 
 def check_vocab_ids(ids: torch.Tensor, vocab: int, where: str) -> None:

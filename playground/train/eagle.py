@@ -150,10 +150,11 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
 
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     """The engine drafting with the head saved in `folder` on `prompts`, greedy, in float32 on the CPU: tokens per
-    target forward and the share of steps that kept at least d drafted tokens, d = 1..depth."""
+    target forward and the share of decode steps that kept at least d drafted tokens, d = 1..depth."""
     from ..decoding.eagle import EagleProposer
     from ..engine import generate
-    from ..trace import AcceptEvent, CommitEvent
+    from ..metrics import kept_by_step
+    from ..trace import CommitEvent
 
     proposer = EagleProposer(target, EagleParams(head=str(folder)))
     generation = GenerationParams(max_new_tokens=EVAL_TOKENS)
@@ -161,14 +162,11 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     tokens = forwards = 0
     for prompt in prompts:
         output, trace = generate(target, prompt, proposer, SamplingParams(), generation, algo="eagle")
-        accepted: dict[int, int] = {}
-        for event in trace.events:
-            if isinstance(event, AcceptEvent) and event.step > 0:
-                accepted[event.step] = accepted.get(event.step, 0) + 1
-            if isinstance(event, CommitEvent) and event.step > 0:
-                kept_per_step.append(accepted.get(event.step, 0))
+        kept = kept_by_step(trace)
+        steps = [e.step for e in trace.events if isinstance(e, CommitEvent) and e.step > 0]  # decode forwards
+        kept_per_step += [kept.get(step, 0) for step in steps]
         tokens += len(output.token_ids) - 1  # the first token comes from the prefill
-        forwards += sum(1 for e in trace.events if isinstance(e, CommitEvent) and e.step > 0)
+        forwards += len(steps)
     depth = proposer.depth
     return {"held_out_prompts": len(prompts), "held_out_tokens_per_target_forward": tokens / max(forwards, 1),
             "held_out_kept_at_least": {d: sum(k >= d for k in kept_per_step) / max(len(kept_per_step), 1)
