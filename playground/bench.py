@@ -10,13 +10,14 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .bench_peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
 from .bench_report import Costs, add_copy_bounds, environment, markdown, write_report
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
@@ -35,7 +36,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help=f"runs of plain decoding and each algorithm per prompt, interleaved; speedups are the "
                              f"median of their rounds' ratios, 1..10 (default {ROUNDS})")
-    parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip the peers: transformers, llama.cpp (when llama-cpp-python is installed and the "
+                             "model is a GGUF file) and, for --weights gguf, plain decoding on the float32 weights")
     parser.add_argument("--draft", default=None,
                         help="draft model spec: adds speculative decoding and transformers assisted generation "
                              "(default for the embedded model: its shipped draft; 'none' to skip)")
@@ -55,17 +58,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", default=None,
                         help="where to write the markdown table (default bench_results/bench.md, serving.md)")
     parser.set_defaults(func=cmd_bench)
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    tokens: int
-    wall_s: float
-    token_ids: tuple[int, ...]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:
@@ -98,10 +90,11 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def trace_of(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> Any:
-    """One generation on our engine: its trace."""
+    """One generation on our engine (on the contender's own target where it has one): its trace."""
     from .engine import generate
 
-    return generate(target, prompt, contender.proposer, contender.sampling, generation, contender.algo)[1]
+    return generate(contender.target or target, prompt, contender.proposer, contender.sampling, generation,
+                    contender.algo)[1]
 
 
 def run_of(trace: Any) -> Run:
@@ -112,45 +105,10 @@ def run_of(trace: Any) -> Run:
     return Run(len(finish.token_ids), compute(trace).wall_s, tuple(finish.token_ids))
 
 
-def run_hf(hf_model: Any, prompt_ids: list[int], target: Any, generation: GenerationParams, **extra: Any) -> Run:
-    """transformers `generate` on the same weights, greedy; `extra` adds e.g. an assistant model."""
-    ids = torch.tensor([prompt_ids], device=hf_model.device)
-    with torch.inference_mode():
-        if hf_model.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation.max_new_tokens,
-                                do_sample=False, eos_token_id=list(target.eos_token_ids),
-                                pad_token_id=target.eos_token_ids[0], **extra)
-        if hf_model.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    new = tuple(out[0, len(prompt_ids):].tolist())
-    return Run(len(new), wall, new)
-
-
-def run_stats(run: Run) -> dict[str, float]:
-    return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
-
-
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
+FLOAT32, LLAMA = "ar-float32", "llama.cpp"  # the rows of plain decoding on float32 weights and of llama.cpp
+SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
-class PeerRuns:
-    """One prompt's transformers peer runs by their generate() arguments: rows whose peers are called alike (a
-    variant with prompt copies, which transformers lacks, and its copy-free row) share one run instead of timing
-    the same call twice."""
-
-    def __init__(self) -> None:
-        self.runs: dict[tuple[tuple[str, Any], ...], Any] = {}
-
-    def get(self, kwargs: dict[str, Any], run: Any) -> Any:
-        # the assistant model is one object for every row: its identity is its key
-        key = tuple(sorted((k, id(v) if k == "assistant_model" else v) for k, v in kwargs.items()))
-        if key not in self.runs:
-            self.runs[key] = run()
-        return self.runs[key]
-
-
 @dataclass(frozen=True, slots=True)
 class Contender:
     """One algorithm in the benchmark, with the transformers feature that does the same thing (if any)."""
@@ -162,6 +120,7 @@ class Contender:
     peer: str | None = None  # the transformers feature used as its peer
     peer_kwargs: dict[str, Any] | None = None
     sampling: SamplingParams = SamplingParams()  # SAMPLED: its tokens are not expected to equal greedy plain decoding
+    target: Any = None  # the model it runs on, where not the bench's target (plain decoding on float32 weights)
 
     @property
     def sampled(self) -> bool:
@@ -243,7 +202,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .decoding import encode_prompt
     from .metrics import compute, depth_profile, expected_tokens_per_step, mean_draft_length
     from .models import load_model
-    from .models.loader import load_hf_peer
+    from .models.loader import load_hf_peer, source_gguf
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
     check_int("rounds", args.rounds, 1, 10)
@@ -262,7 +221,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     generation = GenerationParams(max_new_tokens=args.max_new_tokens)
     plain = Contender("ar", "ar", None, "plain decoding")
     contenders, draft = build_contenders(args, target)
+    if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
+        contenders.insert(0, Contender(FLOAT32, "ar", None, "plain decoding on the dequantised float32 weights",
+                                       target=load_model(replace(target.spec, weights="float32"))))
     hf_model = None if args.no_peers else load_hf_peer(target)
+    llm = None if args.no_peers else llama_cpp_peer(source_gguf(target.spec),
+                                                    max(SUITE_CONTEXT, 512 + args.max_new_tokens))
     if hf_model is not None and draft is not None:
         assistant = load_hf_peer(draft)
         for contender in contenders:
@@ -274,6 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warm_ids = encode_prompt(target, "Hello", warm)
     for contender in (plain, *contenders):
         trace_of(target, contender, "Hello", warm)
+    if llm is not None:
+        run_llama(llm, warm_ids, target, warm)
     if hf_model is not None:
         run_hf(hf_model, warm_ids, target, warm)
         for contender in contenders:
@@ -289,8 +255,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
         # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
-        traces = measure({c.name: partial(trace_of, target, c, prompt, generation) for c in (plain, *contenders)},
-                         args.rounds)
+        entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (plain, *contenders)}
+        if llm is not None:
+            entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
+        traces = measure(entrants, args.rounds)
+        llama_runs = traces.pop(LLAMA, None)
         speedups = compare(traces, plain.name)
         plain_trace = median_run(traces[plain.name])
         plain_costs.add(plain_trace)
@@ -300,6 +269,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                "ar_spread": speedups[plain.name].spread}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
         progress = f"[{run + 1}/{len(indices)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
+        if llama_runs is not None:
+            row["llama_cpp"] = run_stats(sorted(llama_runs, key=lambda r: r.tokens_per_s)[len(llama_runs) // 2])
+            row["ratio_vs_llama_cpp"] = statistics.median(
+                run_of(t).tokens_per_s / r.tokens_per_s for t, r in zip(traces[plain.name], llama_runs))
+            progress += f", llama.cpp {row['llama_cpp']['tokens_per_s']:.1f}"
         if hf_model is not None:
             peer = run_hf(hf_model, prompt_ids, target, generation)
             row["hf"] = run_stats(peer)
@@ -345,6 +319,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         summary["hf_median_tokens_per_s"] = statistics.median(r["hf"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_hf"] = statistics.median(r["ratio_vs_hf"] for r in rows)
         summary["all_same_tokens"] = all(r["same_tokens"] for r in rows)
+    if llm is not None:
+        summary["llama_cpp_median_tokens_per_s"] = statistics.median(r["llama_cpp"]["tokens_per_s"] for r in rows)
+        summary["median_ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
     report: dict[str, Any] = {
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,

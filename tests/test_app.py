@@ -24,7 +24,7 @@ DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "
             "num_draft": 8, "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
             "pools": ["prompt", "output", "corpus"], "tree": "small", "tree_nodes": 0,
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
-            "dtype": "float32", "quant": "none"}
+            "dtype": "float32", "weights": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
         "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",
                                                           "lookahead", "plain, paged KV"],
-        12, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
+        12, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
     assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "Medusa + prompt copies", "lookahead",
@@ -287,26 +287,26 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
 ])
 def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
     with pytest.raises(Exception, match=re.escape(message)):
-        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", "float32", "none", api_name="/race")
+        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     block_map, chart, summary, table, step = client.predict(4, 12, 8, 24, 4, True, "none (plain decoding)",
-                                                        "embedded", "", "cpu", "float32", "none", api_name="/memory")
+                                                        "embedded", "", "cpu", "float32", "auto", api_name="/memory")
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None and "Prompt lookup" not in summary
     table = rows(table)
     proposed = client.predict(4, 12, 8, 24, 4, True, "Medusa heads + prompt lookup", "embedded", "", "cpu", "float32",
-                              "none", api_name="/memory")
+                              "auto", api_name="/memory")
     assert re.search(r"Prompt lookup: \*\*\d+ of \d+\*\* copied tokens accepted", proposed[2])
     assert re.search(r"Medusa heads: \*\*\d+ of \d+\*\* guessed tokens accepted", proposed[2])
     assert rows(proposed[3]) == table  # the same requests, the same tokens
     drafted = client.predict(4, 12, 8, 24, 4, True, "draft model", "embedded", "", "cpu", "float32",
-                             "none", api_name="/memory")
+                             "auto", api_name="/memory")
     assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
     assert rows(drafted[3]) == table
     ahead = client.predict(4, 12, 8, 24, 1, True, "lookahead", "embedded", "", "cpu", "float32",
-                           "none", api_name="/memory")  # one at a time: where lookahead's window pays on a CPU
+                           "auto", api_name="/memory")  # one at a time: where lookahead's window pays on a CPU
     assert re.search(r"Lookahead: \*\*[1-9]\d* of \d+\*\* candidate tokens accepted", ahead[2])
     # the same tokens (preemptions differ: one request at a time never runs out of blocks)
     assert [(r[0], r[3], r[5]) for r in rows(ahead[3])] == [(r[0], r[3], r[5]) for r in table]
@@ -329,14 +329,14 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
             "prefix_caching": True, "proposals": "none (plain decoding)", "model": "embedded",
-            "draft_model": "", "device": "cpu", "dtype": "float32", "quant": "none",
+            "draft_model": "", "device": "cpu", "dtype": "float32", "weights": "auto",
             **changes}
     with pytest.raises(Exception, match=re.escape(message)):
         client.predict(*args.values(), api_name="/memory")
 
 
 def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target, tmp_path):
-    shown = list(client.submit("embedded", "", "cpu", "float32", "none", api_name="/load_model"))
+    shown = list(client.submit("embedded", "", "cpu", "float32", "auto", api_name="/load_model"))
     assert shown[0].startswith("Loading 'embedded'")  # said at once, while a first load converts the file
     summary = shown[-1]
     assert "Target: **SmolLM2-135M-Instruct**: llama, 30 layers, 135M parameters, float32 on cpu" in summary
@@ -352,15 +352,16 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     tokenizer["added_tokens"].append({"id": target.model.config.vocab_size, "content": "<other>", "single_word": False,
                                       "lstrip": False, "rstrip": False, "normalized": False, "special": True})
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    for draft, device, dtype, quant, message in (
-            (str(other), "cpu", "float32", "none", "draft: its tokenizer differs"),
-            ("", "cuda", "float32", "none", "device: 'cuda' was asked for but no CUDA GPU"),
+    for draft, device, dtype, weights, message in (
+            (str(other), "cpu", "float32", "auto", "draft: its tokenizer differs"),
+            ("", "cuda", "float32", "auto", "device: 'cuda' was asked for but no CUDA GPU"),
             ("", "cpu", "float16", "nf4", "dtype: float16 with bitsandbytes quantization needs a GPU"),
+            ("", "cpu", "bfloat16", "gguf", "weights: gguf needs the CPU (--device cpu), dtype float32"),
             ("", "cpu", "float32", "int4", "is not in the list of choices")):
         with pytest.raises(Exception, match=re.escape(message)):
-            client.predict("embedded", draft, device, dtype, quant, api_name="/load_model")
+            client.predict("embedded", draft, device, dtype, weights, api_name="/load_model")
     with pytest.raises(Exception, match="could not fetch 'nobody/no-such-model'"):
-        client.predict("nobody/no-such-model", "", "cpu", "float32", "none", api_name="/load_model")
+        client.predict("nobody/no-such-model", "", "cpu", "float32", "auto", api_name="/load_model")
 
 
 def test_a_space_installs_the_embedded_model_without_its_dependencies(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import Counter
 
@@ -28,7 +29,15 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert 0 < report["summary"]["fraction_of_bound"]
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
-    assert report["algos"] == {} and report["prompts"][0]["algos"] == {}
+    # the embedded model reads its GGUF blocks; the same run races plain decoding on its float32 weights
+    assert report["environment"]["weights"].startswith("Q4_1 and Q8_0 blocks")
+    assert set(report["algos"]) == {"ar-float32"}
+    assert all(row["algos"]["ar-float32"]["same_tokens_as_ar"] is True for row in report["prompts"])
+    assert "ours on the GGUF blocks / on the float32 weights" in out_md.read_text()
+    if importlib.util.find_spec("llama_cpp") is not None:  # the optional peer, where installed
+        assert row["llama_cpp"]["tokens"] >= 1 and "ours / llama.cpp" in out_md.read_text()
+    else:
+        assert "llama_cpp" not in row
 
 
 @pytest.mark.parametrize("count", range(1, len(SUITE) + 1))
@@ -64,8 +73,9 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["algos"]) == {"speculative", "speculative-copy", "prompt-lookup", "lookahead", "medusa",
-                                    "medusa-copy", "medusa-lossless", "medusa-typical", "eagle", "eagle-sampled"}
+    assert set(report["algos"]) == {"ar-float32", "speculative", "speculative-copy", "prompt-lookup", "lookahead",
+                                    "medusa", "medusa-copy", "medusa-lossless", "medusa-typical", "eagle",
+                                    "eagle-sampled"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled rows show what lossless and typical acceptance buy; they are not greedy
@@ -96,7 +106,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert f"depth 4, nodes {nodes}, tree dynamic, acceptance typical" in text and "(LOSSY)" in text
     assert "n/a (sampled)" in text
     assert "Costs come from the runs themselves" in text and "step cost: draft + verify + other" in text
-    assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 8
+    assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 9
 
 
 def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:
@@ -109,3 +119,31 @@ def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:
 def test_bench_rejects_unknown_algorithms(capsys) -> None:
     assert main(["bench", "--algos", "speculative,medusa-ish"]) == 2
     assert "algos: unknown medusa-ish" in capsys.readouterr().err
+
+
+def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
+    """run_llama keeps llama.cpp's greedy tokens up to an end-of-sequence id or max_new_tokens, after a reset; the
+    peer needs a GGUF file and the optional package."""
+    from types import SimpleNamespace
+
+    from playground.bench_peers import llama_cpp_peer, run_llama
+    from playground.config import GenerationParams
+
+    class FakeLlama:
+        def __init__(self, tokens):
+            self.tokens, self.resets, self.calls = tokens, 0, []
+
+        def reset(self):
+            self.resets += 1
+
+        def generate(self, prompt_ids, **options):
+            self.calls.append((list(prompt_ids), options))
+            yield from self.tokens
+
+    target = SimpleNamespace(eos_token_ids=(2,))
+    llm = FakeLlama([5, 6, 2, 9])
+    run = run_llama(llm, [1, 4], target, GenerationParams(max_new_tokens=8))
+    assert run.token_ids == (5, 6, 2) and run.tokens == 3 and llm.resets == 1
+    assert llm.calls[0][0] == [1, 4] and llm.calls[0][1]["top_k"] == 1 and llm.calls[0][1]["temp"] == 0.0
+    assert run_llama(FakeLlama([5, 6, 7, 8]), [1], target, GenerationParams(max_new_tokens=2)).token_ids == (5, 6)
+    assert llama_cpp_peer(None, 512) is None

@@ -40,6 +40,15 @@ def test_generate_json_and_trace(tmp_path, target) -> None:
         assert Trace.load(tmp_path / f"trace-{i}.json").finish().token_ids == record["token_ids"]
 
 
+def test_generate_reads_either_format_with_the_same_tokens(target) -> None:
+    """--weights gguf (the default's choice for the embedded model) and float32: the same tokens."""
+    runs = [cli("generate", "--prompt", "Name a colour.", "--max-new-tokens", "8", "--json", "--weights", weights)
+            for weights in ("gguf", "float32")]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    gguf, float32 = (json.loads(run.stdout)["token_ids"] for run in runs)
+    assert gguf == float32 and len(gguf) >= 1
+
+
 @pytest.fixture
 def unsupported_folder(tmp_path):
     folder = tmp_path / "gpt2ish"
@@ -60,6 +69,8 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--model", "./missing.gguf"], "does not exist"),
     (["--prompt", "hi", "--model", "UNSUPPORTED"], "supported: llama, mistral, qwen2, qwen3"),
     (["--prompt", "hi", "--device", "tpu"], "argument --device: invalid choice"),
+    (["--prompt", "hi", "--weights", "q4"], "argument --weights: invalid choice"),
+    (["--prompt", "hi", "--weights", "gguf", "--dtype", "bfloat16"], "weights: gguf needs the CPU"),
     (["--prompt", "hi", "--top-k", "many"], "argument --top-k: invalid int value"),
     (["--prompt", "hi", "--algo", "speculative", "--model", "nobody/no-draft"],
      "draft: --algo speculative needs --draft SPEC"),

@@ -22,22 +22,22 @@ def public_client(target, monkeypatch):
 
 
 def test_a_public_app_loads_only_what_it_offers(public_client, target, tmp_path):
-    summary = public_client.predict("embedded", "", "cpu", "float32", "none", api_name="/load_model")
+    summary = public_client.predict("embedded", "", "cpu", "float32", "auto", api_name="/load_model")
     assert "Target: **SmolLM2-135M-Instruct**" in summary
     refusal = "model: this public app loads only embedded, nobody/allowed-model; got "
     existing, missing = str(target.folder), str(tmp_path / "missing")
     for source in (existing, missing, "~/.ssh", "other/model", "/etc/passwd.gguf"):
         with pytest.raises(Exception, match="is not in the list of choices|" + refusal) as refused:
-            public_client.predict(source, "", "cpu", "float32", "none", api_name="/load_model")
+            public_client.predict(source, "", "cpu", "float32", "auto", api_name="/load_model")
         assert "does not exist" not in str(refused.value) and "no config.json" not in str(refused.value)
     with pytest.raises(Exception, match="draft: this public app loads only|is not in the list of choices"):
-        public_client.predict("embedded", existing, "cpu", "float32", "none", api_name="/load_model")
+        public_client.predict("embedded", existing, "cpu", "float32", "auto", api_name="/load_model")
     # the handlers check too, whatever reaches them
     with pytest.raises(ModelLoadError, match=refusal):
         models.get_model(ModelSpec(source=existing, device="cpu"))
     # an allowed hub id is fetched (offline here: refused), and the message names no local file
     with pytest.raises(Exception, match="could not fetch 'nobody/allowed-model'") as refused:
-        public_client.predict("nobody/allowed-model", "", "cpu", "float32", "none", api_name="/load_model")
+        public_client.predict("nobody/allowed-model", "", "cpu", "float32", "auto", api_name="/load_model")
     assert str(target.folder) not in str(refused.value)
 
 

@@ -72,10 +72,12 @@ def measure(model: Transformer, rounds: int = ROUNDS) -> ForwardCosts:
 
 
 def machine_key(model: Transformer) -> str:
-    """What a forward's cost depends on besides the widths: the model's shape, dtype, device, kernel and threads."""
+    """What a forward's cost depends on besides the widths: the model's shape, dtype, device, kernel, the formats
+    its products read (float32, 16-bit, GGUF blocks) and threads."""
     shape = json.dumps(asdict(model.config), sort_keys=True, default=str)
-    parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), str(torch.get_num_threads()),
-             torch.__version__]
+    formats = sorted({panels.format for _, panels in model.packed_products()})
+    parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), str(formats),
+             str(torch.get_num_threads()), torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

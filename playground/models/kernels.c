@@ -68,15 +68,35 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 /* Weight formats. Panels hold float32, or 16-bit floats where every weight of the product is exactly one (a
  * checkpoint saved in float16 or bfloat16 and run in float32): widened to float32 as they are loaded, they give
  * the same sums bit for bit from half the bytes, and a product over a few rows is bound by reading its weights.
- * 16-bit panels need AVX2 with F16C, or AVX-512; `playground_formats` says which this build serves. */
+ * 16-bit panels need AVX2 with F16C, or AVX-512; `playground_formats` says which this build serves.
+ *
+ * GGUF blocks (the same builds): Q8_0 and Q4_1 keep the file's blocks of QK weights along `in`, each with its
+ * float16 scale d (and, for Q4_1, float16 minimum m), and the panel regroups them by block: block b of a panel is
+ * its PANEL scales, then (Q4_1) its PANEL minimums, then for each of the QK inputs its PANEL quants (Q8_0: one
+ * signed byte per output; Q4_1: PANEL / 2 bytes, output i in the low nibble of byte i, output i + PANEL / 2 in the
+ * high nibble). A weight is widened to the float32 gguf's dequantisation computes, d * q for Q8_0 and (d * q) + m
+ * for Q4_1, so every product gives the bits of the float32 panels of the dequantised weight from 8.5 or 5 bits a
+ * weight. */
 #define FMT_F32 0
 #define FMT_F16 1
 #define FMT_BF16 2
+#define FMT_Q8_0 3
+#define FMT_Q4_1 4
+#define QK 32 /* weights per GGUF block */
 #if VEC == 16 || (VEC == 8 && defined(__AVX2__) && defined(__F16C__))
 #define HALF_PANELS 1
 #else
 #define HALF_PANELS 0
 #endif
+
+static inline int quantised(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q4_1; }
+
+/* Bytes of a panel over `in` inputs (a multiple of QK for the GGUF formats). */
+static inline long panel_bytes_of(int fmt, long in) {
+    if (fmt == FMT_Q8_0) return in / QK * (PANEL * 2 + QK * PANEL);
+    if (fmt == FMT_Q4_1) return in / QK * (PANEL * 4 + QK * PANEL / 2);
+    return in * PANEL * (fmt == FMT_F32 ? 4 : 2);
+}
 
 /* The vector of weights at element `index` of a panel in format fmt (a compile-time constant at every call). */
 static inline __attribute__((always_inline)) vf load_weights(const void *panel, long index, int fmt) {
@@ -96,7 +116,33 @@ static inline __attribute__((always_inline)) vf load_weights(const void *panel, 
     return *((const vf *)panel + index / VEC); /* vf is 4-byte aligned: an unaligned load */
 }
 
-static inline int format_bytes(int fmt) { return fmt == FMT_F32 ? 4 : 2; }
+#if HALF_PANELS
+/* VEC float16 values at `at`, widened (exactly). */
+static inline __attribute__((always_inline)) vf load_halves(const void *at) {
+#if VEC == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+#else
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+#endif
+}
+
+/* VEC quants of vector j at one input of a GGUF block (`at`: that input's quant bytes), as float32 (exactly). */
+static inline __attribute__((always_inline)) vf load_quants(const uint8_t *at, int j, int fmt) {
+#if VEC == 16
+    if (fmt == FMT_Q8_0) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + j * VEC))));
+    /* 0..15 as floats, looked up by each lane's low four bits: one shuffle instead of a mask and a conversion,
+     * both on the port the multiply-adds need */
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
+    return (vf)_mm512_permutexvar_ps(j == 0 ? q : _mm512_srli_epi32(q, 4), values);
+#else
+    if (fmt == FMT_Q8_0) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at + j * VEC))));
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
+    q = j == 0 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
+    return (vf)_mm256_cvtepi32_ps(q);
+#endif
+}
+#endif
 
 /* b in every lane (x - +0 is x for every x, -0 included, so this compiles to a broadcast alone). */
 static inline __attribute__((always_inline)) vf splat(float b) { return b - (vf){0}; }
@@ -104,7 +150,10 @@ static inline __attribute__((always_inline)) vf splat(float b) { return b - (vf)
 int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 int playground_rows_per_pass(void) { return NB; }
-int playground_formats(void) { return HALF_PANELS ? (1 << FMT_F32) | (1 << FMT_F16) | (1 << FMT_BF16) : 1 << FMT_F32; }
+int playground_formats(void) {
+    return HALF_PANELS ? (1 << FMT_F32) | (1 << FMT_F16) | (1 << FMT_BF16) | (1 << FMT_Q8_0) | (1 << FMT_Q4_1)
+                       : 1 << FMT_F32;
+}
 
 /* Rows x[0..nb) of G adjacent panels (panel g at panel + g * in * PANEL, `cols` outputs in the last one); nb and G
  * are compile-time constants at every call site (see `rows`), so the accumulators stay in registers. Why several
@@ -128,30 +177,61 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
 #pragma GCC unroll 16
         for (int i = 0; i < nb; i++)
             for (int j = 0; j < NV; j++) acc[g][i][j] = (vf){0};
-    for (long k = 0; k < in; k++) {
-        uintptr_t at = fetch + k * step;
+    /* GGUF formats run block by block, each block's scales (and minimums) loaded once for its QK inputs; the
+     * others take `in` as one block. */
+    const long block = quantised(fmt) ? QK : in, panel_bytes = panel_bytes_of(fmt, in);
+    const long block_bytes = panel_bytes / (in / block), quant_at = fmt == FMT_Q4_1 ? PANEL * 4 : PANEL * 2;
+    const long quant_row = fmt == FMT_Q4_1 ? PANEL / 2 : PANEL;
+    for (long k0 = 0; k0 < in; k0 += block) {
+        vf scale[GROUP][NV], low[GROUP][NV];
+        (void)scale, (void)low, (void)quant_at, (void)quant_row;
+#if HALF_PANELS
+        if (quantised(fmt)) {
 #pragma GCC unroll 16
-        for (int g = 0; g < GROUP; g++) {
-            if (g < G) {
-                __builtin_prefetch((const void *)(at + g * stride), 0, 2);
-                __builtin_prefetch((const void *)(at + g * stride + 64), 0, 2);
-                vf wv[NV];
+            for (int g = 0; g < G; g++) {
+                const uint8_t *head = (const uint8_t *)panel + g * panel_bytes + k0 / QK * block_bytes;
                 for (int j = 0; j < NV; j++) {
-                    wv[j] = load_weights(panel, (g * in + k) * PANEL + j * VEC, fmt);
-                    /* In a register: left free, GCC folded the load into each of nb FMAs, and the extra loads made
-                     * 3-4 rows up to 1.9x slower on Zen 3. */
-                    __asm__("" : "+x"(wv[j]));
+                    scale[g][j] = load_halves(head + j * VEC * 2);
+                    if (fmt == FMT_Q4_1) low[g][j] = load_halves(head + PANEL * 2 + j * VEC * 2);
                 }
+            }
+        }
+#endif
+        for (long k = k0; k < k0 + block; k++) {
+            uintptr_t at = fetch + k * step;
 #pragma GCC unroll 16
-                for (int i = 0; i < NB; i++) {
-                    if (i < nb) {
-                        vf b = splat(x[i * in + k]);
-                        for (int j = 0; j < NV; j++) acc[g][i][j] = vfma(b, wv[j], acc[g][i][j]);
+            for (int g = 0; g < GROUP; g++) {
+                if (g < G) {
+                    __builtin_prefetch((const void *)(at + g * stride), 0, 2);
+                    if (!quantised(fmt)) __builtin_prefetch((const void *)(at + g * stride + 64), 0, 2);
+                    vf wv[NV];
+                    for (int j = 0; j < NV; j++) {
+#if HALF_PANELS
+                        if (quantised(fmt)) {
+                            const uint8_t *q = (const uint8_t *)panel + g * panel_bytes + k0 / QK * block_bytes +
+                                               quant_at + (k - k0) * quant_row;
+                            /* d * q is exact in float32 (11 significant bits times at most 8), so rounding
+                             * it with + m in one fused step is gguf's (d * q) + m, one operation cheaper */
+                            wv[j] = fmt == FMT_Q4_1 ? vfma(load_quants(q, j, fmt), scale[g][j], low[g][j])
+                                                    : load_quants(q, j, fmt) * scale[g][j];
+                        } else
+#endif
+                            wv[j] = load_weights(panel, (g * in + k) * PANEL + j * VEC, fmt);
+                        /* In a register: left free, GCC folded the load into each of nb FMAs, and the extra loads
+                         * made 3-4 rows up to 1.9x slower on Zen 3. */
+                        __asm__("" : "+x"(wv[j]));
                     }
+#pragma GCC unroll 16
+                    for (int i = 0; i < NB; i++) {
+                        if (i < nb) {
+                            vf b = splat(x[i * in + k]);
+                            for (int j = 0; j < NV; j++) acc[g][i][j] = vfma(b, wv[j], acc[g][i][j]);
+                        }
+                    }
+                    /* x is read again for the next panel, not kept: keeping 3 rows' broadcasts across 2 panels
+                     * took 17 registers, and the accumulator spilled to the stack cost a store and a load every k. */
+                    if (G > 1) __asm__ volatile("" ::: "memory");
                 }
-                /* x is read again for the next panel, not kept: keeping 3 rows' broadcasts across 2 panels took
-                 * 17 registers, and the accumulator spilled to the stack cost a store and a load every k. */
-                if (G > 1) __asm__ volatile("" ::: "memory");
             }
         }
     }
@@ -228,6 +308,14 @@ static void rows(const float *x, long in, const void *panel, int fmt, float *y, 
         rows_in(x, in, panel, FMT_BF16, y, out, nb, G, cols, fetch, stride, step);
         return;
     }
+    if (fmt == FMT_Q8_0) {
+        rows_in(x, in, panel, FMT_Q8_0, y, out, nb, G, cols, fetch, stride, step);
+        return;
+    }
+    if (fmt == FMT_Q4_1) {
+        rows_in(x, in, panel, FMT_Q4_1, y, out, nb, G, cols, fetch, stride, step);
+        return;
+    }
 #endif
     rows_in(x, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
 }
@@ -248,7 +336,7 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
                        int nt) {
     if (n <= 0) return;
     long panels = (out + PANEL - 1) / PANEL;
-    uintptr_t row_bytes = PANEL * format_bytes(fmt), panel_bytes = (uintptr_t)in * row_bytes;
+    uintptr_t panel_bytes = panel_bytes_of(fmt, in), row_bytes = panel_bytes / in; /* per input, on average */
     int chunk, G;
     plan(n, &chunk, &G);
     int passes = (n + chunk - 1) / chunk; /* per group */

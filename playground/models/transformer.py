@@ -315,14 +315,22 @@ class Transformer(nn.Module):
         Medusa blocks): packed where the model packed its weights and `weight` can be, else None."""
         return pack(weight) if self.packed_output is not None and can_pack(weight) else None
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
-        those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`)."""
+        those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`). A weight named
+        in `blocks` (format, GGUF blocks) is packed from its blocks where the kernel reads them (see `gguf`)."""
         kernel = native.kernel()
-        for module in self.modules():
+        blocks = blocks if blocks and kernel is not None and kernel.gguf else {}
+
+        def packed(name: str, weight: torch.Tensor) -> native.Panels | torch.Tensor:
+            if name in blocks:
+                return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel)
+            return pack(weight)
+
+        for name, module in self.named_modules():
             if isinstance(module, Linear) and can_pack(module.weight):
-                module.packed = pack(module.weight)
+                module.packed = packed(f"{name}.weight", module.weight)
             if isinstance(module, RMSNorm) and kernel is not None and kernel.normalises(module.weight):
                 module.kernel = kernel
         for block in self.layers:
@@ -335,7 +343,8 @@ class Transformer(nn.Module):
                  b.mlp.down_proj.packed) for b in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                 cfg.rms_norm_eps)
         if can_pack(self.output_weight):
-            self.packed_output = self.lm_head.packed if self.lm_head is not None else pack(self.output_weight)
+            self.packed_output = (self.lm_head.packed if self.lm_head is not None
+                                  else packed("embed_tokens.weight", self.output_weight))
 
     def forward(
         self,

@@ -28,7 +28,8 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
     with gr.Blocks(title="Decoding playground", delete_cache=(CACHE_CLEANUP_S, CACHE_CLEANUP_S)) as app:
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
-        model = models.build_panel(models.catalog.access)  # (source, draft, device, dtype, quant), inputs of every run
+        # (source, draft, device, dtype, weights), inputs of every run
+        model = models.build_panel(models.catalog.access)
         history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
         wrap = on_gpu or (lambda fn: fn)
         with gr.Tab("Decode"):
@@ -38,7 +39,7 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
         with gr.Tab("Memory"):
             memory.build_tab(model, wrap)
         with gr.Tab("Theory"):
-            theory.build_tab(app, history)
+            theory.build_tab(app, history, model)
     app.queue(default_concurrency_limit=CONCURRENCY)
     return app
 

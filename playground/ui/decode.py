@@ -191,7 +191,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
                seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
-               dtype: str, quant: str, history: list[dict[str, Any]] | None, request: gr.Request | None = None):
+               dtype: str, weights: str, history: list[dict[str, Any]] | None, request: gr.Request | None = None):
     """Measure first, then show: the algorithm and plain decoding run on the engine alone, interleaved over
     ROUNDS rounds (nothing is drawn meanwhile, so the browser never competes with the clock); yields (prompt HTML,
     tokens HTML, step detail, stats, trace state, trace file, step slider, session history, per-step chart,
@@ -207,7 +207,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         algo = ALGOS[algo_label]
         names = [algo] if algo == PLAIN else [algo, PLAIN]
         QUOTA.take(request, generation.max_new_tokens * len(names) * ROUNDS)
-        spec = target_spec(model_source, device, dtype, quant)
+        spec = target_spec(model_source, device, dtype, weights)
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
         cleared = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(),
                    None, None, []]

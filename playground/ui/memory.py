@@ -72,7 +72,7 @@ def _proposals(engine: Engine) -> str:
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
                prefix_caching: bool, proposals: str, model_source: str, draft_source: str, device: str, dtype: str,
-               quant: str, progress: gr.Progress = gr.Progress()):
+               weights: str, progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
     runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
     try:
@@ -83,7 +83,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
         check_choice("proposals", proposals, tuple(PROPOSALS))
         algo, copies = PROPOSALS[proposals]
-        spec = target_spec(model_source, device, dtype, quant)
+        spec = target_spec(model_source, device, dtype, weights)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         # the app's loaded draft (the panel's, else the shipped one), not a fresh load on every run
@@ -154,8 +154,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
                          elem_id="pg-memory-table")
     state = gr.State(None)
-    source, draft_source, device, dtype, quant = model
+    source, draft_source, device, dtype, weights = model
     run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   proposals, source, draft_source, device, dtype, quant],
+                                   proposals, source, draft_source, device, dtype, weights],
               [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

@@ -18,7 +18,9 @@ from ..models import LoadedModel, ModelLoadError, load_model, native
 from ..models.loader import HUB_ID, default_draft, draft_spec
 from ..models.vocab import proposal_rows
 
-NO_QUANT = "none"
+# How the products read the weights: ModelSpec.weights, or a bitsandbytes quantisation (which reads float32 first)
+WEIGHT_CHOICES = [("auto (GGUF blocks where they run)", "auto"), ("GGUF blocks (Q4_1, Q8_0)", "gguf"),
+                  ("float32", "float32"), *((f"bitsandbytes {q}", q) for q in QUANTS)]
 MAX_LOADED = 3  # models kept loaded at once; the least recently used goes first
 MODELS_ENV = "PLAYGROUND_MODELS"  # public mode: hub ids the panel offers beside the embedded model (comma-separated)
 EMBEDDED = "embedded"
@@ -91,10 +93,12 @@ def get_model(spec: ModelSpec) -> LoadedModel:
     return catalog.get(spec)
 
 
-def target_spec(source: str, device: str, dtype: str = "float32", quant: str = NO_QUANT) -> ModelSpec:
-    """The panel's target as a spec (every field validated by ModelSpec, with its name in the message)."""
-    return ModelSpec(source=(source or "").strip() or "embedded", device=device, dtype=dtype,
-                     quant=None if quant in (None, NO_QUANT) else quant)
+def target_spec(source: str, device: str, dtype: str = "float32", weights: str = "auto") -> ModelSpec:
+    """The panel's target as a spec (every field validated by ModelSpec, with its name in the message); `weights`
+    one of ModelSpec.weights or a bitsandbytes quantisation."""
+    quant = weights if weights in QUANTS else None
+    return ModelSpec(source=(source or "").strip() or "embedded", device=device, dtype=dtype, quant=quant,
+                     weights="float32" if quant else weights)
 
 
 def get_draft(target: LoadedModel, draft_source: str) -> LoadedModel:
@@ -112,19 +116,17 @@ def describe(model: LoadedModel) -> str:
     element = next(model.model.parameters()).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
     quant = f", {model.spec.quant}" if model.spec.quant else ""
-    halves = sorted({str(panels.data.dtype).removeprefix("torch.") for _, panels in model.model.packed_products()
-                     if panels.data.itemsize == 2})
-    panels = (f"; its weights are exactly {' and '.join(halves)} numbers, read as such (half the bytes, the same "
-              "results)" if halves else "")
+    reads = (f"; its products read {native.formats_read(model.model)}" if model.model.device.type == "cpu"
+             and not model.spec.quant else "")
     return (f"**{model.name}**: {cfg.model_type}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters, "
-            f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token{panels}")
+            f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token{reads}")
 
 
-def load(source: str, draft_source: str, device: str, dtype: str, quant: str):
+def load(source: str, draft_source: str, device: str, dtype: str, weights: str):
     """Load the target and its draft now (a run would load them too); yields what it is doing, then a summary (or
     the error as a message)."""
     try:
-        spec = target_spec(source, device, dtype, quant)
+        spec = target_spec(source, device, dtype, weights)
         yield (f"Loading {spec.source!r}: a GGUF file is converted once (about 30 s on a laptop CPU), then loads in "
                "under a second...")
         target = get_model(spec)
@@ -139,14 +141,14 @@ def load(source: str, draft_source: str, device: str, dtype: str, quant: str):
         else:
             lines.append("No draft: speculative decoding needs one with the target's tokenizer.")
         if target.model.device.type == "cpu":
-            lines.append(f"Float32 matrix products and attention on the CPU: native kernels {native.status()}.")
+            lines.append(f"Matrix products and attention on the CPU: native kernels {native.status()}.")
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     yield "\n\n".join(lines)
 
 
 def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
-    """The Model accordion; returns (model source, draft source, device, dtype, quantisation) for the tabs. A public
+    """The Model accordion; returns (model source, draft source, device, dtype, weights) for the tabs. A public
     app offers its allowed models to choose from instead of a free text field."""
     with gr.Accordion("Model", open=False):
         with gr.Row():
@@ -163,8 +165,10 @@ def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown
         with gr.Row():
             device = gr.Dropdown(list(DEVICES), value="auto", label="Device")
             dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype (greedy exactness holds in float32)")
-            quant = gr.Dropdown([NO_QUANT, *QUANTS], value=NO_QUANT, label="Quantisation (bitsandbytes)")
+            weights = gr.Dropdown(WEIGHT_CHOICES, value="auto", label="Weights the products read (GGUF blocks: the "
+                                  "same outputs as float32 from a fifth of the bytes)")
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
-    button.click(load, [source, draft, device, dtype, quant], [status], api_name="load_model", show_progress="minimal")
-    return source, draft, device, dtype, quant
+    button.click(load, [source, draft, device, dtype, weights], [status], api_name="load_model",
+                 show_progress="minimal")
+    return source, draft, device, dtype, weights

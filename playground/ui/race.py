@@ -62,7 +62,7 @@ def replay_speed(end_s: float) -> float:
 
 
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
-             model_source: str, draft_source: str, device: str, dtype: str, quant: str,
+             model_source: str, draft_source: str, device: str, dtype: str, weights: str,
              history: list[dict[str, Any]] | None, request: gr.Request | None = None):
     """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay."""
     try:
@@ -78,7 +78,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         names = [PLAIN, *chosen]
         QUOTA.take(request, tokens * len(names) * ROUNDS)
-        spec = target_spec(model_source, device, dtype, quant)
+        spec = target_spec(model_source, device, dtype, weights)
         yield gr.update(), f"loading model {spec.source!r}", *[gr.update()] * 3
         target = get_model(spec)
         status = partial(status_frame, 5, 1)

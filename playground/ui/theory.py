@@ -1,5 +1,6 @@
 """The Theory tab: expected tokens per step and expected speedup of speculative decoding against draft length,
-from sliders for acceptance a, draft length g and cost ratio c, with this session's measured runs overlaid."""
+from sliders for acceptance a, draft length g and cost ratio c, with this session's measured runs overlaid; and
+what a wider forward costs on this machine, measured for each format the weights can be read in."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from typing import Any
 import gradio as gr
 
 from ..config import MAX_GAMMA, ConfigError
+from ..decoding.costs import forward_costs
 from ..metrics import expected_tokens_per_step
-from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure
+from ..models import ModelLoadError
+from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure, width_cost_figure
+from .models import get_model, target_spec
 
 
 def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]:
@@ -45,7 +49,34 @@ def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, histo
     return theory_figure(a, g, c, measured_points(history), v), summary
 
 
-def build_tab(app: gr.Blocks, history: gr.State) -> None:
+def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr.Progress()):
+    """The panel's model read both ways (its GGUF blocks where it has them, and float32): each format's forward cost
+    by width on this machine (measured once, a few seconds each, then cached), and the v each implies."""
+    curves, lines = {}, []
+    try:
+        for weights in ("gguf", "float32"):
+            spec = target_spec(source, device, dtype, weights)
+            progress(len(curves) / 2, desc=f"{weights}: loading, then timing forwards of 1-64 tokens")
+            try:
+                model = get_model(spec)
+            except ModelLoadError as exc:
+                if weights == "gguf":
+                    lines.append(f"- GGUF blocks: not measured ({exc})")
+                    continue
+                raise
+            costs = forward_costs(model.model)
+            label = "GGUF blocks" if weights == "gguf" else "float32"
+            curves[label] = costs
+            v = (costs.time(5) / costs.time(1) - 1) / 4
+            lines.append(f"- {label}: one token {1e3 * costs.time(1):.1f} ms, 5 tokens "
+                         f"{costs.time(5) / costs.time(1):.2f} one-token forwards (v = {v:.3f} per extra token), "
+                         f"12 tokens {costs.time(12) / costs.time(1):.2f}")
+    except (ConfigError, ModelLoadError) as exc:
+        raise gr.Error(str(exc)) from exc
+    return width_cost_figure(curves), "\n".join(lines)
+
+
+def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]) -> None:
     gr.Markdown("What speculation should buy: g drafted tokens, each accepted with probability a, yield "
                 "(1 - a^(g+1)) / (1 - a) tokens per target forward, for g draft forwards costing c each and one "
                 "wider verify forward. Move the sliders; diamonds are this session's speculative runs.")
@@ -67,3 +98,12 @@ def build_tab(app: gr.Blocks, history: gr.State) -> None:
         control.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     history.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     app.load(update, inputs, [plot, summary], api_name="theory")
+    gr.Markdown("### What a wider forward costs here\nThe v above, measured: read as float32, the weights make a "
+                "one-token forward wait on memory, so a few more tokens ride along almost free. Read as GGUF blocks "
+                "(a fifth of the bytes), the same forward is bound by arithmetic instead: it is faster, and each "
+                "extra token costs more of it. The engine plans every step's width from these curves.")
+    measure = gr.Button("Measure on this machine", scale=0)
+    costs_plot = gr.Plot(elem_id="pg-width-costs")
+    costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
+    source, _, device, dtype, _ = model
+    measure.click(width_costs, [source, device, dtype], [costs_plot, costs_summary], api_name="width_costs")

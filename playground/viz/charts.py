@@ -1,9 +1,11 @@
-"""Plotly figures shared by the web app and the notebooks: per-step acceptance, tokens over engine time, and the
-speculative-decoding theory curves with measured points overlaid. Colours come from the decision palette."""
+"""Plotly figures shared by the web app and the notebooks: per-step acceptance, tokens over engine time, the
+speculative-decoding theory curves with measured points overlaid, and a forward's cost by width per weight format.
+Colours come from the decision palette."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -113,4 +115,21 @@ def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
     fig.add_hline(y=1, line={"dash": "dot", "color": "#8c8c8c"}, row=1, col=2)
     fig.update_xaxes(title_text="draft length g")
     fig.update_layout(**{**LAYOUT, "height": 360})
+    return fig
+
+
+def width_cost_figure(curves: dict[str, Any]) -> go.Figure:
+    """What a forward over T new tokens costs in one-token forwards, one line per weight format: `curves` maps a
+    label to a measured `ForwardCosts` (decoding/costs.py)."""
+    fig = go.Figure()
+    for (label, costs), colour in zip(curves.items(), (STATES["accepted"].colour, STATES["bonus"].colour,
+                                                       STATES["corrected"].colour)):
+        one = costs.seconds[0]
+        fig.add_scatter(x=list(costs.tokens), y=[s / one for s in costs.seconds], name=label, mode="lines+markers",
+                        line={"color": colour}, text=[f"{1e3 * s:.1f} ms" for s in costs.seconds],
+                        hovertemplate="%{x} tokens: %{y:.2f} one-token forwards (%{text})<extra>" + label + "</extra>")
+    fig.add_hline(y=1, line={"dash": "dot", "color": "#8c8c8c"})
+    fig.update_xaxes(title_text="new tokens in the forward (T)")
+    fig.update_yaxes(title_text="cost (one-token forwards)")
+    fig.update_layout(**{**LAYOUT, "title": "What a wider forward costs, by the weights it reads"})
     return fig

@@ -1,0 +1,103 @@
+"""A GGUF file's Q8_0 and Q4_1 matrices as the file stores them, for the native kernel's block panels (kernels.c).
+
+`save_blocks` copies each such matrix's raw blocks into the converted folder (`BLOCKS_FILE`, safetensors of uint8),
+in the row order of the float32 weight transformers dequantised from the same file (llama.cpp stores q and k with
+the halves of each rotary pair interleaved; transformers puts the rows back, and so do we), after checking that
+the blocks dequantise to that weight value for value. `load_blocks` maps them back without copying.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .native import GGUF_FORMATS
+
+BLOCKS_FILE = "gguf-blocks.safetensors"
+Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
+
+
+class BlocksError(ValueError):
+    """The file's blocks could not be read or do not match the dequantised weights."""
+
+
+def _row_orders(rows: int, hf_config: Any) -> list[np.ndarray]:
+    """Row orders to try, in turn: as stored, then un-interleaved over the query heads or the key/value heads."""
+    orders = [np.arange(rows)]
+    for heads in (getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)):
+        if heads and rows % (2 * heads) == 0:
+            orders.append(np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1))
+    return orders
+
+
+def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tensor], hf_config: Any) -> int:
+    """Write `folder`/BLOCKS_FILE with the blocks of every float32 Hugging Face weight in `weights` that the file
+    holds as Q8_0 or Q4_1; returns how many. Raises BlocksError where a matrix's blocks are not that weight."""
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+        arch_field = reader.get_field("general.architecture")
+        arch_name = arch_field.contents() if arch_field is not None else ""
+        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
+        if arch is None:
+            raise BlocksError(f"weights: {gguf_file.name} names architecture {arch_name!r}, which gguf does not map")
+        names = gguf.get_tensor_name_map(arch, int(hf_config.num_hidden_layers))
+        stored = {t.name: t for t in reader.tensors}
+    except (OSError, ValueError) as exc:
+        raise BlocksError(f"weights: could not read the blocks of {gguf_file} ({exc})") from exc
+    blocks: dict[str, torch.Tensor] = {}
+    formats: dict[str, str] = {}
+    for name, weight in weights.items():
+        tensor = stored.get(names.get_name(name, try_suffixes=(".weight",)) or "")
+        if weight.dim() != 2 or tensor is None or tensor.tensor_type.name not in GGUF_FORMATS:
+            continue
+        raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)  # (out, in / 32 * block bytes)
+        for order in _row_orders(weight.shape[0], hf_config):
+            values = dequantize(raw[order], tensor.tensor_type).reshape(weight.shape)
+            if np.array_equal(values, weight.numpy()):
+                blocks[name] = torch.from_numpy(np.ascontiguousarray(raw[order]))
+                formats[name] = tensor.tensor_type.name
+                break
+        else:
+            raise BlocksError(f"weights: the {tensor.tensor_type.name} blocks of {tensor.name} in {gguf_file.name} do "
+                              f"not dequantise to {name} in any row order tried; use --weights float32")
+    partial = folder / f".{BLOCKS_FILE}.{os.getpid()}"
+    save_file(blocks, partial, metadata=formats)
+    os.replace(partial, folder / BLOCKS_FILE)  # another process never reads half a file
+    return len(blocks)
+
+
+def load_blocks(folder: Path) -> Blocks:
+    """The blocks `save_blocks` wrote, by Hugging Face weight name."""
+    with safe_open(folder / BLOCKS_FILE, framework="pt") as f:
+        formats = f.metadata() or {}
+        return {name: (formats[name], f.get_tensor(name)) for name in f.keys()}
+
+
+def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """The blocks by this project's weight names (see transformer.hf_state_to_native): q, k, v stacked as qkv and
+    gate, up as gate/up where all parts share one format; a product with any part missing keeps float32."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def put(name: str, parts: list[str]) -> None:
+        found = [blocks.get(part) for part in parts]
+        if all(f is not None for f in found) and len({f[0] for f in found}) == 1:
+            out[name] = (found[0][0], torch.cat([f[1] for f in found]))  # rows stacked: (out, bytes)
+
+    put("embed_tokens.weight", ["model.embed_tokens.weight"])
+    put("lm_head.weight", ["lm_head.weight"])
+    for i in range(num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        put(dst + "self_attn.qkv_proj.weight", [src + f"self_attn.{p}_proj.weight" for p in "qkv"])
+        put(dst + "self_attn.o_proj.weight", [src + "self_attn.o_proj.weight"])
+        put(dst + "mlp.gate_up_proj.weight", [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
+        put(dst + "mlp.down_proj.weight", [src + "mlp.down_proj.weight"])
+    return out

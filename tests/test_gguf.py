@@ -1,0 +1,166 @@
+"""GGUF weights read as the file stores them: the kernel's Q8_0 and Q4_1 panels give the float32 panels' bits (of
+gguf's own dequantisation), the embedded model reads its blocks by default with every output unchanged, and every
+way of asking for them that cannot work says why in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
+from playground.decoding.costs import machine_key
+from playground.decoding.registry import build_proposer
+from playground.decoding.tree import ancestor_mask
+from playground.engine import generate
+from playground.kv import ContiguousKVCache, PagedKVCache
+from playground.models import ModelLoadError, load_model, native
+from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks
+from playground.models.loader import load_weights, read_hf_config
+
+from .prompts import PROMPTS
+from .test_native import forwards
+
+SIZES = {"Q8_0": 34, "Q4_1": 20}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.Kernel:
+    built = native.kernel()
+    if built is None or not built.gguf:
+        pytest.skip(f"no GGUF panels in this build (native kernel {native.status()})")
+    return built
+
+
+@pytest.fixture(scope="module")
+def float32(target):
+    """The embedded model on its dequantised float32 weights."""
+    return load_model(ModelSpec(device="cpu", dtype="float32", weights="float32"))
+
+
+def random_blocks(kind: str, out: int, in_features: int, seed: int) -> torch.Tensor:
+    """(out, in / 32 * block bytes) uint8: scales over float16's range (zero, subnormal, large; either sign),
+    minimums likewise, every quant value."""
+    g = torch.Generator().manual_seed(seed)
+    count = out * in_features // 32
+    scales = torch.randn(count, generator=g) * torch.logspace(-7, 1, count)[torch.randperm(count, generator=g)]
+    scales[::17] = 0.0
+    scales[5::23] = 2.0 ** -20  # subnormal in float16
+    halves = [scales.half().view(torch.uint8).view(count, 2)]
+    if kind == "Q4_1":
+        halves.append((torch.randn(count, generator=g) * 0.3).half().view(torch.uint8).view(count, 2))
+    quants = torch.randint(0, 256, (count, SIZES[kind] - 2 * len(halves)), generator=g, dtype=torch.uint8)
+    return torch.cat([*halves, quants], 1).reshape(out, -1)
+
+
+def dequantised(blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
+    values = dequantize(blocks.numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(blocks.shape[0], in_features)))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(576, 576), (100, 1536), (49, 64), (7, 32)], ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_panels_give_the_float32_panels_bits(kernel, kind, shape, threads):
+    """Every row count (one pass of several panels, several passes, a remainder), every output size (a padded
+    last panel), every thread split: the bits of the float32 panels of gguf's dequantisation."""
+    out, in_features = shape
+    blocks = random_blocks(kind, out, in_features, seed=out + threads)
+    panels = native.pack_blocks(blocks, kind, in_features, kernel)
+    wide = native.pack_panels(dequantised(blocks, kind, in_features), kernel, narrow=False)
+    assert panels.nbytes == -(-out // kernel.panel_width) * kernel.panel_width * in_features // 32 * SIZES[kind]
+    x = torch.randn(2 * kernel.rows_per_pass + 3, in_features, generator=torch.Generator().manual_seed(threads))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 4, 5, 7, kernel.rows_per_pass, kernel.rows_per_pass + 1, len(x)):
+            assert torch.equal(native.panel_linear(x[:rows], panels), native.panel_linear(x[:rows], wide)), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_pack_blocks_refuses_rows_of_the_wrong_size(kernel):
+    with pytest.raises(ValueError, match="Q4_1 blocks for 64 inputs need 40 bytes a row"):
+        native.pack_blocks(torch.zeros(4, 34, dtype=torch.uint8), "Q4_1", 64, kernel)
+    with pytest.raises(ValueError, match="need"):
+        native.pack_blocks(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0", 48, kernel)
+
+
+def test_the_embedded_model_reads_its_blocks_with_the_float32_bits(kernel, target, float32):
+    """By default (weights auto) every product of the embedded model reads the file's blocks, about 97 MB instead
+    of 538; its forwards (a prompt, steps, a tree; the stack in one call and layer by layer) equal the float32
+    model's bit for bit."""
+    assert target.weights == "gguf" and float32.weights == "float32"
+    assert set(native.formats_read(target.model).split(" (")[0].split(" and ")) == {"Q4_1", "Q8_0 blocks"}
+    q8, q41 = native.GGUF_FORMATS["Q8_0"][0], native.GGUF_FORMATS["Q4_1"][0]
+    assert target.model.packed_output.format == q8
+    assert set(target.model.native_stack.formats) == {q41}
+    read = sum(p.nbytes for _, p in target.model.packed_products())
+    assert 90e6 < read < 100e6 and sum(p.nbytes for _, p in float32.model.packed_products()) > 5 * read
+    assert machine_key(target.model) != machine_key(float32.model)  # each format has its own cost curve
+    cfg = target.model.config
+    tree = ancestor_mask([-1, 0, 0, 2])  # (4, 4)
+    steps = [((0,), 9, None, {}), ((0,), 1, None, {}), ((0,), 4, tree, {}), ((0,), 1, None, {0: 11})]
+    runs = [forwards(model.model, stack, ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32), steps)
+            for model, stack in ((target, True), (target, False), (float32, True))]
+    for got, layer_by_layer, want in zip(*runs):
+        assert torch.equal(got, want) and torch.equal(layer_by_layer, want)
+
+
+def test_plain_decoding_on_blocks_equals_float32_on_every_prompt(kernel, target, float32, plain_outputs):
+    generation = GenerationParams(max_new_tokens=24)
+    for prompt in PROMPTS:
+        assert generate(float32, prompt, None, SamplingParams(), generation)[0].token_ids == plain_outputs[prompt]
+
+
+@pytest.mark.parametrize("algo", ["speculative", "prompt-lookup", "lookahead", "medusa", "eagle"])
+def test_every_algorithm_on_blocks_emits_float32_plain_decoding(kernel, target, float32, plain_outputs, algo):
+    """Each proposer on the blocks (either cache) reproduces plain decoding on the float32 weights."""
+    generation = {kv: GenerationParams(max_new_tokens=24, kv=kv) for kv in ("contiguous", "paged")}
+    proposer = build_proposer(target, algo)
+    for i, prompt in enumerate(PROMPTS[:6]):
+        out = generate(target, prompt, proposer, SamplingParams(), generation[("contiguous", "paged")[i % 2]])[0]
+        assert out.token_ids == plain_outputs[prompt], prompt
+
+
+def test_the_blocks_are_kept_beside_the_converted_weights(target):
+    """Written once into the cached folder, then read from there by every later load."""
+    kept = target.folder / BLOCKS_FILE
+    written = kept.stat().st_mtime_ns
+    assert load_model(ModelSpec(device="cpu", weights="gguf")).weights == "gguf"
+    assert kept.stat().st_mtime_ns == written
+
+
+def test_blocks_that_are_not_the_weights_are_refused(target, tmp_path):
+    from playground.models.loader import embedded_gguf
+
+    tensors = load_weights(target.folder)
+    tensors["model.layers.3.mlp.down_proj.weight"] = tensors["model.layers.3.mlp.down_proj.weight"] * 2
+    with pytest.raises(BlocksError, match="blk.3.ffn_down.weight .* do not dequantise to "
+                                          "model.layers.3.mlp.down_proj.weight"):
+        save_blocks(embedded_gguf(), tmp_path, tensors, read_hf_config(target.folder))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"weights": "gguf", "dtype": "bfloat16"}, "weights: gguf needs the CPU (--device cpu), dtype float32"),
+    ({"weights": "gguf", "quant": "int8"}, "weights: gguf needs the CPU"),
+    ({"weights": "gguf", "source": "DRAFT"}, "weights: gguf needs a GGUF source (the embedded model or a .gguf file)"),
+])
+def test_asking_for_blocks_that_cannot_run_is_one_line(target, spec, message):
+    from playground.models.loader import default_draft
+
+    if spec.get("source") == "DRAFT":
+        spec = {**spec, "source": default_draft("embedded")}
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(ModelSpec(device="cpu", **spec))
+
+
+def test_without_the_kernel_auto_reads_float32_and_gguf_says_why(target, monkeypatch):
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    assert load_model(ModelSpec(device="cpu")).weights == "float32"
+    with pytest.raises(ModelLoadError, match="weights: gguf needs the native kernel with AVX2 or AVX-512"):
+        load_model(ModelSpec(device="cpu", weights="gguf"))
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        ModelSpec(weights="q4")
