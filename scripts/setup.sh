@@ -31,9 +31,15 @@ echo "setup: installing $requirements into .venv (first run downloads a few hund
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ -n "$extra" ]; then
   echo "setup: building $extra into .venv (llama.cpp from source: about 15 minutes on 2 cores)..." >&2
-  # Built for this CPU, without AMX tiles: on VMs that do not grant them, llama.cpp's AMX products die of SIGILL.
-  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-tile -DCMAKE_CXX_FLAGS=-mno-amx-tile}" \
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$extra"
+  # The instruction sets this CPU has, named one by one rather than -march=native: native builds use AMX tiles
+  # where the CPU lists them, and on VMs that do not grant them llama.cpp's products die of SIGILL.
+  flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+  for pair in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+              avx_vnni:AVX_VNNI; do
+    grep -qw "${pair%%:*}" /proc/cpuinfo && flags="$flags -DGGML_${pair##*:}=ON"
+  done
+  CMAKE_ARGS="${CMAKE_ARGS:-$flags}" .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    --no-cache-dir -r "$extra"
 fi
 if [ "$requirements" = requirements-dev.txt ] && [ ! -x /usr/bin/chromium ]; then
   # The browser tests drive Debian's Chromium through Playwright (Playwright's own browser download is not used).

@@ -164,3 +164,28 @@ def test_without_the_kernel_auto_reads_float32_and_gguf_says_why(target, monkeyp
         load_model(ModelSpec(device="cpu", weights="gguf"))
     with pytest.raises(ConfigError, match="weights must be one of"):
         ModelSpec(weights="q4")
+
+
+def test_the_avx2_build_gives_the_same_bits(kernel, tmp_path):
+    """The AVX2 path (8-wide vectors, 16-output panels) on a CPU that runs it, built for Haswell beside this
+    machine's own build: its block panels give its float32 panels' bits too."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if not {"avx2", "fma", "f16c"} <= set(flags) or shutil.which("cc") is None:
+        pytest.skip("this CPU does not run AVX2 with FMA and F16C, or there is no C compiler")
+    library = tmp_path / "kernels-avx2.so"
+    build_flags = [f if f != "-march=native" else "-march=haswell" for f in native.FLAGS]
+    subprocess.run(["cc", *build_flags, str(native.SOURCE), "-o", str(library)], check=True, timeout=300)
+    avx2 = native.load(library)
+    assert (avx2.vector_width, avx2.panel_width, avx2.gguf) == (8, 16, True)
+    for kind in ("Q8_0", "Q4_1"):
+        for out, in_features in ((100, 1536), (49, 64)):
+            blocks = random_blocks(kind, out, in_features, seed=out)
+            panels = native.pack_blocks(blocks, kind, in_features, avx2)
+            wide = native.pack_panels(dequantised(blocks, kind, in_features), avx2, narrow=False)
+            for rows in (1, 2, 3, 5, 7, 13):
+                x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+                assert torch.equal(native.panel_linear(x, panels), native.panel_linear(x, wide)), (kind, rows)

@@ -75,8 +75,10 @@ def machine_key(model: Transformer) -> str:
     """What a forward's cost depends on besides the widths: the model's shape, dtype, device, kernel, the formats
     its products read (float32, 16-bit, GGUF blocks) and threads."""
     shape = json.dumps(asdict(model.config), sort_keys=True, default=str)
-    formats = sorted({panels.format for _, panels in model.packed_products()})
-    parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), str(formats),
+    products = model.packed_products()
+    formats = sorted({panels.format for _, panels in products})
+    kernel = products[0][1].kernel.path.name if products else ""  # the build, which names its source's hash
+    parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), kernel, str(formats),
              str(torch.get_num_threads()), torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

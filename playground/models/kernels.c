@@ -129,14 +129,16 @@ static inline __attribute__((always_inline)) vf load_halves(const void *at) {
 /* VEC quants of vector j at one input of a GGUF block (`at`: that input's quant bytes), as float32 (exactly). */
 static inline __attribute__((always_inline)) vf load_quants(const uint8_t *at, int j, int fmt) {
 #if VEC == 16
-    if (fmt == FMT_Q8_0) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + j * VEC))));
+    if (fmt == FMT_Q8_0)
+        return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + j * VEC))));
     /* 0..15 as floats, looked up by each lane's low four bits: one shuffle instead of a mask and a conversion,
      * both on the port the multiply-adds need */
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
     return (vf)_mm512_permutexvar_ps(j == 0 ? q : _mm512_srli_epi32(q, 4), values);
 #else
-    if (fmt == FMT_Q8_0) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at + j * VEC))));
+    if (fmt == FMT_Q8_0)
+        return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at + j * VEC))));
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
     q = j == 0 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
     return (vf)_mm256_cvtepi32_ps(q);
@@ -155,8 +157,34 @@ int playground_formats(void) {
                        : 1 << FMT_F32;
 }
 
-/* Rows x[0..nb) of G adjacent panels (panel g at panel + g * in * PANEL, `cols` outputs in the last one); nb and G
- * are compile-time constants at every call site (see `rows`), so the accumulators stay in registers. Why several
+/* A GGUF matrix as the file stores it, rows (out, in / QK blocks of Q8_0's 34 or Q4_1's 20 bytes), regrouped into
+ * the panels described above (zero past `out`, so padded outputs read zero scales and minimums). */
+void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t *panels) {
+    const long blocks = in / QK, size = fmt == FMT_Q4_1 ? 20 : 34, heads = fmt == FMT_Q4_1 ? 4 : 2;
+    const long panel_count = (out + PANEL - 1) / PANEL, block_bytes = panel_bytes_of(fmt, in) / blocks;
+    memset(panels, 0, (size_t)(panel_count * blocks * block_bytes));
+    for (long r = 0; r < out; r++) {
+        const long p = r / PANEL, i = r % PANEL;
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *src = rows + (r * blocks + b) * size;
+            uint8_t *dst = panels + (p * blocks + b) * block_bytes;
+            memcpy(dst + i * 2, src, 2); /* d */
+            if (fmt == FMT_Q4_1) memcpy(dst + PANEL * 2 + i * 2, src + 2, 2); /* m */
+            for (long k = 0; k < QK; k++) {
+                if (fmt == FMT_Q8_0) {
+                    dst[PANEL * 2 + k * PANEL + i] = src[2 + k];
+                } else { /* byte j of the block holds quants j (low nibble) and j + 16 (high) */
+                    uint8_t q = k < QK / 2 ? src[heads + k] & 15 : src[heads + k - QK / 2] >> 4;
+                    dst[PANEL * 4 + k * (PANEL / 2) + i % (PANEL / 2)] |= (uint8_t)(i < PANEL / 2 ? q : q << 4);
+                }
+            }
+        }
+    }
+}
+
+/* Rows x[0..nb) of G adjacent panels (panel g at panel + g * panel_bytes_of(fmt, in), `cols` outputs in the last
+ * one); nb and G are compile-time constants at every call site (see `rows`), so the accumulators stay in registers.
+ * Why several
  * panels: each output's sum is one chain of FMAs, each waiting on the one before (4 cycles on Zen 3 and 4), so a
  * pass over one panel with few rows is bound by that latency, not by the FMA units; G panels give G times the
  * independent chains in the same pass. Each sum still runs over k in order from zero, whatever G and nb are.

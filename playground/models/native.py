@@ -165,6 +165,9 @@ def load(path: Path) -> Kernel:
     library.playground_row_top.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] + [
         ctypes.c_void_p] * 3 + [ctypes.c_int]
     library.playground_row_top.restype = None
+    library.playground_pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_void_p]
+    library.playground_pack_blocks.restype = None
     formats = library.playground_formats()
     halves = (formats >> FORMATS[torch.float16]) & 1 == 1
     gguf = all((formats >> code) & 1 for code, _ in GGUF_FORMATS.values())
@@ -244,19 +247,12 @@ def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kerne
     if in_features % BLOCK or blocks.shape[1] != count * size:
         raise ValueError(f"{kind} blocks for {in_features} inputs need {count * size} bytes a row, got "
                          f"{tuple(blocks.shape)}")
-    padded = -(-out // width) * width
-    rows = torch.cat((blocks, blocks.new_zeros(padded - out, blocks.shape[1])))  # zero scales past out
-    rows = rows.view(padded // width, width, count, size).transpose(1, 2)  # (P, nb, W, size)
-    d = rows[..., :2].reshape(*rows.shape[:2], -1)  # (P, nb, W * 2): W float16 scales
-    if kind == "Q8_0":
-        quants = rows[..., 2:].transpose(2, 3).reshape(*rows.shape[:2], -1)  # (P, nb, 32 * W): int8, input-major
-        return Panels(torch.cat((d, quants), -1).contiguous(), out, kernel, in_features, code)
-    m = rows[..., 2:4].reshape(*rows.shape[:2], -1)  # (P, nb, W * 2): W float16 minimums
-    packed = rows[..., 4:]  # (P, nb, W, 16): byte j holds quants j (low nibble) and j + 16 (high)
-    q = torch.cat((packed & 15, packed >> 4), -1).transpose(2, 3)  # (P, nb, 32, W): input-major
-    nibbles = q[..., :width // 2] | (q[..., width // 2:] << 4)  # (P, nb, 32, W / 2)
-    return Panels(torch.cat((d, m, nibbles.reshape(*q.shape[:2], -1)), -1).contiguous(), out, kernel, in_features,
-                  code)
+    # per block: W float16 scales (and W minimums), then 32 inputs' quants: W bytes, or W / 2 of two nibbles
+    block_bytes = (width * 4 + BLOCK * width // 2) if kind == "Q4_1" else (width * 2 + BLOCK * width)
+    data = torch.empty(-(-out // width), count, block_bytes, dtype=torch.uint8)  # (P, nb, block bytes)
+    rows = blocks.contiguous()
+    kernel.library.playground_pack_blocks(rows.data_ptr(), out, in_features, code, data.data_ptr())
+    return Panels(data, out, kernel, in_features, code)
 
 
 def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
