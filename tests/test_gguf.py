@@ -15,7 +15,7 @@ from playground.decoding.costs import machine_key
 from playground.decoding.registry import build_proposer
 from playground.decoding.tree import ancestor_mask
 from playground.engine import generate
-from playground.kv import ContiguousKVCache, PagedKVCache
+from playground.kv import ContiguousKVCache
 from playground.models import ModelLoadError, load_model, native
 from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks
 from playground.models.loader import load_weights, read_hf_config
