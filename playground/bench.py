@@ -288,7 +288,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "same_tokens_as_ar": None if contender.sampled else all(
                     run_of(t).token_ids == ours.token_ids for t in traces[contender.name]),
                 "acceptance_rate": metrics.acceptance_rate,
-                "token_acceptance": metrics.token_acceptance, "mean_accepted_tokens": metrics.mean_accepted_tokens,
+                "token_acceptance": metrics.token_acceptance,
+                # tokens per target forward: 1 where nothing was drafted (plain decoding on float32 weights)
+                "mean_accepted_tokens": 1.0 if metrics.mean_accepted_tokens is None else metrics.mean_accepted_tokens,
                 "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
                 "step_split": {"draft": measured.draft, "verify": measured.verify, "other": measured.other},
                 "flags": list(measured.flags)}

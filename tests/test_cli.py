@@ -161,8 +161,10 @@ def test_draft_free_algorithms_medusa_copies_and_eagle_match_plain_and_trace_the
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     out = tmp_path / "serving.json"
+    # float32 weights: read as GGUF blocks, one-token forwards cost little enough that lookahead's wide window may
+    # never pay on this machine's measured costs (a subprocess plans from them, not from the tests' fixed curve)
     result = cli("bench", "--suite", "serving", "--requests", "3", "--max-new-tokens", "8", "--block-size", "4",
-                 "--json", str(out), "--markdown", str(tmp_path / "serving.md"))
+                 "--weights", "float32", "--json", str(out), "--markdown", str(tmp_path / "serving.md"))
     assert result.returncode == 0, result.stderr
     serving = json.loads(out.read_text())["serving"]
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction",

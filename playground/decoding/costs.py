@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ ROUNDS = 5
 @dataclass(frozen=True, slots=True)
 class ForwardCosts:
     tokens: tuple[int, ...]  # widths measured, ascending, the first 1
-    seconds: tuple[float, ...]  # median seconds of a forward over that many tokens, never decreasing
+    seconds: tuple[float, ...]  # seconds of a forward over that many tokens (see `measure`), never decreasing
 
     def time(self, tokens: int) -> float:
         """Seconds of a forward over `tokens` new tokens: interpolated between widths measured, extrapolated past
@@ -50,8 +49,9 @@ class ForwardCosts:
 
 @torch.inference_mode()
 def measure(model: Transformer, rounds: int = ROUNDS) -> ForwardCosts:
-    """Median time of a forward over each of WIDTHS new tokens after a prompt of CONTEXT, the widths interleaved
-    round by round so that a drifting host slows them alike."""
+    """The fastest of `rounds` forwards over each of WIDTHS new tokens after a prompt of CONTEXT, the widths
+    interleaved round by round: another process on the host only ever slows a forward, and the curve is cached for
+    good, so the least disturbed round is the one kept (a median keeps what a busy host imposed on most rounds)."""
     vocab = model.config.vocab_size
     cache = new_cache(model, CONTEXT + max(WIDTHS), GenerationParams())
     forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])
@@ -66,7 +66,7 @@ def measure(model: Transformer, rounds: int = ROUNDS) -> ForwardCosts:
             cache.truncate(0, CONTEXT)
     seconds, slowest = [], 0.0
     for width in WIDTHS:  # a wider forward never costs less: noise that says so is flattened
-        slowest = max(slowest, statistics.median(times[width]))
+        slowest = max(slowest, min(times[width]))
         seconds.append(slowest)
     return ForwardCosts(WIDTHS, tuple(seconds))
 
