@@ -109,6 +109,8 @@ ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
 FLOAT32, LLAMA = "ar-float32", "llama.cpp"  # the rows of plain decoding on float32 weights and of llama.cpp
 SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
+
+
 @dataclass(frozen=True, slots=True)
 class Contender:
     """One algorithm in the benchmark, with the transformers feature that does the same thing (if any)."""

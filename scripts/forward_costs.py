@@ -3,6 +3,7 @@ the native layer stack (every layer in one call), the native kernels layer by la
 embedded model (or --model, e.g. the draft: assets/draft-smollm2-135m).
 
     python scripts/forward_costs.py [--context 300] [--widths 1,5,7,9,12] [--rounds 3] [--repeats 30]
+        [--weights auto|gguf|float32]
 
 Per path and width: the median wall time of a forward over that many new tokens after a prefill of --context
 tokens (the rounds interleave the paths, since this machine's speed drifts), its ratio to the one-token
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from playground.config import GenerationParams, ModelSpec  # noqa: E402
+from playground.config import WEIGHTS, GenerationParams, ModelSpec  # noqa: E402
 from playground.decoding.base import forward_tokens, new_cache  # noqa: E402
 from playground.models import load_model, native  # noqa: E402
 
@@ -40,6 +41,7 @@ def widths(text: str) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the products read (see the CLI)")
     parser.add_argument("--context", type=int, default=300, help="prefill tokens before the timed forwards")
     parser.add_argument("--widths", type=widths, default=widths("1,5,7,9,12"))
     parser.add_argument("--exact-width", type=int, default=7, help="tokens of the verifying forward checked")
@@ -49,8 +51,8 @@ def main() -> int:
     for name in ("context", "exact_width", "rounds", "repeats"):
         if not 1 <= getattr(args, name) <= 4096:
             parser.error(f"--{name.replace('_', '-')} must be in 1..4096, got {getattr(args, name)}")
-    model = load_model(ModelSpec(source=args.model, device="cpu")).model
-    print(f"native kernels: {native.status()}")
+    model = load_model(ModelSpec(source=args.model, device="cpu", weights=args.weights)).model
+    print(f"native kernels: {native.status()}; products read {native.formats_read(model)}")
     stack = model.native_stack
 
     def use(path: str) -> None:

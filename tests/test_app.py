@@ -264,6 +264,21 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
             client.predict(*bad, api_name="/theory")
 
 
+def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypatch):
+    """The panel's model read as its GGUF blocks and as float32: a curve each (this test's fixed curves stand in for
+    the measurement), and why a model without blocks has one curve only."""
+    from playground.ui import theory
+
+    from .conftest import TEST_COSTS
+
+    monkeypatch.setattr(theory, "forward_costs", lambda model: TEST_COSTS)
+    plot, summary = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
+    assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 2
+    assert summary.startswith("- GGUF blocks: one token 1000.0 ms") and "\n- float32:" in summary
+    _, summary = client.predict("embedded", "cpu", "bfloat16", api_name="/width_costs")
+    assert summary.startswith("- GGUF blocks: not measured (weights: gguf needs the CPU")
+
+
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
         "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",

@@ -167,8 +167,10 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
             save_blocks(gguf_file, folder, tensors, hf_config)
         blocks = native_blocks(load_blocks(folder), int(hf_config.num_hidden_layers))
     except (BlocksError, OSError, SafetensorError) as exc:
+        message = str(exc) if isinstance(exc, BlocksError) else f"weights: {exc}"
         if asked:
-            raise ModelLoadError(str(exc) if isinstance(exc, BlocksError) else f"weights: {exc}") from exc
+            raise ModelLoadError(message) from exc
+        print(f"{message}; reading the float32 weights instead", file=sys.stderr, flush=True)
         return None
     if asked and not blocks:
         raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix; use --weights float32")
