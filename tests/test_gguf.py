@@ -89,7 +89,7 @@ def test_pack_blocks_refuses_rows_of_the_wrong_size(kernel):
 
 
 def test_the_embedded_model_reads_its_blocks_with_the_float32_bits(kernel, target, float32):
-    """By default (weights auto) every product of the embedded model reads the file's blocks, about 97 MB instead
+    """By default (weights auto) every product of the embedded model reads the file's blocks, about 96 MB instead
     of 538; its forwards (a prompt, steps, a tree; the stack in one call and layer by layer) equal the float32
     model's bit for bit."""
     assert target.weights == "gguf" and float32.weights == "float32"

@@ -89,7 +89,7 @@ class Panels:
 
 
 def formats_read(model: torch.nn.Module) -> str:
-    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks (97 MB)", "float32 (538 MB)";
+    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks (96 MB)", "float32 (538 MB)";
     "PyTorch's products" where the native kernel runs none."""
     products = model.packed_products()
     if not products:
