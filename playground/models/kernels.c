@@ -212,7 +212,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
     const long quant_row = fmt == FMT_Q4_1 ? PANEL / 2 : PANEL;
     for (long k0 = 0; k0 < in; k0 += block) {
         vf scale[GROUP][NV], low[GROUP][NV];
-        (void)scale, (void)low, (void)quant_at, (void)quant_row;
+        (void)scale, (void)low, (void)block_bytes, (void)quant_at, (void)quant_row;
 #if HALF_PANELS
         if (quantised(fmt)) {
 #pragma GCC unroll 16
@@ -326,26 +326,15 @@ static inline __attribute__((always_inline)) void rows_in(const float *x, long i
 
 static void rows(const float *x, long in, const void *panel, int fmt, float *y, long out, int nb, int G, int cols,
                  uintptr_t fetch, uintptr_t stride, uintptr_t step) {
-    (void)fmt; /* unread in a build that serves float32 panels only */
+    /* one copy of the loop per format, each with its format a constant */
+#define FORMAT_CASE(f) \
+    case f: rows_in(x, in, panel, f, y, out, nb, G, cols, fetch, stride, step); return;
+    switch (fmt) {
 #if HALF_PANELS
-    if (fmt == FMT_F16) {
-        rows_in(x, in, panel, FMT_F16, y, out, nb, G, cols, fetch, stride, step);
-        return;
-    }
-    if (fmt == FMT_BF16) {
-        rows_in(x, in, panel, FMT_BF16, y, out, nb, G, cols, fetch, stride, step);
-        return;
-    }
-    if (fmt == FMT_Q8_0) {
-        rows_in(x, in, panel, FMT_Q8_0, y, out, nb, G, cols, fetch, stride, step);
-        return;
-    }
-    if (fmt == FMT_Q4_1) {
-        rows_in(x, in, panel, FMT_Q4_1, y, out, nb, G, cols, fetch, stride, step);
-        return;
-    }
+        FORMAT_CASE(FMT_F16) FORMAT_CASE(FMT_BF16) FORMAT_CASE(FMT_Q8_0) FORMAT_CASE(FMT_Q4_1)
 #endif
-    rows_in(x, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
+        default: rows_in(x, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
+    }
 }
 
 /* Thread t of nt's items [first, end) of n, split evenly: the panels of a product, the query rows of the attention,
