@@ -3,7 +3,7 @@
 `save_blocks` copies each such matrix's raw blocks into the converted folder (`BLOCKS_FILE`, safetensors of uint8),
 in the row order of the float32 weight transformers dequantised from the same file (llama.cpp stores q and k with
 the halves of each rotary pair interleaved; transformers puts the rows back, and so do we), after checking that
-the blocks dequantise to that weight value for value. `load_blocks` maps them back without copying.
+the blocks dequantise to that weight value for value. `load_blocks` reads them back by name.
 """
 
 from __future__ import annotations
