@@ -12,6 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
 WEIGHTS = ("auto", "gguf", "float32")
+FORWARDS = ("auto", "graphs", "static", "eager")  # how decode forwards run: ModelSpec.forwards
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
@@ -65,6 +66,9 @@ class ModelSpec:
     weights: how a GGUF source's matrix products read their weights: "gguf" as the file's Q8_0 and Q4_1 blocks (the
     native CPU kernel, float32; the same bits as "float32", from a fifth to a quarter of the bytes), "float32"
     dequantised once, "auto" the blocks wherever they can run.
+    forwards: how the decode forwards run (`engine.forwards`): "eager" each at its own shape, "static" padded to
+    buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "auto" graphs on a CUDA GPU
+    (without bitsandbytes weights), else eager.
     """
 
     source: str = "embedded"
@@ -73,6 +77,7 @@ class ModelSpec:
     quant: str | None = None
     cache_dir: str | None = None
     weights: str = "auto"
+    forwards: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -82,6 +87,7 @@ class ModelSpec:
         if self.quant is not None:
             check_choice("quant", self.quant, QUANTS)
         check_choice("weights", self.weights, WEIGHTS)
+        check_choice("forwards", self.forwards, FORWARDS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from ..models import LoadedModel, Transformer
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
+from ..engine.forwards import Forwards, make_forwards
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
@@ -65,6 +66,7 @@ class DraftGuesser(Guesser):
         self.rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
         self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
         self.cache: PagedKVCache | ContiguousKVCache | None = None  # made by `bind`, as the engine's cache
+        self.forwards: Forwards | None = None  # the draft's decode forwards over that cache, made by `bind`
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
 
@@ -85,6 +87,7 @@ class DraftGuesser(Guesser):
         super().bind(settings)
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
         self.cache = engine_cache(self.draft.model, settings)
+        self.forwards = make_forwards(self.draft.model, self.cache, self.draft.forwards)
         self.prefix_caching = settings.prefix_caching
         self.drafted = {}
 
@@ -133,12 +136,17 @@ class DraftGuesser(Guesser):
         short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
         groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
         last: dict[int, torch.Tensor] = {}  # request id -> (E,) the draft's final hidden state at the last token
-        for group in groups:
+        for group in groups:  # the short group as a decode forward, a long catch-up as a prefill
             width = max(len(unseen) for _, unseen in group)
             starts = [cache.length(r.id) for r, _ in group]
-            ids = torch.tensor([u + u[-1:] * (width - len(u)) for _, u in group], device=model.device)  # (B, T)
-            positions = torch.tensor([[s + j for j in range(width)] for s in starts], device=model.device)  # (B, T)
-            _, states = model(ids, positions, cache, [r.id for r, _ in group], num_logits=0)  # (B, T, E)
+            ids = [u + u[-1:] * (width - len(u)) for _, u in group]  # (B, T)
+            positions = [[s + j for j in range(width)] for s in starts]  # (B, T)
+            seq_ids = [r.id for r, _ in group]
+            if width <= CATCH_UP:
+                states = self.forwards(seq_ids, ids, positions)  # (B, T, E)
+            else:
+                _, states = model(torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device),
+                                  cache, seq_ids, num_logits=0)
             for i, ((r, unseen), start) in enumerate(zip(group, starts)):
                 last[r.id] = states[i, len(unseen) - 1]
                 cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
@@ -166,9 +174,8 @@ class DraftGuesser(Guesser):
                 logp[-1][i], chains[-1][i] = [math.log(float(q_rows[i][-1][x]))], [x]
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
-            fed = torch.tensor([[place[0]] for place in chains[-1]], device=model.device)  # (B, 1)
-            positions = torch.tensor([[cache.length(r.id)] for r in drafting], device=model.device)  # (B, 1)
-            _, states = model(fed, positions, cache, [r.id for r in drafting], num_logits=0)
+            fed = [[place[0]] for place in chains[-1]]  # (B, 1)
+            states = self.forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
             hidden = states[:, 0]  # (B, E)
         out = {}
         for i, r in enumerate(drafting):

@@ -27,6 +27,7 @@ from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..sampling import accept, make_generator
 from ..trace import Event, MemoryEvent
+from .forwards import make_forwards
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
@@ -70,7 +71,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
         self.scheduler = Scheduler(self.params, self.cache, self.now, self._paused, self.events)
-        self.runner = Runner(target.model, self.cache)
+        self.runner = Runner(target.model, self.cache, make_forwards(target.model, self.cache, target.forwards))
         self.busy_s = 0.0  # seconds spent inside step(): the engine's clock
         self._step_started: float | None = None
         self._next_id = 0

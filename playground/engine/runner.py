@@ -5,7 +5,9 @@ maybe side rows (`decoding.proposer`).
 The decode rows run as one batch of `plan.width` tokens per request: its last token, its proposal's nodes at
 positions by depth, its side rows, then padding. A tree's rows see their ancestors only; side rows see the last
 token and each other as their mask says, and nothing of the proposal (nor it them). Padding after a request's rows
-is causal: its rows never see it, and its KV is dropped after the step. Each prefill chunk is a forward of its own.
+is causal: its rows never see it, and its KV is dropped after the step. Decode rows run through the model's decode
+forwards (`forwards.py`: eager, or static shapes captured in CUDA graphs); each prefill chunk is an eager forward of
+its own.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from ..decoding.proposer import Proposal
 from ..decoding.tree import ancestor_mask
 from ..kv import PagedKVCache
 from ..models import Transformer
+from .forwards import Forwards
 from .scheduler import StepPlan
 
 EMPTY = Proposal([], [], [], [])
 
 
 class Runner:
-    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: PagedKVCache, forwards: Forwards) -> None:
+        self.model, self.cache, self.forwards = model, cache, forwards
 
     def run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """For every request that ran: logits (1 + n + s, V) at its last token, after each of the n nodes of its
@@ -45,10 +48,9 @@ class Runner:
         return logits, hidden
 
     def _plain(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]) -> None:
-        device = self.model.device
-        ids = torch.tensor([[r.tokens[r.num_computed]] for r in plan.decode], device=device)  # (B, 1)
-        positions = torch.tensor([[r.num_computed] for r in plan.decode], device=device)  # (B, 1)
-        out, states = self.model(ids, positions, self.cache, [r.id for r in plan.decode], num_logits=1)  # (B, 1, V)
+        states = self.forwards([r.id for r in plan.decode], [[r.tokens[r.num_computed]] for r in plan.decode],
+                               [[r.num_computed] for r in plan.decode])  # (B, 1, E)
+        out = self.model.project(states)  # (B, 1, V)
         for i, r in enumerate(plan.decode):
             logits[r.id], hidden[r.id] = out[i], states[i]
 
@@ -73,12 +75,10 @@ class Runner:
                 masks.append(mask)
             # the rows read: the last token's, the proposal's and the side rows' last `read`
             scored.append(list(range(len(chain))) + (list(range(len(row) - side.read, len(row))) if side else []))
-        ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in rows], device=device)  # (B, W)
-        positions = torch.tensor([[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)],
-                                 device=device)  # (B, W)
-        attn_mask = torch.stack(masks).to(device) if masked else None  # (B, W, W); None: causal
-        _, states = model(ids, positions, self.cache, [r.id for r in plan.decode], attn_mask=attn_mask,
-                          num_logits=0)  # (B, W, E)
+        ids = [c + c[-1:] * (width - len(c)) for c in rows]  # (B, W)
+        positions = [[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)]  # (B, W)
+        among_new = torch.stack(masks) if masked else None  # (B, W, W); None: causal
+        states = self.forwards([r.id for r in plan.decode], ids, positions, among_new)  # (B, W, E)
         read = torch.tensor([i * width + j for i, rows_read in enumerate(scored) for j in rows_read], device=device)
         kept = states.flatten(0, 1).index_select(0, read)  # (N, E): the rows read only
         logits_read = model.project(kept)  # (N, V)

@@ -21,7 +21,8 @@ class AttentionLayout:
     num_new: int  # T, new tokens per row
     key_len: int  # L, key slots returned per row
     mask: torch.Tensor | None  # (B, 1, T, L) bool, True = may attend; None = every returned key is visible
-    # Paged cache only: the physical slot of each new token (B*T,) and of each returned key (B, L).
+    # Paged cache: the physical slot of each new token (B*T,) and of each returned key (B, L). Contiguous cache,
+    # static shapes only (see `KVCache.static_slots`): the slot of each new token in the row (T,); no read_slots.
     write_slots: torch.Tensor | None = None
     read_slots: torch.Tensor | None = None
 
@@ -60,6 +61,24 @@ class KVCache(ABC):
         self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
         # 2 (K and V) x layers x kv_heads x head_dim x bytes per element
         self._bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.k.element_size()
+
+    @abstractmethod
+    def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
+        """Book `num_new` slots after each row's current length (blocks, copies on write, lengths): the rows' first
+        new slots. `prepare` is this and the tensors of an eager forward."""
+
+    def static_tables(self, seq_ids: tuple[int, ...], key_len: int) -> list[list[int]]:
+        """Paged: each row's block table over its first key_len slots, padded with block 0 (static shapes, see
+        `engine.forwards`); a contiguous row has none."""
+        return [[] for _ in seq_ids]
+
+    @abstractmethod
+    def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
+                     key_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slots of a static-shape forward, from tensors on the device (`engine.forwards` captures this):
+        tables (B, blocks) as `static_tables` gives them, starts (B,) each row's first new slot, widths (B,) its
+        tokens (0: a padding row), `width` tokens and `key_len` keys per row. Returns where each token is written
+        (B*W,), padding to a scratch slot that no row reads, and, paged, where each row's keys are read (B, L)."""
 
     @abstractmethod
     def prepare(
@@ -123,10 +142,16 @@ def build_attention_mask(
     if attn_mask.shape != (batch, num_new, num_new):
         raise ValueError(f"attn_mask must be ({num_new}, {num_new}) or ({batch}, {num_new}, {num_new}), "
                          f"got {tuple(attn_mask.shape)}")
-    start = torch.tensor(starts, device=device).view(batch, 1)  # (B, 1)
-    rel = torch.arange(key_len, device=device).view(1, key_len) - start  # (B, L) slot index relative to new tokens
+    return visibility(torch.tensor(starts, device=device), attn_mask.to(device=device, dtype=torch.bool), key_len)
+
+
+def visibility(starts: torch.Tensor, among_new: torch.Tensor, key_len: int) -> torch.Tensor:
+    """Which of L key slots each new token sees: every slot before its row's start, and from there the new tokens
+    `among_new` lets it see. starts (B,) int64, among_new (B, T, T) bool, on one device; returns (B, 1, T, L) bool.
+    Tensor ops only, so that a captured forward can build it on the device."""
+    batch, num_new = among_new.shape[:2]
+    rel = torch.arange(key_len, device=starts.device).view(1, key_len) - starts.view(batch, 1)  # (B, L) from start
     in_prefix = (rel < 0).unsqueeze(1)  # (B, 1, L)
     in_new = ((rel >= 0) & (rel < num_new)).unsqueeze(1)  # (B, 1, L)
     index = rel.clamp(0, num_new - 1).unsqueeze(1).expand(batch, num_new, key_len)  # (B, T, L)
-    among_new = attn_mask.to(device=device, dtype=torch.bool).gather(2, index)  # (B, T, L)
-    return (in_prefix | (in_new & among_new)).unsqueeze(1)  # (B, 1, T, L)
+    return (in_prefix | (in_new & among_new.gather(2, index))).unsqueeze(1)  # (B, 1, T, L)

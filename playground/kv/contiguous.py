@@ -34,8 +34,10 @@ class ContiguousKVCache(KVCache):
         if max_len < 1 or max_seqs < 1:
             raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len} and {max_seqs}")
         self.max_len = max_len
-        # k, v: (layers, S, Hkv, Tmax, D); per-layer views (S, Hkv, Tmax, D)
-        self._allocate((num_layers, max_seqs, num_kv_heads, max_len, head_dim), num_kv_heads, head_dim, dtype, device)
+        # k, v: (layers, S, Hkv, Tmax + 1, D); per-layer views (S, Hkv, Tmax + 1, D). Slot Tmax is no token's: a
+        # static-shape forward writes its padding there.
+        self._allocate((num_layers, max_seqs, num_kv_heads, max_len + 1, head_dim), num_kv_heads, head_dim, dtype,
+                       device)
         self._lengths = [0] * max_seqs
         self._rows: dict[int, int] = {}  # sequence id -> its row, for sequences added with `add_sequence`
 
@@ -95,24 +97,42 @@ class ContiguousKVCache(KVCache):
                 slots[:, :, start : start + len(offsets)] = slots.index_select(2, source)
         self._lengths[row] = start + len(offsets)
 
+    def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
+        rows = tuple(self._row(s) for s in seq_ids)
+        starts = tuple(self._lengths[r] for r in rows)
+        if max(starts) + num_new > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens per sequence; this forward needs "
+                             f"{max(starts) + num_new}")
+        for r in rows:
+            self._lengths[r] += num_new
+        return starts
+
     def prepare(
         self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
     ) -> AttentionLayout:
-        seq_ids = tuple(self._row(s) for s in seq_ids)  # the layout names rows from here on
-        starts = tuple(self._lengths[s] for s in seq_ids)
+        starts = self.reserve(seq_ids, num_new)
         key_len = max(starts) + num_new
-        if key_len > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens per sequence; this forward needs {key_len}")
-        for s in seq_ids:
-            self._lengths[s] += num_new
         mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
-        return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask)
+        return AttentionLayout(tuple(self._row(s) for s in seq_ids), starts, num_new, key_len, mask)  # names rows
+
+    def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
+                     key_len: int) -> tuple[torch.Tensor, None]:
+        """One row only (an engine's contiguous cache has one): its keys are the row's first key_len slots."""
+        if len(self._lengths) != 1 or key_len > self.max_len:
+            raise ValueError(f"static shapes need a one-row contiguous cache and at most {self.max_len} keys, got "
+                             f"{len(self._lengths)} rows and {key_len} keys")
+        offsets = torch.arange(width, device=starts.device)  # (W,)
+        return torch.where(offsets < widths[0], starts[0] + offsets, self.max_len), None  # (W,)
 
     def update(
         self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, key_len = layout.num_new, layout.key_len
         k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
+        if layout.write_slots is not None:  # static shapes: the one row, its new tokens at the slots named
+            k_layer.index_copy_(2, layout.write_slots, k)  # k: (1, Hkv, T, D)
+            v_layer.index_copy_(2, layout.write_slots, v)
+            return k_layer[:, :, :key_len], v_layer[:, :, :key_len]  # (1, Hkv, L, D)
         for row, (seq, start) in enumerate(zip(layout.seq_ids, layout.starts)):
             k_layer[seq, :, start : start + t] = k[row]  # (Hkv, T, D)
             v_layer[seq, :, start : start + t] = v[row]

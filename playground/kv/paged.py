@@ -39,9 +39,13 @@ class PagedKVCache(KVCache):
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        # k, v: (layers, slots, Hkv, D); per-layer views (slots, Hkv, D)
-        self._allocate((num_layers, num_blocks * block_size, num_kv_heads, head_dim), num_kv_heads, head_dim, dtype,
+        # k, v: (layers, slots, Hkv, D); per-layer views (slots, Hkv, D). The last slot is no block's: a static-shape
+        # forward writes its padding there.
+        self.scratch_slot = num_blocks * block_size
+        self._allocate((num_layers, self.scratch_slot + 1, num_kv_heads, head_dim), num_kv_heads, head_dim, dtype,
                        device)
+        self.k[:, self.scratch_slot].zero_()
+        self.v[:, self.scratch_slot].zero_()
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         # Prompt blocks this sequence fills itself: (index in its table, key), registered once written.
@@ -165,33 +169,60 @@ class PagedKVCache(KVCache):
                 pool.index_copy_(1, target, pool.index_select(1, source))
         self.truncate(seq_id, start + len(offsets))
 
-    def prepare(
-        self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
-    ) -> AttentionLayout:
+    def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
         self._register_written()
         needed = sum(self.blocks_needed(s, num_new) for s in seq_ids)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"this forward needs {needed} more KV blocks; {self.allocator.num_free} of "
                                    f"{self.allocator.num_blocks} are free")
+        starts = []
         for s in seq_ids:
             if s not in self._lengths:
                 self._tables[s], self._lengths[s], self._pending[s] = [], 0, []
-        starts = tuple(self._lengths[s] for s in seq_ids)
-        key_len = max(starts) + num_new
-        write, read = [], []
-        for s, start in zip(seq_ids, starts):
+            start = self._lengths[s]
             table = self._tables[s]
             grow = blocks_for(start + num_new, self.block_size) - len(table)
             if grow > 0:
                 table.extend(self.allocator.allocate(grow))
             self._make_writable(s, start, start + num_new)
             self._lengths[s] = start + num_new
+            starts.append(start)
+        return tuple(starts)
+
+    def prepare(
+        self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
+    ) -> AttentionLayout:
+        starts = self.reserve(seq_ids, num_new)
+        key_len = max(starts) + num_new
+        write, read = [], []
+        for s, start in zip(seq_ids, starts):
+            table = self._tables[s]
             write.append(self._slots(table, range(start, start + num_new)))
             # Keys past a shorter row's own tokens are masked; any valid slot serves as their index.
             read.append(self._slots(table, [min(j, start + num_new - 1) for j in range(key_len)]))
         mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
         return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask,
                                write_slots=torch.cat(write), read_slots=torch.stack(read))
+
+    def static_tables(self, seq_ids: tuple[int, ...], key_len: int) -> list[list[int]]:
+        blocks = blocks_for(key_len, self.block_size)
+        return [(self._tables[s] + [0] * blocks)[:blocks] for s in seq_ids]
+
+    def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
+                     key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        last = (starts + widths - 1).clamp(min=0).unsqueeze(1)  # (B, 1): a row's last new slot
+
+        def slots(logical: torch.Tensor) -> torch.Tensor:  # (B, n) logical slots -> physical, through the tables
+            return tables.gather(1, logical // bs) * bs + logical % bs
+
+        new = starts.unsqueeze(1) + torch.arange(width, device=starts.device)  # (B, W)
+        real = torch.arange(width, device=starts.device) < widths.unsqueeze(1)  # (B, W)
+        write = torch.where(real, slots(torch.minimum(new, last)), self.scratch_slot)  # (B, W)
+        # keys past a row's own tokens are masked; its last slot serves as their index (padding rows: the scratch)
+        read = slots(torch.minimum(torch.arange(key_len, device=starts.device), last))  # (B, L)
+        read = torch.where(widths.unsqueeze(1) > 0, read, self.scratch_slot)
+        return write.view(-1), read
 
     def slot_pools(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v  # (layers, slots, Hkv, D)

@@ -57,7 +57,7 @@ def draft_spec(source: str | None, target: LoadedModel) -> ModelSpec:
         raise ModelLoadError("draft: none ships for this target (a default ships only for the embedded model); pass "
                              "a model spec with the target's tokenizer")
     return ModelSpec(source=source, device=target.model.device.type, dtype=target.spec.dtype,
-                     cache_dir=target.spec.cache_dir)
+                     cache_dir=target.spec.cache_dir, forwards=target.forwards)
 
 
 def load_draft(source: str | None, target: LoadedModel) -> LoadedModel:
@@ -78,6 +78,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     spec: ModelSpec
     weights: str = "float32"  # what the products read: "gguf" (the file's blocks) or "float32"
+    forwards: str = "eager"  # how its decode forwards run: "graphs", "static" or "eager" (`engine.forwards`)
 
     @property
     def chat(self) -> bool:
@@ -328,6 +329,7 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     device = pick_device(spec.device)
     if spec.quant is not None and spec.dtype == "float16" and device.type == "cpu":
         raise ModelLoadError("dtype: float16 with bitsandbytes quantization needs a GPU; use float32 or bfloat16")
+    forwards = resolve_forwards(spec, device)
     hf_config = read_hf_config(folder)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"model: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
@@ -342,7 +344,21 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({first_line(exc)})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec,
-                       "gguf" if blocks else "float32")
+                       "gguf" if blocks else "float32", forwards)
+
+
+def resolve_forwards(spec: ModelSpec, device: torch.device) -> str:
+    """How the decode forwards run (`ModelSpec.forwards`): "auto" is CUDA graphs on a CUDA GPU unless bitsandbytes
+    quantised the weights (its layers are not known to capture), else eager."""
+    if spec.forwards == "auto":
+        return "graphs" if device.type == "cuda" and spec.quant is None else "eager"
+    if spec.forwards == "graphs" and device.type != "cuda":
+        raise ModelLoadError(f"forwards: 'graphs' captures CUDA graphs and needs a CUDA GPU, the model is on "
+                             f"{device.type}; use static or eager")
+    if spec.forwards == "graphs" and spec.quant is not None:
+        raise ModelLoadError("forwards: 'graphs' with bitsandbytes weights (quant) is not supported; use static or "
+                             "eager")
+    return spec.forwards
 
 
 def load_hf_peer(loaded: Any) -> Any:

@@ -354,6 +354,7 @@ class Transformer(nn.Module):
         seq_ids: tuple[int, ...] | list[int],
         attn_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
+        layout: AttentionLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per row through the model and store their K/V.
 
@@ -361,17 +362,20 @@ class Transformer(nn.Module):
         attn_mask: (T, T) or (B, T, T) bool visibility among the new tokens; None means causal.
         num_logits: compute logits for the last n tokens only (prefill needs one); 0 computes none, for a caller
         that scores the hidden states itself (see models.vocab).
+        layout: where the tokens are written and read, made by the caller instead of `cache.prepare` (the static
+        shapes of `engine.forwards`, whose tensors stay the same from call to call); seq_ids and attn_mask unused.
         Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E).
         """
         b, t = token_ids.shape
         cfg = self.config
-        layout = cache.prepare(tuple(seq_ids), t, attn_mask)
+        static = layout is not None
+        layout = layout or cache.prepare(tuple(seq_ids), t, attn_mask)
         if cfg.sliding_window is not None and layout.key_len > cfg.sliding_window:
             raise ValueError(f"sequence of {layout.key_len} tokens exceeds the model's sliding window "
                              f"({cfg.sliding_window}); sliding-window attention is not implemented")
         x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
         cos, sin = self.rope(positions, x.dtype)
-        native_ready = self.native_stack is not None and self.attention_kernel() is not None
+        native_ready = not static and self.native_stack is not None and self.attention_kernel() is not None
         slabs = cache.contiguous_rows(layout) if native_ready else None
         pools = cache.slot_pools(layout) if native_ready and slabs is None else None
         if slabs is not None or pools is not None:
