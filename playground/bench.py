@@ -106,7 +106,8 @@ def run_of(trace: Any) -> Run:
 
 
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
-FLOAT32, LLAMA = "ar-float32", "llama.cpp"  # the rows of plain decoding on float32 weights and of llama.cpp
+# the rows of plain decoding on float32 weights, of plain decoding with eager forwards, and of llama.cpp
+FLOAT32, EAGER, LLAMA = "ar-float32", "ar-eager", "llama.cpp"
 SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 
@@ -122,7 +123,8 @@ class Contender:
     peer: str | None = None  # the transformers feature used as its peer
     peer_kwargs: dict[str, Any] | None = None
     sampling: SamplingParams = SamplingParams()  # SAMPLED: its tokens are not expected to equal greedy plain decoding
-    target: Any = None  # the model it runs on, where not the bench's target (plain decoding on float32 weights)
+    target: Any = None  # the model it runs on, where not the bench's target (plain decoding on float32 weights or
+    # with eager forwards)
 
     @property
     def sampled(self) -> bool:
@@ -226,6 +228,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
         contenders.insert(0, Contender(FLOAT32, "ar", None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
+    if target.forwards != "eager":  # the same weights' forwards each at its own shape: what the static shapes buy
+        contenders.insert(0, Contender(EAGER, "ar", None, "plain decoding with eager forwards",
+                                       target=replace(target, forwards="eager")))
     hf_model = None if args.no_peers else load_hf_peer(target)
     llm = None if args.no_peers else llama_cpp_peer(source_gguf(target.spec),
                                                     max(SUITE_CONTEXT, 512 + args.max_new_tokens))
@@ -330,7 +335,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,
         "rounds": args.rounds,
-        "environment": environment(target.model),
+        "environment": {**environment(target.model), "forwards": target.forwards},
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
                       "bound_tokens_per_s": bound},
         "summary": summary,

@@ -67,7 +67,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{env['native_kernel']}. Per prompt, plain decoding and every algorithm ran interleaved, "
         f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios.",
         "",
-        f"Weights: {env.get('weights', 'float32')}.",
+        f"Weights: {env.get('weights', 'float32')}. Decode forwards: {env.get('forwards', 'eager')}.",
         "",
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | "
         "same tokens | llama.cpp tok/s | ours / llama.cpp |",
@@ -93,6 +93,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"- ours on the GGUF blocks / on the float32 weights: median "
                      f"{1 / floats['median_speedup_vs_ar']:.2f}x (goal >= 2.5x), same tokens: "
                      f"{'yes' if floats['all_same_tokens_as_ar'] else 'NO'}")
+    eager = s["algos"].get("ar-eager")
+    if eager:  # plain decoding with eager forwards, raced as a contender
+        lines.append(f"- ours with {env['forwards']} forwards / with eager forwards: median "
+                     f"{1 / eager['median_speedup_vs_ar']:.2f}x (goal >= 10x with CUDA graphs), same tokens: "
+                     f"{'yes' if eager['all_same_tokens_as_ar'] else 'NO'}")
     if s.get("llama_cpp_median_tokens_per_s") is not None:
         lines += [f"- llama.cpp on the same GGUF file: median {s['llama_cpp_median_tokens_per_s']:.1f} tok/s",
                   f"- ours / llama.cpp: median {s['median_ratio_vs_llama_cpp']:.2f}x (goal >= 1.3x)"]

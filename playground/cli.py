@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from .config import DEVICES, DTYPES, QUANTS, WEIGHTS, ConfigError, ModelSpec
+from .config import DEVICES, DTYPES, FORWARDS, QUANTS, WEIGHTS, ConfigError, ModelSpec
 from .models import ModelLoadError, UnsupportedModelError
 from .trace import TraceError
 
@@ -29,6 +29,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="what a GGUF model's products read: gguf, the file's Q8_0/Q4_1 blocks (native CPU "
                              "kernel, float32; the same outputs from a fifth of the bytes); float32, dequantised; "
                              "auto (default): gguf where it can run")
+    forwards = parser.add_mutually_exclusive_group()
+    forwards.add_argument("--forwards", default="auto", choices=FORWARDS,
+                          help="how decode forwards run: graphs, static shapes captured in CUDA graphs (CUDA only); "
+                               "static, the same shapes uncaptured (any device, for debugging); eager, each at its own "
+                               "shape; auto (default): graphs on a CUDA GPU, else eager")
+    forwards.add_argument("--no-graphs", dest="forwards", action="store_const", const="eager",
+                          help="the same as --forwards eager")
     parser.add_argument("--cache-dir", default=None,
                         help="where converted GGUF weights are cached (default $PLAYGROUND_CACHE or "
                              "~/.cache/decoding-playground)")
@@ -36,7 +43,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(source=args.model, device=args.device, dtype=args.dtype, quant=args.quant,
-                     cache_dir=args.cache_dir, weights=args.weights)
+                     cache_dir=args.cache_dir, weights=args.weights, forwards=args.forwards)
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:

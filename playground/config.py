@@ -66,7 +66,7 @@ class ModelSpec:
     weights: how a GGUF source's matrix products read their weights: "gguf" as the file's Q8_0 and Q4_1 blocks (the
     native CPU kernel, float32; the same bits as "float32", from a fifth to a quarter of the bytes), "float32"
     dequantised once, "auto" the blocks wherever they can run.
-    forwards: how the decode forwards run (`engine.forwards`): "eager" each at its own shape, "static" padded to
+    forwards: how the decode forwards run (`models.forwards`): "eager" each at its own shape, "static" padded to
     buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "auto" graphs on a CUDA GPU
     (without bitsandbytes weights), else eager.
     """

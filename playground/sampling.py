@@ -182,10 +182,18 @@ def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingPara
     `verify_greedy`). Yields (row, token drawn there, its probability as `next_token` gives it); the last token is
     the correction or the bonus."""
     parents = list(range(len(proposals))) if parents is None else parents
+    at_once = params.greedy and logits.device.type != "cpu"
+    if at_once:
+        # every row's argmax at once: on a GPU each row's draw would wait for the device (on the CPU, scanning the
+        # rows off the kept path costs more than the waits it saves)
+        tokens, probs = (values.tolist() for values in next_token(logits, params, generator))
     row: int | None = 0
     while row is not None:
-        drawn, p = next_token(logits[row], params, generator)
-        token = int(drawn)
+        if at_once:
+            token, p = tokens[row], probs[row]
+        else:
+            drawn, p = next_token(logits[row], params, generator)
+            token = int(drawn)
         yield row, token, float(p)
         row = next((i + 1 for i, (x, parent) in enumerate(zip(proposals, parents)) if parent == row and x == token),
                    None)

@@ -1,12 +1,12 @@
 """Greedy exactness on any device: every algorithm at batch 1 on both KV caches, and the batching engine (plain and with
-prompt lookup, Medusa heads, the draft or lookahead in the batch), against plain decoding on the contiguous cache,
-over the test suite's 20 prompts.
+prompt lookup, Medusa heads, the draft, EAGLE or lookahead in the batch), against plain decoding on the contiguous
+cache in the same dtype and with the same decode forwards, over the test suite's 20 prompts.
 
 The unit tests check this on the CPU; this script is how to check it on a GPU (or any other device/dtype):
 
-    python scripts/check_exact.py --device cuda [--new-tokens 48]
+    python scripts/check_exact.py --device cuda [--dtype bfloat16] [--forwards graphs] [--new-tokens 48]
 
-Exits 1 and names the prompt and setting of every mismatch.
+Exits 1 and names the prompt and setting of every mismatch. `scripts/gpu_check.py` runs it per dtype.
 """
 
 from __future__ import annotations
@@ -17,25 +17,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (EngineParams, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
+from playground.config import (DEVICES, DTYPES, FORWARDS, EngineParams, GenerationParams,  # noqa: E402
+                               LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
+                               SpeculativeParams)
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import Engine, generate  # noqa: E402
-from playground.models import load_model  # noqa: E402
-from playground.models.loader import default_draft  # noqa: E402
+from playground.models import LoadedModel, load_model  # noqa: E402
+from playground.models.loader import load_draft  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--new-tokens", type=int, default=32)
-    args = parser.parse_args()
-
-    target = load_model(ModelSpec(device=args.device, dtype="float32"))
-    draft = load_model(ModelSpec(source=default_draft("embedded"), device=args.device, dtype="float32"))
+def check(target: LoadedModel, draft: LoadedModel, new_tokens: int) -> dict[str, tuple[int, int]]:
+    """Every setting's (prompts exact, prompts), printing each as it is checked and every mismatch."""
     greedy = SamplingParams()
-
     copies = PromptLookupParams(max_ngram=3, branches=1)
     proposers = {
         "ar": None,
@@ -49,18 +43,23 @@ def main() -> int:
         **{f"medusa-{tree}": build_proposer(target, "medusa", MedusaParams(tree=tree))
            for tree in ("dynamic", "small", "wide")},
         "medusa-copy": build_proposer(target, "medusa", MedusaParams(), copies),
+        "eagle": build_proposer(target, "eagle"),
     }
 
-    reference = {prompt: generate(target, prompt, None, greedy, GenerationParams(max_new_tokens=args.new_tokens))[0]
+    reference = {prompt: generate(target, prompt, None, greedy, GenerationParams(max_new_tokens=new_tokens))[0]
                  .token_ids for prompt in PROMPTS}
-    failures = 0
+    results: dict[str, tuple[int, int]] = {}
+
+    def report(name: str, bad: list[str], note: str = "") -> None:
+        results[name] = (len(PROMPTS) - len(bad), len(PROMPTS))
+        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact{note}"
+              + "".join(f"\n  MISMATCH {p!r}" for p in bad), flush=True)
+
     for kv in ("contiguous", "paged"):
-        generation = GenerationParams(max_new_tokens=args.new_tokens, kv=kv, block_size=4)
+        generation = GenerationParams(max_new_tokens=new_tokens, kv=kv, block_size=4)
         for name, proposer in proposers.items():
-            bad = [p for p in PROMPTS if generate(target, p, proposer, greedy, generation)[0].token_ids != reference[p]]
-            failures += len(bad)
-            print(f"{name}/{kv}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} prompts exact"
-                  + "".join(f"\n  MISMATCH {p!r}" for p in bad))
+            report(f"{name}/{kv}", [p for p in PROMPTS
+                                    if generate(target, p, proposer, greedy, generation)[0].token_ids != reference[p]])
 
     lookup, draft_copy = build_proposer(target, "prompt-lookup"), PromptLookupParams()
     many = EngineParams().max_running  # the engine's default batch
@@ -74,20 +73,35 @@ def main() -> int:
         f"engine batch of {len(PROMPTS)}, draft": (many, build_proposer(target, "speculative", draft=draft)),
         "engine batch of 2, draft and prompt lookup": (
             2, build_proposer(target, "speculative", SpeculativeParams(), draft_copy, draft=draft)),
+        f"engine batch of {len(PROMPTS)}, EAGLE": (many, proposers["eagle"]),
         "engine batch of 1, lookahead": (1, proposers["lookahead"]),
         "engine batch of 1, lookahead W 2 N 3 G 3": (
             1, build_proposer(target, "lookahead", LookaheadParams(window=2, ngram=3, guesses=3))),
     }
     for name, (running, proposer) in batches.items():
         engine = Engine(target, EngineParams(max_running=running), proposer=proposer)
-        ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=args.new_tokens)): p for p in PROMPTS}
+        ids = {engine.add_request(p, greedy, GenerationParams(max_new_tokens=new_tokens)): p for p in PROMPTS}
         batched = {i: out.token_ids for i, out in engine.run_all().items()}
-        bad = [p for i, p in ids.items() if batched[i] != reference[p]]
-        failures += len(bad)
         counts = [f"{c.accepted} of {c.proposed} {source} tokens accepted" for source, c in engine.counts.items()]
-        print(f"{name}: {len(PROMPTS) - len(bad)}/{len(PROMPTS)} exact" + (f" ({'; '.join(counts)})" if counts else "")
-              + "".join(f"\n  MISMATCH {p!r}" for p in bad))
-    print(f"device {target.model.device}: {'all exact' if not failures else f'{failures} mismatches'}")
+        report(name, [p for i, p in ids.items() if batched[i] != reference[p]],
+               f" ({'; '.join(counts)})" if counts else "")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--forwards", default="auto", choices=FORWARDS, help="how decode forwards run (see the CLI)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    target = load_model(ModelSpec(device=args.device, dtype=args.dtype, forwards=args.forwards))
+    draft = load_draft(None, target)
+    results = check(target, draft, args.new_tokens)
+    failures = sum(total - exact for exact, total in results.values())
+    print(f"device {target.model.device}, {args.dtype}, {target.forwards} forwards: "
+          f"{'all exact' if not failures else f'{failures} mismatches'}")
     return 1 if failures else 0
 
 

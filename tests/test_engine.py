@@ -703,15 +703,16 @@ def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypa
     assert costs.step_cost(1, 1) == 1.0 and costs.step_cost(1, 2) == 1.0 and costs.step_cost(2, 2) == 3.0
     measured = []
     real = costs_module.measure
-    monkeypatch.setattr(costs_module, "measure", lambda model: measured.append(1) or real(model, rounds=1))
+    monkeypatch.setattr(costs_module, "measure",
+                        lambda model, forwards: measured.append(forwards) or real(model, 1, forwards))
     monkeypatch.setattr(costs_module, "_READ", {})
     first = costs_module.forward_costs(TINY.model, tmp_path)
     saved = next((tmp_path / "forward-costs").iterdir())
     saved.write_text("not json")  # this process has read it already
     again = costs_module.forward_costs(TINY.model, tmp_path)
-    assert measured == [1] and first == again and first.tokens == costs_module.WIDTHS
+    assert measured == ["eager"] and first == again and first.tokens == costs_module.WIDTHS
     assert all(a <= b for a, b in zip(first.seconds, first.seconds[1:]))  # a wider forward never costs less
     monkeypatch.setattr(costs_module, "_READ", {})  # a new process: reads the broken file, measures again
-    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]
+    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == ["eager"] * 2
     monkeypatch.setattr(costs_module, "_READ", {})  # and the file it rewrote is read by the next one
-    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == [1, 1]
+    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == ["eager"] * 2

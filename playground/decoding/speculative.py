@@ -23,7 +23,7 @@ from ..models import LoadedModel, Transformer
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
-from ..engine.forwards import Forwards, make_forwards
+from ..models.forwards import Forwards, make_forwards
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses

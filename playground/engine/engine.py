@@ -11,6 +11,7 @@ as plain decoding draws it, so greedy and seeded outputs are plain decoding's wh
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..sampling import accept, make_generator
 from ..trace import Event, MemoryEvent
-from .forwards import make_forwards
+from ..models.forwards import make_forwards
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
@@ -77,7 +78,9 @@ class Engine:
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
         self.tracer = Tracer(target.tokenizer) if trace else None
-        self.costs = costs if costs is not None or self.proposer is None else forward_costs(target.model)
+        if costs is None and self.proposer is not None:
+            costs = forward_costs(target.model, forwards=target.forwards)
+        self.costs = costs
 
     @property
     def running(self) -> list[Request]:
@@ -201,8 +204,10 @@ class Engine:
             return
         batch = len(plan.decode)
 
-        def cost(width: int) -> float:
-            return self.costs.step_cost(batch, width)
+        widest = self.runner.forwards.max_width or math.inf
+
+        def cost(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
+            return self.costs.step_cost(batch, width) if width <= widest else math.inf
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]

@@ -5,9 +5,9 @@ maybe side rows (`decoding.proposer`).
 The decode rows run as one batch of `plan.width` tokens per request: its last token, its proposal's nodes at
 positions by depth, its side rows, then padding. A tree's rows see their ancestors only; side rows see the last
 token and each other as their mask says, and nothing of the proposal (nor it them). Padding after a request's rows
-is causal: its rows never see it, and its KV is dropped after the step. Decode rows run through the model's decode
-forwards (`forwards.py`: eager, or static shapes captured in CUDA graphs); each prefill chunk is an eager forward of
-its own.
+is causal: its rows never see it, and its KV is dropped after the step. Decode rows run through the model's
+decode forwards (`models/forwards.py`: eager, or static shapes captured in CUDA graphs); each prefill chunk is an
+eager forward of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..decoding.proposer import Proposal
 from ..decoding.tree import ancestor_mask
 from ..kv import PagedKVCache
 from ..models import Transformer
-from .forwards import Forwards
+from ..models.forwards import Forwards
 from .scheduler import StepPlan
 
 EMPTY = Proposal([], [], [], [])

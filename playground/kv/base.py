@@ -22,7 +22,7 @@ class AttentionLayout:
     key_len: int  # L, key slots returned per row
     mask: torch.Tensor | None  # (B, 1, T, L) bool, True = may attend; None = every returned key is visible
     # Paged cache: the physical slot of each new token (B*T,) and of each returned key (B, L). Contiguous cache,
-    # static shapes only (see `KVCache.static_slots`): the slot of each new token in the row (T,); no read_slots.
+    # static shapes only (see `KVCache.static_slots`): the same in the one row, (T,) and (1, L).
     write_slots: torch.Tensor | None = None
     read_slots: torch.Tensor | None = None
 
@@ -69,16 +69,16 @@ class KVCache(ABC):
 
     def static_tables(self, seq_ids: tuple[int, ...], key_len: int) -> list[list[int]]:
         """Paged: each row's block table over its first key_len slots, padded with block 0 (static shapes, see
-        `engine.forwards`); a contiguous row has none."""
+        `models.forwards`); a contiguous row has none."""
         return [[] for _ in seq_ids]
 
     @abstractmethod
     def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
-                     key_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The slots of a static-shape forward, from tensors on the device (`engine.forwards` captures this):
+                     key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of a static-shape forward, from tensors on the device (`models.forwards` captures this):
         tables (B, blocks) as `static_tables` gives them, starts (B,) each row's first new slot, widths (B,) its
         tokens (0: a padding row), `width` tokens and `key_len` keys per row. Returns where each token is written
-        (B*W,), padding to a scratch slot that no row reads, and, paged, where each row's keys are read (B, L)."""
+        (B*W,), padding to a scratch slot that no row reads, and where each row's keys are read from (B, L)."""
 
     @abstractmethod
     def prepare(

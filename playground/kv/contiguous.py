@@ -116,23 +116,27 @@ class ContiguousKVCache(KVCache):
         return AttentionLayout(tuple(self._row(s) for s in seq_ids), starts, num_new, key_len, mask)  # names rows
 
     def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
-                     key_len: int) -> tuple[torch.Tensor, None]:
-        """One row only (an engine's contiguous cache has one): its keys are the row's first key_len slots."""
+                     key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row only (an engine's contiguous cache has one): its keys are read from its first key_len slots."""
         if len(self._lengths) != 1 or key_len > self.max_len:
             raise ValueError(f"static shapes need a one-row contiguous cache and at most {self.max_len} keys, got "
                              f"{len(self._lengths)} rows and {key_len} keys")
         offsets = torch.arange(width, device=starts.device)  # (W,)
-        return torch.where(offsets < widths[0], starts[0] + offsets, self.max_len), None  # (W,)
+        write = torch.where(offsets < widths[0], starts[0] + offsets, self.max_len)  # (W,)
+        # keys past the row's own tokens are masked, but a masked NaN still poisons the sum: read its last slot there
+        read = torch.arange(key_len, device=starts.device).clamp(max=starts[0] + widths[0] - 1)  # (L,)
+        return write, read.unsqueeze(0)  # (W,), (1, L)
 
     def update(
         self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, key_len = layout.num_new, layout.key_len
         k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
-        if layout.write_slots is not None:  # static shapes: the one row, its new tokens at the slots named
+        if layout.write_slots is not None:  # static shapes: the one row, its new tokens and keys at the slots named
             k_layer.index_copy_(2, layout.write_slots, k)  # k: (1, Hkv, T, D)
             v_layer.index_copy_(2, layout.write_slots, v)
-            return k_layer[:, :, :key_len], v_layer[:, :, :key_len]  # (1, Hkv, L, D)
+            read = layout.read_slots[0]  # (L,)
+            return k_layer.index_select(2, read), v_layer.index_select(2, read)  # (1, Hkv, L, D)
         for row, (seq, start) in enumerate(zip(layout.seq_ids, layout.starts)):
             k_layer[seq, :, start : start + t] = k[row]  # (Hkv, T, D)
             v_layer[seq, :, start : start + t] = v[row]

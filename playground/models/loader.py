@@ -78,7 +78,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     spec: ModelSpec
     weights: str = "float32"  # what the products read: "gguf" (the file's blocks) or "float32"
-    forwards: str = "eager"  # how its decode forwards run: "graphs", "static" or "eager" (`engine.forwards`)
+    forwards: str = "eager"  # how its decode forwards run: "graphs", "static" or "eager" (`models.forwards`)
 
     @property
     def chat(self) -> bool:

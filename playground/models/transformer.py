@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         num_logits: compute logits for the last n tokens only (prefill needs one); 0 computes none, for a caller
         that scores the hidden states itself (see models.vocab).
         layout: where the tokens are written and read, made by the caller instead of `cache.prepare` (the static
-        shapes of `engine.forwards`, whose tensors stay the same from call to call); seq_ids and attn_mask unused.
+        shapes of `models.forwards`, whose tensors stay the same from call to call); seq_ids and attn_mask unused.
         Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E).
         """
         b, t = token_ids.shape

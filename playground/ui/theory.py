@@ -64,7 +64,7 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
                     lines.append(f"- GGUF blocks: not measured ({exc})")
                     continue
                 raise
-            costs = forward_costs(model.model)
+            costs = forward_costs(model.model, forwards=model.forwards)
             label = "GGUF blocks" if weights == "gguf" else "float32"
             curves[label] = costs
             v = (costs.time(5) / costs.time(1) - 1) / 4

@@ -22,9 +22,10 @@ import torch
 
 from ..kv import AttentionLayout, ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..kv.base import visibility
-from ..models import Transformer
+from .transformer import Transformer
 
 MIN_KEYS = 64  # the smallest key bucket: shorter contexts share one graph
+ONE_WIDTH = 16  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -36,10 +37,12 @@ class Forwards:
     """Eager decode forwards: every forward built for its own shape."""
 
     mode = "eager"
+    max_width: int | None = None  # the widest forward that keeps a token's bits (None: any)
 
     def __init__(self, model: Transformer, cache: KVCache) -> None:
         self.model, self.cache = model, cache
 
+    @torch.inference_mode()
     def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
         """Run T tokens per row after what the cache holds of each sequence: ids and positions (B, T) as lists,
@@ -52,28 +55,38 @@ class Forwards:
 
 
 class StaticForwards(Forwards):
-    """Decode forwards in buckets of static shape, each captured in a CUDA graph where `graphs` (see the module)."""
+    """Decode forwards in buckets of static shape, each captured in a CUDA graph where `graphs` (see the module).
+
+    width: where set, every forward of at most that many tokens per row runs at exactly that width and at the
+    cache's whole length of keys, so that a token's logits have the same bits in whichever forward computes them
+    (PyTorch's kernels pick their reduction order by shape; see `make_forwards`). `max_width` tells the engine's
+    planning not to go wider."""
 
     mode = "static"
 
-    def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False, width: int | None = None) -> None:
         super().__init__(model, cache)
         if not isinstance(cache, (PagedKVCache, ContiguousKVCache)):
             raise TypeError(f"static shapes need a paged or contiguous cache, got {type(cache).__name__}")
         if graphs and model.device.type != "cuda":
             raise ValueError(f"forwards: CUDA graphs need a CUDA device, the model is on {model.device}")
-        self.graphs = graphs
+        self.graphs, self.max_width = graphs, width
         self.mode = "graphs" if graphs else "static"
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures = 0  # buckets captured so far
 
+    @torch.inference_mode()
     def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
         rows, width = len(ids), len(ids[0])
         starts = self.cache.reserve(tuple(seq_ids), width)  # the host's bookkeeping: blocks, copies, lengths
         paged = isinstance(self.cache, PagedKVCache)
-        key = (bucket(rows) if paged else 1, bucket(width), self._keys(max(starts) + width))
+        if self.max_width is not None and width <= self.max_width:  # one shape whatever the width and the length
+            capacity = self.cache.allocator.num_blocks * self.cache.block_size if paged else self.cache.max_len
+            key = (bucket(rows) if paged else 1, self.max_width, capacity)
+        else:
+            key = (bucket(rows) if paged else 1, bucket(width), self._keys(max(starts) + width))
         if key not in self.buckets:
             self.buckets[key] = Bucket(self, *key)
         return self.buckets[key].run(seq_ids, starts, ids, positions, among_new)
@@ -143,7 +156,7 @@ class Bucket:
         ids, positions, starts, widths, tables = self.inputs[:split].view(torch.int64).split(self.sizes)
         seen = self.inputs[split:].view(torch.bool).view(b, w, w)  # (B, W, W)
         cache = self.owner.cache
-        write, read = cache.static_slots(tables.view(b, -1), starts, widths, w, keys)  # (B*W,), (B, L) or None
+        write, read = cache.static_slots(tables.view(b, -1), starts, widths, w, keys)  # (B*W,), (B, L)
         mask = visibility(starts, seen, keys)  # (B, 1, W, L)
         layout = AttentionLayout(tuple(range(b)), (0,) * b, w, keys, mask, write_slots=write, read_slots=read)
         _, hidden = self.owner.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout)
@@ -164,9 +177,14 @@ class Bucket:
 
 
 def make_forwards(model: Transformer, cache: KVCache, mode: str) -> Forwards:
-    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`)."""
+    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`). Static shapes run at one width
+    (ONE_WIDTH) where PyTorch's kernels compute the products (a GPU, 16-bit dtypes, no native kernel): those pick
+    their blocking and reduction order by the number of rows, so a token verified among 8 would otherwise get other
+    bits than the same token decoded alone, and in bfloat16 a greedy choice often flips. The native CPU kernel gives
+    a row the same bits in any forward, so there the buckets fit each forward."""
     if mode == "eager":
         return Forwards(model, cache)
     if mode in ("static", "graphs"):
-        return StaticForwards(model, cache, graphs=mode == "graphs")
+        return StaticForwards(model, cache, graphs=mode == "graphs",
+                              width=ONE_WIDTH if model.rows_per_pass is None else None)
     raise ValueError(f"forwards must be one of eager, static, graphs, got {mode!r}")

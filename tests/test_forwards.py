@@ -1,0 +1,188 @@
+"""Decode forwards in static shapes (the CUDA-graph path with capture off, which runs on the CPU): every algorithm on
+both caches and in padded batches gives plain decoding's tokens; a static forward writes and returns what an eager
+one does and nothing else; seeded sampling is unchanged; buckets, settings and errors. With a CUDA GPU, graphs give
+the static path's tokens."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from playground.__main__ import main
+from playground.cli import add_model_args, model_spec
+from playground.config import (KV_KINDS, ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams,
+                               SpeculativeParams)
+from playground.decoding import costs as costs_module
+from playground.decoding.base import contiguous_cache, paged_cache
+from playground.decoding.registry import build_proposer
+from playground.engine import Engine, generate
+from playground.models import ModelLoadError, load_model
+from playground.models.forwards import MIN_KEYS, ONE_WIDTH, Forwards, StaticForwards, bucket, make_forwards
+
+from .prompts import NEW_TOKENS, PROMPTS
+
+ALGOS = (None, "speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
+
+
+@pytest.fixture(scope="module")
+def static(target):
+    return dataclasses.replace(target, forwards="static")
+
+
+@pytest.fixture
+def static_calls(monkeypatch) -> list[int]:
+    """The batch size of every static forward run."""
+    calls: list[int] = []
+    real = StaticForwards.__call__
+
+    def spy(self, seq_ids, *args, **kwargs):
+        calls.append(len(seq_ids))
+        return real(self, seq_ids, *args, **kwargs)
+    monkeypatch.setattr(StaticForwards, "__call__", spy)
+    return calls
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    assert bucket(5, MIN_KEYS) == 64 and bucket(65, MIN_KEYS) == 128
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
+def test_every_algorithm_in_static_shapes_is_plain_decoding(static, plain_outputs, static_calls, kv) -> None:
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv=kv, block_size=4)
+    for algo in ALGOS:
+        proposer = build_proposer(static, algo) if algo else None
+        for prompt in PROMPTS[::2]:
+            assert generate(static, prompt, proposer, None, generation)[0].token_ids == plain_outputs[prompt], (
+                algo, prompt)
+    assert len(static_calls) > 100
+
+
+def test_padded_batches_with_preemption_give_every_request_its_own_output(static, plain_outputs) -> None:
+    prompts = PROMPTS[:7]
+    for algo in (None, "medusa", "speculative", "eagle", "prompt-lookup"):
+        engine = Engine(static, EngineParams(num_blocks=48, block_size=4, max_batch_tokens=48, max_running=5),
+                        proposer=build_proposer(static, algo) if algo else None)
+        ids = {engine.add_request(p, None, GenerationParams(max_new_tokens=NEW_TOKENS)): p for p in prompts}
+        outputs = engine.run_all()
+        assert {ids[i]: out.token_ids for i, out in outputs.items()} == {p: plain_outputs[p] for p in prompts}, algo
+        rows = {key[0] for key in engine.runner.forwards.buckets}
+        assert rows <= {1, 2, 4, 8} and rows & {4, 8}, algo  # 3 or 5 requests ran padded to 4 or 8 rows
+        assert engine.cache.num_free_blocks == 48
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
+def test_a_static_forward_writes_and_returns_what_an_eager_one_does_and_nothing_else(target, kv) -> None:
+    """Three requests of different lengths, a tree of 3 tokens each (padded to 4 rows of 4 tokens on the paged
+    cache): the same hidden states bit for bit, the same keys and values in every slot, and padding that reads
+    nothing a row wrote (NaN in the unwritten slots stays in the padding)."""
+    model = target.model
+    rows = 3 if kv == "paged" else 1
+
+    def cache():
+        made = paged_cache(model, 32, 4) if kv == "paged" else contiguous_cache(model, 100)
+        made.k.fill_(float("nan"))
+        made.v.fill_(float("nan"))
+        return made
+    eager_cache, static_cache = cache(), cache()
+    lengths = [7, 12, 5][:rows]
+    for made in (eager_cache, static_cache):
+        for seq, length in enumerate(lengths):
+            ids = torch.arange(10, 10 + length).unsqueeze(0)  # (1, T)
+            model(ids, torch.arange(length).unsqueeze(0), made, [seq], num_logits=0)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(rows, 3, 3)  # (B, 3, 3)
+    ids = [[100 + seq, 200 + seq, 300 + seq] for seq in range(rows)]
+    positions = [[n, n + 1, n + 1] for n in lengths]
+    eager = Forwards(model, eager_cache)(list(range(rows)), ids, positions, tree)
+    static = StaticForwards(model, static_cache)(list(range(rows)), ids, positions, tree)
+    assert torch.equal(eager, static) and not static.isnan().any()
+    for ours, theirs in ((static_cache.k, eager_cache.k), (static_cache.v, eager_cache.v)):
+        scratch = ours[:, -1] if kv == "paged" else ours[:, :, :, -1]
+        tokens = ours[:, :-1] if kv == "paged" else ours[:, :, :, :-1]  # every slot but the scratch one
+        expected = theirs[:, :-1] if kv == "paged" else theirs[:, :, :, :-1]
+        assert torch.equal(tokens.nan_to_num(7.0), expected.nan_to_num(7.0))
+        assert not scratch.isnan().any()  # the padding wrote there
+    assert [eager_cache.length(s) for s in range(rows)] == [static_cache.length(s) for s in range(rows)]
+
+
+def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_decoding() -> None:
+    """PyTorch's kernels pick their reduction order by shape, so in bfloat16 one width and the cache's whole length
+    for every decode forward are what keep a token's bits (greedy choices flip otherwise)."""
+    half = load_model(ModelSpec(device="cpu", dtype="bfloat16", forwards="static"))
+    assert half.model.rows_per_pass is None
+    for kv in KV_KINDS:
+        generation = GenerationParams(max_new_tokens=16, kv=kv, block_size=4)
+        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:4]}
+        for algo in ALGOS[1:]:
+            proposer = build_proposer(half, algo)
+            assert all(generate(half, p, proposer, None, generation)[0].token_ids == plain[p] for p in plain), (kv, algo)
+    engine = Engine(half, EngineParams(num_blocks=64, block_size=4, max_running=3), proposer=build_proposer(
+        half, "medusa"))
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, None, GenerationParams(max_new_tokens=8))
+    engine.run_all()
+    assert {key[1:] for key in engine.runner.forwards.buckets} == {(ONE_WIDTH, 64 * 4)}
+    assert engine.runner.forwards.max_width == ONE_WIDTH
+
+
+def test_seeded_sampling_is_unchanged_by_static_shapes(target, static) -> None:
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    for algo, params in ((None, None), ("speculative", SpeculativeParams(sample=True)), ("medusa", None)):
+        outputs = [generate(model, prompt, build_proposer(model, algo, params) if algo else None, sampling,
+                            generation)[0].token_ids for model in (target, static) for prompt in PROMPTS[:3]]
+        assert outputs[:3] == outputs[3:], algo
+
+
+def test_the_setting_is_checked_and_resolved(target, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="forwards"):
+        ModelSpec(forwards="fast")
+    with pytest.raises(ModelLoadError, match="^forwards: 'graphs' .* CUDA GPU.*use static or eager"):
+        load_model(ModelSpec(device="cpu", forwards="graphs"))
+    assert target.forwards == "eager"  # auto on a CPU
+    assert load_model(ModelSpec(device="cpu", forwards="static")).forwards == "static"
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        make_forwards(target.model, contiguous_cache(target.model, 8), "graphs")
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    assert model_spec(parser.parse_args([])).forwards == "auto"
+    assert model_spec(parser.parse_args(["--no-graphs"])).forwards == "eager"
+    assert model_spec(parser.parse_args(["--forwards", "static"])).forwards == "static"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--forwards", "static", "--no-graphs"])
+
+
+def test_forward_costs_are_measured_and_kept_per_way_of_running(target) -> None:
+    model = target.model
+    eager_key = costs_module.machine_key(model)
+    assert eager_key == costs_module.machine_key(model, "eager") != costs_module.machine_key(model, "static")
+    costs = costs_module.measure(model, rounds=1, forwards="static")
+    assert costs.tokens == costs_module.WIDTHS and all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:]))
+
+
+def test_bench_races_plain_decoding_with_eager_forwards(tmp_path) -> None:
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    assert main(["bench", "--limit", "1", "--max-new-tokens", "4", "--device", "cpu", "--forwards", "static",
+                 "--algos", "prompt-lookup", "--draft", "none", "--rounds", "1", "--no-peers", "--json",
+                 str(out_json), "--markdown", str(out_md)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["environment"]["forwards"] == "static"
+    assert set(report["algos"]) == {"ar-eager", "prompt-lookup"}
+    assert report["prompts"][0]["algos"]["ar-eager"]["same_tokens_as_ar"] is True
+    assert "ours with static forwards / with eager forwards" in out_md.read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphs_give_the_static_shapes_tokens_on_cuda() -> None:
+    graphs = load_model(ModelSpec(device="cuda", forwards="graphs"))
+    static = dataclasses.replace(graphs, forwards="static")
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged")
+    for algo in (None, "speculative", "medusa", "eagle"):
+        for prompt in PROMPTS[:5]:
+            ours, theirs = (generate(model, prompt, build_proposer(model, algo) if algo else None, None,
+                                     generation)[0].token_ids for model in (graphs, static))
+            assert ours == theirs, (algo, prompt)
