@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 
 import pytest
@@ -119,7 +120,8 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
         plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:4]}
         for algo in ALGOS[1:]:
             proposer = build_proposer(half, algo)
-            assert all(generate(half, p, proposer, None, generation)[0].token_ids == plain[p] for p in plain), (kv, algo)
+            for prompt, tokens in plain.items():
+                assert generate(half, prompt, proposer, None, generation)[0].token_ids == tokens, (kv, algo, prompt)
     engine = Engine(half, EngineParams(num_blocks=64, block_size=4, max_running=3), proposer=build_proposer(
         half, "medusa"))
     for prompt in PROMPTS[:3]:
@@ -127,6 +129,31 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
     engine.run_all()
     assert {key[1:] for key in engine.runner.forwards.buckets} == {(ONE_WIDTH, 64 * 4)}
     assert engine.runner.forwards.max_width == ONE_WIDTH
+
+
+def test_the_next_engine_takes_what_a_released_one_built_and_two_at_once_keep_their_own(static, plain_outputs) -> None:
+    """Graphs write and read one cache's storage: an engine's static forwards go back on the model's shelf when it
+    is closed (or collected) and the next cache of that shape takes them; two engines alive at once never share."""
+    static.model.static_shelf.clear()
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    for prompt in PROMPTS[:2]:
+        assert generate(static, prompt, None, None, generation)[0].token_ids == plain_outputs[prompt]
+    (shelved,) = static.model.static_shelf.values()
+    assert len(shelved) == 1 and len(shelved[0].buckets) >= 1  # one set of shapes, reused, back on the shelf
+    params = EngineParams(num_blocks=64, block_size=4, max_running=2)
+    first, second = Engine(static, params), Engine(static, params)
+    assert first.cache.k is not second.cache.k
+    for each in (first, second):
+        each.add_request(PROMPTS[3], None, generation)
+    outputs = [each.run_all()[0].token_ids for each in (first, second)]
+    assert outputs == [plain_outputs[PROMPTS[3]]] * 2
+    first.close()
+    third = Engine(static, params)
+    assert third.cache.k is first.cache.k  # the closed engine's storage, with its buckets
+    assert third.runner.forwards.buckets is first.runner.forwards.buckets
+    del second, each  # collected without a close (the engine's scheduler refers back to it: a cycle), its shapes go back
+    gc.collect()
+    assert len(static.model.static_shelf[next(k for k in static.model.static_shelf if k[0] == "PagedKVCache")]) == 1
 
 
 def test_seeded_sampling_is_unchanged_by_static_shapes(target, static) -> None:

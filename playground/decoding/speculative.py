@@ -86,6 +86,8 @@ class DraftGuesser(Guesser):
     def bind(self, settings: Any) -> None:
         super().bind(settings)
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
+        if self.forwards is not None:
+            self.forwards.release()  # before the new cache is made, which may take what it built
         self.cache = engine_cache(self.draft.model, settings)
         self.forwards = make_forwards(self.draft.model, self.cache, self.draft.forwards)
         self.prefix_caching = settings.prefix_caching

@@ -149,6 +149,11 @@ class Engine:
             raise ValueError(f"request {request_id} is {request.status.value}: abort it first")
         del self.requests[request_id]
 
+    def close(self) -> None:
+        """Done with this engine: what its static forwards built (storage, CUDA graphs) may serve the next engine on
+        the model (`models.forwards`). Also done when the engine is collected."""
+        self.runner.forwards.release()
+
     def take_events(self) -> list[Event]:
         """The events recorded since the last call, handed over and no longer kept."""
         events = list(self.events)

@@ -39,14 +39,17 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     trace = Trace(algo=name, model=target.name, prompt=text, prompt_ids=prompt_ids,
                   params=header(sampling, generation, proposer))
     output = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"generation failed: {out.error}")
-            output = out.output or output
-        new = request.trace[len(trace.events):]
-        trace.events += new
-        yield from new
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"generation failed: {out.error}")
+                output = out.output or output
+            new = request.trace[len(trace.events):]
+            trace.events += new
+            yield from new
+    finally:
+        engine.close()
     return output, trace
 
 

@@ -62,6 +62,16 @@ class KVCache(ABC):
         # 2 (K and V) x layers x kv_heads x head_dim x bytes per element
         self._bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.k.element_size()
 
+    def share_storage(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold keys and values in k and v, a cache's of this one's shape that is no longer used (static forwards
+        keep graphs that write and read them, `models.forwards.Shapes`); what they hold is never read unwritten."""
+        if k is self.k:
+            return
+        if k.shape != self.k.shape or k.dtype != self.k.dtype or k.device != self.k.device or v.shape != k.shape:
+            raise ValueError(f"storage of shape {tuple(k.shape)} cannot serve a cache of {tuple(self.k.shape)}")
+        self.k, self.v = k, v
+        self._k_layers, self._v_layers = k.unbind(0), v.unbind(0)
+
     @abstractmethod
     def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
         """Book `num_new` slots after each row's current length (blocks, copies on write, lengths): the rows' first

@@ -117,10 +117,9 @@ class ContiguousKVCache(KVCache):
 
     def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
                      key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row only (an engine's contiguous cache has one): its keys are read from its first key_len slots."""
-        if len(self._lengths) != 1 or key_len > self.max_len:
-            raise ValueError(f"static shapes need a one-row contiguous cache and at most {self.max_len} keys, got "
-                             f"{len(self._lengths)} rows and {key_len} keys")
+        """One row only (an engine's contiguous cache has one): its keys are read from its first slots."""
+        if len(self._lengths) != 1:
+            raise ValueError(f"static shapes need a one-row contiguous cache, got {len(self._lengths)} rows")
         offsets = torch.arange(width, device=starts.device)  # (W,)
         write = torch.where(offsets < widths[0], starts[0] + offsets, self.max_len)  # (W,)
         # keys past the row's own tokens are masked, but a masked NaN still poisons the sum: read its last slot there

@@ -18,14 +18,16 @@ A bucket's graphs share one memory pool; the hidden states are copied out before
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..kv import AttentionLayout, ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..kv.base import visibility
 from .transformer import Transformer
 
-MIN_KEYS = 64  # the smallest key bucket: shorter contexts share one graph
-ONE_WIDTH = 16  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
+MIN_KEYS = 64  # the smallest key bucket (shorter contexts share one graph); key counts are multiples of it
+ONE_WIDTH = 32  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -53,28 +55,57 @@ class Forwards:
                                seq_ids, attn_mask=mask, num_logits=0)
         return hidden  # (B, T, E)
 
+    def release(self) -> None:
+        """Done with the cache: what these forwards built may serve the next cache of its shape."""
+
+
+class Shapes:
+    """What static forwards keep from one cache to the next of the same shape (each engine makes its own cache):
+    the caches' storage, which the graphs write and read, and the buckets with their inputs and graphs. Shelved on
+    the model when its forwards are released, taken by the next forwards of the same key (`make_forwards`), so an
+    engine's first steps replay graphs an earlier engine captured."""
+
+    def __init__(self, cache: KVCache, graphs: bool, width: int | None) -> None:
+        self.graphs, self.max_width = graphs, width
+        self.k, self.v = cache.k, cache.v
+        self.buckets: dict[tuple[int, int, int], Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.captures = 0  # buckets captured so far
+
+    @staticmethod
+    def key(cache: KVCache, graphs: bool, width: int | None) -> tuple:
+        return type(cache).__name__, tuple(cache.k.shape), cache.k.dtype, str(cache.k.device), graphs, width
+
 
 class StaticForwards(Forwards):
     """Decode forwards in buckets of static shape, each captured in a CUDA graph where `graphs` (see the module).
 
-    width: where set, every forward of at most that many tokens per row runs at exactly that width and at the
-    cache's whole length of keys, so that a token's logits have the same bits in whichever forward computes them
-    (PyTorch's kernels pick their reduction order by shape; see `make_forwards`). `max_width` tells the engine's
-    planning not to go wider."""
+    width: where set, every forward of at most that many tokens per row runs at exactly that width and over the
+    cache's whole length of keys rounded up to MIN_KEYS (the same for either cache kind and any block size dividing
+    it, as `engine.generate` sizes them), so that a token's logits have the same bits in whichever forward computes
+    them (PyTorch's kernels pick their reduction order by shape; see `make_forwards`). `max_width` tells the
+    engine's planning not to go wider. shapes: an earlier cache's (`Shapes`), whose storage this cache takes."""
 
     mode = "static"
 
-    def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False, width: int | None = None) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False, width: int | None = None,
+                 shapes: Shapes | None = None) -> None:
         super().__init__(model, cache)
         if not isinstance(cache, (PagedKVCache, ContiguousKVCache)):
             raise TypeError(f"static shapes need a paged or contiguous cache, got {type(cache).__name__}")
         if graphs and model.device.type != "cuda":
             raise ValueError(f"forwards: CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.shapes = shapes or Shapes(cache, graphs, width)
+        cache.share_storage(self.shapes.k, self.shapes.v)
         self.graphs, self.max_width = graphs, width
         self.mode = "graphs" if graphs else "static"
-        self.buckets: dict[tuple[int, int, int], Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle() if graphs else None
-        self.captures = 0  # buckets captured so far
+        # where `release` puts the shapes back and the shapes while these forwards hold them (`make_forwards`)
+        self._shelf: list[Shapes] = []
+        self._lease: list[Shapes] = []
+
+    @property
+    def buckets(self) -> dict[tuple[int, int, int], Bucket]:
+        return self.shapes.buckets
 
     @torch.inference_mode()
     def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
@@ -84,31 +115,29 @@ class StaticForwards(Forwards):
         paged = isinstance(self.cache, PagedKVCache)
         if self.max_width is not None and width <= self.max_width:  # one shape whatever the width and the length
             capacity = self.cache.allocator.num_blocks * self.cache.block_size if paged else self.cache.max_len
-            key = (bucket(rows) if paged else 1, self.max_width, capacity)
+            key = (bucket(rows) if paged else 1, self.max_width, -(-capacity // MIN_KEYS) * MIN_KEYS)
         else:
-            key = (bucket(rows) if paged else 1, bucket(width), self._keys(max(starts) + width))
+            key = (bucket(rows) if paged else 1, bucket(width), bucket(max(starts) + width, MIN_KEYS))
         if key not in self.buckets:
-            self.buckets[key] = Bucket(self, *key)
-        return self.buckets[key].run(seq_ids, starts, ids, positions, among_new)
+            self.buckets[key] = Bucket(self.shapes, self.model, self.cache, *key)
+        return self.buckets[key].run(self.cache, seq_ids, starts, ids, positions, among_new)
 
-    def _keys(self, key_len: int) -> int:
-        keys = bucket(key_len, MIN_KEYS)
-        return min(keys, self.cache.max_len) if isinstance(self.cache, ContiguousKVCache) else keys
+    def release(self) -> None:
+        _shelve(self._shelf, self._lease)
 
 
 class Bucket:
     """One static shape: (rows B, tokens per row W, keys per row L), its inputs on the device and, with graphs, its
     graph. The inputs travel in one transfer: int64 ids (B*W), positions (B*W), starts (B), widths (B: a row's
     tokens, 0 for padding rows) and block tables (B * blocks of L, paged), then one byte per (row, token, token):
-    which new tokens each sees."""
+    which new tokens each sees. Holds no cache: the graph reads and writes the storage of `shapes`."""
 
-    def __init__(self, owner: StaticForwards, rows: int, width: int, keys: int) -> None:
-        self.owner, self.rows, self.width, self.keys = owner, rows, width, keys
-        cache = owner.cache
+    def __init__(self, shapes: Shapes, model: Transformer, cache: KVCache, rows: int, width: int, keys: int) -> None:
+        self.shapes, self.model, self.rows, self.width, self.keys = shapes, model, rows, width, keys
         blocks = blocks_for(keys, cache.block_size) if isinstance(cache, PagedKVCache) else 0
         self.sizes = [rows * width, rows * width, rows, rows, rows * blocks]  # the int64 inputs
         ints, seen = sum(self.sizes), rows * width * width
-        device = owner.model.device
+        device = model.device
         pinned = device.type == "cuda"
         self.host = torch.zeros(8 * ints + seen, dtype=torch.uint8, pin_memory=pinned)
         self.inputs = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
@@ -116,24 +145,24 @@ class Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # (B, W, E), the graph's output
 
-    def run(self, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]], positions: list[list[int]],
-            among_new: torch.Tensor | None) -> torch.Tensor:
+    def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]],
+            positions: list[list[int]], among_new: torch.Tensor | None) -> torch.Tensor:
         rows, width = len(ids), len(ids[0])
-        self._fill(seq_ids, starts, ids, positions, among_new)
-        if not self.owner.graphs:
-            hidden = self._forward()
+        self._fill(cache, seq_ids, starts, ids, positions, among_new)
+        if not self.shapes.graphs:
+            hidden = self._forward(cache)
         else:
             if self.graph is None:
-                self._capture()
+                self._capture(cache)
             self.graph.replay()
             hidden = self.hidden
         return hidden[:rows, :width].clone()  # (B, T, E), out of the memory the next forward may reuse
 
-    def _fill(self, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]], positions: list[list[int]],
-              among_new: torch.Tensor | None) -> None:
+    def _fill(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]],
+              positions: list[list[int]], among_new: torch.Tensor | None) -> None:
         rows, width, b, w = len(ids), len(ids[0]), self.rows, self.width
         pad, empty = [0] * (w - width), [0] * ((b - rows) * w)
-        tables = self.owner.cache.static_tables(tuple(seq_ids), self.keys)
+        tables = cache.static_tables(tuple(seq_ids), self.keys)
         ints = ([t for row in ids for t in row + pad] + empty + [p for row in positions for p in row + pad] + empty
                 + list(starts) + [0] * (b - rows) + [width] * rows + [0] * (b - rows)
                 + [block for table in tables for block in table] + [0] * (self.sizes[4] // b * (b - rows)))
@@ -149,42 +178,53 @@ class Bucket:
             self.inputs.copy_(self.host, non_blocking=True)
             self.copied.record()
 
-    def _forward(self) -> torch.Tensor:
+    def _forward(self, cache: KVCache) -> torch.Tensor:
         """The padded forward from `inputs` alone: tensor ops whose shapes are the bucket's."""
         b, w, keys = self.rows, self.width, self.keys
         split = 8 * sum(self.sizes)
         ids, positions, starts, widths, tables = self.inputs[:split].view(torch.int64).split(self.sizes)
         seen = self.inputs[split:].view(torch.bool).view(b, w, w)  # (B, W, W)
-        cache = self.owner.cache
         write, read = cache.static_slots(tables.view(b, -1), starts, widths, w, keys)  # (B*W,), (B, L)
         mask = visibility(starts, seen, keys)  # (B, 1, W, L)
         layout = AttentionLayout(tuple(range(b)), (0,) * b, w, keys, mask, write_slots=write, read_slots=read)
-        _, hidden = self.owner.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout)
+        _, hidden = self.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout)
         return hidden  # (B, W, E)
 
-    def _capture(self) -> None:
+    def _capture(self, cache: KVCache) -> None:
         """Warm up on a side stream (the allocator and the kernels' workspaces settle), then capture the forward;
         the capture runs nothing, so the caller replays it."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward()
+            self._forward(cache)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.owner.pool):
-            self.hidden = self._forward()
-        self.owner.captures += 1
+        with torch.cuda.graph(self.graph, pool=self.shapes.pool):
+            self.hidden = self._forward(cache)
+        self.shapes.captures += 1
 
 
 def make_forwards(model: Transformer, cache: KVCache, mode: str) -> Forwards:
-    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`). Static shapes run at one width
-    (ONE_WIDTH) where PyTorch's kernels compute the products (a GPU, 16-bit dtypes, no native kernel): those pick
-    their blocking and reduction order by the number of rows, so a token verified among 8 would otherwise get other
-    bits than the same token decoded alone, and in bfloat16 a greedy choice often flips. The native CPU kernel gives
-    a row the same bits in any forward, so there the buckets fit each forward."""
+    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`); static ones take the shapes an
+    earlier cache of the same shape left on the model's shelf (`Transformer.static_shelf`) where there are some,
+    and put them back when released (or collected). Static shapes run at one width (ONE_WIDTH) where PyTorch's
+    kernels compute the products (a GPU, 16-bit dtypes, no native kernel): those pick their blocking and reduction
+    order by shape, so a token verified among 8 would otherwise get other bits than the same token decoded alone,
+    and in bfloat16 a greedy choice often flips. The native CPU kernel gives a row the same bits in any forward, so
+    there the buckets fit each forward."""
     if mode == "eager":
         return Forwards(model, cache)
-    if mode in ("static", "graphs"):
-        return StaticForwards(model, cache, graphs=mode == "graphs",
-                              width=ONE_WIDTH if model.rows_per_pass is None else None)
-    raise ValueError(f"forwards must be one of eager, static, graphs, got {mode!r}")
+    if mode not in ("static", "graphs"):
+        raise ValueError(f"forwards must be one of eager, static, graphs, got {mode!r}")
+    graphs, width = mode == "graphs", ONE_WIDTH if model.rows_per_pass is None else None
+    shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width), [])
+    forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None)
+    forwards._shelf, forwards._lease = shelf, [forwards.shapes]
+    weakref.finalize(forwards, _shelve, shelf, forwards._lease)  # collected without a release
+    return forwards
+
+
+def _shelve(shelf: list[Shapes], lease: list[Shapes]) -> None:
+    """The leased shapes back on the shelf, once (by `release` or when the forwards are collected)."""
+    if lease:
+        shelf.append(lease.pop())

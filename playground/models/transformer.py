@@ -243,6 +243,8 @@ class Transformer(nn.Module):
         self.native_attention = True
         # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
         self.native_stack: native.LayerStack | None = None
+        # static forwards' shapes (cache storage, CUDA graphs) no cache is using, by cache shape (`models.forwards`)
+        self.static_shelf: dict[tuple, list] = {}
 
     @property
     def output_weight(self) -> torch.Tensor:
