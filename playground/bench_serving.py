@@ -31,7 +31,10 @@ def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: Eng
     """Run the workload to the end on a fresh engine; throughput and memory from its own clock and events."""
     engine = Engine(target, params, record_blocks=False, proposer=proposer)
     ids = [engine.add_request(prompt, SamplingParams(), generation) for prompt, generation in requests]
-    outputs = engine.run_all()
+    try:
+        outputs = engine.run_all()
+    finally:
+        engine.close()
     tokens = sum(len(outputs[i].token_ids) for i in ids)
     return {
         "tokens": tokens,

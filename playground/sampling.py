@@ -126,6 +126,16 @@ def next_token(logits: torch.Tensor, params: SamplingParams,
     return token, probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
+GREEDY = SamplingParams()
+
+
+def greedy_draws(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Every row's greedy draw (argmax) and its probability, as `next_token` gives them, for logits (N, V): one
+    wait for the device for all rows, where drawing them row by row waits once per row."""
+    tokens, probs = next_token(logits, GREEDY, None)
+    return tokens.tolist(), probs.tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class ChainVerdict:
     """Outcome of verifying K proposed tokens with one target forward.
@@ -170,7 +180,8 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
 
 
 def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams, generator: torch.Generator,
-                parents: list[int] | None = None) -> Iterator[tuple[int, int, float]]:
+                parents: list[int] | None = None,
+                drawn: tuple[list[int], list[float]] | None = None) -> Iterator[tuple[int, int, float]]:
     """The lossless rule for one-hot proposals in the form that draws what plain decoding draws. Row 0 of logits
     (1 + K, V) scores the position after the last committed token, row i + 1 the position after proposals[i];
     parents[i] is the row of the proposal proposals[i] follows (0: the last committed token), each parent's row
@@ -179,21 +190,16 @@ def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingPara
     (that row was computed after it). A proposal x is so kept with probability p(x), and on refusal the draw is p
     conditioned on no proposal there, norm(max(0, p - q)) for q one-hot on each sibling in turn: the rule of
     `verify_lossless` for one-hot q, consuming the random stream as plain decoding does (greedy: the argmax, as
-    `verify_greedy`). Yields (row, token drawn there, its probability as `next_token` gives it); the last token is
-    the correction or the bonus."""
+    `verify_greedy`). drawn: greedy only, every row's draw made beforehand (`greedy_draws`). Yields (row, token drawn
+    there, its probability as `next_token` gives it); the last token is the correction or the bonus."""
     parents = list(range(len(proposals))) if parents is None else parents
-    at_once = params.greedy and logits.device.type != "cpu"
-    if at_once:
-        # every row's argmax at once: on a GPU each row's draw would wait for the device (on the CPU, scanning the
-        # rows off the kept path costs more than the waits it saves)
-        tokens, probs = (values.tolist() for values in next_token(logits, params, generator))
     row: int | None = 0
     while row is not None:
-        if at_once:
-            token, p = tokens[row], probs[row]
+        if drawn is not None:
+            token, p = drawn[0][row], drawn[1][row]
         else:
-            drawn, p = next_token(logits[row], params, generator)
-            token = int(drawn)
+            draw, p = next_token(logits[row], params, generator)
+            token = int(draw)
         yield row, token, float(p)
         row = next((i + 1 for i, (x, parent) in enumerate(zip(proposals, parents)) if parent == row and x == token),
                    None)
@@ -250,17 +256,18 @@ def tree_shape(parents: list[int]) -> tuple[tuple[tuple[int, ...], ...], tuple[t
 
 
 def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
-           generator: torch.Generator, q: torch.Tensor | None = None,
-           typical: tuple[float, float] | None = None) -> Iterator[tuple[int, int, float]]:
+           generator: torch.Generator, q: torch.Tensor | None = None, typical: tuple[float, float] | None = None,
+           drawn: tuple[list[int], list[float]] | None = None) -> Iterator[tuple[int, int, float]]:
     """The one acceptance step over a proposal: row 0 of logits (1 + n, V) scores the position after the last
     committed token, row i + 1 the position after tokens[i], which follows row parents[i]. Yields (row, token drawn
     there, its probability), as `draws_along` does, the last token the correction or the bonus:
     - greedy, or proposals without a distribution of their own: `draws_along`, plain decoding's draws (lossless
       for one-hot proposals);
     - q (n, V), the distributions a chain was sampled from: Leviathan et al.'s rule, `verify_lossless`;
-    - typical (epsilon, alpha): Medusa's typical acceptance, `verify_tree_typical` (lossy by design)."""
+    - typical (epsilon, alpha): Medusa's typical acceptance, `verify_tree_typical` (lossy by design).
+    drawn: greedy only, every row's draw made beforehand (`greedy_draws`)."""
     if params.greedy or not tokens or (q is None and typical is None):
-        yield from draws_along(logits, tokens, params, generator, parents)
+        yield from draws_along(logits, tokens, params, generator, parents, drawn if params.greedy else None)
         return
     p = probabilities(logits, params)  # (1 + n, V)
     if q is not None:

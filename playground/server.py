@@ -286,6 +286,7 @@ class EngineWorker:
         except Exception as exc:  # the shared forward failed (a bug, the device out of memory): keep serving
             traceback.print_exc()
             # a fresh engine over the same proposer (its weights loaded once; its per-request state dropped)
+            self.engine.close()
             self.engine = Engine(self.target, self.params, record_blocks=False, proposer=self.engine.proposer,
                                  costs=self.engine.costs)
             self._fail_all(server_error(f"the engine failed: {exc}"))

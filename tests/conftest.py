@@ -27,7 +27,7 @@ TEST_COSTS = ForwardCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.03, 1.1, 1.22, 1.6, 
 
 @pytest.fixture(autouse=True)
 def fixed_forward_costs(monkeypatch) -> None:
-    monkeypatch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, forwards="eager": TEST_COSTS)
+    monkeypatch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, **how: TEST_COSTS)
 
 
 @pytest.fixture(scope="session")

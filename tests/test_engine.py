@@ -704,7 +704,7 @@ def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypa
     measured = []
     real = costs_module.measure
     monkeypatch.setattr(costs_module, "measure",
-                        lambda model, forwards: measured.append(forwards) or real(model, 1, forwards))
+                        lambda model, forwards, requests: measured.append(forwards) or real(model, 1, forwards))
     monkeypatch.setattr(costs_module, "_READ", {})
     first = costs_module.forward_costs(TINY.model, tmp_path)
     saved = next((tmp_path / "forward-costs").iterdir())

@@ -7,8 +7,8 @@ import torch
 
 from playground.config import ConfigError, SamplingParams
 from playground.models import native
-from playground.sampling import (argmax_rows, draws_along, greedy_rows, make_generator, next_token, probabilities, sample,
-                                softmax_at)
+from playground.sampling import (accept, argmax_rows, draws_along, greedy_draws, greedy_rows, make_generator,
+                                next_token, probabilities, sample, softmax_at)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -115,6 +115,20 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
         assert len(drawn) == 4 or drawn[-1] != proposals[len(drawn) - 1]
         kept.add(len(drawn) - 1)
     assert kept == {0, 1, 2, 3}  # refusals at every position and whole copies kept
+
+
+def test_greedy_draws_made_beforehand_give_the_same_walk() -> None:
+    """Off the CPU the engine draws every greedy row of a step at once (`greedy_draws`); a walk over those draws is
+    the walk that draws row by row, ties included (the first of equal maxima)."""
+    torch.manual_seed(2)
+    for _ in range(50):
+        logits = torch.randn(7, 9).round()  # (1 + 6, V): rounded, so that equal maxima come up
+        proposals = torch.randint(0, 9, (6,)).tolist()
+        parents = [0, 0, 1, 1, 2, 3]
+        drawn = greedy_draws(logits)
+        assert drawn[0] == logits.argmax(-1).tolist()
+        ours = list(accept(logits, proposals, parents, SamplingParams(), make_generator(0), drawn=drawn))
+        assert ours == list(draws_along(logits, proposals, SamplingParams(), make_generator(0), parents))
 
 
 def test_draws_along_a_tree_follows_the_child_equal_to_each_draw() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ..config import GenerationParams
 from ..models import Transformer
-from ..models.forwards import make_forwards
+from ..models.forwards import make_forwards, one_width
 from ..paths import default_cache_root
 from .base import forward_tokens, new_cache
 
@@ -49,15 +49,16 @@ class ForwardCosts:
 
 
 @torch.inference_mode()
-def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager") -> ForwardCosts:
+def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", requests: int = 1) -> ForwardCosts:
     """The fastest of `rounds` forwards over each of WIDTHS new tokens after a prompt of CONTEXT, the widths
-    interleaved round by round, run as a step runs them (the decode forwards `forwards` names, then the logits of
-    every row): another process on the host only ever slows a forward, and the curve is cached for good, so the
-    least disturbed round is the one kept (a median keeps what a busy host imposed on most rounds)."""
+    interleaved round by round, run as a step of an engine of up to `requests` requests runs them (the decode
+    forwards `forwards` names, then the logits of every row): another process on the host only ever slows a
+    forward, and the curve is cached for good, so the least disturbed round is the one kept (a median keeps what a
+    busy host imposed on most rounds)."""
     vocab = model.config.vocab_size
     cache = new_cache(model, CONTEXT + max(WIDTHS), GenerationParams())
     forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])
-    run = make_forwards(model, cache, forwards)
+    run = make_forwards(model, cache, forwards, requests)
     times: dict[int, list[float]] = {width: [] for width in WIDTHS}
     for _ in range(rounds):
         for width in WIDTHS:
@@ -74,7 +75,7 @@ def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager") -
     return ForwardCosts(WIDTHS, tuple(seconds))
 
 
-def machine_key(model: Transformer, forwards: str = "eager") -> str:
+def machine_key(model: Transformer, forwards: str = "eager", requests: int = 1) -> str:
     """What a forward's cost depends on besides the widths: the model's shape, dtype, device, kernel, the formats
     its products read (float32, 16-bit, GGUF blocks), threads and how its decode forwards run."""
     shape = json.dumps(asdict(model.config), sort_keys=True, default=str)
@@ -82,23 +83,27 @@ def machine_key(model: Transformer, forwards: str = "eager") -> str:
     formats = sorted({panels.format for _, panels in products})
     kernel = products[0][1].kernel.path.name if products else ""  # the build, which names its source's hash
     parts = [shape, str(model.dtype), str(model.device), str(model.rows_per_pass), kernel, str(formats),
-             str(torch.get_num_threads()), torch.__version__] + ([forwards] if forwards != "eager" else [])
+             str(torch.get_num_threads()), torch.__version__]
+    if forwards != "eager":
+        parts += [forwards, f"one width {one_width(model, requests)}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def forward_costs(model: Transformer, cache_root: Path | None = None, forwards: str = "eager") -> ForwardCosts:
-    """This machine's costs for the model's decode forwards run the way `forwards` names (`models.forwards`): read
-    from the cache (once per process), else measured (a few seconds) and cached."""
-    path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model, forwards)}.json"
+def forward_costs(model: Transformer, cache_root: Path | None = None, forwards: str = "eager",
+                  requests: int = 1) -> ForwardCosts:
+    """This machine's costs for the model's decode forwards run the way `forwards` names in an engine of up to
+    `requests` requests (`models.forwards.make_forwards`): read from the cache (once per process), else measured (a
+    few seconds) and cached."""
+    path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model, forwards, requests)}.json"
     if path not in _READ:
-        _READ[path] = _read_or_measure(model, path, forwards)
+        _READ[path] = _read_or_measure(model, path, forwards, requests)
     return _READ[path]
 
 
 _READ: dict[Path, ForwardCosts] = {}
 
 
-def _read_or_measure(model: Transformer, path: Path, forwards: str) -> ForwardCosts:
+def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: int) -> ForwardCosts:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]))
@@ -106,7 +111,7 @@ def _read_or_measure(model: Transformer, path: Path, forwards: str) -> ForwardCo
             return costs
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet, or by another version of this module: measure again
-    costs = measure(model, forwards=forwards)
+    costs = measure(model, forwards=forwards, requests=requests)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{time.time_ns()}.tmp")  # written whole, then moved into place
     partial.write_text(json.dumps({"tokens": costs.tokens, "seconds": costs.seconds}), encoding="utf-8")

@@ -20,10 +20,10 @@ import torch
 from ..config import ConfigError, SpeculativeParams
 from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel, Transformer
+from ..models.forwards import Forwards, make_forwards
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
-from ..models.forwards import Forwards, make_forwards
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
@@ -89,7 +89,7 @@ class DraftGuesser(Guesser):
         if self.forwards is not None:
             self.forwards.release()  # before the new cache is made, which may take what it built
         self.cache = engine_cache(self.draft.model, settings)
-        self.forwards = make_forwards(self.draft.model, self.cache, self.draft.forwards)
+        self.forwards = make_forwards(self.draft.model, self.cache, self.draft.forwards, settings.max_running)
         self.prefix_caching = settings.prefix_caching
         self.drafted = {}
 

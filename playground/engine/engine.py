@@ -26,9 +26,9 @@ from ..decoding.planning import plan_width
 from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
-from ..sampling import accept, make_generator
-from ..trace import Event, MemoryEvent
 from ..models.forwards import make_forwards
+from ..sampling import accept, greedy_draws, make_generator
+from ..trace import Event, MemoryEvent
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
@@ -72,14 +72,15 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
         self.scheduler = Scheduler(self.params, self.cache, self.now, self._paused, self.events)
-        self.runner = Runner(target.model, self.cache, make_forwards(target.model, self.cache, target.forwards))
+        self.runner = Runner(target.model, self.cache, make_forwards(target.model, self.cache, target.forwards,
+                                                                     self.params.max_running))
         self.busy_s = 0.0  # seconds spent inside step(): the engine's clock
         self._step_started: float | None = None
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
         self.tracer = Tracer(target.tokenizer) if trace else None
         if costs is None and self.proposer is not None:
-            costs = forward_costs(target.model, forwards=target.forwards)
+            costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs = costs
 
     @property
@@ -225,6 +226,7 @@ class Engine:
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 times: StepTimes) -> list[RequestOutput]:
         outputs = []
+        drawn = self._greedy_draws(plan.decode + [r for r, _ in plan.prefill], logits)
         prefilled = {r.id for r, _ in plan.prefill}
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -237,7 +239,7 @@ class Engine:
                 continue  # a prefill chunk that has not reached the end of the known tokens
             try:
                 outputs.append(self._advance(request, plan.proposals.get(request.id), logits[request.id], states,
-                                             times))
+                                             times, drawn.get(request.id)))
             except Exception as exc:  # this request's sampling or detokenizing failed: it ends, the others go on
                 if request in self.running:
                     self.scheduler.release(request)
@@ -245,14 +247,30 @@ class Engine:
                 outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
+    def _greedy_draws(self, requests: list[Request],
+                      logits: dict[int, torch.Tensor]) -> dict[int, tuple[list[int], list[float]]]:
+        """Off the CPU, every greedy request's draws of this step at once (`sampling.greedy_draws`): one wait for the
+        device per step instead of one per row drawn. On the CPU each row is drawn when the walk reaches it: the
+        native row maxima are quick, and scanning the rows off the kept path would cost more than it saves."""
+        greedy = [r for r in requests if r.sampling.greedy]
+        if self.target.model.device.type == "cpu" or not greedy:
+            return {}
+        tokens, probs = greedy_draws(torch.cat([logits[r.id] for r in greedy]))  # (N, V) rows of every request
+        drawn, start = {}, 0
+        for r in greedy:
+            end = start + len(logits[r.id])
+            drawn[r.id], start = (tokens[start:end], probs[start:end]), end
+        return drawn
+
     def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
-                 times: StepTimes) -> RequestOutput:
-        """Draw a request's new tokens from its rows of the step's logits and commit them to its cache."""
+                 times: StepTimes, drawn: tuple[list[int], list[float]] | None = None) -> RequestOutput:
+        """Draw a request's new tokens from its rows of the step's logits (greedy rows drawn beforehand: `drawn`) and
+        commit them to its cache."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
         new, walk, probs, done = [], [], [], False
         q, typical = (proposal.q, proposal.typical) if proposal else (None, None)
-        for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, q, typical):
+        for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, q, typical, drawn):
             new.append(token)
             walk.append(row)
             probs.append(p)

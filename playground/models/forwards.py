@@ -204,24 +204,31 @@ class Bucket:
         self.shapes.captures += 1
 
 
-def make_forwards(model: Transformer, cache: KVCache, mode: str) -> Forwards:
-    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`); static ones take the shapes an
-    earlier cache of the same shape left on the model's shelf (`Transformer.static_shelf`) where there are some,
-    and put them back when released (or collected). Static shapes run at one width (ONE_WIDTH) where PyTorch's
-    kernels compute the products (a GPU, 16-bit dtypes, no native kernel): those pick their blocking and reduction
-    order by shape, so a token verified among 8 would otherwise get other bits than the same token decoded alone,
-    and in bfloat16 a greedy choice often flips. The native CPU kernel gives a row the same bits in any forward, so
-    there the buckets fit each forward."""
+def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int = 1) -> Forwards:
+    """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`) for an engine running up to
+    `requests` requests together; static ones take the shapes an earlier cache of the same shape left on the
+    model's shelf (`Transformer.static_shelf`) where there are some, and put them back when released (or
+    collected). One request at a time, static shapes run at one width (`one_width`)."""
     if mode == "eager":
         return Forwards(model, cache)
     if mode not in ("static", "graphs"):
         raise ValueError(f"forwards must be one of eager, static, graphs, got {mode!r}")
-    graphs, width = mode == "graphs", ONE_WIDTH if model.rows_per_pass is None else None
+    graphs, width = mode == "graphs", ONE_WIDTH if one_width(model, requests) else None
     shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width), [])
     forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None)
     forwards._shelf, forwards._lease = shelf, [forwards.shapes]
     weakref.finalize(forwards, _shelve, shelf, forwards._lease)  # collected without a release
     return forwards
+
+
+def one_width(model: Transformer, requests: int) -> bool:
+    """Whether static forwards run at one width (ONE_WIDTH) and over the cache's whole length: where PyTorch's
+    kernels compute the products (a GPU, 16-bit dtypes, no native kernel), which pick their blocking and reduction
+    order by shape, so that a token verified among 8 would otherwise get other bits than the same token decoded
+    alone (in bfloat16 a greedy choice often flips), and for one request at a time: in a batch the rows and the
+    prefill chunks change the shapes anyway, and the whole length would cost every row attention over the pool. The
+    native CPU kernel gives a row the same bits in any forward, so there the buckets fit each forward."""
+    return model.rows_per_pass is None and requests == 1
 
 
 def _shelve(shelf: list[Shapes], lease: list[Shapes]) -> None:

@@ -95,19 +95,22 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
     ids = list(engine.requests)
-    last_frame = last_chart = 0.0
-    while engine.has_unfinished():
-        engine.step()
-        now = time.perf_counter()
-        if now - last_frame >= FRAME_S:
-            last_frame = now
-            chart = gr.update()
-            if now - last_chart >= CHART_S:
-                last_chart, chart = now, memory_figure(engine.events)
-            latest = next(e for e in reversed(engine.events) if isinstance(e, MemoryEvent))
-            yield (render_block_map(latest, statuses_at(latest, ids)), chart,
-                   f"step {engine.step_count}, engine time {engine.busy_s:.2f} s", _table(engine), gr.update(),
-                   gr.update())
+    try:
+        last_frame = last_chart = 0.0
+        while engine.has_unfinished():
+            engine.step()
+            now = time.perf_counter()
+            if now - last_frame >= FRAME_S:
+                last_frame = now
+                chart = gr.update()
+                if now - last_chart >= CHART_S:
+                    last_chart, chart = now, memory_figure(engine.events)
+                latest = next(e for e in reversed(engine.events) if isinstance(e, MemoryEvent))
+                yield (render_block_map(latest, statuses_at(latest, ids)), chart,
+                       f"step {engine.step_count}, engine time {engine.busy_s:.2f} s", _table(engine), gr.update(),
+                       gr.update())
+    finally:
+        engine.close()  # its static forwards (GPU graphs) may serve the next run
     memory = [e for e in engine.events if isinstance(e, MemoryEvent)]
     # The step to show first: the fullest pool (where preemption looms), preferring shared blocks, then the latest.
     busiest = max(memory, key=lambda e: (e.blocks_used, len(e.shared), e.step))
