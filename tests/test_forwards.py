@@ -39,6 +39,7 @@ from playground.models.forwards import (
 )
 
 from .prompts import NEW_TOKENS, PROMPTS
+from .test_engine import tiny_model
 
 ALGOS = (None, "speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
 
@@ -172,6 +173,18 @@ def test_the_next_engine_takes_what_a_closed_one_built_and_two_at_once_keep_thei
     del second, each  # collected without a close (its scheduler refers back to it: a cycle), its shapes go back
     gc.collect()
     assert len(static.model.static_shelf[next(k for k in static.model.static_shelf if k[0] == "PagedKVCache")]) == 1
+
+
+def test_a_sequence_past_a_sliding_window_is_refused_by_its_real_length() -> None:
+    """Static keys are padded (here to 64): the window is checked against the tokens, not the padding."""
+    model = tiny_model().model
+    model.config = dataclasses.replace(model.config, sliding_window=12)
+    for forwards in (Forwards, StaticForwards):
+        cache = contiguous_cache(model, 32)
+        run = forwards(model, cache)
+        run([0], [list(range(1, 11))], [list(range(10))])  # 10 tokens: within the window, 64 keys when static
+        with pytest.raises(ValueError, match="exceeds the model's sliding window"):
+            run([0], [[1, 2, 3]], [[10, 11, 12]])  # 13
 
 
 def test_seeded_sampling_is_unchanged_by_static_shapes(target, static) -> None:

@@ -111,6 +111,7 @@ class StaticForwards(Forwards):
     def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
         rows, width = len(ids), len(ids[0])
+        self.model.check_window(max(self.cache.length(s) for s in seq_ids) + width)
         starts = self.cache.reserve(tuple(seq_ids), width)  # the host's bookkeeping: blocks, copies, lengths
         paged = isinstance(self.cache, PagedKVCache)
         if self.max_width is not None and width <= self.max_width:  # one shape whatever the width and the length

@@ -283,6 +283,13 @@ class Transformer(nn.Module):
         sin_signed = torch.cat((-sin, sin), dim=-1)  # (B, T, D)
         return cos.to(dtype).unsqueeze(2), sin_signed.to(dtype).unsqueeze(2)
 
+    def check_window(self, key_len: int) -> None:
+        """Refuse a sequence longer than a sliding window (Mistral) rather than attend over it wrongly."""
+        window = self.config.sliding_window
+        if window is not None and key_len > window:
+            raise ValueError(f"sequence of {key_len} tokens exceeds the model's sliding window ({window}); "
+                             "sliding-window attention is not implemented")
+
     def attention_kernel(self) -> native.Kernel | None:
         """The native kernel where its attention serves this forward (float32 on a CPU that built it, no gradients:
         it has no backward), else None."""
@@ -371,10 +378,9 @@ class Transformer(nn.Module):
         b, t = token_ids.shape
         cfg = self.config
         static = layout is not None
-        layout = layout or cache.prepare(tuple(seq_ids), t, attn_mask)
-        if cfg.sliding_window is not None and layout.key_len > cfg.sliding_window:
-            raise ValueError(f"sequence of {layout.key_len} tokens exceeds the model's sliding window "
-                             f"({cfg.sliding_window}); sliding-window attention is not implemented")
+        if not static:  # a static layout pads its keys: its caller checks the real length
+            layout = cache.prepare(tuple(seq_ids), t, attn_mask)
+            self.check_window(layout.key_len)
         x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
         cos, sin = self.rope(positions, x.dtype)
         native_ready = not static and self.native_stack is not None and self.attention_kernel() is not None
