@@ -271,7 +271,7 @@ def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypa
 
     from .conftest import TEST_COSTS
 
-    monkeypatch.setattr(theory, "forward_costs", lambda model: TEST_COSTS)
+    monkeypatch.setattr(theory, "forward_costs", lambda model, **how: TEST_COSTS)
     plot, summary = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
     assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 2
     assert summary.startswith("- GGUF blocks: one token 1000.0 ms") and "\n- float32:" in summary
