@@ -83,7 +83,7 @@ class StaticForwards(Forwards):
     width: where set, every forward of at most that many tokens per row runs at exactly that width and over the
     cache's whole length of keys rounded up to MIN_KEYS (the same for either cache kind and any block size dividing
     it, as `engine.generate` sizes them), so that a token's logits have the same bits in whichever forward computes
-    them (PyTorch's kernels pick their reduction order by shape; see `make_forwards`). `max_width` tells the
+    them (PyTorch's kernels pick their reduction order by shape; see `one_width`). `max_width` tells the
     engine's planning not to go wider. shapes: an earlier cache's (`Shapes`), whose storage this cache takes."""
 
     mode = "static"
@@ -97,7 +97,7 @@ class StaticForwards(Forwards):
             raise ValueError(f"forwards: CUDA graphs need a CUDA device, the model is on {model.device}")
         self.shapes = shapes or Shapes(cache, graphs, width)
         cache.share_storage(self.shapes.k, self.shapes.v)
-        self.graphs, self.max_width = graphs, width
+        self.max_width = width
         self.mode = "graphs" if graphs else "static"
         # where `release` puts the shapes back and the shapes while these forwards hold them (`make_forwards`)
         self._shelf: list[Shapes] = []
