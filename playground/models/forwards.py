@@ -199,9 +199,10 @@ class Bucket:
         with torch.cuda.stream(stream):
             self._forward(cache)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.shapes.pool):
-            self.hidden = self._forward(cache)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.shapes.pool):
+            hidden = self._forward(cache)
+        self.graph, self.hidden = graph, hidden  # only once captured whole: a failed capture is tried again
         self.shapes.captures += 1
 
 
