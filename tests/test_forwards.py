@@ -72,10 +72,10 @@ def test_every_algorithm_in_static_shapes_is_plain_decoding(static, plain_output
     generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv=kv, block_size=4)
     for algo in ALGOS:
         proposer = build_proposer(static, algo) if algo else None
-        for prompt in PROMPTS[::2]:
+        for prompt in PROMPTS[::4]:
             assert generate(static, prompt, proposer, None, generation)[0].token_ids == plain_outputs[prompt], (
                 algo, prompt)
-    assert len(static_calls) > 100
+    assert len(static_calls) > 50
 
 
 def test_padded_batches_with_preemption_give_every_request_its_own_output(static, plain_outputs) -> None:
@@ -132,7 +132,7 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
     assert half.model.rows_per_pass is None
     for kv in KV_KINDS:
         generation = GenerationParams(max_new_tokens=16, kv=kv, block_size=4)
-        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:4]}
+        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:3]}
         for algo in ALGOS[1:]:
             proposer = build_proposer(half, algo)
             for prompt, tokens in plain.items():
