@@ -43,69 +43,86 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per prompt in the exactness checks")
     parser.add_argument("--limit", type=int, default=4, help="bench prompts (spread over the suite's categories)")
     parser.add_argument("--rounds", type=int, default=2, help="bench rounds per prompt")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="the exactness checks' dtypes, comma-separated")
     parser.add_argument("--out", default="bench_results/gpu", help="where the bench's JSON and markdown go")
     args = parser.parse_args()
     fast = "graphs" if args.device == "cuda" else "static"
     started = time.perf_counter()
     rows: list[tuple[str, str, str, str]] = []  # (check, measured, goal, met)
+    # the quick measurements first, so that a run stopped at its time limit has them
+    forward_costs(rows, args.device, fast)
+    print(f"[{time.perf_counter() - started:.0f} s] forward costs measured", file=sys.stderr, flush=True)
+    bench(rows, args.device, fast, args.limit, args.rounds, Path(args.out))
+    print(f"[{time.perf_counter() - started:.0f} s] bench run", file=sys.stderr, flush=True)
     failures = 0
-
-    for dtype in ("float32", "bfloat16"):
-        target = load_model(ModelSpec(device=args.device, dtype=dtype, forwards=fast))
-        results = check(target, load_draft(None, target), args.new_tokens)
-        # batch 1 (every algorithm, both caches) and engine batches; in 16 bits a batch's rows and its prefill chunks
-        # change the kernels' shapes, so batches equal solo runs in float32 only (docs/gpu.md)
-        for kind, names in (("batch 1", [n for n in results if "/" in n]),
-                            ("engine batches", [n for n in results if "/" not in n])):
-            bad = {n: results[n][1] - results[n][0] for n in names if results[n][0] < results[n][1]}
-            counted = kind == "batch 1" or dtype == "float32"
-            failures += sum(bad.values()) if counted else 0
-            rows.append((f"greedy exact, {dtype}, {fast}, {kind}", f"{len(names) - len(bad)}/{len(names)} settings",
-                         "all" if counted else "(information)", yes(not bad) if counted else "-"))
-        eager_model = load_model(ModelSpec(device=args.device, dtype=dtype, forwards="eager"))
-        generation, greedy = GenerationParams(max_new_tokens=args.new_tokens), SamplingParams()
-        same = sum(generate(target, p, None, greedy, generation)[0].token_ids
-                   == generate(eager_model, p, None, greedy, generation)[0].token_ids for p in PROMPTS)
-        rows.append((f"plain {fast} = plain eager, {dtype}", f"{same}/{len(PROMPTS)} prompts", "(information)", "-"))
+    for dtype in args.dtypes.split(","):
+        failures += exactness(rows, args.device, fast, dtype, args.new_tokens)
         print(f"[{time.perf_counter() - started:.0f} s] {dtype} checked", file=sys.stderr, flush=True)
+    row(rows, ("wall time", f"{time.perf_counter() - started:.0f} s", "< 480 s", "-"))
 
-    model = load_model(ModelSpec(device=args.device, dtype="float32", forwards=fast)).model
+    print("\n| check | measured | goal | met |\n|---|---|---|---|")
+    for measured in rows:
+        print("| " + " | ".join(measured) + " |")
+    return 1 if failures else 0
+
+
+def forward_costs(rows: list, device: str, fast: str) -> None:
+    """A decode forward eager, in static buckets and at the one width, over 1 and 8 tokens (float32)."""
+    model = load_model(ModelSpec(device=device, dtype="float32", forwards=fast)).model
     graphs = fast == "graphs"
     eager = forward_times(model, lambda cache: Forwards(model, cache))
     buckets = forward_times(model, lambda cache: StaticForwards(model, cache, graphs=graphs))
     one = forward_times(model, lambda cache: StaticForwards(model, cache, graphs=graphs, width=ONE_WIDTH))
-    rows.append((f"one-token forward, eager / {fast}", f"{eager[1] / buckets[1]:.1f}x ({1e3 * eager[1]:.2f} / "
-                 f"{1e3 * buckets[1]:.2f} ms)", "(information)", "-"))
-    rows.append((f"forward of 8 tokens / 1, {fast} in buckets", f"{buckets[8] / buckets[1]:.2f}", "<= 1.15",
-                 yes(buckets[8] / buckets[1] <= 1.15)))
-    rows.append((f"forward at the one width {ONE_WIDTH} / 1 token in buckets", f"{one[1] / buckets[1]:.2f}",
-                 "(the price of one shape)", "-"))
-    print(f"[{time.perf_counter() - started:.0f} s] forward costs measured", file=sys.stderr, flush=True)
+    row(rows, (f"one-token forward, eager / {fast}", f"{eager[1] / buckets[1]:.1f}x ({1e3 * eager[1]:.2f} / "
+               f"{1e3 * buckets[1]:.2f} ms)", "(information)", "-"))
+    row(rows, (f"forward of 8 tokens / 1, {fast} in buckets", f"{buckets[8] / buckets[1]:.2f}", "<= 1.15",
+               yes(buckets[8] / buckets[1] <= 1.15)))
+    row(rows, (f"forward at the one width {ONE_WIDTH} / 1 token in buckets", f"{one[1] / buckets[1]:.2f}",
+               "(the price of one shape)", "-"))
 
-    out = Path(args.out)
+
+def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path) -> None:
+    """`python -m playground bench` on a subset: plain decoding against eager forwards and transformers, and the
+    proposers against plain decoding."""
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "playground", "bench", "--device", args.device, "--forwards", fast,
-                    "--limit", str(args.limit), "--rounds", str(args.rounds), "--json", str(out / "bench.json"),
+    subprocess.run([sys.executable, "-m", "playground", "bench", "--device", device, "--forwards", fast,
+                    "--limit", str(limit), "--rounds", str(rounds), "--json", str(out / "bench.json"),
                     "--markdown", str(out / "bench.md")], check=True)
     summary = json.loads((out / "bench.json").read_text(encoding="utf-8"))["summary"]
     algos = summary["algos"]
-    rows.append((f"plain decoding, {fast}", f"{summary['ar_median_tokens_per_s']:.0f} tok/s", ">= 1000 (H100/H200)",
-                 yes(summary["ar_median_tokens_per_s"] >= 1000)))
+    row(rows, (f"plain decoding, {fast}", f"{summary['ar_median_tokens_per_s']:.0f} tok/s", ">= 1000 (H100/H200)",
+               yes(summary["ar_median_tokens_per_s"] >= 1000)))
     if "ar-eager" in algos:
         ratio = 1 / algos["ar-eager"]["median_speedup_vs_ar"]
-        rows.append((f"plain {fast} / plain eager", f"{ratio:.2f}x", ">= 10x", yes(ratio >= 10)))
+        row(rows, (f"plain {fast} / plain eager", f"{ratio:.2f}x", ">= 10x", yes(ratio >= 10)))
     if "median_ratio_vs_hf" in summary:
-        rows.append(("plain / transformers generate", f"{summary['median_ratio_vs_hf']:.2f}x", "(peer)", "-"))
+        row(rows, ("plain / transformers generate", f"{summary['median_ratio_vs_hf']:.2f}x", "(peer)", "-"))
     for name in ("speculative", "medusa", "eagle"):
         if name in algos:
             speedup = algos[name]["median_speedup_vs_ar"]
-            rows.append((f"{name} / plain decoding", f"{speedup:.2f}x", ">= 1.8x", yes(speedup >= 1.8)))
-    rows.append(("wall time", f"{time.perf_counter() - started:.0f} s", "< 480 s", "-"))
+            row(rows, (f"{name} / plain decoding", f"{speedup:.2f}x", ">= 1.8x", yes(speedup >= 1.8)))
 
-    print("\n| check | measured | goal | met |\n|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    return 1 if failures else 0
+
+def exactness(rows: list, device: str, fast: str, dtype: str, new_tokens: int) -> int:
+    """Every algorithm against plain decoding (`check_exact.check`) in one dtype; the mismatches that count."""
+    target = load_model(ModelSpec(device=device, dtype=dtype, forwards=fast))
+    results = check(target, load_draft(None, target), new_tokens)
+    failures = 0
+    # batch 1 (every algorithm, both caches) and engine batches; in 16 bits a batch's rows and its prefill chunks
+    # change the kernels' shapes, so batches equal solo runs in float32 only (docs/gpu.md)
+    for kind, names in (("batch 1", [n for n in results if "/" in n]),
+                        ("engine batches", [n for n in results if "/" not in n])):
+        bad = {n: results[n][1] - results[n][0] for n in names if results[n][0] < results[n][1]}
+        counted = kind == "batch 1" or dtype == "float32"
+        failures += sum(bad.values()) if counted else 0
+        row(rows, (f"greedy exact, {dtype}, {fast}, {kind}", f"{len(names) - len(bad)}/{len(names)} settings",
+                   "all" if counted else "(information)", yes(not bad) if counted else "-"))
+    eager_model = load_model(ModelSpec(device=device, dtype=dtype, forwards="eager"))
+    generation, greedy = GenerationParams(max_new_tokens=new_tokens), SamplingParams()
+    same = sum(generate(target, p, None, greedy, generation)[0].token_ids
+               == generate(eager_model, p, None, greedy, generation)[0].token_ids for p in PROMPTS)
+    row(rows, (f"plain {fast} = plain eager, {dtype}", f"{same}/{len(PROMPTS)} prompts", "(information)", "-"))
+    return failures
 
 
 @torch.inference_mode()
@@ -131,6 +148,12 @@ def forward_times(model: Transformer, make: Callable[[KVCache], Forwards], conte
 def synchronize(model: Transformer) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def row(rows: list[tuple[str, str, str, str]], measured: tuple[str, str, str, str]) -> None:
+    """Add a row to the table and print it at once (a run stopped at its time limit keeps what it measured)."""
+    rows.append(measured)
+    print("| " + " | ".join(measured) + " |", flush=True)
 
 
 def yes(met: bool) -> str:
