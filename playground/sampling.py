@@ -96,13 +96,15 @@ def shown_probabilities(logits: torch.Tensor, p: torch.Tensor | None, cells: lis
     return softmax_at(logits, cells) if p is None else [float(p[row, token]) for row, token in cells]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of probs (..., V) -> (...) int64, by inverting each row's cumulative distribution at a
-    uniform draw (float64, so no token's share is lost to rounding; a zero-probability token is never drawn)."""
+    uniform draw (float64, so no token's share is lost to rounding; a zero-probability token is never drawn). u:
+    (N, 1) float64, the rows' uniforms drawn beforehand (None: drawn here from `generator`, one call for all rows)."""
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
     cdf = flat.double().cumsum(-1)  # (N, V)
     total = cdf[:, -1:]  # (N, 1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)  # (N, 1)
+    if u is None:
+        u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)  # (N, 1)
     # u * total < total, except by rounding: the largest value below total still lands on the last possible token
     point = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # (N, 1)
     return torch.searchsorted(cdf, point, right=True).view(probs.shape[:-1])
@@ -126,14 +128,40 @@ def next_token(logits: torch.Tensor, params: SamplingParams,
     return token, probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-GREEDY = SamplingParams()
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A request's draws of one step made before its walk, one per row, as `next_token` would draw each when the walk
+    reaches it: the tokens and their probabilities, and for a sampled request the generator's state before the
+    draw of each depth (the walk draws once per depth) and after the last."""
+
+    tokens: list[int]
+    probs: list[float]
+    states: tuple[torch.Tensor, ...] = ()
+
+    def rewind(self, generator: torch.Generator, draws: int) -> None:
+        """Leave the generator where a walk that drew `draws` rows one by one would have left it."""
+        if self.states:
+            generator.set_state(self.states[draws])
 
 
-def greedy_draws(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Every row's greedy draw (argmax) and its probability, as `next_token` gives them, for logits (N, V): one
-    wait for the device for all rows, where drawing them row by row waits once per row."""
-    tokens, probs = next_token(logits, GREEDY, None)
-    return tokens.tolist(), probs.tolist()
+def draws_ahead(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                depths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Every row's draw of logits (N, V) without waiting for the device: tokens (N,) and their probabilities (N,) on
+    the device, as `next_token` gives them, and the generator's states for `Drawn`. Greedy: the argmax and its
+    softmax probability. Sampled: row i drawn with the uniform of its depth depths[i] (the walk's draw number), drawn
+    from the generator one depth at a time as the walk would draw them."""
+    flat = logits.float()  # (N, V)
+    if params.greedy:
+        token = flat.argmax(-1)  # (N,)
+        return token, (flat.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(flat, -1)).exp(), ()
+    states, uniforms = [], []
+    for _ in range(max(depths) + 1):
+        states.append(generator.get_state())
+        uniforms.append(torch.rand(1, 1, generator=generator, dtype=torch.float64, device=logits.device))
+    states.append(generator.get_state())
+    probs = probabilities(flat, params)  # (N, V)
+    token = sample(probs, None, torch.cat(uniforms)[torch.tensor(depths, device=logits.device)])  # (N,)
+    return token, probs.gather(1, token.unsqueeze(1)).squeeze(1), tuple(states)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +209,7 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
 
 def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingParams, generator: torch.Generator,
                 parents: list[int] | None = None,
-                drawn: tuple[list[int], list[float]] | None = None) -> Iterator[tuple[int, int, float]]:
+                drawn: Drawn | None = None) -> Iterator[tuple[int, int, float]]:
     """The lossless rule for one-hot proposals in the form that draws what plain decoding draws. Row 0 of logits
     (1 + K, V) scores the position after the last committed token, row i + 1 the position after proposals[i];
     parents[i] is the row of the proposal proposals[i] follows (0: the last committed token), each parent's row
@@ -190,13 +218,14 @@ def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingPara
     (that row was computed after it). A proposal x is so kept with probability p(x), and on refusal the draw is p
     conditioned on no proposal there, norm(max(0, p - q)) for q one-hot on each sibling in turn: the rule of
     `verify_lossless` for one-hot q, consuming the random stream as plain decoding does (greedy: the argmax, as
-    `verify_greedy`). drawn: greedy only, every row's draw made beforehand (`greedy_draws`). Yields (row, token drawn
-    there, its probability as `next_token` gives it); the last token is the correction or the bonus."""
+    `verify_greedy`). drawn: every row's draw made beforehand (`draws_ahead`; the caller rewinds the generator).
+    Yields (row, token drawn there, its probability as `next_token` gives it); the last token is the correction or
+    the bonus."""
     parents = list(range(len(proposals))) if parents is None else parents
     row: int | None = 0
     while row is not None:
         if drawn is not None:
-            token, p = drawn[0][row], drawn[1][row]
+            token, p = drawn.tokens[row], drawn.probs[row]
         else:
             draw, p = next_token(logits[row], params, generator)
             token = int(draw)
@@ -257,7 +286,7 @@ def tree_shape(parents: list[int]) -> tuple[tuple[tuple[int, ...], ...], tuple[t
 
 def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
            generator: torch.Generator, q: torch.Tensor | None = None, typical: tuple[float, float] | None = None,
-           drawn: tuple[list[int], list[float]] | None = None) -> Iterator[tuple[int, int, float]]:
+           drawn: Drawn | None = None) -> Iterator[tuple[int, int, float]]:
     """The one acceptance step over a proposal: row 0 of logits (1 + n, V) scores the position after the last
     committed token, row i + 1 the position after tokens[i], which follows row parents[i]. Yields (row, token drawn
     there, its probability), as `draws_along` does, the last token the correction or the bonus:
@@ -265,9 +294,9 @@ def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: 
       for one-hot proposals);
     - q (n, V), the distributions a chain was sampled from: Leviathan et al.'s rule, `verify_lossless`;
     - typical (epsilon, alpha): Medusa's typical acceptance, `verify_tree_typical` (lossy by design).
-    drawn: greedy only, every row's draw made beforehand (`greedy_draws`)."""
+    drawn: for the first case, every row's draw made beforehand (`draws_ahead`)."""
     if params.greedy or not tokens or (q is None and typical is None):
-        yield from draws_along(logits, tokens, params, generator, parents, drawn if params.greedy else None)
+        yield from draws_along(logits, tokens, params, generator, parents, drawn)
         return
     p = probabilities(logits, params)  # (1 + n, V)
     if q is not None:

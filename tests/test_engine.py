@@ -234,7 +234,8 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, grounded_outputs
 def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, proposer) -> None:
     """Under sampling a copied or guessed token is kept only when the request's own draw at its row is that token,
     which is the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same
-    tokens."""
+    tokens. With Medusa and the draft the engine draws each step's rows at once, as it does off the CPU
+    (`draws_ahead`: the draft's sampled chains carry q and draw as they go), with a greedy request in the batch."""
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
@@ -245,7 +246,8 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     results, kept = [], []
     for proposing in (None, build_proposer(target, algo, on)):
         engine = Engine(target, EngineParams(max_running=batch), proposer=proposing)
-        ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i), generation)
+        engine.draws_ahead = proposing is not None and proposer in ("medusa", "draft")
+        ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i) if i else None, generation)
                for i, p in enumerate(prompts)]
         outputs = engine.run_all()
         results.append([outputs[i].token_ids for i in ids])

@@ -32,6 +32,7 @@ from playground.models import ModelLoadError, load_model
 from playground.models.forwards import (
     MIN_KEYS,
     ONE_WIDTH,
+    Captured,
     Forwards,
     StaticForwards,
     bucket,
@@ -89,6 +90,35 @@ def test_padded_batches_with_preemption_give_every_request_its_own_output(static
         rows = {key[0] for key in engine.runner.forwards.buckets}
         assert rows <= {1, 2, 4, 8} and rows & {4, 8}, algo  # 3 or 5 requests ran padded to 4 or 8 rows
         assert engine.cache.num_free_blocks == 48
+
+
+def test_captured_runs_from_one_set_of_inputs_per_shape() -> None:
+    """Each call copies its inputs into the corner of its shape's set; past them lies what earlier calls left."""
+    runs = Captured(lambda x, scale: (x * scale,), graphs=False)
+    (first,) = runs((torch.tensor([1.0, 2.0, 3.0]),), ((4,),), 2.0)
+    (second,) = runs((torch.tensor([5.0]),), ((4,),), 2.0)
+    assert first.tolist() == [2.0, 4.0, 6.0, 0.0] and second.tolist() == [10.0, 4.0, 6.0, 0.0]
+    runs((torch.tensor([1.0]),), ((4,),), 3.0)
+    assert len(runs.sets) == 2  # one per shape and static argument
+
+
+@pytest.mark.parametrize("algo", ["medusa", "eagle"])
+def test_the_heads_guess_in_static_shapes_what_they_guess_eager(target, static, algo) -> None:
+    """With static forwards the Medusa and EAGLE heads run padded (captured with graphs on a GPU): 3 requests at
+    once, the same guesses kept as eager, and only padded shapes."""
+    counts = []
+    for model in (target, static):
+        proposer = build_proposer(model, algo)
+        engine = Engine(model, EngineParams(max_running=3), proposer=proposer)
+        for prompt in PROMPTS[:3]:
+            engine.add_request(prompt, None, GenerationParams(max_new_tokens=NEW_TOKENS))
+        engine.run_all()
+        counts.append({source: (c.proposed, c.accepted) for source, c in engine.counts.items()})
+    assert counts[0] == counts[1] and counts[1][algo][1] > 0
+    assert proposer.captured.sets and target.forwards == "eager"
+    for shapes, _ in proposer.captured.sets:  # rows (and EAGLE's keys before, from MIN_KEYS, and scored rows)
+        padded = [(shapes[0][0], 1)] + ([(shapes[3][1], MIN_KEYS), (shapes[6][0], 1)] if algo == "eagle" else [])
+        assert all(bucket(n, floor) == n for n, floor in padded), shapes
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)

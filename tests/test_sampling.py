@@ -7,7 +7,7 @@ import torch
 
 from playground.config import ConfigError, SamplingParams
 from playground.models import native
-from playground.sampling import (accept, argmax_rows, draws_along, greedy_draws, greedy_rows, make_generator,
+from playground.sampling import (Drawn, accept, argmax_rows, draws_ahead, draws_along, greedy_rows, make_generator,
                                 next_token, probabilities, sample, softmax_at)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -117,18 +117,29 @@ def test_draws_along_draws_what_plain_decoding_draws_and_stops_at_the_first_refu
     assert kept == {0, 1, 2, 3}  # refusals at every position and whole copies kept
 
 
-def test_greedy_draws_made_beforehand_give_the_same_walk() -> None:
-    """Off the CPU the engine draws every greedy row of a step at once (`greedy_draws`); a walk over those draws is
-    the walk that draws row by row, ties included (the first of equal maxima)."""
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=6, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_draws_made_beforehand_give_the_same_walk_and_leave_the_stream_where_it_would_be(params) -> None:
+    """Off the CPU the engine draws every row of a step at once (`draws_ahead`): greedy, the argmax (the first of
+    equal maxima); sampled, each row with the uniform of its depth, the generator then rewound to where drawing row
+    by row would have left it. The walk over those draws is the walk that draws row by row."""
     torch.manual_seed(2)
-    for _ in range(50):
-        logits = torch.randn(7, 9).round()  # (1 + 6, V): rounded, so that equal maxima come up
-        proposals = torch.randint(0, 9, (6,)).tolist()
-        parents = [0, 0, 1, 1, 2, 3]
-        drawn = greedy_draws(logits)
-        assert drawn[0] == logits.argmax(-1).tolist()
-        ours = list(accept(logits, proposals, parents, SamplingParams(), make_generator(0), drawn=drawn))
-        assert ours == list(draws_along(logits, proposals, SamplingParams(), make_generator(0), parents))
+    parents, depths = [0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3]
+    for seed in range(60):
+        logits = (torch.randn(7, 9) * 2).round()  # (1 + 6, V): rounded, so that equal maxima come up
+        # each first child the likeliest token after its parent, so that walks go deep
+        proposals = [int(logits[parent].argmax()) if i in (0, 2, 4, 5) else int(torch.randint(0, 9, ()))
+                     for i, parent in enumerate(parents)]
+        ahead, by_row = make_generator(seed), make_generator(seed)
+        token, p, states = draws_ahead(logits, params, ahead, depths)
+        drawn = Drawn(token.tolist(), p.tolist(), states)
+        ours = list(accept(logits, proposals, parents, params, ahead, drawn=drawn))
+        drawn.rewind(ahead, len(ours))
+        theirs = list(draws_along(logits, proposals, params, by_row, parents))
+        assert [(row, t) for row, t, _ in ours] == [(row, t) for row, t, _ in theirs]
+        assert [p for *_, p in ours] == pytest.approx([p for *_, p in theirs])
+        assert torch.equal(ahead.get_state(), by_row.get_state())
+        assert torch.rand(1, generator=ahead) == torch.rand(1, generator=by_row)
 
 
 def test_draws_along_a_tree_follows_the_child_equal_to_each_draw() -> None:

@@ -23,6 +23,7 @@ import torch
 from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, EagleParams
 from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
+from ..models.forwards import MIN_KEYS, Captured, bucket
 from .guesses import GuessCalibration
 from .planning import plan_width
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
@@ -65,6 +66,8 @@ class EagleProposer(Proposer):
         self.eos_ids = frozenset(target.eos_token_ids)
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
+        # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
+        self.captured = None if target.forwards == "eager" else Captured(self._head, target.forwards == "graphs")
 
     def estimate_cost(self) -> float:
         """A head forward's cost over the target's: the weights each reads where the native CPU kernel runs the
@@ -127,10 +130,10 @@ class EagleProposer(Proposer):
         positions = list(range(state.start, state.start + count))
         next_tokens = request.tokens[state.start + 1 : state.start + count + 1]  # x_{t+1} for each feature f_t
         visible = torch.ones(count, state.k.shape[1] + count, dtype=torch.bool).tril(state.k.shape[1])
-        out, k, v = self._forward(next_tokens, state.features, positions, state.k, state.v, visible)
+        out, k, v, top = self._forward(next_tokens, state.features, positions, state.k, state.v, visible, [count - 1])
         state.k, state.v = torch.cat((state.k, k), 1), torch.cat((state.v, v), 1)
         state.start, state.features = state.start + count, state.features[:0]
-        nodes = self._children(out[-1:], [-1], [0.0], [1])  # the feature at the last token: depth 1's guesses
+        nodes = self._children(out[-1:], top, [-1], [0.0], [1])  # the feature at the last token: depth 1's guesses
         expanded: list[int] = []  # nodes run through the head, in order; their keys are tree_k, tree_v's rows
         tree_k, tree_v = state.k[:, :0], state.v[:, :0]
         forwards = 1
@@ -148,13 +151,15 @@ class EagleProposer(Proposer):
                     visible[row, state.k.shape[1] + expanded.index(ancestor)] = True
                     ancestor = nodes[ancestor].parent
                 visible[row, state.k.shape[1] + len(expanded) + row] = True
-            out, k, v = self._forward([nodes[i].token for i in chosen], torch.stack([nodes[i].feature for i in chosen]),
-                                      [request.num_computed + d - 1] * len(chosen),
-                                      torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible)
+            out, k, v, top = self._forward([nodes[i].token for i in chosen],
+                                           torch.stack([nodes[i].feature for i in chosen]),
+                                           [request.num_computed + d - 1] * len(chosen),
+                                           torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible,
+                                           list(range(len(chosen))))
             tree_k, tree_v = torch.cat((tree_k, k), 1), torch.cat((tree_v, v), 1)
             expanded += chosen
             forwards += 1
-            nodes += self._children(out, chosen, [nodes[i].worth for i in chosen], [d + 1] * len(chosen))
+            nodes += self._children(out, top, chosen, [nodes[i].worth for i in chosen], [d + 1] * len(chosen))
         # The likeliest nodes, best first; a child is never likelier than its parent, and the sort is stable by
         # depth, so parents come first.
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].worth, nodes[i].depth))[: self.nodes]
@@ -165,24 +170,52 @@ class EagleProposer(Proposer):
                         [math.exp(n.logp) for n in kept], forwards=forwards)
 
     def _forward(self, tokens: list[int], features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
-                 past_v: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The head over T new positions: predicted features (T, E) and their keys and values (Hkv, T, D)."""
-        model = self.target.model
-        ids = torch.tensor(tokens, device=model.device)  # (T,)
-        cos, sin = model.rope(torch.tensor([positions], device=model.device), model.dtype)
-        out, k, v = self.eagle.head(model.embed_tokens.weight[ids].unsqueeze(0), features.unsqueeze(0), cos, sin,
-                                    past_k.unsqueeze(0), past_v.unsqueeze(0), visible.unsqueeze(0).to(model.device))
-        return out[0], k[0], v[0]
+                 past_v: torch.Tensor, visible: torch.Tensor,
+                 scored: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[list, list]]:
+        """The head over T new positions: predicted features (T, E), their keys and values (Hkv, T, D), and the
+        top_k guesses after the features of the rows `scored` (S), as log-probabilities and token ids (S, top_k)."""
+        device = self.target.model.device
+        if self.captured is None:
+            ids, at, rows = (torch.tensor(values, device=device) for values in (tokens, positions, scored))
+            out, k, v, logp, guesses = self._head(ids, features, at, past_k, past_v, visible.to(device), rows)
+        else:  # padded: T and S to powers of two, the keys before to a power of two from MIN_KEYS
+            t, s, (heads, past, dim) = bucket(len(tokens)), bucket(len(scored)), past_k.shape
+            keys = bucket(past, MIN_KEYS)
+            seen = torch.zeros(t, keys + t, dtype=torch.bool)  # (t, keys + t)
+            seen[:, keys:] = torch.eye(t, dtype=torch.bool)  # padding rows see themselves
+            seen[: len(tokens), :past] = visible[:, :past]
+            seen[: len(tokens), keys : keys + len(tokens)] = visible[:, past:]
+            # the integer inputs and the mask in one transfer
+            host = torch.cat((torch.tensor(tokens + positions + scored), seen.view(-1).long()))
+            ids, at, rows, flat = host.to(device).split([len(tokens), len(tokens), len(scored), seen.numel()])
+            shapes = ((t,), (t, features.shape[1]), (t,), (heads, keys, dim), (heads, keys, dim), seen.shape, (s,))
+            out, k, v, logp, guesses = self.captured(
+                (ids, features, at, past_k, past_v, flat.view(seen.shape).bool(), rows), shapes)
+            out, k, v = out[: len(tokens)], k[:, : len(tokens)], v[:, : len(tokens)]
+            logp, guesses = logp[: len(scored)], guesses[: len(scored)]
+        return out, k, v, (logp.tolist(), guesses.tolist())
 
-    def _children(self, features: torch.Tensor, parents: list[int], worths: list[float],
+    def _head(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
+              past_v: torch.Tensor, visible: torch.Tensor,
+              scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Device tensors in and out: ids (T,), features (T, E), positions (T,), past_k, past_v (Hkv, L, D), visible
+        (T, L + T), scored (S,) -> features (T, E), keys and values (Hkv, T, D), top_k log-probabilities and token
+        ids (S, top_k) after the scored rows' features."""
+        model = self.target.model
+        cos, sin = model.rope(positions.unsqueeze(0), model.dtype)
+        out, k, v = self.eagle.head(model.embed_tokens.weight[ids].unsqueeze(0), features.unsqueeze(0), cos, sin,
+                                    past_k.unsqueeze(0), past_v.unsqueeze(0), visible.unsqueeze(0))
+        top = self.eagle.output.logits(out[0][scored]).log_softmax(-1).topk(self.top_k, dim=-1)  # (S, top_k)
+        return out[0], k[0], v[0], top.values, self.eagle.vocab_ids[top.indices]
+
+    def _children(self, features: torch.Tensor, top: tuple[list, list], parents: list[int], worths: list[float],
                   depths: list[int]) -> list[_Node]:
-        """The top_k guesses after each of the (T, E) predicted features, as nodes below `parents`."""
-        top = self.eagle.output.logits(features).log_softmax(-1).topk(self.top_k, dim=-1)  # values, indices: (T, k)
-        ids = self.eagle.vocab_ids[top.indices].tolist()
+        """Nodes below `parents` for the top_k guesses `top` (log-probabilities, token ids) after each of the
+        (T, E) predicted features."""
         scale = [math.log(self.calibration.scale(d - 1)) for d in depths]
         children = []
         for row, (parent, worth, depth) in enumerate(zip(parents, worths, depths)):
-            for lp, token in zip(top.values[row].tolist(), ids[row]):
+            for lp, token in zip(top[0][row], top[1][row]):
                 children.append(_Node(token, parent, depth, lp, worth + min(0.0, lp + scale[row]), features[row]))
         return children
 

@@ -18,6 +18,7 @@ import torch
 
 from ..config import DYNAMIC_TREE, ConfigError, MedusaParams, dynamic_nodes
 from ..models import LoadedModel
+from ..models.forwards import Captured, bucket
 from ..models.medusa import LoadedHeads, load_heads
 from .guesses import Guesser, Guesses
 from .proposer import Cost, Outcome, Proposal, RequestView
@@ -54,6 +55,8 @@ class MedusaGuesser(Guesser):
             self.top_k = max(tree.top_k())
         super().__init__(frozenset(target.eos_token_ids), depth, nodes, shape)
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
+        # with the target's static forwards, the heads run in static shapes too (captured with its graphs)
+        self.captured = None if target.forwards == "eager" else Captured(self._top, target.forwards == "graphs")
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)
@@ -75,11 +78,21 @@ class MedusaGuesser(Guesser):
         k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)
         hidden = torch.stack([self.hidden[r.id] for r in ready])  # (B, E)
         last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
-        logits = self.heads.logits(hidden, model.embed_tokens.weight[last], depth)  # (D, B, V')
-        top = logits.log_softmax(-1).topk(k, dim=-1)  # values, indices: (D, B, k)
-        logp = top.values.transpose(0, 1).tolist()  # (B, D, k)
-        tokens = self.heads.vocab_ids[top.indices].transpose(0, 1).tolist()  # (B, D, k)
+        if self.captured is None:
+            values, ids = self._top(hidden, last, depth, k)
+        else:  # rows padded to a power of two
+            rows = bucket(len(ready))
+            values, ids = self.captured((hidden, last), ((rows, hidden.shape[1]), (rows,)), depth, k)
+        logp = values[: len(ready)].tolist()  # (B, D, k)
+        tokens = ids[: len(ready)].tolist()  # (B, D, k)
         return {r.id: Guesses(lp, t) for r, lp, t in zip(ready, logp, tokens)}
+
+    def _top(self, hidden: torch.Tensor, last: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `depth` heads' k likeliest tokens for each request: log-probabilities and token ids (B, D, k),
+        from the states (B, E) that predicted the requests' last tokens (B,)."""
+        logits = self.heads.logits(hidden, self.target.model.embed_tokens.weight[last], depth)  # (D, B, V')
+        top = logits.log_softmax(-1).topk(k, dim=-1)  # values, indices: (D, B, k)
+        return top.values.transpose(0, 1), self.heads.vocab_ids[top.indices].transpose(0, 1)
 
     def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
         tree = super().tree(guesses, room, nodes, *copy)

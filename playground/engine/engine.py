@@ -27,7 +27,7 @@ from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
-from ..sampling import accept, greedy_draws, make_generator
+from ..sampling import Drawn, accept, draws_ahead, make_generator
 from ..trace import Event, MemoryEvent
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
@@ -79,6 +79,8 @@ class Engine:
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
         self.tracer = Tracer(target.tokenizer) if trace else None
+        # draw every request's rows of a step at once (`_draws`): off the CPU, where each wait for the device costs
+        self.draws_ahead = target.model.device.type != "cpu"
         if costs is None and self.proposer is not None:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs = costs
@@ -226,7 +228,7 @@ class Engine:
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 times: StepTimes) -> list[RequestOutput]:
         outputs = []
-        drawn = self._greedy_draws(plan.decode + [r for r, _ in plan.prefill], logits)
+        drawn = self._draws(plan.decode + [r for r, _ in plan.prefill], logits, plan.proposals)
         prefilled = {r.id for r, _ in plan.prefill}
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -247,25 +249,42 @@ class Engine:
                 outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _greedy_draws(self, requests: list[Request],
-                      logits: dict[int, torch.Tensor]) -> dict[int, tuple[list[int], list[float]]]:
-        """Off the CPU, every greedy request's draws of this step at once (`sampling.greedy_draws`): one wait for the
-        device per step instead of one per row drawn. On the CPU each row is drawn when the walk reaches it: the
-        native row maxima are quick, and scanning the rows off the kept path would cost more than it saves."""
-        greedy = [r for r in requests if r.sampling.greedy]
-        if self.target.model.device.type == "cpu" or not greedy:
+    def _draws(self, requests: list[Request], logits: dict[int, torch.Tensor],
+               proposals: dict[int, Proposal]) -> dict[int, Drawn]:
+        """Where `draws_ahead`, every draw of this step's walks made at once (`sampling.draws_ahead`) and read back in
+        one transfer: greedy rows of every request together, each sampled request's rows with its own generator
+        (their walks rewind it). Sampled requests whose proposals carry distributions (a draft's q, typical
+        acceptance) draw as their rules go. On the CPU each row is drawn when the walk reaches it: the native row
+        maxima are quick, and drawing the rows off the kept path would cost more than it saves."""
+        if not self.draws_ahead:
             return {}
-        tokens, probs = greedy_draws(torch.cat([logits[r.id] for r in greedy]))  # (N, V) rows of every request
+        greedy = [r for r in requests if r.sampling.greedy]
+        parts = []  # (requests, their rows' tokens (N,) and probabilities (N,) on the device, generator states)
+        if greedy:
+            parts.append((greedy, *draws_ahead(torch.cat([logits[r.id] for r in greedy]), greedy[0].sampling, None)))
+        for r in requests:
+            proposal = proposals.get(r.id)
+            if r.sampling.greedy or proposal is not None and (proposal.q is not None or proposal.typical is not None):
+                continue
+            depths = [0]
+            for parent in proposal.parents if proposal is not None else []:  # node i + 1 follows row parents[i]
+                depths.append(depths[parent] + 1)
+            parts.append(([r], *draws_ahead(logits[r.id][: len(depths)], r.sampling, r.generator, depths)))
+        if not parts:
+            return {}
+        tokens = torch.cat([part[1] for part in parts]).tolist()  # the step's one wait for the device
+        probs = torch.cat([part[2] for part in parts]).tolist()
         drawn, start = {}, 0
-        for r in greedy:
-            end = start + len(logits[r.id])
-            drawn[r.id], start = (tokens[start:end], probs[start:end]), end
+        for group, token, _, states in parts:
+            for r in group:
+                end = start + (len(logits[r.id]) if r.sampling.greedy else len(token))
+                drawn[r.id], start = Drawn(tokens[start:end], probs[start:end], states), end
         return drawn
 
     def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
-                 times: StepTimes, drawn: tuple[list[int], list[float]] | None = None) -> RequestOutput:
-        """Draw a request's new tokens from its rows of the step's logits (greedy rows drawn beforehand: `drawn`) and
-        commit them to its cache."""
+                 times: StepTimes, drawn: Drawn | None = None) -> RequestOutput:
+        """Draw a request's new tokens from its rows of the step's logits (or read the draws made beforehand:
+        `drawn`) and commit them to its cache."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
         new, walk, probs, done = [], [], [], False
@@ -277,6 +296,8 @@ class Engine:
             done = request.stopper.push(token)
             if done:
                 break
+        if drawn is not None:
+            drawn.rewind(request.generator, len(new))
         outcome = Outcome(new, walk, probs, done, hidden, side_logits if proposal and proposal.side else None)
         if proposal is not None:
             self._count(proposal, outcome.path)

@@ -19,6 +19,8 @@ A bucket's graphs share one memory pool; the hidden states are copied out before
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +28,7 @@ from ..kv import AttentionLayout, ContiguousKVCache, KVCache, PagedKVCache, bloc
 from ..kv.base import visibility
 from .transformer import Transformer
 
+T = TypeVar("T")
 MIN_KEYS = 64  # the smallest key bucket (shorter contexts share one graph); key counts are multiples of it
 ONE_WIDTH = 32  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
 
@@ -192,18 +195,56 @@ class Bucket:
         return hidden  # (B, W, E)
 
     def _capture(self, cache: KVCache) -> None:
-        """Warm up on a side stream (the allocator and the kernels' workspaces settle), then capture the forward;
-        the capture runs nothing, so the caller replays it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(cache)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.shapes.pool):
-            hidden = self._forward(cache)
-        self.graph, self.hidden = graph, hidden  # only once captured whole: a failed capture is tried again
+        # only once captured whole: a failed capture is tried again
+        self.graph, self.hidden = capture(lambda: self._forward(cache), self.shapes.pool)
         self.shapes.captures += 1
+
+
+class Captured:
+    """A function of device tensors run from inputs that stay the same from call to call, one set per shape: the
+    caller pads its inputs to a few shapes (powers of two), each call copies them into the leading corner of that
+    shape's set and runs the function on the set or, with graphs, replays the CUDA graph captured on the first call
+    of that shape. What lies past an input in its set is left from earlier calls (finite: zeros at first), so the
+    function must keep it from the rows the caller reads (masked keys, padding rows). For the proposers' own small
+    forwards (Medusa and EAGLE heads), whose launches a graph saves as the target's."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], graphs: bool) -> None:
+        self.fn, self.graphs = fn, graphs
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        # (shapes, static arguments) -> (inputs, graph, outputs)
+        self.sets: dict[tuple, tuple[list[torch.Tensor], torch.cuda.CUDAGraph | None, tuple]] = {}
+
+    @torch.inference_mode()
+    def __call__(self, inputs: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]],
+                 *static: object) -> tuple[torch.Tensor, ...]:
+        """fn(*padded inputs, *static): its outputs, each as big as its padded inputs make it (the caller slices)."""
+        key = (tuple(map(tuple, shapes)), static)
+        if key not in self.sets:
+            self.sets[key] = ([t.new_zeros(shape) for t, shape in zip(inputs, shapes)], None, ())
+        padded, graph, outputs = self.sets[key]
+        for into, given in zip(padded, inputs):
+            into[tuple(slice(0, n) for n in given.shape)].copy_(given)
+        if not self.graphs:
+            return tuple(self.fn(*padded, *static))
+        if graph is None:
+            graph, outputs = capture(lambda: tuple(self.fn(*padded, *static)), self.pool)
+            self.sets[key] = (padded, graph, outputs)
+        graph.replay()
+        return tuple(out.clone() for out in outputs)  # out of the memory the next replay rewrites
+
+
+def capture(run: Callable[[], T], pool: tuple | None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured in a CUDA graph, with what it returns (the graph's outputs): warmed up first on a side stream
+    (the allocator and the kernels' workspaces settle); the capture runs nothing, so the caller replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
 
 
 def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int = 1) -> Forwards:
