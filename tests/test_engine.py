@@ -245,7 +245,8 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     batch = 1 if proposer == "lookahead" else 3
     results, kept = [], []
     for proposing in (None, build_proposer(target, algo, on)):
-        engine = Engine(target, EngineParams(max_running=batch), proposer=proposing)
+        # prompts prefilled in chunks of up to 24 tokens: a chunk short of the prompt's end draws nothing
+        engine = Engine(target, EngineParams(max_running=batch, max_batch_tokens=24), proposer=proposing)
         engine.draws_ahead = proposing is not None and proposer in ("medusa", "draft")
         ids = [engine.add_request(p, SamplingParams(temperature=0.8, top_k=50, seed=i) if i else None, generation)
                for i, p in enumerate(prompts)]

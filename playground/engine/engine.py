@@ -228,7 +228,8 @@ class Engine:
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 times: StepTimes) -> list[RequestOutput]:
         outputs = []
-        drawn = self._draws(plan.decode + [r for r, _ in plan.prefill], logits, plan.proposals)
+        walking = plan.decode + [r for r, n in plan.prefill if r.num_computed + n >= len(r.tokens)]
+        drawn = self._draws(walking, logits, plan.proposals)
         prefilled = {r.id for r, _ in plan.prefill}
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -251,7 +252,7 @@ class Engine:
 
     def _draws(self, requests: list[Request], logits: dict[int, torch.Tensor],
                proposals: dict[int, Proposal]) -> dict[int, Drawn]:
-        """Where `draws_ahead`, every draw of this step's walks made at once (`sampling.draws_ahead`) and read back in
+        """Where `draws_ahead`, every draw of this step's walks (the requests') made at once (`sampling.draws_ahead`) and read back in
         one transfer: greedy rows of every request together, each sampled request's rows with its own generator
         (their walks rewind it). Sampled requests whose proposals carry distributions (a draft's q, typical
         acceptance) draw as their rules go. On the CPU each row is drawn when the walk reaches it: the native row
