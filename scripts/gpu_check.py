@@ -1,13 +1,16 @@
-"""The GPU engine's checks in one run, one table: greedy exactness of every algorithm on both caches and in engine
-batches (`check_exact.py`) in float32 and bfloat16 with CUDA graphs; what a decode forward costs eager, in graphs
-of its own width and in graphs at the one width that keeps a token's bits; and `bench` on a subset of the suite
+"""The GPU engine's checks in one run, one table, quick ones first: what a decode forward costs eager, in graphs
+of its own width and in graphs at the one width that keeps a token's bits; `bench` on a subset of the suite
 (plain decoding with graphs against eager forwards and transformers `generate`; speculative, Medusa and EAGLE
-against plain decoding). Meant to finish in under 8 minutes on one H100/H200 (not yet run on one).
+against plain decoding); greedy exactness of every algorithm on both caches and in engine batches
+(`check_exact.py`) in float32 and bfloat16 with CUDA graphs. Each row is printed as it is measured. Meant to finish
+in under 8 minutes on one H100/H200 (not yet run on one).
 
-    bash scripts/gpu_check.sh [--limit 4] [--rounds 2] [--new-tokens 32] [--out bench_results/gpu]
+    bash scripts/gpu_check.sh [--limit 4] [--rounds 2] [--new-tokens 32] [--dtypes float32,bfloat16]
+                              [--out bench_results/gpu]
 
 On a machine without CUDA (`--device cpu`) the same checks run with static shapes uncaptured, which tests the
-script, not the GPU. Exits 1 when a greedy output differs from plain decoding's.
+script, not the GPU. Exits 1 when a greedy output differs from plain decoding's. A machine without the embedded
+model or a package index: `scripts/gpu_stage.py`.
 """
 
 from __future__ import annotations
