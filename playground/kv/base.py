@@ -62,6 +62,11 @@ class KVCache(ABC):
         # 2 (K and V) x layers x kv_heads x head_dim x bytes per element
         self._bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.k.element_size()
 
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """The most tokens one sequence can hold."""
+
     def share_storage(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Hold keys and values in k and v, a cache's of this one's shape that is no longer used (static forwards
         keep graphs that write and read them, `models.forwards.Shapes`); what they hold is never read unwritten."""

@@ -41,6 +41,10 @@ class ContiguousKVCache(KVCache):
         self._lengths = [0] * max_seqs
         self._rows: dict[int, int] = {}  # sequence id -> its row, for sequences added with `add_sequence`
 
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
     def _row(self, seq_id: int) -> int:
         return self._rows.get(seq_id, seq_id)
 

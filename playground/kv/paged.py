@@ -51,6 +51,10 @@ class PagedKVCache(KVCache):
         # Prompt blocks this sequence fills itself: (index in its table, key), registered once written.
         self._pending: dict[int, list[tuple[int, BlockKey]]] = {}
 
+    @property
+    def capacity(self) -> int:
+        return self.scratch_slot  # every block of the pool
+
     # -- sequences ---------------------------------------------------------------------------------------------
 
     def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:

@@ -118,8 +118,7 @@ class StaticForwards(Forwards):
         starts = self.cache.reserve(tuple(seq_ids), width)  # the host's bookkeeping: blocks, copies, lengths
         paged = isinstance(self.cache, PagedKVCache)
         if self.max_width is not None and width <= self.max_width:  # one shape whatever the width and the length
-            capacity = self.cache.allocator.num_blocks * self.cache.block_size if paged else self.cache.max_len
-            key = (bucket(rows) if paged else 1, self.max_width, -(-capacity // MIN_KEYS) * MIN_KEYS)
+            key = (bucket(rows) if paged else 1, self.max_width, -(-self.cache.capacity // MIN_KEYS) * MIN_KEYS)
         else:
             key = (bucket(rows) if paged else 1, bucket(width), bucket(max(starts) + width, MIN_KEYS))
         if key not in self.buckets:
