@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .native import GGUF_FORMATS
+from .transformer import layer_products
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
@@ -83,7 +84,7 @@ def load_blocks(folder: Path) -> Blocks:
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """The blocks by this project's weight names (see transformer.hf_state_to_native): q, k, v stacked as qkv and
+    """The blocks by this project's weight names (`transformer.layer_products`): q, k, v stacked as qkv and
     gate, up as gate/up where all parts share one format; a product with any part missing keeps float32."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -95,9 +96,6 @@ def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch
     put("embed_tokens.weight", ["model.embed_tokens.weight"])
     put("lm_head.weight", ["lm_head.weight"])
     for i in range(num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        put(dst + "self_attn.qkv_proj.weight", [src + f"self_attn.{p}_proj.weight" for p in "qkv"])
-        put(dst + "self_attn.o_proj.weight", [src + "self_attn.o_proj.weight"])
-        put(dst + "mlp.gate_up_proj.weight", [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
-        put(dst + "mlp.down_proj.weight", [src + "mlp.down_proj.weight"])
+        for name, parts in layer_products(i).items():
+            put(name, parts)
     return out

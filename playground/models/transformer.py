@@ -415,17 +415,22 @@ def hf_state_to_native(cfg: TransformerConfig, tensors: Mapping[str, torch.Tenso
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [get(attn + f"{p}_proj.weight") for p in "qkv"], dim=0)
+        for name, parts in layer_products(i).items():
+            out[name] = torch.cat([get(part) for part in parts], dim=0)
         if cfg.qkv_bias:
             out[dst + "self_attn.qkv_proj.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
-        out[dst + "self_attn.o_proj.weight"] = get(attn + "o_proj.weight")
         if cfg.qk_norm:
             out[dst + "self_attn.q_norm.weight"] = get(attn + "q_norm.weight")
             out[dst + "self_attn.k_norm.weight"] = get(attn + "k_norm.weight")
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")], dim=0)
-        out[dst + "mlp.down_proj.weight"] = get(src + "mlp.down_proj.weight")
         out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
         out[dst + "post_attention_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
     return out
+
+
+def layer_products(i: int) -> dict[str, list[str]]:
+    """Layer i's matrix products by this module's names, each with the Hugging Face weights whose rows it stacks."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    return {dst + "self_attn.qkv_proj.weight": [src + f"self_attn.{p}_proj.weight" for p in "qkv"],
+            dst + "self_attn.o_proj.weight": [src + "self_attn.o_proj.weight"],
+            dst + "mlp.gate_up_proj.weight": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
+            dst + "mlp.down_proj.weight": [src + "mlp.down_proj.weight"]}
