@@ -55,10 +55,11 @@ def prepare(python: str) -> None:
                  "carries; remove untracked files first")
     parts = split(gguf.read_bytes(), room, STAGE)
     print(f"{len(parts)} parts of at most {room / 2**20:.1f} MiB in {STAGE}. Make these device calls in a row (a "
-          "machine left idle is given back, and its parts with it), each with timeout_s 600 for the last:")
+          "machine left idle is given back, and its parts with it); the last one runs the checks:")
     for i, name in enumerate(parts):
         carry = [f".gpu/{MANIFEST}", f".gpu/{name}"] + ([".gpu/wheels"] if i == 0 else [])
-        print(f"  run  command='{COMMAND}'  carry={json.dumps(carry)}")
+        timeout = 600 if i == len(parts) - 1 else 120
+        print(f"  run  command='{COMMAND}'  carry={json.dumps(carry)}  timeout_s={timeout}")
 
 
 def split(data: bytes, room: int, stage: Path) -> list[str]:
