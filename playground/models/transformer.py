@@ -415,8 +415,8 @@ def hf_state_to_native(cfg: TransformerConfig, tensors: Mapping[str, torch.Tenso
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        for name, parts in layer_products(i).items():
-            out[name] = torch.cat([get(part) for part in parts], dim=0)
+        for name, parts in layer_products(i).items():  # a product of one part keeps its tensor (no copy)
+            out[name] = get(parts[0]) if len(parts) == 1 else torch.cat([get(part) for part in parts], dim=0)
         if cfg.qkv_bias:
             out[dst + "self_attn.qkv_proj.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         if cfg.qk_norm:
