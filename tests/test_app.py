@@ -408,3 +408,52 @@ def test_a_new_run_first_clears_what_the_last_one_left(target):
     assert step["value"] == 0 and step["interactive"] is False
     *_, last = frames
     assert last[4] is not None and last[6]["interactive"]  # the finished run fills them again
+
+
+def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
+    """Stop marks the run; the run ends itself at its next check, between two engine steps, with a line that says
+    so (no task is cancelled mid-step); marked while still queued, it ends before loading anything."""
+    from playground.ui import decode as decode_tab, race as race_tab
+    from playground.ui.stops import STOPPED, STOPS
+
+    run = STOPS.start()
+    frames = decode_tab.run_decode("Count from 1 to 500.", *{**DEFAULTS, "max_new_tokens": 400}.values(), None, run)
+    for frame in frames:
+        if str(frame[3]).startswith("measuring run 1"):  # the engine is between two steps of the first run
+            break
+    assert STOPS.stop(run)
+    assert list(frames) == [decode_tab.status_frame(11, 3, STOPPED)]  # one more frame, then the end
+    STOPS.end(run)
+    assert not STOPS.stop(run)  # a run that ended is not stopped again
+
+    queued = STOPS.start()
+    STOPS.stop(queued)
+    frames = list(race_tab.run_race("hi", ["lookahead"], 400, 0.0, 0, "embedded", "", "cpu", "float32", "auto",
+                                    None, queued))
+    assert frames == [race_tab.status_frame(5, 1, STOPPED)]
+    STOPS.end(queued)
+
+
+def test_a_stopped_serve_aborts_the_unfinished_requests_and_sums_up(target):
+    from playground.ui import memory as memory_tab
+    from playground.ui.stops import STOPS
+
+    run = STOPS.start()
+    frames = memory_tab.run_memory(4, 400, 8, 400, 4, True, "none (plain decoding)", "embedded", "", "cpu",
+                                   "float32", "auto", run, progress=lambda *a, **k: None)
+    next(frames)  # a first frame after some steps
+    STOPS.stop(run)
+    *_, (_, _, summary, table, state, _) = frames
+    STOPS.end(run)
+    assert summary.startswith("**Stopped after step") and "Waste over the run" in summary
+    assert {r[1] for r in table} == {"aborted"} and state["events"]
+
+
+def test_the_memory_tab_counts_against_a_public_apps_cap(target, monkeypatch):
+    from playground.ui import memory as memory_tab
+    from playground.ui.quota import QUOTA
+
+    monkeypatch.setattr(QUOTA, "limit", 100)
+    with pytest.raises(Exception, match=r"max new tokens: this public app generates at most 100 tokens"):
+        next(memory_tab.run_memory(4, 48, 8, 40, 4, True, "none (plain decoding)", "embedded", "", "cpu",
+                                   "float32", "auto", progress=lambda *a, **k: None))

@@ -90,8 +90,9 @@ def test_stop_ends_a_run_and_frees_the_queue(page):
     decode.click()
     expect(page.locator("#pg-stats")).to_contain_text("measuring run", timeout=120_000)
     expect(decode).to_be_disabled()  # a second click cannot be silently ignored: there is none to make
-    page.get_by_role("button", name="Stop").click()
+    page.get_by_role("button", name="Stop").first.click()
     expect(decode).to_be_enabled(timeout=10_000)
+    expect(page.locator("#pg-stats")).to_contain_text("stopped: nothing measured is shown")
     status = page.locator("#pg-stats").inner_text()
     page.wait_for_timeout(3000)
     assert page.locator("#pg-stats").inner_text() == status  # nothing more arrives

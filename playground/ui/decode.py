@@ -35,6 +35,7 @@ from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_draft, get_model, target_spec
 from .measure import measured, status_frame
 from .quota import QUOTA
+from .stops import STOPPED, STOPS, stoppable
 
 PLAIN = "ar"
 ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculative",
@@ -191,11 +192,14 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
                seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
-               dtype: str, weights: str, history: list[dict[str, Any]] | None, request: gr.Request | None = None):
+               dtype: str, weights: str, history: list[dict[str, Any]] | None, run: int | None = None,
+               request: gr.Request | None = None):
     """Measure first, then show: the algorithm and plain decoding run on the engine alone, interleaved over
     ROUNDS rounds (nothing is drawn meanwhile, so the browser never competes with the clock); yields (prompt HTML,
     tokens HTML, step detail, stats, trace state, trace file, step slider, session history, per-step chart,
-    tokens-vs-time chart, step table): a cleared page with progress in the stats line, then the median round."""
+    tokens-vs-time chart, step table): a cleared page with progress in the stats line, then the median round.
+    run: its number in `STOPS`; once stopped it ends between two engine steps, showing nothing measured."""
+    status = partial(status_frame, 11, 3)
     try:
         if algo_label not in ALGOS:
             raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
@@ -206,26 +210,32 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
         algo = ALGOS[algo_label]
         names = [algo] if algo == PLAIN else [algo, PLAIN]
-        QUOTA.take(request, generation.max_new_tokens * len(names) * ROUNDS)
-        spec = target_spec(model_source, device, dtype, weights)
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
         cleared = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(),
                    None, None, []]
+        if STOPS.stopped(run):  # while it waited in the queue
+            yield *cleared[:3], STOPPED, *cleared[3:]
+            return
+        QUOTA.take(request, generation.max_new_tokens * len(names) * ROUNDS)
+        spec = target_spec(model_source, device, dtype, weights)
         yield *cleared[:3], f"loading model {spec.source!r} (the first load converts it; later ones are instant)", \
             *cleared[3:]
         target = get_model(spec)
         proposers = {algo: build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram,
                                           guesses, tree, tree_nodes, acceptance, copy_ngram, context, text_ngram,
                                           pools), PLAIN: None}
-        status = partial(status_frame, 11, 3)
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
             generate(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling, generation, name)
                    for name in names}
-        traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status)
+        traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status,
+                                     partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
+    if traces is None:
+        yield status(STOPPED)
+        return
     trace = median_run(traces[algo])
     against = compare(traces, PLAIN)[algo] if algo != PLAIN else None
     same = trace.finish().token_ids == median_run(traces[PLAIN]).finish().token_ids if against and \
@@ -248,6 +258,12 @@ def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
     return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
             "token_acceptance": m.token_acceptance, "mean_accepted": m.mean_accepted_tokens,
             "mean_draft": mean_draft_length(trace)}
+
+
+def play_measured(state: dict | None, step: Any, speed: str):
+    """`play` after a run: nothing after a stopped one, which leaves no trace."""
+    if state:
+        yield from play(state, step, speed)
 
 
 def _replayed(state: dict | None) -> tuple[Trace, list[str], bool, TokenText]:
@@ -413,16 +429,13 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
               ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model, history]
     shown = [prompt_view, tokens_view, detail]
     # Decode stays disabled while a run measures; the replay of what it measured follows on its own
-    decoding = run.click(lambda: gr.update(interactive=False), None, run, api_name=False, queue=False).then(
-        on_gpu(run_decode), inputs, [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
-        api_name="decode", show_progress_on=[stats])
-    for after in (decoding.then, decoding.failure):  # in the browser `then` does not follow a failed run
-        after(lambda: gr.update(interactive=True), None, run, api_name=False, queue=False)
-    replay = decoding.success(play, [state, step, speed], [*shown, step], api_name=False, show_progress="hidden")
+    decoding = stoppable(run, stop, on_gpu(run_decode), inputs,
+                         [*shown, stats, state, download, step, history, steps_plot, time_plot, table], stats,
+                         api_name="decode", show_progress_on=[stats])
+    replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_name=False,
+                              show_progress="hidden")
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
-    # a run stops between engine steps, which frees the queue for the next visitor
-    stop.click(lambda: gr.update(interactive=True), None, run, cancels=[decoding, replay, playing], api_name=False,
-               queue=False)
+    stop.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
     pause.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
     back.click(partial(nudge, delta=-1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
     forward.click(partial(nudge, delta=1), [state, step], [*shown, step], api_name=False, show_progress="hidden")

@@ -23,15 +23,19 @@ def status_frame(outputs: int, at: int, line: str) -> tuple:
 Stream = Callable[[], Generator[Event, None, tuple[Any, Trace]]]
 
 
-def measured(streams: dict[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple]):
+def measured(streams: dict[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple],
+             stopped: Callable[[], bool]):
     """Run every entrant's stream to its end, interleaved over ROUNDS rounds (`speedup.order`); yields
-    `frame(progress line)` at most every PROGRESS_S (the engine's clock stops while it is shown, and a Stop takes
-    effect there) and returns each entrant's traces in round order."""
+    `frame(progress line)` at most every PROGRESS_S (the engine's clock stops while it is shown) and returns each
+    entrant's traces in round order, or None as soon as `stopped()` says so between two engine steps."""
     traces: dict[str, list[Trace]] = {name: [] for name in streams}
     total, last = len(streams) * ROUNDS, time.perf_counter()
     for done, (round_, name) in enumerate(order(list(streams), ROUNDS)):
         stream, tokens = streams[name](), 0
         while True:
+            if stopped():
+                stream.close()  # its engine hands back what it holds
+                return None
             try:
                 event = next(stream)
             except StopIteration as stop:

@@ -19,6 +19,8 @@ from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map, statuses_at
 from .decode import as_int
 from .models import get_draft, get_model, target_spec
+from .quota import QUOTA
+from .stops import STOPPED, STOPS, stoppable
 
 # Redraws while serving: the block map at most four times a second, the chart (heavier for the browser, which
 # shares the processor with the engine on a small machine) once a second; the engine's clock is stopped meanwhile.
@@ -72,9 +74,11 @@ def _proposals(engine: Engine) -> str:
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
                prefix_caching: bool, proposals: str, model_source: str, draft_source: str, device: str, dtype: str,
-               weights: str, progress: gr.Progress = gr.Progress()):
+               weights: str, run: int | None = None, request: gr.Request | None = None,
+               progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
-    runs, then the summary; the events and the slider (to replay the block map of any step) come at the end."""
+    runs, then the summary; the events and the slider (to replay the block map of any step) come at the end.
+    run: its number in `STOPS`; once stopped, the requests still unfinished are aborted after the current step."""
     try:
         requests = as_int("requests", num_requests)
         if not 1 <= requests <= MAX_REQUESTS:
@@ -83,6 +87,11 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
         check_choice("proposals", proposals, tuple(PROPOSALS))
         algo, copies = PROPOSALS[proposals]
+        work = workload(requests, as_int("max new tokens", max_new_tokens))
+        if STOPS.stopped(run):  # while it waited in the queue
+            yield gr.update(), gr.update(), STOPPED, gr.update(), gr.update(), gr.update()
+            return
+        QUOTA.take(request, sum(generation.max_new_tokens for _, generation in work), "max new tokens")
         spec = target_spec(model_source, device, dtype, weights)
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
@@ -90,7 +99,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         draft = get_draft(target, draft_source) if algo == "speculative" else None
         proposer = build_proposer(target, algo, copies=PromptLookupParams() if copies else None, draft=draft)
         engine = Engine(target, params, proposer=proposer)
-        for prompt, generation in workload(requests, as_int("max new tokens", max_new_tokens)):
+        for prompt, generation in work:
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
@@ -98,6 +107,10 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
     try:
         last_frame = last_chart = 0.0
         while engine.has_unfinished():
+            if STOPS.stopped(run):
+                for rid in [r.id for r in (*engine.running, *engine.waiting)]:
+                    engine.abort(rid)
+                break
             engine.step()
             now = time.perf_counter()
             if now - last_frame >= FRAME_S:
@@ -112,10 +125,15 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
     finally:
         engine.close()  # its static forwards (GPU graphs) may serve the next run
     memory = [e for e in engine.events if isinstance(e, MemoryEvent)]
+    if not memory:  # stopped before its first step
+        yield gr.update(), gr.update(), STOPPED, _table(engine), gr.update(), gr.update()
+        return
+    stopped = f"**Stopped after step {engine.step_count}**: the unfinished requests were aborted. " if \
+        STOPS.stopped(run) else ""
     # The step to show first: the fullest pool (where preemption looms), preferring shared blocks, then the latest.
     busiest = max(memory, key=lambda e: (e.blocks_used, len(e.shared), e.step))
-    yield (render_block_map(busiest, statuses_at(busiest, ids)), memory_figure(engine.events), _summary(engine),
-           _table(engine), {"events": memory, "ids": ids},
+    yield (render_block_map(busiest, statuses_at(busiest, ids)), memory_figure(engine.events),
+           stopped + _summary(engine), _table(engine), {"events": memory, "ids": ids},
            gr.update(minimum=1, maximum=max(memory[-1].step, 2), value=busiest.step, interactive=True))
 
 
@@ -147,7 +165,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
             proposals = gr.Dropdown(list(PROPOSALS), value="none (plain decoding)", label="proposals in the batch")
-            run = gr.Button("Serve", variant="primary")
+            with gr.Row():
+                run = gr.Button("Serve", variant="primary", scale=3)
+                stop = gr.Button("Stop", variant="stop", scale=1)
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
             block_map = gr.HTML(render_block_map(None), label="KV block pool", show_label=True, container=True,
@@ -158,7 +178,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                          elem_id="pg-memory-table")
     state = gr.State(None)
     source, draft_source, device, dtype, weights = model
-    run.click(on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running, prefix_caching,
-                                   proposals, source, draft_source, device, dtype, weights],
-              [block_map, chart, status, table, state, step], api_name="memory")
+    stoppable(run, stop, on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running,
+                                              prefix_caching, proposals, source, draft_source, device, dtype, weights],
+              [block_map, chart, status, table, state, step], status, api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

@@ -22,6 +22,7 @@ from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_propose
 from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
+from .stops import STOPPED, STOPS, stoppable
 
 # name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
 DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
@@ -63,8 +64,10 @@ def replay_speed(end_s: float) -> float:
 
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
              model_source: str, draft_source: str, device: str, dtype: str, weights: str,
-             history: list[dict[str, Any]] | None, request: gr.Request | None = None):
-    """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay."""
+             history: list[dict[str, Any]] | None, run: int | None = None, request: gr.Request | None = None):
+    """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay.
+    run: its number in `STOPS`; once stopped it ends between two engine steps, showing nothing measured."""
+    status = partial(status_frame, 5, 1)
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
@@ -77,11 +80,13 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         tokens = as_int("max_new_tokens", max_new_tokens)
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         names = [PLAIN, *chosen]
+        if STOPS.stopped(run):  # while it waited in the queue
+            yield status(STOPPED)
+            return
         QUOTA.take(request, tokens * len(names) * ROUNDS)
         spec = target_spec(model_source, device, dtype, weights)
         yield gr.update(), f"loading model {spec.source!r}", *[gr.update()] * 3
         target = get_model(spec)
-        status = partial(status_frame, 5, 1)
         proposers = {name: build_proposer(ENTRANTS[name][0], target, draft_source, **{**DEFAULTS, **ENTRANTS[name][2]})
                      for name in names}
         yield status("warming up (first calls allocate buffers; not measured)")
@@ -92,9 +97,12 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
                                  GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1]), ENTRANTS[name][0])
                    for name in names}
-        traces = yield from measured(streams, lambda name: f"**{name}**", status)
+        traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise gr.Error(str(exc), duration=None) from exc
+    if traces is None:
+        yield status(STOPPED)
+        return
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
     lanes = [Lane(name, trace.events, speedups[name].why() if name != PLAIN else "") for name, trace in shown.items()]
@@ -103,7 +111,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
             else f"in slow motion, {1 / speed:.1f}x slower than measured")
     start = time.perf_counter()
-    while (t := (time.perf_counter() - start) * speed) < end:
+    while (t := (time.perf_counter() - start) * speed) < end and not STOPS.stopped(run):  # Stop: to the end
         yield render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", gr.update(), gr.update(), gr.update()
         time.sleep(FRAME_S)
     plain = shown[PLAIN].finish().token_ids
@@ -133,7 +141,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
                 seed = gr.Number(0, label="seed (-1 = random)", step=1)
-            run = gr.Button("Race", variant="primary")
+            with gr.Row():
+                run = gr.Button("Race", variant="primary", scale=3)
+                stop = gr.Button("Stop", variant="stop", scale=1)
         with gr.Column(scale=3, min_width=300):
             status = gr.Markdown(elem_id="pg-race-status")
             lanes = gr.HTML(elem_id="pg-race")
@@ -141,5 +151,5 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                          # widths in pixels: on a phone the table scrolls sideways instead of crushing its columns
                          column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "320px"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
-    run.click(on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
-              [lanes, status, table, chart, history], api_name="race", show_progress="hidden")
+    stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
+              [lanes, status, table, chart, history], status, api_name="race", show_progress="hidden")

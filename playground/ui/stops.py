@@ -1,0 +1,70 @@
+"""The Stop buttons. A run that its visitor stops ends itself between two engine steps (or, still waiting in the
+queue, as soon as its turn comes) and says so, instead of having its task cancelled: a cancel leaves the worker
+thread running to its next frame, and on a busy server the browser may show that cancel as an error."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gradio as gr
+
+STOPPED = "stopped: nothing measured is shown (a run shows once every round of it is measured)"
+STOPPING = "stopping: the run ends after its current engine step (or, waiting in the queue, when its turn comes)"
+
+
+class Stops:
+    """Runs by number: each click of a run button draws a new one (`start`), Stop marks it while it lasts (`stop`),
+    the run reads the mark between steps (`stopped`) and forgets its number when it ends (`end`)."""
+
+    def __init__(self) -> None:
+        self._numbers = itertools.count(1)
+        self._live: set[int] = set()
+        self._marked: set[int] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> int:
+        with self._lock:
+            run = next(self._numbers)
+            self._live.add(run)
+        return run
+
+    def stop(self, run: int | None) -> bool:
+        """Mark the run; False when it has already ended (or never started)."""
+        with self._lock:
+            if run not in self._live:
+                return False
+            self._marked.add(run)
+        return True
+
+    def stopped(self, run: int | None) -> bool:
+        return run in self._marked
+
+    def end(self, run: int | None) -> None:
+        with self._lock:
+            self._live.discard(run)
+            self._marked.discard(run)
+
+
+STOPS = Stops()
+
+
+def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr.Component],
+              outputs: Sequence[gr.Component], status: gr.Component, **how: Any):
+    """Wire a run button and its Stop: the button stays disabled while its run lasts; `fn` gets the run's number
+    after `inputs` and checks `STOPS.stopped` between engine steps; Stop marks the run and says so in `status`.
+    Returns the run's event (a stopped run ends successfully too)."""
+    number = gr.State(None)
+    started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number], api_name=False,
+                        queue=False).then(fn, [*inputs, number], outputs, **how)
+
+    def ended(run_number: int | None) -> dict:
+        STOPS.end(run_number)
+        return gr.update(interactive=True)
+
+    for after in (started.then, started.failure):  # in the browser `then` does not follow a failed run
+        after(ended, [number], run, api_name=False, queue=False)
+    stop.click(lambda n: STOPPING if STOPS.stop(n) else gr.update(), [number], status, api_name=False, queue=False)
+    return started
