@@ -54,8 +54,9 @@ def main() -> int:
     alone = [complete(args.url, p, args.max_tokens) for p in prompts]
     alone_s = time.perf_counter() - start
     tokens = sum(n for _, n in together)
-    print(f"{len(prompts)} requests, {tokens} tokens: all at once {tokens / together_s:.1f} tok/s ({together_s:.1f} s), "
-          f"one at a time {tokens / alone_s:.1f} tok/s ({alone_s:.1f} s): {alone_s / together_s:.2f}x")
+    print(f"{len(prompts)} requests, {tokens} tokens: all at once {tokens / together_s:.1f} tok/s "
+          f"({together_s:.1f} s), one at a time {tokens / alone_s:.1f} tok/s ({alone_s:.1f} s): "
+          f"{alone_s / together_s:.2f}x")
     same = sum(a == b for a, b in zip(together, alone))
     print(f"same greedy answer both ways: {same} of {len(prompts)}")
     return 0 if same == len(prompts) else 1

@@ -324,7 +324,8 @@ def test_reduced_vocabulary_heads_propose_only_their_tokens_and_stay_exact(targe
     proposer = medusa(target, narrow_heads)
     accepted = 0
     for prompt in PROMPTS[:6]:
-        output, trace = generate(target, prompt, proposer, SamplingParams(), GenerationParams(max_new_tokens=NEW_TOKENS))
+        output, trace = generate(target, prompt, proposer, SamplingParams(),
+                                 GenerationParams(max_new_tokens=NEW_TOKENS))
         assert output.token_ids == plain_outputs[prompt], prompt
         assert all({t.id for t in e.tokens} <= allowed for e in trace.events if e.KIND == "draft")
         accepted += compute(trace).accepted

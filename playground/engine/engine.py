@@ -252,11 +252,12 @@ class Engine:
 
     def _draws(self, requests: list[Request], logits: dict[int, torch.Tensor],
                proposals: dict[int, Proposal]) -> dict[int, Drawn]:
-        """Where `draws_ahead`, every draw of this step's walks (the requests') made at once (`sampling.draws_ahead`) and read back in
-        one transfer: greedy rows of every request together, each sampled request's rows with its own generator
-        (their walks rewind it). Sampled requests whose proposals carry distributions (a draft's q, typical
-        acceptance) draw as their rules go. On the CPU each row is drawn when the walk reaches it: the native row
-        maxima are quick, and drawing the rows off the kept path would cost more than it saves."""
+        """Where `draws_ahead`, every draw of this step's walks (the requests') made at once
+        (`sampling.draws_ahead`) and read back in one transfer: greedy rows of every request together, each sampled
+        request's rows with its own generator (their walks rewind it). Sampled requests whose proposals carry
+        distributions (a draft's q, typical acceptance) draw as their rules go. On the CPU each row is drawn when the
+        walk reaches it: the native row maxima are quick, and drawing the rows off the kept path would cost more
+        than it saves."""
         if not self.draws_ahead:
             return {}
         greedy = [r for r in requests if r.sampling.greedy]
