@@ -275,9 +275,10 @@ class EagleParams:
     that depth (by the head's cumulative probability) with `top_k` children each, up to `depth` deep; the `nodes`
     likeliest of them (None: EAGLE_CPU_NODES, or EAGLE_GPU_NODES on a GPU) form the tree the target verifies, which
     the engine trims to the width that pays. head: a folder of a trained head (None: the one shipped for the
-    embedded target); draft_cost: one head forward's cost as a fraction of the target's (None: estimated from the
-    weights each reads). Proposals are one-hot, so every token is drawn from the target's row as plain decoding
-    draws it: greedy and seeded outputs are plain decoding's."""
+    embedded target); draft_cost: one depth of the head's drafting as a fraction of the target's one-token forward
+    (None: measured as it runs, `planning.OwnCost`; estimated from the weights each reads until then). Proposals
+    are one-hot, so every token is drawn from the target's row as plain decoding draws it: greedy and seeded outputs
+    are plain decoding's."""
 
     head: str | None = None
     depth: int = 6
@@ -302,10 +303,10 @@ class SpeculativeParams:
     up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
     every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
     model spec with the target's tokenizer (None: the draft shipped for the embedded target); draft_cost: one draft
-    forward's cost as a fraction of the target's at the same batch,
-    which a chain's drafted tokens must pay for besides the wider verifying forward (None: estimated by `Engine`,
-    from the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work
-    dominates on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
+    forward's cost as a fraction of the target's at the same batch, which a chain's drafted tokens must pay for
+    besides the wider verifying forward (None: measured as it runs, `planning.OwnCost`; until then estimated from
+    the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work dominates
+    on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
     each token is still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by
     batching or by the draft). sample: when a request samples, draw its chain from the draft's distributions q
     instead (no runner-up) and judge it by the lossless rule for q (Leviathan et al. 2023): more of it is accepted,

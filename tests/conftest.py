@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams
 from playground.decoding.costs import ForwardCosts
+from playground.decoding.planning import OwnCost
 from playground.engine import engine as engine_module
 from playground.engine import generate
 from playground.models import LoadedModel, load_model
@@ -28,6 +30,8 @@ TEST_COSTS = ForwardCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.03, 1.1, 1.22, 1.6, 
 @pytest.fixture(autouse=True)
 def fixed_forward_costs(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, **how: TEST_COSTS)
+    # proposers price their own forwards at their estimates, never at what they measured on a busy test machine
+    monkeypatch.setattr(OwnCost, "MEASURED", math.inf)
 
 
 @pytest.fixture(scope="session")

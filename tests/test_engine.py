@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from playground.decoding import encode_prompt
 from playground.engine import generate
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
-from playground.decoding.planning import widest_paying
+from playground.decoding.planning import OwnCost, widest_paying
 from playground.decoding import prompt_lookup
 from playground.decoding import costs as costs_module
 from playground.decoding.costs import ForwardCosts
@@ -35,6 +36,7 @@ from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
 from playground.models.vocab import output_rows
 from playground.trace import MemoryEvent, PreemptEvent
 
+from .conftest import TEST_COSTS
 from .prompts import PROMPTS
 
 LENGTHS = (24, 7, 16, 3, 20)  # max_new_tokens per request, cycled: outputs of mixed lengths
@@ -362,6 +364,35 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
     assert widest_paying([[1.0, 2.0, 2.5, 2.8, 3.0]], cost) == 3  # 3.0 / 3.0 does not beat 1
     assert widest_paying([[1.0, 1.1], [1.0, 1.2]], cost) == 1  # 2.3 < 2.4
     assert widest_paying([[1.0, 2.0], [1.0]], cost) == 2  # a shorter bound stays at its last value
+
+
+def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) -> None:
+    """Fixed where set; else the estimate until MEASURED drafting steps are in, then the median of the recent
+    ones (seconds per depth over the batch's one-token forward), which a step that captured a graph cannot move;
+    the engine's steps record them, and its plans read them."""
+    monkeypatch.setattr(OwnCost, "MEASURED", 3)  # as outside the tests
+    own = OwnCost(0.2, 0.05)
+    own.record(1.0, 2, 0.01)
+    assert own() == 0.2  # fixed
+    own = OwnCost(None, 0.05)
+    for seconds in (0.004, 0.5, 0.006):  # the second step captured a graph: 100 times slower
+        assert own() == 0.05  # the estimate, until three steps are in
+        own.record(seconds, 2, 0.01)
+    assert own() == pytest.approx(0.3)  # the median of 0.2, 25 and 0.3
+    own.record(0.1, 0, 0.01)  # nothing drafted: nothing measured
+    assert len(own.samples) == 3
+    for _ in range(OwnCost.WINDOW):
+        own.record(0.002, 1, 0.01)
+    assert own() == pytest.approx(0.2) and len(own.samples) == OwnCost.WINDOW  # the recent steps only
+
+    proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
+    estimate = proposer.own_cost()
+    priced = []
+    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s: (
+        priced.append((depth, one_s)), OwnCost.record(proposer.own, seconds, depth, one_s)))
+    generate(target, PROMPTS[0], proposer, SamplingParams(), GenerationParams(max_new_tokens=16))
+    assert len(priced) >= 3 and all(depth >= 1 and one_s == TEST_COSTS.time(1) for depth, one_s in priced)
+    assert proposer.own_cost() == statistics.median(proposer.own.samples) != estimate
 
 
 def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:

@@ -14,6 +14,7 @@ the head's own keys: what the target keeps comes back as real features the next 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
 from .guesses import GuessCalibration
-from .planning import plan_width
+from .planning import OwnCost, plan_width
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 
 
@@ -62,16 +63,19 @@ class EagleProposer(Proposer):
         gpu = target.model.device.type == "cuda"
         self.depth, self.top_k = params.depth, params.top_k
         self.nodes = params.nodes or (EAGLE_GPU_NODES if gpu else EAGLE_CPU_NODES)
-        self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
+        self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a head forward's cost, measured as it runs
         self.eos_ids = frozenset(target.eos_token_ids)
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._head, target.forwards == "graphs")
 
+    def own_cost(self) -> float:
+        return self.own()
+
     def estimate_cost(self) -> float:
-        """A head forward's cost over the target's: the weights each reads where the native CPU kernel runs the
-        products, else one layer's fixed work against the target's."""
+        """A head forward's cost over the target's before any is measured: the weights each reads where the native
+        CPU kernel runs the products, else one layer's fixed work against the target's."""
         model = self.target.model
         if model.rows_per_pass is None:
             return 1.0 / model.config.num_layers
@@ -111,11 +115,15 @@ class EagleProposer(Proposer):
         # Each drafted depth costs a head forward besides the wider verification: as deep as the guesses' kept
         # share so far says pays for both.
         expected = self.calibration.expected_tokens(self.depth)
+        price = self.own()
         depth = plan_width([expected[: min(room, self.depth) + 1] for _, room in ready],
-                           lambda width: cost(width) + (width - 1) * self.draft_cost) - 1
+                           lambda width: cost(width) + (width - 1) * price) - 1
         if not depth:
             return {}
-        return {r.id: self.tree(r, min(room, depth)) for r, room in ready}
+        start = time.perf_counter()
+        trees = {r.id: self.tree(r, min(room, depth)) for r, room in ready}
+        self.own.record(time.perf_counter() - start, depth, cost.one_s)
+        return trees
 
     def _ready(self, request: RequestView) -> bool:
         state = self.states.get(request.id)

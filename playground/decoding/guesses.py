@@ -263,6 +263,9 @@ class Grafted(Proposer):
         self.guesser.observe(request, proposal, outcome)
         self.copies.observe(request, proposal, outcome)
 
+    def own_cost(self) -> float | None:
+        return self.guesser.own_cost()
+
     def describe(self) -> dict[str, Any]:
         copies = {f"copy_{name}": value for name, value in self.copies.describe().items() if name != "proposer"}
         return {**self.guesser.describe(), **copies}

@@ -1,8 +1,11 @@
-"""How much to propose: running acceptance estimates, and the width of a batch's decode forward that commits the
-most tokens per unit of cost (priced by this machine's measured `costs.ForwardCosts`)."""
+"""How much to propose: running acceptance estimates, what a proposer's own forwards cost as measured while it runs,
+and the width of a batch's decode forward that commits the most tokens per unit of cost (priced by this machine's
+measured `costs.ForwardCosts`)."""
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 
 
@@ -60,6 +63,30 @@ class NgramAcceptance:
     def decay(self) -> None:
         for estimate in self.by_ngram:
             estimate.decay()
+
+
+class OwnCost:
+    """What one depth of a proposer's own drafting (a draft model's forward, a head's) costs, in the batch's
+    one-token target forwards: `fixed` where set, else measured as the proposer runs: the median, over its last
+    WINDOW drafting steps, of the step's drafting seconds per depth over the batch's one-token forward (the engine's
+    measured curve); `prior` (an estimate from the weights) until MEASURED steps are in. A median, because a step
+    that captured a CUDA graph or met a busy host is far slower than the rest."""
+
+    WINDOW, MEASURED = 16, 3
+
+    def __init__(self, fixed: float | None, prior: float) -> None:
+        self.fixed, self.prior = fixed, prior
+        self.samples: deque[float] = deque(maxlen=self.WINDOW)
+
+    def __call__(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return statistics.median(self.samples) if len(self.samples) >= self.MEASURED else self.prior
+
+    def record(self, seconds: float, depth: int, one_s: float) -> None:
+        """A drafting step `depth` deep took `seconds`; the batch's one-token target forward takes `one_s`."""
+        if depth > 0 and one_s > 0:
+            self.samples.append(seconds / depth / one_s)
 
 
 def at(gains: list[float], k: int) -> float:

@@ -127,7 +127,16 @@ class Outcome:
         return self.walk[1:]
 
 
-Cost = Callable[[int], float]  # a decode forward's cost at a width, relative to the same batch's one-token forward
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What the step's decode forward costs by width, relative to the same batch's one-token forward (cost(1) = 1),
+    and that one-token forward's seconds on this machine (`one_s`), against which a proposer prices its own work."""
+
+    relative: Callable[[int], float]
+    one_s: float
+
+    def __call__(self, width: int) -> float:
+        return self.relative(width)
 
 
 class Proposer(ABC):
@@ -167,6 +176,11 @@ class Proposer(ABC):
         """Trace events of its own for the request's step `step` (engine time t), recorded before its draft: what
         a viewer needs to see how the proposal was made (none by default)."""
         return []
+
+    def own_cost(self) -> float | None:
+        """What a depth of its own drafting (a draft model's or a head's forward) costs in one-token target
+        forwards, as its plans price it now; None: it runs no forwards of its own, or does not price them."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """The settings a trace header or a server's state shows."""

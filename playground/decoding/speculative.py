@@ -11,6 +11,7 @@ decoding's text.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -27,7 +28,7 @@ from ..sampling import probabilities, sample
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
-from .planning import plan_width
+from .planning import OwnCost, plan_width
 from .proposer import Cost, Outcome, Proposal, RequestView
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
@@ -64,16 +65,19 @@ class DraftGuesser(Guesser):
         check_compatible(target, self.draft)
         super().__init__(frozenset(target.eos_token_ids), params.gamma, params.gamma + 1)  # chain + runner-up
         self.rows = proposal_rows(self.draft)  # the tokens the draft may propose; None: all of them
-        self.draft_cost = params.draft_cost if params.draft_cost is not None else self.estimate_cost()
+        self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a draft forward's cost, measured as it runs
         self.cache: PagedKVCache | ContiguousKVCache | None = None  # made by `bind`, as the engine's cache
         self.forwards: Forwards | None = None  # the draft's decode forwards over that cache, made by `bind`
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
 
+    def own_cost(self) -> float:
+        return self.own()
+
     def estimate_cost(self) -> float:
-        """A draft forward's cost over the target's: where the native CPU kernel runs the forwards they are bound by
-        reading the weights (the layers' and the output rows scored), elsewhere (a GPU, PyTorch's kernels) by each
-        layer's fixed work."""
+        """A draft forward's cost over the target's before any is measured: where the native CPU kernel runs the
+        forwards they are bound by reading the weights (the layers' and the output rows scored), elsewhere (a GPU,
+        PyTorch's kernels) by each layer's fixed work."""
         draft, target = self.draft.model, self.target.model
         if target.rows_per_pass is None:
             return draft.config.num_layers / target.config.num_layers
@@ -103,9 +107,14 @@ class DraftGuesser(Guesser):
         # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
         # tokens' acceptance so far says pays for both.
         expected = self.calibration.expected_tokens(self.depth)
-        depth = plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
-                           lambda width: cost(width) + (width - 1) * self.draft_cost) - 1
-        return self.chains([r for r, room in zip(requests, rooms) if room > 0], min(longest, depth))
+        price = self.own()
+        depth = min(longest, plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
+                                        lambda width: cost(width) + (width - 1) * price) - 1)
+        start = time.perf_counter()
+        chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
+        if chains:
+            self.own.record(time.perf_counter() - start, depth, cost.one_s)
+        return chains
 
     def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
         proposal = super().tree(guesses, room, nodes, *copy)

@@ -23,7 +23,7 @@ from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, forward_costs
 from ..decoding.planning import plan_width
-from ..decoding.proposer import Outcome, Proposal, Proposer
+from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
@@ -214,8 +214,9 @@ class Engine:
 
         widest = self.runner.forwards.max_width or math.inf
 
-        def cost(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
+        def relative(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
             return self.costs.step_cost(batch, width) if width <= widest else math.inf
+        cost = Cost(relative, self.costs.time(batch))
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]

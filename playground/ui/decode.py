@@ -129,14 +129,17 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics, against: Speedup | None, same: bool | None) -> str:
-    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers."""
+def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: float | None = None) -> str:
+    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers;
+    own_cost: what the proposer's plans priced a drafting forward of its own at, in target forwards."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
         parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
     if m.acceptance_rate is not None:
         parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
+    if own_cost is not None:
+        parts.append(f"a drafting forward priced at {own_cost:.2f} target forwards (measured here)")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     head = ("" if against is None else
@@ -247,7 +250,9 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
-    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same), state, _save(trace),
+    own_cost = proposers[algo].own_cost() if proposers[algo] is not None else None
+    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same, own_cost), state,
+           _save(trace),
            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
