@@ -35,7 +35,7 @@ from playground.decoding.base import contiguous_cache, forward_tokens  # noqa: E
 from playground.engine import generate  # noqa: E402
 from playground.kv import KVCache  # noqa: E402
 from playground.models import Transformer, load_model  # noqa: E402
-from playground.models.forwards import ONE_WIDTH, Forwards, StaticForwards  # noqa: E402
+from playground.models.forwards import ONE_WIDTH, Forwards, StaticForwards, one_width  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
 
@@ -53,9 +53,9 @@ def main() -> int:
     started = time.perf_counter()
     rows: list[tuple[str, str, str, str]] = []  # (check, measured, goal, met)
     # the quick measurements first, so that a run stopped at its time limit has them
-    forward_costs(rows, args.device, fast)
+    one_s = forward_costs(rows, args.device, fast)
     print(f"[{time.perf_counter() - started:.0f} s] forward costs measured", file=sys.stderr, flush=True)
-    bench(rows, args.device, fast, args.limit, args.rounds, Path(args.out))
+    bench(rows, args.device, fast, args.limit, args.rounds, Path(args.out), one_s)
     print(f"[{time.perf_counter() - started:.0f} s] bench run", file=sys.stderr, flush=True)
     failures = 0
     for dtype in args.dtypes.split(","):
@@ -69,8 +69,9 @@ def main() -> int:
     return 1 if failures else 0
 
 
-def forward_costs(rows: list, device: str, fast: str) -> None:
-    """A decode forward eager, in static buckets and at the one width, over 1 and 8 tokens (float32)."""
+def forward_costs(rows: list, device: str, fast: str) -> float:
+    """A decode forward eager, in static buckets and at the one width, over 1 and 8 tokens (float32); returns the
+    seconds of the one-token forward plain decoding runs (at the one width where `one_width` holds)."""
     model = load_model(ModelSpec(device=device, dtype="float32", forwards=fast)).model
     graphs = fast == "graphs"
     eager = forward_times(model, lambda cache: Forwards(model, cache))
@@ -82,11 +83,13 @@ def forward_costs(rows: list, device: str, fast: str) -> None:
                yes(buckets[8] / buckets[1] <= 1.15)))
     row(rows, (f"forward at the one width {ONE_WIDTH} / 1 token in buckets", f"{one[1] / buckets[1]:.2f}",
                "(the price of one shape)", "-"))
+    return one[1] if one_width(model, 1) else buckets[1]
 
 
-def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path) -> None:
+def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path, one_s: float) -> None:
     """`python -m playground bench` on a subset: plain decoding against eager forwards and transformers, and the
-    proposers against plain decoding."""
+    proposers against plain decoding; what of plain decoding's time per token its forward (`one_s`) leaves to the
+    host (scheduling, tracing, the step's draws and waits), which graphs cannot remove."""
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "playground", "bench", "--device", device, "--forwards", fast,
                     "--limit", str(limit), "--rounds", str(rounds), "--json", str(out / "bench.json"),
@@ -95,6 +98,9 @@ def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path
     algos = summary["algos"]
     row(rows, (f"plain decoding, {fast}", f"{summary['ar_median_tokens_per_s']:.0f} tok/s", ">= 1000 (H100/H200)",
                yes(summary["ar_median_tokens_per_s"] >= 1000)))
+    per_token = 1 / summary["ar_median_tokens_per_s"]
+    row(rows, ("plain decoding's time per token beside its forward", f"{1e3 * (per_token - one_s):.2f} of "
+               f"{1e3 * per_token:.2f} ms", "(information: the host's share)", "-"))
     if "ar-eager" in algos:
         ratio = 1 / algos["ar-eager"]["median_speedup_vs_ar"]
         row(rows, (f"plain {fast} / plain eager", f"{ratio:.2f}x", ">= 10x", yes(ratio >= 10)))

@@ -131,7 +131,8 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
 
 def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: float | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers;
-    own_cost: what the proposer's plans priced a drafting forward of its own at, in target forwards."""
+    own_cost: what the proposer's plans price a drafting forward of its own at, in target forwards (as measured
+    once it has drafted a few steps)."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
@@ -139,7 +140,7 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: flo
     if m.acceptance_rate is not None:
         parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
     if own_cost is not None:
-        parts.append(f"a drafting forward priced at {own_cost:.2f} target forwards (measured here)")
+        parts.append(f"a drafting forward priced at {own_cost:.2f} target forwards")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     head = ("" if against is None else
