@@ -347,3 +347,24 @@ def test_a_tree_wider_than_the_heads_vocabulary_is_refused(target, heads, tmp_pa
     save_heads(heads.heads, tmp_path, target, torch.float32, torch.tensor([4, 8, 15]))
     with pytest.raises(ConfigError, match="tree: a depth takes the top 5 tokens; the heads score only 3"):
         medusa(target, load_heads(str(tmp_path), target), tree="wide")
+
+
+def test_the_heads_run_only_where_their_price_pays(target, plain_outputs) -> None:
+    """The heads' forward, once a step, is priced like a draft's: at a price no step repays they never run (plain
+    decoding's steps, or copies alone where copies are grafted on), at nothing they guess."""
+    prompt, generation = PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS)
+
+    def guessed(trace) -> int:  # steps whose proposal holds a token beyond the copy it may carry
+        return sum(e.source is None or len(e.tokens) > e.source[1] - e.source[0]
+                   for e in trace.events if e.KIND == "draft")
+    for copies in (None, COPIES):
+        proposer = build_proposer(target, "medusa", MedusaParams(), copies)
+        heads = proposer.guesser if copies else proposer
+        heads.own.fixed = 10.0
+        output, trace = generate(target, prompt, proposer, SamplingParams(), generation)
+        assert output.token_ids == plain_outputs[prompt] and guessed(trace) == 0
+        if copies is None:
+            assert not any(e.KIND == "draft" for e in trace.events)
+        heads.own.fixed = 0.0
+        output, trace = generate(target, prompt, proposer, SamplingParams(), generation)
+        assert output.token_ids == plain_outputs[prompt] and guessed(trace) > 0

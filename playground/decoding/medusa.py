@@ -10,6 +10,7 @@ cache. Copies of earlier text join the tree through `Grafted` (heads predict poo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.medusa import LoadedHeads, load_heads
 from .guesses import Guesser, Guesses
+from .planning import OwnCost, plan_width
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .tree import load_tree
 
@@ -55,8 +57,22 @@ class MedusaGuesser(Guesser):
             self.top_k = max(tree.top_k())
         super().__init__(frozenset(target.eos_token_ids), depth, nodes, shape)
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
+        self.own = OwnCost(None, self.estimate_cost())  # the heads' forward, once a step, measured as it runs
         # with the target's static forwards, the heads run in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._top, target.forwards == "graphs")
+
+    def own_cost(self) -> float:
+        return self.own()
+
+    def estimate_cost(self) -> float:
+        """The heads' forward over the target's before any is measured: the weights each reads where the native
+        CPU kernel runs the products (the heads' layers and the output rows they score), else one layer's fixed
+        work against the target's."""
+        model = self.target.model
+        if model.rows_per_pass is None:
+            return 1.0 / model.config.num_layers
+        heads = sum(p.numel() for p in self.heads.heads.parameters()) + self.heads.output.weight.numel()
+        return heads / (sum(p.numel() for p in model.layers.parameters()) + model.output_weight.numel())
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)
@@ -75,6 +91,13 @@ class MedusaGuesser(Guesser):
         if not ready:
             return {}
         model, depth = self.target.model, min(longest, self.depth)
+        # the heads run once a step whatever the tree: only where the tokens their guesses are expected to add so
+        # far pay for them besides the wider verification
+        expected = self.calibration.expected_tokens(depth)
+        price = self.own()
+        if plan_width([expected[: min(room, depth) + 1] for room in rooms], lambda width: cost(width) + price) == 1:
+            return {}
+        start = time.perf_counter()
         k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)
         hidden = torch.stack([self.hidden[r.id] for r in ready])  # (B, E)
         last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
@@ -85,6 +108,7 @@ class MedusaGuesser(Guesser):
             values, ids = self.captured((hidden, last), ((rows, hidden.shape[1]), (rows,)), depth, k)
         logp = values[: len(ready)].tolist()  # (B, D, k)
         tokens = ids[: len(ready)].tolist()  # (B, D, k)
+        self.own.record(time.perf_counter() - start, 1, cost.one_s)
         return {r.id: Guesses(lp, t) for r, lp, t in zip(ready, logp, tokens)}
 
     def _top(self, hidden: torch.Tensor, last: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
