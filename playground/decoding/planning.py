@@ -67,10 +67,11 @@ class NgramAcceptance:
 
 class OwnCost:
     """What one depth of a proposer's own drafting (a draft model's forward, the EAGLE head's; the Medusa heads'
-    one forward a step) costs, in the batch's one-token target forwards: `fixed` where set, else measured as the proposer runs: the median, over its last
-    WINDOW drafting steps, of the step's drafting seconds per depth over the batch's one-token forward (the engine's
-    measured curve); `prior` (an estimate from the weights) until MEASURED steps are in. A median, because a step
-    that captured a CUDA graph or met a busy host is far slower than the rest."""
+    one forward a step) costs, in the batch's one-token target forwards: `fixed` where set, else measured as the
+    proposer runs: the median, over its last WINDOW drafting steps, of the step's drafting seconds per depth over
+    the batch's one-token forward (the engine's measured curve); `prior` (an estimate from the weights) until
+    MEASURED steps are in. A median, because a step that captured a CUDA graph or met a busy host is far slower
+    than the rest."""
 
     WINDOW, MEASURED = 16, 3
 

@@ -20,13 +20,14 @@ from ..viz.memory import memory_figure, render_block_map, statuses_at
 from .decode import as_int
 from .models import get_draft, get_model, target_spec
 from .quota import QUOTA
-from .stops import STOPPED, STOPS, stoppable
+from .stops import STOPS, stoppable
 
 # Redraws while serving: the block map at most four times a second, the chart (heavier for the browser, which
 # shares the processor with the engine on a small machine) once a second; the engine's clock is stopped meanwhile.
 FRAME_S = 0.25
 CHART_S = 1.0
 MAX_REQUESTS = 16
+NOT_SERVED = "stopped before its first step: nothing was served"
 TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preempted", "output"]
 COLUMN_WIDTHS = ["9%", "10%", "11%", "10%", "10%", "50%"]
 
@@ -89,7 +90,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         algo, copies = PROPOSALS[proposals]
         work = workload(requests, as_int("max new tokens", max_new_tokens))
         if STOPS.stopped(run):  # while it waited in the queue
-            yield gr.update(), gr.update(), STOPPED, gr.update(), gr.update(), gr.update()
+            yield gr.update(), gr.update(), NOT_SERVED, gr.update(), gr.update(), gr.update()
             return
         QUOTA.take(request, sum(generation.max_new_tokens for _, generation in work), "max new tokens")
         spec = target_spec(model_source, device, dtype, weights)
@@ -126,7 +127,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         engine.close()  # its static forwards (GPU graphs) may serve the next run
     memory = [e for e in engine.events if isinstance(e, MemoryEvent)]
     if not memory:  # stopped before its first step
-        yield gr.update(), gr.update(), STOPPED, _table(engine), gr.update(), gr.update()
+        yield gr.update(), gr.update(), NOT_SERVED, _table(engine), gr.update(), gr.update()
         return
     stopped = f"**Stopped after step {engine.step_count}**: the unfinished requests were aborted. " if \
         STOPS.stopped(run) else ""
