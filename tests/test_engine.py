@@ -240,13 +240,16 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     (`draws_ahead`: the draft's sampled chains carry q and draw as they go), with a greedy request in the batch."""
     generation = GenerationParams(max_new_tokens=20)
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
-    # a draft that costs nothing keeps drafting through the refusals sampling brings, so that some chains are kept
+    # a draft or heads that cost nothing keep guessing through the refusals sampling brings, so that some are kept
     algo, on = {"lookup": ("prompt-lookup", None), "medusa": ("medusa", None),
                 "draft": ("speculative", SpeculativeParams(draft_cost=0.0)), "lookahead": ("lookahead", None)}[proposer]
     # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
     batch = 1 if proposer == "lookahead" else 3
     results, kept = [], []
-    for proposing in (None, build_proposer(target, algo, on)):
+    free = build_proposer(target, algo, on)
+    if proposer == "medusa":
+        free.own.fixed = 0.0
+    for proposing in (None, free):
         # prompts prefilled in chunks of up to 24 tokens: a chunk short of the prompt's end draws nothing
         engine = Engine(target, EngineParams(max_running=batch, max_batch_tokens=24), proposer=proposing)
         engine.draws_ahead = proposing is not None and proposer in ("medusa", "draft")
