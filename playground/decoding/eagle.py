@@ -26,7 +26,7 @@ from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
 from .guesses import GuessCalibration
-from .planning import OwnCost, plan_width
+from .planning import OwnCost, plan_width, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 
 
@@ -74,13 +74,10 @@ class EagleProposer(Proposer):
         return self.own()
 
     def estimate_cost(self) -> float:
-        """A head forward's cost over the target's before any is measured: the weights each reads where the native
-        CPU kernel runs the products, else one layer's fixed work against the target's."""
-        model = self.target.model
-        if model.rows_per_pass is None:
-            return 1.0 / model.config.num_layers
+        """A head forward's cost over the target's before any is measured: its layer and the output rows it
+        scores."""
         head = sum(p.numel() for p in self.eagle.head.parameters()) + self.eagle.output.weight.numel()
-        return head / (sum(p.numel() for p in model.layers.parameters()) + model.output_weight.numel())
+        return weights_estimate(self.target.model, head, 1)
 
     def bind(self, settings: Any) -> None:
         self.calibration = GuessCalibration(self.depth)

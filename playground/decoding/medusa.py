@@ -22,7 +22,7 @@ from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.medusa import LoadedHeads, load_heads
 from .guesses import Guesser, Guesses
-from .planning import OwnCost, plan_width
+from .planning import OwnCost, plan_width, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .tree import load_tree
 
@@ -65,14 +65,10 @@ class MedusaGuesser(Guesser):
         return self.own()
 
     def estimate_cost(self) -> float:
-        """The heads' forward over the target's before any is measured: the weights each reads where the native
-        CPU kernel runs the products (the heads' layers and the output rows they score), else one layer's fixed
-        work against the target's."""
-        model = self.target.model
-        if model.rows_per_pass is None:
-            return 1.0 / model.config.num_layers
+        """The heads' forward over the target's before any is measured: their layers and the output rows they
+        score."""
         heads = sum(p.numel() for p in self.heads.heads.parameters()) + self.heads.output.weight.numel()
-        return heads / (sum(p.numel() for p in model.layers.parameters()) + model.output_weight.numel())
+        return weights_estimate(self.target.model, heads, 1)
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)

@@ -7,6 +7,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..models import Transformer
 
 
 class RunningAcceptance:
@@ -88,6 +92,16 @@ class OwnCost:
         """A drafting step `depth` deep took `seconds`; the batch's one-token target forward takes `one_s`."""
         if depth > 0 and one_s > 0:
             self.samples.append(seconds / depth / one_s)
+
+
+def weights_estimate(target: Transformer, weights: int, layers: float) -> float:
+    """A proposer's own forward over the target's one-token forward before any is measured (`OwnCost.prior`): where
+    the native CPU kernel runs the products, forwards are bound by reading the weights, so `weights` (what the
+    proposer's forward reads) over the target's layers and output rows; elsewhere (a GPU, PyTorch's kernels) by
+    each layer's fixed work, so its `layers` over the target's."""
+    if target.rows_per_pass is None:
+        return layers / target.config.num_layers
+    return weights / (sum(p.numel() for p in target.layers.parameters()) + target.output_weight.numel())
 
 
 def at(gains: list[float], k: int) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ConfigError, SpeculativeParams
 from ..kv import ContiguousKVCache, PagedKVCache
-from ..models import LoadedModel, Transformer
+from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
@@ -28,7 +28,7 @@ from ..sampling import probabilities, sample
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
-from .planning import OwnCost, plan_width
+from .planning import OwnCost, plan_width, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
@@ -75,17 +75,12 @@ class DraftGuesser(Guesser):
         return self.own()
 
     def estimate_cost(self) -> float:
-        """A draft forward's cost over the target's before any is measured: where the native CPU kernel runs the
-        forwards they are bound by reading the weights (the layers' and the output rows scored), elsewhere (a GPU,
-        PyTorch's kernels) by each layer's fixed work."""
-        draft, target = self.draft.model, self.target.model
-        if target.rows_per_pass is None:
-            return draft.config.num_layers / target.config.num_layers
-
-        def weights(model: Transformer, output_rows: int) -> int:
-            return sum(p.numel() for p in model.layers.parameters()) + output_rows * model.config.hidden_size
+        """A draft forward's cost over the target's before any is measured: its layers and the output rows it
+        scores."""
+        draft = self.draft.model
         rows = len(self.rows) if self.rows is not None else draft.config.vocab_size
-        return weights(draft, rows) / weights(target, target.config.vocab_size)
+        weights = sum(p.numel() for p in draft.layers.parameters()) + rows * draft.config.hidden_size
+        return weights_estimate(self.target.model, weights, draft.config.num_layers)
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)

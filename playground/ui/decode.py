@@ -253,8 +253,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
              "texts": {str(i): token_text(i) for i in bare}}
     own_cost = proposers[algo].own_cost() if proposers[algo] is not None else None
     yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same, own_cost), state,
-           _save(trace),
-           gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
+           _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
