@@ -371,8 +371,8 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
 
 def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) -> None:
     """Fixed where set; else the estimate until MEASURED drafting steps are in, then the median of the recent
-    ones (seconds per depth over the batch's one-token forward), which a step that captured a graph cannot move;
-    the engine's steps record them, and its plans read them."""
+    ones (seconds per depth over the batch's one-token forward), which a step that captured a graph cannot move,
+    dropped after STALE plans without a new one; the engine's steps record them, and its plans read them."""
     monkeypatch.setattr(OwnCost, "MEASURED", 3)  # as outside the tests
     own = OwnCost(0.2, 0.05)
     own.record(1.0, 2, 0.01)
@@ -387,6 +387,13 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     for _ in range(OwnCost.WINDOW):
         own.record(0.002, 1, 0.01)
     assert own() == pytest.approx(0.2) and len(own.samples) == OwnCost.WINDOW  # the recent steps only
+    # a price that stops the drafting gets no samples: STALE plans later the estimate is tried again
+    for _ in range(OwnCost.STALE - 1):
+        assert own() == pytest.approx(0.2)
+    assert own.value() == pytest.approx(0.2)  # a report does not count as a plan
+    assert own() == 0.05 and not own.samples
+    own.record(0.004, 2, 0.01)
+    assert own.unmeasured == 0
 
     proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
     estimate = proposer.own_cost()

@@ -7,7 +7,7 @@ import pytest
 from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding.copies import best_copy, copy_bound, find_continuation, find_continuations
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.planning import NgramAcceptance, plan_width
+from playground.decoding.planning import NgramAcceptance, guess_depth, plan_width
 from playground.decoding.prompt_lookup import CopyProposer
 from playground.decoding.proposer import Proposal, merge_chains
 from playground.decoding.tree import ancestor_mask
@@ -118,6 +118,19 @@ def test_plan_width_commits_the_most_tokens_per_cost() -> None:
     assert plan_width(gains, lambda w: 1 + 0.6 * (w - 1)) == 1
     # a tie keeps the narrower width
     assert plan_width([[1.0, 2.0, 2.0]], lambda w: float(w)) == 1
+
+
+
+
+def test_guess_depth_prices_the_guessers_own_forwards() -> None:
+    linear = lambda w: 1.0 + 0.1 * (w - 1)  # noqa: E731
+    expected = [1.0, 1.6, 2.0, 2.2]  # depths 1, 2 and 3 reached at 0.6, 0.4 and 0.2
+    assert guess_depth(expected, [3], linear, lambda places: 0.3) == 3  # one price for any depth: 2.2 / 1.6
+    assert guess_depth(expected, [3], linear, lambda places: 0.3 * places) == 1  # per place: 1.6 / 1.4
+    # beside a request with room for one place, a third place pays no more: (2.0 + 1.6) / 1.5 beats 3.8 / 1.6
+    assert guess_depth(expected, [3, 1], linear, lambda places: 0.3) == 2
+    assert guess_depth(expected, [0], linear, lambda places: 0.0) == 0  # no room: nothing to guess
+    assert guess_depth(expected, [3], linear, lambda places: 5.0) == 0  # a price no step repays
 
 
 FREE = ForwardCosts((1, 2), (1.0, 1.0))  # a wider forward costs what a one-token one does

@@ -26,7 +26,7 @@ from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
 from .guesses import GuessCalibration
-from .planning import OwnCost, plan_width, weights_estimate
+from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 
 
@@ -71,7 +71,7 @@ class EagleProposer(Proposer):
         self.captured = None if target.forwards == "eager" else Captured(self._head, target.forwards == "graphs")
 
     def own_cost(self) -> float:
-        return self.own()
+        return self.own.value()
 
     def estimate_cost(self) -> float:
         """A head forward's cost over the target's before any is measured: its layer and the output rows it
@@ -111,10 +111,9 @@ class EagleProposer(Proposer):
             return {}
         # Each drafted depth costs a head forward besides the wider verification: as deep as the guesses' kept
         # share so far says pays for both.
-        expected = self.calibration.expected_tokens(self.depth)
         price = self.own()
-        depth = plan_width([expected[: min(room, self.depth) + 1] for _, room in ready],
-                           lambda width: cost(width) + (width - 1) * price) - 1
+        depth = guess_depth(self.calibration.expected_tokens(self.depth), [room for _, room in ready], cost,
+                            lambda places: places * price)
         if not depth:
             return {}
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.medusa import LoadedHeads, load_heads
 from .guesses import Guesser, Guesses
-from .planning import OwnCost, plan_width, weights_estimate
+from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .tree import load_tree
 
@@ -62,7 +62,7 @@ class MedusaGuesser(Guesser):
         self.captured = None if target.forwards == "eager" else Captured(self._top, target.forwards == "graphs")
 
     def own_cost(self) -> float:
-        return self.own()
+        return self.own.value()
 
     def estimate_cost(self) -> float:
         """The heads' forward over the target's before any is measured: their layers and the output rows they
@@ -89,9 +89,8 @@ class MedusaGuesser(Guesser):
         model, depth = self.target.model, min(longest, self.depth)
         # the heads run once a step whatever the tree: only where the tokens their guesses are expected to add so
         # far pay for them besides the wider verification
-        expected = self.calibration.expected_tokens(depth)
         price = self.own()
-        if plan_width([expected[: min(room, depth) + 1] for room in rooms], lambda width: cost(width) + price) == 1:
+        if not guess_depth(self.calibration.expected_tokens(depth), rooms, cost, lambda places: price):
             return {}
         start = time.perf_counter()
         k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)

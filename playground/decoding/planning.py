@@ -75,15 +75,26 @@ class OwnCost:
     proposer runs: the median, over its last WINDOW drafting steps, of the step's drafting seconds per depth over
     the batch's one-token forward (the engine's measured curve); `prior` (an estimate from the weights) until
     MEASURED steps are in. A median, because a step that captured a CUDA graph or met a busy host is far slower
-    than the rest."""
+    than the rest. A price that stopped the drafting gets no new samples: after STALE plans priced without one the
+    samples are dropped, so a long-lived engine tries the estimate again (a price measured while the host was busy
+    does not silence a proposer for good)."""
 
-    WINDOW, MEASURED = 16, 3
+    WINDOW, MEASURED, STALE = 16, 3, 256
 
     def __init__(self, fixed: float | None, prior: float) -> None:
         self.fixed, self.prior = fixed, prior
         self.samples: deque[float] = deque(maxlen=self.WINDOW)
+        self.unmeasured = 0  # plans priced since the last sample
 
     def __call__(self) -> float:
+        """The price for a plan (counted towards STALE)."""
+        self.unmeasured += 1
+        if self.unmeasured > self.STALE:
+            self.samples.clear()
+        return self.value()
+
+    def value(self) -> float:
+        """The price now, for a report (not counted)."""
         if self.fixed is not None:
             return self.fixed
         return statistics.median(self.samples) if len(self.samples) >= self.MEASURED else self.prior
@@ -92,6 +103,7 @@ class OwnCost:
         """A drafting step `depth` deep took `seconds`; the batch's one-token target forward takes `one_s`."""
         if depth > 0 and one_s > 0:
             self.samples.append(seconds / depth / one_s)
+            self.unmeasured = 0
 
 
 def weights_estimate(target: Transformer, weights: int, layers: float) -> float:
@@ -130,3 +142,14 @@ def plan_width(gains: list[list[float]], cost: Callable[[int], float]) -> int:
         if committed / cost(width) > best_rate:
             best, best_rate = width, committed / cost(width)
     return best
+
+
+
+def guess_depth(expected: list[float], rooms: list[int], cost: Callable[[int], float],
+                price: Callable[[int], float]) -> int:
+    """How deep a guesser should guess for a batch: the depth g whose step commits the most tokens per unit of
+    cost(1 + g) + price(g) (price: the guesser's own forwards for g places), 0 when a plain step commits as many.
+    expected[k]: the tokens a step commits with guesses k deep; rooms[r]: how many places request r has left."""
+    depth = len(expected) - 1
+    return plan_width([expected[: min(room, depth) + 1] for room in rooms],
+                      lambda width: cost(width) + price(width - 1)) - 1

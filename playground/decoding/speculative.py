@@ -28,7 +28,7 @@ from ..sampling import probabilities, sample
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
-from .planning import OwnCost, plan_width, weights_estimate
+from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
@@ -72,7 +72,7 @@ class DraftGuesser(Guesser):
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
 
     def own_cost(self) -> float:
-        return self.own()
+        return self.own.value()
 
     def estimate_cost(self) -> float:
         """A draft forward's cost over the target's before any is measured: its layers and the output rows it
@@ -101,10 +101,9 @@ class DraftGuesser(Guesser):
                 cost: Cost) -> dict[int, Guesses]:
         # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
         # tokens' acceptance so far says pays for both.
-        expected = self.calibration.expected_tokens(self.depth)
         price = self.own()
-        depth = min(longest, plan_width([expected[: min(room, self.depth) + 1] for room in rooms],
-                                        lambda width: cost(width) + (width - 1) * price) - 1)
+        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
+                                         lambda places: places * price))
         start = time.perf_counter()
         chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
         if chains:
