@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
 from check_exact import check  # noqa: E402
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams  # noqa: E402
@@ -38,6 +40,12 @@ from playground.models import Transformer, load_model  # noqa: E402
 from playground.models.forwards import ONE_WIDTH, Forwards, StaticForwards, one_width  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
+
+# ops that make no kernel of their own (a view, an allocation): left out of `kernels`' count off CUDA
+VIEWS = frozenset({"view", "reshape", "_reshape_alias", "_unsafe_view", "slice", "select", "transpose", "t", "permute",
+                   "unsqueeze", "squeeze", "expand", "as_strided", "split", "split_with_sizes", "narrow", "unflatten",
+                   "flatten", "movedim", "alias", "detach", "detach_", "lift_fresh", "empty", "empty_like",
+                   "empty_strided", "resize_", "result_type", "to", "item", "_local_scalar_dense"})
 
 
 def main() -> int:
@@ -83,6 +91,10 @@ def forward_costs(rows: list, device: str, fast: str) -> float:
                yes(buckets[8] / buckets[1] <= 1.15)))
     row(rows, (f"forward at the one width {ONE_WIDTH} / 1 token in buckets", f"{one[1] / buckets[1]:.2f}",
                "(the price of one shape)", "-"))
+    launched = kernels(model)  # 0 where the profiler saw none
+    per_kernel = f"{1e6 * buckets[1] / launched:.2f} us" if launched else "-"
+    row(rows, ("kernels of a one-token forward; its time in buckets per kernel", f"{launched}; {per_kernel}",
+               "(information: a graph replays each kernel)", "-"))
     return one[1] if one_width(model, 1) else buckets[1]
 
 
@@ -152,6 +164,27 @@ def forward_times(model: Transformer, make: Callable[[KVCache], Forwards], conte
             times[width].append(time.perf_counter() - start)
             cache.truncate(0, context)
     return {width: statistics.median(values[1:]) for width, values in times.items()}
+
+
+@torch.inference_mode()
+def kernels(model: Transformer, context: int = 32) -> int:
+    """The kernels (and device copies) one eager one-token decode forward with its logits launches, which its graph
+    replays one after another: where the forward in graphs takes about this many times a kernel's few microseconds,
+    only fewer kernels (fused layers) make it faster. Off CUDA: the PyTorch ops that compute (not views; the
+    native CPU kernel's calls are not PyTorch ops)."""
+    cache = contiguous_cache(model, context + 8)
+    forward_tokens(model, cache, list(range(context)))
+    run = Forwards(model, cache)
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        model.project(run([0], [[7]], [[context]]))
+        synchronize(model)
+    events = profile.events()
+    if cuda:
+        return sum(e.device_type == DeviceType.CUDA for e in events)
+    return sum(e.name.startswith("aten::") and e.name.removeprefix("aten::") not in VIEWS
+               and not any(c.name.startswith("aten::") for c in e.cpu_children) for e in events)
 
 
 def synchronize(model: Transformer) -> None:
