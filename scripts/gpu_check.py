@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def main() -> int:
     rows: list[tuple[str, str, str, str]] = []  # (check, measured, goal, met)
     # the quick measurements first, so that a run stopped at its time limit has them
     one_s = forward_costs(rows, args.device, fast)
+    waits(rows, args.device, fast)
     print(f"[{time.perf_counter() - started:.0f} s] forward costs measured", file=sys.stderr, flush=True)
     bench(rows, args.device, fast, args.limit, args.rounds, Path(args.out), one_s)
     print(f"[{time.perf_counter() - started:.0f} s] bench run", file=sys.stderr, flush=True)
@@ -96,6 +98,32 @@ def forward_costs(rows: list, device: str, fast: str) -> float:
     row(rows, ("kernels of a one-token forward; its time in buckets per kernel", f"{launched}; {per_kernel}",
                "(information: a graph replays each kernel)", "-"))
     return one[1] if one_width(model, 1) else buckets[1]
+
+
+def waits(rows: list, device: str, fast: str) -> None:
+    """How often a plain decoding step waits for the device (the issue's goal: at most once): the synchronizing
+    CUDA operations PyTorch's sync debug mode reports, over the steps one generation makes more than a shorter one
+    (so the engine's set-up and the prefill cancel out). CUDA only."""
+    name = "device waits per plain decoding step"
+    if device != "cuda":
+        row(rows, (name, "-", "<= 1", "(CUDA only)"))
+        return
+    target = load_model(ModelSpec(device=device, dtype="float32", forwards=fast))
+    generate(target, PROMPTS[0], None, SamplingParams(), GenerationParams(max_new_tokens=8))  # captures the graphs
+    counted = []  # (tokens, synchronizing operations)
+    for new_tokens in (8, 40):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                output, _ = generate(target, PROMPTS[0], None, SamplingParams(),
+                                     GenerationParams(max_new_tokens=new_tokens))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counted.append((len(output.token_ids), sum("synchroniz" in str(w.message) for w in caught)))
+    (short, short_waits), (long, long_waits) = counted
+    per_step = (long_waits - short_waits) / (long - short) if long > short else float("nan")
+    row(rows, (name, f"{per_step:.2f}", "<= 1", yes(per_step <= 1)))
 
 
 def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path, one_s: float) -> None:

@@ -166,11 +166,11 @@ class Engine:
     # -- the engine step ---------------------------------------------------------------------------------------
 
     def now(self) -> float:
-        """Engine time: seconds spent inside `step()`, never the caller's time between steps."""
+        """Engine time: seconds spent inside `step()`, never the caller's time between steps. It never waits for
+        the device: a step's times are read where its work has come back (a proposer reads its guesses, the step
+        its draws), so that a step waits for the device once."""
         if self._step_started is None:
             return self.busy_s
-        if self.target.model.device.type == "cuda":
-            torch.cuda.synchronize()  # GPU work is asynchronous: time it when it has really finished
         return self.busy_s + time.perf_counter() - self._step_started
 
     @torch.inference_mode()
@@ -184,7 +184,8 @@ class Engine:
             self._propose(plan)
             proposed = self.now()
             logits, hidden = self.runner.run(plan)
-            outputs = self._accept(plan, logits, hidden, StepTimes(start, proposed, self.now()))
+            drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
+            outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, self.now()))
             self._record_memory(plan.num_tokens, start)
         finally:
             self.busy_s = self.now()
@@ -227,10 +228,8 @@ class Engine:
             self.counts.setdefault(source, ProposalCounts()).steps += 1
 
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
-                times: StepTimes) -> list[RequestOutput]:
+                drawn: dict[int, Drawn], times: StepTimes) -> list[RequestOutput]:
         outputs = []
-        walking = plan.decode + [r for r, n in plan.prefill if r.num_computed + n >= len(r.tokens)]
-        drawn = self._draws(walking, logits, plan.proposals)
         prefilled = {r.id for r, _ in plan.prefill}
         for request, n in [(r, 1) for r in plan.decode] + plan.prefill:
             request.num_computed += n
@@ -251,16 +250,19 @@ class Engine:
                 outputs.append(RequestOutput(request.id, [], True, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _draws(self, requests: list[Request], logits: dict[int, torch.Tensor],
-               proposals: dict[int, Proposal]) -> dict[int, Drawn]:
-        """Where `draws_ahead`, every draw of this step's walks (the requests') made at once
-        (`sampling.draws_ahead`) and read back in one transfer: greedy rows of every request together, each sampled
-        request's rows with its own generator (their walks rewind it). Sampled requests whose proposals carry
-        distributions (a draft's q, typical acceptance) draw as their rules go. On the CPU each row is drawn when the
-        walk reaches it: the native row maxima are quick, and drawing the rows off the kept path would cost more
-        than it saves."""
+    def _draws(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> dict[int, Drawn]:
+        """Where `draws_ahead`, every draw of this step's walks (its decoding requests' and those of prefills that
+        reach their end) made at once (`sampling.draws_ahead`) and read back in one transfer: greedy rows of every
+        request together, each sampled request's rows with its own generator (their walks rewind it). Sampled
+        requests whose proposals carry distributions (a draft's q, typical acceptance) draw as their rules go. This
+        is the step's one wait for the device, and the end of its verifying time (`Engine.now` never waits); with
+        nothing to draw ahead it waits for the forward all the same. On the CPU each row is drawn when the walk
+        reaches it: the native row maxima are quick, and drawing the rows off the kept path would cost more than it
+        saves."""
         if not self.draws_ahead:
             return {}
+        requests = plan.decode + [r for r, n in plan.prefill if r.num_computed + n >= len(r.tokens)]
+        proposals = plan.proposals
         greedy = [r for r in requests if r.sampling.greedy]
         parts = []  # (requests, their rows' tokens (N,) and probabilities (N,) on the device, generator states)
         if greedy:
@@ -274,9 +276,12 @@ class Engine:
                 depths.append(depths[parent] + 1)
             parts.append(([r], *draws_ahead(logits[r.id][: len(depths)], r.sampling, r.generator, depths)))
         if not parts:
+            if self.target.model.device.type == "cuda":
+                torch.cuda.synchronize()
             return {}
-        tokens = torch.cat([part[1] for part in parts]).tolist()  # the step's one wait for the device
-        probs = torch.cat([part[2] for part in parts]).tolist()
+        # tokens and probabilities in one transfer, the step's one wait for the device (float64 holds both exactly)
+        both = torch.cat([torch.cat([part[i] for part in parts]).double() for i in (1, 2)]).tolist()  # (2N,)
+        tokens, probs = [int(t) for t in both[: len(both) // 2]], both[len(both) // 2 :]
         drawn, start = {}, 0
         for group, token, _, states in parts:
             for r in group:
