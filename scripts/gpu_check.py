@@ -1,5 +1,6 @@
 """The GPU engine's checks in one run, one table, quick ones first: what a decode forward costs eager, in graphs
-of its own width and in graphs at the one width that keeps a token's bits; `bench` on a subset of the suite
+of its own width and in graphs at the one width that keeps a token's bits, and how many kernels it runs; how often
+a plain decoding step waits for the device; `bench` on a subset of the suite
 (plain decoding with graphs against eager forwards and transformers `generate`; speculative, Medusa and EAGLE
 against plain decoding); greedy exactness of every algorithm on both caches and in engine batches
 (`check_exact.py`) in float32 and bfloat16 with CUDA graphs. Each row is printed as it is measured. Meant to finish

@@ -144,7 +144,6 @@ def plan_width(gains: list[list[float]], cost: Callable[[int], float]) -> int:
     return best
 
 
-
 def guess_depth(expected: list[float], rooms: list[int], cost: Callable[[int], float],
                 price: Callable[[int], float]) -> int:
     """How deep a guesser should guess for a batch: the depth g whose step commits the most tokens per unit of
