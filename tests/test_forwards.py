@@ -274,3 +274,13 @@ def test_graphs_give_the_static_shapes_tokens_on_cuda() -> None:
             ours, theirs = (generate(model, prompt, build_proposer(model, algo) if algo else None, None,
                                      generation)[0].token_ids for model in (graphs, static))
             assert ours == theirs, (algo, prompt)
+
+
+def test_host_work_script_times_a_step_beside_its_forward() -> None:
+    """scripts/host_work.py: a decode step's time and its forward's, with a model whose forward costs almost
+    nothing, traced at batch 1 (as `generate`) and untraced in a batch (as the server)."""
+    from scripts import host_work
+    target = host_work.tiny_target()
+    for batch, trace in ((1, True), (3, False)):
+        step, forward = host_work.step_times(target, batch, 6, trace)
+        assert 0 < forward < step
