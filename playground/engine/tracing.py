@@ -35,10 +35,14 @@ class StepTimes:
 class Tracer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}  # token id -> its text alone, decoded once
 
     def info(self, token: int, position: int, p: float | None = None, q: float | None = None,
              parent: int | None = None) -> TokenInfo:
-        return TokenInfo(id=token, text=self.tokenizer.decode([token]), position=position, p=p, q=q, parent=parent)
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.tokenizer.decode([token])
+        return TokenInfo(id=token, text=text, position=position, p=p, q=q, parent=parent)
 
     def step(self, request: Request, proposal: Proposal | None, outcome: Outcome, logits: torch.Tensor,
              times: StepTimes, now: float, memory: KVMemory, own: Callable[[int, float], list[Event]]) -> list[Event]:

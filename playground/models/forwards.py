@@ -147,6 +147,7 @@ class Bucket:
         self.copied = torch.cuda.Event() if pinned else None  # the last transfer from `host`, before it is rewritten
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # (B, W, E), the graph's output
+        self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> their causal `_seen`
 
     def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]],
             positions: list[list[int]], among_new: torch.Tensor | None) -> torch.Tensor:
@@ -169,9 +170,7 @@ class Bucket:
         ints = ([t for row in ids for t in row + pad] + empty + [p for row in positions for p in row + pad] + empty
                 + list(starts) + [0] * (b - rows) + [width] * rows + [0] * (b - rows)
                 + [block for table in tables for block in table] + [0] * (self.sizes[4] // b * (b - rows)))
-        seen = torch.eye(w, dtype=torch.bool).repeat(b, 1, 1)  # (B, W, W): padding tokens see themselves only
-        seen[:rows, :width, :width] = (torch.ones(width, width, dtype=torch.bool).tril() if among_new is None
-                                       else among_new)
+        seen = self._causal(rows, width) if among_new is None else self._seen(rows, width, among_new)  # (B, W, W)
         if self.copied is not None:
             self.copied.synchronize()  # the previous transfer has left `host`
         split = 8 * sum(self.sizes)
@@ -180,6 +179,19 @@ class Bucket:
         if self.inputs is not self.host:
             self.inputs.copy_(self.host, non_blocking=True)
             self.copied.record()
+
+    def _seen(self, rows: int, width: int, among_new: torch.Tensor) -> torch.Tensor:
+        """(B, W, W): which new tokens each new token sees, `among_new` (rows, width, width) for the rows run;
+        padding tokens see themselves only."""
+        seen = torch.eye(self.width, dtype=torch.bool).repeat(self.rows, 1, 1)
+        seen[:rows, :width, :width] = among_new
+        return seen
+
+    def _causal(self, rows: int, width: int) -> torch.Tensor:
+        """`_seen` for causal rows, made once per (rows, width)."""
+        if (rows, width) not in self.causal:
+            self.causal[(rows, width)] = self._seen(rows, width, torch.ones(width, width, dtype=torch.bool).tril())
+        return self.causal[(rows, width)]
 
     def _forward(self, cache: KVCache) -> torch.Tensor:
         """The padded forward from `inputs` alone: tensor ops whose shapes are the bucket's."""
