@@ -23,8 +23,11 @@ import torch  # noqa: E402
 
 from playground.config import EngineParams, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.engine.engine import Engine  # noqa: E402
+from playground.kv import blocks_for  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.transformer import Transformer  # noqa: E402
+
+PROMPT_TOKENS = 35  # each request's prompt
 
 
 def tiny_target() -> LoadedModel:
@@ -45,12 +48,13 @@ def tiny_target() -> LoadedModel:
 def step_times(target: LoadedModel, batch: int, tokens: int, trace: bool) -> tuple[float, float]:
     """Seconds per decode step, and of its forward, for `batch` requests of `tokens` new tokens each (the prefill
     steps left out)."""
+    prompts = [list(range(5 + i, 5 + i + PROMPT_TOKENS)) for i in range(batch)]
     params = EngineParams(max_running=batch, kv="paged" if batch > 1 else "contiguous",
-                          num_blocks=batch * (40 + tokens) // 8 + batch)
+                          num_blocks=batch * blocks_for(PROMPT_TOKENS + tokens, EngineParams().block_size))
     engine = Engine(target, params, record_blocks=False, trace=trace)
     engine.draws_ahead = True  # as off the CPU: one transfer of every draw a step
-    for i in range(batch):
-        engine.add_request(list(range(5 + i, 40 + i)), SamplingParams(), GenerationParams(max_new_tokens=tokens))
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(), GenerationParams(max_new_tokens=tokens))
     forward = [0.0]
     run = engine.runner.run
 
