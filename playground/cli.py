@@ -32,8 +32,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     forwards = parser.add_mutually_exclusive_group()
     forwards.add_argument("--forwards", default="auto", choices=FORWARDS,
                           help="how decode forwards run: graphs, static shapes captured in CUDA graphs (CUDA only); "
-                               "static, the same shapes uncaptured (any device, for debugging); eager, each at its own "
-                               "shape; auto (default): graphs on a CUDA GPU, else eager")
+                               "compiled, static with each layer's work around attention compiled by torch.compile "
+                               "(captured in graphs on a CUDA GPU; compiles on first use); static, the same shapes "
+                               "uncaptured (any device, for debugging); eager, each at its own shape; auto (default): "
+                               "graphs on a CUDA GPU, else eager")
     forwards.add_argument("--no-graphs", dest="forwards", action="store_const", const="eager",
                           help="the same as --forwards eager")
     parser.add_argument("--cache-dir", default=None,

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
 WEIGHTS = ("auto", "gguf", "float32")
-FORWARDS = ("auto", "graphs", "static", "eager")  # how decode forwards run: ModelSpec.forwards
+FORWARDS = ("auto", "graphs", "compiled", "static", "eager")  # how decode forwards run: ModelSpec.forwards
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
@@ -67,8 +67,9 @@ class ModelSpec:
     native CPU kernel, float32; the same bits as "float32", from a fifth to a quarter of the bytes), "float32"
     dequantised once, "auto" the blocks wherever they can run.
     forwards: how the decode forwards run (`models.forwards`): "eager" each at its own shape, "static" padded to
-    buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "auto" graphs on a CUDA GPU
-    (without bitsandbytes weights), else eager.
+    buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "compiled" static with each
+    layer's work around attention compiled by torch.compile and, on a CUDA GPU, captured in graphs, "auto" graphs on
+    a CUDA GPU (without bitsandbytes weights), else eager.
     """
 
     source: str = "embedded"

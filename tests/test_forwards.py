@@ -1,7 +1,8 @@
 """Decode forwards in static shapes (the CUDA-graph path with capture off, which runs on the CPU): every algorithm on
 both caches and in padded batches gives plain decoding's tokens; a static forward writes and returns what an eager
-one does and nothing else; seeded sampling is unchanged; buckets, settings and errors. With a CUDA GPU, graphs give
-the static path's tokens."""
+one does and nothing else; seeded sampling is unchanged; compiled layers run where PyTorch's ops would and keep
+every algorithm plain decoding; buckets, settings and errors. With a CUDA GPU, graphs give the static path's tokens
+and compiled graphs every algorithm their plain decoding's."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ from playground.config import (
     SpeculativeParams,
 )
 from playground.decoding import costs as costs_module
-from playground.decoding.base import contiguous_cache, paged_cache
+from playground.decoding.base import contiguous_cache, forward_tokens, paged_cache
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.models import ModelLoadError, load_model
+from playground.models import compiled
+from playground.models import forwards as forwards_module
 from playground.models.forwards import (
     MIN_KEYS,
     ONE_WIDTH,
@@ -180,6 +183,37 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
             assert {key[1:] for key in forwards.buckets} == {(ONE_WIDTH, 64 * 4)}
 
 
+def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(target, plain_outputs,
+                                                                             monkeypatch) -> None:
+    """--forwards compiled: each layer's work around attention compiled by torch.compile (Inductor's C++ here, its
+    kernels captured in graphs on a GPU). In bfloat16, where PyTorch's kernels run the layers, it runs every layer
+    of every decode forward, near the uncompiled forward's hidden states, and every algorithm gives its plain
+    decoding's tokens on both caches; where the native kernel runs a layer (float32 here), the kernel keeps it."""
+    layers = []
+    monkeypatch.setattr(forwards_module, "compiled_layer",
+                        lambda block, *args: layers.append(block) or compiled.layer(block, *args))
+    half = load_model(ModelSpec(device="cpu", dtype="bfloat16", forwards="compiled"))
+    assert half.graphs is False and half.model.rows_per_pass is None
+    rows = []
+    for mode in ("static", "compiled"):
+        cache = contiguous_cache(half.model, 40)
+        forward_tokens(half.model, cache, list(range(1, 30)))
+        rows.append(make_forwards(half.model, cache, mode)([0], [[7, 8]], [[29, 30]]).float())  # (1, 2, E)
+    assert len(layers) == half.model.config.num_layers
+    assert (rows[1] - rows[0]).norm() < 0.05 * rows[0].norm()  # eager and static differ by 2-3% in bfloat16
+    for kv in KV_KINDS:
+        generation = GenerationParams(max_new_tokens=8, kv=kv, block_size=4)
+        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:2]}
+        for algo in ("speculative", "medusa", "eagle"):
+            for prompt, tokens in plain.items():
+                assert generate(half, prompt, build_proposer(half, algo), None, generation)[0].token_ids == tokens, (
+                    kv, algo, prompt)
+    layers.clear()
+    blocks = dataclasses.replace(target, forwards="compiled")
+    assert generate(blocks, PROMPTS[0], None, None, GenerationParams(max_new_tokens=NEW_TOKENS))[0].token_ids == (
+        plain_outputs[PROMPTS[0]]) and not layers
+
+
 def test_the_next_engine_takes_what_a_closed_one_built_and_two_at_once_keep_their_own(static, plain_outputs) -> None:
     """Graphs write and read one cache's storage: an engine's static forwards go back on the model's shelf when it
     is closed (or collected) and the next cache of that shape takes them; two engines alive at once never share."""
@@ -231,6 +265,8 @@ def test_the_setting_is_checked_and_resolved(target, tmp_path) -> None:
         ModelSpec(forwards="fast")
     with pytest.raises(ModelLoadError, match="^forwards: 'graphs' .* CUDA GPU.*use static or eager"):
         load_model(ModelSpec(device="cpu", forwards="graphs"))
+    with pytest.raises(ModelLoadError, match="^forwards: 'compiled' with bitsandbytes .* use static or eager"):
+        load_model(ModelSpec(device="cpu", forwards="compiled", quant="int8"))
     assert target.forwards == "eager"  # auto on a CPU
     assert load_model(ModelSpec(device="cpu", forwards="static")).forwards == "static"
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
@@ -265,7 +301,7 @@ def test_bench_races_plain_decoding_with_eager_forwards(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-def test_graphs_give_the_static_shapes_tokens_on_cuda() -> None:
+def test_graphs_give_the_static_shapes_tokens_and_compiled_graphs_their_plain_decoding_on_cuda() -> None:
     graphs = load_model(ModelSpec(device="cuda", forwards="graphs"))
     static = dataclasses.replace(graphs, forwards="static")
     generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged")
@@ -274,6 +310,13 @@ def test_graphs_give_the_static_shapes_tokens_on_cuda() -> None:
             ours, theirs = (generate(model, prompt, build_proposer(model, algo) if algo else None, None,
                                      generation)[0].token_ids for model in (graphs, static))
             assert ours == theirs, (algo, prompt)
+    compiled_model = dataclasses.replace(graphs, forwards="compiled")
+    assert compiled_model.graphs
+    for prompt in PROMPTS[:3]:
+        plain = generate(compiled_model, prompt, None, None, generation)[0].token_ids
+        for algo in ("speculative", "medusa", "eagle"):
+            proposer = build_proposer(compiled_model, algo)
+            assert generate(compiled_model, prompt, proposer, None, generation)[0].token_ids == plain, (algo, prompt)
 
 
 def test_host_work_script_times_a_step_beside_its_forward() -> None:

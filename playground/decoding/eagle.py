@@ -68,7 +68,7 @@ class EagleProposer(Proposer):
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
-        self.captured = None if target.forwards == "eager" else Captured(self._head, target.forwards == "graphs")
+        self.captured = None if target.forwards == "eager" else Captured(self._head, target.graphs)
 
     def own_cost(self) -> float:
         return self.own.value()

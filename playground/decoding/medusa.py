@@ -59,7 +59,7 @@ class MedusaGuesser(Guesser):
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
         self.own = OwnCost(None, self.estimate_cost())  # the heads' forward, once a step, measured as it runs
         # with the target's static forwards, the heads run in static shapes too (captured with its graphs)
-        self.captured = None if target.forwards == "eager" else Captured(self._top, target.forwards == "graphs")
+        self.captured = None if target.forwards == "eager" else Captured(self._top, target.graphs)
 
     def own_cost(self) -> float:
         return self.own.value()

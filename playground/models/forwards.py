@@ -12,7 +12,9 @@ Three ways, one contract (`ModelSpec.forwards`; the loader resolves "auto"):
 - graphs: static, each bucket captured once in a CUDA graph (`torch.cuda.CUDAGraph`) on first use and replayed
   after: one launch a forward instead of some hundreds. CUDA graphs directly rather than
   `torch.compile(mode="reduce-overhead")`: the same kernels as the eager path (no compile step of minutes per
-  bucket on a Space's GPU slot, no recompiles as the key bucket grows), the capture is milliseconds.
+  bucket on a Space's GPU slot, no recompiles as the key bucket grows), the capture is milliseconds;
+- compiled: static, each layer's work around attention compiled (`models.compiled`: fewer, fused kernels), and on
+  a CUDA GPU captured in graphs as `graphs` captures.
 A bucket's graphs share one memory pool; the hidden states are copied out before the next forward can reuse it.
 """
 
@@ -26,9 +28,11 @@ import torch
 
 from ..kv import AttentionLayout, ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..kv.base import visibility
+from .compiled import layer as compiled_layer
 from .transformer import Transformer
 
 T = TypeVar("T")
+Ids = list[list[int]] | torch.Tensor  # a forward's token ids (B, T): lists, or an int64 tensor on the model's device
 MIN_KEYS = 64  # the smallest key bucket (shorter contexts share one graph); key counts are multiples of it
 ONE_WIDTH = 32  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
 
@@ -48,14 +52,16 @@ class Forwards:
         self.model, self.cache = model, cache
 
     @torch.inference_mode()
-    def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
+    def __call__(self, seq_ids: list[int], ids: Ids, positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
-        """Run T tokens per row after what the cache holds of each sequence: ids and positions (B, T) as lists,
+        """Run T tokens per row after what the cache holds of each sequence: ids (B, T) as lists or as a tensor on
+        the model's device (a draft's chain feeds its guesses without reading them back), positions (B, T) as lists,
         among_new (B, T, T) bool: which new tokens each one sees (None: causal). Returns hidden states (B, T, E)."""
         device = self.model.device
         mask = None if among_new is None else among_new.to(device)
-        _, hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.cache,
-                               seq_ids, attn_mask=mask, num_logits=0)
+        tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=device)
+        _, hidden = self.model(tokens, torch.tensor(positions, device=device), self.cache, seq_ids, attn_mask=mask,
+                               num_logits=0)
         return hidden  # (B, T, E)
 
     def release(self) -> None:
@@ -68,16 +74,16 @@ class Shapes:
     the model when its forwards are released, taken by the next forwards of the same key (`make_forwards`), so an
     engine's first steps replay graphs an earlier engine captured."""
 
-    def __init__(self, cache: KVCache, graphs: bool, width: int | None) -> None:
-        self.graphs, self.max_width = graphs, width
+    def __init__(self, cache: KVCache, graphs: bool, width: int | None, compiled: bool = False) -> None:
+        self.graphs, self.max_width, self.compiled = graphs, width, compiled
         self.k, self.v = cache.k, cache.v
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures = 0  # buckets captured so far
 
     @staticmethod
-    def key(cache: KVCache, graphs: bool, width: int | None) -> tuple:
-        return type(cache).__name__, tuple(cache.k.shape), cache.k.dtype, str(cache.k.device), graphs, width
+    def key(cache: KVCache, graphs: bool, width: int | None, compiled: bool) -> tuple:
+        return type(cache).__name__, tuple(cache.k.shape), cache.k.dtype, str(cache.k.device), graphs, width, compiled
 
 
 class StaticForwards(Forwards):
@@ -87,21 +93,22 @@ class StaticForwards(Forwards):
     cache's whole length of keys rounded up to MIN_KEYS (the same for either cache kind and any block size dividing
     it, as `engine.generate` sizes them), so that a token's logits have the same bits in whichever forward computes
     them (PyTorch's kernels pick their reduction order by shape; see `one_width`). `max_width` tells the
-    engine's planning not to go wider. shapes: an earlier cache's (`Shapes`), whose storage this cache takes."""
+    engine's planning not to go wider. compiled: each layer's work around attention compiled (`models.compiled`).
+    shapes: an earlier cache's (`Shapes`), whose storage this cache takes."""
 
     mode = "static"
 
     def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False, width: int | None = None,
-                 shapes: Shapes | None = None) -> None:
+                 shapes: Shapes | None = None, compiled: bool = False) -> None:
         super().__init__(model, cache)
         if not isinstance(cache, (PagedKVCache, ContiguousKVCache)):
             raise TypeError(f"static shapes need a paged or contiguous cache, got {type(cache).__name__}")
         if graphs and model.device.type != "cuda":
             raise ValueError(f"forwards: CUDA graphs need a CUDA device, the model is on {model.device}")
-        self.shapes = shapes or Shapes(cache, graphs, width)
+        self.shapes = shapes or Shapes(cache, graphs, width, compiled)
         cache.share_storage(self.shapes.k, self.shapes.v)
         self.max_width = width
-        self.mode = "graphs" if graphs else "static"
+        self.mode = "compiled" if compiled else "graphs" if graphs else "static"
         # where `release` puts the shapes back and the shapes while these forwards hold them (`make_forwards`)
         self._shelf: list[Shapes] = []
         self._lease: list[Shapes] = []
@@ -111,7 +118,7 @@ class StaticForwards(Forwards):
         return self.shapes.buckets
 
     @torch.inference_mode()
-    def __call__(self, seq_ids: list[int], ids: list[list[int]], positions: list[list[int]],
+    def __call__(self, seq_ids: list[int], ids: Ids, positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
         rows, width = len(ids), len(ids[0])
         self.model.check_window(max(self.cache.length(s) for s in seq_ids) + width)
@@ -149,7 +156,7 @@ class Bucket:
         self.hidden: torch.Tensor | None = None  # (B, W, E), the graph's output
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> their causal `_seen`
 
-    def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]],
+    def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
             positions: list[list[int]], among_new: torch.Tensor | None) -> torch.Tensor:
         rows, width = len(ids), len(ids[0])
         self._fill(cache, seq_ids, starts, ids, positions, among_new)
@@ -162,12 +169,13 @@ class Bucket:
             hidden = self.hidden
         return hidden[:rows, :width].clone()  # (B, T, E), out of the memory the next forward may reuse
 
-    def _fill(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: list[list[int]],
+    def _fill(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
               positions: list[list[int]], among_new: torch.Tensor | None) -> None:
         rows, width, b, w = len(ids), len(ids[0]), self.rows, self.width
         pad, empty = [0] * (w - width), [0] * ((b - rows) * w)
         tables = cache.static_tables(tuple(seq_ids), self.keys)
-        ints = ([t for row in ids for t in row + pad] + empty + [p for row in positions for p in row + pad] + empty
+        listed = [[0] * width] * rows if isinstance(ids, torch.Tensor) else ids  # a tensor's go in after the transfer
+        ints = ([t for row in listed for t in row + pad] + empty + [p for row in positions for p in row + pad] + empty
                 + list(starts) + [0] * (b - rows) + [width] * rows + [0] * (b - rows)
                 + [block for table in tables for block in table] + [0] * (self.sizes[4] // b * (b - rows)))
         seen = self._causal(rows, width) if among_new is None else self._seen(rows, width, among_new)  # (B, W, W)
@@ -179,6 +187,8 @@ class Bucket:
         if self.inputs is not self.host:
             self.inputs.copy_(self.host, non_blocking=True)
             self.copied.record()
+        if isinstance(ids, torch.Tensor):  # (rows, width) on the device, copied there in the stream's order
+            self.inputs[: 8 * b * w].view(torch.int64).view(b, w)[:rows, :width].copy_(ids)
 
     def _seen(self, rows: int, width: int, among_new: torch.Tensor) -> torch.Tensor:
         """(B, W, W): which new tokens each new token sees, `among_new` (rows, width, width) for the rows run;
@@ -202,7 +212,8 @@ class Bucket:
         write, read = cache.static_slots(tables.view(b, -1), starts, widths, w, keys)  # (B*W,), (B, L)
         mask = visibility(starts, seen, keys)  # (B, 1, W, L)
         layout = AttentionLayout(tuple(range(b)), (0,) * b, w, keys, mask, write_slots=write, read_slots=read)
-        _, hidden = self.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout)
+        _, hidden = self.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout,
+                               layer=compiled_layer if self.shapes.compiled else None)
         return hidden  # (B, W, E)
 
     def _capture(self, cache: KVCache) -> None:
@@ -265,11 +276,12 @@ def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int =
     collected). One request at a time, static shapes run at one width (`one_width`)."""
     if mode == "eager":
         return Forwards(model, cache)
-    if mode not in ("static", "graphs"):
-        raise ValueError(f"forwards must be one of eager, static, graphs, got {mode!r}")
-    graphs, width = mode == "graphs", ONE_WIDTH if one_width(model, requests) else None
-    shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width), [])
-    forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None)
+    if mode not in ("static", "graphs", "compiled"):
+        raise ValueError(f"forwards must be one of eager, static, graphs, compiled, got {mode!r}")
+    graphs = mode == "graphs" or (mode == "compiled" and model.device.type == "cuda")
+    width, fused = ONE_WIDTH if one_width(model, requests) else None, mode == "compiled"
+    shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width, fused), [])
+    forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None, fused)
     forwards._shelf, forwards._lease = shelf, [forwards.shapes]
     weakref.finalize(forwards, _shelve, shelf, forwards._lease)  # collected without a release
     return forwards

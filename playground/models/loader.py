@@ -78,7 +78,12 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     spec: ModelSpec
     weights: str = "float32"  # what the products read: "gguf" (the file's blocks) or "float32"
-    forwards: str = "eager"  # how its decode forwards run: "graphs", "static" or "eager" (`models.forwards`)
+    forwards: str = "eager"  # how its decode forwards run: graphs, compiled, static or eager (`models.forwards`)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether its static forwards (and the proposers' heads beside them) are captured in CUDA graphs."""
+        return self.forwards == "graphs" or (self.forwards == "compiled" and self.model.device.type == "cuda")
 
     @property
     def chat(self) -> bool:
@@ -355,9 +360,9 @@ def resolve_forwards(spec: ModelSpec, device: torch.device) -> str:
     if spec.forwards == "graphs" and device.type != "cuda":
         raise ModelLoadError(f"forwards: 'graphs' captures CUDA graphs and needs a CUDA GPU, the model is on "
                              f"{device.type}; use static or eager")
-    if spec.forwards == "graphs" and spec.quant is not None:
-        raise ModelLoadError("forwards: 'graphs' with bitsandbytes weights (quant) is not supported; use static or "
-                             "eager")
+    if spec.forwards in ("graphs", "compiled") and spec.quant is not None:
+        raise ModelLoadError(f"forwards: '{spec.forwards}' with bitsandbytes weights (quant) is not supported; use "
+                             "static or eager")
     return spec.forwards
 
 

@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # One forward's attention: (q (B, Hkv, G*T, D), keys (B, Hkv, L, D), values (B, Hkv, L, D)) -> (B, Hkv, G*T, D).
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# A block's forward run another way: (block, x, cos, sin, cache, layout, attend) -> x, as `Block.forward`.
+Layer = Callable[..., torch.Tensor]
 
 
 class UnsupportedModelError(ValueError):
@@ -113,10 +115,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             return native.rms_norm(self.kernel, x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in float32 and scale in the model dtype, as the reference implementation does.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in PyTorch's ops; in 16 bits normalised in float32 and scaled in the model
+    dtype, as the reference implementation does."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -364,6 +371,7 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
         layout: AttentionLayout | None = None,
+        layer: Layer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per row through the model and store their K/V.
 
@@ -373,6 +381,8 @@ class Transformer(nn.Module):
         that scores the hidden states itself (see models.vocab).
         layout: where the tokens are written and read, made by the caller instead of `cache.prepare` (the static
         shapes of `models.forwards`, whose tensors stay the same from call to call); seq_ids and attn_mask unused.
+        layer: with a static layout, what runs each block that the native kernel does not (`models.compiled.layer`);
+        None runs the block.
         Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E).
         """
         b, t = token_ids.shape
@@ -394,7 +404,10 @@ class Transformer(nn.Module):
         else:
             attend = self.attention(layout)
             for block in self.layers:
-                x = block(x, cos, sin, cache, layout, attend)
+                if layer is not None and static and block.kernel is None:
+                    x = layer(block, x, cos, sin, cache, layout, attend)
+                else:
+                    x = block(x, cos, sin, cache, layout, attend)
         hidden = self.norm(x)  # (B, T, E)
         if num_logits == 0:
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
