@@ -1,10 +1,11 @@
 """The GPU engine's checks in one run, one table, quick ones first: what a decode forward costs eager, in graphs
-of its own width and in graphs at the one width that keeps a token's bits, and how many kernels it runs; how often
-a plain decoding step waits for the device; `bench` on a subset of the suite
-(plain decoding with graphs against eager forwards and transformers `generate`; speculative, Medusa and EAGLE
-against plain decoding); greedy exactness of every algorithm on both caches and in engine batches
-(`check_exact.py`) in float32 and bfloat16 with CUDA graphs. Each row is printed as it is measured. Meant to finish
-in under 8 minutes on one H100/H200 (not yet run on one).
+of its own width and in graphs at the one width that keeps a token's bits, and how many kernels it runs, with the
+layers as PyTorch's ops (`graphs`) and compiled (`compiled`); then, with whichever of the two gives the shorter
+forward: how often a decode step waits for the device (plain decoding, the draft, Medusa, EAGLE); `bench` on a
+subset of the suite (plain decoding against eager forwards and transformers `generate`; speculative, Medusa and
+EAGLE against plain decoding); greedy exactness of every algorithm on both caches and in engine batches
+(`check_exact.py`) in float32 and bfloat16. Each row is printed as it is measured. Meant to finish in under 8
+minutes on one H100/H200 (not yet run on one).
 
     bash scripts/gpu_check.sh [--limit 4] [--rounds 2] [--new-tokens 32] [--dtypes float32,bfloat16]
                               [--out bench_results/gpu]
@@ -36,7 +37,9 @@ from check_exact import check  # noqa: E402
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding.base import contiguous_cache, forward_tokens  # noqa: E402
+from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import generate  # noqa: E402
+from playground.events import VerifyEvent  # noqa: E402
 from playground.kv import KVCache  # noqa: E402
 from playground.models import Transformer, load_model  # noqa: E402
 from playground.models.forwards import ONE_WIDTH, Forwards, StaticForwards, one_width  # noqa: E402
@@ -59,11 +62,10 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="the exactness checks' dtypes, comma-separated")
     parser.add_argument("--out", default="bench_results/gpu", help="where the bench's JSON and markdown go")
     args = parser.parse_args()
-    fast = "graphs" if args.device == "cuda" else "static"
     started = time.perf_counter()
     rows: list[tuple[str, str, str, str]] = []  # (check, measured, goal, met)
     # the quick measurements first, so that a run stopped at its time limit has them
-    one_s = forward_costs(rows, args.device, fast)
+    fast, one_s = forward_costs(rows, args.device)
     waits(rows, args.device, fast)
     print(f"[{time.perf_counter() - started:.0f} s] forward costs measured", file=sys.stderr, flush=True)
     bench(rows, args.device, fast, args.limit, args.rounds, Path(args.out), one_s)
@@ -80,51 +82,71 @@ def main() -> int:
     return 1 if failures else 0
 
 
-def forward_costs(rows: list, device: str, fast: str) -> float:
-    """A decode forward eager, in static buckets and at the one width, over 1 and 8 tokens (float32); returns the
-    seconds of the one-token forward plain decoding runs (at the one width where `one_width` holds)."""
-    model = load_model(ModelSpec(device=device, dtype="float32", forwards=fast)).model
-    graphs = fast == "graphs"
+def forward_costs(rows: list, device: str) -> tuple[str, float]:
+    """A decode forward eager, in static buckets and at the one width, over 1 and 8 tokens (float32), each way of
+    running static forwards (`graphs`, and `compiled`: the layers' work around attention fused by torch.compile; off
+    CUDA uncaptured); returns the way whose one-token forward as plain decoding runs it is shorter, which the other
+    checks then use, with its seconds."""
+    model = load_model(ModelSpec(device=device, dtype="float32", forwards="static")).model
+    graphs = device == "cuda"
     eager = forward_times(model, lambda cache: Forwards(model, cache))
-    buckets = forward_times(model, lambda cache: StaticForwards(model, cache, graphs=graphs))
-    one = forward_times(model, lambda cache: StaticForwards(model, cache, graphs=graphs, width=ONE_WIDTH))
-    row(rows, (f"one-token forward, eager / {fast}", f"{eager[1] / buckets[1]:.1f}x ({1e3 * eager[1]:.2f} / "
-               f"{1e3 * buckets[1]:.2f} ms)", "(information)", "-"))
-    row(rows, (f"forward of 8 tokens / 1, {fast} in buckets", f"{buckets[8] / buckets[1]:.2f}", "<= 1.15",
-               yes(buckets[8] / buckets[1] <= 1.15)))
-    row(rows, (f"forward at the one width {ONE_WIDTH} / 1 token in buckets", f"{one[1] / buckets[1]:.2f}",
-               "(the price of one shape)", "-"))
-    launched = kernels(model)  # 0 where the profiler saw none
-    per_kernel = f"{1e6 * buckets[1] / launched:.2f} us" if launched else "-"
-    row(rows, ("kernels of a one-token forward; its time in buckets per kernel", f"{launched}; {per_kernel}",
-               "(information: a graph replays each kernel)", "-"))
-    return one[1] if one_width(model, 1) else buckets[1]
+    ways: dict[str, float] = {}
+    for mode, fused in (("graphs" if graphs else "static", False), ("compiled", True)):
+        try:
+            buckets = forward_times(model, lambda cache: StaticForwards(model, cache, graphs, compiled=fused))
+            one = forward_times(model, lambda cache: StaticForwards(model, cache, graphs, ONE_WIDTH, compiled=fused))
+        except Exception as exc:  # a compiler that fails on this machine leaves the other way's checks to run
+            if not fused:
+                raise
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            row(rows, (f"forwards {mode}", f"failed: {reason}", "-", "NO"))
+            continue
+        row(rows, (f"one-token forward, eager / {mode}", f"{eager[1] / buckets[1]:.1f}x ({1e3 * eager[1]:.2f} / "
+                   f"{1e3 * buckets[1]:.2f} ms)", "(information)", "-"))
+        row(rows, (f"forward of 8 tokens / 1, {mode} in buckets", f"{buckets[8] / buckets[1]:.2f}", "<= 1.15",
+                   yes(buckets[8] / buckets[1] <= 1.15)))
+        row(rows, (f"forward at the one width {ONE_WIDTH} / 1 token in buckets, {mode}", f"{one[1] / buckets[1]:.2f}",
+                   "(the price of one shape)", "-"))
+        launched = kernels(model, lambda cache: StaticForwards(model, cache, compiled=fused))  # 0: none seen
+        per_kernel = f"{1e6 * buckets[1] / launched:.2f} us" if launched else "-"
+        row(rows, (f"kernels of a one-token forward, {mode}; its time per kernel", f"{launched}; {per_kernel}",
+                   "(information: a graph replays each kernel)", "-"))
+        ways[mode] = one[1] if one_width(model, 1) else buckets[1]
+    fast = min(ways, key=ways.__getitem__)
+    row(rows, ("forwards the other checks run", fast, "(the shorter one-token forward)", "-"))
+    return fast, ways[fast]
 
 
 def waits(rows: list, device: str, fast: str) -> None:
-    """How often a plain decoding step waits for the device (the issue's goal: at most once): the synchronizing
-    CUDA operations PyTorch's sync debug mode reports, over the steps one generation makes more than a shorter one
-    (so the engine's set-up and the prefill cancel out). CUDA only."""
-    name = "device waits per plain decoding step"
+    """How often a decode step waits for the device, in plain decoding (the issue's goal: at most once) and with each
+    model-based proposer (information: a draft's chain reads its guesses back once, EAGLE's tree once per depth): the
+    synchronizing CUDA operations PyTorch's sync debug mode reports, over the steps one generation makes more than a
+    shorter one (so the engine's set-up and the prefill cancel out). CUDA only."""
+    name = "device waits per decode step"
     if device != "cuda":
-        row(rows, (name, "-", "<= 1", "(CUDA only)"))
+        row(rows, (name, "-", "plain <= 1", "(CUDA only)"))
         return
     target = load_model(ModelSpec(device=device, dtype="float32", forwards=fast))
-    generate(target, PROMPTS[0], None, SamplingParams(), GenerationParams(max_new_tokens=8))  # captures the graphs
-    counted = []  # (tokens, synchronizing operations)
-    for new_tokens in (8, 40):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                output, _ = generate(target, PROMPTS[0], None, SamplingParams(),
-                                     GenerationParams(max_new_tokens=new_tokens))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counted.append((len(output.token_ids), sum("synchroniz" in str(w.message) for w in caught)))
-    (short, short_waits), (long, long_waits) = counted
-    per_step = (long_waits - short_waits) / (long - short) if long > short else float("nan")
-    row(rows, (name, f"{per_step:.2f}", "<= 1", yes(per_step <= 1)))
+    measured = {}
+    for algo in (None, "speculative", "medusa", "eagle"):
+        proposer = build_proposer(target, algo) if algo else None
+        generate(target, PROMPTS[0], proposer, None, GenerationParams(max_new_tokens=8))  # captures the graphs
+        counted = []  # (steps, synchronizing operations)
+        for new_tokens in (8, 40):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    _, trace = generate(target, PROMPTS[0], proposer, SamplingParams(),
+                                        GenerationParams(max_new_tokens=new_tokens))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counted.append((sum(isinstance(e, VerifyEvent) for e in trace.events),
+                            sum("synchroniz" in str(w.message) for w in caught)))
+        (short, short_waits), (long, long_waits) = counted
+        measured[algo or "plain"] = (long_waits - short_waits) / (long - short) if long > short else float("nan")
+    row(rows, (name, ", ".join(f"{algo} {per_step:.2f}" for algo, per_step in measured.items()), "plain <= 1",
+               yes(measured["plain"] <= 1)))
 
 
 def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path, one_s: float) -> None:
@@ -196,14 +218,16 @@ def forward_times(model: Transformer, make: Callable[[KVCache], Forwards], conte
 
 
 @torch.inference_mode()
-def kernels(model: Transformer, context: int = 32) -> int:
-    """The kernels (and device copies) one eager one-token decode forward with its logits launches, which its graph
-    replays one after another: where the forward in graphs takes about this many times a kernel's few microseconds,
-    only fewer kernels (fused layers) make it faster. Off CUDA: the PyTorch ops that compute (not views; the
-    native CPU kernel's calls are not PyTorch ops)."""
+def kernels(model: Transformer, make: Callable[[KVCache], Forwards], context: int = 32) -> int:
+    """The kernels (and device copies) of one one-token decode forward with its logits through the forwards `make`
+    builds, uncaptured: what its graph replays one after another. Where the forward in graphs takes about this many
+    times a kernel's few microseconds, only fewer kernels (fused layers) make it faster. Off CUDA: the PyTorch ops
+    that compute (not views; neither the native CPU kernel's calls nor compiled code's are PyTorch ops)."""
     cache = contiguous_cache(model, context + 8)
     forward_tokens(model, cache, list(range(context)))
-    run = Forwards(model, cache)
+    run = make(cache)
+    run([0], [[7]], [[context]])  # compiles where it compiles
+    cache.truncate(0, context)
     cuda = model.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as profile:

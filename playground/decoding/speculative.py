@@ -160,8 +160,11 @@ class DraftGuesser(Guesser):
         sampled = [i for i, r in enumerate(drafting) if self.sample and not r.sampling.greedy]
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}  # request index -> (V,) per place
         vocab = self.target.model.config.vocab_size
-        logp: list[list[list[float]]] = []  # (D, B, k)
-        chains: list[list[list[int]]] = []  # (D, B, k)
+        # The greedy chain stays on the device, each place's top guess fed to the next forward as it is: one wait
+        # for the device, when the places come back together after the chain (a sampled request draws its token at
+        # each place, which waits).
+        places: list[tuple[torch.Tensor, torch.Tensor]] = []  # per place: log-probabilities, ids (B, k)
+        drawn: dict[tuple[int, int], tuple[float, int]] = {}  # (place, request index) -> its sampled (log q, x)
         for d in range(depth):
             # (B, V') over the draft's proposal vocabulary, or (B, V)
             logits = self.rows.logits(hidden) if self.rows is not None else model.project(hidden)
@@ -169,19 +172,20 @@ class DraftGuesser(Guesser):
             # takes its second, a leaf beside the chain.
             best = logits.log_softmax(-1).topk(2 if d == 0 else 1, dim=-1)  # values, indices: (B, k)
             ranked = best.indices if self.rows is None else self.rows.ids[best.indices]  # (B, k)
-            logp.append(best.values.tolist())
-            chains.append(ranked.tolist())
+            places.append((best.values, ranked))
+            fed = ranked[:, :1].clone() if sampled else ranked[:, :1]  # (B, 1); the sampled rows take their draws
             for i in sampled:  # x ~ q, q kept for the lossless rule (zero outside a proposal vocabulary)
                 r = drafting[i]
                 full = logits[i] if self.rows is None else self.rows.full_logits(hidden[i], vocab)  # (V,)
                 q_rows[i].append(probabilities(full, r.sampling))
                 x = int(sample(q_rows[i][-1], r.generator))
-                logp[-1][i], chains[-1][i] = [math.log(float(q_rows[i][-1][x]))], [x]
+                drawn[(d, i)] = (math.log(float(q_rows[i][-1][x])), x)
+                fed[i, 0] = x
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
-            fed = [[place[0]] for place in chains[-1]]  # (B, 1)
             states = self.forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
             hidden = states[:, 0]  # (B, E)
+        logp, chains = _read_places(places, drawn)
         out = {}
         for i, r in enumerate(drafting):
             self.drafted[r.id] = [place[i][0] for place in chains[:-1]]  # the chain: the top guess at each place
@@ -201,3 +205,22 @@ class DraftGuesser(Guesser):
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "draft": self.draft.name, "gamma": self.depth}
+
+
+def _read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
+                 ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
+    """The chain's places back on the host in one transfer each for the log-probabilities and the ids: (D, B, k)
+    lists, with the sampled requests' draws in place of their ranked guesses."""
+    widths = [ids.shape[1] for _, ids in places]
+    values = torch.cat([v for v, _ in places], dim=1).tolist()  # (B, sum of k)
+    tokens = torch.cat([ids for _, ids in places], dim=1).tolist()  # (B, sum of k)
+    logp: list[list[list[float]]] = []
+    chains: list[list[list[int]]] = []
+    at = 0
+    for d, k in enumerate(widths):
+        logp.append([row[at : at + k] for row in values])
+        chains.append([row[at : at + k] for row in tokens])
+        at += k
+    for (d, i), (log_q, x) in drawn.items():
+        logp[d][i], chains[d][i] = [log_q], [x]
+    return logp, chains
