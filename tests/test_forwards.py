@@ -128,7 +128,8 @@ def test_the_heads_guess_in_static_shapes_what_they_guess_eager(target, static, 
 def test_a_static_forward_writes_and_returns_what_an_eager_one_does_and_nothing_else(target, kv) -> None:
     """Three requests of different lengths, a tree of 3 tokens each (padded to 4 rows of 4 tokens on the paged
     cache): the same hidden states bit for bit, the same keys and values in every slot, and padding that reads
-    nothing a row wrote (NaN in the unwritten slots stays in the padding)."""
+    nothing a row wrote (NaN in the unwritten slots stays in the padding). Ids given as a tensor (as a draft's chain
+    feeds its guesses, a strided view at its first place) run as the same lists."""
     model = target.model
     rows = 3 if kv == "paged" else 1
 
@@ -137,9 +138,9 @@ def test_a_static_forward_writes_and_returns_what_an_eager_one_does_and_nothing_
         made.k.fill_(float("nan"))
         made.v.fill_(float("nan"))
         return made
-    eager_cache, static_cache = cache(), cache()
+    eager_cache, static_cache, fed_cache = cache(), cache(), cache()
     lengths = [7, 12, 5][:rows]
-    for made in (eager_cache, static_cache):
+    for made in (eager_cache, static_cache, fed_cache):
         for seq, length in enumerate(lengths):
             ids = torch.arange(10, 10 + length).unsqueeze(0)  # (1, T)
             model(ids, torch.arange(length).unsqueeze(0), made, [seq], num_logits=0)
@@ -149,6 +150,8 @@ def test_a_static_forward_writes_and_returns_what_an_eager_one_does_and_nothing_
     eager = Forwards(model, eager_cache)(list(range(rows)), ids, positions, tree)
     static = StaticForwards(model, static_cache)(list(range(rows)), ids, positions, tree)
     assert torch.equal(eager, static) and not static.isnan().any()
+    fed = torch.tensor([[t for t in row for _ in (0, 1)] for row in ids])[:, ::2]  # (B, 3), strided
+    assert torch.equal(StaticForwards(model, fed_cache)(list(range(rows)), fed, positions, tree), static)
     for ours, theirs in ((static_cache.k, eager_cache.k), (static_cache.v, eager_cache.v)):
         scratch = ours[:, -1] if kv == "paged" else ours[:, :, :, -1]
         tokens = ours[:, :-1] if kv == "paged" else ours[:, :, :, :-1]  # every slot but the scratch one
