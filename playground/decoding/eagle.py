@@ -7,8 +7,9 @@ the head up on those (one forward), which predicts the feature at the last token
 then it grows a tree: at each depth the `top_k` likeliest nodes of that depth (by the head's cumulative
 probability, calibrated by how often its guesses at that depth were kept) are expanded in one head forward, each
 reading its ancestors' keys beside the committed ones and giving `top_k` children. The likeliest nodes of all
-depths form the proposal (a parent is always likelier than its child, so they form a tree). Nothing drafted enters
-the head's own keys: what the target keeps comes back as real features the next step reads.
+depths form the proposal (a parent is always likelier than its child, so they form a tree). The tree grows on the
+device and comes back to the host once, chosen. Nothing drafted enters the head's own keys: what the target keeps
+comes back as real features the next step reads.
 """
 
 from __future__ import annotations
@@ -39,16 +40,6 @@ class _HeadState:
     v: torch.Tensor
     start: int
     features: torch.Tensor
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int  # index of the parent node, -1: the last token
-    depth: int  # 1 = right after the last token
-    logp: float  # the head's log-probability of the token given its parent
-    worth: float  # calibrated log-chance of reaching the node
-    feature: torch.Tensor  # (E,) the predicted feature its distribution came from (the parent's head output)
 
 
 class EagleProposer(Proposer):
@@ -128,76 +119,92 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def tree(self, request: RequestView, depth: int) -> Proposal:
-        """Catch the head up on the request's unread features, then grow its tree `depth` deep."""
-        state = self.states[request.id]
-        count = len(state.features)
-        positions = list(range(state.start, state.start + count))
-        next_tokens = request.tokens[state.start + 1 : state.start + count + 1]  # x_{t+1} for each feature f_t
-        visible = torch.ones(count, state.k.shape[1] + count, dtype=torch.bool).tril(state.k.shape[1])
-        out, k, v, top = self._forward(next_tokens, state.features, positions, state.k, state.v, visible, [count - 1])
-        state.k, state.v = torch.cat((state.k, k), 1), torch.cat((state.v, v), 1)
-        state.start, state.features = state.start + count, state.features[:0]
-        nodes = self._children(out[-1:], top, [-1], [0.0], [1])  # the feature at the last token: depth 1's guesses
-        expanded: list[int] = []  # nodes run through the head, in order; their keys are tree_k, tree_v's rows
-        tree_k, tree_v = state.k[:, :0], state.v[:, :0]
-        forwards = 1
-        for d in range(1, depth):
-            layer = [i for i, n in enumerate(nodes) if n.depth == d and n.token not in self.eos_ids]
-            chosen = sorted(layer, key=lambda i: -nodes[i].worth)[: self.top_k]
-            if not chosen:
-                break
-            # each chosen node sees the committed keys, its expanded ancestors and itself
-            visible = torch.zeros(len(chosen), state.k.shape[1] + len(expanded) + len(chosen), dtype=torch.bool)
-            visible[:, : state.k.shape[1]] = True
-            for row, i in enumerate(chosen):
-                ancestor = nodes[i].parent
-                while ancestor >= 0:
-                    visible[row, state.k.shape[1] + expanded.index(ancestor)] = True
-                    ancestor = nodes[ancestor].parent
-                visible[row, state.k.shape[1] + len(expanded) + row] = True
-            out, k, v, top = self._forward([nodes[i].token for i in chosen],
-                                           torch.stack([nodes[i].feature for i in chosen]),
-                                           [request.num_computed + d - 1] * len(chosen),
-                                           torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible,
-                                           list(range(len(chosen))))
-            tree_k, tree_v = torch.cat((tree_k, k), 1), torch.cat((tree_v, v), 1)
-            expanded += chosen
-            forwards += 1
-            nodes += self._children(out, top, chosen, [nodes[i].worth for i in chosen], [d + 1] * len(chosen))
-        # The likeliest nodes, best first; a child is never likelier than its parent, and the sort is stable by
-        # depth, so parents come first.
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].worth, nodes[i].depth))[: self.nodes]
-        row = {i: r + 1 for r, i in enumerate(order)}
-        kept = [nodes[i] for i in order]
-        return Proposal([n.token for n in kept], [0 if n.parent < 0 else row[n.parent] for n in kept],
-                        [self.label] * len(kept), [math.exp(n.worth) for n in kept],
-                        [math.exp(n.logp) for n in kept], forwards=forwards)
-
-    def _forward(self, tokens: list[int], features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
-                 past_v: torch.Tensor, visible: torch.Tensor,
-                 scored: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[list, list]]:
-        """The head over T new positions: predicted features (T, E), their keys and values (Hkv, T, D), and the
-        top_k guesses after the features of the rows `scored` (S), as log-probabilities and token ids (S, top_k)."""
+        """Catch the head up on the request's unread features, then grow its tree `depth` deep. The tree grows on
+        the device, each depth's `top_k` likeliest nodes expanded, and comes back once, at the end."""
+        state, k = self.states[request.id], self.top_k
         device = self.target.model.device
+        count, committed = len(state.features), state.k.shape[1]
+        next_tokens = request.tokens[state.start + 1 : state.start + count + 1]  # x_{t+1} for each feature f_t
+        visible = torch.ones(count, committed + count, dtype=torch.bool).tril(committed).to(device)
+        out, new_k, new_v, logp, guesses = self._forward(
+            torch.tensor(next_tokens, device=device), state.features, list(range(state.start, state.start + count)),
+            state.k, state.v, visible, [count - 1])
+        state.k, state.v = torch.cat((state.k, new_k), 1), torch.cat((state.v, new_v), 1)
+        state.start, state.features = state.start + count, state.features[:0]
+        committed += count
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
+        # Every node in order of depth (N,): depth 1's top_k guesses after the last token's predicted feature, then
+        # top_k children of each node expanded. A node's worth is its calibrated log-chance of being reached.
+        tokens, logps, parents = guesses[0], logp[0], torch.full((k,), -1, device=device)  # (k,) each
+        worths = (logps.double() + scale[0]).clamp(max=0.0)  # float64, as Python's floats sum
+        features = out[-1:].expand(k, -1)  # (k, E): the feature each node of the newest depth was guessed from
+        first = 0  # the newest depth's first node
+        ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (X, X): each expanded node's expanded line
+        tree_k, tree_v = state.k[:, :0], state.v[:, :0]
+        for d in range(1, depth):
+            # The newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that is
+            # expands too, its children worth nothing.
+            score = worths[first:].masked_fill(torch.isin(tokens[first:], eos), -math.inf)
+            best, chosen = (ranked[:k] for ranked in score.sort(descending=True, stable=True))  # (k,): within it
+            expanded = ancestry.shape[0]
+            line = torch.zeros(k, expanded + k, dtype=torch.bool, device=device)  # (k, X + k)
+            if d > 1:  # a chosen node's parent is the (chosen // k)-th of the k nodes expanded last
+                line[:, :expanded] = ancestry[expanded - k + torch.div(chosen, k, rounding_mode="floor")]
+            line[:, expanded:] = torch.eye(k, dtype=torch.bool, device=device)
+            ancestry = torch.cat((torch.cat((ancestry, ancestry.new_zeros(expanded, k)), 1), line))
+            # each chosen node sees the committed keys, its expanded ancestors and itself
+            visible = torch.cat((line.new_ones(k, committed), line), 1)  # (k, committed + X + k)
+            out, new_k, new_v, logp, guesses = self._forward(
+                tokens[first:][chosen], features[chosen], [request.num_computed + d - 1] * k,
+                torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible, list(range(k)))
+            tree_k, tree_v = torch.cat((tree_k, new_k), 1), torch.cat((tree_v, new_v), 1)
+            parents = torch.cat((parents, (first + chosen).repeat_interleave(k)))
+            first = len(tokens)
+            tokens, logps = torch.cat((tokens, guesses.flatten())), torch.cat((logps, logp.flatten()))
+            worths = torch.cat((worths, (best.unsqueeze(1) + (logp.double() + scale[d]).clamp(max=0.0)).flatten()))
+            features = out.repeat_interleave(k, dim=0)  # (k * k, E)
+        return self._proposal(tokens, logps, parents, worths, forwards=depth)
+
+    def _proposal(self, tokens: torch.Tensor, logps: torch.Tensor, parents: torch.Tensor, worths: torch.Tensor,
+                  forwards: int) -> Proposal:
+        """The likeliest of a tree's nodes (N,), best first, read back in one transfer. A child is never likelier
+        than its parent, the nodes are in order of depth and the sort is stable, so parents come first."""
+        order = worths.sort(descending=True, stable=True).indices[: self.nodes]  # (n,)
+        read = torch.stack((order.double(), tokens[order].double(), parents[order].double(), worths[order],
+                            logps[order].double())).tolist()  # (5, n)
+        row: dict[int, int] = {}
+        kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
+        for node, token, parent, worth, logp in zip(*read):
+            if worth > -math.inf:  # not below an end of sequence
+                row[int(node)] = len(kept) + 1
+                kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
+        return Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept], [self.label] * len(kept),
+                        [c for _, _, c, _ in kept], [p for _, _, _, p in kept], forwards=forwards)
+
+    def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
+                 past_v: torch.Tensor, visible: torch.Tensor,
+                 scored: list[int]) -> tuple[torch.Tensor, ...]:
+        """The head over T new positions, tokens (T,) and visible (T, L + T) on the device: predicted features
+        (T, E), their keys and values (Hkv, T, D), and the top_k guesses after the features of the rows `scored`
+        (S), as log-probabilities and token ids (S, top_k), all left on the device."""
+        t, s = len(tokens), len(scored)
+        at, rows = torch.tensor(positions + scored, device=self.target.model.device).split([t, s])
         if self.captured is None:
-            ids, at, rows = (torch.tensor(values, device=device) for values in (tokens, positions, scored))
-            out, k, v, logp, guesses = self._head(ids, features, at, past_k, past_v, visible.to(device), rows)
+            out, k, v, logp, guesses = self._head(tokens, features, at, past_k, past_v, visible, rows)
         else:  # padded: T and S to powers of two, the keys before to a power of two from MIN_KEYS
-            t, s, (heads, past, dim) = bucket(len(tokens)), bucket(len(scored)), past_k.shape
+            padded, (heads, past, dim) = bucket(t), past_k.shape
             keys = bucket(past, MIN_KEYS)
-            seen = torch.zeros(t, keys + t, dtype=torch.bool)  # (t, keys + t)
-            seen[:, keys:] = torch.eye(t, dtype=torch.bool)  # padding rows see themselves
-            seen[: len(tokens), :past] = visible[:, :past]
-            seen[: len(tokens), keys : keys + len(tokens)] = visible[:, past:]
-            # the integer inputs and the mask in one transfer
-            host = torch.cat((torch.tensor(tokens + positions + scored), seen.view(-1).long()))
-            ids, at, rows, flat = host.to(device).split([len(tokens), len(tokens), len(scored), seen.numel()])
-            shapes = ((t,), (t, features.shape[1]), (t,), (heads, keys, dim), (heads, keys, dim), seen.shape, (s,))
-            out, k, v, logp, guesses = self.captured(
-                (ids, features, at, past_k, past_v, flat.view(seen.shape).bool(), rows), shapes)
-            out, k, v = out[: len(tokens)], k[:, : len(tokens)], v[:, : len(tokens)]
-            logp, guesses = logp[: len(scored)], guesses[: len(scored)]
-        return out, k, v, (logp.tolist(), guesses.tolist())
+            seen = torch.zeros(padded, keys + padded, dtype=torch.bool, device=visible.device)  # (t, keys + t)
+            seen[:, keys:] = torch.eye(padded, dtype=torch.bool, device=visible.device)  # padding rows see themselves
+            seen[:t, :past] = visible[:, :past]
+            seen[:t, keys : keys + t] = visible[:, past:]
+            shapes = ((padded,), (padded, features.shape[1]), (padded,), (heads, keys, dim), (heads, keys, dim),
+                      seen.shape, (bucket(s),))
+            out, k, v, logp, guesses = self.captured((tokens, features, at, past_k, past_v, seen, rows), shapes)
+            out, k, v = out[:t], k[:, :t], v[:, :t]
+            logp, guesses = logp[:s], guesses[:s]
+        return out, k, v, logp, guesses
 
     def _head(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
               past_v: torch.Tensor, visible: torch.Tensor,
@@ -211,17 +218,6 @@ class EagleProposer(Proposer):
                                     past_k.unsqueeze(0), past_v.unsqueeze(0), visible.unsqueeze(0))
         top = self.eagle.output.logits(out[0][scored]).log_softmax(-1).topk(self.top_k, dim=-1)  # (S, top_k)
         return out[0], k[0], v[0], top.values, self.eagle.vocab_ids[top.indices]
-
-    def _children(self, features: torch.Tensor, top: tuple[list, list], parents: list[int], worths: list[float],
-                  depths: list[int]) -> list[_Node]:
-        """Nodes below `parents` for the top_k guesses `top` (log-probabilities, token ids) after each of the
-        (T, E) predicted features."""
-        scale = [math.log(self.calibration.scale(d - 1)) for d in depths]
-        children = []
-        for row, (parent, worth, depth) in enumerate(zip(parents, worths, depths)):
-            for lp, token in zip(top[0][row], top[1][row]):
-                children.append(_Node(token, parent, depth, lp, worth + min(0.0, lp + scale[row]), features[row]))
-        return children
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "head": self.eagle.folder.name, "depth": self.depth, "top_k": self.top_k,
