@@ -11,7 +11,8 @@ from playground.config import GenerationParams
 from playground.decoding.base import forward_tokens
 from playground.decoding.base import new_cache as decoding_cache
 from playground.kv import ContiguousKVCache
-from playground.models import Transformer, UnsupportedModelError, native
+from playground.models import Transformer, UnsupportedModelError, compiled, native
+from playground.models.forwards import make_forwards
 from playground.models.loader import build_model
 from playground.models.linear import linear, pack
 from playground.models.vocab import output_rows
@@ -96,6 +97,24 @@ def test_tiny_families_match_transformers(family: str, route: str, monkeypatch: 
     assert (logits - expected).abs().max().item() <= TOL
     incremental = prefill_then_decode(model, ids[:1], split=7)
     assert (incremental - expected[:1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_compiled_layers_compute_what_each_familys_layers_do(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`models.compiled`'s two functions, run here uncompiled (tests/test_forwards.py compiles them), in every layer
+    of a verifying forward: q/k norms, qkv biases, head sizes, tied or not."""
+    calls = []
+    monkeypatch.setattr(compiled, "compiled", lambda: calls.append(1) or (compiled.attention_in, compiled.mlp_block))
+    _, model = tiny_pair(family)
+    torch.manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 12))
+    hidden = []
+    for mode in ("static", "compiled"):
+        cache = new_cache(model)
+        forward_tokens(model, cache, ids[0, :9].tolist())
+        hidden.append(make_forwards(model, cache, mode)([0], ids[:, 9:].tolist(), [[9, 10, 11]]))  # (1, 3, E)
+    assert len(calls) == TINY["num_hidden_layers"]
+    torch.testing.assert_close(hidden[1], hidden[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])

@@ -1,15 +1,16 @@
 """`--forwards compiled`: the static forwards (`models.forwards`) with each layer's work around attention in two
 functions compiled by `torch.compile` (Inductor). PyTorch's ops run a layer as some thirty kernels, each a launch
 and a pass over memory: the norms (several ops each), RoPE's four, SwiGLU's activation and product, the residual
-adds. Compiled, the elementwise work fuses into the products' neighbours and a layer runs about a dozen; the
-products stay the vendor's (cuBLAS), the cache writes and attention stay eager. A CUDA graph (`graphs`) removes the
-launches' host work but still runs every kernel one after another, a few microseconds each however small, so on a
-GPU the forward's time in graphs is about its kernels times that: fewer kernels is what makes it shorter
-(`scripts/gpu_check.py` counts them).
+adds. Compiled, that elementwise work fuses with its neighbours into fewer kernels; the products stay the vendor's
+(cuBLAS on a GPU), the cache writes and attention stay eager. A CUDA graph (`graphs`) removes the launches' host
+work but still runs every kernel one after another, a few microseconds each however small, so on a GPU the
+forward's time in graphs is about its kernels times that: fewer kernels is what makes it shorter
+(`scripts/gpu_check.py` counts them both ways).
 
-The functions take tensors only (weights as arguments), so one compiled graph serves every layer; they compile once
-per input shape on first use, which with one width (`forwards.one_width`) is one shape for all of an engine's decode
-forwards. Layers that the native CPU kernel runs keep it.
+The functions take tensors only (weights as arguments), so one compiled graph serves every layer. They compile on
+first use, and again for an input shape not seen before (from the second, one graph for any such shape); with one
+width (`forwards.one_width`) all of an engine's decode forwards have one shape. Layers the native CPU kernel runs
+keep it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def mlp_block(x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, n
 
 @functools.cache
 def compiled() -> tuple:
-    """The two functions compiled (once per process; each compiles again per new input shape on first use)."""
+    """The two functions compiled, once per process (the compiler's work happens at their first calls)."""
     return torch.compile(attention_in, fullgraph=True), torch.compile(mlp_block, fullgraph=True)
 
 

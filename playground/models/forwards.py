@@ -2,7 +2,7 @@
 cache holds, returning the final hidden states (B, T, E). Prefill chunks are not these (`Runner` runs them as they
 come).
 
-Three ways, one contract (`ModelSpec.forwards`; the loader resolves "auto"):
+Four ways, one contract (`ModelSpec.forwards`; the loader resolves "auto"):
 - eager: every forward as long as its rows and its keys, built on the host (the CPU's way: the native kernel is
   fastest on exact shapes);
 - static: every forward padded to a bucket of (rows, tokens per row, keys) - powers of two - whose inputs are the
@@ -278,13 +278,19 @@ def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int =
         return Forwards(model, cache)
     if mode not in ("static", "graphs", "compiled"):
         raise ValueError(f"forwards must be one of eager, static, graphs, compiled, got {mode!r}")
-    graphs = mode == "graphs" or (mode == "compiled" and model.device.type == "cuda")
+    graphs = captures(mode, model.device)
     width, fused = ONE_WIDTH if one_width(model, requests) else None, mode == "compiled"
     shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width, fused), [])
     forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None, fused)
     forwards._shelf, forwards._lease = shelf, [forwards.shapes]
     weakref.finalize(forwards, _shelve, shelf, forwards._lease)  # collected without a release
     return forwards
+
+
+def captures(mode: str, device: torch.device) -> bool:
+    """Whether static forwards of this mode (and the proposers' heads beside them) are captured in CUDA graphs:
+    `graphs`, and `compiled` on a CUDA GPU."""
+    return mode == "graphs" or (mode == "compiled" and device.type == "cuda")
 
 
 def one_width(model: Transformer, requests: int) -> bool:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ModelSpec
 from ..paths import default_cache_root
 from . import native
+from .forwards import captures
 from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
 from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
                           hf_state_to_native, rope_frequencies)
@@ -83,7 +84,7 @@ class LoadedModel:
     @property
     def graphs(self) -> bool:
         """Whether its static forwards (and the proposers' heads beside them) are captured in CUDA graphs."""
-        return self.forwards == "graphs" or (self.forwards == "compiled" and self.model.device.type == "cuda")
+        return captures(self.forwards, self.model.device)
 
     @property
     def chat(self) -> bool:
