@@ -92,6 +92,7 @@ def forward_costs(rows: list, device: str) -> tuple[str, float]:
     eager = forward_times(model, lambda cache: Forwards(model, cache))
     ways: dict[str, float] = {}
     for mode, fused in (("graphs" if graphs else "static", False), ("compiled", True)):
+        started = time.perf_counter()
         try:
             buckets = forward_times(model, lambda cache: StaticForwards(model, cache, graphs, compiled=fused))
             one = forward_times(model, lambda cache: StaticForwards(model, cache, graphs, ONE_WIDTH, compiled=fused))
@@ -112,6 +113,8 @@ def forward_costs(rows: list, device: str) -> tuple[str, float]:
         row(rows, (f"kernels of a one-token forward, {mode}; its time per kernel", f"{launched}; {per_kernel}",
                    "(information: a graph replays each kernel)", "-"))
         ways[mode] = one[1] if one_width(model, 1) else buckets[1]
+        row(rows, (f"seconds to measure {mode}, its compiles and captures included",
+                   f"{time.perf_counter() - started:.0f} s", "(information)", "-"))
     fast = min(ways, key=ways.__getitem__)
     row(rows, ("forwards the other checks run", fast, "(the shorter one-token forward)", "-"))
     return fast, ways[fast]
@@ -119,7 +122,8 @@ def forward_costs(rows: list, device: str) -> tuple[str, float]:
 
 def waits(rows: list, device: str, fast: str) -> None:
     """How often a decode step waits for the device, in plain decoding (the issue's goal: at most once) and with each
-    model-based proposer (information: a draft's chain reads its guesses back once, EAGLE's tree once per depth): the
+    model-based proposer (information: the draft's chain, the Medusa heads and EAGLE's tree each read their guesses
+    back once a step, a sampled draft once per place): the
     synchronizing CUDA operations PyTorch's sync debug mode reports, over the steps one generation makes more than a
     shorter one (so the engine's set-up and the prefill cancel out). CUDA only."""
     name = "device waits per decode step"
