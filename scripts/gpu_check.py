@@ -123,9 +123,9 @@ def forward_costs(rows: list, device: str) -> tuple[str, float]:
 def waits(rows: list, device: str, fast: str) -> None:
     """How often a decode step waits for the device, in plain decoding (the issue's goal: at most once) and with each
     model-based proposer (information: the draft's chain, the Medusa heads and EAGLE's tree each read their guesses
-    back once a step, a sampled draft once per place): the
-    synchronizing CUDA operations PyTorch's sync debug mode reports, over the steps one generation makes more than a
-    shorter one (so the engine's set-up and the prefill cancel out). CUDA only."""
+    back once a step, a sampled draft once per place): the synchronizing CUDA operations PyTorch's sync debug mode
+    reports, over the steps one generation makes more than a shorter one (so the engine's set-up and the prefill
+    cancel out). CUDA only."""
     name = "device waits per decode step"
     if device != "cuda":
         row(rows, (name, "-", "plain <= 1", "(CUDA only)"))
