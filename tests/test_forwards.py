@@ -203,7 +203,7 @@ def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(ta
         forward_tokens(half.model, cache, list(range(1, 30)))
         rows.append(make_forwards(half.model, cache, mode)([0], [[7, 8]], [[29, 30]]).float())  # (1, 2, E)
     assert len(layers) == half.model.config.num_layers
-    assert (rows[1] - rows[0]).norm() < 0.05 * rows[0].norm()  # eager and static differ by 2-3% in bfloat16
+    assert (rows[1] - rows[0]).norm() < 0.05 * rows[0].norm()  # bfloat16 rounding alone moves eager from static as far
     for kv in KV_KINDS:
         generation = GenerationParams(max_new_tokens=8, kv=kv, block_size=4)
         plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:2]}
