@@ -55,7 +55,7 @@ class EagleProposer(Proposer):
         self.depth, self.top_k = params.depth, params.top_k
         self.nodes = params.nodes or (EAGLE_GPU_NODES if gpu else EAGLE_CPU_NODES)
         self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a head forward's cost, measured as it runs
-        self.eos_ids = frozenset(target.eos_token_ids)
+        self.eos = torch.tensor(sorted(set(target.eos_token_ids)), device=target.model.device)  # (n,): never expanded
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
@@ -132,7 +132,6 @@ class EagleProposer(Proposer):
         state.k, state.v = torch.cat((state.k, new_k), 1), torch.cat((state.v, new_v), 1)
         state.start, state.features = state.start + count, state.features[:0]
         committed += count
-        eos = torch.tensor(sorted(self.eos_ids), device=device)
         scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
         # Every node in order of depth (N,): depth 1's top_k guesses after the last token's predicted feature, then
         # top_k children of each node expanded. A node's worth is its calibrated log-chance of being reached.
@@ -145,7 +144,7 @@ class EagleProposer(Proposer):
         for d in range(1, depth):
             # The newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that is
             # expands too, its children worth nothing.
-            score = worths[first:].masked_fill(torch.isin(tokens[first:], eos), -math.inf)
+            score = worths[first:].masked_fill(torch.isin(tokens[first:], self.eos), -math.inf)
             best, chosen = (ranked[:k] for ranked in score.sort(descending=True, stable=True))  # (k,): within it
             expanded = ancestry.shape[0]
             line = torch.zeros(k, expanded + k, dtype=torch.bool, device=device)  # (k, X + k)
