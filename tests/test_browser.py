@@ -120,9 +120,11 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     page.get_by_role("button", name="Decode").click()
     expect(page.locator("#pg-stats")).to_contain_text("tok/s", timeout=120_000)
     expect(page.locator("#pg-stats h3")).to_contain_text("x plain decoding (median of 3 rounds)")
-    # the measured run replays by itself and ends on its last step
+    # the measured run replays by itself and ends on its last step (a step the replay holds for over a second, on a
+    # busy machine, would look settled before its end)
     slider = page.locator("#pg-step input[type=range]")
     last = slider.get_attribute("max")
+    expect(slider).to_have_value(last, timeout=30_000)
     assert settled(page, slider) == int(last)
     tokens = page.locator("#pg-generated .pg-tok")
     assert tokens.count() > 3
