@@ -8,13 +8,14 @@ can treat greedy and sampled decoding alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .config import SamplingParams
 from .models import native
+from .waits import to_device
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -83,8 +84,7 @@ def softmax_at(logits: torch.Tensor, cells: list[tuple[int, int]]) -> list[float
     first = min(row for row, _ in cells)
     # the span of rows named is a view: normalising its few unnamed rows costs less than gathering the named ones
     normaliser = greedy_rows(logits[first : max(row for row, _ in cells) + 1])[1].tolist()
-    rows = torch.tensor([row for row, _ in cells], device=logits.device)  # (C,)
-    tokens = torch.tensor([token for _, token in cells], device=logits.device)  # (C,)
+    rows, tokens = to_device([list(cell) for cell in zip(*cells)], logits.device)  # (C,) each
     return [math.exp(value - normaliser[row - first])
             for (row, _), value in zip(cells, logits[rows, tokens].tolist())]
 
@@ -120,7 +120,7 @@ def next_token(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         flat = logits.float().reshape(-1, logits.shape[-1])  # (N, V)
         argmax, normaliser = greedy_rows(flat)
-        token = torch.tensor(argmax, device=logits.device)  # (N,)
+        token = to_device(argmax, logits.device)  # (N,)
         p = (flat.gather(1, token.unsqueeze(1)).squeeze(1) - normaliser.to(logits.device)).exp()  # (N,)
         return token.view(logits.shape[:-1]), p.view(logits.shape[:-1])
     probs = probabilities(logits, params)
@@ -137,6 +137,8 @@ class Drawn:
     tokens: list[int]
     probs: list[float]
     states: tuple[torch.Tensor, ...] = ()
+    nodes: Sequence[float] = ()  # the probability of each proposed node under its parent's row, as a trace shows it
+    side: Sequence[int] = ()  # the argmax of each side row read
 
     def rewind(self, generator: torch.Generator, draws: int) -> None:
         """Leave the generator where a walk that drew `draws` rows one by one would have left it."""
@@ -144,24 +146,30 @@ class Drawn:
             generator.set_state(self.states[draws])
 
 
-def draws_ahead(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                depths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+def draws_ahead(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                depths: list[int] | None = None, cells: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Every row's draw of logits (N, V) without waiting for the device: tokens (N,) and their probabilities (N,) on
-    the device, as `next_token` gives them, and the generator's states for `Drawn`. Greedy: the argmax and its
-    softmax probability. Sampled: row i drawn with the uniform of its depth depths[i] (the walk's draw number), drawn
-    from the generator one depth at a time as the walk would draw them."""
+    the device, as `next_token` gives them, the probability (C,) of each (row, token) of `cells` (2, C) as a trace
+    shows it (`shown_probabilities`; empty without cells), and the generator's states for `Drawn`. Greedy: the
+    argmax and its softmax probability. Sampled: row i drawn with the uniform of its depth depths[i] (the walk's draw
+    number), drawn from the generator one depth at a time as the walk would draw them."""
     flat = logits.float()  # (N, V)
     if params.greedy:
         token = flat.argmax(-1)  # (N,)
-        return token, (flat.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(flat, -1)).exp(), ()
+        normaliser = torch.logsumexp(flat, -1)  # (N,)
+        prob = (flat.gather(1, token.unsqueeze(1)).squeeze(1) - normaliser).exp()  # (N,)
+        at = flat.new_zeros(0) if cells is None else (flat[cells[0], cells[1]] - normaliser[cells[0]]).exp()  # (C,)
+        return token, prob, at, ()
     states, uniforms = [], []
     for _ in range(max(depths) + 1):
         states.append(generator.get_state())
         uniforms.append(torch.rand(1, 1, generator=generator, dtype=torch.float64, device=logits.device))
     states.append(generator.get_state())
     probs = probabilities(flat, params)  # (N, V)
-    token = sample(probs, None, torch.cat(uniforms)[torch.tensor(depths, device=logits.device)])  # (N,)
-    return token, probs.gather(1, token.unsqueeze(1)).squeeze(1), tuple(states)
+    token = sample(probs, None, torch.cat(uniforms)[to_device(depths, logits.device)])  # (N,)
+    at = flat.new_zeros(0) if cells is None else probs[cells[0], cells[1]]  # (C,)
+    return token, probs.gather(1, token.unsqueeze(1)).squeeze(1), at, tuple(states)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +195,7 @@ def verify_lossless(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
     were really drawn from (one-hot rows for n-gram or lookahead guesses).
     """
     k = len(proposals)
-    index = torch.tensor(proposals, device=p.device).unsqueeze(1)  # (K, 1)
+    index = to_device(proposals, p.device).unsqueeze(1)  # (K, 1)
     p_x = p[:k].gather(1, index).squeeze(1)  # (K,)
     q_x = q.gather(1, index).squeeze(1)  # (K,)
     u = torch.rand(k, generator=generator, device=p.device)  # (K,)

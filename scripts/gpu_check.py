@@ -122,13 +122,14 @@ def forward_costs(rows: list, device: str) -> tuple[str, float]:
 
 def waits(rows: list, device: str, fast: str) -> None:
     """How often a decode step waits for the device, in plain decoding (the issue's goal: at most once) and with each
-    model-based proposer (information: the draft's chain, the Medusa heads and EAGLE's tree each read their guesses
-    back once a step, a sampled draft once per place): the synchronizing CUDA operations PyTorch's sync debug mode
-    reports, over the steps one generation makes more than a shorter one (so the engine's set-up and the prefill
-    cancel out). CUDA only."""
+    model-based proposer (the draft's chain, the Medusa heads and EAGLE's trees read their guesses back once a step,
+    so at most twice; a draft that samples, `sample`, once per place): the synchronizing CUDA operations PyTorch's
+    sync debug mode reports, over the steps one generation makes more than a shorter one (so the engine's set-up and
+    the prefill cancel out). CUDA only; `tests/test_waits.py` counts on the CPU where the same steps would wait."""
     name = "device waits per decode step"
+    goal = "plain <= 1, proposers <= 2"
     if device != "cuda":
-        row(rows, (name, "-", "plain <= 1", "(CUDA only)"))
+        row(rows, (name, "-", goal, "(CUDA only; counted on the CPU by tests/test_waits.py)"))
         return
     target = load_model(ModelSpec(device=device, dtype="float32", forwards=fast))
     measured = {}
@@ -149,8 +150,9 @@ def waits(rows: list, device: str, fast: str) -> None:
                             sum("synchroniz" in str(w.message) for w in caught)))
         (short, short_waits), (long, long_waits) = counted
         measured[algo or "plain"] = (long_waits - short_waits) / (long - short) if long > short else float("nan")
-    row(rows, (name, ", ".join(f"{algo} {per_step:.2f}" for algo, per_step in measured.items()), "plain <= 1",
-               yes(measured["plain"] <= 1)))
+    proposers = [per_step for algo, per_step in measured.items() if algo != "plain"]
+    row(rows, (name, ", ".join(f"{algo} {per_step:.2f}" for algo, per_step in measured.items()), goal,
+               yes(measured["plain"] <= 1 and max(proposers) <= 2)))
 
 
 def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path, one_s: float) -> None:

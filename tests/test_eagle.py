@@ -110,14 +110,14 @@ def test_the_head_reads_each_feature_once_and_drafts_every_step(target, head) ->
     the last token's predecessor) and its keys grow by exactly the tokens committed."""
     proposer = eagle(target, head)
     seen: list[tuple[int, int]] = []
-    original = proposer.tree
+    original = proposer.grow
 
-    def tree(request, depth):
-        proposal = original(request, depth)
+    def grow(request, depth):
+        tree = original(request, depth)
         state = proposer.states[request.id]
         seen.append((state.k.shape[1], request.num_computed))
-        return proposal
-    proposer.tree = tree
+        return tree
+    proposer.grow = grow
     output, trace = generate(target, PROMPTS[2], proposer, SamplingParams(), GenerationParams(max_new_tokens=30))
     assert seen and all(keys == computed for keys, computed in seen)  # keys at positions 0 .. last token - 1
     steps = {e.step for e in trace.events if isinstance(e, DraftEvent)}  # the engine may trim a tree away

@@ -131,7 +131,7 @@ def test_draws_made_beforehand_give_the_same_walk_and_leave_the_stream_where_it_
         proposals = [int(logits[parent].argmax()) if i in (0, 2, 4, 5) else int(torch.randint(0, 9, ()))
                      for i, parent in enumerate(parents)]
         ahead, by_row = make_generator(seed), make_generator(seed)
-        token, p, states = draws_ahead(logits, params, ahead, depths)
+        token, p, _, states = draws_ahead(logits, params, ahead, depths)
         drawn = Drawn(token.tolist(), p.tolist(), states)
         ours = list(accept(logits, proposals, parents, params, ahead, drawn=drawn))
         drawn.rewind(ahead, len(ours))

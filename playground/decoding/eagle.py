@@ -26,6 +26,7 @@ from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, EagleParams
 from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
+from ..waits import to_device
 from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
@@ -108,7 +109,9 @@ class EagleProposer(Proposer):
         if not depth:
             return {}
         start = time.perf_counter()
-        trees = {r.id: self.tree(r, min(room, depth)) for r, room in ready}
+        depths = [min(room, depth) for _, room in ready]
+        grown = [self.grow(r, d) for (r, _), d in zip(ready, depths)]
+        trees = dict(zip([r.id for r, _ in ready], self._proposals(grown, depths)))
         self.own.record(time.perf_counter() - start, depth, cost.one_s)
         return trees
 
@@ -118,16 +121,17 @@ class EagleProposer(Proposer):
             state.start + len(state.features) == request.num_computed
 
     @torch.inference_mode()
-    def tree(self, request: RequestView, depth: int) -> Proposal:
-        """Catch the head up on the request's unread features, then grow its tree `depth` deep. The tree grows on
-        the device, each depth's `top_k` likeliest nodes expanded, and comes back once, at the end."""
+    def grow(self, request: RequestView, depth: int) -> torch.Tensor:
+        """Catch the head up on the request's unread features, then grow its tree `depth` deep on the device, each
+        depth's `top_k` likeliest nodes expanded: its likeliest nodes, best first, as rows of node index, token,
+        parent index, worth and head log-probability (5, n) float64, left on the device."""
         state, k = self.states[request.id], self.top_k
         device = self.target.model.device
         count, committed = len(state.features), state.k.shape[1]
         next_tokens = request.tokens[state.start + 1 : state.start + count + 1]  # x_{t+1} for each feature f_t
-        visible = torch.ones(count, committed + count, dtype=torch.bool).tril(committed).to(device)
+        visible = to_device(torch.ones(count, committed + count, dtype=torch.bool).tril(committed), device)
         out, new_k, new_v, logp, guesses = self._forward(
-            torch.tensor(next_tokens, device=device), state.features, list(range(state.start, state.start + count)),
+            to_device(next_tokens, device), state.features, list(range(state.start, state.start + count)),
             state.k, state.v, visible, [count - 1])
         state.k, state.v = torch.cat((state.k, new_k), 1), torch.cat((state.v, new_v), 1)
         state.start, state.features = state.start + count, state.features[:0]
@@ -163,23 +167,28 @@ class EagleProposer(Proposer):
             tokens, logps = torch.cat((tokens, guesses.flatten())), torch.cat((logps, logp.flatten()))
             worths = torch.cat((worths, (best.unsqueeze(1) + (logp.double() + scale[d]).clamp(max=0.0)).flatten()))
             features = out.repeat_interleave(k, dim=0)  # (k * k, E)
-        return self._proposal(tokens, logps, parents, worths, forwards=depth)
-
-    def _proposal(self, tokens: torch.Tensor, logps: torch.Tensor, parents: torch.Tensor, worths: torch.Tensor,
-                  forwards: int) -> Proposal:
-        """The likeliest of a tree's nodes (N,), best first, read back in one transfer. A child is never likelier
-        than its parent, the nodes are in order of depth and the sort is stable, so parents come first."""
+        # the likeliest nodes (n,), best first: a child is never likelier than its parent, the nodes are in order of
+        # depth and the sort is stable, so parents come first
         order = worths.sort(descending=True, stable=True).indices[: self.nodes]  # (n,)
-        read = torch.stack((order.double(), tokens[order].double(), parents[order].double(), worths[order],
-                            logps[order].double())).tolist()  # (5, n)
-        row: dict[int, int] = {}
-        kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
-        for node, token, parent, worth, logp in zip(*read):
-            if worth > -math.inf:  # not below an end of sequence
-                row[int(node)] = len(kept) + 1
-                kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
-        return Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept], [self.label] * len(kept),
-                        [c for _, _, c, _ in kept], [p for _, _, _, p in kept], forwards=forwards)
+        return torch.stack((order.double(), tokens[order].double(), parents[order].double(), worths[order],
+                            logps[order].double()))  # (5, n)
+
+    def _proposals(self, grown: list[torch.Tensor], depths: list[int]) -> list[Proposal]:
+        """The trees `grow` left on the device (5, n_i), `depths` deep, read back in one transfer, as proposals."""
+        read = torch.cat(grown, dim=1).tolist()  # (5, sum of n_i)
+        proposals, at = [], 0
+        for nodes, depth in zip((tree.shape[1] for tree in grown), depths):
+            row: dict[int, int] = {}
+            kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
+            for node, token, parent, worth, logp in zip(*(values[at : at + nodes] for values in read)):
+                if worth > -math.inf:  # not below an end of sequence
+                    row[int(node)] = len(kept) + 1
+                    kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
+            proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
+                                      [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
+                                      forwards=depth))
+            at += nodes
+        return proposals
 
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
                  past_v: torch.Tensor, visible: torch.Tensor,
@@ -188,7 +197,7 @@ class EagleProposer(Proposer):
         (T, E), their keys and values (Hkv, T, D), and the top_k guesses after the features of the rows `scored`
         (S), as log-probabilities and token ids (S, top_k), all left on the device."""
         t, s = len(tokens), len(scored)
-        at, rows = torch.tensor(positions + scored, device=self.target.model.device).split([t, s])
+        at, rows = to_device(positions + scored, self.target.model.device).split([t, s])
         if self.captured is None:
             out, k, v, logp, guesses = self._head(tokens, features, at, past_k, past_v, visible, rows)
         else:  # padded: T and S to powers of two, the keys before to a power of two from MIN_KEYS

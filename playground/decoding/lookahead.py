@@ -28,7 +28,6 @@ import torch
 
 from ..config import LookaheadParams
 from ..models import LoadedModel
-from ..sampling import argmax_rows
 from ..trace import LookaheadEvent
 from .planning import NgramAcceptance
 from .pools import TextPools, seed_pools, start_pools
@@ -135,7 +134,7 @@ class LookaheadProposer(Proposer):
             end = path[-1] if path else 0
             key = state.keys[path[0] - 1 if path else 0]
             state.accepted.record(key, len(path), len(path) + (end in proposal.parents))
-        state.window = slide(state.window, argmax_rows(outcome.side_logits), state.pools)
+        state.window = slide(state.window, outcome.side, state.pools)
 
     def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:
         """The window, the pools' size and the candidates the request's last proposal was made from."""

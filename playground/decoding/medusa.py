@@ -21,6 +21,7 @@ from ..config import DYNAMIC_TREE, ConfigError, MedusaParams, dynamic_nodes
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.medusa import LoadedHeads, load_heads
+from ..waits import to_device
 from .guesses import Guesser, Guesses
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
@@ -95,14 +96,15 @@ class MedusaGuesser(Guesser):
         start = time.perf_counter()
         k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)
         hidden = torch.stack([self.hidden[r.id] for r in ready])  # (B, E)
-        last = torch.tensor([r.tokens[r.num_computed] for r in ready], device=model.device)  # (B,)
+        last = to_device([r.tokens[r.num_computed] for r in ready], model.device)  # (B,)
         if self.captured is None:
             values, ids = self._top(hidden, last, depth, k)
         else:  # rows padded to a power of two
             rows = bucket(len(ready))
             values, ids = self.captured((hidden, last), ((rows, hidden.shape[1]), (rows,)), depth, k)
-        logp = values[: len(ready)].tolist()  # (B, D, k)
-        tokens = ids[: len(ready)].tolist()  # (B, D, k)
+        # log-probabilities and ids back in one transfer (float64 holds both exactly)
+        logp, read = torch.stack((values[: len(ready)].double(), ids[: len(ready)].double())).tolist()  # (B, D, k) each
+        tokens = [[[int(t) for t in place] for place in request] for request in read]
         self.own.record(time.perf_counter() - start, 1, cost.one_s)
         return {r.id: Guesses(lp, t) for r, lp, t in zip(ready, logp, tokens)}
 

@@ -112,14 +112,14 @@ class Outcome:
     """What the verifier kept of one request's step: the tokens drawn (`new`, the last a correction or bonus), the
     rows they were drawn from (`walk`: row 0, then the kept nodes' rows) and their probabilities (`probs`, as the
     trace shows them), whether the request finished, the final hidden states (R, E) of its verified rows and the
-    logits (S, V) of its side rows read."""
+    argmax of each of its side rows read."""
 
     new: list[int]
     walk: list[int]
     probs: list[float]
     done: bool
     hidden: torch.Tensor
-    side_logits: torch.Tensor | None
+    side: list[int] | None
 
     @property
     def path(self) -> list[int]:

@@ -25,6 +25,7 @@ from ..models.forwards import Forwards, make_forwards
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
+from ..waits import to_device
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
@@ -150,7 +151,7 @@ class DraftGuesser(Guesser):
             if width <= CATCH_UP:
                 states = self.forwards(seq_ids, ids, positions)  # (B, T, E)
             else:
-                _, states = model(torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device),
+                _, states = model(to_device(ids, model.device), to_device(positions, model.device),
                                   cache, seq_ids, num_logits=0)
             for i, ((r, unseen), start) in enumerate(zip(group, starts)):
                 last[r.id] = states[i, len(unseen) - 1]
@@ -209,11 +210,12 @@ class DraftGuesser(Guesser):
 
 def _read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
                  ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
-    """The chain's places back on the host in one transfer each for the log-probabilities and the ids: (D, B, k)
-    lists, with the sampled requests' draws in place of their ranked guesses."""
+    """The chain's places back on the host in one transfer, log-probabilities and ids together (float64 holds both
+    exactly): (D, B, k) lists, with the sampled requests' draws in place of their ranked guesses."""
     widths = [ids.shape[1] for _, ids in places]
-    values = torch.cat([v for v, _ in places], dim=1).tolist()  # (B, sum of k)
-    tokens = torch.cat([ids for _, ids in places], dim=1).tolist()  # (B, sum of k)
+    both = torch.stack([torch.cat([v.double() for v, _ in places], dim=1),
+                        torch.cat([ids.double() for _, ids in places], dim=1)]).tolist()  # (2, B, sum of k)
+    values, tokens = both[0], [[int(t) for t in row] for row in both[1]]
     logp: list[list[list[float]]] = []
     chains: list[list[list[int]]] = []
     at = 0

@@ -27,8 +27,9 @@ from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
-from ..sampling import Drawn, accept, draws_ahead, make_generator
+from ..sampling import Drawn, accept, argmax_rows, draws_ahead, make_generator
 from ..trace import Event, MemoryEvent
+from ..waits import to_device
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
@@ -264,9 +265,13 @@ class Engine:
         requests = plan.decode + [r for r, n in plan.prefill if r.num_computed + n >= len(r.tokens)]
         proposals = plan.proposals
         greedy = [r for r in requests if r.sampling.greedy]
-        parts = []  # (requests, their rows' tokens (N,) and probabilities (N,) on the device, generator states)
+        # (requests; on the device their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,)
+        # and side rows' argmax (S,); generator states)
+        parts = []
         if greedy:
-            parts.append((greedy, *draws_ahead(torch.cat([logits[r.id] for r in greedy]), greedy[0].sampling, None)))
+            token, prob, nodes, _ = draws_ahead(torch.cat([logits[r.id] for r in greedy]), greedy[0].sampling, None,
+                                                cells=self._cells(greedy, proposals, logits))
+            parts.append((greedy, token, prob, nodes, token[:0], ()))
         for r in requests:
             proposal = proposals.get(r.id)
             if r.sampling.greedy or proposal is not None and (proposal.q is not None or proposal.typical is not None):
@@ -274,27 +279,54 @@ class Engine:
             depths = [0]
             for parent in proposal.parents if proposal is not None else []:  # node i + 1 follows row parents[i]
                 depths.append(depths[parent] + 1)
-            parts.append(([r], *draws_ahead(logits[r.id][: len(depths)], r.sampling, r.generator, depths)))
+            rows = logits[r.id]
+            token, prob, nodes, states = draws_ahead(rows[: len(depths)], r.sampling, r.generator, depths,
+                                                     self._cells([r], proposals, logits))
+            side = rows[len(depths) :].argmax(-1) if len(rows) > len(depths) else token[:0]  # (S,)
+            parts.append(([r], token, prob, nodes, side, states))
         if not parts:
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()
             return {}
-        # tokens and probabilities in one transfer, the step's one wait for the device (float64 holds both exactly)
-        both = torch.cat([torch.cat([part[i] for part in parts]).double() for i in (1, 2)]).tolist()  # (2N,)
-        tokens, probs = [int(t) for t in both[: len(both) // 2]], both[len(both) // 2 :]
-        drawn, start = {}, 0
-        for group, token, _, states in parts:
+        # one transfer, the step's one wait for the device (float64 holds the tokens and probabilities exactly)
+        values = torch.cat([piece.double() for part in parts for piece in part[1:5] if len(piece)]).tolist()
+        drawn, at = {}, 0
+        for group, *pieces, states in parts:
+            split = []  # tokens, probabilities, nodes' probabilities, side rows' argmax
+            for piece in pieces:
+                split.append(values[at : at + len(piece)])
+                at += len(piece)
+            tokens, probs, nodes, side = split
+            row = node = 0
             for r in group:
-                end = start + (len(logits[r.id]) if r.sampling.greedy else len(token))
-                drawn[r.id], start = Drawn(tokens[start:end], probs[start:end], states), end
+                proposal = proposals.get(r.id)
+                k = len(proposal.tokens) if proposal is not None else 0
+                rows = len(logits[r.id]) if r.sampling.greedy else len(tokens)
+                mine = [int(t) for t in tokens[row : row + rows]]
+                drawn[r.id] = Drawn(mine, probs[row : row + rows], states, nodes[node : node + k],
+                                    mine[1 + k :] if r.sampling.greedy else [int(t) for t in side])
+                row, node = row + rows, node + k
         return drawn
+
+    def _cells(self, group: list[Request], proposals: dict[int, Proposal],
+               logits: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """Each proposed node's (row, token) among the rows of `group`'s logits stacked (2, C): the probabilities the
+        trace shows for refused nodes, drawn with the rest (None: no node)."""
+        rows, tokens, offset = [], [], 0
+        for r in group:
+            proposal = proposals.get(r.id)
+            if proposal is not None:
+                rows += [offset + parent for parent in proposal.parents]
+                tokens += proposal.tokens
+            offset += len(logits[r.id])
+        return to_device([rows, tokens], self.target.model.device) if rows else None
 
     def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
                  times: StepTimes, drawn: Drawn | None = None) -> RequestOutput:
         """Draw a request's new tokens from its rows of the step's logits (or read the draws made beforehand:
         `drawn`) and commit them to its cache."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
-        read, side_logits = logits[: 1 + len(tokens)], logits[1 + len(tokens) :]
+        read = logits[: 1 + len(tokens)]
         new, walk, probs, done = [], [], [], False
         q, typical = (proposal.q, proposal.typical) if proposal else (None, None)
         for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, q, typical, drawn):
@@ -306,7 +338,10 @@ class Engine:
                 break
         if drawn is not None:
             drawn.rewind(request.generator, len(new))
-        outcome = Outcome(new, walk, probs, done, hidden, side_logits if proposal and proposal.side else None)
+        side = None
+        if proposal is not None and proposal.side is not None:  # the argmax of each side row read
+            side = list(drawn.side) if drawn is not None else argmax_rows(logits[1 + len(tokens) :])
+        outcome = Outcome(new, walk, probs, done, hidden, side)
         if proposal is not None:
             self._count(proposal, outcome.path)
         if self.proposer is not None:
@@ -320,7 +355,7 @@ class Engine:
         if request.trace is not None:
             own = partial(self.proposer.trace_events, request) if self.proposer is not None else lambda *_: []
             request.trace += self.tracer.step(request, proposal, outcome, read, times, now, self.cache.memory(),
-                                              own)
+                                              own, drawn)
         if request.first_token_t is None:
             request.first_token_t = now
         else:

@@ -19,6 +19,7 @@ from ..decoding.tree import ancestor_mask
 from ..kv import PagedKVCache
 from ..models import Transformer
 from ..models.forwards import Forwards
+from ..waits import to_device
 from .scheduler import StepPlan
 
 EMPTY = Proposal([], [], [], [])
@@ -41,7 +42,7 @@ class Runner:
         model, device = self.model, self.model.device
         for request, n in plan.prefill:
             start = request.num_computed
-            ids = torch.tensor([request.tokens[start : start + n]], device=device)  # (1, n)
+            ids = to_device([request.tokens[start : start + n]], device)  # (1, n)
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
             out, states = model(ids, positions, self.cache, [request.id], num_logits=1)  # (1, 1, V)
             logits[request.id], hidden[request.id] = out[0], states[0]  # (1, V), (n, E)
@@ -79,7 +80,7 @@ class Runner:
         positions = [[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)]  # (B, W)
         among_new = torch.stack(masks) if masked else None  # (B, W, W); None: causal
         states = self.forwards([r.id for r in plan.decode], ids, positions, among_new)  # (B, W, E)
-        read = torch.tensor([i * width + j for i, rows_read in enumerate(scored) for j in rows_read], device=device)
+        read = to_device([i * width + j for i, rows_read in enumerate(scored) for j in rows_read], device)  # (N,)
         kept = states.flatten(0, 1).index_select(0, read)  # (N, E): the rows read only
         logits_read = model.project(kept)  # (N, V)
         start = 0

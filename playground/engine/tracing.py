@@ -17,7 +17,7 @@ import torch
 
 from ..decoding.proposer import Outcome, Proposal
 from ..kv import KVMemory
-from ..sampling import probabilities, shown_probabilities
+from ..sampling import Drawn, probabilities, shown_probabilities
 from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, FinishEvent,
                      KVAllocEvent, PrefillEvent, RejectEvent, TokenInfo, VerifyEvent)
 from .scheduler import Request
@@ -45,10 +45,11 @@ class Tracer:
         return TokenInfo(id=token, text=text, position=position, p=p, q=q, parent=parent)
 
     def step(self, request: Request, proposal: Proposal | None, outcome: Outcome, logits: torch.Tensor,
-             times: StepTimes, now: float, memory: KVMemory, own: Callable[[int, float], list[Event]]) -> list[Event]:
+             times: StepTimes, now: float, memory: KVMemory, own: Callable[[int, float], list[Event]],
+             drawn: Drawn | None = None) -> list[Event]:
         """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n nodes;
         `memory`: the cache's after the step; `own(step, t)`: the proposer's own events for it, recorded before the
-        draft."""
+        draft; `drawn`: the step's draws made beforehand, if they were."""
         base = request.num_computed - 1  # the last token's position
         prefill = request.first_token_t is None
         step = 0 if prefill else request.decode_steps + 1
@@ -58,9 +59,13 @@ class Tracer:
         shown = list(outcome.probs)
         end = outcome.walk[-1]
         if children[end] and self._kept(proposal, children, outcome, -1) is None:
-            row = logits[end : end + 1]  # (1, V)
-            p_row = None if request.sampling.greedy else probabilities(row, request.sampling)
-            shown += shown_probabilities(row, p_row, [(0, proposal.tokens[children[end][0] - 1])])
+            refused = children[end][0] - 1
+            if drawn is not None:
+                shown.append(drawn.nodes[refused])
+            else:
+                row = logits[end : end + 1]  # (1, V)
+                p_row = None if request.sampling.greedy else probabilities(row, request.sampling)
+                shown += shown_probabilities(row, p_row, [(0, proposal.tokens[refused])])
         events: list[Event] = []
         if prefill:
             events += [PrefillEvent(step=0, t=times.verified, num_tokens=len(request.prompt_ids),

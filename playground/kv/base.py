@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..waits import to_device
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayout:
@@ -157,7 +159,7 @@ def build_attention_mask(
     if attn_mask.shape != (batch, num_new, num_new):
         raise ValueError(f"attn_mask must be ({num_new}, {num_new}) or ({batch}, {num_new}, {num_new}), "
                          f"got {tuple(attn_mask.shape)}")
-    return visibility(torch.tensor(starts, device=device), attn_mask.to(device=device, dtype=torch.bool), key_len)
+    return visibility(to_device(starts, device), to_device(attn_mask.bool(), device), key_len)
 
 
 def visibility(starts: torch.Tensor, among_new: torch.Tensor, key_len: int) -> torch.Tensor:

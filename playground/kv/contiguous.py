@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..waits import to_device
 from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
 
 
@@ -94,7 +95,7 @@ class ContiguousKVCache(KVCache):
             raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} "
                              f"of length {self._lengths[row]}")
         if offsets != list(range(len(offsets))):
-            source = torch.tensor(offsets, device=self.device) + start  # (n,)
+            source = to_device(offsets, self.device) + start  # (n,)
             for cache in (self.k, self.v):
                 slots = cache[:, row]  # (layers, Hkv, Tmax, D)
                 # index_select copies, so moving slots over each other is safe
@@ -146,7 +147,7 @@ class ContiguousKVCache(KVCache):
         rows = consecutive(layout.seq_ids)
         if rows is not None:
             return k_layer[rows, :, :key_len], v_layer[rows, :, :key_len]
-        index = torch.tensor(layout.seq_ids, device=self.device)
+        index = to_device(layout.seq_ids, self.device)
         return (k_layer.index_select(0, index)[:, :, :key_len],
                 v_layer.index_select(0, index)[:, :, :key_len])  # (B, Hkv, L, D)
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..waits import to_device
 from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
 from .blocks import ROOT_HASH, BlockAllocator, BlockKey, OutOfBlocksError, block_hash
 
@@ -260,7 +261,7 @@ class PagedKVCache(KVCache):
 
     def _slots(self, table: list[int], positions) -> torch.Tensor:
         bs = self.block_size
-        return torch.tensor([table[j // bs] * bs + j % bs for j in positions], dtype=torch.long, device=self.device)
+        return to_device([table[j // bs] * bs + j % bs for j in positions], self.device)
 
     def _shared_in(self, table: list[int], first: int, end: int) -> list[int]:
         """Indexes in `table` of blocks covering slots [first, end) that another sequence also holds."""

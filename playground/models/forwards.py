@@ -28,6 +28,7 @@ import torch
 
 from ..kv import AttentionLayout, ContiguousKVCache, KVCache, PagedKVCache, blocks_for
 from ..kv.base import visibility
+from ..waits import to_device
 from .compiled import layer as compiled_layer
 from .transformer import Transformer
 
@@ -35,6 +36,7 @@ T = TypeVar("T")
 Ids = list[list[int]] | torch.Tensor  # a forward's token ids (B, T): lists, or an int64 tensor on the model's device
 MIN_KEYS = 64  # the smallest key bucket (shorter contexts share one graph); key counts are multiples of it
 ONE_WIDTH = 32  # the one width of every decode forward where the kernels' bits depend on shapes (`make_forwards`)
+STAGING = 4  # pinned staging buffers per bucket on a GPU: how many forwards the host may fill ahead of the device
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -58,9 +60,9 @@ class Forwards:
         the model's device (a draft's chain feeds its guesses without reading them back), positions (B, T) as lists,
         among_new (B, T, T) bool: which new tokens each one sees (None: causal). Returns hidden states (B, T, E)."""
         device = self.model.device
-        mask = None if among_new is None else among_new.to(device)
-        tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=device)
-        _, hidden = self.model(tokens, torch.tensor(positions, device=device), self.cache, seq_ids, attn_mask=mask,
+        mask = None if among_new is None else to_device(among_new, device)
+        tokens = ids if isinstance(ids, torch.Tensor) else to_device(ids, device)
+        _, hidden = self.model(tokens, to_device(positions, device), self.cache, seq_ids, attn_mask=mask,
                                num_logits=0)
         return hidden  # (B, T, E)
 
@@ -149,9 +151,13 @@ class Bucket:
         ints, seen = sum(self.sizes), rows * width * width
         device = model.device
         pinned = device.type == "cuda"
-        self.host = torch.zeros(8 * ints + seen, dtype=torch.uint8, pin_memory=pinned)
-        self.inputs = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
-        self.copied = torch.cuda.Event() if pinned else None  # the last transfer from `host`, before it is rewritten
+        # on a GPU a ring of pinned staging buffers, so that the host fills the next while a transfer from the last
+        # waits in the device's queue; each with the event of its last transfer, before it is rewritten
+        self.host = [torch.zeros(8 * ints + seen, dtype=torch.uint8, pin_memory=pinned)
+                     for _ in range(STAGING if pinned else 1)]
+        self.inputs = self.host[0] if device.type == "cpu" else torch.zeros_like(self.host[0], device=device)
+        self.copied = [torch.cuda.Event() for _ in self.host] if pinned else None
+        self.turn = 0  # the staging buffer the next forward fills
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # (B, W, E), the graph's output
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> their causal `_seen`
@@ -179,14 +185,16 @@ class Bucket:
                 + list(starts) + [0] * (b - rows) + [width] * rows + [0] * (b - rows)
                 + [block for table in tables for block in table] + [0] * (self.sizes[4] // b * (b - rows)))
         seen = self._causal(rows, width) if among_new is None else self._seen(rows, width, among_new)  # (B, W, W)
+        host = self.host[self.turn]
         if self.copied is not None:
-            self.copied.synchronize()  # the previous transfer has left `host`
+            self.copied[self.turn].synchronize()  # its last transfer, STAGING forwards ago, has left it
         split = 8 * sum(self.sizes)
-        self.host[:split].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
-        self.host[split:].copy_(seen.view(-1).view(torch.uint8))
-        if self.inputs is not self.host:
-            self.inputs.copy_(self.host, non_blocking=True)
-            self.copied.record()
+        host[:split].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
+        host[split:].copy_(seen.view(-1).view(torch.uint8))
+        if self.inputs is not host:
+            self.inputs.copy_(host, non_blocking=True)
+            self.copied[self.turn].record()
+            self.turn = (self.turn + 1) % len(self.host)
         if isinstance(ids, torch.Tensor):  # (rows, width) on the device, copied there in the stream's order
             self.inputs[: 8 * b * w].view(torch.int64).view(b, w)[:rows, :width].copy_(ids)
 

@@ -1,0 +1,119 @@
+"""Where a step would make the host wait for a GPU, counted on the CPU (`playground.waits`): with the step's draws made
+ahead as off the CPU, a decode step waits once (its draws), and once more where a model-based proposer reads its
+guesses back; copies, lookahead's window and the trace's shown probabilities add no wait. The outputs and the
+probabilities a trace shows are those of the CPU's row-by-row walk."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from playground.config import EngineParams, GenerationParams, SamplingParams
+from playground.decoding.registry import build_proposer
+from playground.engine import Engine, generate
+from playground.events import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, RejectEvent
+from playground.waits import Waits, to_device
+
+from .prompts import PROMPTS
+
+# a step's waits beyond its draws: the proposers that read their guesses back, once a step for every request
+READS_GUESSES = {"speculative": 1, "medusa": 1, "eagle": 1}
+
+
+@pytest.fixture(scope="module")
+def static(target):
+    return dataclasses.replace(target, forwards="static")
+
+
+class Steps:
+    """Every engine step's waits, counted; `ahead`: the step's draws made ahead as off the CPU (else row by row)."""
+
+    def __init__(self) -> None:
+        self.waits: list[int] = []
+        self.ahead = True
+
+
+@pytest.fixture
+def steps(monkeypatch) -> Steps:
+    steps = Steps()
+    real = Engine.step
+
+    def step(self):
+        self.draws_ahead = steps.ahead
+        with Waits() as counted:
+            out = real(self)
+        steps.waits.append(counted.total)
+        return out
+    monkeypatch.setattr(Engine, "step", step)
+    return steps
+
+
+def test_reads_and_blocking_transfers_are_counted_by_site_and_nothing_else() -> None:
+    t = torch.arange(4)
+    with Waits() as waits:
+        t.tolist(), t[0].item(), bool(t[1]), int(t[2]), t[t > 1]
+        torch.tensor([1, 2], device="cpu")
+        torch.tensor([1, 2]), to_device([1, 2], t.device), t + 1, t.argmax(), t[1:], t[torch.tensor([0, 2])]
+    assert waits.total == 6
+    assert {file for file, _ in waits.sites} == {__file__}
+    assert torch.equal(to_device([[1, 2]], t.device), torch.tensor([[1, 2]]))
+
+
+def shown(trace) -> list[tuple[str, int, float]]:
+    return [(e.KIND, e.token.id, e.token.p) for e in trace.events
+            if isinstance(e, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent))]
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+@pytest.mark.parametrize("algo", [None, "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
+def test_a_decode_step_waits_once_and_once_more_where_guesses_are_read(static, steps, algo, kv) -> None:
+    generation = GenerationParams(max_new_tokens=24, kv=kv)
+    prompt = PROMPTS[16] if algo in ("prompt-lookup", "lookahead") else PROMPTS[0]
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        runs = []
+        for ahead in (True, False):
+            steps.ahead, steps.waits = ahead, []
+            runs.append(generate(static, prompt, build_proposer(static, algo) if algo else None, sampling, generation))
+            if ahead:
+                assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), steps.waits
+        (ours, our_trace), (theirs, their_trace) = runs
+        assert ours.token_ids == theirs.token_ids
+        if algo is not None:
+            assert any(isinstance(e, DraftEvent) for e in our_trace.events)
+            assert any(isinstance(e, RejectEvent) for e in our_trace.events)  # a refused node's probability shown
+        assert [e[:2] for e in shown(our_trace)] == [e[:2] for e in shown(their_trace)]
+        assert [e[2] for e in shown(our_trace)] == pytest.approx([e[2] for e in shown(their_trace)], rel=1e-4)
+
+
+def test_a_batch_step_waits_as_a_single_request_does(static, steps) -> None:
+    generation = GenerationParams(max_new_tokens=16)
+    for algo in (None, "medusa", "eagle"):
+        engine = Engine(static, EngineParams(max_running=3), proposer=build_proposer(static, algo) if algo else None)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(prompt, SamplingParams(temperature=0.8, seed=i) if i else None, generation)
+        steps.waits = []
+        engine.run_all()
+        assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), (algo, steps.waits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_values_reach_a_gpu_unchanged() -> None:
+    device = torch.device("cuda")
+    busy = torch.randn(2048, 2048, device=device)
+    for _ in range(8):
+        busy = busy @ busy / 2048  # queued work the copies need not wait for
+    moved = [to_device([[1, 2], [3, 4]], device), to_device(torch.ones(2, 3, dtype=torch.bool), device)]
+    assert moved[0].tolist() == [[1, 2], [3, 4]] and moved[1].all()
+
+
+def test_the_script_counts_every_algorithms_waits_by_site() -> None:
+    out = subprocess.run([sys.executable, "scripts/count_waits.py", "--new-tokens", "6", "--kv", "paged"],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert set(rows) == {"ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"}
+    assert all(int(row[3]) <= 1 + READS_GUESSES.get(algo, 0) for algo, row in rows.items())
+    assert "engine.py:" in rows["ar"][4]
