@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,18 +126,20 @@ def waits(rows: list, device: str, fast: str) -> None:
     model-based proposer (the draft's chain, the Medusa heads and EAGLE's trees read their guesses back once a step,
     so at most twice; a draft that samples, `sample`, once per place): the synchronizing CUDA operations PyTorch's
     sync debug mode reports, over the steps one generation makes more than a shorter one (so the engine's set-up and
-    the prefill cancel out). CUDA only; `tests/test_waits.py` counts on the CPU where the same steps would wait."""
+    the prefill cancel out). Where a count is over its goal, the call sites of its waits follow the table's row (the
+    file and line each warning names). CUDA only; `tests/test_waits.py` counts on the CPU where the same steps would
+    wait."""
     name = "device waits per decode step"
     goal = "plain <= 1, proposers <= 2"
     if device != "cuda":
         row(rows, (name, "-", goal, "(CUDA only; counted on the CPU by tests/test_waits.py)"))
         return
     target = load_model(ModelSpec(device=device, dtype="float32", forwards=fast))
-    measured = {}
+    measured, over = {}, []
     for algo in (None, "speculative", "medusa", "eagle"):
         proposer = build_proposer(target, algo) if algo else None
         generate(target, PROMPTS[0], proposer, None, GenerationParams(max_new_tokens=8))  # captures the graphs
-        counted = []  # (steps, synchronizing operations)
+        counted = []  # (steps, synchronizing operations by call site)
         for new_tokens in (8, 40):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -146,13 +149,20 @@ def waits(rows: list, device: str, fast: str) -> None:
                                         GenerationParams(max_new_tokens=new_tokens))
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            counted.append((sum(isinstance(e, VerifyEvent) for e in trace.events),
-                            sum("synchroniz" in str(w.message) for w in caught)))
-        (short, short_waits), (long, long_waits) = counted
-        measured[algo or "plain"] = (long_waits - short_waits) / (long - short) if long > short else float("nan")
+            sites = Counter((Path(w.filename).name, w.lineno) for w in caught if "synchroniz" in str(w.message))
+            counted.append((sum(isinstance(e, VerifyEvent) for e in trace.events), sites))
+        (short, short_sites), (long, long_sites) = counted
+        steps = long - short if long > short else float("nan")
+        per_step = measured[algo or "plain"] = (long_sites.total() - short_sites.total()) / steps
+        if per_step > (2 if algo else 1):
+            extra = (long_sites - short_sites).items()
+            over.append(f"  waits of {algo or 'plain'} by site, a step: "
+                        + ", ".join(f"{file}:{line} {n / steps:.2f}" for (file, line), n in extra))
     proposers = [per_step for algo, per_step in measured.items() if algo != "plain"]
     row(rows, (name, ", ".join(f"{algo} {per_step:.2f}" for algo, per_step in measured.items()), goal,
                yes(measured["plain"] <= 1 and max(proposers) <= 2)))
+    if over:
+        print("\n".join(over), flush=True)
 
 
 def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path, one_s: float) -> None:

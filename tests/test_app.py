@@ -4,9 +4,12 @@ download and upload replay, the race (every entrant equal to plain decoding) and
 
 from __future__ import annotations
 
+import functools
 import html
+import inspect
 import json
 import re
+from collections import Counter
 
 import pytest
 from gradio_client import Client, handle_file
@@ -27,9 +30,29 @@ DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "
             "dtype": "float32", "weights": "auto"}
 
 
+GPU_CALLS: Counter[str] = Counter()  # the handlers run through the app's GPU wrapper, by name
+
+
+def on_gpu(handler):
+    """What a ZeroGPU Space's `spaces.GPU` does to a handler, counted: the wrapped handler (a generator for a
+    streaming one) runs in its place."""
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def stream(*args, **kwargs):
+            GPU_CALLS[handler.__name__] += 1
+            yield from handler(*args, **kwargs)
+        return stream
+
+    @functools.wraps(handler)
+    def run(*args, **kwargs):
+        GPU_CALLS[handler.__name__] += 1
+        return handler(*args, **kwargs)
+    return run
+
+
 @pytest.fixture(scope="module")
 def client(target):  # `target` converts the embedded model once before the app loads it
-    app = build_app()
+    app = build_app(on_gpu)
     app.launch(prevent_thread_lock=True, quiet=True, **launch_options())
     yield Client(app.local_url, verbose=False)
     app.close()
@@ -458,3 +481,18 @@ def test_the_memory_tab_counts_against_a_public_apps_cap(target, monkeypatch):
     with pytest.raises(Exception, match=r"max new tokens: this public app generates at most 100 tokens"):
         next(memory_tab.run_memory(4, 48, 8, 40, 4, True, "none (plain decoding)", "embedded", "", "cpu",
                                    "float32", "auto", progress=lambda *a, **k: None))
+
+
+def test_every_handler_that_runs_a_model_runs_inside_the_gpu_wrapper(client) -> None:
+    """On a ZeroGPU Space a model may touch the GPU only inside a handler wrapped in `spaces.GPU` (`app.py`): the
+    Decode, Race and Memory runs, the model panel's Load and the Theory tab's measurement each run through it."""
+    before = Counter(GPU_CALLS)
+    decode(client, "Say hi.", max_new_tokens=4)
+    client.predict("hi", ["lookahead"], 4, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
+    client.predict(1, 4, 8, 24, 1, True, "none (plain decoding)", "embedded", "", "cpu", "float32", "auto",
+                   api_name="/memory")
+    client.predict("embedded", "", "cpu", "float32", "auto", api_name="/load_model")
+    client.predict("embedded", "cpu", "float32", api_name="/width_costs")
+    ran = GPU_CALLS - before
+    assert set(ran) == {"run_decode", "run_race", "run_memory", "load", "width_costs"}, ran
+

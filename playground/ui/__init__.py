@@ -29,9 +29,9 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
         gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
         # (source, draft, device, dtype, weights), inputs of every run
-        model = models.build_panel(models.catalog.access)
-        history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
         wrap = on_gpu or (lambda fn: fn)
+        model = models.build_panel(models.catalog.access, wrap)
+        history = gr.State([])  # this browser session's runs, for the Theory tab's measured points
         with gr.Tab("Decode"):
             decode.build_tab(model, wrap, history)
         with gr.Tab("Race"):
@@ -39,7 +39,7 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
         with gr.Tab("Memory"):
             memory.build_tab(model, wrap)
         with gr.Tab("Theory"):
-            theory.build_tab(app, history, model)
+            theory.build_tab(app, history, model, wrap)
     app.queue(default_concurrency_limit=CONCURRENCY)
     return app
 

@@ -8,6 +8,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gradio as gr
@@ -147,9 +148,10 @@ def load(source: str, draft_source: str, device: str, dtype: str, weights: str):
     yield "\n\n".join(lines)
 
 
-def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
+def build_panel(access: Access, on_gpu: Callable[[Callable], Callable]
+                ) -> tuple[gr.Component, gr.Component, gr.Dropdown, gr.Dropdown, gr.Dropdown]:
     """The Model accordion; returns (model source, draft source, device, dtype, weights) for the tabs. A public
-    app offers its allowed models to choose from instead of a free text field."""
+    app offers its allowed models to choose from instead of a free text field. on_gpu wraps the loading handler."""
     with gr.Accordion("Model", open=False):
         with gr.Row():
             if access.public:
@@ -169,6 +171,6 @@ def build_panel(access: Access) -> tuple[gr.Component, gr.Component, gr.Dropdown
                                   "same outputs as float32 from a fifth of the bytes)")
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
-    button.click(load, [source, draft, device, dtype, weights], [status], api_name="load_model",
+    button.click(on_gpu(load), [source, draft, device, dtype, weights], [status], api_name="load_model",
                  show_progress="minimal")
     return source, draft, device, dtype, weights

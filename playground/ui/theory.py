@@ -4,6 +4,7 @@ what a wider forward costs on this machine, measured for each format the weights
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
@@ -76,7 +77,8 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
     return width_cost_figure(curves), "\n".join(lines)
 
 
-def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]) -> None:
+def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...],
+              on_gpu: Callable[[Callable], Callable]) -> None:
     gr.Markdown("What speculation should buy: g drafted tokens, each accepted with probability a, yield "
                 "(1 - a^(g+1)) / (1 - a) tokens per target forward, for g draft forwards costing c each and one "
                 "wider verify forward. Move the sliders; diamonds are this session's speculative runs.")
@@ -106,4 +108,4 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
     costs_plot = gr.Plot(elem_id="pg-width-costs")
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
     source, _, device, dtype, _ = model
-    measure.click(width_costs, [source, device, dtype], [costs_plot, costs_summary], api_name="width_costs")
+    measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary], api_name="width_costs")
