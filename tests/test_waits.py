@@ -63,6 +63,10 @@ def test_reads_and_blocking_transfers_are_counted_by_site_and_nothing_else() -> 
     assert torch.equal(to_device([[1, 2]], t.device), torch.tensor([[1, 2]]))
 
 
+def drafts(trace) -> list[list[int]]:
+    return [[token.id for token in e.tokens] for e in trace.events if isinstance(e, DraftEvent)]
+
+
 def shown(trace) -> list[tuple[str, int, float]]:
     return [(e.KIND, e.token.id, e.token.p) for e in trace.events
             if isinstance(e, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent))]
@@ -85,19 +89,28 @@ def test_a_decode_step_waits_once_and_once_more_where_guesses_are_read(static, s
         if algo is not None:
             assert any(isinstance(e, DraftEvent) for e in our_trace.events)
             assert any(isinstance(e, RejectEvent) for e in our_trace.events)  # a refused node's probability shown
+        # the same proposals (lookahead's from its window, slid by the side rows' argmax) and decisions
+        assert drafts(our_trace) == drafts(their_trace)
         assert [e[:2] for e in shown(our_trace)] == [e[:2] for e in shown(their_trace)]
         assert [e[2] for e in shown(our_trace)] == pytest.approx([e[2] for e in shown(their_trace)], rel=1e-4)
 
 
-def test_a_batch_step_waits_as_a_single_request_does(static, steps) -> None:
+@pytest.mark.parametrize("algo", [None, "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
+def test_a_batch_step_waits_as_a_single_request_does(static, steps, algo) -> None:
+    """Three requests decoded together, one greedy and two sampled: each step waits as one request's does, and every
+    request gets the tokens the CPU's row-by-row walk gives it."""
     generation = GenerationParams(max_new_tokens=16)
-    for algo in (None, "medusa", "eagle"):
+    outputs = []
+    for ahead in (True, False):
         engine = Engine(static, EngineParams(max_running=3), proposer=build_proposer(static, algo) if algo else None)
-        for i, prompt in enumerate(PROMPTS[:3]):
-            engine.add_request(prompt, SamplingParams(temperature=0.8, seed=i) if i else None, generation)
-        steps.waits = []
-        engine.run_all()
-        assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), (algo, steps.waits)
+        ids = [engine.add_request(prompt, SamplingParams(temperature=0.8, seed=i) if i else None, generation)
+               for i, prompt in enumerate((PROMPTS[0], PROMPTS[16], PROMPTS[3]))]
+        steps.ahead, steps.waits = ahead, []
+        done = engine.run_all()
+        outputs.append([done[i].token_ids for i in ids])
+        if ahead:
+            assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), steps.waits
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
