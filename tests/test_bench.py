@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +150,17 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
     assert llm.calls[0][0] == [1, 4] and llm.calls[0][1]["top_k"] == 1 and llm.calls[0][1]["temp"] == 0.0
     assert run_llama(FakeLlama([5, 6, 7, 8]), [1], target, GenerationParams(max_new_tokens=2)).token_ids == (5, 6)
     assert llama_cpp_peer(None, 512) is None
+
+
+def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_free() -> None:
+    """scripts/gpu_ceiling.py: per proposer, what it commits per target forward with a flat forward-cost curve and
+    the speedup bound that allows, its own forwards priced at a GPU's estimate (layers over the target's)."""
+    out = subprocess.run([sys.executable, "scripts/gpu_ceiling.py", "--limit", "1", "--new-tokens", "8"],
+                         capture_output=True, text=True, check=True, timeout=900).stdout
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
+    assert [row[0].strip() for row in rows] == ["speculative", "speculative + copies", "medusa", "medusa + copies",
+                                                "eagle"]
+    draft_layers = json.loads(Path("assets/draft-smollm2-135m/config.json").read_text())["num_hidden_layers"]
+    for name, tpf, own, price, _, oracle, bound, _ in rows:
+        assert 1.0 <= float(tpf) <= float(oracle) and float(bound.rstrip("x")) > 0
+        assert float(price) == pytest.approx((draft_layers if "speculative" in name else 1) / 30, abs=1e-3)
