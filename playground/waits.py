@@ -28,7 +28,7 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int6
         return host
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.contiguous().pin_memory().to(device, non_blocking=True)  # contiguous: an expanded mask pins too
 
 
 def _masked(index: Any) -> bool:

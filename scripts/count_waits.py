@@ -24,11 +24,30 @@ from playground.config import EngineParams, GenerationParams, ModelSpec, Samplin
 from playground.decoding.planning import OwnCost  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import Engine  # noqa: E402
-from playground.models import load_model  # noqa: E402
+from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.waits import Waits  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
 
 ALGOS = ("ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle")
+
+
+def step_waits(target: LoadedModel, algo: str, batch: int, temperature: float, generation: GenerationParams,
+               trace: bool = True) -> tuple[list[int], Counter]:
+    """The waits of each decode step (each step after the prompts' prefill) of `batch` requests decoded together by
+    `algo`, with the draws made ahead as off the CPU, and the waits by call site over those steps."""
+    proposer = None if algo == "ar" else build_proposer(target, algo)
+    engine = Engine(target, EngineParams(max_running=batch, kv=generation.kv), proposer=proposer, trace=trace)
+    engine.draws_ahead = True  # as off the CPU
+    for i in range(batch):
+        engine.add_request(PROMPTS[i], SamplingParams(temperature=temperature, seed=i), generation)
+    waits, sites = [], Counter()
+    while engine.has_unfinished():
+        with Waits() as counted:
+            engine.step()
+        if engine.step_count > 1:  # after the prefill
+            waits.append(counted.total)
+            sites += counted.sites
+    return waits, sites
 
 
 def main() -> None:
@@ -44,19 +63,7 @@ def main() -> None:
     generation = GenerationParams(max_new_tokens=args.new_tokens, kv=args.kv)
     print(f"{'algorithm':<14} {'steps':>5} {'waits/step':>10} {'most':>4}  sites (waits a step)")
     for algo in ALGOS:
-        proposer = None if algo == "ar" else build_proposer(target, algo)
-        engine = Engine(target, EngineParams(max_running=args.batch, kv=args.kv), proposer=proposer,
-                        trace=not args.no_trace)
-        engine.draws_ahead = True  # as off the CPU
-        for i in range(args.batch):
-            engine.add_request(PROMPTS[i], SamplingParams(temperature=args.temperature, seed=i), generation)
-        waits, sites = [], Counter()
-        while engine.has_unfinished():
-            with Waits() as counted:
-                engine.step()
-            if engine.step_count > 1:  # after the prefill
-                waits.append(counted.total)
-                sites += counted.sites
+        waits, sites = step_waits(target, algo, args.batch, args.temperature, generation, not args.no_trace)
         shown = ", ".join(f"{Path(file).name}:{line} {n / len(waits):.2f}" for (file, line), n in sites.most_common())
         print(f"{algo:<14} {len(waits):>5} {sum(waits) / len(waits):>10.2f} {max(waits):>4}  {shown}")
 

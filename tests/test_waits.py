@@ -119,8 +119,9 @@ def test_host_values_reach_a_gpu_unchanged() -> None:
     busy = torch.randn(2048, 2048, device=device)
     for _ in range(8):
         busy = busy @ busy / 2048  # queued work the copies need not wait for
-    moved = [to_device([[1, 2], [3, 4]], device), to_device(torch.ones(2, 3, dtype=torch.bool), device)]
-    assert moved[0].tolist() == [[1, 2], [3, 4]] and moved[1].all()
+    mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0).expand(2, 3, 3)  # a view, as attention masks are
+    moved = [to_device([[1, 2], [3, 4]], device), to_device(mask, device)]
+    assert moved[0].tolist() == [[1, 2], [3, 4]] and torch.equal(moved[1].cpu(), mask)
 
 
 def test_the_script_counts_every_algorithms_waits_by_site() -> None:
