@@ -445,10 +445,10 @@ def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
     for frame in frames:
         if str(frame[3]).startswith("measuring run 1"):  # the engine is between two steps of the first run
             break
-    assert STOPS.stop(run)
+    assert STOPS.stop(run) and STOPS.live(run)
     assert list(frames) == [decode_tab.status_frame(11, 3, STOPPED)]  # one more frame, then the end
     STOPS.end(run)
-    assert not STOPS.stop(run)  # a run that ended is not stopped again
+    assert not STOPS.stop(run) and not STOPS.live(run)  # a run that ended is not stopped again
 
     queued = STOPS.start()
     STOPS.stop(queued)

@@ -90,12 +90,15 @@ def test_stop_ends_a_run_and_frees_the_queue(page):
     decode.click()
     expect(page.locator("#pg-stats")).to_contain_text("measuring run", timeout=120_000)
     expect(decode).to_be_disabled()  # a second click cannot be silently ignored: there is none to make
-    page.get_by_role("button", name="Stop").first.click()
+    stop = page.get_by_role("button", name="Stop").first
+    stop.click()
     expect(decode).to_be_enabled(timeout=10_000)
     expect(page.locator("#pg-stats")).to_contain_text("stopped: nothing measured is shown")
+    expect(stop).to_have_text("Stop")  # "Stopping…" while the run ended, then idle again
+    expect(stop).to_be_enabled()
     status = page.locator("#pg-stats").inner_text()
     page.wait_for_timeout(3000)
-    assert page.locator("#pg-stats").inner_text() == status  # nothing more arrives
+    assert page.locator("#pg-stats").inner_text() == status and stop.inner_text() == "Stop"  # nothing more arrives
     page.get_by_label("max new tokens (1..4096)").fill("64")
     page.get_by_text("Sampling").first.click()
 

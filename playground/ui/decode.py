@@ -35,7 +35,7 @@ from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .models import get_draft, get_model, target_spec
 from .measure import measured, status_frame
 from .quota import QUOTA
-from .stops import STOPPED, STOPS, stoppable
+from .stops import STOP, STOPPED, STOPS, stoppable
 
 PLAIN = "ar"
 ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculative",
@@ -398,7 +398,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 seed = gr.Number(-1, label="seed (-1 = random)", step=1)
             with gr.Row():
                 run = gr.Button("Decode", variant="primary", scale=3)
-                stop = gr.Button("Stop", variant="stop", scale=1)
+                stop = gr.Button(STOP, variant="stop", scale=1)
             gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):
             with gr.Row(equal_height=True):
@@ -435,7 +435,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     shown = [prompt_view, tokens_view, detail]
     # Decode stays disabled while a run measures; the replay of what it measured follows on its own
     decoding = stoppable(run, stop, on_gpu(run_decode), inputs,
-                         [*shown, stats, state, download, step, history, steps_plot, time_plot, table], stats,
+                         [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
                          api_name="decode", show_progress_on=[stats])
     replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_name=False,
                               show_progress="hidden")

@@ -20,7 +20,7 @@ from ..viz.memory import memory_figure, render_block_map, statuses_at
 from .decode import as_int
 from .models import get_draft, get_model, target_spec
 from .quota import QUOTA
-from .stops import STOPS, stoppable
+from .stops import STOP, STOPS, stoppable
 
 # Redraws while serving: the block map at most four times a second, the chart (heavier for the browser, which
 # shares the processor with the engine on a small machine) once a second; the engine's clock is stopped meanwhile.
@@ -168,7 +168,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             proposals = gr.Dropdown(list(PROPOSALS), value="none (plain decoding)", label="proposals in the batch")
             with gr.Row():
                 run = gr.Button("Serve", variant="primary", scale=3)
-                stop = gr.Button("Stop", variant="stop", scale=1)
+                stop = gr.Button(STOP, variant="stop", scale=1)
             status = gr.Markdown(elem_id="pg-memory-status")
         with gr.Column(scale=3, min_width=300):
             block_map = gr.HTML(render_block_map(None), label="KV block pool", show_label=True, container=True,
@@ -181,5 +181,5 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     source, draft_source, device, dtype, weights = model
     stoppable(run, stop, on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running,
                                               prefix_caching, proposals, source, draft_source, device, dtype, weights],
-              [block_map, chart, status, table, state, step], status, api_name="memory")
+              [block_map, chart, status, table, state, step], api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

@@ -22,7 +22,7 @@ from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_propose
 from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
-from .stops import STOPPED, STOPS, stoppable
+from .stops import STOP, STOPPED, STOPS, stoppable
 
 # name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
 DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
@@ -143,7 +143,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 seed = gr.Number(0, label="seed (-1 = random)", step=1)
             with gr.Row():
                 run = gr.Button("Race", variant="primary", scale=3)
-                stop = gr.Button("Stop", variant="stop", scale=1)
+                stop = gr.Button(STOP, variant="stop", scale=1)
         with gr.Column(scale=3, min_width=300):
             status = gr.Markdown(elem_id="pg-race-status")
             lanes = gr.HTML(elem_id="pg-race")
@@ -152,4 +152,4 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                          column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "320px"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
     stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
-              [lanes, status, table, chart, history], status, api_name="race", show_progress="hidden")
+              [lanes, status, table, chart, history], api_name="race", show_progress="hidden")

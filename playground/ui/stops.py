@@ -12,7 +12,7 @@ from typing import Any
 import gradio as gr
 
 STOPPED = "stopped: nothing measured is shown (a run shows once every round of it is measured)"
-STOPPING = "stopping: the run ends after its current engine step (or, waiting in the queue, when its turn comes)"
+STOP, STOPPING = "Stop", "Stopping…"  # the Stop button's label, idle and while its run ends
 
 
 class Stops:
@@ -42,6 +42,9 @@ class Stops:
     def stopped(self, run: int | None) -> bool:
         return run in self._marked
 
+    def live(self, run: int | None) -> bool:
+        return run in self._live
+
     def end(self, run: int | None) -> None:
         with self._lock:
             self._live.discard(run)
@@ -52,19 +55,30 @@ STOPS = Stops()
 
 
 def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr.Component],
-              outputs: Sequence[gr.Component], status: gr.Component, **how: Any):
-    """Wire a run button and its Stop: the button stays disabled while its run lasts; `fn` gets the run's number
-    after `inputs` and checks `STOPS.stopped` between engine steps; Stop marks the run and says so in `status`.
-    Returns the run's event (a stopped run ends successfully too)."""
+              outputs: Sequence[gr.Component], **how: Any):
+    """Wire a run button and its Stop: the run button stays disabled while its run lasts; `fn` gets the run's number
+    after `inputs` and checks `STOPS.stopped` between engine steps, and its last frame says it stopped; Stop marks
+    the run and reads "Stopping…" (disabled) until the run has ended. Returns the run's event (a stopped run ends
+    successfully too).
+
+    Stop writes only its own button, never a line the run writes: its answer and the run's frames come back on
+    different connections, in either order. Its follow-up (`settle`) is sent once its answer is shown and resets
+    the label if the run has already ended, so a late answer cannot leave "Stopping…" behind."""
     number = gr.State(None)
     started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number], api_name=False,
                         queue=False).then(fn, [*inputs, number], outputs, **how)
+    idle = gr.update(value=STOP, interactive=True)
 
-    def ended(run_number: int | None) -> dict:
+    def ended(run_number: int | None) -> tuple[dict, dict]:
         STOPS.end(run_number)
-        return gr.update(interactive=True)
+        return gr.update(interactive=True), idle
 
     for after in (started.then, started.failure):  # in the browser `then` does not follow a failed run
-        after(ended, [number], run, api_name=False, queue=False)
-    stop.click(lambda n: STOPPING if STOPS.stop(n) else gr.update(), [number], status, api_name=False, queue=False)
+        after(ended, [number], [run, stop], api_name=False, queue=False)
+
+    def settle(run_number: int | None) -> dict:
+        return gr.update() if STOPS.live(run_number) else idle  # still live: `ended` comes after this
+
+    stop.click(lambda n: gr.update(value=STOPPING, interactive=False) if STOPS.stop(n) else gr.update(), [number],
+               stop, api_name=False, queue=False).then(settle, [number], stop, api_name=False, queue=False)
     return started
