@@ -8,15 +8,15 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
-from playground.config import EngineParams, GenerationParams, SamplingParams
-from playground.decoding.registry import build_proposer
-from playground.engine import Engine, generate
+from playground.config import GenerationParams, SamplingParams
 from playground.events import AcceptEvent, BonusEvent, CorrectEvent, DraftEvent, RejectEvent
 from playground.waits import Waits, to_device
+from scripts.count_waits import step_waits
 
 from .prompts import PROMPTS
 
@@ -29,27 +29,8 @@ def static(target):
     return dataclasses.replace(target, forwards="static")
 
 
-class Steps:
-    """Every engine step's waits, counted; `ahead`: the step's draws made ahead as off the CPU (else row by row)."""
-
-    def __init__(self) -> None:
-        self.waits: list[int] = []
-        self.ahead = True
-
-
-@pytest.fixture
-def steps(monkeypatch) -> Steps:
-    steps = Steps()
-    real = Engine.step
-
-    def step(self):
-        self.draws_ahead = steps.ahead
-        with Waits() as counted:
-            out = real(self)
-        steps.waits.append(counted.total)
-        return out
-    monkeypatch.setattr(Engine, "step", step)
-    return steps
+def most_waits(steps: list[Counter]) -> int:
+    return max(sum(step.values()) for step in steps)
 
 
 def test_reads_and_blocking_transfers_are_counted_by_site_and_nothing_else() -> None:
@@ -63,54 +44,45 @@ def test_reads_and_blocking_transfers_are_counted_by_site_and_nothing_else() -> 
     assert torch.equal(to_device([[1, 2]], t.device), torch.tensor([[1, 2]]))
 
 
-def drafts(trace) -> list[list[int]]:
-    return [[token.id for token in e.tokens] for e in trace.events if isinstance(e, DraftEvent)]
+def drafts(events) -> list[list[int]]:
+    return [[token.id for token in e.tokens] for e in events if isinstance(e, DraftEvent)]
 
 
-def shown(trace) -> list[tuple[str, int, float]]:
-    return [(e.KIND, e.token.id, e.token.p) for e in trace.events
+def shown(events) -> list[tuple[str, int, float]]:
+    return [(e.KIND, e.token.id, e.token.p) for e in events
             if isinstance(e, (AcceptEvent, RejectEvent, CorrectEvent, BonusEvent))]
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])
-@pytest.mark.parametrize("algo", [None, "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
-def test_a_decode_step_waits_once_and_once_more_where_guesses_are_read(static, steps, algo, kv) -> None:
+@pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
+def test_a_decode_step_waits_once_and_once_more_where_guesses_are_read(static, algo, kv) -> None:
     generation = GenerationParams(max_new_tokens=24, kv=kv)
     prompt = PROMPTS[16] if algo in ("prompt-lookup", "lookahead") else PROMPTS[0]
     for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
-        runs = []
-        for ahead in (True, False):
-            steps.ahead, steps.waits = ahead, []
-            runs.append(generate(static, prompt, build_proposer(static, algo) if algo else None, sampling, generation))
-            if ahead:
-                assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), steps.waits
-        (ours, our_trace), (theirs, their_trace) = runs
-        assert ours.token_ids == theirs.token_ids
-        if algo is not None:
-            assert any(isinstance(e, DraftEvent) for e in our_trace.events)
-            assert any(isinstance(e, RejectEvent) for e in our_trace.events)  # a refused node's probability shown
+        (steps, (ours,)), (_, (theirs,)) = (step_waits(static, algo, [(prompt, sampling)], generation, ahead=ahead)
+                                            for ahead in (True, False))
+        assert most_waits(steps) <= 1 + READS_GUESSES.get(algo, 0), steps
+        assert ours.tokens == theirs.tokens
+        if algo != "ar":
+            assert any(isinstance(e, DraftEvent) for e in ours.trace)
+            assert any(isinstance(e, RejectEvent) for e in ours.trace)  # a refused node's probability shown
         # the same proposals (lookahead's from its window, slid by the side rows' argmax) and decisions
-        assert drafts(our_trace) == drafts(their_trace)
-        assert [e[:2] for e in shown(our_trace)] == [e[:2] for e in shown(their_trace)]
-        assert [e[2] for e in shown(our_trace)] == pytest.approx([e[2] for e in shown(their_trace)], rel=1e-4)
+        assert drafts(ours.trace) == drafts(theirs.trace)
+        assert [e[:2] for e in shown(ours.trace)] == [e[:2] for e in shown(theirs.trace)]
+        assert [e[2] for e in shown(ours.trace)] == pytest.approx([e[2] for e in shown(theirs.trace)], rel=1e-4)
 
 
-@pytest.mark.parametrize("algo", [None, "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
-def test_a_batch_step_waits_as_a_single_request_does(static, steps, algo) -> None:
+@pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
+def test_a_batch_step_waits_as_a_single_request_does(static, algo) -> None:
     """Three requests decoded together, one greedy and two sampled: each step waits as one request's does, and every
     request gets the tokens the CPU's row-by-row walk gives it."""
-    generation = GenerationParams(max_new_tokens=16)
-    outputs = []
-    for ahead in (True, False):
-        engine = Engine(static, EngineParams(max_running=3), proposer=build_proposer(static, algo) if algo else None)
-        ids = [engine.add_request(prompt, SamplingParams(temperature=0.8, seed=i) if i else None, generation)
-               for i, prompt in enumerate((PROMPTS[0], PROMPTS[16], PROMPTS[3]))]
-        steps.ahead, steps.waits = ahead, []
-        done = engine.run_all()
-        outputs.append([done[i].token_ids for i in ids])
-        if ahead:
-            assert max(steps.waits) <= 1 + READS_GUESSES.get(algo, 0), steps.waits
-    assert outputs[0] == outputs[1]
+    generation = GenerationParams(max_new_tokens=16, kv="paged")
+    requests = [(prompt, SamplingParams(temperature=0.8, seed=i) if i else None)
+                for i, prompt in enumerate((PROMPTS[0], PROMPTS[16], PROMPTS[3]))]
+    (steps, ours), (_, theirs) = (step_waits(static, algo, requests, generation, ahead=ahead)
+                                  for ahead in (True, False))
+    assert most_waits(steps) <= 1 + READS_GUESSES.get(algo, 0), steps
+    assert [r.tokens for r in ours] == [r.tokens for r in theirs]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
