@@ -242,10 +242,11 @@ def add_algo_args(parser: argparse.ArgumentParser) -> None:
               "them: more accepted, same distribution, but a seed no longer gives plain decoding's text (default: "
               "the draft's greedy chain, seeded outputs unchanged)")
     spec("--draft-quant", choices=QUANTS, help="bitsandbytes quantization of the draft")
-    copy = group("prompt copies grafted onto the tree (--algo speculative or medusa)", "speculative", "medusa")
+    copy = group("prompt copies grafted onto the tree (--algo speculative, medusa or eagle)", "speculative", "medusa",
+                 "eagle")
     copy("--copy-ngram", type=int, help=f"1..{MAX_NGRAM} (default: off): each step may also propose a copy of "
-                                        "earlier text matching the last 1..N tokens, grafted onto the draft's or the "
-                                        "heads' tree")
+                                        "earlier text matching the last 1..N tokens, grafted onto the draft's, the "
+                                        "heads' or EAGLE's tree")
     copy("--copy-tokens", type=int, help=f"most tokens a copy proposes, 1..{MAX_GAMMA} (default: as prompt lookup's "
                                          "--num-draft)")
     lookup = group("prompt-lookup decoding (--algo prompt-lookup)", "prompt-lookup")

@@ -5,6 +5,7 @@ proposer pricing its own forwards as a GPU's estimate does before it has measure
 where each layer's kernels bound a forward, its layers over the target's).
 
     python scripts/gpu_ceiling.py [--limit 14] [--new-tokens 96] [--verify-cost 0.005]
+                                  [--algos speculative medusa eagle]
 
 Per algorithm, summed over the prompts: tokens per target forward (TPF), the proposer's own forwards per step and
 their price (in one-token target forwards), the nodes verified a step, the TPF of an oracle that always
@@ -44,7 +45,8 @@ GOAL = 1.8  # the issue's speedup goal for speculative decoding, Medusa and EAGL
 ROWS = (("speculative", "speculative", None, False), ("speculative + copies", "speculative", None, True),
         ("medusa", "medusa", MedusaParams(nodes=dynamic_nodes(True)), False),
         ("medusa + copies", "medusa", MedusaParams(nodes=dynamic_nodes(True)), True),
-        ("eagle", "eagle", EagleParams(nodes=EAGLE_GPU_NODES), False))
+        ("eagle", "eagle", EagleParams(nodes=EAGLE_GPU_NODES), False),
+        ("eagle + copies", "eagle", EagleParams(nodes=EAGLE_GPU_NODES), True))
 
 
 def main() -> None:
@@ -53,6 +55,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--verify-cost", type=float, default=0.005,
                         help="what each token of a forward beyond the first adds, in one-token forwards")
+    algos = sorted({row[1] for row in ROWS})
+    parser.add_argument("--algos", nargs="+", choices=algos, default=algos,
+                        help="the proposers whose rows run, alone and with copies (default: all)")
     args = parser.parse_args()
     target = load_model(ModelSpec(device="cpu", dtype="float32"))
     widths = (1, 2, 4, 8, 16, 32, 64)
@@ -64,9 +69,9 @@ def main() -> None:
     print("| row | tokens per target forward | own forwards a step | own forward's price | nodes verified a step | "
           f"oracle TPF (same trees) | speedup bound | >= {GOAL}x |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, algo, params, copies in ROWS:
+    for name, algo, params, copies in (row for row in ROWS if row[1] in args.algos):
         proposer = build_proposer(target, algo, params, copies=PromptLookupParams() if copies else None)
-        price = gpu_price(getattr(proposer, "guesser", proposer), target.model.config.num_layers)
+        price = gpu_price(getattr(proposer, "inner", proposer), target.model.config.num_layers)
         tokens = forwards = steps = own = 0
         widths_verified, oracle = [], []
         for prompt in prompts:

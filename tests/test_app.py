@@ -230,7 +230,7 @@ def test_tokens_per_proposal_zero_follows_the_copies(client, target):
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["num_draft"], params["branches"]) == (LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES)
     copies = PromptLookupParams(branches=1).resolve()  # one copy grafted on
-    for algo in ("Medusa (tree)", "speculative (draft model)"):
+    for algo in ("Medusa (tree)", "speculative (draft model)", "EAGLE (tree)"):
         trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copy_ngram=3,
                             num_draft=0)[4]
         assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_num_draft"] == copies.num_draft

@@ -159,7 +159,11 @@ def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_fre
                          capture_output=True, text=True, check=True, timeout=900).stdout
     rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
     assert [row[0].strip() for row in rows] == ["speculative", "speculative + copies", "medusa", "medusa + copies",
-                                                "eagle"]
+                                                "eagle", "eagle + copies"]
+    out = subprocess.run([sys.executable, "scripts/gpu_ceiling.py", "--limit", "1", "--new-tokens", "4", "--algos",
+                          "eagle"], capture_output=True, text=True, check=True, timeout=900).stdout
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| eagle")] == ["| eagle",
+                                                                                               "| eagle + copies"]
     draft_layers = json.loads(Path("assets/draft-smollm2-135m/config.json").read_text())["num_hidden_layers"]
     for name, tpf, own, price, _, oracle, bound, _ in rows:
         assert 1.0 <= float(tpf) <= float(oracle) and float(bound.rstrip("x")) > 0

@@ -81,7 +81,7 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--copy-tokens", "0"],
      r"copy_tokens must be an integer in \[1, 16\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--copy-ngram", "2"],
-     r"copy-ngram: a setting of --algo speculative or medusa, not lookahead"),
+     r"copy-ngram: a setting of --algo speculative or medusa or eagle, not lookahead"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-tokens", "4"], "copy-tokens sizes the copies --copy-ngram grafts"),
     (["--prompt", "hi", "--gamma", "3"], "gamma: a setting of --algo speculative, not ar"),
@@ -131,12 +131,12 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     assert copies and all(e.source[1] - e.source[0] <= 5 for e in copies)
 
 
-def test_draft_free_algorithms_medusa_copies_and_eagle_match_plain_and_trace_their_proposals(target, tmp_path) -> None:
+def test_draft_free_algorithms_medusa_and_eagle_with_copies_match_plain_and_trace_proposals(target, tmp_path) -> None:
     prompt = "Repeat exactly: one two three four five six. one two three four five six."
     outputs = {}
     for algo, extra in (("ar", []), ("prompt-lookup", []), ("lookahead", ["--text-ngram", "4"]),
                         ("medusa", ["--tree", "small", "--copy-ngram", "2", "--copy-tokens", "5"]),
-                        ("eagle", ["--eagle-top-k", "2", "--eagle-nodes", "6"])):
+                        ("eagle", ["--eagle-top-k", "2", "--eagle-nodes", "6", "--copy-ngram", "2"])):
         result = cli("generate", "--algo", algo, *extra, "--prompt", prompt, "--max-new-tokens", "16", "--json",
                      "--trace-out", str(tmp_path / f"{algo}.json"))
         assert result.returncode == 0, result.stderr
@@ -155,8 +155,9 @@ def test_draft_free_algorithms_medusa_copies_and_eagle_match_plain_and_trace_the
     assert any(e.KIND == "draft" and e.source for e in trace.events)  # copies were grafted onto trees
     assert outputs["eagle"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "eagle.json")
-    assert trace.params["top_k"] == 2 and trace.params["nodes"] == 6
+    assert trace.params["top_k"] == 2 and trace.params["nodes"] == 6 and trace.params["copy_max_ngram"] == 2
     assert all(len(e.tokens) <= 6 for e in trace.events if e.KIND == "draft")
+    assert any(e.KIND == "draft" and e.source for e in trace.events)
 
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:

@@ -1,7 +1,8 @@
-"""EAGLE: greedy exactness on every test prompt with the shipped head, on both caches and in batches with chunked
-prefills and preemption; sampled outputs are plain decoding's for the same seed and follow the target's
-distribution (chi-square); the head's trees (parents first, within the budget, nothing below an end of sequence);
-the head reads every feature once; bad heads and settings."""
+"""EAGLE: greedy exactness on every test prompt with the shipped head, alone and with prompt lookup's copies grafted
+on, on both caches and in batches with chunked prefills and preemption; sampled outputs are plain decoding's for the
+same seed and follow the target's distribution (chi-square); the head's trees (parents first, within the budget,
+nothing below an end of sequence) and a copy grafted onto one; the head reads every feature once; bad heads and
+settings; the trainer's unrolled passes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from playground.config import ConfigError, EagleParams, EngineParams, GenerationParams, SamplingParams
+from playground.config import (ConfigError, EagleParams, EngineParams, GenerationParams, PromptLookupParams,
+                               SamplingParams)
 from playground.decoding.eagle import EagleProposer
+from playground.decoding.grafted import graft
+from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import compute, depth_profile
@@ -30,8 +34,12 @@ def head(target):
     return load_head(None, target)  # the head shipped for the embedded model
 
 
-def eagle(target, head, **settings) -> EagleProposer:
-    return build_proposer(target, "eagle", EagleParams(**settings), head=head)
+COPIES = PromptLookupParams(max_ngram=3, branches=1)
+REPEATING = "red green blue red green blue red green"  # its continuation is mostly a copy of itself
+
+
+def eagle(target, head, copies: PromptLookupParams | None = None, **settings) -> EagleProposer:
+    return build_proposer(target, "eagle", EagleParams(**settings), copies, head=head)
 
 
 def test_greedy_exact_on_every_prompt_with_most_drafts_kept(target, head, plain_outputs) -> None:
@@ -50,15 +58,50 @@ def test_greedy_exact_on_the_paged_cache_and_with_narrow_trees(target, head, pla
             assert all(len(e.tokens) <= nodes for e in trace.events if isinstance(e, DraftEvent))
 
 
+def test_greedy_exact_with_copies_grafted_on_both_caches(target, head, plain_outputs) -> None:
+    proposer = eagle(target, head, COPIES)
+    assert proposer.label == "eagle+copy" and proposer.describe()["copy_max_ngram"] == 3
+    accepted, drafted = assert_greedy_exact(target, proposer, plain_outputs)
+    assert drafted > 0 and 0.3 < accepted / drafted < 1
+    copied = 0
+    for prompt in PROMPTS[:6]:
+        output, trace = generate(target, prompt, proposer, SamplingParams(),
+                                 GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged"))
+        assert output.token_ids == plain_outputs[prompt], prompt
+        drafts = [e for e in trace.events if isinstance(e, DraftEvent)]
+        assert all(len(e.tokens) <= proposer.nodes for e in drafts)
+        copied += sum(e.source is not None for e in drafts)  # a step whose tree holds a copy
+    assert copied > 0
+
+
+def test_a_copy_grafted_onto_a_tree_runs_through_its_nodes_then_on_by_itself() -> None:
+    eos = frozenset({2})
+    # root -> 5 (0.6) -> 7 (0.3); root -> 6 (0.3)
+    tree = Proposal([5, 6, 7], [0, 0, 1], ["eagle"] * 3, [0.6, 0.3, 0.3], [0.6, 0.3, 0.5], forwards=2)
+    grafted = graft(tree, [6, 9, 10], 0.5, "copy", 4, eos)
+    # 6 is the tree's: now kept at 0.5 once the root is; 9 and 10 hang below it; the least likely node (10) is cut
+    assert (grafted.tokens, grafted.parents, grafted.sources) == ([5, 6, 7, 9], [0, 0, 1, 2],
+                                                                 ["eagle", "copy", "eagle", "copy"])
+    assert grafted.reach == pytest.approx([0.6, 0.5, 0.3, 0.25]) and grafted.probs == [0.6, 0.3, 0.5, None]
+    assert grafted.forwards == 2
+    through = graft(tree, [5, 7, 8], 0.9, "copy", 8, eos)  # along the likeliest path, each edge at least 0.9
+    assert through.tokens == [5, 7, 8, 6] and through.parents == [0, 1, 2, 0]
+    assert through.reach == pytest.approx([0.9, 0.81, 0.729, 0.3])
+    assert graft(tree, [2, 4], 0.9, "copy", 8, eos).tokens == [2, 5, 6, 7]  # nothing after an end of sequence
+    sampled = dataclasses.replace(tree, q=torch.ones(3, 4) / 4)
+    assert graft(sampled, [6, 9], 0.9, "copy", 8, eos) is sampled  # judged by its own distributions
+
+
 def test_a_batch_with_chunked_prefills_and_preemption_gives_every_request_its_solo_output(target, head,
                                                                                          plain_outputs) -> None:
     """Prompts prefilled in chunks of 16 tokens (the head reads each chunk's features), a pool so small that
     requests are preempted and recomputed (the head drops and reads their features again), batches of 1-8."""
     generation = GenerationParams(max_new_tokens=NEW_TOKENS)
     prompts = list(PROMPTS[:8])
-    for params in (EngineParams(max_running=8, max_batch_tokens=16), EngineParams(max_running=4, num_blocks=48),
-                   EngineParams(max_running=1)):
-        proposer = eagle(target, head)
+    for params, copies in ((EngineParams(max_running=8, max_batch_tokens=16), None),
+                           (EngineParams(max_running=4, num_blocks=48), None), (EngineParams(max_running=1), None),
+                           (EngineParams(max_running=4, num_blocks=48), COPIES)):
+        proposer = eagle(target, head, copies)
         engine = Engine(target, params, proposer=proposer)
         ids = {engine.add_request(p, generation=generation): p for p in prompts}
         outputs = engine.run_all()
@@ -66,7 +109,9 @@ def test_a_batch_with_chunked_prefills_and_preemption_gives_every_request_its_so
             assert outputs[rid].token_ids == plain_outputs[prompt], (params, prompt)
         counts = engine.counts["eagle"]
         assert 0 < counts.accepted < counts.proposed, params
-        assert proposer.states == {}  # every request's head state went with it
+        if copies:
+            assert engine.counts["copy"].accepted > 0
+        assert getattr(proposer, "inner", proposer).states == {}  # every request's head state went with it
 
 
 def test_sampled_outputs_are_plain_decodings_for_the_same_seed(target, head) -> None:
@@ -80,11 +125,13 @@ def test_sampled_outputs_are_plain_decodings_for_the_same_seed(target, head) -> 
         assert compute(trace).accepted > 0
 
 
-def test_sampled_eagle_follows_the_target_distribution(target, head) -> None:
+@pytest.mark.parametrize("copies", [None, COPIES], ids=["alone", "copies"])
+def test_sampled_eagle_follows_the_target_distribution(target, head, copies) -> None:
+    """On a prompt whose continuation is mostly a copy of itself where copies are grafted on."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
     generation = GenerationParams(max_new_tokens=3, raw=True)
-    proposed = assert_follows_target(target, eagle(target, head), "The best thing about summer is", sampling,
-                                     generation)
+    prompt = REPEATING if copies else "The best thing about summer is"
+    proposed = assert_follows_target(target, eagle(target, head, copies), prompt, sampling, generation)
     assert proposed > 0
 
 
@@ -182,6 +229,36 @@ def test_the_head_predicts_a_feature_for_every_position_and_masks_what_it_must_n
             torch.testing.assert_close(one[0, 0], whole[0, i], rtol=1e-4, atol=1e-4)
 
 
+def test_unrolled_training_passes_give_what_drafting_each_depth_gives(target) -> None:
+    """Pass k of the training unroll at position j equals drafting k deep after the real features up to j-k+1:
+    the head reads its own predicted features and sees the real keys, then its chain's."""
+    from playground.train.eagle import unrolled
+
+    torch.manual_seed(0)
+    module = EagleHead(head_config(target.model)).eval()
+    cfg, n = module.config, 7
+    embeddings, features = torch.randn(1, n, cfg.hidden_size), torch.randn(1, n, cfg.hidden_size)
+    cos, sin = target.model.rope(torch.arange(n).unsqueeze(0), torch.float32)
+    empty = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim)
+    with torch.no_grad():
+        passes = unrolled(module, embeddings, features, cos, sin, 3)
+        causal = torch.ones(1, n, n, dtype=torch.bool).tril()
+        first, k1, v1 = module(embeddings, features, cos, sin, empty, empty, causal)
+        torch.testing.assert_close(passes[0], first)
+        for last_real in range(n - 2):
+            feature, past_k, past_v = first[:, last_real : last_real + 1], k1[:, :, : last_real + 1], \
+                v1[:, :, : last_real + 1]
+            for depth in (2, 3):
+                at = last_real + depth - 1
+                if at >= n:
+                    break
+                visible = torch.ones(1, 1, past_k.shape[2] + 1, dtype=torch.bool)
+                feature, k, v = module(embeddings[:, at : at + 1], feature, cos[:, at : at + 1], sin[:, at : at + 1],
+                                       past_k, past_v, visible)
+                torch.testing.assert_close(feature[0, 0], passes[depth - 1][0, at], rtol=1e-4, atol=1e-4)
+                past_k, past_v = torch.cat((past_k, k), 2), torch.cat((past_v, v), 2)
+
+
 def test_depth_profile_by_hand() -> None:
     """Two drafting steps: a tree of depth 2 (3 nodes) keeping 2 tokens, a chain of 3 keeping none."""
     def token(parent):
@@ -202,15 +279,17 @@ def test_eagle_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     out = tmp_path / "head"
     small = ["eagle", "--limit", "2", "--answer-tokens", "8", "--batch", "4", "--eval-prompts", "1",
              "--out", str(out)]
-    assert main(small + ["--head-vocab", "300"]) == 0
+    assert main(small + ["--head-vocab", "300", "--unroll", "2"]) == 0
     report = json.loads((out / "train_report.json").read_text())
-    assert report["first_stage_prompts"] == 2 and report["head_vocab"] == 300 and report["held_out_prompts"] == 1
+    assert report["first_stage_prompts"] == 2 and report["head_vocab"] == 300 and report["unroll"] == 2
+    assert report["held_out_prompts"] == 1
     assert report["held_out_tokens_per_target_forward"] >= 1 and set(report["held_out_kept_at_least"]) == {
         str(d) for d in range(1, EagleParams().depth + 1)}
     loaded = load_head(str(out), target)
     assert len(loaded.vocab_ids) == 300
     for bad, message in ((["--head-vocab", "0"], "head_vocab must be an integer in [1, 49152]"),
                          (["--noise", "2"], "noise must be in [0, 1]"),
+                         (["--unroll", "5"], "unroll must be an integer in [1, 4]"),
                          (["--device", "tpu"], "device must be cpu or cuda")):
         assert main(small + bad) == 2
         assert message in capsys.readouterr().err

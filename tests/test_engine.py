@@ -25,7 +25,8 @@ from playground.decoding.planning import OwnCost, widest_paying
 from playground.decoding import prompt_lookup
 from playground.decoding import costs as costs_module
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.guesses import Grafted, GuessCalibration, guess_tree
+from playground.decoding.grafted import Grafted
+from playground.decoding.guesses import GuessCalibration, guess_tree
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
 from playground.decoding.speculative import DraftGuesser
@@ -49,7 +50,7 @@ def solo(target: LoadedModel, prompt_ids: list[int], sampling: SamplingParams, g
 
 def drafter(engine: Engine) -> DraftGuesser | None:
     """The engine's draft model proposer, alone or with copies grafted on."""
-    proposer = engine.proposer.guesser if isinstance(engine.proposer, Grafted) else engine.proposer
+    proposer = engine.proposer.inner if isinstance(engine.proposer, Grafted) else engine.proposer
     return proposer if isinstance(proposer, DraftGuesser) else None
 
 
@@ -190,8 +191,8 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         build_proposer(target, "speculative", draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
         build_proposer(replace(TINY, spec=ModelSpec(source="some/other-model")), "speculative")
-    with pytest.raises(ConfigError, match="copies: prompt lookup's copies graft onto Medusa's or the draft's trees, "
-                                          "not onto lookahead"):
+    with pytest.raises(ConfigError, match="copies: prompt lookup's copies graft onto Medusa's, the draft's or "
+                                          "EAGLE's trees, not onto lookahead"):
         build_proposer(target, "lookahead", copies=PromptLookupParams())
     with pytest.raises(ConfigError, match=r"window must be an integer in \[1, 16\]"):
         LookaheadParams(window=0)

@@ -359,7 +359,7 @@ def test_the_heads_run_only_where_their_price_pays(target, plain_outputs) -> Non
                    for e in trace.events if e.KIND == "draft")
     for copies in (None, COPIES):
         proposer = build_proposer(target, "medusa", MedusaParams(), copies)
-        heads = proposer.guesser if copies else proposer
+        heads = proposer.inner if copies else proposer
         heads.own.fixed = 10.0
         output, trace = generate(target, prompt, proposer, SamplingParams(), generation)
         assert output.token_ids == plain_outputs[prompt] and guessed(trace) == 0

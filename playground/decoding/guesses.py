@@ -1,11 +1,10 @@
-"""Proposers whose candidates are ranked guesses per depth (Medusa heads, a draft model), the tree built from them,
-and the one combinator that grafts a copy of earlier text onto such a tree.
+"""Proposers whose candidates are ranked guesses per depth (Medusa heads, a draft model) and the tree built from them.
 
 A `Guesser` gives, for each request, its top guesses at each of the next D places with their log-probabilities,
 (D, k) lists; `guess_tree` turns them into the dynamic tree of the most likely nodes (`tree.best_first`, ranked by
-calibrated probability), with a copy grafted on where there is one. `Grafted(guesser, copies)` is that
-composition: the copy's nodes run through the guesser's where they hold the same tokens and on as a chain of their
-own, each worth at least the request's running acceptance of copies.
+calibrated probability), with a copy of earlier text grafted on where there is one (`grafted.Grafted` pairs a
+guesser with prompt lookup's copies): the copy's nodes run through the guesser's where they hold the same tokens
+and on as a chain of their own, each worth at least the request's running acceptance of copies.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from .copies import Lookup
-from .planning import RunningAcceptance, at, plan_width, widest_paying
-from .prompt_lookup import CopyProposer
+from .planning import RunningAcceptance, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 from .tree import COPY_PRIOR, best_first
 
@@ -202,70 +200,3 @@ class Guesser(Proposer):
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         if proposal is not None:
             self.calibration.record(proposal, outcome.path, self.label)
-
-
-class Grafted(Proposer):
-    """A guesser's trees with each request's copy of earlier text grafted on (a request the guesser has nothing for
-    gets its copy alone)."""
-
-    def __init__(self, guesser: Guesser, copies: CopyProposer) -> None:
-        self.guesser, self.copies = guesser, copies
-        self.label = f"{guesser.label}+{copies.label}"
-
-    def bind(self, settings: Any) -> None:
-        self.guesser.bind(settings)
-        self.copies.bind(settings)
-
-    def start(self, request: RequestView) -> None:
-        self.guesser.start(request)
-        self.copies.start(request)
-
-    def pause(self, request: RequestView) -> None:
-        self.guesser.pause(request)
-        self.copies.pause(request)
-
-    def end(self, request: RequestView) -> None:
-        self.guesser.end(request)
-        self.copies.end(request)
-
-    def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
-        self.copies.decay(requests)
-        # Bounds before any work: a copy at each request's best acceptance so far, a tree whose every depth is
-        # reached as surely as calibrated guesses can be. The copy search scans each request's whole text: skip it
-        # when no copy could pay; guess only as many tokens as could pay.
-        copy_bounds = [self.copies.bound(r, room) for r, room in zip(requests, rooms)]
-        tree_bounds = [self.guesser.bound(r, room) for r, room in zip(requests, rooms)]
-        search = plan_width(copy_bounds, cost) > 1
-        longest = widest_paying([[max(at(c, k), at(t, k)) for k in range(max(len(c), len(t)))]
-                                 for c, t in zip(copy_bounds, tree_bounds)], cost) - 1
-        if not longest:
-            return {}
-        guesses = self.guesser.guesses(requests, rooms, longest, cost)
-        proposals = {}
-        for request, room in zip(requests, rooms):
-            found = self.copies.find(request, min(longest, room)) if search else []
-            copy = found[0] if found else None
-            if request.id in guesses and room > 0:
-                rate = self.copies.rate(request, copy) if copy else COPY_PRIOR
-                tree = self.guesser.tree(guesses[request.id], room, longest, copy, rate, self.copies.label)
-            elif copy:
-                tree = Proposal.chain(copy.tokens, self.copies.label, self.copies.rate(request, copy))
-            else:
-                continue
-            copied = tree.sources.count(self.copies.label)  # the copy's first tokens: the node budget cuts its tail
-            if copy and copied:
-                tree = replace(tree, span=[copy.start, copy.start + copied], ngram=copy.ngram)
-                self.copies.remember(request, tree, [copy.ngram] * len(tree.tokens))
-            proposals[request.id] = tree
-        return proposals
-
-    def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
-        self.guesser.observe(request, proposal, outcome)
-        self.copies.observe(request, proposal, outcome)
-
-    def own_cost(self) -> float | None:
-        return self.guesser.own_cost()
-
-    def describe(self) -> dict[str, Any]:
-        copies = {f"copy_{name}": value for name, value in self.copies.describe().items() if name != "proposer"}
-        return {**self.guesser.describe(), **copies}

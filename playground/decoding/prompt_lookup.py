@@ -25,7 +25,7 @@ from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 class CopyProposer(Proposer):
     """Prompt lookup in the engine: each decoding request's copies of earlier text (up to `branches`, merged into a
     tree where they start alike), proposed when their n-gram lengths' running acceptance says the wider forward
-    pays. Also the copy `Grafted` puts onto a guesser's trees."""
+    pays. Also the copy `grafted` puts onto the trees of a guesser or of EAGLE."""
 
     label = "copy"
 

@@ -10,7 +10,8 @@ from ..models import LoadedModel
 from ..models.eagle import LoadedEagle
 from ..models.medusa import LoadedHeads
 from .eagle import EagleProposer
-from .guesses import Grafted, Guesser
+from .grafted import Grafted, GraftedTree
+from .guesses import Guesser
 from .lookahead import LookaheadProposer
 from .medusa import MedusaGuesser
 from .prompt_lookup import CopyProposer
@@ -38,8 +39,8 @@ def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: P
                    heads: LoadedHeads | None = None, draft: LoadedModel | None = None,
                    head: LoadedEagle | None = None) -> Proposer | None:
     """The proposer of algorithm `algo` with its parameters (None: its defaults; plain decoding has none), with
-    prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms that guess a tree: Medusa
-    and the draft model). `heads`, `draft`, `head`: ones already loaded for Medusa, the draft model, EAGLE."""
+    prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms that guess a tree: Medusa,
+    the draft model and EAGLE). `heads`, `draft`, `head`: ones already loaded for Medusa, the draft model, EAGLE."""
     if algo not in algorithms():
         raise ConfigError(f"algo must be one of {', '.join(algorithms())}, got {algo!r}")
     if algo == PLAIN:
@@ -50,7 +51,10 @@ def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: P
     proposer = PROPOSERS[algo](target, params, **loaded)
     if copies is None:
         return proposer
-    if not isinstance(proposer, Guesser):
-        raise ConfigError(f"copies: prompt lookup's copies graft onto Medusa's or the draft's trees, not onto {algo}")
-    return Grafted(proposer, CopyProposer(target, copies))
+    if isinstance(proposer, Guesser):
+        return Grafted(proposer, CopyProposer(target, copies))
+    if isinstance(proposer, EagleProposer):
+        return GraftedTree(proposer, CopyProposer(target, copies), proposer.nodes)
+    raise ConfigError(f"copies: prompt lookup's copies graft onto Medusa's, the draft's or EAGLE's trees, not onto "
+                      f"{algo}")
 

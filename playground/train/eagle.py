@@ -8,7 +8,9 @@
 4. At every position t the head reads the target's feature f_t (with Gaussian noise of `--noise` times the
    features' RMS, so that it learns to draft on its own imperfect predictions) and the embedding of x_{t+1}, and
    learns f_{t+1}: a smooth-L1 regression on the feature plus `--token-weight` times the cross-entropy of the
-   target's next-token distribution (its output rows over the head's vocabulary) against the head's.
+   target's next-token distribution (its output rows over the head's vocabulary) against the head's. With
+   `--unroll K` it also learns, K-1 more passes deep, from the features it predicted itself, seeing the keys
+   drafting sees there (EAGLE-3's training-time test): drafting past depth 1 reads its own predictions.
 5. A report: the engine drafting with the head on the held-out prompts, greedy: tokens per target forward,
    the share of steps that kept at least d drafted tokens for each depth d, and the head's forward cost.
 Everything is seeded; the run is reproducible up to floating-point reduction order.
@@ -52,6 +54,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="Gaussian noise on the input features, times their RMS, 0..1 (default 0.1)")
     parser.add_argument("--token-weight", type=float, default=0.5,
                         help="weight of the next-token cross-entropy beside the feature regression (default 0.5)")
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="passes per position, 1..4: pass k learns from the features the head itself predicted "
+                             "k-1 deep, as it drafts (default 1)")
     parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
                         "(default) or cuda")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -74,13 +79,39 @@ def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[l
     return [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
 
 
+def unrolled(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             unroll: int) -> list[torch.Tensor]:
+    """The head's predicted features (B, N, E) at every position, `unroll` passes: what drafting 1..unroll deep gives.
+
+    embeddings (B, N, E) e(x_{j+1}); inputs (B, N, E) the (noised) features f_j; cos, sin the RoPE at positions
+    0..N-1. Pass 1 reads f_j and sees every position's pass-1 keys up to its own. Pass k reads the feature pass k-1
+    predicted for position j (from j-1) and sees what drafting at depth k sees: the pass-1 keys (real features) up to
+    position j-k+1, then one key of each pass 2..k-1 along its own chain (position j-k+m for pass m), then its own.
+    A position whose chain starts before position 0 only counts from pass k at j >= k-1."""
+    b, n, _ = inputs.shape
+    cfg = head.config
+    past_k = past_v = inputs.new_zeros(b, cfg.num_kv_heads, 0, cfg.head_dim)
+    j = torch.arange(n, device=inputs.device).unsqueeze(1)  # (N, 1) the query's position
+    i = torch.arange(n, device=inputs.device).unsqueeze(0)  # (1, N) a key's position within its pass
+    passes = []
+    for k in range(1, unroll + 1):
+        blocks = [i <= j - k + 1] + [i == j - k + m for m in range(2, k + 1)]  # pass 1 .. pass k (own) keys
+        visible = torch.cat(blocks, 1).expand(b, n, k * n)  # (B, N, k*N)
+        predicted, keys, values = head(embeddings, inputs, cos, sin, past_k, past_v, visible)  # (B, N, E)
+        passes.append(predicted)
+        past_k, past_v = torch.cat((past_k, keys), 2), torch.cat((past_v, values), 2)  # (B, Hkv, k*N, D)
+        inputs = torch.cat((inputs[:, :1], predicted[:, :-1].to(inputs.dtype)), 1)  # f^_j at j >= 1
+    return passes
+
+
 def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
-              starts: torch.Tensor, output: torch.Tensor, noise: float,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(regression, token cross-entropy) for a padded batch: ids (B, T), features (B, T, E) float32, lengths (B,),
-    starts (B,) each sequence's first answer token; output (V', E) the target's rows over the head's vocabulary.
-    The head reads every position, and learns where what it predicts chooses an answer token (the prompts share
-    a chat template, which would otherwise weigh as much as every answer)."""
+              starts: torch.Tensor, output: torch.Tensor, noise: float, generator: torch.Generator,
+              unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(regression, token cross-entropy), each the mean over the `unroll` passes, for a padded batch: ids (B, T),
+    features (B, T, E) float32, lengths (B,), starts (B,) each sequence's first answer token; output (V', E) the
+    target's rows over the head's vocabulary. The head reads every position, and learns where what it predicts
+    chooses an answer token (the prompts share a chat template, which would otherwise weigh as much as every
+    answer)."""
     b, t = ids.shape
     inputs = features[:, :-1]  # f_t (B, T-1, E)
     if noise:
@@ -89,19 +120,18 @@ def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.T
     embeddings = target.model.embed_tokens.weight[ids[:, 1:]].float()  # e(x_{t+1}) (B, T-1, E)
     positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)  # (B, T-1)
     cos, sin = target.model.rope(positions, torch.float32)
-    cfg = head.config
-    empty = features.new_zeros(b, cfg.num_kv_heads, 0, cfg.head_dim)
-    causal = torch.ones(t - 1, t - 1, dtype=torch.bool, device=ids.device).tril().expand(b, t - 1, t - 1)
-    predicted, _, _ = head(embeddings, inputs, cos, sin, empty, empty, causal)  # (B, T-1, E)
     # (B, T-1): f_{j+1} is real and chooses an answer token x_{j+2}
     j = torch.arange(t - 1, device=ids.device).unsqueeze(0)
-    valid = (j + 1 < lengths.unsqueeze(1)) & (j + 2 >= starts.unsqueeze(1))
-    guess, truth = predicted[valid].float(), features[:, 1:][valid]  # (N, E)
-    regression = F.smooth_l1_loss(guess, truth)
-    with torch.no_grad():
-        teacher = (truth @ output.T).softmax(-1)  # (N, V')
-    tokens = -(teacher * (guess @ output.T).log_softmax(-1)).sum(-1).mean()
-    return regression, tokens
+    answer = (j + 1 < lengths.unsqueeze(1)) & (j + 2 >= starts.unsqueeze(1))
+    regressions, tokens = [], []
+    for k, predicted in enumerate(unrolled(head, embeddings, inputs, cos, sin, unroll), start=1):
+        valid = answer & (j >= k - 1)
+        guess, truth = predicted[valid].float(), features[:, 1:][valid]  # (N, E)
+        regressions.append(F.smooth_l1_loss(guess, truth))
+        with torch.no_grad():
+            teacher = (truth @ output.T).softmax(-1)  # (N, V')
+        tokens.append(-(teacher * (guess @ output.T).log_softmax(-1)).sum(-1).mean())
+    return torch.stack(regressions).mean(), torch.stack(tokens).mean()
 
 
 def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tensor], output: torch.Tensor,
@@ -130,7 +160,7 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
             starts = torch.tensor([corpus.answer_starts[i] for i in group], device=device)
             with autocast:
                 regression, tokens = head_loss(head, target, ids, features, lengths, starts, output, args.noise,
-                                               generator)
+                                               generator, args.unroll)
             loss = regression + args.token_weight * tokens
             optimizer.zero_grad()
             loss.backward()
@@ -178,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
     from ..models import load_model
 
     check_int("batch", args.batch, 1, 1024)
+    check_int("unroll", args.unroll, 1, 4)
     check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
     for name, value, most in (("noise", args.noise, 1), ("token_weight", args.token_weight, 10)):
         if not 0 <= value <= most:
@@ -203,8 +234,9 @@ def main(args: argparse.Namespace) -> int:
     report = evaluate(evaluation_target, out, held_out_prompts()[: args.eval_prompts])
     report.update({**run_report(args, prompts, corpus, generation_s, start),
                    "train_positions": sum(len(s) for s in corpus.sequences), "batch": args.batch,
-                   "noise": args.noise, "token_weight": args.token_weight, "head_vocab": args.head_vocab,
-                   "device": args.device, "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
+                   "noise": args.noise, "unroll": args.unroll, "token_weight": args.token_weight,
+                   "head_vocab": args.head_vocab, "device": args.device,
+                   "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))
     return 0

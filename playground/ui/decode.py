@@ -88,8 +88,8 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
                    acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
                    text_ngram: Any = 0, pools: Any = POOLS) -> Proposer | None:
     """The proposer for the form's settings (None: plain decoding); every parameter is validated by its dataclass.
-    Copies grafted onto the draft's or the heads' trees propose at most num_draft tokens, as prompt lookup does;
-    num_draft 0 leaves it to the number of copies (`PromptLookupParams.resolve`)."""
+    Copies grafted onto the draft's, the heads' or EAGLE's trees propose at most num_draft tokens, as prompt lookup
+    does; num_draft 0 leaves it to the number of copies (`PromptLookupParams.resolve`)."""
     tokens = as_int("tokens per proposal", num_draft) or None  # 0: as many copies make it
     copy = as_int("copy n-gram", copy_ngram)
     check_int("copy_ngram", copy, 0, MAX_NGRAM)
@@ -116,7 +116,7 @@ def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ng
         params = MedusaParams(tree=tree, nodes=as_int("tree nodes", tree_nodes) or None,
                               acceptance=ACCEPTANCE[acceptance])
     elif algo == "eagle":
-        params, copies = EagleParams(nodes=as_int("tree nodes", tree_nodes) or None), None
+        params = EagleParams(nodes=as_int("tree nodes", tree_nodes) or None)
     else:
         params, copies = None, None
     return registry.build_proposer(target, algo, params, copies, draft=draft)
@@ -332,8 +332,8 @@ def load_trace(file: Any):
 
 
 # the algorithms each parameter field sets
-FIELDS_OF = {"gamma": ("speculative",), "copy_ngram": ("speculative", "medusa"),
-             "max_ngram": ("prompt-lookup",), "num_draft": ("prompt-lookup", "speculative", "medusa"),
+FIELDS_OF = {"gamma": ("speculative",), "copy_ngram": ("speculative", "medusa", "eagle"),
+             "max_ngram": ("prompt-lookup",), "num_draft": ("prompt-lookup", "speculative", "medusa", "eagle"),
              **{name: ("lookahead",) for name in ("window", "ngram", "guesses", "context", "text_ngram", "pools")},
              **{name: ("medusa",) for name in ("tree", "acceptance")}, "tree_nodes": ("medusa", "eagle")}
 
@@ -354,7 +354,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     gamma = gr.Number(4, label="gamma (most draft tokens, 1..16)", step=1,
                                       info="speculative: each step drafts as deep as its acceptance pays for")
                     copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
-                                           info="speculative, Medusa: graft copies of earlier text onto the tree")
+                                           info="speculative, Medusa, EAGLE: graft copies of earlier text onto "
+                                                "the tree")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,

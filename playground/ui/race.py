@@ -36,6 +36,7 @@ RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Medusa (dynamic tree)": ("medusa", "contiguous", {}),
     "Medusa + prompt copies": ("medusa", "contiguous", {"copy_ngram": 3}),
     "EAGLE (dynamic tree)": ("eagle", "contiguous", {}),
+    "EAGLE + prompt copies": ("eagle", "contiguous", {"copy_ngram": 3}),
     "plain, paged KV": ("ar", "paged", {}),
 }
 ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}
