@@ -186,6 +186,8 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
     if "eagle" in args.algos:
         eagle = build_proposer(target, "eagle")
         contenders.append(Contender("eagle", "eagle", eagle, setting(eagle)))
+        grafting = build_proposer(target, "eagle", None, copies, head=eagle.eagle)
+        contenders.append(Contender("eagle-copy", "eagle", grafting, setting(grafting)))
         sampled = build_proposer(target, "eagle", head=eagle.eagle)
         contenders.append(Contender("eagle-sampled", "eagle", sampled,
                                     setting(sampled, f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}",

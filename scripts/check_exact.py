@@ -44,6 +44,7 @@ def check(target: LoadedModel, draft: LoadedModel, new_tokens: int) -> dict[str,
            for tree in ("dynamic", "small", "wide")},
         "medusa-copy": build_proposer(target, "medusa", MedusaParams(), copies),
         "eagle": build_proposer(target, "eagle"),
+        "eagle-copy": build_proposer(target, "eagle", None, copies),
     }
 
     reference = {prompt: generate(target, prompt, None, greedy, GenerationParams(max_new_tokens=new_tokens))[0]

@@ -191,7 +191,7 @@ def bench(rows: list, device: str, fast: str, limit: int, rounds: int, out: Path
         row(rows, (f"plain {fast} / plain eager", f"{ratio:.2f}x", ">= 10x", yes(ratio >= 10)))
     if "median_ratio_vs_hf" in summary:
         row(rows, ("plain / transformers generate", f"{summary['median_ratio_vs_hf']:.2f}x", "(peer)", "-"))
-    for name in ("speculative", "medusa", "eagle"):
+    for name in ("speculative", "speculative-copy", "medusa", "medusa-copy", "eagle", "eagle-copy"):
         if name in algos:
             speedup = algos[name]["median_speedup_vs_ar"]
             row(rows, (f"{name} / plain decoding", f"{speedup:.2f}x", ">= 1.8x", yes(speedup >= 1.8)))
