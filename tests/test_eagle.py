@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -279,8 +280,12 @@ def test_eagle_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     out = tmp_path / "head"
     small = ["eagle", "--limit", "2", "--answer-tokens", "8", "--batch", "4", "--eval-prompts", "1",
              "--out", str(out)]
+    started = time.perf_counter()
     assert main(small + ["--head-vocab", "300", "--unroll", "2"]) == 0
+    elapsed = time.perf_counter() - started
     report = json.loads((out / "train_report.json").read_text())
+    # the corpus generated in this run counts once: the full run is its generation plus the rest
+    assert 0 < report["corpus_generation_s"] and report["corpus_generation_s"] + report["wall_s_this_run"] <= elapsed
     assert report["first_stage_prompts"] == 2 and report["head_vocab"] == 300 and report["unroll"] == 2
     assert report["held_out_prompts"] == 1
     assert report["held_out_tokens_per_target_forward"] >= 1 and set(report["held_out_kept_at_least"]) == {

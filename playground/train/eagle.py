@@ -216,10 +216,10 @@ def main(args: argparse.Namespace) -> int:
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"device must be cpu or cuda (with a CUDA GPU present), got {args.device!r}")
     prompts = training_setup(args)
-    start = time.perf_counter()
     target = load_model(ModelSpec(source=args.model, device=args.device))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
+    start = time.perf_counter()
     states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device)
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
