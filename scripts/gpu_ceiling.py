@@ -5,7 +5,7 @@ proposer pricing its own forwards as a GPU's estimate does before it has measure
 where each layer's kernels bound a forward, its layers over the target's).
 
     python scripts/gpu_ceiling.py [--limit 14] [--new-tokens 96] [--verify-cost 0.005]
-                                  [--algos speculative medusa eagle]
+                                  [--algos speculative medusa eagle] [--eagle-head DIR]
 
 Per algorithm, summed over the prompts: tokens per target forward (TPF), the proposer's own forwards per step and
 their price (in one-token target forwards), the nodes verified a step, the TPF of an oracle that always
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +59,7 @@ def main() -> None:
     algos = sorted({row[1] for row in ROWS})
     parser.add_argument("--algos", nargs="+", choices=algos, default=algos,
                         help="the proposers whose rows run, alone and with copies (default: all)")
+    parser.add_argument("--eagle-head", help="an EAGLE head's folder for the eagle rows (default: the shipped head)")
     args = parser.parse_args()
     target = load_model(ModelSpec(device="cpu", dtype="float32"))
     widths = (1, 2, 4, 8, 16, 32, 64)
@@ -70,6 +72,8 @@ def main() -> None:
           f"oracle TPF (same trees) | speedup bound | >= {GOAL}x |")
     print("|---|---|---|---|---|---|---|---|")
     for name, algo, params, copies in (row for row in ROWS if row[1] in args.algos):
+        if algo == "eagle" and args.eagle_head:
+            params = replace(params, head=args.eagle_head)
         proposer = build_proposer(target, algo, params, copies=PromptLookupParams() if copies else None)
         price = gpu_price(getattr(proposer, "inner", proposer), target.model.config.num_layers)
         tokens = forwards = steps = own = 0

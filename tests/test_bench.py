@@ -161,7 +161,8 @@ def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_fre
     assert [row[0].strip() for row in rows] == ["speculative", "speculative + copies", "medusa", "medusa + copies",
                                                 "eagle", "eagle + copies"]
     out = subprocess.run([sys.executable, "scripts/gpu_ceiling.py", "--limit", "1", "--new-tokens", "4", "--algos",
-                          "eagle"], capture_output=True, text=True, check=True, timeout=900).stdout
+                          "eagle", "--eagle-head", "assets/eagle-smollm2-135m"],
+                         capture_output=True, text=True, check=True, timeout=900).stdout
     assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| eagle")] == ["| eagle",
                                                                                                "| eagle + copies"]
     draft_layers = json.loads(Path("assets/draft-smollm2-135m/config.json").read_text())["num_hidden_layers"]
