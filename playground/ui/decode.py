@@ -354,8 +354,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     gamma = gr.Number(4, label="gamma (most draft tokens, 1..16)", step=1,
                                       info="speculative: each step drafts as deep as its acceptance pays for")
                     copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
-                                           info="speculative, Medusa, EAGLE: graft copies of earlier text onto "
-                                                "the tree")
+                                           info="draft, Medusa, EAGLE: graft copies of earlier text onto the tree")
                 with gr.Row():
                     max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
                     num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
