@@ -43,9 +43,14 @@ def eagle(target, head, copies: PromptLookupParams | None = None, **settings) ->
     return build_proposer(target, "eagle", EagleParams(**settings), copies, head=head)
 
 
-def test_greedy_exact_on_every_prompt_with_most_drafts_kept(target, head, plain_outputs) -> None:
+def drafted_share(plain_outputs: dict[str, tuple[int, ...]], accepted: int) -> float:
+    """The share of the tokens after the prefill's that were drafted and kept, over every exactness prompt."""
+    return accepted / sum(len(tokens) - 1 for tokens in plain_outputs.values())
+
+
+def test_greedy_exact_on_every_prompt_with_a_third_of_the_tokens_drafted(target, head, plain_outputs) -> None:
     accepted, drafted = assert_greedy_exact(target, eagle(target, head), plain_outputs)
-    assert drafted > 0 and 0.3 < accepted / drafted < 1
+    assert accepted < drafted and drafted_share(plain_outputs, accepted) > 0.3
 
 
 def test_greedy_exact_on_the_paged_cache_and_with_narrow_trees(target, head, plain_outputs) -> None:
@@ -63,7 +68,7 @@ def test_greedy_exact_with_copies_grafted_on_both_caches(target, head, plain_out
     proposer = eagle(target, head, COPIES)
     assert proposer.label == "eagle+copy" and proposer.describe()["copy_max_ngram"] == 3
     accepted, drafted = assert_greedy_exact(target, proposer, plain_outputs)
-    assert drafted > 0 and 0.3 < accepted / drafted < 1
+    assert accepted < drafted and drafted_share(plain_outputs, accepted) > 0.3
     copied = 0
     for prompt in PROMPTS[:6]:
         output, trace = generate(target, prompt, proposer, SamplingParams(),
@@ -292,6 +297,8 @@ def test_eagle_training_pipeline_smoke(tmp_path, target, capsys) -> None:
         str(d) for d in range(1, EagleParams().depth + 1)}
     loaded = load_head(str(out), target)
     assert len(loaded.vocab_ids) == 300
+    # the evaluation priced the head at its weights' estimate, not at what this host measured
+    assert report["head_target_cost_ratio"] == EagleProposer(target, EagleParams(), loaded).estimate_cost()
     for bad, message in ((["--head-vocab", "0"], "head_vocab must be an integer in [1, 49152]"),
                          (["--noise", "2"], "noise must be in [0, 1]"),
                          (["--unroll", "5"], "unroll must be an integer in [1, 4]"),

@@ -54,9 +54,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="Gaussian noise on the input features, times their RMS, 0..1 (default 0.1)")
     parser.add_argument("--token-weight", type=float, default=0.5,
                         help="weight of the next-token cross-entropy beside the feature regression (default 0.5)")
-    parser.add_argument("--unroll", type=int, default=1,
+    parser.add_argument("--unroll", type=int, default=2,
                         help="passes per position, 1..4: pass k learns from the features the head itself predicted "
-                             "k-1 deep, as it drafts (default 1)")
+                             "k-1 deep, as it drafts (default 2)")
     parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
                         "(default) or cuda")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -180,13 +180,16 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
 
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     """The engine drafting with the head saved in `folder` on `prompts`, greedy, in float32 on the CPU: tokens per
-    target forward and the share of decode steps that kept at least d drafted tokens, d = 1..depth."""
+    target forward and the share of decode steps that kept at least d drafted tokens, d = 1..depth. The head's
+    forward is priced at its weights' estimate, not as measured here, so that the figures judge the head rather
+    than the host's load (a busy host's measured price stops the drafting)."""
     from ..decoding.eagle import EagleProposer
     from ..engine import generate
     from ..metrics import kept_by_step
     from ..trace import CommitEvent
 
     proposer = EagleProposer(target, EagleParams(head=str(folder)))
+    proposer.own.fixed = proposer.estimate_cost()
     generation = GenerationParams(max_new_tokens=EVAL_TOKENS)
     kept_per_step: list[int] = []
     tokens = forwards = 0
