@@ -19,6 +19,7 @@ from playground.kv import ContiguousKVCache
 from playground.models import ModelLoadError, load_model, native
 from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks
 from playground.models.loader import load_weights, read_hf_config
+from playground.models.vocab import output_rows
 
 from .prompts import PROMPTS
 from .test_native import forwards
@@ -107,6 +108,16 @@ def test_the_embedded_model_reads_its_blocks_with_the_float32_bits(kernel, targe
             for model, stack in ((target, True), (target, False), (float32, True))]
     for got, layer_by_layer, want in zip(*runs):
         assert torch.equal(got, want) and torch.equal(layer_by_layer, want)
+
+
+def test_some_output_rows_are_packed_from_the_blocks_with_the_float32_bits(kernel, target, float32):
+    """A proposer's reduced output rows (the EAGLE head's, the Medusa heads') read the projection's Q8_0 blocks on
+    the blocks model: about a quarter of float32's bytes, the float32 model's logits bit for bit."""
+    ids = torch.tensor([0, 2, 7, 100, 4000, 31000, 49151])
+    rows, want = output_rows(target.model, ids), output_rows(float32.model, ids)
+    assert rows.packed.format == native.GGUF_FORMATS["Q8_0"][0] and rows.packed.nbytes < want.packed.nbytes / 3
+    hidden = torch.randn(3, target.model.config.hidden_size, generator=torch.Generator().manual_seed(0))  # (3, E)
+    assert torch.equal(rows.logits(hidden), want.logits(hidden))
 
 
 def test_plain_decoding_on_blocks_equals_float32_on_every_prompt(kernel, target, float32, plain_outputs):

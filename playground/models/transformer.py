@@ -246,6 +246,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
         self.rope_scale = rope_scale
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
+        self.output_blocks: tuple[str, torch.Tensor] | None = None  # its GGUF blocks if packed from them (see vocab)
         # False keeps PyTorch's attention where the native kernel would serve (scripts/forward_costs.py compares them)
         self.native_attention = True
         # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
@@ -361,6 +362,7 @@ class Transformer(nn.Module):
         if can_pack(self.output_weight):
             self.packed_output = (self.lm_head.packed if self.lm_head is not None
                                   else packed("embed_tokens.weight", self.output_weight))
+            self.output_blocks = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
 
     def forward(
         self,
