@@ -247,8 +247,7 @@ class Transformer(nn.Module):
         self.rope_scale = rope_scale
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
         self.output_blocks: tuple[str, torch.Tensor] | None = None  # its GGUF blocks if packed from them (see vocab)
-        # False keeps PyTorch's attention where the native kernel would serve (scripts/forward_costs.py compares them)
-        self.native_attention = True
+        self.native_attention = True  # False: PyTorch's attention where the kernel would serve (forward_costs.py)
         # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
         self.native_stack: native.LayerStack | None = None
         # static forwards' shapes (cache storage, CUDA graphs) no cache is using, by cache shape (`models.forwards`)
