@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import SUITE  # noqa: E402
 from playground.config import LOOKUP_TOKENS, GenerationParams, ModelSpec, PromptLookupParams  # noqa: E402
-from playground.decoding.base import contiguous_cache, encode_prompt  # noqa: E402
+from playground.decoding.base import encode_prompt, forward_tokens, new_cache  # noqa: E402
 from playground.decoding.copies import best_copy  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
 from playground.models.vocab import proposal_rows  # noqa: E402
-from playground.waits import to_device  # noqa: E402
 
 GOAL = 1.8  # the issue's speedup goal for speculative decoding on a GPU
 
@@ -43,19 +42,11 @@ GOAL = 1.8  # the issue's speedup goal for speculative decoding on a GPU
 def answer_ranks(draft: LoadedModel, prompt_ids: list[int], answer: list[int]) -> list[int]:
     """Each answer token's rank (0: the draft's first guess) among the draft's guesses after the text before it;
     a token outside the draft's proposal vocabulary ranks past every other."""
-    model, rows = draft.model, proposal_rows(draft)
-    text = prompt_ids + answer
-    cache = contiguous_cache(model, len(text))
-    cache.add_sequence(0, [])
-    ids = to_device([text[:-1]], model.device)  # (1, L - 1)
-    positions = to_device([list(range(len(text) - 1))], model.device)  # (1, L - 1)
-    _, hidden = model(ids, positions, cache, [0], num_logits=0)  # (1, L - 1, E)
-    states = hidden[0, len(prompt_ids) - 1 :]  # (A, E): the states each answer token is guessed from
+    model = draft.model
+    cache = new_cache(model, len(prompt_ids) + len(answer), GenerationParams())
+    # (A, V): the logits each answer token is guessed from, -inf outside the proposal vocabulary
+    logits = forward_tokens(model, cache, prompt_ids + answer[:-1], num_logits=len(answer), rows=proposal_rows(draft))
     wanted = torch.tensor(answer, device=model.device)  # (A,)
-    if rows is None:
-        logits = model.project(states).float()  # (A, V)
-    else:
-        logits = rows.full_logits(states, model.config.vocab_size)  # (A, V), -inf outside the proposal vocabulary
     chosen = logits.gather(1, wanted[:, None])  # (A, 1)
     ranks = (logits > chosen).sum(1)  # (A,)
     ranks[chosen[:, 0] == -torch.inf] = logits.shape[1]
