@@ -4,8 +4,8 @@ One workload (N requests built from the prompt suite, with output limits cycling
 --max-new-tokens to all of it, all queued at time 0) runs up to twelve ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
 sequentially (one request at a time), continuous and sequential again with the proposers of prompt lookup,
-lookahead, the Medusa heads (where heads ship for the target) and the draft model (where a draft ships for it),
-and sequential with prompt lookup's copies grafted onto the Medusa heads' trees. Greedy
+lookahead, and the Medusa heads, the draft model and the EAGLE head where they ship for the target, and sequential
+with prompt lookup's copies grafted onto the Medusa heads' trees. Greedy
 outputs must be identical in every mode. KV memory is read from the engine's per-step memory events: the paged
 pool's internal fragmentation versus what reserving prompt + max_new_tokens slots per running request (a
 contiguous cache) would waste.
@@ -13,7 +13,8 @@ contiguous cache) would waste.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .bench_suite import workload
@@ -22,8 +23,27 @@ from .decoding.proposer import Proposer
 from .decoding.registry import build_proposer
 from .engine import Engine
 from .metrics import memory_summary
+from .models.eagle import default_head
 from .models.loader import default_draft
 from .models.medusa import default_heads
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A proposer the suite runs continuous and sequential where its weights ship for the target: `key` names its
+    ratios (`medusa_vs_continuous`, ...), `mode` its modes, `ships` finds its weights for a target spec."""
+
+    key: str
+    mode: str
+    algo: str
+    ships: Callable[[str], str | None]
+    what: str  # how the summary names its proposals
+    missing: str  # what the suite says when none ship
+
+
+SHIPPED = (Shipped("medusa", "Medusa", "medusa", default_heads, "Medusa heads' trees", "no Medusa heads ship"),
+           Shipped("draft", "draft", "speculative", default_draft, "the draft's chains", "no draft ships"),
+           Shipped("eagle", "EAGLE", "eagle", default_head, "the EAGLE head's trees", "no EAGLE head ships"))
 
 
 def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: EngineParams,
@@ -60,18 +80,15 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "sequential + prompt lookup": (one, "prompt-lookup", None),
         "continuous + lookahead": (many, "lookahead", None), "sequential + lookahead": (one, "lookahead", None),
     }
-    heads = default_heads(target.spec.source)
-    if heads is not None:
-        modes.update({"continuous + Medusa": (many, "medusa", None), "sequential + Medusa": (one, "medusa", None),
-                      "sequential + both": (one, "medusa", PromptLookupParams())})
-    else:
-        progress("no Medusa heads ship for this model: the serving suite runs without the Medusa modes")
-    drafted = default_draft(target.spec.source) is not None
-    if drafted:
-        modes.update({"continuous + draft": (many, "speculative", None),
-                      "sequential + draft": (one, "speculative", None)})
-    else:
-        progress("no draft ships for this model: the serving suite runs without the draft modes")
+    shipped = [family for family in SHIPPED if family.ships(target.spec.source) is not None]
+    for family in SHIPPED:
+        if family in shipped:
+            modes.update({f"continuous + {family.mode}": (many, family.algo, None),
+                          f"sequential + {family.mode}": (one, family.algo, None)})
+        else:
+            progress(f"{family.missing} for this model: the serving suite runs without the {family.mode} modes")
+    if SHIPPED[0] in shipped:  # the Medusa heads with prompt lookup's copies grafted onto their trees
+        modes["sequential + both"] = (one, "medusa", PromptLookupParams())
     serve(target, workload(2, 8), many)  # warm-up: first-call allocations and kernel choices
     results = {}
     for name, (params, algo, copies) in modes.items():
@@ -94,13 +111,10 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "lookup_vs_sequential": results["sequential + prompt lookup"]["tokens_per_s"] / sequential["tokens_per_s"],
         "lookahead_vs_continuous": results["continuous + lookahead"]["tokens_per_s"] / continuous["tokens_per_s"],
         "lookahead_vs_sequential": results["sequential + lookahead"]["tokens_per_s"] / sequential["tokens_per_s"],
-        **({"medusa_vs_continuous": results["continuous + Medusa"]["tokens_per_s"] / continuous["tokens_per_s"],
-            "medusa_vs_sequential": results["sequential + Medusa"]["tokens_per_s"] / sequential["tokens_per_s"],
-            "both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
-           if heads is not None else {}),
-        **({"draft_vs_continuous": results["continuous + draft"]["tokens_per_s"] / continuous["tokens_per_s"],
-            "draft_vs_sequential": results["sequential + draft"]["tokens_per_s"] / sequential["tokens_per_s"]}
-           if drafted else {}),
+        **{f"{family.key}_vs_{mode}": results[f"{mode} + {family.mode}"]["tokens_per_s"] / base["tokens_per_s"]
+           for family in shipped for mode, base in (("continuous", continuous), ("sequential", sequential))},
+        **({"both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
+           if "sequential + both" in results else {}),
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
@@ -131,13 +145,12 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
               f"- lookahead in the batch: {s['lookahead_vs_continuous']:.2f}x continuous, "
               f"{s['lookahead_vs_sequential']:.2f}x sequential (the same tokens)",
-              f"- Medusa heads' trees in the batch: {s['medusa_vs_continuous']:.2f}x continuous, "
-              f"{s['medusa_vs_sequential']:.2f}x sequential; with prompt lookup too: {s['both_vs_sequential']:.2f}x "
-              f"sequential (the same tokens)" if "medusa_vs_continuous" in s else
-              "- Medusa heads' trees in the batch: not run (no heads ship for this model)",
-              f"- the draft's chains in the batch: {s['draft_vs_continuous']:.2f}x continuous, "
-              f"{s['draft_vs_sequential']:.2f}x sequential (the same tokens)" if "draft_vs_continuous" in s else
-              "- the draft's chains in the batch: not run (no draft ships for this model)",
+              *(f"- {family.what} in the batch: {s[family.key + '_vs_continuous']:.2f}x continuous, "
+                f"{s[family.key + '_vs_sequential']:.2f}x sequential"
+                + (f"; with prompt lookup too: {s['both_vs_sequential']:.2f}x sequential" if family.key == "medusa"
+                   else "") + " (the same tokens)" if family.key + "_vs_continuous" in s else
+                f"- {family.what} in the batch: not run ({family.missing} for this model)"
+                for family in SHIPPED),
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",

@@ -183,6 +183,15 @@ def test_the_draft_ceiling_script_bounds_any_tree_of_the_drafts_guesses() -> Non
     assert 1.0 <= tpf[("no", "1")] <= tpf[("no", "4")] <= tpf[("yes", "4")] and tpf[("no", "1")] <= tpf[("yes", "1")]
 
 
+def test_the_eagle_batch_script_times_trees_grown_together_and_alone() -> None:
+    """scripts/eagle_batch.py: a row per batch size, with the requests it timed (those decoding by then)."""
+    out = subprocess.run([sys.executable, "scripts/eagle_batch.py", "--batches", "1", "3", "--depth", "2",
+                          "--steps", "6", "--rounds", "1"], capture_output=True, text=True, check=True,
+                         timeout=900).stdout
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
+    assert [int(row[0]) for row in rows] == [1, 3] and all(float(v) > 0 for row in rows for v in row[1:])
+
+
 def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_free() -> None:
     """scripts/gpu_ceiling.py: per proposer, what it commits per target forward with a flat forward-cost curve and
     the speedup bound that allows, its own forwards priced at a GPU's estimate (layers over the target's)."""

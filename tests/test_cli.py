@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -171,29 +172,32 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction",
                 "lookup_vs_continuous", "lookup_vs_sequential", "medusa_vs_continuous", "medusa_vs_sequential",
                 "both_vs_sequential", "draft_vs_continuous", "draft_vs_sequential", "lookahead_vs_continuous",
-                "lookahead_vs_sequential"):
+                "lookahead_vs_sequential", "eagle_vs_continuous", "eagle_vs_sequential"):
         assert serving[key] > 0
     assert serving["same_tokens_in_every_mode"] and set(serving["modes"]) == {
         "continuous", "static", "sequential", "continuous + prompt lookup", "sequential + prompt lookup",
         "continuous + lookahead", "sequential + lookahead", "continuous + Medusa", "sequential + Medusa",
-        "sequential + both", "continuous + draft", "sequential + draft"}
+        "sequential + both", "continuous + draft", "sequential + draft", "continuous + EAGLE", "sequential + EAGLE"}
     assert serving["modes"]["sequential"]["mean_running"] == 1
     assert serving["modes"]["sequential"]["proposals"] == {}
     assert serving["modes"]["sequential + Medusa"]["proposals"]["medusa"]["proposed"] > 0
     assert serving["modes"]["sequential + draft"]["proposals"]["draft"]["proposed"] > 0
     assert serving["modes"]["sequential + lookahead"]["proposals"]["lookahead"]["proposed"] > 0
+    assert serving["modes"]["continuous + EAGLE"]["proposals"]["eagle"]["proposed"] > 0
     markdown = (tmp_path / "serving.md").read_text()
     assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
+    assert "- the EAGLE head's trees in the batch: " in markdown and "x sequential (the same tokens)" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")
     assert bad.returncode == 2 and "requests must be an integer in [1, 256]" in bad.stderr
 
 
-def test_serving_benchmark_without_heads_or_draft_skips_their_modes(target, monkeypatch) -> None:
-    """A model with no shipped heads or draft still gets the serving benchmark, without their modes, and says so."""
+def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, monkeypatch) -> None:
+    """A model with no shipped Medusa heads, draft or EAGLE head still gets the serving benchmark, without their
+    modes, and says so."""
     from playground import bench_serving
 
-    monkeypatch.setattr(bench_serving, "default_heads", lambda source: None)
-    monkeypatch.setattr(bench_serving, "default_draft", lambda source: None)
+    monkeypatch.setattr(bench_serving, "SHIPPED", tuple(dataclasses.replace(family, ships=lambda source: None)
+                                                        for family in bench_serving.SHIPPED))
     said = []
     serving = bench_serving.run_serving(target, 2, 4, 2, 8, 64, said.append)
     assert set(serving["modes"]) == {"continuous", "static", "sequential", "continuous + prompt lookup",
@@ -201,10 +205,12 @@ def test_serving_benchmark_without_heads_or_draft_skips_their_modes(target, monk
                                      "sequential + lookahead"} and "medusa_vs_continuous" not in serving
     assert any("no Medusa heads ship for this model" in line for line in said)
     assert any("no draft ships for this model" in line for line in said) and "draft_vs_continuous" not in serving
+    assert any("no EAGLE head ships for this model" in line for line in said) and "eagle_vs_continuous" not in serving
     report = {"serving": serving, "model": "m", "environment": {"device": "cpu", "dtype": "float32"}}
     markdown = bench_serving.markdown_serving(report)
-    assert "Medusa heads' trees in the batch: not run (no heads ship for this model)" in markdown
+    assert "Medusa heads' trees in the batch: not run (no Medusa heads ship for this model)" in markdown
     assert "the draft's chains in the batch: not run (no draft ships for this model)" in markdown
+    assert "the EAGLE head's trees in the batch: not run (no EAGLE head ships for this model)" in markdown
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import pytest
@@ -165,16 +166,44 @@ def test_the_head_reads_each_feature_once_and_drafts_every_step(target, head) ->
     seen: list[tuple[int, int]] = []
     original = proposer.grow
 
-    def grow(request, depth):
-        tree = original(request, depth)
-        state = proposer.states[request.id]
-        seen.append((state.k.shape[1], request.num_computed))
-        return tree
+    def grow(requests, depths):
+        trees = original(requests, depths)
+        seen.extend((proposer.states[r.id].k.shape[1], r.num_computed) for r in requests)
+        return trees
     proposer.grow = grow
     output, trace = generate(target, PROMPTS[2], proposer, SamplingParams(), GenerationParams(max_new_tokens=30))
     assert seen and all(keys == computed for keys, computed in seen)  # keys at positions 0 .. last token - 1
     steps = {e.step for e in trace.events if isinstance(e, DraftEvent)}  # the engine may trim a tree away
     assert len(seen) >= compute(trace).target_forwards - 2 and len(steps) >= 0.8 * len(seen)
+
+
+def test_trees_grown_together_are_each_requests_own(target, head) -> None:
+    """A batch's trees grow in one head forward per depth: each is the tree its request grows alone (the same
+    nodes, tokens and parents, worths to float error), and each head's keys are what it stores alone."""
+    proposer = eagle(target, head)
+    original, compared = proposer.grow, []
+
+    def grow(requests, depths):
+        before = {r.id: dataclasses.replace(proposer.states[r.id]) for r in requests}  # `grow` assigns, never mutates
+        together = original(requests, depths)
+        if len(requests) > 1:
+            after = dict(proposer.states)
+            for i, (r, depth) in enumerate(zip(requests, depths)):
+                proposer.states[r.id] = before[r.id]
+                alone = original([r], [depth])[0]
+                mine = together[i][:, together[i][3] > -math.inf]  # (5, n): the nodes within its depth
+                assert torch.equal(alone[:, alone[3] > -math.inf][:3], mine[:3]), r.id  # nodes, tokens, parents
+                torch.testing.assert_close(alone[:, alone[3] > -math.inf][3:], mine[3:], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(proposer.states[r.id].k, after[r.id].k, atol=1e-4, rtol=1e-4)
+            proposer.states.update(after)
+            compared.append(len(requests))
+        return together
+    proposer.grow = grow
+    engine = Engine(target, EngineParams(max_running=4), proposer=proposer)
+    for prompt in PROMPTS[:5]:
+        engine.add_request(prompt, generation=GenerationParams(max_new_tokens=24))
+    engine.run_all()
+    assert len(compared) >= 10 and max(compared) == 4
 
 
 def test_shipped_head_contract(target, head) -> None:

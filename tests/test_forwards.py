@@ -119,8 +119,10 @@ def test_the_heads_guess_in_static_shapes_what_they_guess_eager(target, static, 
         counts.append({source: (c.proposed, c.accepted) for source, c in engine.counts.items()})
     assert counts[0] == counts[1] and counts[1][algo][1] > 0
     assert proposer.captured.sets and target.forwards == "eager"
-    for shapes, _ in proposer.captured.sets:  # rows (and EAGLE's keys before, from MIN_KEYS, and scored rows)
-        padded = [(shapes[0][0], 1)] + ([(shapes[3][1], MIN_KEYS), (shapes[6][0], 1)] if algo == "eagle" else [])
+    for shapes, _ in proposer.captured.sets:  # rows (and EAGLE's tokens per request, keys before, from MIN_KEYS,
+        padded = [(shapes[0][0], 1)]  # and scored rows)
+        if algo == "eagle":
+            padded += [(shapes[0][1], 1), (shapes[3][2], MIN_KEYS), (shapes[6][1], 1)]
         assert all(bucket(n, floor) == n for n, floor in padded), shapes
 
 

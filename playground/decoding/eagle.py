@@ -3,12 +3,13 @@ features.
 
 Per decoding request the head keeps its keys and values over the positions whose target features it has read, and
 the features it has not read yet (the prompt's from the prefill, then each step's kept rows). A step first catches
-the head up on those (one forward), which predicts the feature at the last token and so the first drafted tokens;
-then it grows a tree: at each depth the `top_k` likeliest nodes of that depth (by the head's cumulative
-probability, calibrated by how often its guesses at that depth were kept) are expanded in one head forward, each
-reading its ancestors' keys beside the committed ones and giving `top_k` children. The likeliest nodes of all
-depths form the proposal (a parent is always likelier than its child, so they form a tree). The tree grows on the
-device and comes back to the host once, chosen. Nothing drafted enters the head's own keys: what the target keeps
+the heads up on those (one padded forward for the requests a step behind, one each for a prompt's), which predicts
+the feature at each last token and so the first drafted tokens; then it grows every request's tree together: at
+each depth the `top_k` likeliest nodes of that depth in each tree (by the head's cumulative probability, calibrated
+by how often its guesses at that depth were kept) are expanded in one head forward over the batch, each reading its
+ancestors' keys beside its request's committed ones and giving `top_k` children. The likeliest nodes of all depths
+form a request's proposal (a parent is always likelier than its child, so they form a tree). The trees grow on the
+device and come back to the host once, chosen. Nothing drafted enters the head's own keys: what the target keeps
 comes back as real features the next step reads.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, EagleParams
 from ..models import LoadedModel
@@ -30,6 +32,10 @@ from ..waits import to_device
 from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+
+# The head reads up to this many unread features per request in one padded batched forward (the kept rows of the
+# steps since it last drafted); more (a prompt's) alone.
+CATCH_UP = 32
 
 
 @dataclass
@@ -110,7 +116,7 @@ class EagleProposer(Proposer):
             return {}
         start = time.perf_counter()
         depths = [min(room, depth) for _, room in ready]
-        grown = [self.grow(r, d) for (r, _), d in zip(ready, depths)]
+        grown = self.grow([r for r, _ in ready], depths)
         trees = dict(zip([r.id for r, _ in ready], self._proposals(grown, depths)))
         self.own.record(time.perf_counter() - start, depth, cost.one_s)
         return trees
@@ -121,111 +127,149 @@ class EagleProposer(Proposer):
             state.start + len(state.features) == request.num_computed
 
     @torch.inference_mode()
-    def grow(self, request: RequestView, depth: int) -> torch.Tensor:
-        """Catch the head up on the request's unread features, then grow its tree `depth` deep on the device, each
-        depth's `top_k` likeliest nodes expanded: its likeliest nodes, best first, as rows of node index, token,
-        parent index, worth and head log-probability (5, n) float64, left on the device."""
-        state, k = self.states[request.id], self.top_k
-        device = self.target.model.device
-        count, committed = len(state.features), state.k.shape[1]
-        next_tokens = request.tokens[state.start + 1 : state.start + count + 1]  # x_{t+1} for each feature f_t
-        visible = to_device(torch.ones(count, committed + count, dtype=torch.bool).tril(committed), device)
-        out, new_k, new_v, logp, guesses = self._forward(
-            to_device(next_tokens, device), state.features, list(range(state.start, state.start + count)),
-            state.k, state.v, visible, [count - 1])
-        state.k, state.v = torch.cat((state.k, new_k), 1), torch.cat((state.v, new_v), 1)
-        state.start, state.features = state.start + count, state.features[:0]
-        committed += count
+    def grow(self, requests: Sequence[RequestView], depths: list[int]) -> torch.Tensor:
+        """Catch the head up on each request's unread features, then grow every request's tree at once on the
+        device, `depths[i]` deep, each depth's `top_k` likeliest nodes of every tree expanded in one head forward:
+        each tree's likeliest nodes, best first, as rows of node index, token, parent index, worth and head
+        log-probability (B, 5, n) float64, left on the device (a node's worth is -inf below an end of sequence or
+        past its tree's depth)."""
+        k, device = self.top_k, self.target.model.device
+        root, logps, tokens = self._catch_up(requests)  # (B, E), (B, k), (B, k)
+        b, depth = len(requests), max(depths)
+        lengths = [self.states[r.id].k.shape[1] for r in requests]
+        committed = max(lengths)
+        past_k, past_v = (torch.stack([F.pad(getattr(self.states[r.id], kv), (0, 0, 0, committed - n))
+                                       for r, n in zip(requests, lengths)]) for kv in ("k", "v"))  # (B, Hkv, C, D)
+        known = to_device(torch.arange(committed) < torch.tensor(lengths).unsqueeze(1), device)  # (B, C) bool
         scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
-        # Every node in order of depth (N,): depth 1's top_k guesses after the last token's predicted feature, then
-        # top_k children of each node expanded. A node's worth is its calibrated log-chance of being reached.
-        tokens, logps, parents = guesses[0], logp[0], torch.full((k,), -1, device=device)  # (k,) each
+        # Every node of a tree in order of depth (N,): depth 1's top_k guesses after the last token's predicted
+        # feature, then top_k children of each node expanded. A node's worth is its calibrated log-chance of being
+        # reached.
+        parents = torch.full((b, k), -1, device=device)  # (B, N) each, N = k at depth 1
         worths = (logps.double() + scale[0]).clamp(max=0.0)  # float64, as Python's floats sum
-        features = out[-1:].expand(k, -1)  # (k, E): the feature each node of the newest depth was guessed from
+        features = root.unsqueeze(1).expand(b, k, -1)  # (B, k, E): the feature each newest node was guessed from
         first = 0  # the newest depth's first node
-        ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (X, X): each expanded node's expanded line
-        tree_k, tree_v = state.k[:, :0], state.v[:, :0]
+        ancestry = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, X, X): each expanded node's line
+        tree_k, tree_v = past_k[:, :, :0], past_v[:, :, :0]
+        rows = torch.arange(b, device=device).unsqueeze(1)  # (B, 1)
         for d in range(1, depth):
-            # The newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that is
-            # expands too, its children worth nothing.
-            score = worths[first:].masked_fill(torch.isin(tokens[first:], self.eos), -math.inf)
-            best, chosen = (ranked[:k] for ranked in score.sort(descending=True, stable=True))  # (k,): within it
-            expanded = ancestry.shape[0]
-            line = torch.zeros(k, expanded + k, dtype=torch.bool, device=device)  # (k, X + k)
+            # Each tree's newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that
+            # is expands too, its children worth nothing.
+            score = worths[:, first:].masked_fill(torch.isin(tokens[:, first:], self.eos), -math.inf)
+            best, chosen = (ranked[:, :k] for ranked in score.sort(dim=1, descending=True, stable=True))  # (B, k)
+            expanded = ancestry.shape[1]
+            line = torch.zeros(b, k, expanded + k, dtype=torch.bool, device=device)  # (B, k, X + k)
             if d > 1:  # a chosen node's parent is the (chosen // k)-th of the k nodes expanded last
-                line[:, :expanded] = ancestry[expanded - k + torch.div(chosen, k, rounding_mode="floor")]
-            line[:, expanded:] = torch.eye(k, dtype=torch.bool, device=device)
-            ancestry = torch.cat((torch.cat((ancestry, ancestry.new_zeros(expanded, k)), 1), line))
-            # each chosen node sees the committed keys, its expanded ancestors and itself
-            visible = torch.cat((line.new_ones(k, committed), line), 1)  # (k, committed + X + k)
+                line[:, :, :expanded] = ancestry[rows, expanded - k + torch.div(chosen, k, rounding_mode="floor")]
+            line[:, :, expanded:] = torch.eye(k, dtype=torch.bool, device=device)
+            ancestry = torch.cat((F.pad(ancestry, (0, k)), line), 1)  # (B, X + k, X + k)
+            # each chosen node sees its request's committed keys, its expanded ancestors and itself
+            visible = torch.cat((known.unsqueeze(1).expand(b, k, committed), line), 2)  # (B, k, C + X + k)
+            at = [[r.num_computed + d - 1] * k for r in requests]
             out, new_k, new_v, logp, guesses = self._forward(
-                tokens[first:][chosen], features[chosen], [request.num_computed + d - 1] * k,
-                torch.cat((state.k, tree_k), 1), torch.cat((state.v, tree_v), 1), visible, list(range(k)))
-            tree_k, tree_v = torch.cat((tree_k, new_k), 1), torch.cat((tree_v, new_v), 1)
-            parents = torch.cat((parents, (first + chosen).repeat_interleave(k)))
-            first = len(tokens)
-            tokens, logps = torch.cat((tokens, guesses.flatten())), torch.cat((logps, logp.flatten()))
-            worths = torch.cat((worths, (best.unsqueeze(1) + (logp.double() + scale[d]).clamp(max=0.0)).flatten()))
-            features = out.repeat_interleave(k, dim=0)  # (k * k, E)
-        # the likeliest nodes (n,), best first: a child is never likelier than its parent, the nodes are in order of
-        # depth and the sort is stable, so parents come first
-        order = worths.sort(descending=True, stable=True).indices[: self.nodes]  # (n,)
-        return torch.stack((order.double(), tokens[order].double(), parents[order].double(), worths[order],
-                            logps[order].double()))  # (5, n)
+                tokens[:, first:].gather(1, chosen), features[rows, chosen], at,
+                torch.cat((past_k, tree_k), 2), torch.cat((past_v, tree_v), 2), visible, [list(range(k))] * b)
+            tree_k, tree_v = torch.cat((tree_k, new_k), 2), torch.cat((tree_v, new_v), 2)
+            parents = torch.cat((parents, (first + chosen).repeat_interleave(k, dim=1)), 1)
+            first = tokens.shape[1]
+            tokens, logps = torch.cat((tokens, guesses.flatten(1)), 1), torch.cat((logps, logp.flatten(1)), 1)
+            worths = torch.cat((worths, (best.unsqueeze(2) + (logp.double() + scale[d]).clamp(max=0.0)).flatten(1)), 1)
+            features = out.repeat_interleave(k, dim=1)  # (B, k * k, E)
+        # a node deeper than its request's tree goes is worth nothing (depth 1 holds k nodes, each later one k * k)
+        node_depth = torch.tensor([1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)], device=device)
+        deep = node_depth.unsqueeze(0) > to_device(depths, device).unsqueeze(1)  # (B, N)
+        worths = worths.masked_fill(deep, -math.inf)
+        # each tree's likeliest nodes (B, n), best first: a child is never likelier than its parent, the nodes are
+        # in order of depth and the sort is stable, so parents come first
+        order = worths.sort(dim=1, descending=True, stable=True).indices[:, : self.nodes]  # (B, n)
+        return torch.stack((order.double(), tokens.gather(1, order).double(), parents.gather(1, order).double(),
+                            worths.gather(1, order), logps.gather(1, order).double()), 1)  # (B, 5, n)
 
-    def _proposals(self, grown: list[torch.Tensor], depths: list[int]) -> list[Proposal]:
-        """The trees `grow` left on the device (5, n_i), `depths` deep, read back in one transfer, as proposals."""
-        read = torch.cat(grown, dim=1).tolist()  # (5, sum of n_i)
-        proposals, at = [], 0
-        for nodes, depth in zip((tree.shape[1] for tree in grown), depths):
+    def _catch_up(self, requests: Sequence[RequestView]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head reads each request's unread features (and stores their keys): one padded forward for the
+        requests with at most CATCH_UP of them, one forward each for the others (a prompt's). The feature it
+        predicts after each request's last token (B, E), and its top_k guesses there as log-probabilities and token
+        ids (B, k), on the device."""
+        states = [self.states[r.id] for r in requests]
+        short = [i for i, s in enumerate(states) if len(s.features) <= CATCH_UP]
+        groups = ([short] if short else []) + [[i] for i, s in enumerate(states) if len(s.features) > CATCH_UP]
+        root: list[torch.Tensor] = [torch.empty(0)] * len(states)
+        logps, guessed = list(root), list(root)
+        for group in groups:
+            counts, lengths = [len(states[i].features) for i in group], [states[i].k.shape[1] for i in group]
+            width, committed = max(counts), max(lengths)
+            # x_{t+1} for each feature f_t, padded with the request's last token
+            ids = [requests[i].tokens[s.start + 1 : s.start + n + 1] for i, s, n in
+                   zip(group, (states[i] for i in group), counts)]
+            ids = [row + row[-1:] * (width - len(row)) for row in ids]  # (G, T)
+            at = [[states[i].start + j for j in range(width)] for i in group]  # (G, T)
+            features = torch.stack([F.pad(states[i].features, (0, 0, 0, width - n)) for i, n in zip(group, counts)])
+            past_k, past_v = (torch.stack([F.pad(getattr(states[i], kv), (0, 0, 0, committed - n))
+                                           for i, n in zip(group, lengths)]) for kv in ("k", "v"))  # (G, Hkv, C, D)
+            # each row sees its request's committed keys and the rows up to itself (padding rows: theirs too)
+            known = (torch.arange(committed) < torch.tensor(lengths).unsqueeze(1)).unsqueeze(1)  # (G, 1, C)
+            visible = torch.cat((known.expand(-1, width, -1),
+                                 torch.ones(width, width, dtype=torch.bool).tril().expand(len(group), -1, -1)), 2)
+            out, new_k, new_v, logp, guesses = self._forward(
+                to_device(ids, features.device), features, at, past_k, past_v,
+                to_device(visible, features.device), [[n - 1] for n in counts])  # visible: (G, T, C + T)
+            for g, (i, n) in enumerate(zip(group, counts)):
+                state = states[i]
+                state.k, state.v = torch.cat((state.k, new_k[g, :, :n]), 1), torch.cat((state.v, new_v[g, :, :n]), 1)
+                state.start, state.features = state.start + n, state.features[:0]
+                root[i], logps[i], guessed[i] = out[g, n - 1], logp[g, 0], guesses[g, 0]
+        return torch.stack(root), torch.stack(logps), torch.stack(guessed)
+
+    def _proposals(self, grown: torch.Tensor, depths: list[int]) -> list[Proposal]:
+        """The trees `grow` left on the device (B, 5, n), read back in one transfer, as proposals."""
+        proposals = []
+        for tree, depth in zip(grown.tolist(), depths):
             row: dict[int, int] = {}
             kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
-            for node, token, parent, worth, logp in zip(*(values[at : at + nodes] for values in read)):
-                if worth > -math.inf:  # not below an end of sequence
+            for node, token, parent, worth, logp in zip(*tree):
+                if worth > -math.inf:  # not below an end of sequence nor past the tree's depth
                     row[int(node)] = len(kept) + 1
                     kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
             proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
                                       [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
                                       forwards=depth))
-            at += nodes
         return proposals
 
-    def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[int], past_k: torch.Tensor,
-                 past_v: torch.Tensor, visible: torch.Tensor,
-                 scored: list[int]) -> tuple[torch.Tensor, ...]:
-        """The head over T new positions, tokens (T,) and visible (T, L + T) on the device: predicted features
-        (T, E), their keys and values (Hkv, T, D), and the top_k guesses after the features of the rows `scored`
-        (S), as log-probabilities and token ids (S, top_k), all left on the device."""
-        t, s = len(tokens), len(scored)
-        at, rows = to_device(positions + scored, self.target.model.device).split([t, s])
+    def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[list[int]],
+                 past_k: torch.Tensor, past_v: torch.Tensor, visible: torch.Tensor,
+                 scored: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """The head over T new positions of B requests, tokens (B, T), features (B, T, E), past keys and values
+        (B, Hkv, L, D) and visible (B, T, L + T) on the device: predicted features (B, T, E), their keys and values
+        (B, Hkv, T, D), and the top_k guesses after the features of the rows `scored` (B, S), as log-probabilities
+        and token ids (B, S, top_k), all left on the device."""
+        (b, t), s = tokens.shape, len(scored[0])
+        at, rows = to_device([p + r for p, r in zip(positions, scored)], features.device).split([t, s], 1)
         if self.captured is None:
-            out, k, v, logp, guesses = self._head(tokens, features, at, past_k, past_v, visible, rows)
-        else:  # padded: T and S to powers of two, the keys before to a power of two from MIN_KEYS
-            padded, (heads, past, dim) = bucket(t), past_k.shape
-            keys = bucket(past, MIN_KEYS)
-            seen = torch.zeros(padded, keys + padded, dtype=torch.bool, device=visible.device)  # (t, keys + t)
-            seen[:, keys:] = torch.eye(padded, dtype=torch.bool, device=visible.device)  # padding rows see themselves
-            seen[:t, :past] = visible[:, :past]
-            seen[:t, keys : keys + t] = visible[:, past:]
-            shapes = ((padded,), (padded, features.shape[1]), (padded,), (heads, keys, dim), (heads, keys, dim),
-                      seen.shape, (bucket(s),))
-            out, k, v, logp, guesses = self.captured((tokens, features, at, past_k, past_v, seen, rows), shapes)
-            out, k, v = out[:t], k[:, :t], v[:, :t]
-            logp, guesses = logp[:s], guesses[:s]
-        return out, k, v, logp, guesses
+            return self._head(tokens, features, at, past_k, past_v, visible, rows)
+        # padded: B, T and S to powers of two, the keys before to a power of two from MIN_KEYS
+        (heads, past, dim), (padded, keys) = past_k.shape[1:], (bucket(t), bucket(past_k.shape[2], MIN_KEYS))
+        seen = torch.zeros(bucket(b), padded, keys + padded, dtype=torch.bool, device=visible.device)
+        seen[:, :, keys:] = torch.eye(padded, dtype=torch.bool, device=visible.device)  # padding rows see themselves
+        seen[:b, :t, :past] = visible[..., :past]
+        seen[:b, :t, keys : keys + t] = visible[..., past:]
+        rows_in = bucket(b)
+        shapes = ((rows_in, padded), (rows_in, padded, features.shape[2]), (rows_in, padded),
+                  (rows_in, heads, keys, dim), (rows_in, heads, keys, dim), seen.shape, (rows_in, bucket(s)))
+        out, k, v, logp, guesses = self.captured((tokens, features, at, past_k, past_v, seen, rows), shapes)
+        return out[:b, :t], k[:b, :, :t], v[:b, :, :t], logp[:b, :s], guesses[:b, :s]
 
     def _head(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
               past_v: torch.Tensor, visible: torch.Tensor,
               scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Device tensors in and out: ids (T,), features (T, E), positions (T,), past_k, past_v (Hkv, L, D), visible
-        (T, L + T), scored (S,) -> features (T, E), keys and values (Hkv, T, D), top_k log-probabilities and token
-        ids (S, top_k) after the scored rows' features."""
+        """Device tensors in and out: ids (B, T), features (B, T, E), positions (B, T), past_k, past_v (B, Hkv, L,
+        D), visible (B, T, L + T), scored (B, S) -> features (B, T, E), keys and values (B, Hkv, T, D), top_k
+        log-probabilities and token ids (B, S, top_k) after the scored rows' features."""
         model = self.target.model
-        cos, sin = model.rope(positions.unsqueeze(0), model.dtype)
-        out, k, v = self.eagle.head(model.embed_tokens.weight[ids].unsqueeze(0), features.unsqueeze(0), cos, sin,
-                                    past_k.unsqueeze(0), past_v.unsqueeze(0), visible.unsqueeze(0))
-        top = self.eagle.output.logits(out[0][scored]).log_softmax(-1).topk(self.top_k, dim=-1)  # (S, top_k)
-        return out[0], k[0], v[0], top.values, self.eagle.vocab_ids[top.indices]
+        cos, sin = model.rope(positions, model.dtype)
+        out, k, v = self.eagle.head(model.embed_tokens.weight[ids], features, cos, sin, past_k, past_v, visible)
+        picked = out.gather(1, scored.unsqueeze(2).expand(-1, -1, out.shape[2]))  # (B, S, E)
+        top = self.eagle.output.logits(picked).log_softmax(-1).topk(self.top_k, dim=-1)  # (B, S, top_k)
+        return out, k, v, top.values, self.eagle.vocab_ids[top.indices]
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "head": self.eagle.folder.name, "depth": self.depth, "top_k": self.top_k,
