@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from playground.config import (ConfigError, EagleParams, EngineParams, GenerationParams, PromptLookupParams,
                                SamplingParams)
+from playground.decoding.costs import ForwardCosts
 from playground.decoding.eagle import EagleProposer
 from playground.decoding.grafted import graft
 from playground.decoding.proposer import Proposal
@@ -179,8 +180,9 @@ def test_the_head_reads_each_feature_once_and_drafts_every_step(target, head) ->
 
 def test_trees_grown_together_are_each_requests_own(target, head) -> None:
     """A batch's trees grow in one head forward per depth: each is the tree its request grows alone (the same
-    nodes, tokens and parents, worths to float error), and each head's keys are what it stores alone."""
-    proposer = eagle(target, head)
+    nodes, tokens and parents, worths to float error), whatever its depth, and each head's keys are what it stores
+    alone."""
+    proposer = eagle(target, head, draft_cost=0.0)  # priced free and verified on a flat cost curve: deep trees
     original, compared = proposer.grow, []
 
     def grow(requests, depths):
@@ -196,14 +198,15 @@ def test_trees_grown_together_are_each_requests_own(target, head) -> None:
                 torch.testing.assert_close(alone[:, alone[3] > -math.inf][3:], mine[3:], atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(proposer.states[r.id].k, after[r.id].k, atol=1e-4, rtol=1e-4)
             proposer.states.update(after)
-            compared.append(len(requests))
+            compared.append((len(requests), max(depths), len(set(depths))))
         return together
     proposer.grow = grow
-    engine = Engine(target, EngineParams(max_running=4), proposer=proposer)
-    for prompt in PROMPTS[:5]:
-        engine.add_request(prompt, generation=GenerationParams(max_new_tokens=24))
+    engine = Engine(target, EngineParams(max_running=4), proposer=proposer, costs=ForwardCosts((1, 2), (1.0, 1.0)))
+    for i, prompt in enumerate(PROMPTS[:5]):  # staggered ends: a request near its end has less room than the rest
+        engine.add_request(prompt, generation=GenerationParams(max_new_tokens=12 + 5 * i))
     engine.run_all()
-    assert len(compared) >= 10 and max(compared) == 4
+    assert len(compared) >= 10 and max(b for b, _, _ in compared) == 4 and max(d for _, d, _ in compared) >= 4
+    assert any(kinds > 1 for _, _, kinds in compared)  # trees of different depths in one batch (rooms near the end)
 
 
 def test_shipped_head_contract(target, head) -> None:

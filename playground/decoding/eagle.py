@@ -176,8 +176,8 @@ class EagleProposer(Proposer):
             worths = torch.cat((worths, (best.unsqueeze(2) + (logp.double() + scale[d]).clamp(max=0.0)).flatten(1)), 1)
             features = out.repeat_interleave(k, dim=1)  # (B, k * k, E)
         # a node deeper than its request's tree goes is worth nothing (depth 1 holds k nodes, each later one k * k)
-        node_depth = torch.tensor([1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)], device=device)
-        deep = node_depth.unsqueeze(0) > to_device(depths, device).unsqueeze(1)  # (B, N)
+        node_depth = torch.tensor([1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)])  # (N,)
+        deep = to_device(node_depth.unsqueeze(0) > torch.tensor(depths).unsqueeze(1), device)  # (B, N)
         worths = worths.masked_fill(deep, -math.inf)
         # each tree's likeliest nodes (B, n), best first: a child is never likelier than its parent, the nodes are
         # in order of depth and the sort is stable, so parents come first
