@@ -1,7 +1,7 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs up to twelve ways on the same engine and paged cache:
+--max-new-tokens to all of it, all queued at time 0) runs up to fourteen ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
 sequentially (one request at a time), continuous and sequential again with the proposers of prompt lookup,
 lookahead, and the Medusa heads, the draft model and the EAGLE head where they ship for the target, and sequential
