@@ -344,6 +344,10 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
                              "auto", api_name="/memory")
     assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
     assert rows(drafted[3]) == table
+    eagle = client.predict(4, 12, 8, 24, 4, True, "EAGLE head + prompt lookup", "embedded", "", "cpu", "float32",
+                           "auto", api_name="/memory")
+    assert re.search(r"EAGLE head: \*\*\d+ of \d+\*\* drafted tokens accepted", eagle[2])
+    assert rows(eagle[3]) == table
     ahead = client.predict(4, 12, 8, 24, 1, True, "lookahead", "embedded", "", "cpu", "float32",
                            "auto", api_name="/memory")  # one at a time: where lookahead's window pays on a CPU
     assert re.search(r"Lookahead: \*\*[1-9]\d* of \d+\*\* candidate tokens accepted", ahead[2])

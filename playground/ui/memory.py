@@ -55,7 +55,8 @@ def _summary(engine: Engine) -> str:
 PROPOSALS = {"none (plain decoding)": ("ar", False), "prompt lookup": ("prompt-lookup", False),
              "lookahead": ("lookahead", False), "Medusa heads": ("medusa", False),
              "Medusa heads + prompt lookup": ("medusa", True), "draft model": ("speculative", False),
-             "draft model + prompt lookup": ("speculative", True), "EAGLE head": ("eagle", False)}
+             "draft model + prompt lookup": ("speculative", True), "EAGLE head": ("eagle", False),
+             "EAGLE head + prompt lookup": ("eagle", True)}
 # a proposal source's name and what its tokens are called
 SOURCES = {"copy": ("Prompt lookup", "copied"), "lookahead": ("Lookahead", "candidate"),
            "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted"),
