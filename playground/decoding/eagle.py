@@ -199,8 +199,7 @@ class EagleProposer(Proposer):
             counts, lengths = [len(states[i].features) for i in group], [states[i].k.shape[1] for i in group]
             width, committed = max(counts), max(lengths)
             # x_{t+1} for each feature f_t, padded with the request's last token
-            ids = [requests[i].tokens[s.start + 1 : s.start + n + 1] for i, s, n in
-                   zip(group, (states[i] for i in group), counts)]
+            ids = [requests[i].tokens[states[i].start + 1 : states[i].start + n + 1] for i, n in zip(group, counts)]
             ids = [row + row[-1:] * (width - len(row)) for row in ids]  # (G, T)
             at = [[states[i].start + j for j in range(width)] for i in group]  # (G, T)
             features = torch.stack([F.pad(states[i].features, (0, 0, 0, width - n)) for i, n in zip(group, counts)])
@@ -247,14 +246,14 @@ class EagleProposer(Proposer):
         if self.captured is None:
             return self._head(tokens, features, at, past_k, past_v, visible, rows)
         # padded: B, T and S to powers of two, the keys before to a power of two from MIN_KEYS
-        (heads, past, dim), (padded, keys) = past_k.shape[1:], (bucket(t), bucket(past_k.shape[2], MIN_KEYS))
-        seen = torch.zeros(bucket(b), padded, keys + padded, dtype=torch.bool, device=visible.device)
+        heads, past, dim = past_k.shape[1:]
+        many, padded, keys = bucket(b), bucket(t), bucket(past, MIN_KEYS)
+        seen = torch.zeros(many, padded, keys + padded, dtype=torch.bool, device=visible.device)
         seen[:, :, keys:] = torch.eye(padded, dtype=torch.bool, device=visible.device)  # padding rows see themselves
         seen[:b, :t, :past] = visible[..., :past]
         seen[:b, :t, keys : keys + t] = visible[..., past:]
-        rows_in = bucket(b)
-        shapes = ((rows_in, padded), (rows_in, padded, features.shape[2]), (rows_in, padded),
-                  (rows_in, heads, keys, dim), (rows_in, heads, keys, dim), seen.shape, (rows_in, bucket(s)))
+        shapes = ((many, padded), (many, padded, features.shape[2]), (many, padded), (many, heads, keys, dim),
+                  (many, heads, keys, dim), seen.shape, (many, bucket(s)))
         out, k, v, logp, guesses = self.captured((tokens, features, at, past_k, past_v, seen, rows), shapes)
         return out[:b, :t], k[:b, :, :t], v[:b, :, :t], logp[:b, :s], guesses[:b, :s]
 
