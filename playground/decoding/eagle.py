@@ -136,11 +136,8 @@ class EagleProposer(Proposer):
         k, device = self.top_k, self.target.model.device
         root, logps, tokens = self._catch_up(requests)  # (B, E), (B, k), (B, k)
         b, depth = len(requests), max(depths)
-        lengths = [self.states[r.id].k.shape[1] for r in requests]
-        committed = max(lengths)
-        past_k, past_v = (torch.stack([F.pad(getattr(self.states[r.id], kv), (0, 0, 0, committed - n))
-                                       for r, n in zip(requests, lengths)]) for kv in ("k", "v"))  # (B, Hkv, C, D)
-        known = to_device(torch.arange(committed) < torch.tensor(lengths).unsqueeze(1), device)  # (B, C) bool
+        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests])  # (B, Hkv, C, D), (B, C)
+        committed, known = known.shape[1], to_device(known, device)
         scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
         # Every node of a tree in order of depth (N,): depth 1's top_k guesses after the last token's predicted
         # feature, then top_k children of each node expanded. A node's worth is its calibrated log-chance of being
@@ -196,18 +193,16 @@ class EagleProposer(Proposer):
         root: list[torch.Tensor] = [torch.empty(0)] * len(states)
         logps, guessed = list(root), list(root)
         for group in groups:
-            counts, lengths = [len(states[i].features) for i in group], [states[i].k.shape[1] for i in group]
-            width, committed = max(counts), max(lengths)
+            counts = [len(states[i].features) for i in group]
+            width = max(counts)
             # x_{t+1} for each feature f_t, padded with the request's last token
             ids = [requests[i].tokens[states[i].start + 1 : states[i].start + n + 1] for i, n in zip(group, counts)]
             ids = [row + row[-1:] * (width - len(row)) for row in ids]  # (G, T)
             at = [[states[i].start + j for j in range(width)] for i in group]  # (G, T)
             features = torch.stack([F.pad(states[i].features, (0, 0, 0, width - n)) for i, n in zip(group, counts)])
-            past_k, past_v = (torch.stack([F.pad(getattr(states[i], kv), (0, 0, 0, committed - n))
-                                           for i, n in zip(group, lengths)]) for kv in ("k", "v"))  # (G, Hkv, C, D)
+            past_k, past_v, known = _padded_keys([states[i] for i in group])  # (G, Hkv, C, D), (G, C)
             # each row sees its request's committed keys and the rows up to itself (padding rows: theirs too)
-            known = (torch.arange(committed) < torch.tensor(lengths).unsqueeze(1)).unsqueeze(1)  # (G, 1, C)
-            visible = torch.cat((known.expand(-1, width, -1),
+            visible = torch.cat((known.unsqueeze(1).expand(-1, width, -1),
                                  torch.ones(width, width, dtype=torch.bool).tril().expand(len(group), -1, -1)), 2)
             out, new_k, new_v, logp, guesses = self._forward(
                 to_device(ids, features.device), features, at, past_k, past_v,
@@ -273,3 +268,13 @@ class EagleProposer(Proposer):
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "head": self.eagle.folder.name, "depth": self.depth, "top_k": self.top_k,
                 "nodes": self.nodes}
+
+
+def _padded_keys(states: Sequence[_HeadState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The requests' head keys and values padded with zeros to the longest, (B, Hkv, C, D) each, and which of the C
+    places each request holds (B, C) bool, on the host."""
+    lengths = [state.k.shape[1] for state in states]
+    committed = max(lengths)
+    k, v = (torch.stack([F.pad(getattr(state, kv), (0, 0, 0, committed - n)) for state, n in zip(states, lengths)])
+            for kv in ("k", "v"))
+    return k, v, torch.arange(committed) < torch.tensor(lengths).unsqueeze(1)
