@@ -31,7 +31,8 @@ from .models.medusa import default_heads
 @dataclass(frozen=True)
 class Shipped:
     """A proposer the suite runs continuous and sequential where its weights ship for the target: `key` names its
-    ratios (`medusa_vs_continuous`, ...), `mode` its modes, `ships` finds its weights for a target spec."""
+    ratios (`medusa_vs_continuous`, ...), `mode` its modes, `ships` finds its weights for a target spec; `both`:
+    it also runs sequential with prompt lookup's copies grafted onto its trees (`sequential + both`)."""
 
     key: str
     mode: str
@@ -39,9 +40,11 @@ class Shipped:
     ships: Callable[[str], str | None]
     what: str  # how the summary names its proposals
     missing: str  # what the suite says when none ship
+    both: bool = False
 
 
-SHIPPED = (Shipped("medusa", "Medusa", "medusa", default_heads, "Medusa heads' trees", "no Medusa heads ship"),
+SHIPPED = (Shipped("medusa", "Medusa", "medusa", default_heads, "Medusa heads' trees", "no Medusa heads ship",
+                   both=True),
            Shipped("draft", "draft", "speculative", default_draft, "the draft's chains", "no draft ships"),
            Shipped("eagle", "EAGLE", "eagle", default_head, "the EAGLE head's trees", "no EAGLE head ships"))
 
@@ -87,8 +90,9 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
                           f"sequential + {family.mode}": (one, family.algo, None)})
         else:
             progress(f"{family.missing} for this model: the serving suite runs without the {family.mode} modes")
-    if SHIPPED[0] in shipped:  # the Medusa heads with prompt lookup's copies grafted onto their trees
-        modes["sequential + both"] = (one, "medusa", PromptLookupParams())
+    for family in shipped:
+        if family.both:
+            modes["sequential + both"] = (one, family.algo, PromptLookupParams())
     serve(target, workload(2, 8), many)  # warm-up: first-call allocations and kernel choices
     results = {}
     for name, (params, algo, copies) in modes.items():
@@ -145,14 +149,18 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
               f"- lookahead in the batch: {s['lookahead_vs_continuous']:.2f}x continuous, "
               f"{s['lookahead_vs_sequential']:.2f}x sequential (the same tokens)",
-              *(f"- {family.what} in the batch: {s[family.key + '_vs_continuous']:.2f}x continuous, "
-                f"{s[family.key + '_vs_sequential']:.2f}x sequential"
-                + (f"; with prompt lookup too: {s['both_vs_sequential']:.2f}x sequential" if family.key == "medusa"
-                   else "") + " (the same tokens)" if family.key + "_vs_continuous" in s else
-                f"- {family.what} in the batch: not run ({family.missing} for this model)"
-                for family in SHIPPED),
+              *(_shipped_line(family, s) for family in SHIPPED),
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",
               f"- same greedy tokens in every mode: {'yes' if s['same_tokens_in_every_mode'] else 'NO'}"]
     return "\n".join(lines) + "\n"
+
+
+def _shipped_line(family: Shipped, s: dict[str, Any]) -> str:
+    """The summary's line for a shipped proposer: its ratios, or why it did not run."""
+    if family.key + "_vs_continuous" not in s:
+        return f"- {family.what} in the batch: not run ({family.missing} for this model)"
+    both = f"; with prompt lookup too: {s['both_vs_sequential']:.2f}x sequential" if family.both else ""
+    return (f"- {family.what} in the batch: {s[family.key + '_vs_continuous']:.2f}x continuous, "
+            f"{s[family.key + '_vs_sequential']:.2f}x sequential{both} (the same tokens)")
