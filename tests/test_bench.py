@@ -192,6 +192,19 @@ def test_the_eagle_batch_script_times_trees_grown_together_and_alone() -> None:
     assert [int(row[0]) for row in rows] == [1, 3] and all(float(v) > 0 for row in rows for v in row[1:])
 
 
+def test_the_eagle_head_cost_script_times_the_heads_layer_both_ways() -> None:
+    """scripts/eagle_head_cost.py: a row per batch size, the layer in PyTorch's ops and in the native kernel (skipped
+    where the kernel is not built: the script then says so and exits)."""
+    from playground.models import native
+
+    if native.kernel() is None:
+        pytest.skip(f"native kernel {native.status()}")
+    out = subprocess.run([sys.executable, "scripts/eagle_head_cost.py", "--batches", "1", "2", "--rounds", "2"],
+                         capture_output=True, text=True, check=True, timeout=900).stdout
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
+    assert [int(row[0]) for row in rows] == [1, 2] and all(float(v) > 0 for row in rows for v in row[1:])
+
+
 def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_free() -> None:
     """scripts/gpu_ceiling.py: per proposer, what it commits per target forward with a flat forward-cost curve and
     the speedup bound that allows, its own forwards priced at a GPU's estimate (layers over the target's)."""

@@ -24,7 +24,7 @@ from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import compute, depth_profile
-from playground.models import ModelLoadError
+from playground.models import ModelLoadError, native
 from playground.models.eagle import CONFIG, EMBEDDED_EAGLE, WEIGHTS, EagleHead, default_head, head_config, load_head
 from playground.trace import AcceptEvent, DraftEvent, TokenInfo, Trace
 
@@ -265,6 +265,27 @@ def test_the_head_predicts_a_feature_for_every_position_and_masks_what_it_must_n
             one, _, _ = module(embeddings[:, i : i + 1], features[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1],
                                k[:, :, :i], v[:, :, :i], visible)
             torch.testing.assert_close(one[0, 0], whole[0, i], rtol=1e-4, atol=1e-4)
+
+
+def test_the_served_head_runs_its_layer_natively_and_gives_the_pytorch_layers_features(target, head) -> None:
+    """Beside a target whose layers run in the native kernel, the head's layer does too (norms, products and its
+    attention over each node's own visible keys), and gives what the same weights give in PyTorch's ops."""
+    if native.kernel() is None or target.model.native_stack is None:
+        pytest.skip(f"native kernel {native.status()}")
+    assert head.head.layer.kernel is not None
+    reference = EagleHead(head.head.config).eval()
+    reference.load_state_dict(head.head.state_dict())
+    cfg, (b, t, past) = reference.config, (3, 4, 9)
+    torch.manual_seed(0)
+    embeddings, features = torch.randn(b, t, cfg.hidden_size), torch.randn(b, t, cfg.hidden_size)
+    cos, sin = target.model.rope(torch.arange(past, past + t).repeat(b, 1), torch.float32)
+    past_k, past_v = (torch.randn(b, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2))
+    visible = torch.cat((torch.rand(b, t, past) > 0.3, torch.eye(t, dtype=torch.bool).expand(b, -1, -1)), 2)
+    with torch.inference_mode():
+        served = head.head(embeddings, features, cos, sin, past_k, past_v, visible)
+        expected = reference(embeddings, features, cos, sin, past_k, past_v, visible)
+    for got, want in zip(served, expected):  # features (B, T, E), keys and values (B, Hkv, T, D)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_unrolled_training_passes_give_what_drafting_each_depth_gives(target) -> None:

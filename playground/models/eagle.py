@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from . import native
 from .linear import Linear
 from .loader import LoadedModel, ModelLoadError
 from .transformer import Block, RMSNorm, Transformer, TransformerConfig
@@ -63,11 +65,16 @@ class EagleHead(nn.Module):
         cfg = self.config
         x = self.fc(torch.cat((embeddings, features), dim=-1))  # (B, T, E)
         b, t, _ = x.shape
-        group = cfg.num_heads // cfg.num_kv_heads
-        additive = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
-        additive = additive.unsqueeze(1).expand(b, group, t, -1).reshape(b, 1, group * t, -1)  # (B, 1, G*T, L+T)
+        kernel = self.layer.kernel  # set where the target's native kernel runs this layer (`serve_like_own`)
+        if kernel is not None and not torch.is_grad_enabled() and kernel.attends(cfg.head_dim, x.dtype, x.device):
+            attend = partial(native.attention, kernel, visible=visible, new_tokens=t)
+        else:
+            group = cfg.num_heads // cfg.num_kv_heads
+            additive = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -torch.inf)
+            additive = additive.unsqueeze(1).expand(b, group, t, -1).reshape(b, 1, group * t, -1)  # (B, 1, G*T, L+T)
+            attend = partial(F.scaled_dot_product_attention, attn_mask=additive)
         keys = _PastKeys(past_k, past_v)
-        x = self.layer(x, cos, sin, keys, None, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, additive))
+        x = self.layer(x, cos, sin, keys, None, attend)
         return self.norm(x), keys.k, keys.v
 
 
@@ -144,7 +151,5 @@ def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
     check_vocab_ids(vocab_ids, cfg.vocab_size, f"eagle head: {folder / WEIGHTS}")
     model = target.model
     head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
-    for module in head.modules():  # its products run beside the target's: packed as the target packs its own
-        if isinstance(module, Linear):
-            module.packed = model.pack_like_own(module.weight)
+    model.serve_like_own(head)  # it runs beside the target: in the native kernel where the target's layers do
     return LoadedEagle(head, folder, str(config.get("target", "")), output_rows(model, vocab_ids))

@@ -331,6 +331,13 @@ class Transformer(nn.Module):
         Medusa blocks): packed where the model packed its weights and `weight` can be, else None."""
         return pack(weight) if self.packed_output is not None and can_pack(weight) else None
 
+    def serve_like_own(self, module: nn.Module) -> None:
+        """Run `module` (an EAGLE head's layer beside this model) as this model runs its own: where the model packed
+        its weights, `module`'s products prepacked and its norms and decoder layers in the native kernel where it
+        serves them; else unchanged."""
+        if self.packed_output is not None:
+            _serve(module, native.kernel(), lambda name, weight: pack(weight))
+
     def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
@@ -344,13 +351,7 @@ class Transformer(nn.Module):
                 return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel)
             return pack(weight)
 
-        for name, module in self.named_modules():
-            if isinstance(module, Linear) and can_pack(module.weight):
-                module.packed = packed(f"{name}.weight", module.weight)
-            if isinstance(module, RMSNorm) and kernel is not None and kernel.normalises(module.weight):
-                module.kernel = kernel
-        for block in self.layers:
-            block.kernel = kernel if kernel is not None and block.fusable() else None
+        _serve(self, kernel, packed)
         if kernel is not None and self.layers and all(block.kernel is not None for block in self.layers):
             cfg = self.config
             self.native_stack = native.layer_stack(kernel, [
@@ -414,6 +415,20 @@ class Transformer(nn.Module):
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
         tail = hidden if num_logits is None else hidden[:, -num_logits:]
         return self.project(tail), hidden
+
+
+def _serve(module: nn.Module, kernel: native.Kernel | None,
+           packed: Callable[[str, torch.Tensor], native.Panels | torch.Tensor]) -> None:
+    """Prepack every float32 CPU weight of `module`'s matrix products (packed(name, weight)), and hand `kernel` to
+    the norms it serves and to the decoder layers it can then run whole (`Block.fusable`)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, Linear) and can_pack(sub.weight):
+            sub.packed = packed(f"{name}.weight", sub.weight)
+        if isinstance(sub, RMSNorm) and kernel is not None and kernel.normalises(sub.weight):
+            sub.kernel = kernel
+    for block in module.modules():
+        if isinstance(block, Block):
+            block.kernel = kernel if kernel is not None and block.fusable() else None
 
 
 def hf_state_to_native(cfg: TransformerConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
