@@ -332,7 +332,7 @@ class Transformer(nn.Module):
         return pack(weight) if self.packed_output is not None and can_pack(weight) else None
 
     def serve_like_own(self, module: nn.Module) -> None:
-        """Run `module` (an EAGLE head's layer beside this model) as this model runs its own: where the model packed
+        """Run `module` (an EAGLE head beside this model) as this model runs its own layers: where the model packed
         its weights, `module`'s products prepacked and its norms and decoder layers in the native kernel where it
         serves them; else unchanged."""
         if self.packed_output is not None:
