@@ -11,7 +11,7 @@ from .transformer import TransformerConfig, UnsupportedModelError
 
 
 def hf_state_to_native(cfg: TransformerConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a Hugging Face Llama-family state dict to this module's names, fusing qkv and gate/up."""
+    """Rename a Hugging Face Llama-family state dict to `Transformer`'s names, fusing qkv and gate/up."""
     def get(name: str) -> torch.Tensor:
         if name not in tensors:
             raise UnsupportedModelError(f"model: checkpoint has no tensor {name!r}")
@@ -36,7 +36,7 @@ def hf_state_to_native(cfg: TransformerConfig, tensors: Mapping[str, torch.Tenso
 
 
 def layer_products(i: int) -> dict[str, list[str]]:
-    """Layer i's matrix products by this module's names, each with the Hugging Face weights whose rows it stacks."""
+    """Layer i's matrix products by `Transformer`'s names, each with the Hugging Face weights whose rows it stacks."""
     src, dst = f"model.layers.{i}.", f"layers.{i}."
     return {dst + "self_attn.qkv_proj.weight": [src + f"self_attn.{p}_proj.weight" for p in "qkv"],
             dst + "self_attn.o_proj.weight": [src + "self_attn.o_proj.weight"],

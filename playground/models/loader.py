@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from ..config import ModelSpec
 from ..paths import default_cache_root
 from . import native
+from .checkpoint import hf_state_to_native
 from .forwards import captures
 from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
-from .checkpoint import hf_state_to_native
 from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
                           rope_frequencies)
 
