@@ -300,7 +300,8 @@ def test_unrolled_training_passes_give_what_drafting_each_depth_gives(target) ->
     cos, sin = target.model.rope(torch.arange(n).unsqueeze(0), torch.float32)
     empty = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim)
     with torch.no_grad():
-        passes = unrolled(module, embeddings, features, cos, sin, 3)
+        offsets, passes = zip(*unrolled(module, embeddings, features, cos, sin, 3))
+        assert offsets == (0, 0, 0)
         causal = torch.ones(1, n, n, dtype=torch.bool).tril()
         first, k1, v1 = module(embeddings, features, cos, sin, empty, empty, causal)
         torch.testing.assert_close(passes[0], first)
@@ -316,6 +317,25 @@ def test_unrolled_training_passes_give_what_drafting_each_depth_gives(target) ->
                                        past_k, past_v, visible)
                 torch.testing.assert_close(feature[0, 0], passes[depth - 1][0, at], rtol=1e-4, atol=1e-4)
                 past_k, past_v = torch.cat((past_k, k), 2), torch.cat((past_v, v), 2)
+
+
+def test_unrolled_passes_from_a_later_first_position_give_the_full_passes_there(target) -> None:
+    """Where no loss reads positions before `first`, the deeper passes start later and predict what the full
+    passes predict at their positions: pass k from first - (unroll - k), whose keys the deeper passes read."""
+    from playground.train.eagle import unrolled
+
+    torch.manual_seed(0)
+    module = EagleHead(head_config(target.model)).eval()
+    n, e = 9, module.config.hidden_size
+    embeddings, features = torch.randn(2, n, e), torch.randn(2, n, e)
+    cos, sin = target.model.rope(torch.arange(n).expand(2, n), torch.float32)
+    with torch.no_grad():
+        full = unrolled(module, embeddings, features, cos, sin, 3)
+        for first, offsets in ((4, (0, 3, 4)), (1, (0, 0, 1))):
+            later = unrolled(module, embeddings, features, cos, sin, 3, first)
+            assert tuple(offset for offset, _ in later) == offsets
+            for (_, whole), (offset, part) in zip(full, later):
+                torch.testing.assert_close(part, whole[:, offset:], rtol=1e-4, atol=1e-4)
 
 
 def test_depth_profile_by_hand() -> None:

@@ -80,27 +80,39 @@ def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[l
 
 
 def unrolled(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             unroll: int) -> list[torch.Tensor]:
-    """The head's predicted features (B, N, E) at every position, `unroll` passes: what drafting 1..unroll deep gives.
+             unroll: int, first: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """The head's predicted features at every position, `unroll` passes: what drafting 1..unroll deep gives, as
+    (offset, (B, N - offset, E)) per pass, the pass's predictions at positions offset..N-1.
 
     embeddings (B, N, E) e(x_{j+1}); inputs (B, N, E) the (noised) features f_j; cos, sin the RoPE at positions
     0..N-1. Pass 1 reads f_j and sees every position's pass-1 keys up to its own. Pass k reads the feature pass k-1
     predicted for position j (from j-1) and sees what drafting at depth k sees: the pass-1 keys (real features) up to
     position j-k+1, then one key of each pass 2..k-1 along its own chain (position j-k+m for pass m), then its own.
-    A position whose chain starts before position 0 only counts from pass k at j >= k-1."""
+    A position whose chain starts before position 0 only counts from pass k at j >= k-1. Where nothing before
+    position `first` is read by a loss, pass k >= 2 starts at first - (unroll - k), the first key a later pass reads
+    (pass 1 runs everywhere: its keys are every deeper pass's context)."""
     b, n, _ = inputs.shape
     cfg = head.config
     past_k = past_v = inputs.new_zeros(b, cfg.num_kv_heads, 0, cfg.head_dim)
-    j = torch.arange(n, device=inputs.device).unsqueeze(1)  # (N, 1) the query's position
-    i = torch.arange(n, device=inputs.device).unsqueeze(0)  # (1, N) a key's position within its pass
-    passes = []
+    key_positions: list[torch.Tensor] = []  # each pass's positions, in the order of its keys in past_k
+    passes: list[tuple[int, torch.Tensor]] = []
     for k in range(1, unroll + 1):
-        blocks = [i <= j - k + 1] + [i == j - k + m for m in range(2, k + 1)]  # pass 1 .. pass k (own) keys
-        visible = torch.cat(blocks, 1).expand(b, n, k * n)  # (B, N, k*N)
-        predicted, keys, values = head(embeddings, inputs, cos, sin, past_k, past_v, visible)  # (B, N, E)
-        passes.append(predicted)
-        past_k, past_v = torch.cat((past_k, keys), 2), torch.cat((past_v, values), 2)  # (B, Hkv, k*N, D)
-        inputs = torch.cat((inputs[:, :1], predicted[:, :-1].to(inputs.dtype)), 1)  # f^_j at j >= 1
+        start = 0 if k == 1 else max(0, first - (unroll - k))
+        own = torch.arange(start, n, device=inputs.device)  # (N_k,) this pass's positions
+        key_positions.append(own)
+        j = own.unsqueeze(1)  # (N_k, 1) the query's position
+        blocks = [key_positions[0] <= j - k + 1] + [key_positions[m - 1] == j - k + m for m in range(2, k + 1)]
+        visible = torch.cat(blocks, 1).expand(b, len(own), -1)  # (B, N_k, keys so far)
+        if k == 1:
+            x = inputs
+        else:  # f^_j: pass k-1's prediction from position j-1, or the real feature at position 0
+            offset, before = passes[-1]
+            shifted = before[:, max(start, 1) - 1 - offset : n - 1 - offset]
+            x = torch.cat((inputs[:, :1], shifted.to(inputs.dtype)), 1) if start == 0 else shifted.to(inputs.dtype)
+        predicted, keys, values = head(embeddings[:, start:], x, cos[:, start:], sin[:, start:], past_k, past_v,
+                                       visible)  # (B, N_k, E)
+        passes.append((start, predicted))
+        past_k, past_v = torch.cat((past_k, keys), 2), torch.cat((past_v, values), 2)  # (B, Hkv, keys, D)
     return passes
 
 
@@ -121,16 +133,21 @@ def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.T
     positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)  # (B, T-1)
     cos, sin = target.model.rope(positions, torch.float32)
     # (B, T-1): f_{j+1} is real and chooses an answer token x_{j+2}
-    j = torch.arange(t - 1, device=ids.device).unsqueeze(0)
+    j = positions[:1]
     answer = (j + 1 < lengths.unsqueeze(1)) & (j + 2 >= starts.unsqueeze(1))
+    truth = features[:, 1:][answer]  # (N, E) every pass's targets, the answer positions in order
+    with torch.no_grad():
+        teacher = (truth @ output.T).softmax(-1)  # (N, V')
+    row = torch.full(answer.shape, -1, device=ids.device)
+    row[answer] = torch.arange(len(truth), device=ids.device)  # (B, T-1) each answer position's row in truth
+    first = max(0, int(starts.min()) - 2)  # no answer position before it
     regressions, tokens = [], []
-    for k, predicted in enumerate(unrolled(head, embeddings, inputs, cos, sin, unroll), start=1):
-        valid = answer & (j >= k - 1)
-        guess, truth = predicted[valid].float(), features[:, 1:][valid]  # (N, E)
-        regressions.append(F.smooth_l1_loss(guess, truth))
-        with torch.no_grad():
-            teacher = (truth @ output.T).softmax(-1)  # (N, V')
-        tokens.append(-(teacher * (guess @ output.T).log_softmax(-1)).sum(-1).mean())
+    for k, (offset, predicted) in enumerate(unrolled(head, embeddings, inputs, cos, sin, unroll, first), start=1):
+        valid = answer[:, offset:] & (j[:, offset:] >= k - 1)
+        rows = row[:, offset:][valid]  # (N_k,)
+        guess = predicted[valid].float()  # (N_k, E)
+        regressions.append(F.smooth_l1_loss(guess, truth[rows]))
+        tokens.append(-(teacher[rows] * (guess @ output.T).log_softmax(-1)).sum(-1).mean())
     return torch.stack(regressions).mean(), torch.stack(tokens).mean()
 
 
