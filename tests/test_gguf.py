@@ -120,6 +120,14 @@ def test_some_output_rows_are_packed_from_the_blocks_with_the_float32_bits(kerne
     assert torch.equal(rows.logits(hidden), want.logits(hidden))
 
 
+def test_a_proposer_is_priced_by_the_bytes_its_forward_reads(kernel, target, float32):
+    """Before measuring, a draft's forward is priced at the bytes it reads over the target's: the blocks model as its
+    own draft costs one forward; the float32 model, with as many weights, reads more than five times its bytes."""
+    assert build_proposer(target, "speculative", draft=target).estimate_cost() == pytest.approx(1)
+    assert build_proposer(target, "speculative", draft=float32).estimate_cost() > 5
+    assert build_proposer(float32, "speculative", draft=target).estimate_cost() < 1 / 5
+
+
 def test_plain_decoding_on_blocks_equals_float32_on_every_prompt(kernel, target, float32, plain_outputs):
     generation = GenerationParams(max_new_tokens=24)
     for prompt in PROMPTS:

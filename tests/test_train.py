@@ -238,7 +238,7 @@ class FakePeer:
         return torch.cat((ids, answers), 1)
 
 
-def test_generate_corpus_batches_prompts_by_length_and_keeps_their_order(monkeypatch) -> None:
+def test_generate_corpus_batches_prompts_by_length_and_keeps_their_order(monkeypatch, capsys) -> None:
     peer = FakePeer()
     monkeypatch.setattr("playground.models.loader.load_hf_peer", lambda target: peer)
     monkeypatch.setattr("playground.decoding.encode_prompt", lambda target, prompt, generation: json.loads(prompt))
@@ -251,6 +251,8 @@ def test_generate_corpus_batches_prompts_by_length_and_keeps_their_order(monkeyp
                                 for p in prompts]
     assert corpus.answer_starts == [len(p) for p in prompts]
     assert corpus.topk_ids[:, 0].tolist() == answer_ids(corpus).tolist()  # soft labels follow their tokens
+    # its progress names the corpus, which every trainer shares, not one trainer
+    assert capsys.readouterr().err.splitlines()[-1].startswith("[train corpus] target answered 6/6 prompts, 16 tokens")
 
 
 def test_a_cached_corpus_is_refused_for_other_prompts_of_the_same_number(tmp_path, monkeypatch) -> None:

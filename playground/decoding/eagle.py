@@ -28,6 +28,7 @@ from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, EagleParams
 from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
+from ..models.linear import weights_read
 from ..waits import to_device
 from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
@@ -74,8 +75,7 @@ class EagleProposer(Proposer):
     def estimate_cost(self) -> float:
         """A head forward's cost over the target's before any is measured: its layer and the output rows it
         scores."""
-        head = sum(p.numel() for p in self.eagle.head.parameters()) + self.eagle.output.weight.numel()
-        return weights_estimate(self.target.model, head, 1)
+        return weights_estimate(self.target.model, weights_read(self.eagle.head) + self.eagle.output.nbytes, 1)
 
     def bind(self, settings: Any) -> None:
         self.calibration = GuessCalibration(self.depth)

@@ -20,6 +20,7 @@ import torch
 from ..config import DYNAMIC_TREE, ConfigError, MedusaParams, dynamic_nodes
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
+from ..models.linear import weights_read
 from ..models.medusa import LoadedHeads, load_heads
 from ..waits import to_device
 from .guesses import Guesser, Guesses
@@ -68,8 +69,7 @@ class MedusaGuesser(Guesser):
     def estimate_cost(self) -> float:
         """The heads' forward over the target's before any is measured: their layers and the output rows they
         score."""
-        heads = sum(p.numel() for p in self.heads.heads.parameters()) + self.heads.output.weight.numel()
-        return weights_estimate(self.target.model, heads, 1)
+        return weights_estimate(self.target.model, weights_read(self.heads.heads) + self.heads.output.nbytes, 1)
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)

@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..models.linear import product_bytes, weights_read
+
 if TYPE_CHECKING:
     from ..models import Transformer
 
@@ -106,14 +108,15 @@ class OwnCost:
             self.unmeasured = 0
 
 
-def weights_estimate(target: Transformer, weights: int, layers: float) -> float:
+def weights_estimate(target: Transformer, reads: int, layers: float) -> float:
     """A proposer's own forward over the target's one-token forward before any is measured (`OwnCost.prior`): where
-    the native CPU kernel runs the products, forwards are bound by reading the weights, so `weights` (what the
-    proposer's forward reads) over the target's layers and output rows; elsewhere (a GPU, PyTorch's kernels) by
-    each layer's fixed work, so its `layers` over the target's."""
+    the native CPU kernel runs the products, forwards are bound by reading the weights, so `reads` (the bytes the
+    proposer's forward reads, see `linear.weights_read`) over what the target's layers and output rows read (its
+    GGUF blocks, where it kept them); elsewhere (a GPU, PyTorch's kernels) by each layer's fixed work, so its
+    `layers` over the target's."""
     if target.rows_per_pass is None:
         return layers / target.config.num_layers
-    return weights / (sum(p.numel() for p in target.layers.parameters()) + target.output_weight.numel())
+    return reads / (weights_read(target.layers) + product_bytes(target.output_weight, target.packed_output))
 
 
 def at(gains: list[float], k: int) -> float:

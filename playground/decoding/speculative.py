@@ -22,6 +22,7 @@ from ..config import ConfigError, SpeculativeParams
 from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
+from ..models.linear import product_bytes, weights_read
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
@@ -79,9 +80,9 @@ class DraftGuesser(Guesser):
         """A draft forward's cost over the target's before any is measured: its layers and the output rows it
         scores."""
         draft = self.draft.model
-        rows = len(self.rows) if self.rows is not None else draft.config.vocab_size
-        weights = sum(p.numel() for p in draft.layers.parameters()) + rows * draft.config.hidden_size
-        return weights_estimate(self.target.model, weights, draft.config.num_layers)
+        rows = (self.rows.nbytes if self.rows is not None
+                else product_bytes(draft.output_weight, draft.packed_output))
+        return weights_estimate(self.target.model, weights_read(draft.layers) + rows, draft.config.num_layers)
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)

@@ -71,6 +71,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
+def product_bytes(weight: torch.Tensor, packed: native.Panels | torch.Tensor | None) -> int:
+    """Bytes one product with `weight` reads: its panels' where the native kernel runs it (16-bit floats or GGUF
+    blocks, where it packed them so), else the weight's own."""
+    return packed.nbytes if isinstance(packed, native.Panels) else weight.numel() * weight.element_size()
+
+
+def weights_read(module: nn.Module) -> int:
+    """Bytes a forward through `module` reads from its parameters: each `Linear`'s as `product_bytes`."""
+    products = {id(m.weight): product_bytes(m.weight, m.packed) for m in module.modules() if isinstance(m, Linear)}
+    return sum(products.get(id(p), p.numel() * p.element_size()) for p in module.parameters())
+
+
 class Linear(nn.Linear):
     """nn.Linear with the same weights and names, routed through `linear` (and its packed weight, once packed).
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import native
 from .loader import LoadedModel, ModelLoadError
-from .linear import linear
+from .linear import linear, product_bytes
 from .transformer import Transformer
 
 VOCAB_IDS = "vocab_ids"  # the tensor listing the token ids a proposer scores, ascending
@@ -35,6 +35,11 @@ class OutputRows:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product over these rows reads."""
+        return product_bytes(self.weight, self.packed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (..., V') over `ids`, in float32, for hidden states (..., E)."""

@@ -89,8 +89,9 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topic
     parser.add_argument("--seed", type=int, default=0)
 
 
-def log(message: str) -> None:
-    print(f"[train draft] {message}", file=sys.stderr, flush=True)
+def log(message: str, part: str = "draft") -> None:
+    """A progress line on stderr, tagged with what is running: a trainer, or the corpus every trainer shares."""
+    print(f"[train {part}] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -183,7 +184,8 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
             answers[i] = (answer, step_ids[row, : len(answer)], step_logprobs[row, : len(answer)])
             tokens += len(answer)
         done = first + len(chosen)
-        log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)")
+        log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)",
+            "corpus")
     return Corpus([e + a for e, (a, _, _) in zip(encoded, answers)], [len(e) for e in encoded],
                   torch.cat([i for _, i, _ in answers]), torch.cat([v for _, _, v in answers]))
 
@@ -355,7 +357,8 @@ def two_stage_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype:
     `batch` prompts at a time."""
     first = generate_corpus(target, prompts, answer_tokens, dtype, batch)
     second = second_stage_prompts(prompts, first.answers(target.tokenizer))
-    log(f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} answers")
+    log(f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} answers",
+        "corpus")
     return first + generate_corpus(target, second, answer_tokens, dtype, batch) if second else first
 
 
@@ -375,7 +378,7 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
         seconds = float(stored.pop("generation_s", "nan"))
         if stored != settings:
             raise ConfigError(f"corpus: {path} was made with {stored}, not {settings}; delete it or pass another path")
-        log(f"reusing the corpus in {path}")
+        log(f"reusing the corpus in {path}", "corpus")
         return Corpus.load(path), seconds
     start = time.perf_counter()
     corpus = two_stage_corpus(target, prompts, args.answer_tokens, dtype, args.generate_batch)

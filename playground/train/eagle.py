@@ -107,8 +107,8 @@ def unrolled(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, co
             x = inputs
         else:  # f^_j: pass k-1's prediction from position j-1, or the real feature at position 0
             offset, before = passes[-1]
-            shifted = before[:, max(start, 1) - 1 - offset : n - 1 - offset]
-            x = torch.cat((inputs[:, :1], shifted.to(inputs.dtype)), 1) if start == 0 else shifted.to(inputs.dtype)
+            shifted = before[:, max(start, 1) - 1 - offset : n - 1 - offset].to(inputs.dtype)
+            x = torch.cat((inputs[:, :1], shifted), 1) if start == 0 else shifted
         predicted, keys, values = head(embeddings[:, start:], x, cos[:, start:], sin[:, start:], past_k, past_v,
                                        visible)  # (B, N_k, E)
         passes.append((start, predicted))

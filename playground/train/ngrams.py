@@ -64,5 +64,5 @@ def main(args: argparse.Namespace) -> int:
               "dtype": args.dtype, "generate_batch": args.generate_batch, "seed": args.seed, **PROMPT_SET,
               "generation_s": round(time.perf_counter() - start, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
+    log(json.dumps(report), "ngrams")
     return 0
