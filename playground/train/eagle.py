@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..config import ConfigError, EagleParams, GenerationParams, ModelSpec, Samp
 from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save_head
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
+from . import draft
 from .draft import (Corpus, add_corpus_args, frequent_vocabulary, load_or_generate_corpus, one_cycle, run_report,
                     training_setup)
 from .medusa import sequence_states
@@ -69,7 +69,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def log(message: str) -> None:
-    print(f"[train eagle] {message}", file=sys.stderr, flush=True)
+    draft.log(message, "eagle")
 
 
 def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[list[int]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from ..config import ModelSpec, check_int
 from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
+from . import draft
 from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
                     generate_corpus, load_or_generate_corpus, one_cycle, run_report, training_setup,
                     vocabulary_position)
@@ -54,7 +54,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def log(message: str) -> None:
-    print(f"[train medusa] {message}", file=sys.stderr, flush=True)
+    draft.log(message, "medusa")
 
 
 def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, keep: torch.dtype = torch.float32,
@@ -81,7 +81,8 @@ def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, ke
         for row, i in enumerate(picked):
             states[i] = hidden[row, : len(sequences[i])].clone()  # (T_i, E)
         if (first // batch) % 10 == 0:
-            log(f"hidden states: {first + len(picked)}/{len(order)} sequences ({time.perf_counter() - start:.0f} s)")
+            draft.log(f"hidden states: {first + len(picked)}/{len(order)} sequences "
+                      f"({time.perf_counter() - start:.0f} s)", "corpus")
     return states
 
 
