@@ -123,8 +123,9 @@ def test_a_batch_with_chunked_prefills_and_preemption_gives_every_request_its_so
 
 
 def test_sampled_outputs_are_plain_decodings_for_the_same_seed(target, head) -> None:
-    """One-hot trees: each token is drawn from the target's row as plain decoding draws it."""
-    proposer = eagle(target, head)
+    """One-hot trees: each token is drawn from the target's row as plain decoding draws it (the head priced cheaply,
+    so that it drafts at every step its guesses could pay for)."""
+    proposer = eagle(target, head, draft_cost=0.05)
     generation = GenerationParams(max_new_tokens=20)
     for prompt, temperature, seed in ((PROMPTS[0], 0.7, 0), (PROMPTS[3], 1.0, 5), (PROMPTS[8], 0.5, 11)):
         sampling = SamplingParams(temperature=temperature, top_p=0.9, seed=seed)
