@@ -13,6 +13,7 @@ from ..models.linear import product_bytes, weights_read
 
 if TYPE_CHECKING:
     from ..models import Transformer
+    from ..models.vocab import OutputRows
 
 
 class RunningAcceptance:
@@ -116,7 +117,13 @@ def weights_estimate(target: Transformer, reads: int, layers: float) -> float:
     `layers` over the target's."""
     if target.rows_per_pass is None:
         return layers / target.config.num_layers
-    return reads / (weights_read(target.layers) + product_bytes(target.output_weight, target.packed_output))
+    return reads / forward_reads(target)
+
+
+def forward_reads(model: Transformer, rows: OutputRows | None = None) -> int:
+    """Bytes a forward of `model` reads: its layers, and `rows` of its output projection (None: all of it)."""
+    output = product_bytes(model.output_weight, model.packed_output) if rows is None else rows.nbytes
+    return weights_read(model.layers) + output
 
 
 def at(gains: list[float], k: int) -> float:

@@ -22,7 +22,6 @@ from ..config import ConfigError, SpeculativeParams
 from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
-from ..models.linear import product_bytes, weights_read
 from ..models.loader import load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
@@ -30,7 +29,7 @@ from ..waits import to_device
 from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
-from .planning import OwnCost, guess_depth, weights_estimate
+from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
@@ -80,9 +79,7 @@ class DraftGuesser(Guesser):
         """A draft forward's cost over the target's before any is measured: its layers and the output rows it
         scores."""
         draft = self.draft.model
-        rows = (self.rows.nbytes if self.rows is not None
-                else product_bytes(draft.output_weight, draft.packed_output))
-        return weights_estimate(self.target.model, weights_read(draft.layers) + rows, draft.config.num_layers)
+        return weights_estimate(self.target.model, forward_reads(draft, self.rows), draft.config.num_layers)
 
     def bind(self, settings: Any) -> None:
         super().bind(settings)

@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, rows_of
+from . import log
 from .prompts import (EXTRA_TEMPLATES, TEMPLATES, WIDE_TOPICS, held_out_prompts, second_stage_prompts,
                       training_prompts)
 
@@ -87,11 +87,6 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topic
     parser.add_argument("--corpus", default=None,
                         help="safetensors file caching the target's answers: reused when it exists, else written")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def log(message: str, part: str = "draft") -> None:
-    """A progress line on stderr, tagged with what is running: a trainer, or the corpus every trainer shares."""
-    print(f"[train {part}] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -184,8 +179,8 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
             answers[i] = (answer, step_ids[row, : len(answer)], step_logprobs[row, : len(answer)])
             tokens += len(answer)
         done = first + len(chosen)
-        log(f"target answered {done}/{len(prompts)} prompts, {tokens} tokens ({time.perf_counter() - start:.0f} s)",
-            "corpus")
+        log("corpus", f"target answered {done}/{len(prompts)} prompts, {tokens} tokens "
+                      f"({time.perf_counter() - start:.0f} s)")
     return Corpus([e + a for e, (a, _, _) in zip(encoded, answers)], [len(e) for e in encoded],
                   torch.cat([i for _, i, _ in answers]), torch.cat([v for _, _, v in answers]))
 
@@ -319,7 +314,7 @@ def train(target: Any, corpus: Corpus, vocab_ids: torch.Tensor, args: argparse.N
             schedule.step()
             losses.append(loss.item())
             step += 1
-        log(f"epoch {epoch + 1}/{args.epochs}: loss {sum(losses) / len(losses):.3f} "
+        log("draft", f"epoch {epoch + 1}/{args.epochs}: loss {sum(losses) / len(losses):.3f} "
             f"({step}/{total} steps, {time.perf_counter() - start:.0f} s)")
     return model.eval()
 
@@ -357,8 +352,8 @@ def two_stage_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype:
     `batch` prompts at a time."""
     first = generate_corpus(target, prompts, answer_tokens, dtype, batch)
     second = second_stage_prompts(prompts, first.answers(target.tokenizer))
-    log(f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} answers",
-        "corpus")
+    log("corpus", f"second stage: {len(second)} grounded and arithmetic prompts built on the first {len(prompts)} "
+                  "answers")
     return first + generate_corpus(target, second, answer_tokens, dtype, batch) if second else first
 
 
@@ -378,7 +373,7 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
         seconds = float(stored.pop("generation_s", "nan"))
         if stored != settings:
             raise ConfigError(f"corpus: {path} was made with {stored}, not {settings}; delete it or pass another path")
-        log(f"reusing the corpus in {path}", "corpus")
+        log("corpus", f"reusing the corpus in {path}")
         return Corpus.load(path), seconds
     start = time.perf_counter()
     corpus = two_stage_corpus(target, prompts, args.answer_tokens, dtype, args.generate_batch)
@@ -448,5 +443,5 @@ def main(args: argparse.Namespace) -> int:
                    "proposal_vocab": args.proposal_vocab, "hidden": args.hidden, "layers": args.layers,
                    "size_mb": sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
+    log("draft", json.dumps(report))
     return 0

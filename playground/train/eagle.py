@@ -33,7 +33,7 @@ from ..config import ConfigError, EagleParams, GenerationParams, ModelSpec, Samp
 from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save_head
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
-from . import draft
+from . import log
 from .draft import (Corpus, add_corpus_args, frequent_vocabulary, load_or_generate_corpus, one_cycle, run_report,
                     training_setup)
 from .medusa import sequence_states
@@ -66,10 +66,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_corpus_args(parser, "precision of the target writing the corpus and computing the features, and of the "
                             "head's products in training (default bfloat16; the report drafts in float32)",
                     wide_topics=0, generate_batch=64)
-
-
-def log(message: str) -> None:
-    draft.log(message, "eagle")
 
 
 def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[list[int]]:
@@ -188,9 +184,9 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
             sums[0] += regression.item()
             sums[1] += tokens.item()
             if step % 50 == 0:
-                log(f"epoch {epoch + 1}, step {step}/{total}: regression {regression.item():.4f}, tokens "
+                log("eagle", f"epoch {epoch + 1}, step {step}/{total}: regression {regression.item():.4f}, tokens "
                     f"{tokens.item():.3f} ({time.perf_counter() - start:.0f} s)")
-        log(f"epoch {epoch + 1}/{args.epochs}: regression {sums[0] / steps_per_epoch:.4f}, tokens "
+        log("eagle", f"epoch {epoch + 1}/{args.epochs}: regression {sums[0] / steps_per_epoch:.4f}, tokens "
             f"{sums[1] / steps_per_epoch:.3f} ({time.perf_counter() - start:.0f} s)")
     head.eval()
 
@@ -243,8 +239,8 @@ def main(args: argparse.Namespace) -> int:
     states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device)
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
-    log(f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head scores "
-        f"{len(vocab_ids)} tokens")
+    log("eagle", f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head "
+                 f"scores {len(vocab_ids)} tokens")
     head = EagleHead(head_config(target.model)).to(args.device)
     target.model.requires_grad_(False)
     train(target, head, corpus, states, output, args)
@@ -258,5 +254,5 @@ def main(args: argparse.Namespace) -> int:
                    "head_vocab": args.head_vocab, "device": args.device,
                    "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
+    log("eagle", json.dumps(report))
     return 0

@@ -29,7 +29,7 @@ from ..config import ModelSpec, check_int
 from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
-from . import draft
+from . import log
 from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
                     generate_corpus, load_or_generate_corpus, one_cycle, run_report, training_setup,
                     vocabulary_position)
@@ -51,10 +51,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_corpus_args(parser, "precision of the target writing the corpus and computing the hidden states the heads "
                             "learn from (default bfloat16, as the draft's, so one --corpus file serves both; the "
                             "held-out report uses float32 states, as decoding does)", wide_topics=0, generate_batch=64)
-
-
-def log(message: str) -> None:
-    draft.log(message, "medusa")
 
 
 def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, keep: torch.dtype = torch.float32,
@@ -81,8 +77,8 @@ def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, ke
         for row, i in enumerate(picked):
             states[i] = hidden[row, : len(sequences[i])].clone()  # (T_i, E)
         if (first // batch) % 10 == 0:
-            draft.log(f"hidden states: {first + len(picked)}/{len(order)} sequences "
-                      f"({time.perf_counter() - start:.0f} s)", "corpus")
+            log("corpus", f"hidden states: {first + len(picked)}/{len(order)} sequences "
+                          f"({time.perf_counter() - start:.0f} s)")
     return states
 
 
@@ -145,9 +141,9 @@ def train(target: Any, heads: MedusaHeads, vocab_ids: torch.Tensor, states: torc
             step += 1
             losses.append(loss.item() / heads.num_heads)
             if step % 50 == 0:
-                log(f"epoch {epoch + 1}, step {step}/{total}: loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
-                    f"({time.perf_counter() - start:.0f} s)")
-        log(f"epoch {epoch + 1}/{args.epochs}: loss {sum(losses) / len(losses):.3f}")
+                log("medusa", f"epoch {epoch + 1}, step {step}/{total}: "
+                              f"loss {sum(losses[-50:]) / len(losses[-50:]):.3f} ({time.perf_counter() - start:.0f} s)")
+        log("medusa", f"epoch {epoch + 1}/{args.epochs}: loss {sum(losses) / len(losses):.3f}")
     heads.eval()
 
 
@@ -183,10 +179,10 @@ def main(args: argparse.Namespace) -> int:
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     start = time.perf_counter()
     states, counts = hidden_states(target, corpus, args.dtype)
-    log(f"{len(states)} answer positions; training {args.heads} heads")
+    log("medusa", f"{len(states)} answer positions; training {args.heads} heads")
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     covered = vocabulary_share(vocab_ids, answer_ids(corpus), target.model.config.vocab_size)
-    log(f"the heads score {len(vocab_ids)} tokens: {covered:.1%} of the training answers")
+    log("medusa", f"the heads score {len(vocab_ids)} tokens: {covered:.1%} of the training answers")
     heads = MedusaHeads(target.model.config.hidden_size, args.heads)
     train(target, heads, vocab_ids, states, counts, corpus, args)
     out = Path(args.out)
@@ -196,5 +192,5 @@ def main(args: argparse.Namespace) -> int:
                    "heads_count": args.heads, "batch": args.batch, "top_k_soft_labels": TOP_K,
                    "size_mb": (out / "medusa.safetensors").stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
+    log("medusa", json.dumps(report))
     return 0

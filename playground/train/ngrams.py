@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..config import ModelSpec, check_int
 from ..models.answers import ANSWERS, EMBEDDED_ANSWERS, save_answers
-from .draft import COMPUTE_DTYPES, generate_corpus, log
+from . import log
+from .draft import COMPUTE_DTYPES, generate_corpus
 from .prompts import training_prompts
 
 # The draft's prompt set: every template per topic, 10 extra templates per topic, 278 wide topics with 6 each.
@@ -64,5 +65,5 @@ def main(args: argparse.Namespace) -> int:
               "dtype": args.dtype, "generate_batch": args.generate_batch, "seed": args.seed, **PROMPT_SET,
               "generation_s": round(time.perf_counter() - start, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report), "ngrams")
+    log("ngrams", json.dumps(report))
     return 0
