@@ -37,7 +37,7 @@ def main() -> None:
     loaded = load_head(None, target)
     if loaded.head.layer.kernel is None:
         sys.exit(f"the head's layer does not run in the native kernel here (kernel {native.status()})")
-    pytorch = EagleHead(loaded.head.config).eval().requires_grad_(False)
+    pytorch = EagleHead(loaded.head.config, loaded.head.taps).eval().requires_grad_(False)
     pytorch.load_state_dict(loaded.head.state_dict())
     for module in pytorch.modules():  # its products prepacked as before, the rest in PyTorch's ops
         if isinstance(module, Linear):

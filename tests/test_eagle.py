@@ -25,7 +25,8 @@ from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import compute, depth_profile
 from playground.models import ModelLoadError, native
-from playground.models.eagle import CONFIG, EMBEDDED_EAGLE, WEIGHTS, EagleHead, default_head, head_config, load_head
+from playground.models.eagle import (CONFIG, EMBEDDED_EAGLE, TAPPED, WEIGHTS, EagleHead, default_head, head_config,
+                                     load_head, save_head)
 from playground.trace import AcceptEvent, DraftEvent, TokenInfo, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
@@ -35,6 +36,21 @@ from .stats import assert_follows_target, reference_tokens
 @pytest.fixture(scope="module")
 def head(target):
     return load_head(None, target)  # the head shipped for the embedded model
+
+
+@pytest.fixture(scope="module")
+def tapped(target, head, tmp_path_factory):
+    """A head that reads layers 2, 15 and 29 as an EAGLE-3 head does: the shipped head's weights, and a mix that
+    gives it layer 29's input under the final norm's weights (what the target's last layer then adds aside, close
+    to the final-norm features the shipped head learned from), so that it drafts well enough to be kept."""
+    e = target.model.config.hidden_size
+    module = EagleHead(head.head.config, (2, 15, 29))
+    mix = torch.zeros(e, 3 * e)
+    mix[:, 2 * e :] = torch.diag(target.model.norm.weight.detach().float())
+    module.load_state_dict({**{k: v.float() for k, v in head.head.state_dict().items()}, "mix.weight": mix})
+    folder = tmp_path_factory.mktemp("tapped")
+    save_head(module, folder, target, torch.float32, head.vocab_ids)
+    return load_head(str(folder), target)
 
 
 COPIES = PromptLookupParams(max_ngram=3, branches=1)
@@ -120,6 +136,23 @@ def test_a_batch_with_chunked_prefills_and_preemption_gives_every_request_its_so
         if copies:
             assert engine.counts["copy"].accepted > 0
         assert getattr(proposer, "inner", proposer).states == {}  # every request's head state went with it
+
+
+def test_a_head_reading_tapped_layers_is_greedy_exact_on_both_caches_and_in_batches(target, tapped,
+                                                                                    plain_outputs) -> None:
+    """The engine returns the tapped layers' inputs beside the final states (prefill chunks and decode steps) and
+    the head reads their mix: every prompt plain decoding's tokens, with drafted tokens kept."""
+    proposer = eagle(target, tapped)
+    assert proposer.taps == (2, 15, 29) and proposer.eagle.head.mix is not None
+    accepted, drafted = assert_greedy_exact(target, proposer, plain_outputs)
+    assert 0 < accepted < drafted
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged")
+    for params in (EngineParams(max_running=1), EngineParams(max_running=4, max_batch_tokens=16, num_blocks=48)):
+        engine = Engine(target, params, proposer=eagle(target, tapped, COPIES))
+        ids = {engine.add_request(p, generation=generation): p for p in PROMPTS[:6]}
+        outputs = engine.run_all()
+        assert all(outputs[rid].token_ids == plain_outputs[p] for rid, p in ids.items()), params
+        assert engine.counts["eagle"].accepted > 0
 
 
 def test_sampled_outputs_are_plain_decodings_for_the_same_seed(target, head) -> None:
@@ -233,6 +266,13 @@ def test_bad_heads_are_refused_with_one_line(tmp_path, target) -> None:
     save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / WEIGHTS))
     with pytest.raises(ModelLoadError, match="does not match its config"):
         load_head(str(tmp_path), target)
+    for taps in ([2, 30], [5, 5]):
+        (tmp_path / CONFIG).write_text(json.dumps({**shape, "features": TAPPED, "taps": taps}))
+        with pytest.raises(ModelLoadError, match=r"this target's layers are 0\.\.29, each tapped once"):
+            load_head(str(tmp_path), target)
+    (tmp_path / CONFIG).write_text(json.dumps({**shape, "taps": [2, 15, 27]}))  # features say final-norm
+    with pytest.raises(ModelLoadError, match="made for a target of"):
+        load_head(str(tmp_path), target)
     with pytest.raises(ModelLoadError, match="none ships for this target"):
         load_head(None, dataclasses.replace(target, spec=dataclasses.replace(target.spec, source="some/model")))
 
@@ -274,7 +314,7 @@ def test_the_served_head_runs_its_layer_natively_and_gives_the_pytorch_layers_fe
     if native.kernel() is None or target.model.native_stack is None:
         pytest.skip(f"native kernel {native.status()}")
     assert head.head.layer.kernel is not None
-    reference = EagleHead(head.head.config).eval()
+    reference = EagleHead(head.head.config, head.head.taps).eval()
     reference.load_state_dict(head.head.state_dict())
     cfg, (b, t, past) = reference.config, (3, 4, 9)
     torch.manual_seed(0)
@@ -377,6 +417,33 @@ def test_eagle_training_pipeline_smoke(tmp_path, target, capsys) -> None:
                          (["--noise", "2"], "noise must be in [0, 1]"),
                          (["--unroll", "5"], "unroll must be an integer in [1, 4]"),
                          (["--device", "tpu"], "device must be cpu or cuda")):
+        assert main(small + bad) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_head_trained_on_tapped_layers_reads_them_and_learns_the_tokens_alone(tmp_path, target, capsys) -> None:
+    """`--taps`: the features are the tapped layers' inputs beside the final states, the loss has no feature
+    regression (the mix learns through the tokens), and the saved head loads reading those layers."""
+    from playground.train.__main__ import main
+    from playground.train.eagle import head_loss
+
+    e, taps = target.model.config.hidden_size, (2, 15, 29)
+    module = EagleHead(head_config(target.model), taps)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 6))
+    features = torch.randn(2, 6, 4 * e)
+    regression, tokens = head_loss(module, target, ids, features, torch.tensor([6, 5]), torch.tensor([2, 3]),
+                                   target.model.output_weight.detach()[:300].float(), 0.1, torch.Generator(), 2)
+    tokens.backward()
+    assert regression.item() == 0 and module.mix.weight.grad.abs().sum() > 0
+    out = tmp_path / "head"
+    small = ["eagle", "--limit", "2", "--answer-tokens", "8", "--batch", "4", "--eval-prompts", "1",
+             "--head-vocab", "300", "--out", str(out)]
+    assert main(small + ["--taps", "2", "15", "29"]) == 0
+    assert json.loads((out / "train_report.json").read_text())["taps"] == [2, 15, 29]
+    assert load_head(str(out), target).head.taps == taps
+    for bad, message in ((["--taps", "30"], "taps must be an integer in [0, 29]"),
+                         (["--taps", "3", "3"], "taps must name each layer once")):
         assert main(small + bad) == 2
         assert message in capsys.readouterr().err
 

@@ -31,6 +31,7 @@ from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.models import ModelLoadError, load_model
 from playground.models import compiled
+from playground.models.loader import load_hf_peer
 from playground.models import forwards as forwards_module
 from playground.models.forwards import (
     MIN_KEYS,
@@ -161,6 +162,33 @@ def test_a_static_forward_writes_and_returns_what_an_eager_one_does_and_nothing_
         assert torch.equal(tokens.nan_to_num(7.0), expected.nan_to_num(7.0))
         assert not scratch.isnan().any()  # the padding wrote there
     assert [eager_cache.length(s) for s in range(rows)] == [static_cache.length(s) for s in range(rows)]
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
+def test_tapped_forwards_return_the_final_states_and_each_tapped_layers_input(target, kv) -> None:
+    """With taps (an EAGLE-3 head's), eager forwards (the native kernel's layers in runs between the taps) and
+    static ones (layer by layer) give the same bits, the untapped forward's final states first, then the residual
+    stream entering each tapped layer: what transformers returns as that layer's hidden states, the trainer's
+    input (`train.medusa.sequence_states`)."""
+    model, taps, e = target.model, (27, 2, 15), target.model.config.hidden_size
+    ids, prompt = [[300, 301]], torch.arange(10, 20).unsqueeze(0)  # a decode forward after a 10-token prefix
+
+    def run(forwards_type, taps):
+        cache = paged_cache(model, 32, 4) if kv == "paged" else contiguous_cache(model, 100)
+        prefill = model(prompt, torch.arange(10).unsqueeze(0), cache, [0], num_logits=0, taps=taps)[1]
+        return prefill, forwards_type(model, cache, taps=taps)([0], ids, [[10, 11]])
+
+    plain = run(Forwards, ())
+    eager, static = run(Forwards, taps), run(StaticForwards, taps)
+    for untapped, tapped, laid in zip(plain, eager, static):  # the prefill's (1, 10, 4E), the decode's (1, 2, 4E)
+        assert tapped.shape[-1] == 4 * e and torch.equal(tapped[..., :e], untapped) and torch.equal(tapped, laid)
+    peer = load_hf_peer(target)
+    with torch.inference_mode():
+        expected = peer.model(input_ids=torch.cat((prompt, torch.tensor(ids)), 1), output_hidden_states=True)
+    got = torch.cat(eager, 1)  # (1, 12, 4E)
+    for i, layer in enumerate(taps):
+        torch.testing.assert_close(got[..., (i + 1) * e : (i + 2) * e], expected.hidden_states[layer],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_decoding() -> None:

@@ -59,6 +59,7 @@ class EagleProposer(Proposer):
         params = params or EagleParams()
         self.target, self.params = target, params
         self.eagle = head or load_head(params.head, target)
+        self.taps = self.eagle.head.taps  # the target layers the head reads, if any (beside the final states)
         gpu = target.model.device.type == "cuda"
         self.depth, self.top_k = params.depth, params.top_k
         self.nodes = params.nodes or (EAGLE_GPU_NODES if gpu else EAGLE_CPU_NODES)
@@ -74,8 +75,10 @@ class EagleProposer(Proposer):
 
     def estimate_cost(self) -> float:
         """A head forward's cost over the target's before any is measured: its layer and the output rows it
-        scores."""
-        return weights_estimate(self.target.model, weights_read(self.eagle.head) + self.eagle.output.nbytes, 1)
+        scores (the mix of tapped layers runs once a step, on the kept rows, not once a depth)."""
+        head = self.eagle.head
+        mix = weights_read(head.mix) if head.mix is not None else 0
+        return weights_estimate(self.target.model, weights_read(head) - mix + self.eagle.output.nbytes, 1)
 
     def bind(self, settings: Any) -> None:
         self.calibration = GuessCalibration(self.depth)
@@ -85,14 +88,15 @@ class EagleProposer(Proposer):
         self.states.pop(request.id, None)
 
     def prefilled(self, request: RequestView, hidden: torch.Tensor) -> None:
-        """A prefill chunk's final hidden states (n, E), which end at `request.num_computed`."""
+        """A prefill chunk's hidden states (n, (1 + taps) E), which end at `request.num_computed`."""
         start = request.num_computed - len(hidden)
+        features = self.eagle.head.read(hidden)  # (n, E)
         state = self.states.get(request.id)
         if state is None or state.start + len(state.features) != start:
             k, v = self.eagle.empty_keys()
-            self.states[request.id] = _HeadState(k, v, start, hidden.clone())
+            self.states[request.id] = _HeadState(k, v, start, features.clone())
         else:
-            state.features = torch.cat((state.features, hidden))
+            state.features = torch.cat((state.features, features))
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         if proposal is not None:
@@ -101,7 +105,8 @@ class EagleProposer(Proposer):
         last = request.num_computed - 1  # the position of the step's row 0 (the engine counted it already)
         if outcome.done or state is None or state.start + len(state.features) != last:
             return  # finished, or a prefill whose features `prefilled` had
-        state.features = torch.cat((state.features, outcome.hidden[outcome.walk]))  # the kept rows' features
+        kept = self.eagle.head.read(outcome.hidden[outcome.walk])  # (R, E) the kept rows' features
+        state.features = torch.cat((state.features, kept))
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         ready = [(r, room) for r, room in zip(requests, rooms) if room > 0 and self._ready(r)]

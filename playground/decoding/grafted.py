@@ -70,6 +70,7 @@ class _WithCopies(Proposer):
     def __init__(self, inner: Proposer, copies: CopyProposer) -> None:
         self.inner, self.copies = inner, copies
         self.label = f"{inner.label}+{copies.label}"
+        self.taps = inner.taps
 
     def bind(self, settings: Any) -> None:
         self.inner.bind(settings)

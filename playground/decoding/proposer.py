@@ -111,8 +111,8 @@ class RequestView(Protocol):
 class Outcome:
     """What the verifier kept of one request's step: the tokens drawn (`new`, the last a correction or bonus), the
     rows they were drawn from (`walk`: row 0, then the kept nodes' rows) and their probabilities (`probs`, as the
-    trace shows them), whether the request finished, the final hidden states (R, E) of its verified rows and the
-    argmax of each of its side rows read."""
+    trace shows them), whether the request finished, the final hidden states (R, E) of its verified rows (with the
+    proposer's tapped layers' inputs after them) and the argmax of each of its side rows read."""
 
     new: list[int]
     walk: list[int]
@@ -143,6 +143,9 @@ class Proposer(ABC):
     """Candidates for every decoding request of a step, and what to learn from what the verifier kept."""
 
     label: ClassVar[str]
+    # target layers whose inputs it reads beside the final hidden states: each row of the hidden states it is given
+    # (`prefilled`, `Outcome.hidden`) is then ((1 + len(taps)) E) wide, the final state first (`Transformer.forward`)
+    taps: tuple[int, ...] = ()
 
     def bind(self, settings: Any) -> None:
         """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every
@@ -160,8 +163,8 @@ class Proposer(ABC):
         self.pause(request)
 
     def prefilled(self, request: RequestView, hidden: torch.Tensor) -> None:
-        """A prefill chunk ran: the target's final hidden states (n, E) of its tokens, the last at position
-        `request.num_computed - 1` (EAGLE's head reads them)."""
+        """A prefill chunk ran: the target's final hidden states (n, E) of its tokens (and its tapped layers'
+        inputs), the last at position `request.num_computed - 1` (EAGLE's head reads them)."""
 
     @abstractmethod
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:

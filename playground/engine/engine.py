@@ -73,8 +73,9 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
         self.scheduler = Scheduler(self.params, self.cache, self.now, self._paused, self.events)
-        self.runner = Runner(target.model, self.cache, make_forwards(target.model, self.cache, target.forwards,
-                                                                     self.params.max_running))
+        forwards = make_forwards(target.model, self.cache, target.forwards, self.params.max_running,
+                                 self.proposer.taps if self.proposer is not None else ())
+        self.runner = Runner(target.model, self.cache, forwards)
         self.busy_s = 0.0  # seconds spent inside step(): the engine's clock
         self._step_started: float | None = None
         self._next_id = 0

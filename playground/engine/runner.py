@@ -1,6 +1,6 @@
 """The forwards of a step: token ids, positions and attention masks for every scheduled request, and the target's
-logits and final hidden states at the rows that are read. No queues, no algorithm: a proposal is a token tree and
-maybe side rows (`decoding.proposer`).
+logits and final hidden states at the rows that are read (with the inputs of the layers the proposer taps). No
+queues, no algorithm: a proposal is a token tree and maybe side rows (`decoding.proposer`).
 
 The decode rows run as one batch of `plan.width` tokens per request: its last token, its proposal's nodes at
 positions by depth, its side rows, then padding. A tree's rows see their ancestors only; side rows see the last
@@ -32,7 +32,8 @@ class Runner:
     def run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """For every request that ran: logits (1 + n + s, V) at its last token, after each of the n nodes of its
         proposal and at the s side rows read, and the final hidden states (1 + n + s, E) of those rows; for a
-        prefill chunk of n tokens, the logits (1, V) at its last token and the hidden states (n, E) of all."""
+        prefill chunk of n tokens, the logits (1, V) at its last token and the hidden states (n, E) of all. With
+        taps (`Forwards.taps`) each row of hidden states has the tapped layers' inputs after it: ((1 + taps) E)."""
         logits: dict[int, torch.Tensor] = {}
         hidden: dict[int, torch.Tensor] = {}
         if plan.decode and plan.width == 1:
@@ -44,14 +45,15 @@ class Runner:
             start = request.num_computed
             ids = to_device([request.tokens[start : start + n]], device)  # (1, n)
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
-            out, states = model(ids, positions, self.cache, [request.id], num_logits=1)  # (1, 1, V)
+            out, states = model(ids, positions, self.cache, [request.id], num_logits=1,
+                                taps=self.forwards.taps)  # (1, 1, V)
             logits[request.id], hidden[request.id] = out[0], states[0]  # (1, V), (n, E)
         return logits, hidden
 
     def _plain(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]) -> None:
         states = self.forwards([r.id for r in plan.decode], [[r.tokens[r.num_computed]] for r in plan.decode],
                                [[r.num_computed] for r in plan.decode])  # (B, 1, E)
-        out = self.model.project(states)  # (B, 1, V)
+        out = self.model.project(states[..., : self.model.config.hidden_size])  # (B, 1, V)
         for i, r in enumerate(plan.decode):
             logits[r.id], hidden[r.id] = out[i], states[i]
 
@@ -82,7 +84,7 @@ class Runner:
         states = self.forwards([r.id for r in plan.decode], ids, positions, among_new)  # (B, W, E)
         read = to_device([i * width + j for i, rows_read in enumerate(scored) for j in rows_read], device)  # (N,)
         kept = states.flatten(0, 1).index_select(0, read)  # (N, E): the rows read only
-        logits_read = model.project(kept)  # (N, V)
+        logits_read = model.project(kept[:, : model.config.hidden_size])  # (N, V)
         start = 0
         for r, rows_read in zip(plan.decode, scored):
             logits[r.id] = logits_read[start : start + len(rows_read)]

@@ -4,6 +4,9 @@ At position t the head reads f_t, the target's final hidden state there, and the
 drawn from it; an FC layer mixes the two and one decoder layer of the target's kind (with its own keys and values
 over the positions before) predicts f_{t+1}, which the target's frozen output projection reads as the next token's
 distribution. Drafting runs the head on its own predicted features: (f^_{t+1}, x^_{t+2}) -> f^_{t+2}, and so on.
+A head may read the target's low, middle and high layers instead of f_t (as EAGLE-3, Li et al. 2025): the residual
+stream entering each of its `taps`, each scaled to unit RMS at each position, mixed by a learned linear map into one
+feature; it then learns the next tokens only, and deeper drafting reads its own predictions as it reads that mix.
 The head scores a reduced vocabulary (the target's output rows for the tokens it writes), as the draft and the
 Medusa heads do. Stored as safetensors plus config.json beside them (never pickled).
 """
@@ -28,7 +31,8 @@ from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows, save_wit
 
 EMBEDDED_EAGLE = Path(__file__).resolve().parents[2] / "assets" / "eagle-smollm2-135m"
 WEIGHTS, CONFIG = "eagle.safetensors", "config.json"
-FEATURES = "final-norm hidden state"  # what the head reads and predicts, recorded in config.json
+FEATURES = "final-norm hidden state"  # what a head without taps reads and predicts, recorded in config.json
+TAPPED = "inputs of the tapped layers, each scaled to unit RMS, mixed"  # what a head with taps reads
 
 
 class _PastKeys:
@@ -45,14 +49,26 @@ class _PastKeys:
 
 
 class EagleHead(nn.Module):
-    """fc([e(x_{t+1}); f_t]) -> one decoder layer -> RMSNorm: the predicted f_{t+1} (final-norm, as the target's)."""
+    """fc([e(x_{t+1}); f_t]) -> one decoder layer -> RMSNorm: the predicted f_{t+1} (final-norm, as the target's).
+    With `taps`, f_t is `read` from the tapped layers' inputs."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, taps: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.taps = config, taps
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layer = Block(config, 0)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mix = Linear(len(taps) * config.hidden_size, config.hidden_size, bias=False) if taps else None
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feature f_t (..., E) the head reads from the target's hidden states (..., (1 + len(taps)) E): the
+        final-norm state, or the tapped layers' inputs scaled and mixed."""
+        e = self.config.hidden_size
+        if self.mix is None:
+            return hidden[..., :e]
+        layers = hidden[..., e:].unflatten(-1, (len(self.taps), e))  # (..., taps, E)
+        scaled = layers * layers.pow(2).mean(-1, keepdim=True).add(self.config.rms_norm_eps).rsqrt()
+        return self.mix(scaled.flatten(-2))  # (..., E)
 
     def forward(self, embeddings: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor,
@@ -106,7 +122,8 @@ def save_head(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.d
     folder.mkdir(parents=True, exist_ok=True)
     save_with_vocab(head, str(folder / WEIGHTS), dtype, vocab_ids)
     cfg = target.model.config
-    config = {"features": FEATURES, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+    config = {"features": TAPPED if head.taps else FEATURES, **({"taps": list(head.taps)} if head.taps else {}),
+              "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
               "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
               "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
               "head_vocab_size": len(vocab_ids), "target": target.name}
@@ -134,14 +151,18 @@ def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
         config = json.loads((folder / CONFIG).read_text())
         shape = {name: int(config[name]) for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
                                                        "intermediate_size", "vocab_size")}
+        taps = tuple(int(layer) for layer in config.get("taps", ()))
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"eagle head: {folder / CONFIG} is malformed ({exc})") from exc
     cfg = target.model.config
     own = {name: getattr(cfg, name) for name in shape}
-    if shape != own or config.get("features") != FEATURES:
+    if shape != own or config.get("features") != (TAPPED if taps else FEATURES):
         raise ModelLoadError(f"eagle head: made for a target of {shape} reading {config.get('features')!r}; this "
                              f"target has {own}")
-    head = EagleHead(head_config(target.model))
+    if not all(0 <= layer < cfg.num_layers for layer in taps) or len(set(taps)) != len(taps):
+        raise ModelLoadError(f"eagle head: {folder / CONFIG} taps layers {list(taps)}; this target's layers are 0.."
+                             f"{cfg.num_layers - 1}, each tapped once")
+    head = EagleHead(head_config(target.model), taps)
     tensors = load_file(str(folder / WEIGHTS))
     vocab_ids = tensors.pop(VOCAB_IDS, torch.arange(cfg.vocab_size))
     try:

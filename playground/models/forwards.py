@@ -1,6 +1,6 @@
 """A model's decode forwards over one cache: the forwards of a step, each a few tokens per request after what the
-cache holds, returning the final hidden states (B, T, E). Prefill chunks are not these (`Runner` runs them as they
-come).
+cache holds, returning the final hidden states (B, T, E) and, where `taps` names layers, their inputs after them
+(B, T, (1 + len(taps)) E; see `Transformer.forward`). Prefill chunks are not these (`Runner` runs them as they come).
 
 Four ways, one contract (`ModelSpec.forwards`; the loader resolves "auto"):
 - eager: every forward as long as its rows and its keys, built on the host (the CPU's way: the native kernel is
@@ -50,21 +50,22 @@ class Forwards:
     mode = "eager"
     max_width: int | None = None  # the widest forward that keeps a token's bits (None: any)
 
-    def __init__(self, model: Transformer, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: KVCache, taps: tuple[int, ...] = ()) -> None:
+        self.model, self.cache, self.taps = model, cache, taps
 
     @torch.inference_mode()
     def __call__(self, seq_ids: list[int], ids: Ids, positions: list[list[int]],
                  among_new: torch.Tensor | None = None) -> torch.Tensor:
         """Run T tokens per row after what the cache holds of each sequence: ids (B, T) as lists or as a tensor on
         the model's device (a draft's chain feeds its guesses without reading them back), positions (B, T) as lists,
-        among_new (B, T, T) bool: which new tokens each one sees (None: causal). Returns hidden states (B, T, E)."""
+        among_new (B, T, T) bool: which new tokens each one sees (None: causal). Returns hidden states (B, T, E),
+        with the tapped layers' inputs after them: (B, T, (1 + len(taps)) E)."""
         device = self.model.device
         mask = None if among_new is None else to_device(among_new, device)
         tokens = ids if isinstance(ids, torch.Tensor) else to_device(ids, device)
         _, hidden = self.model(tokens, to_device(positions, device), self.cache, seq_ids, attn_mask=mask,
-                               num_logits=0)
-        return hidden  # (B, T, E)
+                               num_logits=0, taps=self.taps)
+        return hidden  # (B, T, (1 + len(taps)) E)
 
     def release(self) -> None:
         """Done with the cache: what these forwards built may serve the next cache of its shape."""
@@ -76,16 +77,18 @@ class Shapes:
     the model when its forwards are released, taken by the next forwards of the same key (`make_forwards`), so an
     engine's first steps replay graphs an earlier engine captured."""
 
-    def __init__(self, cache: KVCache, graphs: bool, width: int | None, compiled: bool = False) -> None:
-        self.graphs, self.max_width, self.compiled = graphs, width, compiled
+    def __init__(self, cache: KVCache, graphs: bool, width: int | None, compiled: bool = False,
+                 taps: tuple[int, ...] = ()) -> None:
+        self.graphs, self.max_width, self.compiled, self.taps = graphs, width, compiled, taps
         self.k, self.v = cache.k, cache.v
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures = 0  # buckets captured so far
 
     @staticmethod
-    def key(cache: KVCache, graphs: bool, width: int | None, compiled: bool) -> tuple:
-        return type(cache).__name__, tuple(cache.k.shape), cache.k.dtype, str(cache.k.device), graphs, width, compiled
+    def key(cache: KVCache, graphs: bool, width: int | None, compiled: bool, taps: tuple[int, ...]) -> tuple:
+        return (type(cache).__name__, tuple(cache.k.shape), cache.k.dtype, str(cache.k.device), graphs, width, compiled,
+                taps)
 
 
 class StaticForwards(Forwards):
@@ -101,13 +104,13 @@ class StaticForwards(Forwards):
     mode = "static"
 
     def __init__(self, model: Transformer, cache: KVCache, graphs: bool = False, width: int | None = None,
-                 shapes: Shapes | None = None, compiled: bool = False) -> None:
-        super().__init__(model, cache)
+                 shapes: Shapes | None = None, compiled: bool = False, taps: tuple[int, ...] = ()) -> None:
+        super().__init__(model, cache, taps)
         if not isinstance(cache, (PagedKVCache, ContiguousKVCache)):
             raise TypeError(f"static shapes need a paged or contiguous cache, got {type(cache).__name__}")
         if graphs and model.device.type != "cuda":
             raise ValueError(f"forwards: CUDA graphs need a CUDA device, the model is on {model.device}")
-        self.shapes = shapes or Shapes(cache, graphs, width, compiled)
+        self.shapes = shapes or Shapes(cache, graphs, width, compiled, taps)
         cache.share_storage(self.shapes.k, self.shapes.v)
         self.max_width = width
         self.mode = "compiled" if compiled else "graphs" if graphs else "static"
@@ -159,7 +162,7 @@ class Bucket:
         self.copied = [torch.cuda.Event() for _ in self.host] if pinned else None
         self.turn = 0  # the staging buffer the next forward fills
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.hidden: torch.Tensor | None = None  # (B, W, E), the graph's output
+        self.hidden: torch.Tensor | None = None  # (B, W, (1 + taps) E), the graph's output
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> their causal `_seen`
 
     def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
@@ -173,7 +176,7 @@ class Bucket:
                 self._capture(cache)
             self.graph.replay()
             hidden = self.hidden
-        return hidden[:rows, :width].clone()  # (B, T, E), out of the memory the next forward may reuse
+        return hidden[:rows, :width].clone()  # (B, T, (1 + taps) E), out of the memory the next forward may reuse
 
     def _fill(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
               positions: list[list[int]], among_new: torch.Tensor | None) -> None:
@@ -221,8 +224,8 @@ class Bucket:
         mask = visibility(starts, seen, keys)  # (B, 1, W, L)
         layout = AttentionLayout(tuple(range(b)), (0,) * b, w, keys, mask, write_slots=write, read_slots=read)
         _, hidden = self.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout,
-                               layer=compiled_layer if self.shapes.compiled else None)
-        return hidden  # (B, W, E)
+                               layer=compiled_layer if self.shapes.compiled else None, taps=self.shapes.taps)
+        return hidden  # (B, W, (1 + taps) E)
 
     def _capture(self, cache: KVCache) -> None:
         # only once captured whole: a failed capture is tried again
@@ -277,19 +280,21 @@ def capture(run: Callable[[], T], pool: tuple | None) -> tuple[torch.cuda.CUDAGr
     return graph, outputs
 
 
-def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int = 1) -> Forwards:
+def make_forwards(model: Transformer, cache: KVCache, mode: str, requests: int = 1,
+                  taps: tuple[int, ...] = ()) -> Forwards:
     """The decode forwards `mode` names (a model's resolved `LoadedModel.forwards`) for an engine running up to
-    `requests` requests together; static ones take the shapes an earlier cache of the same shape left on the
-    model's shelf (`Transformer.static_shelf`) where there are some, and put them back when released (or
-    collected). One request at a time, static shapes run at one width (`one_width`)."""
+    `requests` requests together, returning the inputs of the layers `taps` names too; static ones take the shapes
+    an earlier cache of the same shape left on the model's shelf (`Transformer.static_shelf`) where there are some,
+    and put them back when released (or collected). One request at a time, static shapes run at one width
+    (`one_width`)."""
     if mode == "eager":
-        return Forwards(model, cache)
+        return Forwards(model, cache, taps)
     if mode not in ("static", "graphs", "compiled"):
         raise ValueError(f"forwards must be one of eager, static, graphs, compiled, got {mode!r}")
     graphs = captures(mode, model.device)
     width, fused = ONE_WIDTH if one_width(model, requests) else None, mode == "compiled"
-    shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width, fused), [])
-    forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None, fused)
+    shelf = model.static_shelf.setdefault(Shapes.key(cache, graphs, width, fused, taps), [])
+    forwards = StaticForwards(model, cache, graphs, width, shelf.pop() if shelf else None, fused, taps)
     forwards._shelf, forwards._lease = shelf, [forwards.shapes]
     weakref.finalize(forwards, _shelve, shelf, forwards._lease)  # collected without a release
     return forwards

@@ -372,6 +372,13 @@ class LayerStack:
     intermediate: int
     eps: float
 
+    def part(self, first: int, last: int) -> LayerStack:
+        """Layers first..last-1 alone, as a stack of their own (a forward that stops between layers)."""
+        pointers = (ctypes.c_void_p * (7 * (last - first)))(*self.pointers[7 * first : 7 * last])
+        formats = (ctypes.c_int * (4 * (last - first)))(*self.formats[4 * first : 4 * last])
+        return LayerStack(self.kernel, pointers, formats, self.keep, last - first, self.heads, self.kv_heads,
+                          self.head_dim, self.intermediate, self.eps)
+
 
 def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.Tensor | None, Panels,
                                                      torch.Tensor, Panels, Panels]],

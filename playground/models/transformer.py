@@ -374,6 +374,7 @@ class Transformer(nn.Module):
         num_logits: int | None = None,
         layout: AttentionLayout | None = None,
         layer: Layer | None = None,
+        taps: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per row through the model and store their K/V.
 
@@ -385,7 +386,9 @@ class Transformer(nn.Module):
         shapes of `models.forwards`, whose tensors stay the same from call to call); seq_ids and attn_mask unused.
         layer: with a static layout, what runs each block that the native kernel does not (`models.compiled.layer`);
         None runs the block.
-        Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E).
+        taps: layers whose input (the residual stream entering them) is returned beside the final-norm states.
+        Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E), followed along the last
+        dimension by the tapped layers' inputs in the order of `taps`: (B, T, (1 + len(taps)) E).
         """
         b, t = token_ids.shape
         cfg = self.config
@@ -398,23 +401,36 @@ class Transformer(nn.Module):
         native_ready = not static and self.native_stack is not None and self.attention_kernel() is not None
         slabs = cache.contiguous_rows(layout) if native_ready else None
         pools = cache.slot_pools(layout) if native_ready and slabs is None else None
+        tapped: dict[int, torch.Tensor] = {}  # layer -> its input (B, T, E)
         if slabs is not None or pools is not None:
             mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
-            native.layers(self.native_stack, x, cos, sin, *(slabs or pools), layout.starts, layout.key_len,
-                          None if mask is None else mask[:, 0],
-                          None if pools is None else (layout.write_slots, layout.read_slots))
+            keys, values = slabs or pools  # (layers, ...) each
+            first = 0
+            for end in sorted({*taps, cfg.num_layers}):  # one native call per run of layers between taps
+                if end > first:
+                    native.layers(self.native_stack.part(first, end) if taps else self.native_stack, x, cos, sin,
+                                  keys[first:end], values[first:end], layout.starts, layout.key_len,
+                                  None if mask is None else mask[:, 0],
+                                  None if pools is None else (layout.write_slots, layout.read_slots))
+                if end in taps:
+                    tapped[end] = x.clone()  # the native call updates x in place
+                first = end
         else:
             attend = self.attention(layout)
-            for block in self.layers:
+            for i, block in enumerate(self.layers):
+                if i in taps:
+                    tapped[i] = x.clone()  # fused layers update x in place
                 if layer is not None and static and block.kernel is None:
                     x = layer(block, x, cos, sin, cache, layout, attend)
                 else:
                     x = block(x, cos, sin, cache, layout, attend)
         hidden = self.norm(x)  # (B, T, E)
-        if num_logits == 0:
-            return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
-        tail = hidden if num_logits is None else hidden[:, -num_logits:]
-        return self.project(tail), hidden
+        logits = hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32)
+        if num_logits != 0:
+            logits = self.project(hidden if num_logits is None else hidden[:, -num_logits:])  # (B, T or n, V)
+        if taps:
+            hidden = torch.cat([hidden, *(tapped[i] for i in taps)], -1)  # (B, T, (1 + len(taps)) E)
+        return logits, hidden
 
 
 def _serve(module: nn.Module, kernel: native.Kernel | None,

@@ -2,13 +2,16 @@
 
 1. The target answers the project's training prompts greedily (the corpus of the Medusa heads, with the same
    options: one `--corpus` file serves both).
-2. One pass of the frozen target over every sequence gives its final-norm features at every position.
+2. One pass of the frozen target over every sequence gives its final-norm features at every position (and, with
+   `--taps`, the inputs of those layers).
 3. The head's vocabulary (`--head-vocab`): the target's most frequent answer tokens, then its most frequent top-k
    alternatives, as the Medusa heads'.
 4. At every position t the head reads the target's feature f_t (with Gaussian noise of `--noise` times the
    features' RMS, so that it learns to draft on its own imperfect predictions) and the embedding of x_{t+1}, and
    learns f_{t+1}: a smooth-L1 regression on the feature plus `--token-weight` times the cross-entropy of the
    target's next-token distribution (its output rows over the head's vocabulary) against the head's. With
+   `--taps` it reads the mix of the tapped layers' inputs instead (`EagleHead.read`, each layer noised by its own
+   RMS) and learns the cross-entropy alone: what it predicts is no target feature. With
    `--unroll K` it also learns, K-1 more passes deep, from the features it predicted itself, seeing the keys
    drafting sees there (EAGLE-3's training-time test): drafting past depth 1 reads its own predictions.
 5. A report: the engine drafting with the head on the held-out prompts, greedy: tokens per target forward,
@@ -53,10 +56,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise", type=float, default=0.1,
                         help="Gaussian noise on the input features, times their RMS, 0..1 (default 0.1)")
     parser.add_argument("--token-weight", type=float, default=0.5,
-                        help="weight of the next-token cross-entropy beside the feature regression (default 0.5)")
+                        help="weight of the next-token cross-entropy beside the feature regression (default 0.5; a "
+                             "head with --taps learns the tokens alone)")
     parser.add_argument("--unroll", type=int, default=2,
                         help="passes per position, 1..4: pass k learns from the features the head itself predicted "
                              "k-1 deep, as it drafts (default 2)")
+    parser.add_argument("--taps", type=int, nargs="*", default=[], metavar="LAYER",
+                        help="target layers whose inputs the head reads instead of the final-norm features, as "
+                             "EAGLE-3 reads a low, a middle and a high one (e.g. 2 15 27 of 30; default: none)")
     parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
                         "(default) or cuda")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -115,23 +122,26 @@ def unrolled(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, co
 def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
               starts: torch.Tensor, output: torch.Tensor, noise: float, generator: torch.Generator,
               unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(regression, token cross-entropy), each the mean over the `unroll` passes, for a padded batch: ids (B, T),
-    features (B, T, E) float32, lengths (B,), starts (B,) each sequence's first answer token; output (V', E) the
-    target's rows over the head's vocabulary. The head reads every position, and learns where what it predicts
+    """(regression, token cross-entropy), each the mean over the `unroll` passes (the regression 0 for a head with
+    taps), for a padded batch: ids (B, T), features (B, T, (1 + taps) E) float32 as `sequence_states` gives them,
+    lengths (B,), starts (B,) each sequence's first answer token; output (V', E) the target's rows over the head's
+    vocabulary. The head reads every position, and learns where what it predicts
     chooses an answer token (the prompts share a chat template, which would otherwise weigh as much as every
     answer)."""
     b, t = ids.shape
-    inputs = features[:, :-1]  # f_t (B, T-1, E)
-    if noise:
-        rms = features.pow(2).mean().sqrt()
+    e = head.config.hidden_size
+    inputs = features[:, :-1]  # (B, T-1, (1 + taps) E)
+    if noise:  # each of the final states and the tapped layers' inputs by its own RMS
+        rms = features.unflatten(-1, (-1, e)).pow(2).mean((0, 1, 3)).sqrt().repeat_interleave(e)  # ((1 + taps) E,)
         inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator).to(inputs.device)
+    inputs = head.read(inputs)  # f_t (B, T-1, E)
     embeddings = target.model.embed_tokens.weight[ids[:, 1:]].float()  # e(x_{t+1}) (B, T-1, E)
     positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)  # (B, T-1)
     cos, sin = target.model.rope(positions, torch.float32)
     # (B, T-1): f_{j+1} is real and chooses an answer token x_{j+2}
     j = positions[:1]
     answer = (j + 1 < lengths.unsqueeze(1)) & (j + 2 >= starts.unsqueeze(1))
-    truth = features[:, 1:][answer]  # (N, E) every pass's targets, the answer positions in order
+    truth = features[:, 1:, :e][answer]  # (N, E) every pass's final states, the answer positions in order
     with torch.no_grad():
         teacher = (truth @ output.T).softmax(-1)  # (N, V')
     row = torch.full(answer.shape, -1, device=ids.device)
@@ -142,7 +152,7 @@ def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.T
         valid = answer[:, offset:] & (j[:, offset:] >= k - 1)
         rows = row[:, offset:][valid]  # (N_k,)
         guess = predicted[valid].float()  # (N_k, E)
-        regressions.append(F.smooth_l1_loss(guess, truth[rows]))
+        regressions.append(guess.new_zeros(()) if head.taps else F.smooth_l1_loss(guess, truth[rows]))
         tokens.append(-(teacher[rows] * (guess @ output.T).log_softmax(-1)).sum(-1).mean())
     return torch.stack(regressions).mean(), torch.stack(tokens).mean()
 
@@ -166,7 +176,7 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
         for group in batches([len(s) for s in corpus_ids], args.batch, generator):
             width = max(len(corpus_ids[i]) for i in group)
             ids = torch.tensor([corpus_ids[i] + [pad] * (width - len(corpus_ids[i])) for i in group], device=device)
-            features = torch.zeros(len(group), width, states[0].shape[-1], device=device)  # (B, T, E)
+            features = torch.zeros(len(group), width, states[0].shape[-1], device=device)  # (B, T, (1 + taps) E)
             for row, i in enumerate(group):
                 features[row, : len(states[i])] = states[i].to(device, torch.float32)
             lengths = torch.tensor([len(corpus_ids[i]) for i in group], device=device)
@@ -174,7 +184,7 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
             with autocast:
                 regression, tokens = head_loss(head, target, ids, features, lengths, starts, output, args.noise,
                                                generator, args.unroll)
-            loss = regression + args.token_weight * tokens
+            loss = regression + args.token_weight * tokens if not head.taps else tokens
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -226,6 +236,8 @@ def main(args: argparse.Namespace) -> int:
     check_int("batch", args.batch, 1, 1024)
     check_int("unroll", args.unroll, 1, 4)
     check_int("eval_prompts", args.eval_prompts, 1, len(held_out_prompts()))
+    if len(set(args.taps)) != len(args.taps):
+        raise ConfigError(f"taps must name each layer once, got {args.taps}")
     for name, value, most in (("noise", args.noise, 1), ("token_weight", args.token_weight, 10)):
         if not 0 <= value <= most:
             raise ConfigError(f"{name} must be in [0, {most}], got {value}")
@@ -234,14 +246,17 @@ def main(args: argparse.Namespace) -> int:
     prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device=args.device))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
+    for layer in args.taps:
+        check_int("taps", layer, 0, target.model.config.num_layers - 1)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     start = time.perf_counter()
-    states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device)
+    states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device,
+                             taps=tuple(args.taps))
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
     log("eagle", f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head "
                  f"scores {len(vocab_ids)} tokens")
-    head = EagleHead(head_config(target.model)).to(args.device)
+    head = EagleHead(head_config(target.model), tuple(args.taps)).to(args.device)
     target.model.requires_grad_(False)
     train(target, head, corpus, states, output, args)
     out = Path(args.out)
@@ -250,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
     report = evaluate(evaluation_target, out, held_out_prompts()[: args.eval_prompts])
     report.update({**run_report(args, prompts, corpus, generation_s, start),
                    "train_positions": sum(len(s) for s in corpus.sequences), "batch": args.batch,
-                   "noise": args.noise, "unroll": args.unroll, "token_weight": args.token_weight,
+                   "noise": args.noise, "unroll": args.unroll, "token_weight": args.token_weight, "taps": args.taps,
                    "head_vocab": args.head_vocab, "device": args.device,
                    "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
