@@ -47,12 +47,12 @@ class Runner:
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
             out, states = model(ids, positions, self.cache, [request.id], num_logits=1,
                                 taps=self.forwards.taps)  # (1, 1, V)
-            logits[request.id], hidden[request.id] = out[0], states[0]  # (1, V), (n, E)
+            logits[request.id], hidden[request.id] = out[0], states[0]  # (1, V), (n, (1 + taps) E)
         return logits, hidden
 
     def _plain(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]) -> None:
         states = self.forwards([r.id for r in plan.decode], [[r.tokens[r.num_computed]] for r in plan.decode],
-                               [[r.num_computed] for r in plan.decode])  # (B, 1, E)
+                               [[r.num_computed] for r in plan.decode])  # (B, 1, (1 + taps) E)
         out = self.model.project(states[..., : self.model.config.hidden_size])  # (B, 1, V)
         for i, r in enumerate(plan.decode):
             logits[r.id], hidden[r.id] = out[i], states[i]
@@ -81,9 +81,9 @@ class Runner:
         ids = [c + c[-1:] * (width - len(c)) for c in rows]  # (B, W)
         positions = [[r.num_computed + o for o in row] for r, row in zip(plan.decode, offsets)]  # (B, W)
         among_new = torch.stack(masks) if masked else None  # (B, W, W); None: causal
-        states = self.forwards([r.id for r in plan.decode], ids, positions, among_new)  # (B, W, E)
+        states = self.forwards([r.id for r in plan.decode], ids, positions, among_new)  # (B, W, (1 + taps) E)
         read = to_device([i * width + j for i, rows_read in enumerate(scored) for j in rows_read], device)  # (N,)
-        kept = states.flatten(0, 1).index_select(0, read)  # (N, E): the rows read only
+        kept = states.flatten(0, 1).index_select(0, read)  # (N, (1 + taps) E): the rows read only
         logits_read = model.project(kept[:, : model.config.hidden_size])  # (N, V)
         start = 0
         for r, rows_read in zip(plan.decode, scored):

@@ -125,9 +125,8 @@ def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.T
     """(regression, token cross-entropy), each the mean over the `unroll` passes (the regression 0 for a head with
     taps), for a padded batch: ids (B, T), features (B, T, (1 + taps) E) float32 as `sequence_states` gives them,
     lengths (B,), starts (B,) each sequence's first answer token; output (V', E) the target's rows over the head's
-    vocabulary. The head reads every position, and learns where what it predicts
-    chooses an answer token (the prompts share a chat template, which would otherwise weigh as much as every
-    answer)."""
+    vocabulary. The head reads every position, and learns where what it predicts chooses an answer token (the
+    prompts share a chat template, which would otherwise weigh as much as every answer)."""
     b, t = ids.shape
     e = head.config.hidden_size
     inputs = features[:, :-1]  # (B, T-1, (1 + taps) E)
