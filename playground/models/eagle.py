@@ -66,9 +66,9 @@ class EagleHead(nn.Module):
         e = self.config.hidden_size
         if self.mix is None:
             return hidden[..., :e]
-        layers = hidden[..., e:].unflatten(-1, (len(self.taps), e))  # (..., taps, E)
+        layers = hidden[..., e:].unflatten(-1, (len(self.taps), e)).float()  # (..., taps, E)
         scaled = layers * layers.pow(2).mean(-1, keepdim=True).add(self.config.rms_norm_eps).rsqrt()
-        return self.mix(scaled.flatten(-2))  # (..., E)
+        return self.mix(scaled.flatten(-2).to(hidden.dtype))  # (..., E)
 
     def forward(self, embeddings: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor,
