@@ -1,8 +1,9 @@
 """EAGLE: greedy exactness on every test prompt with the shipped head, alone and with prompt lookup's copies grafted
 on, on both caches and in batches with chunked prefills and preemption; sampled outputs are plain decoding's for the
 same seed and follow the target's distribution (chi-square); the head's trees (parents first, within the budget,
-nothing below an end of sequence) and a copy grafted onto one; the head reads every feature once; bad heads and
-settings; the trainer's unrolled passes."""
+nothing below an end of sequence) and a copy grafted onto one; the head reads every feature once; a head reading
+the target's tapped layers (EAGLE-3's input), exact as above, and its trainer; bad heads and settings; the trainer's
+unrolled passes; the script that compares the heads' inputs."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def head(target):
 @pytest.fixture(scope="module")
 def tapped(target, head, tmp_path_factory):
     """A head that reads layers 2, 15 and 29 as an EAGLE-3 head does: the shipped head's weights, and a mix that
-    gives it layer 29's input under the final norm's weights (what the target's last layer then adds aside, close
-    to the final-norm features the shipped head learned from), so that it drafts well enough to be kept."""
+    passes on layer 29's input, scaled, times the final norm's weights: the final-norm features the shipped head
+    learned from but for the last layer's own addition, so that its guesses are kept often enough to test."""
     e = target.model.config.hidden_size
     module = EagleHead(head.head.config, (2, 15, 29))
     mix = torch.zeros(e, 3 * e)
@@ -446,6 +447,32 @@ def test_a_head_trained_on_tapped_layers_reads_them_and_learns_the_tokens_alone(
                          (["--taps", "3", "3"], "taps must name each layer once")):
         assert main(small + bad) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_eagle_features_script_trains_each_input_alike_and_drafts_teacher_forced(tmp_path, target) -> None:
+    """scripts/eagle_features.py: a row per variant trained on a corpus file and one for a trained head, each with
+    chain shares that only fall with depth and the chain's tokens per forward their sum plus one; the shipped head,
+    measured the same way, keeps most first guesses (a misaligned position would keep next to none)."""
+    import subprocess
+    import sys
+
+    from playground.train.draft import Corpus
+    from playground.train.prompts import held_out_prompts
+
+    texts = [target.tokenizer(p).input_ids for p in held_out_prompts()[:6]]
+    answers = [t[:8] for t in texts]  # each prompt's first tokens again, as its answer
+    corpus = Corpus([t + a for t, a in zip(texts, answers)], [len(t) for t in texts],
+                    torch.tensor([[token] for a in answers for token in a]), torch.zeros(8 * len(texts), 1))
+    corpus.save(tmp_path / "corpus.safetensors", {})
+    out = subprocess.run([sys.executable, "scripts/eagle_features.py", "--corpus", str(tmp_path / "corpus.safetensors"),
+                          "--sequences", "4", "--epochs", "1", "--variants", "final", "layers-normed", "--reference",
+                          str(EMBEDDED_EAGLE)], capture_output=True, text=True, check=True, timeout=900).stdout
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
+    assert [row[0] for row in rows] == [str(EMBEDDED_EAGLE), "final", "layers-normed"]
+    for row in rows:
+        shares = [float(v) for v in row[2:6]]
+        assert shares == sorted(shares, reverse=True) and float(row[6]) == pytest.approx(1 + sum(shares), abs=0.01)
+    assert float(rows[0][2]) > 0.4
 
 
 def test_sequence_states_are_every_position_and_the_medusa_slice_their_answer_rows(target) -> None:
