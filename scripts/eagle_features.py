@@ -68,7 +68,7 @@ def features(hf, corpus: Corpus, layers: list[int], batch: int = 32) -> list[tor
 
 
 class Variant(torch.nn.Module):
-    """A head and, for `layers`, the mix of the taps it reads."""
+    """A head and, for the variants that read layers, the mix it reads them through."""
 
     def __init__(self, name: str, target, taps: int) -> None:
         super().__init__()
