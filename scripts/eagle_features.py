@@ -29,42 +29,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.config import ModelSpec  # noqa: E402
 from playground.models import load_model  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
 from playground.models.eagle import WEIGHTS, EagleHead, head_config  # noqa: E402
 from playground.models.linear import Linear  # noqa: E402
-from playground.models.loader import load_hf_peer  # noqa: E402
 from playground.models.vocab import VOCAB_IDS, rows_of  # noqa: E402
 from playground.train.draft import Corpus, frequent_vocabulary, generate_corpus, one_cycle  # noqa: E402
 from playground.train.eagle import batches, unrolled  # noqa: E402
+from playground.train.medusa import sequence_states  # noqa: E402
 from playground.train.prompts import held_out_prompts  # noqa: E402
 
 DEPTH = 4  # the chain the held-out report drafts
 VARIANTS = ["final", "final-tokens", "layers", "layers-normed", "final+layers"]
-
-
-def features(hf, corpus: Corpus, layers: list[int], batch: int = 32) -> list[torch.Tensor]:
-    """Per sequence (T_i, E + len(layers) E) bfloat16: the final-norm features, then the residual stream entering
-    each of `layers`."""
-    pad, out = hf.config.eos_token_id, [torch.empty(0)] * len(corpus.sequences)
-    pad = pad[0] if isinstance(pad, list) else pad
-    order = sorted(range(len(corpus.sequences)), key=lambda i: len(corpus.sequences[i]))
-    for first in range(0, len(order), batch):
-        picked = order[first : first + batch]
-        width = max(len(corpus.sequences[i]) for i in picked)
-        ids = torch.tensor([corpus.sequences[i] + [pad] * (width - len(corpus.sequences[i])) for i in picked])
-        with torch.inference_mode():
-            result = hf.model(input_ids=ids, output_hidden_states=True)
-        # hidden_states[l]: the input of layer l (B, T, E)
-        both = torch.cat([result.last_hidden_state] + [result.hidden_states[layer] for layer in layers], -1)
-        for row, i in enumerate(picked):
-            out[i] = both[row, : len(corpus.sequences[i])].to(torch.bfloat16).clone()  # (T_i, (1 + L) E)
-    return out
 
 
 class Variant(torch.nn.Module):
@@ -188,14 +168,15 @@ def main() -> None:
     args = parser.parse_args()
     target = load_model(ModelSpec(source="embedded", dtype="float32"))
     target.model.requires_grad_(False)
-    hf = load_hf_peer(target).to(torch.bfloat16)
     full = Corpus.load(Path(args.corpus))
     pick = torch.randperm(len(full.sequences), generator=torch.Generator().manual_seed(0))[: args.sequences].tolist()
     corpus = Corpus([full.sequences[i] for i in pick], [full.answer_starts[i] for i in pick], full.topk_ids[:0],
                     full.topk_logprobs[:0])
     held = generate_corpus(target, held_out_prompts(), 64, "bfloat16")
     start = time.perf_counter()
-    train_feats, held_feats = features(hf, corpus, args.layers), features(hf, held, args.layers)
+    # per sequence (T_i, 4E) bfloat16: the final-norm features, then the input of each of `--layers`
+    train_feats, held_feats = (sequence_states(target, c, "bfloat16", keep=torch.bfloat16, taps=tuple(args.layers))
+                               for c in (corpus, held))
     print(f"features: {sum(len(s) for s in corpus.sequences)} training positions in {len(corpus.sequences)} "
           f"sequences, {len(held.sequences)} held-out answers ({time.perf_counter() - start:.0f} s)", flush=True)
     vocab_ids = frequent_vocabulary(full, 8192, target.model.config.vocab_size)
