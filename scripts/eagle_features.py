@@ -2,7 +2,7 @@
 features (as the shipped head)? A like-for-like bound on a CPU budget, before the runner is changed to return them.
 
     python scripts/eagle_features.py --corpus FILE [--sequences 1200] [--epochs 4] [--layers 2 15 27]
-                                     [--variants VARIANT ...] [--reference DIR]
+                                     [--variants [VARIANT ...]] [--reference DIR ...]
 
 Each variant trains a fresh head (the shipped architecture, `--unroll 2`, the trainer's schedule and batches) for
 the same steps on the same corpus sequences (a seeded sample of `--sequences` from the trainer's `--corpus` file):
@@ -16,7 +16,8 @@ Then each drafts on the held-out prompts' greedy answers, teacher-forced along t
 would read while its guesses are right), as a chain 4 deep: the share of positions whose first d guesses are all the
 target's tokens, and the chain's tokens per target forward, 1 + the sum of those shares. The top-4 column is the
 share whose first token is among the head's 4 likeliest (what a tree's first level can keep). `--reference` adds a
-row for a trained head (the shipped one: `assets/eagle-smollm2-135m`), measured the same way.
+row for each trained head's folder (the shipped one: `assets/eagle-smollm2-135m`; a head the trainer saved with
+`--taps` reads its own layers), measured the same way.
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.config import ModelSpec  # noqa: E402
 from playground.models import load_model  # noqa: E402
-from playground.models.eagle import WEIGHTS, EagleHead, head_config  # noqa: E402
+from playground.models.eagle import EagleHead, head_config, load_head  # noqa: E402
 from playground.models.linear import Linear  # noqa: E402
-from playground.models.vocab import VOCAB_IDS, rows_of  # noqa: E402
+from playground.models.vocab import rows_of  # noqa: E402
 from playground.train.draft import Corpus, frequent_vocabulary, generate_corpus, one_cycle  # noqa: E402
 from playground.train.eagle import batches, unrolled  # noqa: E402
 from playground.train.medusa import sequence_states  # noqa: E402
@@ -67,6 +67,18 @@ class Variant(torch.nn.Module):
         if noise:
             parts = [p + noise * p.pow(2).mean().sqrt() * torch.randn(p.shape, generator=generator) for p in parts]
         return parts[0] if self.fuse is None else self.fuse(torch.cat(parts, -1))
+
+
+class Trained(Variant):
+    """A head the trainer saved, reading what its config names: the final-norm features or its taps' inputs."""
+
+    def __init__(self, folder: str, target) -> None:
+        torch.nn.Module.__init__(self)
+        loaded = load_head(folder, target)
+        self.name, self.head, self.fuse, self.vocab_ids = folder, loaded.head, None, loaded.vocab_ids
+
+    def inputs(self, feats: torch.Tensor, noise: float, generator: torch.Generator | None) -> torch.Tensor:
+        return self.head.read(feats)  # (B, N, E)
 
 
 def passes(variant: Variant, target, ids, feats, unroll, noise, generator, first=0):
@@ -163,13 +175,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--unroll", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs=3, default=[2, 15, 27])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
-    parser.add_argument("--reference", help="a trained head's folder to measure beside the variants")
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=VARIANTS,
+                        help="the variants to train (default: all; none: only the --reference heads)")
+    parser.add_argument("--reference", nargs="+", default=[], help="trained heads' folders to measure beside the "
+                        "variants")
     args = parser.parse_args()
     target = load_model(ModelSpec(source="embedded", dtype="float32"))
     target.model.requires_grad_(False)
     full = Corpus.load(Path(args.corpus))
-    pick = torch.randperm(len(full.sequences), generator=torch.Generator().manual_seed(0))[: args.sequences].tolist()
+    sample = args.sequences if args.variants else 0  # what only the variants train on
+    pick = torch.randperm(len(full.sequences), generator=torch.Generator().manual_seed(0))[:sample].tolist()
     corpus = Corpus([full.sequences[i] for i in pick], [full.answer_starts[i] for i in pick], full.topk_ids[:0],
                     full.topk_logprobs[:0])
     held = generate_corpus(target, held_out_prompts(), 64, "bfloat16")
@@ -183,13 +198,12 @@ def main() -> None:
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids)  # (V', E)
     print("| variant | train s | kept >= 1 | >= 2 | >= 3 | >= 4 | chain TPF | first in top 4 |")
     print("|---|---|---|---|---|---|---|---|")
-    if args.reference:
-        variant = Variant("final", target, len(args.layers))
-        tensors = load_file(str(Path(args.reference) / WEIGHTS))
-        own_ids = tensors.pop(VOCAB_IDS)
-        variant.head.load_state_dict({k: v.float() for k, v in tensors.items()})
-        report(args.reference, "-", *held_out(variant.eval(), target, held, held_feats,
-                                              rows_of(target.model.output_weight.detach().float(), own_ids), own_ids))
+    for folder in args.reference:
+        trained = Trained(folder, target).eval()
+        feats = sequence_states(target, held, "bfloat16", keep=torch.bfloat16, taps=trained.head.taps)
+        report(folder, "-", *held_out(trained, target, held, feats,
+                                      rows_of(target.model.output_weight.detach().float(), trained.vocab_ids),
+                                      trained.vocab_ids))
     for name in args.variants:
         variant = Variant(name, target, len(args.layers))
         seconds = train(variant, target, corpus, train_feats, output, args)

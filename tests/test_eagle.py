@@ -403,6 +403,7 @@ def test_eagle_training_pipeline_smoke(tmp_path, target, capsys) -> None:
     started = time.perf_counter()
     assert main(small + ["--head-vocab", "300", "--unroll", "2"]) == 0
     elapsed = time.perf_counter() - started
+    assert "epoch 1/16: regression " in capsys.readouterr().err
     report = json.loads((out / "train_report.json").read_text())
     # the corpus generated in this run counts once: the full run is its generation plus the rest
     assert 0 < report["corpus_generation_s"] and report["corpus_generation_s"] + report["wall_s_this_run"] <= elapsed
@@ -440,7 +441,10 @@ def test_a_head_trained_on_tapped_layers_reads_them_and_learns_the_tokens_alone(
     out = tmp_path / "head"
     small = ["eagle", "--limit", "2", "--answer-tokens", "8", "--batch", "4", "--eval-prompts", "1",
              "--head-vocab", "300", "--out", str(out)]
+    capsys.readouterr()
     assert main(small + ["--taps", "2", "15", "29"]) == 0
+    progress = capsys.readouterr().err
+    assert "epoch 1/16: tokens " in progress and "regression" not in progress
     assert json.loads((out / "train_report.json").read_text())["taps"] == [2, 15, 29]
     assert load_head(str(out), target).head.taps == taps
     for bad, message in ((["--taps", "30"], "taps must be an integer in [0, 29]"),
@@ -449,10 +453,12 @@ def test_a_head_trained_on_tapped_layers_reads_them_and_learns_the_tokens_alone(
         assert message in capsys.readouterr().err
 
 
-def test_the_eagle_features_script_trains_each_input_alike_and_drafts_teacher_forced(tmp_path, target) -> None:
-    """scripts/eagle_features.py: a row per variant trained on a corpus file and one for a trained head, each with
+def test_the_eagle_features_script_trains_each_input_alike_and_drafts_teacher_forced(tmp_path, target,
+                                                                                       tapped) -> None:
+    """scripts/eagle_features.py: a row per variant trained on a corpus file and one per trained head, each with
     chain shares that only fall with depth and the chain's tokens per forward their sum plus one; the shipped head,
-    measured the same way, keeps most first guesses (a misaligned position would keep next to none)."""
+    measured the same way, keeps most first guesses (a misaligned position would keep next to none), and a head
+    reading its taps (the fixture: nearly the shipped head's features) keeps them too."""
     import subprocess
     import sys
 
@@ -466,13 +472,14 @@ def test_the_eagle_features_script_trains_each_input_alike_and_drafts_teacher_fo
     corpus.save(tmp_path / "corpus.safetensors", {})
     out = subprocess.run([sys.executable, "scripts/eagle_features.py", "--corpus", str(tmp_path / "corpus.safetensors"),
                           "--sequences", "4", "--epochs", "1", "--variants", "final", "layers-normed", "--reference",
-                          str(EMBEDDED_EAGLE)], capture_output=True, text=True, check=True, timeout=900).stdout
+                          str(EMBEDDED_EAGLE), str(tapped.folder)],
+                         capture_output=True, text=True, check=True, timeout=900).stdout
     rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
-    assert [row[0] for row in rows] == [str(EMBEDDED_EAGLE), "final", "layers-normed"]
+    assert [row[0] for row in rows] == [str(EMBEDDED_EAGLE), str(tapped.folder), "final", "layers-normed"]
     for row in rows:
         shares = [float(v) for v in row[2:6]]
         assert shares == sorted(shares, reverse=True) and float(row[6]) == pytest.approx(1 + sum(shares), abs=0.01)
-    assert float(rows[0][2]) > 0.4
+    assert float(rows[0][2]) > 0.4 and float(rows[1][2]) > 0.3
 
 
 def test_sequence_states_are_every_position_and_the_medusa_slice_their_answer_rows(target) -> None:

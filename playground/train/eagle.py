@@ -156,6 +156,11 @@ def head_loss(head: EagleHead, target: Any, ids: torch.Tensor, features: torch.T
     return torch.stack(regressions).mean(), torch.stack(tokens).mean()
 
 
+def losses(head: EagleHead, regression: float, tokens: float) -> str:
+    """The losses a progress line shows: a head with taps learns the tokens alone."""
+    return f"tokens {tokens:.3f}" if head.taps else f"regression {regression:.4f}, tokens {tokens:.3f}"
+
+
 def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tensor], output: torch.Tensor,
           args: argparse.Namespace) -> None:
     device = torch.device(args.device)
@@ -193,10 +198,10 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
             sums[0] += regression.item()
             sums[1] += tokens.item()
             if step % 50 == 0:
-                log("eagle", f"epoch {epoch + 1}, step {step}/{total}: regression {regression.item():.4f}, tokens "
-                    f"{tokens.item():.3f} ({time.perf_counter() - start:.0f} s)")
-        log("eagle", f"epoch {epoch + 1}/{args.epochs}: regression {sums[0] / steps_per_epoch:.4f}, tokens "
-            f"{sums[1] / steps_per_epoch:.3f} ({time.perf_counter() - start:.0f} s)")
+                log("eagle", f"epoch {epoch + 1}, step {step}/{total}: {losses(head, regression.item(), tokens.item())}"
+                    f" ({time.perf_counter() - start:.0f} s)")
+        log("eagle", f"epoch {epoch + 1}/{args.epochs}: {losses(head, *(s / steps_per_epoch for s in sums))} "
+            f"({time.perf_counter() - start:.0f} s)")
     head.eval()
 
 
