@@ -30,6 +30,7 @@ from playground.bench_suite import SUITE  # noqa: E402
 from playground.config import LOOKUP_TOKENS, GenerationParams, ModelSpec, PromptLookupParams  # noqa: E402
 from playground.decoding.base import encode_prompt, forward_tokens, new_cache  # noqa: E402
 from playground.decoding.copies import best_copy  # noqa: E402
+from playground.decoding.costs import FLAT_TOKEN_COST  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--draft", help="the draft's model spec (default: the one shipped for the embedded model)")
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="guesses expanded per node")
     parser.add_argument("--depth", type=int, nargs="+", default=[2, 3, 4], help="drafted depths (draft forwards)")
-    parser.add_argument("--verify-cost", type=float, default=0.005,
+    parser.add_argument("--verify-cost", type=float, default=FLAT_TOKEN_COST,
                         help="what each verified token beyond the first adds, in one-token forwards")
     args = parser.parse_args()
     target = load_model(ModelSpec(device="cpu", dtype="float32"))

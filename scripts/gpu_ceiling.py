@@ -35,7 +35,7 @@ from playground.config import (  # noqa: E402
     SamplingParams,
     dynamic_nodes,
 )
-from playground.decoding.costs import ForwardCosts  # noqa: E402
+from playground.decoding.costs import FLAT_TOKEN_COST, flat  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.events import DraftEvent, VerifyEvent  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=len(SUITE), help="the suite's first N prompts")
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--verify-cost", type=float, default=0.005,
+    parser.add_argument("--verify-cost", type=float, default=FLAT_TOKEN_COST,
                         help="what each token of a forward beyond the first adds, in one-token forwards")
     algos = sorted({row[1] for row in ROWS})
     parser.add_argument("--algos", nargs="+", choices=algos, default=algos,
@@ -62,11 +62,10 @@ def main() -> None:
     parser.add_argument("--eagle-head", help="an EAGLE head's folder for the eagle rows (default: the shipped head)")
     args = parser.parse_args()
     target = load_model(ModelSpec(device="cpu", dtype="float32"))
-    widths = (1, 2, 4, 8, 16, 32, 64)
-    flat = ForwardCosts(widths, tuple(1.0 + args.verify_cost * (w - 1) for w in widths))
+    curve = flat(args.verify_cost)
     prompts = [prompt for _, prompt in SUITE[: args.limit]]
     generation = GenerationParams(max_new_tokens=args.new_tokens)
-    print(f"flat forward costs: 8 tokens {flat.time(8):.3f}, 32 tokens {flat.time(32):.3f} one-token forwards; "
+    print(f"flat forward costs: 8 tokens {curve.time(8):.3f}, 32 tokens {curve.time(32):.3f} one-token forwards; "
           f"{len(prompts)} prompts x {args.new_tokens} tokens, greedy")
     print("| row | tokens per target forward | own forwards a step | own forward's price | nodes verified a step | "
           f"oracle TPF (same trees) | speedup bound | >= {GOAL}x |")
@@ -79,7 +78,7 @@ def main() -> None:
         tokens = forwards = steps = own = 0
         widths_verified, oracle = [], []
         for prompt in prompts:
-            _, trace = generate(target, prompt, proposer, SamplingParams(), generation, costs=flat)
+            _, trace = generate(target, prompt, proposer, SamplingParams(), generation, costs=curve)
             metrics = compute(trace)
             tokens, forwards = tokens + metrics.tokens, forwards + metrics.target_forwards
             verifies = [e for e in trace.events if isinstance(e, VerifyEvent)]
@@ -89,7 +88,7 @@ def main() -> None:
             widths_verified += [e.num_tokens - 1 for e in verifies]
             oracle.append(depth_profile(trace).get("oracle_tokens_per_forward", 1.0))
         tpf, own_per_step = tokens / forwards, own / steps
-        verify = statistics.mean(flat.time(w + 1) for w in widths_verified)
+        verify = statistics.mean(curve.time(w + 1) for w in widths_verified)
         bound = tpf / (verify + own_per_step * price)
         print(f"| {name} | {tpf:.2f} | {own_per_step:.2f} | {price:.3f} | {statistics.mean(widths_verified):.1f} | "
               f"{statistics.mean(oracle):.2f} | {bound:.2f}x | {'yes' if bound >= GOAL else 'no'} |", flush=True)

@@ -249,7 +249,22 @@ def test_shipped_head_contract(target, head) -> None:
     assert (EMBEDDED_EAGLE / WEIGHTS).stat().st_size <= 30 * 2**20
     report = json.loads((EMBEDDED_EAGLE / "train_report.json").read_text())
     assert report["corpus_generation_s"] + report["wall_s_this_run"] <= 90 * 60
-    assert report["held_out_tokens_per_target_forward"] > 1.5 and report["head_vocab"] == len(head.vocab_ids)
+    assert report["held_out_tokens_per_target_forward"] > 2.0 and report["head_vocab"] == len(head.vocab_ids)
+
+
+def test_the_held_out_evaluation_measures_nothing_on_this_host(target, monkeypatch) -> None:
+    """The trainer's report judges the head: its trees are planned on the flat curve and the head priced at its
+    estimate, so the figures are the same on any host (a measured forward cost would size the trees)."""
+    from playground.train.eagle import evaluate
+    from playground.train.prompts import held_out_prompts
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the evaluation read this host's forward costs")
+
+    monkeypatch.setattr("playground.engine.engine.forward_costs", measured)
+    monkeypatch.setattr("playground.decoding.costs.measure", measured)
+    report = evaluate(target, EMBEDDED_EAGLE, held_out_prompts()[:2])
+    assert report["held_out_tokens_per_target_forward"] > 1.5
 
 
 def test_bad_heads_are_refused_with_one_line(tmp_path, target) -> None:

@@ -48,6 +48,16 @@ class ForwardCosts:
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
+FLAT_TOKEN_COST = 0.005  # what a forward's each token beyond the first adds, in one-token forwards, as on a GPU
+
+
+def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
+    """A curve no host measured, where each token of a forward beyond the first adds `token_cost` of a one-token
+    forward (as on a GPU, where a forward over a few tokens costs about one): planning that judges a proposer rather
+    than this machine (`scripts/gpu_ceiling.py`, the EAGLE trainer's held-out evaluation)."""
+    return ForwardCosts(WIDTHS, tuple(1.0 + token_cost * (w - 1) for w in WIDTHS))
+
+
 @torch.inference_mode()
 def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", requests: int = 1) -> ForwardCosts:
     """The fastest of `rounds` forwards over each of WIDTHS new tokens after a prompt of CONTEXT, the widths

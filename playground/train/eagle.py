@@ -208,8 +208,9 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
 def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     """The engine drafting with the head saved in `folder` on `prompts`, greedy, in float32 on the CPU: tokens per
     target forward and the share of decode steps that kept at least d drafted tokens, d = 1..depth. The head's
-    forward is priced at its weights' estimate, not as measured here, so that the figures judge the head rather
-    than the host's load (a busy host's measured price stops the drafting)."""
+    forward is priced at its weights' estimate and the target's by the flat curve (`costs.flat`), not as measured
+    here, so that the figures judge the head rather than the host (whose measured costs size the trees)."""
+    from ..decoding.costs import flat
     from ..decoding.eagle import EagleProposer
     from ..engine import generate
     from ..metrics import kept_by_step
@@ -221,7 +222,7 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     kept_per_step: list[int] = []
     tokens = forwards = 0
     for prompt in prompts:
-        output, trace = generate(target, prompt, proposer, SamplingParams(), generation, algo="eagle")
+        output, trace = generate(target, prompt, proposer, SamplingParams(), generation, algo="eagle", costs=flat())
         kept = kept_by_step(trace)
         steps = [e.step for e in trace.events if isinstance(e, CommitEvent) and e.step > 0]  # decode forwards
         kept_per_step += [kept.get(step, 0) for step in steps]
