@@ -48,7 +48,7 @@ class ForwardCosts:
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
-FLAT_TOKEN_COST = 0.005  # what a forward's each token beyond the first adds, in one-token forwards, as on a GPU
+FLAT_TOKEN_COST = 0.005  # what each token of a forward beyond the first adds, in one-token forwards (a GPU's scale)
 
 
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
