@@ -69,19 +69,19 @@ class Variant(torch.nn.Module):
         return parts[0] if self.fuse is None else self.fuse(torch.cat(parts, -1))
 
 
-class Trained(Variant):
+class Trained(torch.nn.Module):
     """A head the trainer saved, reading what its config names: the final-norm features or its taps' inputs."""
 
     def __init__(self, folder: str, target) -> None:
-        torch.nn.Module.__init__(self)
+        super().__init__()
         loaded = load_head(folder, target)
-        self.name, self.head, self.fuse, self.vocab_ids = folder, loaded.head, None, loaded.vocab_ids
+        self.name, self.head, self.vocab_ids = folder, loaded.head, loaded.vocab_ids
 
     def inputs(self, feats: torch.Tensor, noise: float, generator: torch.Generator | None) -> torch.Tensor:
         return self.head.read(feats)  # (B, N, E)
 
 
-def passes(variant: Variant, target, ids, feats, unroll, noise, generator, first=0):
+def passes(variant: Variant | Trained, target, ids, feats, unroll, noise, generator, first=0):
     b, t = ids.shape
     embeddings = target.model.embed_tokens.weight[ids[:, 1:]].float()  # e(x_{j+1}) (B, T-1, E)
     positions = torch.arange(t - 1).expand(b, t - 1)
@@ -134,7 +134,7 @@ def train(variant: Variant, target, corpus: Corpus, feats, output, args) -> floa
 
 
 @torch.no_grad()
-def held_out(variant: Variant, target, corpus: Corpus, feats, output, vocab_ids) -> tuple[list[float], float]:
+def held_out(variant: Variant | Trained, target, corpus: Corpus, feats, output, vocab_ids) -> tuple[list[float], float]:
     """The share of chains whose first d guesses are right, d = 1..DEPTH, and of first tokens among the top 4."""
     kept, top4, count = [0] * DEPTH, 0, 0
     for seq, start, f in zip(corpus.sequences, corpus.answer_starts, feats):
