@@ -76,6 +76,7 @@ class Trained(torch.nn.Module):
         super().__init__()
         loaded = load_head(folder, target)
         self.name, self.head, self.vocab_ids = folder, loaded.head, loaded.vocab_ids
+        self.output = loaded.output.weight.float()  # (V', E) the target's output rows for the head's vocabulary
 
     def inputs(self, feats: torch.Tensor, noise: float, generator: torch.Generator | None) -> torch.Tensor:
         return self.head.read(feats)  # (B, N, E)
@@ -201,9 +202,7 @@ def main() -> None:
     for folder in args.reference:
         trained = Trained(folder, target).eval()
         feats = sequence_states(target, held, "bfloat16", keep=torch.bfloat16, taps=trained.head.taps)
-        report(folder, "-", *held_out(trained, target, held, feats,
-                                      rows_of(target.model.output_weight.detach().float(), trained.vocab_ids),
-                                      trained.vocab_ids))
+        report(folder, "-", *held_out(trained, target, held, feats, trained.output, trained.vocab_ids))
     for name in args.variants:
         variant = Variant(name, target, len(args.layers))
         seconds = train(variant, target, corpus, train_feats, output, args)
