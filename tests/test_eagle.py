@@ -147,6 +147,9 @@ def test_a_head_reading_tapped_layers_is_greedy_exact_on_both_caches_and_in_batc
     assert proposer.taps == (2, 15, 29) and proposer.eagle.head.mix is not None
     accepted, drafted = assert_greedy_exact(target, proposer, plain_outputs)
     assert 0 < accepted < drafted
+    stack = target.model.native_stack
+    if stack is not None:  # one native call per run of layers between taps, each run's stack made once
+        assert {(0, 2), (2, 15), (15, 29), (29, 30)} <= set(stack.parts)
     generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged")
     for params in (EngineParams(max_running=1), EngineParams(max_running=4, max_batch_tokens=16, num_blocks=48)):
         engine = Engine(target, params, proposer=eagle(target, tapped, COPIES))

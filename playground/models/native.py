@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -371,13 +371,16 @@ class LayerStack:
     head_dim: int
     intermediate: int
     eps: float
+    parts: dict[tuple[int, int], LayerStack] = field(default_factory=dict, compare=False, repr=False)
 
     def part(self, first: int, last: int) -> LayerStack:
-        """Layers first..last-1 alone, as a stack of their own (a forward that stops between layers)."""
-        pointers = (ctypes.c_void_p * (7 * (last - first)))(*self.pointers[7 * first : 7 * last])
-        formats = (ctypes.c_int * (4 * (last - first)))(*self.formats[4 * first : 4 * last])
-        return LayerStack(self.kernel, pointers, formats, self.keep, last - first, self.heads, self.kv_heads,
-                          self.head_dim, self.intermediate, self.eps)
+        """Layers first..last-1 alone, as a stack of their own (a forward that stops between layers), made once."""
+        if (first, last) not in self.parts:
+            pointers = (ctypes.c_void_p * (7 * (last - first)))(*self.pointers[7 * first : 7 * last])
+            formats = (ctypes.c_int * (4 * (last - first)))(*self.formats[4 * first : 4 * last])
+            self.parts[first, last] = LayerStack(self.kernel, pointers, formats, self.keep, last - first, self.heads,
+                                                 self.kv_heads, self.head_dim, self.intermediate, self.eps)
+        return self.parts[first, last]
 
 
 def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.Tensor | None, Panels,
