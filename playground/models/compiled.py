@@ -9,7 +9,8 @@ forward's time in graphs is about its kernels times that: fewer kernels is what 
 
 The functions take tensors only (weights as arguments), so one compiled graph serves every layer. They compile on
 first use, and again for an input shape not seen before (from the second, one graph for any such shape); with one
-width (`forwards.one_width`) all of an engine's decode forwards have one shape. Layers the native CPU kernel runs
+width (`forwards.one_width`) all of an engine's decode forwards have one shape, while a batching engine's buckets
+and each model it runs (a draft, EAGLE's head) add graphs (`GRAPHS`). Layers the native CPU kernel runs
 keep it.
 """
 
@@ -46,9 +47,17 @@ def mlp_block(x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, n
     return x + F.linear(F.silu(gate) * up, down_weight)
 
 
+# graphs each function may keep: it serves every layer of every model an engine runs (the target, a draft, EAGLE's
+# head), and per model a batch of one row and a width of one token are each specialised, each shape first compiled
+# static and then generalised; dynamo's default (8) stopped a batching engine with a draft (fullgraph: a hard error)
+GRAPHS = 64
+
+
 @functools.cache
 def compiled() -> tuple:
-    """The two functions compiled, once per process (the compiler's work happens at their first calls)."""
+    """The two functions compiled, once per process (the compiler's work happens at their first calls); raises
+    dynamo's process-wide recompile limit to GRAPHS where it is lower."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
     return torch.compile(attention_in, fullgraph=True), torch.compile(mlp_block, fullgraph=True)
 
 
