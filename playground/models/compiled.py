@@ -49,7 +49,8 @@ def mlp_block(x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, n
 
 # graphs each function may keep: it serves every layer of every model an engine runs (the target, a draft, EAGLE's
 # head), and per model a batch of one row and a width of one token are each specialised, each shape first compiled
-# static and then generalised; dynamo's default (8) stopped a batching engine with a draft (fullgraph: a hard error)
+# static and then generalised: more than dynamo's default of 8 for a batching engine with a draft, and with
+# fullgraph, running out is a hard error
 GRAPHS = 64
 
 
