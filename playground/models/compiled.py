@@ -10,8 +10,7 @@ forward's time in graphs is about its kernels times that: fewer kernels is what 
 The functions take tensors only (weights as arguments), so one compiled graph serves every layer. They compile on
 first use, and again for an input shape not seen before (from the second, one graph for any such shape); with one
 width (`forwards.one_width`) all of an engine's decode forwards have one shape, while a batching engine's buckets
-and each model it runs (a draft, EAGLE's head) add graphs (`GRAPHS`). Layers the native CPU kernel runs
-keep it.
+and each model it runs (a draft, EAGLE's head) add graphs (`GRAPHS`). Layers the native CPU kernel runs keep it.
 """
 
 from __future__ import annotations
