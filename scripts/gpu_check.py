@@ -5,7 +5,7 @@ forward: how often a decode step waits for the device (plain decoding, the draft
 subset of the suite (plain decoding against eager forwards and transformers `generate`; speculative, Medusa and
 EAGLE against plain decoding); greedy exactness of every algorithm on both caches and in engine batches
 (`check_exact.py`) in float32 and bfloat16. Each row is printed as it is measured. Meant to finish in under 8
-minutes on one H100/H200 (not yet run on one).
+minutes on one H100/H200 (444 s on an H200, docs/gpu.md).
 
     bash scripts/gpu_check.sh [--limit 4] [--rounds 2] [--new-tokens 32] [--dtypes float32,bfloat16]
                               [--out bench_results/gpu]
