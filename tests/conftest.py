@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ from playground.models import LoadedModel, load_model
 
 from .prompts import NEW_TOKENS, PROMPTS
 
+# a test over --max-test-seconds fails the run; pytester runs that plugin in tests/test_slow_guard.py
+pytest_plugins = ["tests.slow_guard", "pytester"]
+
 
 NOISE = 0.1
 # what a forward over T new tokens costs, in one-token forwards: a typical 2-core CPU's curve, fixed so that the
@@ -27,11 +31,15 @@ NOISE = 0.1
 TEST_COSTS = ForwardCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.03, 1.1, 1.22, 1.6, 2.5, 4.8))
 
 
-@pytest.fixture(autouse=True)
-def fixed_forward_costs(monkeypatch) -> None:
-    monkeypatch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, **how: TEST_COSTS)
-    # proposers price their own forwards at their estimates, never at what they measured on a busy test machine
-    monkeypatch.setattr(OwnCost, "MEASURED", math.inf)
+@pytest.fixture(scope="session", autouse=True)
+def fixed_forward_costs() -> Iterator[None]:
+    """For the whole session, so that engines made by module fixtures (the server's) plan on it too; a test of the
+    measuring itself patches over it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, **how: TEST_COSTS)
+        # proposers price their own forwards at their estimates, never at what they measured on a busy test machine
+        patch.setattr(OwnCost, "MEASURED", math.inf)
+        yield
 
 
 @pytest.fixture(scope="session")

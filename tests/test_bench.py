@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -150,75 +147,3 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
     assert llm.calls[0][0] == [1, 4] and llm.calls[0][1]["top_k"] == 1 and llm.calls[0][1]["temp"] == 0.0
     assert run_llama(FakeLlama([5, 6, 7, 8]), [1], target, GenerationParams(max_new_tokens=2)).token_ids == (5, 6)
     assert llama_cpp_peer(None, 512) is None
-
-
-def test_the_draft_ceiling_script_bounds_any_tree_of_the_drafts_guesses() -> None:
-    """scripts/draft_ceiling.py: a step keeps the answer's next tokens while each ranks below k among the draft's
-    guesses after the true text (and the best copy's, with copies); the draft's own greedy text ranks first
-    throughout."""
-    from scripts.draft_ceiling import answer_ranks, tokens_per_forward
-
-    answer, ranks = [7, 8, 9, 10, 11, 12], [5, 0, 0, 3, 0, 0]
-    assert tokens_per_forward([1], answer, ranks, 1, 4, copies=False) == (5, 2)  # 2 kept + 1, then the last 2
-    assert tokens_per_forward([1], answer, ranks, 4, 4, copies=False) == (5, 1)
-    assert tokens_per_forward([1], answer, ranks, 4, 2, copies=False) == (5, 2)  # 2 deep at most
-    assert tokens_per_forward([1], answer, [9] * 6, 1, 4, copies=False) == (5, 5)
-    # copies: the prompt holds the answer's tokens after its first, so one copy takes the rest
-    assert tokens_per_forward([7, 8, 9, 10, 11, 12], answer, [9] * 6, 1, 4, copies=True) == (5, 1)
-    from playground.config import GenerationParams, ModelSpec
-    from playground.engine import generate
-    from playground.models import load_model
-    from playground.models.loader import load_draft
-    draft = load_draft(None, load_model(ModelSpec(device="cpu", dtype="float32")))
-    prompt = [1, 504, 2619, 314]
-    own = list(generate(draft, prompt, None, None, GenerationParams(max_new_tokens=12))[0].token_ids)
-    assert answer_ranks(draft, prompt, own) == [0] * len(own)
-    out = subprocess.run([sys.executable, "scripts/draft_ceiling.py", "--limit", "1", "--new-tokens", "8",
-                          "--top-k", "1", "4", "--depth", "4"], capture_output=True, text=True, check=True,
-                         timeout=900).stdout
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [tuple(row[:4]) for row in rows] == [("no", "1", "4", "4"), ("no", "4", "4", "340"),
-                                                ("yes", "1", "4", "12"), ("yes", "4", "4", "348")]
-    tpf = {(row[0], row[1]): float(row[4]) for row in rows}
-    assert 1.0 <= tpf[("no", "1")] <= tpf[("no", "4")] <= tpf[("yes", "4")] and tpf[("no", "1")] <= tpf[("yes", "1")]
-
-
-def test_the_eagle_batch_script_times_trees_grown_together_and_alone() -> None:
-    """scripts/eagle_batch.py: a row per batch size, with the requests it timed (those decoding by then)."""
-    out = subprocess.run([sys.executable, "scripts/eagle_batch.py", "--batches", "1", "3", "--depth", "2",
-                          "--steps", "6", "--rounds", "1"], capture_output=True, text=True, check=True,
-                         timeout=900).stdout
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [int(row[0]) for row in rows] == [1, 3] and all(float(v) > 0 for row in rows for v in row[1:])
-
-
-def test_the_eagle_head_cost_script_times_the_heads_layer_both_ways() -> None:
-    """scripts/eagle_head_cost.py: a row per batch size, the layer in PyTorch's ops and in the native kernel (skipped
-    where the kernel is not built: the script then says so and exits)."""
-    from playground.models import native
-
-    if native.kernel() is None:
-        pytest.skip(f"native kernel {native.status()}")
-    out = subprocess.run([sys.executable, "scripts/eagle_head_cost.py", "--batches", "1", "2", "--rounds", "2"],
-                         capture_output=True, text=True, check=True, timeout=900).stdout
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [int(row[0]) for row in rows] == [1, 2] and all(float(v) > 0 for row in rows for v in row[1:])
-
-
-def test_the_gpu_ceiling_script_bounds_each_proposers_speedup_where_width_is_free() -> None:
-    """scripts/gpu_ceiling.py: per proposer, what it commits per target forward with a flat forward-cost curve and
-    the speedup bound that allows, its own forwards priced at a GPU's estimate (layers over the target's)."""
-    out = subprocess.run([sys.executable, "scripts/gpu_ceiling.py", "--limit", "1", "--new-tokens", "8"],
-                         capture_output=True, text=True, check=True, timeout=900).stdout
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
-    assert [row[0].strip() for row in rows] == ["speculative", "speculative + copies", "medusa", "medusa + copies",
-                                                "eagle", "eagle + copies"]
-    out = subprocess.run([sys.executable, "scripts/gpu_ceiling.py", "--limit", "1", "--new-tokens", "4", "--algos",
-                          "eagle", "--eagle-head", "assets/eagle-smollm2-135m"],
-                         capture_output=True, text=True, check=True, timeout=900).stdout
-    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| eagle")] == ["| eagle",
-                                                                                               "| eagle + copies"]
-    draft_layers = json.loads(Path("assets/draft-smollm2-135m/config.json").read_text())["num_hidden_layers"]
-    for name, tpf, own, price, _, oracle, bound, _ in rows:
-        assert 1.0 <= float(tpf) <= float(oracle) and float(bound.rstrip("x")) > 0
-        assert float(price) == pytest.approx((draft_layers if "speculative" in name else 1) / 30, abs=1e-3)

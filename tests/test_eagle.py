@@ -471,35 +471,6 @@ def test_a_head_trained_on_tapped_layers_reads_them_and_learns_the_tokens_alone(
         assert message in capsys.readouterr().err
 
 
-def test_the_eagle_features_script_trains_each_input_alike_and_drafts_teacher_forced(tmp_path, target,
-                                                                                       tapped) -> None:
-    """scripts/eagle_features.py: a row per variant trained on a corpus file and one per trained head, each with
-    chain shares that only fall with depth and the chain's tokens per forward their sum plus one; the shipped head,
-    measured the same way, keeps most first guesses (a misaligned position would keep next to none), and a head
-    reading its taps (the fixture: nearly the shipped head's features) keeps them too."""
-    import subprocess
-    import sys
-
-    from playground.train.draft import Corpus
-    from playground.train.prompts import held_out_prompts
-
-    texts = [target.tokenizer(p).input_ids for p in held_out_prompts()[:6]]
-    answers = [t[:8] for t in texts]  # each prompt's first tokens again, as its answer
-    corpus = Corpus([t + a for t, a in zip(texts, answers)], [len(t) for t in texts],
-                    torch.tensor([[token] for a in answers for token in a]), torch.zeros(8 * len(texts), 1))
-    corpus.save(tmp_path / "corpus.safetensors", {})
-    out = subprocess.run([sys.executable, "scripts/eagle_features.py", "--corpus", str(tmp_path / "corpus.safetensors"),
-                          "--sequences", "4", "--epochs", "1", "--variants", "final", "layers-normed", "--reference",
-                          str(EMBEDDED_EAGLE), str(tapped.folder)],
-                         capture_output=True, text=True, check=True, timeout=900).stdout
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]  # under the header
-    assert [row[0] for row in rows] == [str(EMBEDDED_EAGLE), str(tapped.folder), "final", "layers-normed"]
-    for row in rows:
-        shares = [float(v) for v in row[2:6]]
-        assert shares == sorted(shares, reverse=True) and float(row[6]) == pytest.approx(1 + sum(shares), abs=0.01)
-    assert float(rows[0][2]) > 0.4 and float(rows[1][2]) > 0.3
-
-
 def test_sequence_states_are_every_position_and_the_medusa_slice_their_answer_rows(target) -> None:
     from playground.train.draft import Corpus
     from playground.train.medusa import hidden_states, sequence_states

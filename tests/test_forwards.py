@@ -192,14 +192,21 @@ def test_tapped_forwards_return_the_final_states_and_each_tapped_layers_input(ta
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_decoding() -> None:
+# (prompts, new tokens) of the 16-bit checks: the suite's share proves the property; the sweep (`pytest -m sweep`,
+# which scripts/gpu_check.sh runs) takes more of both
+SHORT, SWEEP = (1, 8), pytest.param((3, 16), marks=pytest.mark.sweep, id="sweep")
+
+
+@pytest.mark.parametrize("size", [pytest.param(SHORT, id="short"), SWEEP])
+def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_decoding(size) -> None:
     """PyTorch's kernels pick their reduction order by shape, so in bfloat16 one width and the cache's whole length
     for every decode forward are what keep a token's bits (greedy choices flip otherwise)."""
+    prompts, new_tokens = size
     half = load_model(ModelSpec(device="cpu", dtype="bfloat16", forwards="static"))
     assert half.model.rows_per_pass is None
     for kv in KV_KINDS:
-        generation = GenerationParams(max_new_tokens=16, kv=kv, block_size=4)
-        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:3]}
+        generation = GenerationParams(max_new_tokens=new_tokens, kv=kv, block_size=4)
+        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:prompts]}
         for algo in ALGOS[1:]:
             proposer = build_proposer(half, algo)
             for prompt, tokens in plain.items():
@@ -208,8 +215,8 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
     for running in (1, 3):  # batches run in buckets: a batch's rows and prefill chunks change the shapes anyway
         engine = Engine(half, EngineParams(num_blocks=64, block_size=4, max_running=running),
                         proposer=build_proposer(half, "medusa"))
-        for prompt in PROMPTS[:3]:
-            engine.add_request(prompt, None, GenerationParams(max_new_tokens=8))
+        for prompt in PROMPTS[:prompts + 1]:
+            engine.add_request(prompt, None, GenerationParams(max_new_tokens=new_tokens // 2))
         engine.run_all()
         forwards = engine.runner.forwards
         assert forwards.max_width == (ONE_WIDTH if running == 1 else None)
@@ -217,13 +224,14 @@ def test_in_bfloat16_every_forward_has_one_shape_and_every_algorithm_is_plain_de
             assert {key[1:] for key in forwards.buckets} == {(ONE_WIDTH, 64 * 4)}
 
 
-def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(target, plain_outputs,
-                                                                             monkeypatch) -> None:
+@pytest.mark.parametrize("size", [pytest.param((1, 6), id="short"), SWEEP])
+def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(target, plain_outputs, monkeypatch,
+                                                                             size) -> None:
     """--forwards compiled: each layer's work around attention compiled by torch.compile (Inductor's C++ here, its
     kernels captured in graphs on a GPU). In bfloat16, where PyTorch's kernels run the layers, it runs every layer
     of every decode forward, near the uncompiled forward's hidden states, and every algorithm gives its plain
-    decoding's tokens on both caches; batching engines with a draft and with EAGLE run too (more graphs than dynamo
-    keeps by default); where the native kernel runs a layer (float32 here), the kernel keeps it."""
+    decoding's tokens on both caches, and dynamo keeps the graphs batching engines need (run in the sweep below);
+    where the native kernel runs a layer (float32 here), the kernel keeps it."""
     layers = []
     monkeypatch.setattr(forwards_module, "compiled_layer",
                         lambda block, *args: layers.append(block) or compiled.layer(block, *args))
@@ -236,16 +244,27 @@ def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(ta
         rows.append(make_forwards(half.model, cache, mode)([0], [[7, 8]], [[29, 30]]).float())  # (1, 2, E)
     assert len(layers) == half.model.config.num_layers
     assert (rows[1] - rows[0]).norm() < 0.05 * rows[0].norm()  # bfloat16 rounding alone moves eager from static as far
+    prompts, new_tokens = size
     for kv in KV_KINDS:
-        generation = GenerationParams(max_new_tokens=8, kv=kv, block_size=4)
-        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:2]}
+        generation = GenerationParams(max_new_tokens=new_tokens, kv=kv, block_size=4)
+        plain = {p: generate(half, p, None, None, generation)[0].token_ids for p in PROMPTS[:prompts]}
         for algo in ("speculative", "medusa", "eagle"):
             for prompt, tokens in plain.items():
                 assert generate(half, prompt, build_proposer(half, algo), None, generation)[0].token_ids == tokens, (
                     kv, algo, prompt)
-    # batching engines with the draft and with EAGLE run buckets of one and more rows for three models: more graphs
-    # than dynamo keeps by default (rows may differ from solo runs in 16 bits, docs/gpu.md: only that they run is
-    # asked here)
+    assert torch._dynamo.config.recompile_limit >= compiled.GRAPHS  # what batching engines need (the sweep below)
+    layers.clear()
+    blocks = dataclasses.replace(target, forwards="compiled")
+    assert generate(blocks, PROMPTS[0], None, None, GenerationParams(max_new_tokens=NEW_TOKENS))[0].token_ids == (
+        plain_outputs[PROMPTS[0]]) and not layers
+
+
+@pytest.mark.sweep
+def test_compiled_batching_engines_with_a_draft_and_eagle_keep_more_graphs_than_dynamos_default() -> None:
+    """Batching engines with the draft and with EAGLE run buckets of one and more rows for three models: more graphs
+    than dynamo keeps by default (rows may differ from solo runs in 16 bits, docs/gpu.md: only that they run is
+    asked here)."""
+    half = load_model(ModelSpec(device="cpu", dtype="bfloat16", forwards="compiled"))
     draft = load_draft(None, half)
     for running, source, proposer in ((2, "draft", build_proposer(half, "speculative", SpeculativeParams(),
                                                                   PromptLookupParams(), draft=draft)),
@@ -258,10 +277,6 @@ def test_compiled_layers_run_every_layer_pytorch_runs_and_keep_plain_decoding(ta
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # private: how many graphs a function keeps
 
     assert len(_debug_get_cache_entry_list(compiled.attention_in.__code__)) > 8  # dynamo's default limit
-    layers.clear()
-    blocks = dataclasses.replace(target, forwards="compiled")
-    assert generate(blocks, PROMPTS[0], None, None, GenerationParams(max_new_tokens=NEW_TOKENS))[0].token_ids == (
-        plain_outputs[PROMPTS[0]]) and not layers
 
 
 def test_the_next_engine_takes_what_a_closed_one_built_and_two_at_once_keep_their_own(static, plain_outputs) -> None:
@@ -367,13 +382,3 @@ def test_graphs_give_the_static_shapes_tokens_and_compiled_graphs_their_plain_de
         for algo in ("speculative", "medusa", "eagle"):
             proposer = build_proposer(compiled_model, algo)
             assert generate(compiled_model, prompt, proposer, None, generation)[0].token_ids == plain, (algo, prompt)
-
-
-def test_host_work_script_times_a_step_beside_its_forward() -> None:
-    """scripts/host_work.py: a decode step's time and its forward's, with a model whose forward costs almost
-    nothing, traced at batch 1 (as `generate`) and untraced in a batch (as the server)."""
-    from scripts import host_work
-    target = host_work.tiny_target()
-    for batch, trace in ((1, True), (3, False)):
-        step, forward = host_work.step_times(target, batch, 6, trace)
-        assert 0 < forward < step

@@ -267,38 +267,3 @@ def test_no_forward_is_wider_than_the_window_and_guesses(target) -> None:
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
         assert widest <= 1 + (params.ngram - 1) + params.guesses * (params.text_n - 1)
         assert all(len(e.window) == params.ngram - 1 for e in trace.events if e.KIND == "lookahead")
-
-
-def test_compare_settings_script_races_settings_against_plain_decoding(target) -> None:
-    """scripts/compare_settings.py runs each setting right after plain decoding on the suite's prompts, checks the
-    tokens, and prints medians; a malformed setting is refused naming what is allowed."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "compare_settings.py"
-    done = subprocess.run([sys.executable, str(script), "lookahead:guesses=1,text_ngram=4", "prompt-lookup:num_draft=5",
-                           "speculative:gamma=3", "--limit", "2", "--max-new-tokens", "10",
-                           "--rounds", "2"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "'guesses': 1" in done.stdout and "'num_draft': 5" in done.stdout and "'gamma': 3" in done.stdout
-    # two prompts spread over the categories (bench_suite.spread): suite prompts 0 and 2, twice
-    for round_ in (1, 2):
-        assert f"round {round_} [0] chat: 0:lookahead" in done.stdout
-        assert f"round {round_} [2] code: 0:lookahead" in done.stdout
-    assert "[1] chat" not in done.stdout and "\n1:prompt-lookup: " in done.stdout
-    assert "\n2:speculative: " in done.stdout  # with the embedded target's shipped draft
-    assert "plain decoding: a step's forward" in done.stdout
-    for name in ("0:lookahead", "1:prompt-lookup", "2:speculative"):
-        summary = next(line for line in done.stdout.splitlines() if line.startswith(f"{name}: "))
-        assert "; in all " in summary and " verifying " in summary, summary
-    assert "proposing" in summary  # the draft's steps are timed
-    for setting, message in (("bogus:x=1", "algorithm must be one of lookahead, prompt-lookup, medusa, speculative"),
-                             ("lookahead:gueses=2", "'gueses=2' must be field=value with a field of LookaheadParams"),
-                             ("lookahead:guesses=0", r"guesses must be an integer in [1, 16], got 0")):
-        refused = subprocess.run([sys.executable, str(script), setting], capture_output=True, text=True, timeout=120)
-        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
-    refused = subprocess.run([sys.executable, str(script), "lookahead", "--rounds", "0"], capture_output=True,
-                             text=True, timeout=120)
-    assert refused.returncode == 2 and "--rounds must be in 1..20, got 0" in refused.stderr, refused.stderr

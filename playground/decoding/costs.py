@@ -54,7 +54,7 @@ FLAT_TOKEN_COST = 0.005  # what each token of a forward beyond the first adds, i
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
     """A curve no host measured, where each token of a forward beyond the first adds `token_cost` of a one-token
     forward (as on a GPU, where a forward over a few tokens costs about one): planning that judges a proposer rather
-    than this machine (`scripts/gpu_ceiling.py`, the EAGLE trainer's held-out evaluation)."""
+    than this machine (`experiments/gpu_ceiling.py`, the EAGLE trainer's held-out evaluation)."""
     return ForwardCosts(WIDTHS, tuple(1.0 + token_cost * (w - 1) for w in WIDTHS))
 
 

@@ -12,7 +12,9 @@
 What each of these bought, measured, is in docs/performance.md. The build is optional: without a C compiler with
 OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the model keeps PyTorch's kernels, with the reason in
 `status()`. The library is cached under $PLAYGROUND_CACHE (or ~/.cache/decoding-playground)/native, keyed by the
-source, the compiler and this CPU's model and flags (it is built with -march=native).
+source, the compiler, the flags and this CPU's model and flags. It is built with -march=native, or for the
+architecture PLAYGROUND_NATIVE_ARCH names (e.g. `haswell`: the AVX2 path on an AVX-512 host, as the test suite can
+run on any x86 CPU to check the code an AVX2-only machine runs).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..paths import default_cache_root
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
+ARCH_ENV = "PLAYGROUND_NATIVE_ARCH"  # a gcc -march value in place of "native", e.g. "haswell" for the AVX2 path
 # -ffp-contract=off: the kernels' fused multiply-adds are explicit, so a sum's rounding never depends on which
 # copy of a loop the compiler chose to fuse (see kernels.c)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -113,14 +116,25 @@ def cpu_signature() -> str:
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler's flags: FLAGS, with the architecture PLAYGROUND_NATIVE_ARCH names in place of native's."""
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    if not arch:
+        return FLAGS
+    if not arch.replace("-", "").replace("_", "").isalnum():
+        raise OSError(f"{ARCH_ENV}={arch!r} is not a -march name (letters, digits, '-' and '_', e.g. haswell)")
+    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+
+
 def build(cache_dir: Path, compiler: str, source: Path | None = None) -> Path:
-    """Compile `kernels.c` (or another version of it, as scripts/kernel_costs.py compares) into cache_dir, once per
+    """Compile `kernels.c` (or another version of it, as experiments/kernel_costs.py compares) into cache_dir, once per
     source, compiler and CPU; raises OSError or CalledProcessError."""
     source = SOURCE if source is None else source  # read at call time: tests swap SOURCE
     found = shutil.which(compiler)
     if found is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256("\n".join([source.read_text(encoding="utf-8"), found, *FLAGS, cpu_signature()])
+    chosen = flags()
+    key = hashlib.sha256("\n".join([source.read_text(encoding="utf-8"), found, *chosen, cpu_signature()])
                          .encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{key}.so"
     if target.is_file():
@@ -129,7 +143,7 @@ def build(cache_dir: Path, compiler: str, source: Path | None = None) -> Path:
     # Build beside the target and rename: another process building the same library never sees half a file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([found, *FLAGS, str(source), "-o", str(partial)], check=True, capture_output=True, text=True,
+        subprocess.run([found, *chosen, str(source), "-o", str(partial)], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(partial, target)
     return target
@@ -207,9 +221,11 @@ def _try_kernel() -> tuple[Kernel | None, str]:
         return None, f"unavailable (the C build failed: {detail[-1] if detail else exc}): PyTorch's kernels"
     except (OSError, subprocess.TimeoutExpired, AttributeError) as exc:
         return None, f"unavailable ({exc}): PyTorch's kernels"
+    march = os.environ.get(ARCH_ENV, "").strip()
+    arch = f", built for -march={march} by {ARCH_ENV}" if march else ""
     halves = ", 16-bit where the weights are exactly 16-bit" if loaded.halves else ""
     return loaded, (f"on ({loaded.panel_width}-row panels{halves}; attention for head sizes in multiples of "
-                    f"{loaded.vector_width}; {loaded.path.name})")
+                    f"{loaded.vector_width}; {loaded.path.name}{arch})")
 
 
 def narrowest(weight: torch.Tensor) -> torch.dtype:

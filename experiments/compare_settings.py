@@ -3,7 +3,7 @@ prompt plain decoding runs, then each setting right after it, so that a machine 
 hosts do, by 10-25% within minutes) slows every setting of a prompt alike. `--limit N` runs N of the prompts,
 spread over the suite's categories as the benchmark's `--limit` does.
 
-    python scripts/compare_settings.py "lookahead:guesses=2" "lookahead:guesses=1,text_ngram=4"
+    python experiments/compare_settings.py "lookahead:guesses=2" "lookahead:guesses=1,text_ngram=4"
         [--limit N] [--rounds R] [--max-new-tokens 128] [--model embedded] [--draft SPEC] [--device cpu]
 
 A setting is an algorithm (lookahead, prompt-lookup, medusa, speculative) and its parameters' fields as in

@@ -1,7 +1,7 @@
 """The most any tree of a draft model's guesses could give where a forward over many tokens costs about one (as on a
 GPU), with and without prompt lookup's copies: a ceiling for speculative decoding whatever shape its proposals take.
 
-    python scripts/draft_ceiling.py [--limit 14] [--new-tokens 96] [--draft SPEC] [--top-k 1 2 4 8] [--depth 2 3 4]
+    python experiments/draft_ceiling.py [--limit 14] [--new-tokens 96] [--draft SPEC] [--top-k 1 2 4 8] [--depth 2 3 4]
                                     [--verify-cost 0.005]
 
 Each suite prompt is answered greedily by plain decoding; one draft forward over the prompt and that answer ranks

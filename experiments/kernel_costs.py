@@ -2,7 +2,7 @@
 a file), over every packed weight and the attention shapes of the embedded model (or --model), and whether the two
 give the same bits.
 
-    python scripts/kernel_costs.py [--baseline HEAD|REV|FILE] [--widths 1,2,3,6,7,9,12] [--contexts 300]
+    python experiments/kernel_costs.py [--baseline HEAD|REV|FILE] [--widths 1,2,3,6,7,9,12] [--contexts 300]
         [--rounds 12] [--repeats 5]
 
 Per row count: the median over rounds of the time of one pass over all of a forward's products (each round's time

@@ -1,7 +1,7 @@
 """Would an EAGLE head draft better reading the target's low, middle and high layers (as EAGLE-3) than its final-norm
 features (as the shipped head)? A like-for-like bound on a CPU budget, before the runner is changed to return them.
 
-    python scripts/eagle_features.py --corpus FILE [--sequences 1200] [--epochs 4] [--layers 2 15 27]
+    python experiments/eagle_features.py --corpus FILE [--sequences 1200] [--epochs 4] [--layers 2 15 27]
                                      [--variants [VARIANT ...]] [--reference DIR ...]
 
 Each variant trains a fresh head (the shipped architecture, `--unroll 2`, the trainer's schedule and batches) for

@@ -3,7 +3,7 @@
 layer of width 64, random weights), through the static-shape forwards and with the step's draws made ahead as off
 the CPU, so that the Python of scheduling, drawing, committing and tracing is what is timed.
 
-    python scripts/host_work.py [--batch 1] [--tokens 300] [--rounds 7] [--no-trace]
+    python experiments/host_work.py [--batch 1] [--tokens 300] [--rounds 7] [--no-trace]
 
 Prints the median over rounds of a decode step's time, of its forward (`Runner.run`) and of the rest.
 """

@@ -2,7 +2,7 @@
 the native layer stack (every layer in one call), the native kernels layer by layer, and PyTorch's attention, on the
 embedded model (or --model, e.g. the draft: assets/draft-smollm2-135m).
 
-    python scripts/forward_costs.py [--context 300] [--widths 1,5,7,9,12] [--rounds 3] [--repeats 30]
+    python experiments/forward_costs.py [--context 300] [--widths 1,5,7,9,12] [--rounds 3] [--repeats 30]
         [--weights auto|gguf|float32]
 
 Per path and width: the median wall time of a forward over that many new tokens after a prefill of --context

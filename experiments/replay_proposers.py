@@ -8,7 +8,7 @@ and free of the machine's timing noise. Replayed over the benchmark suite: promp
 n-gram sizes M (`--text-ngrams`, G = `--guesses`) and longest keys K (`--contexts`), without and with its corpus
 pool (`--corpus`), without the Jacobi window, whose guesses need the model.
 
-    python scripts/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
+    python experiments/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
 replays skip the model. Speed is not replayed: a wider verification costs more (docs/engine.md).

@@ -4,7 +4,7 @@ engine planning from a flat forward-cost curve (`--verify-cost` per extra token)
 proposer pricing its own forwards as a GPU's estimate does before it has measured any (`planning.weights_estimate`:
 where each layer's kernels bound a forward, its layers over the target's).
 
-    python scripts/gpu_ceiling.py [--limit 14] [--new-tokens 96] [--verify-cost 0.005]
+    python experiments/gpu_ceiling.py [--limit 14] [--new-tokens 96] [--verify-cost 0.005]
                                   [--algos speculative medusa eagle] [--eagle-head DIR]
 
 Per algorithm, summed over the prompts: tokens per target forward (TPF), the proposer's own forwards per step and

@@ -1,7 +1,7 @@
 """What growing EAGLE's trees together saves: for B decoding requests, the time to grow all their trees in one batch
 (one head forward per depth) against growing them one request at a time, from the same head states.
 
-    python scripts/eagle_batch.py [--batches 1 4 16] [--depth 4] [--steps 12] [--rounds 7]
+    python experiments/eagle_batch.py [--batches 1 4 16] [--depth 4] [--steps 12] [--rounds 7]
 
 For each batch size the suite's first B prompts are served by the engine with EAGLE for `--steps` steps (prefills
 and some decoding); the head states of the requests then decoding are saved, and each round restores them before

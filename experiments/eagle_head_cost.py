@@ -1,7 +1,7 @@
 """What one EAGLE head forward costs with its decoder layer in the native kernel (as `load_head` serves it beside a
 target whose layers run there) against the same layer in PyTorch's ops around the same prepacked products.
 
-    python scripts/eagle_head_cost.py [--batches 1 4 16] [--rows 4] [--keys 100] [--rounds 60]
+    python experiments/eagle_head_cost.py [--batches 1 4 16] [--rows 4] [--keys 100] [--rounds 60]
 
 Per batch size, B requests of `--rows` new rows each (a depth of the tree: top_k nodes) over `--keys` committed
 keys, every key visible, then the head's output rows: the median milliseconds of each form over `--rounds`
