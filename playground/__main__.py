@@ -16,9 +16,9 @@ from typing import Any
 
 from .config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GPU_NODES, GPU_DYNAMIC_NODES,
                      LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_GAMMA, MAX_NGRAM,
-                     MAX_WAITING, MEDUSA_ACCEPTANCE, QUANTS, ConfigError, EagleParams, EngineParams, GenerationParams,
-                     LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams,
-                     check_int, check_text)
+                     MAX_WAITING, MEDUSA_ACCEPTANCE, PLANS, QUANTS, ConfigError, EagleParams, EngineParams,
+                     GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
+                     SpeculativeParams, check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
 
@@ -27,6 +27,8 @@ SPECULATIVE = SpeculativeParams()
 MEDUSA = MedusaParams()
 EAGLE = EagleParams()
 ENGINE = EngineParams()
+PLAN_HELP = ("how much a step verifies: measured (what pays on this machine's measured forward costs) or as-set "
+             "(exactly what the algorithm's settings say, however slow that is here)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -40,12 +42,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--kv", default="contiguous", choices=["contiguous", "paged"], help="KV cache kind")
     parser.add_argument("--block-size", type=int, default=16, help="paged KV block size, 1..256 (default 16)")
+    parser.add_argument("--plan", default="measured", choices=PLANS, help=f"{PLAN_HELP} (default measured)")
 
 
 def sampling_params(args: argparse.Namespace) -> tuple[SamplingParams, GenerationParams]:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), raw=args.raw,
-                                  kv=args.kv, block_size=args.block_size)
+                                  kv=args.kv, block_size=args.block_size, plan=args.plan)
     return sampling, generation
 
 
@@ -145,24 +148,37 @@ def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: P
     return build_proposer(target, args.algo, params, copies, draft=draft)
 
 
-def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str) -> str:
-    from .metrics import expected_tokens_per_step, mean_draft_length
+def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
+                 relative_cost: Callable[[int], float] | None = None, own_price: float | None = None) -> str:
+    """The run in one line: speed, forwards, and for an algorithm that drafted its acceptance against the theory's
+    prediction; where a run drafted in few steps or none, why (`metrics.drafting_note`, priced by `relative_cost`:
+    a forward's cost by width in one-token forwards on this machine) instead of an acceptance; and, labelled as a
+    projection, what the same steps would give where a forward over a few tokens costs about one (`own_price`: the
+    proposer's own forward, as priced here)."""
+    from .metrics import drafting_note, expected_tokens_per_step, mean_draft_length, projected_speedup
 
     line = (f"[{algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} tok/s, first "
             f"token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target forwards, "
-            f"finish: {finish_reason}")
+            f"finish: {finish_reason}, plan {trace.params.get('plan', 'measured')}")
     gamma = mean_draft_length(trace)
-    if metrics.acceptance_rate is not None and gamma is not None:
+    note = drafting_note(trace, relative_cost)
+    if note is not None:
+        line += f"; {note}"
+    if metrics.acceptance_rate is not None and gamma is not None and metrics.drafted:
         predicted = expected_tokens_per_step(metrics.acceptance_rate, gamma)
         line += (f"; acceptance {metrics.acceptance_rate:.2f}, tokens per target forward (bonus included) "
                  f"{metrics.mean_accepted_tokens:.2f} measured vs {predicted:.2f} predicted by "
                  f"(1 - a^(g+1)) / (1 - a) at mean g = {gamma:.1f}")
+    projected = projected_speedup(trace, own_price) if metrics.drafted else None
+    if projected is not None:
+        line += (f"; projection, not measured: {projected:.2f}x plain decoding's steps where a forward over a few "
+                 "tokens costs about one (a flat curve, as on a GPU)")
     return line
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import generate
-    from .metrics import compute
+    from .engine import generate, one_request_costs
+    from .metrics import compute, drafting_note
     from .models import load_model
 
     spec = model_spec(args)
@@ -174,6 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
     proposer = build_proposer(args, target, params, copies)
+    relative_cost = one_request_costs(target) if proposer is not None else None
     for index, prompt in enumerate(prompts):
         output, trace = generate(target, prompt, proposer, sampling, generation, args.algo)
         metrics = compute(trace)
@@ -185,11 +202,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "metrics": {key: getattr(metrics, key) for key in (
                     "tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens",
                     "acceptance_rate", "kv_bytes")},
+                "plan": generation.plan, "drafting_note": drafting_note(trace, relative_cost),
             }
             print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
             print(output.text, flush=True)
-            print(summary_line(args.algo, metrics, trace, output.finish_reason), file=sys.stderr, flush=True)
+            print(summary_line(args.algo, metrics, trace, output.finish_reason, relative_cost,
+                               proposer.own_cost() if proposer is not None else None), file=sys.stderr, flush=True)
     return 0
 
 
@@ -200,7 +219,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     settings, copies = algo_params(args)
     params = EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
-                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching)
+                          max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
+                          plan=args.plan)
     check_int("max_waiting", args.max_waiting, 0, MAX_WAITING)
     api_key = args.api_key or os.environ.get("PLAYGROUND_API_KEY") or None
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
@@ -345,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-batch-tokens", type=int, default=ENGINE.max_batch_tokens,
                         help=f"tokens one engine step runs, prefill chunks included, 1..{1 << 16} (default "
                              f"{ENGINE.max_batch_tokens})")
+    server.add_argument("--plan", default=ENGINE.plan, choices=PLANS, help=f"{PLAN_HELP} (default {ENGINE.plan})")
     server.add_argument("--no-prefix-caching", action="store_true",
                         help="do not share the KV blocks of identical prompt prefixes between requests")
     add_algo_args(server)

@@ -21,7 +21,7 @@ from .bench_peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_s
 from .bench_report import Costs, add_copy_bounds, environment, markdown, write_report
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
-from .config import DYNAMIC_TREE, ConfigError, GenerationParams, SamplingParams, check_int
+from .config import DYNAMIC_TREE, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
 from .speedup import ROUNDS, compare, measure, median_run
 
 
@@ -46,6 +46,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=DYNAMIC_TREE,
                         help="Medusa candidate tree: dynamic (default), chain, small, medium, wide or a JSON file "
                              "of top-k paths")
+    parser.add_argument("--plan", default="measured", choices=PLANS,
+                        help="how much the algorithms' steps verify: measured (default; what pays on this machine) or "
+                             "as-set (exactly what their settings say)")
     parser.add_argument("--algos", default=",".join(ALGOS),
                         help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
     serving = parser.add_argument_group("serving suite (--suite serving)")
@@ -206,7 +209,8 @@ def parse_algos(text: str) -> tuple[str, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import SpeculativeParams
     from .decoding import encode_prompt
-    from .metrics import compute, depth_profile, expected_tokens_per_step, mean_draft_length
+    from .engine import one_request_costs
+    from .metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
     from .models import load_model
     from .models.loader import load_hf_peer, source_gguf
 
@@ -224,7 +228,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_int("limit", args.limit, 1, len(SUITE))
         indices = spread(args.limit)
     target = load_model(model_spec(args))
-    generation = GenerationParams(max_new_tokens=args.max_new_tokens)
+    generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender("ar", "ar", None, "plain decoding")
     contenders, draft = build_contenders(args, target)
     if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
@@ -242,8 +246,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if contender.algo == "speculative":
                 contender.peer_kwargs["assistant_model"] = assistant
     device = target.model.device
+    relative_cost = one_request_costs(target)  # what the engine plans on: quoted where a run drafted little
 
-    warm = GenerationParams(max_new_tokens=8)
+    warm = GenerationParams(max_new_tokens=8, plan=args.plan)
     warm_ids = encode_prompt(target, "Hello", warm)
     for contender in (plain, *contenders):
         trace_of(target, contender, "Hello", warm)
@@ -303,6 +308,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
                 "step_split": {"draft": measured.draft, "verify": measured.verify, "other": measured.other},
                 "flags": list(measured.flags)}
+            if contender.proposer is not None:
+                result["drafting_note"] = drafting_note(trace, relative_cost)
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
@@ -337,6 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,
         "rounds": args.rounds,
+        "plan": args.plan,
         "environment": {**environment(target.model), "forwards": target.forwards},
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
                       "bound_tokens_per_s": bound},
@@ -360,6 +368,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
         entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)
         entry["flagged_prompts"] = sum(bool(r["flags"]) for r in results)
+        notes = [(row["index"], row["algos"][name]["drafting_note"]) for row in rows
+                 if row["algos"][name].get("drafting_note")]
+        if notes:  # the plan trimmed, or nothing was proposed: why, with this machine's figures
+            entry["drafting"] = (f"little on {len(notes)} of {len(results)} prompts (prompt {notes[0][0]}: "
+                                 f"{notes[0][1]})")
         oracle = [r["oracle_tokens_per_forward"] for r in results if "oracle_tokens_per_forward" in r]
         if oracle:  # what the same trees would commit were their deepest path right: the ceiling of their size
             entry["median_oracle_tokens_per_forward"] = statistics.median(oracle)

@@ -58,6 +58,10 @@ class Costs:
         return out
 
 
+PLAN_WORDS = {"measured": "each step verifies what pays on this machine's measured forward costs",
+              "as-set": "each step verifies all its algorithm's settings ask for, whatever it costs here"}
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
@@ -68,7 +72,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{env['native_kernel']}. Per prompt, plain decoding and every algorithm ran interleaved, "
         f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios.",
         "",
-        f"Weights: {env.get('weights', 'float32')}. Decode forwards: {env.get('forwards', 'eager')}.",
+        f"Weights: {env.get('weights', 'float32')}. Decode forwards: {env.get('forwards', 'eager')}. Plan: "
+        f"{report.get('plan', 'measured')} ({PLAN_WORDS[report.get('plan', 'measured')]}).",
         "",
         "| # | category | prompt tokens | new tokens | ours tok/s | transformers tok/s | ours / transformers | "
         "same tokens | llama.cpp tok/s | ours / llama.cpp |",

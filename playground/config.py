@@ -17,6 +17,10 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
 KV_KINDS = ("contiguous", "paged")
+# How much a step verifies: "measured", what pays on this machine's measured forward costs (never slower than plain
+# decoding by design); "as-set", exactly what the algorithm's settings say (gamma, tree nodes and depth, lookahead's
+# window, copy lengths), never trimmed by cost: the algorithm as configured, at whatever speed that gives here.
+PLANS = ("measured", "as-set")
 MAX_BLOCK_SIZE = 256
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
 MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
@@ -125,7 +129,8 @@ class GenerationParams:
     stop: generation ends once the decoded continuation contains one of these strings; the returned text is
     cut before it, the returned token ids keep the token that completed it.
     raw: feed the prompt as is instead of wrapping it in the tokenizer's chat template.
-    kv: the KV cache one generation runs on; block_size: tokens per block of the paged cache.
+    kv: the KV cache one generation runs on; block_size: tokens per block of the paged cache; plan: how much its
+    steps verify (`PLANS`). These three size the one-request engine `engine.generate` runs.
     """
 
     max_new_tokens: int = 128
@@ -133,10 +138,12 @@ class GenerationParams:
     raw: bool = False
     kv: str = "contiguous"
     block_size: int = 16
+    plan: str = "measured"
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         check_choice("kv", self.kv, KV_KINDS)
+        check_choice("plan", self.plan, PLANS)
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError("stop must be a tuple of non-empty strings")
@@ -342,6 +349,8 @@ class EngineParams:
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
     kv: "paged", or "contiguous": one request at a time (max_running 1) in a row of num_blocks x block_size slots
     reserved whole (no gathering of slots at every layer).
+    plan: how much a step verifies (`PLANS`): "measured" (what pays on this machine) or "as-set" (all its proposer's
+    settings ask for).
     What each step proposes is the engine's proposer's to say (`decoding.registry.build_proposer`), not these.
     """
 
@@ -352,10 +361,12 @@ class EngineParams:
     policy: str = "continuous"
     prefix_caching: bool = True
     kv: str = "paged"
+    plan: str = "measured"
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1, 1 << 20)
         check_choice("kv", self.kv, KV_KINDS)
+        check_choice("plan", self.plan, PLANS)
         if self.kv == "contiguous" and self.max_running != 1:
             raise ConfigError(f"max_running must be 1 with the contiguous cache (one row per request), "
                               f"got {self.max_running}")

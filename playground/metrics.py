@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, KVAllocEvent, KVFreeEvent,
@@ -156,3 +157,77 @@ def chain_acceptance(agrees: list[bool], gamma: int) -> tuple[int, int, int]:
         accepted, drafted, judged = accepted + run, drafted + len(chain), judged + min(run + 1, len(chain))
         i += run + 1
     return accepted, drafted, judged
+
+
+@dataclass(frozen=True, slots=True)
+class Drafting:
+    """How much of a run drafted: decode steps (verifying forwards after the prefill), those that verified proposed
+    tokens, the median width of their forwards (None when none did) and the tokens such a step committed on
+    average, correction or bonus included."""
+
+    steps: int
+    drafting_steps: int
+    width: int | None
+    kept: float | None
+
+
+def drafting(trace: Trace) -> Drafting:
+    widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
+    wide = {step for step, width in widths.items() if width > 1}
+    committed: dict[int, int] = {}
+    for event in trace.events:
+        if isinstance(event, (AcceptEvent, CorrectEvent, BonusEvent)) and event.step in wide:
+            committed[event.step] = committed.get(event.step, 0) + 1
+    return Drafting(len(widths), len(wide), int(statistics.median(widths[s] for s in wide)) if wide else None,
+                    statistics.mean(committed.get(s, 0) for s in wide) if wide else None)
+
+
+# below this share of decode steps with a proposal verified, a measured run's drafting is "mostly off"
+MOSTLY_OFF = 0.5
+NOMINAL_WIDTH = 5  # the width a reason quotes where the run verified no proposal: the last token and four proposed
+
+
+def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) -> str | None:
+    """One sentence on why a run drafted little, with this machine's figures, for a run of an algorithm that
+    proposes: where its measured plan verified proposals in fewer than half its decode steps, what a forward as
+    wide as it verified costs here (`relative_cost(width)`, in one-token forwards) against what its drafting steps
+    kept; where nothing was drafted, that no acceptance applies. None where the run drafted in most steps."""
+    if trace.algo in PLAIN_ALGOS:
+        return None
+    seen = drafting(trace)
+    if seen.steps == 0 or seen.drafting_steps >= MOSTLY_OFF * seen.steps:
+        return None
+    measured = trace.params.get("plan", "measured") == "measured"
+    width = seen.width or NOMINAL_WIDTH
+    price = (f"here a {width}-token forward costs {relative_cost(width):.1f} one-token forwards, so a step must keep "
+             f"{relative_cost(width):.1f} tokens to break even" if relative_cost is not None else "")
+    if seen.drafting_steps == 0:
+        if not measured:
+            return "nothing drafted: the algorithm found no proposal in any step, so no acceptance applies"
+        return (f"nothing drafted: the measured plan found no step where drafting pays on this machine"
+                f"{' (' + price + ')' if price else ''}, so no acceptance applies; --plan as-set verifies the "
+                "settings as they are")
+    if not measured:
+        return (f"drafting in {seen.drafting_steps} of {seen.steps} steps: the algorithm found a proposal only "
+                "there")
+    kept = f"this run's drafting steps kept {seen.kept:.1f}"
+    return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: the measured plan verifies only what "
+            f"pays on this machine ({price + '; ' if price else ''}{kept}); --plan as-set verifies the settings as "
+            "they are")
+
+
+# a forward over a few tokens at about one token's cost (a GPU's shape): each token beyond the first adds this
+CHEAP_TOKEN_COST = 0.005
+
+
+def projected_speedup(trace: Trace, own_price: float | None) -> float | None:
+    """A projection, not a measurement: the run's decode steps (its verified widths, its proposer's forwards)
+    priced where a forward over W tokens costs 1 + CHEAP_TOKEN_COST (W - 1) one-token forwards (a flat curve, as on
+    a GPU) and each proposer forward `own_price` of one (its price as measured here; 0 for None; at least one a
+    step that proposed, as the Medusa heads run once a step), against plain decoding's one forward per token; the
+    prefill both pay is left out. None for a run with no decode step."""
+    widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
+    forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent)}
+    committed = sum(e.num_tokens for e in trace.events if isinstance(e, CommitEvent) and e.step in widths)
+    cost = sum(1 + CHEAP_TOKEN_COST * (w - 1) + (own_price or 0.0) * forwards.get(s, 0) for s, w in widths.items())
+    return committed / cost if cost and committed else None

@@ -337,7 +337,7 @@ class EngineWorker:
                        "bytes_used": memory.bytes_used, "bytes_reserved": memory.bytes_reserved},
                 "params": {"num_blocks": self.params.num_blocks, "block_size": self.params.block_size,
                            "max_running": self.params.max_running, "max_batch_tokens": self.params.max_batch_tokens,
-                           "prefix_caching": self.params.prefix_caching},
+                           "prefix_caching": self.params.prefix_caching, "plan": self.params.plan},
                 "proposer": None if engine.proposer is None else {
                     **engine.proposer.describe(),
                     "counts": {source: asdict(counts) for source, counts in engine.counts.items()}}}

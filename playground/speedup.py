@@ -108,7 +108,7 @@ class Speedup:
         parts = [f"a step keeps {self.tokens_per_step:.2f} tokens and costs {self.step_cost:.2f} plain steps "
                  f"(draft {self.draft:.2f}, verify {self.verify:.2f}, other {self.other:.2f})"]
         if self.kept is not None:
-            parts.append(f"{self.kept:.0%} of drafted tokens kept")
+            parts.append(f"{self.kept:.0%} of drafted tokens kept (over its {self.rounds} rounds)")
         if self.prefill >= 0.1:
             parts.append(f"the prompt's prefill, {self.prefill:.0%} of plain decoding's time, costs both alike")
         return "; ".join(parts)
@@ -117,6 +117,22 @@ class Speedup:
         """'1.42x plain decoding (median of 3 rounds)', with its flags when there are any."""
         text = f"{self.speedup:.2f}x plain decoding (median of {self.rounds} round{'s' * (self.rounds > 1)})"
         return text + (" — CHECK: " + "; ".join(self.flags) if self.flags else "")
+
+
+def winner(speedups: dict[str, Speedup]) -> str:
+    """One line naming the fastest entrant by measured tokens/s (plain decoding's row included), its margin over
+    the next, and whether that margin is above the rounds' spread (the larger of the two entrants'), so a race
+    decided by noise says so."""
+    ranked = sorted(speedups.values(), key=lambda s: s.tokens_per_s, reverse=True)
+    best = ranked[0]
+    if len(ranked) < 2 or ranked[1].tokens_per_s <= 0:
+        return f"Fastest: {best.name}"
+    runner_up = ranked[1]
+    margin = best.tokens_per_s / runner_up.tokens_per_s
+    noise = max(best.spread, runner_up.spread)
+    verdict = (f"above the rounds' spread ({noise:.0%})" if margin - 1 > noise else
+               f"within the rounds' spread ({noise:.0%}): a tie on this machine")
+    return f"Fastest: {best.name}, {margin:.2f}x the next ({runner_up.name}), {verdict}"
 
 
 def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:

@@ -23,7 +23,7 @@ from playground.viz.steps import branched
 from .conftest import write_draft_copy
 
 DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-            "seed": None, "kv": "contiguous", "gamma": 4, "max_ngram": 3,
+            "seed": None, "kv": "contiguous", "plan": "measured", "gamma": 4, "max_ngram": 3,
             "num_draft": 8, "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
             "pools": ["prompt", "output", "corpus"], "tree": "small", "tree_nodes": 0,
             "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
@@ -97,9 +97,15 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
 
 def test_play_replays_the_measured_run_in_step_order(client):
     step = decode(client, "Count: one, two, three, four, five.", max_new_tokens=16)[5]
-    frames = list(client.submit(step["maximum"], "1x (as measured)", api_name="/play"))  # at the end: from the start
+    frames = list(client.submit(step["maximum"], "1/4x", api_name="/play"))  # at the end: from the start
     shown = [frame[3]["value"] for frame in frames]
-    assert shown[0] == 0 and shown[-1] == step["maximum"] and shown == sorted(set(shown))
+    assert shown[0] == 0 and shown[-1] == step["maximum"] and shown == sorted(shown)
+    # a step that proposed shows in two beats: its proposal, drafted and being verified, then its verdict
+    beats = [i for i in range(1, len(shown)) if shown[i] == shown[i - 1]]
+    assert beats and all(shown.count(s) <= 2 for s in shown)
+    for i in beats:
+        assert "pg-tok pg-pending" in frames[i - 1][1] and "being verified" in frames[i - 1][2]
+        assert "pg-tok pg-pending" not in frames[i][1] and "being verified" not in frames[i][2]
     assert frames[0][1].count('class="pg-tok ') < frames[-1][1].count('class="pg-tok ')
     with pytest.raises(Exception, match="warp is not in the list of choices"):
         client.predict(0, "warp", api_name="/play")
@@ -288,6 +294,20 @@ def test_theory_tab_gives_the_formula_values_and_refuses_bad_sliders(client):
             client.predict(*bad, api_name="/theory")
 
 
+def test_theory_sliders_are_set_from_the_latest_run_that_drafted() -> None:
+    import gradio as gr
+
+    from playground.ui import theory
+
+    plain = {"algo": "ar", "prompt": "p", "tokens_per_s": 9.0, "token_acceptance": None, "mean_accepted": None,
+             "mean_draft": None}
+    drafted = {**plain, "algo": "medusa", "token_acceptance": 0.634, "mean_draft": 3.6}
+    a, g = theory.from_run([drafted, plain])
+    assert (a["value"], g["value"]) == (0.63, 4)
+    with pytest.raises(gr.Error, match="run Decode or Race with an algorithm that drafts first"):
+        theory.from_run([plain])
+
+
 def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypatch):
     """The panel's model read as its GGUF blocks and as float32: a curve each (this test's fixed curves stand in for
     the measurement), and why a model without blocks has one curve only."""
@@ -296,10 +316,11 @@ def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypa
     from .conftest import TEST_COSTS
 
     monkeypatch.setattr(theory, "forward_costs", lambda model, **how: TEST_COSTS)
-    plot, summary = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
+    plot, summary, v = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
     assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 2
     assert summary.startswith("- GGUF blocks: one token 1000.0 ms") and "\n- float32:" in summary
-    _, summary = client.predict("embedded", "cpu", "bfloat16", api_name="/width_costs")
+    assert v["value"] == pytest.approx((TEST_COSTS.time(5) - 1) / 4, abs=1e-3)  # the slider v, from the GGUF curve
+    _, summary, _ = client.predict("embedded", "cpu", "bfloat16", api_name="/width_costs")
     assert summary.startswith("- GGUF blocks: not measured (weights: gguf needs the CPU")
 
 
@@ -307,7 +328,7 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     lanes, status, table, chart = client.predict(
         "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",
                                                           "lookahead", "plain, paged KV"],
-        12, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
+        12, 0.0, 0, "measured", "embedded", "", "cpu", "float32", "auto", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
     assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "Medusa + prompt copies", "lookahead",
@@ -326,7 +347,7 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
 ])
 def test_race_refuses_a_bad_field_of_entrants(client, racers, message):
     with pytest.raises(Exception, match=re.escape(message)):
-        client.predict("hi", racers, 8, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
+        client.predict("hi", racers, 8, 0.0, 0, "measured", "embedded", "", "cpu", "float32", "auto", api_name="/race")
 
 
 def test_memory_tab_serves_every_request_and_draws_the_pool(client):
@@ -456,8 +477,8 @@ def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
 
     queued = STOPS.start()
     STOPS.stop(queued)
-    frames = list(race_tab.run_race("hi", ["lookahead"], 400, 0.0, 0, "embedded", "", "cpu", "float32", "auto",
-                                    None, queued))
+    frames = list(race_tab.run_race("hi", ["lookahead"], 400, 0.0, 0, "measured", "embedded", "", "cpu", "float32",
+                                    "auto", None, queued))
     assert frames == [race_tab.status_frame(5, 1, STOPPED)]
     STOPS.end(queued)
 
@@ -492,7 +513,8 @@ def test_every_handler_that_runs_a_model_runs_inside_the_gpu_wrapper(client) -> 
     Decode, Race and Memory runs, the model panel's Load and the Theory tab's measurement each run through it."""
     before = Counter(GPU_CALLS)
     decode(client, "Say hi.", max_new_tokens=4)
-    client.predict("hi", ["lookahead"], 4, 0.0, 0, "embedded", "", "cpu", "float32", "auto", api_name="/race")
+    client.predict("hi", ["lookahead"], 4, 0.0, 0, "measured", "embedded", "", "cpu", "float32", "auto",
+                   api_name="/race")
     client.predict(1, 4, 8, 24, 1, True, "none (plain decoding)", "embedded", "", "cpu", "float32", "auto",
                    api_name="/memory")
     client.predict("embedded", "", "cpu", "float32", "auto", api_name="/load_model")

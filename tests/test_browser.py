@@ -50,6 +50,19 @@ def settled(page, slider) -> int:
     raise AssertionError("the slider kept moving after Pause")
 
 
+def replayed(page, slider) -> int:
+    """The last step, once the replay that follows a run has played to it: the slider stands at the last step when
+    the run ends, then the replay rewinds it to step 0 (missed here if it was over within 5 s) and plays on."""
+    last = slider.get_attribute("max")
+    try:
+        expect(slider).not_to_have_value(last, timeout=5_000)
+    except AssertionError:
+        pass  # the replay was over before the check (or a frame went unseen): it ends on the last step either way
+    expect(slider).to_have_value(last, timeout=120_000)
+    assert settled(page, slider) == int(last)
+    return int(last)
+
+
 def shoot(page, name: str) -> None:
     """Full-page screenshots at both viewports; no element may be wider than a phone's screen."""
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -126,9 +139,7 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     # the measured run replays by itself and ends on its last step (a step the replay holds for over a second, on a
     # busy machine, would look settled before its end)
     slider = page.locator("#pg-step input[type=range]")
-    last = slider.get_attribute("max")
-    expect(slider).to_have_value(last, timeout=30_000)
-    assert settled(page, slider) == int(last)
+    last = str(replayed(page, slider))
     tokens = page.locator("#pg-generated .pg-tok")
     assert tokens.count() > 3
     assert page.locator("#pg-generated .pg-accepted").count() > 0
@@ -143,6 +154,11 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     assert generated.evaluate("e => getComputedStyle(e).overflowY") == "auto"
     assert generated.bounding_box()["y"] + generated.bounding_box()["height"] <= page.locator(
         "#pg-stats").bounding_box()["y"]
+    # above the fold at 1440x900: the text, the headline and the player (the templated prompt scrolls in its box)
+    page.evaluate("window.scrollTo(0, 0)")
+    play = page.get_by_role("button", name="▶ Play").bounding_box()
+    headline = page.locator("#pg-stats h3").bounding_box()
+    assert max(play["y"] + play["height"], headline["y"] + headline["height"]) <= WIDE["height"], (play, headline)
     # the clean view shows the text alone, and switches back
     page.get_by_label("clean text").check()
     expect(page.locator("#pg-generated .pg-clean")).to_be_visible()
@@ -190,6 +206,33 @@ def test_uploaded_trace_replays(page, tmp_path):
     page.locator("#pg-upload input[type=file]").set_input_files(str(bad))
     expect(page.get_by_text("trace file is not a valid trace").first).to_be_visible(timeout=30_000)
     page.screenshot(path=str(SHOTS / "replay-error.png"), full_page=True)
+
+
+def test_as_set_shows_a_tree_drafted_and_judged_on_this_machines_costs(page, monkeypatch):
+    """With the forward costs this machine measures (not the tests' fixed curve), the Decode tab's default plan
+    ("as set") verifies Medusa's trees: the replay shows the drafted tokens, their verdicts and the tree in the
+    step detail, whatever the CPU's price of a wide forward."""
+    from playground.decoding import costs
+    from playground.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "forward_costs", costs.forward_costs)
+    page.reload()  # no earlier run's stats on the page
+    expect(page.locator("#pg-legend")).to_contain_text("accepted", timeout=30_000)
+    page.get_by_label("Medusa (tree)").first.check()
+    page.get_by_label("Prompt", exact=True).fill("List five fruits that are rich in vitamin C.")
+    page.get_by_role("button", name="Decode").click()
+    expect(page.locator("#pg-stats")).to_contain_text("tok/s", timeout=180_000)
+    last = replayed(page, page.locator("#pg-step input[type=range]"))
+    assert page.locator("#pg-generated .pg-accepted").count() > 0  # drafted tokens the target kept
+    visited, proposing, trees = 0, 0, 0
+    for step in range(last, max(last - 12, 0), -1):  # the last dozen steps, one step back at a time
+        expect(page.locator("#pg-step-detail")).to_contain_text(f"step {step}:", timeout=10_000)
+        visited += 1
+        proposing += "nothing proposed" not in page.locator("#pg-step-detail").inner_text()
+        trees += page.locator("#pg-step-detail .pg-tree").count() > 0  # a tree beyond a chain with runners-up
+        page.get_by_role("button", name="◀ Step").click()
+    assert proposing >= visited - 2 and trees >= 2, (visited, proposing, trees)
+    page.reload()  # the other tests' algorithm and state
 
 
 def test_race_replays_every_lane_and_fills_the_table(page):

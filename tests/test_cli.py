@@ -34,7 +34,8 @@ def test_generate_json_and_trace(tmp_path, target) -> None:
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["Say hi.", "Count to three."]
     for i, record in enumerate(records):
-        assert set(record) == {"prompt", "text", "token_ids", "metrics"}
+        assert set(record) == {"prompt", "text", "token_ids", "metrics", "plan", "drafting_note"}
+        assert record["plan"] == "measured" and record["drafting_note"] is None  # plain decoding drafts nothing
         assert set(record["metrics"]) == METRIC_KEYS
         assert record["metrics"]["mean_accepted_tokens"] is None and record["metrics"]["acceptance_rate"] is None
         assert 1 <= len(record["token_ids"]) <= 6

@@ -282,3 +282,20 @@ def test_step_player_shows_the_last_step_and_rerenders_on_every_move():
     assert view.value == "<b>step 2</b>" and seen == [5, 2]
     with pytest.raises(ValueError, match="last must be >= first"):
         step_player(render, 3, 2)
+
+
+def test_a_step_shows_its_proposal_before_its_verdict_and_names_what_sits_beside_its_first_token():
+    """The replay's first beat of a step: its proposal drafted ("pending") and being verified, no verdict yet; the
+    step's second beat is its verdict. Beside a chain's first token sit the draft's runner-up, the heads' other
+    guess, or prompt lookup's second copy."""
+    events = sibling_events()
+    assert states(token_views(events, 1, proposing=True)) == [
+        (10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
+    proposing = render_step_detail(events, 1, {11: "a", 12: "b", 13: "c"}.get, proposing=True)
+    shown = proposing.split("</style>")[-1]
+    assert "being verified..." in shown and " accepted" not in shown and "committed" not in shown
+    assert "1 accepted, 1 rejected" in render_step_detail(events, 1, {11: "a", 12: "b", 13: "c"}.get)
+    heads = [replace(e, draft_forwards=0) if isinstance(e, DraftEvent) else e for e in events]
+    assert "beside its first token runner-up" in render_step_detail(heads, 1)
+    copies = [replace(e, source=[0, 2], ngram=1) if isinstance(e, DraftEvent) else e for e in heads]
+    assert "beside its first token a second copy" in render_step_detail(copies, 1)

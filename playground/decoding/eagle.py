@@ -114,7 +114,7 @@ class EagleProposer(Proposer):
             return {}
         # Each drafted depth costs a head forward besides the wider verification: as deep as the guesses' kept
         # share so far says pays for both.
-        price = self.own()
+        price = cost.price(self.own)
         depth = guess_depth(self.calibration.expected_tokens(self.depth), [room for _, room in ready], cost,
                             lambda places: places * price)
         if not depth:

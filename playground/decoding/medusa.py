@@ -90,7 +90,7 @@ class MedusaGuesser(Guesser):
         model, depth = self.target.model, min(longest, self.depth)
         # the heads run once a step whatever the tree: only where the tokens their guesses are expected to add so
         # far pay for them besides the wider verification
-        price = self.own()
+        price = cost.price(self.own)
         if not guess_depth(self.calibration.expected_tokens(depth), rooms, cost, lambda places: price):
             return {}
         start = time.perf_counter()

@@ -130,13 +130,20 @@ class Outcome:
 @dataclass(frozen=True, slots=True)
 class Cost:
     """What the step's decode forward costs by width, relative to the same batch's one-token forward (cost(1) = 1),
-    and that one-token forward's seconds on this machine (`one_s`), against which a proposer prices its own work."""
+    and that one-token forward's seconds on this machine (`one_s`), against which a proposer prices its own work.
+    Under the "as-set" plan (`as_set`) every width a forward can take costs one and a proposer's own forwards
+    nothing, so every plan verifies all its settings ask for; `one_s` still times the proposer's forwards."""
 
     relative: Callable[[int], float]
     one_s: float
+    as_set: bool = False
 
     def __call__(self, width: int) -> float:
         return self.relative(width)
+
+    def price(self, own: Callable[[], float]) -> float:
+        """A proposer's own forward in one-token target forwards: `own()` (an `OwnCost`), or 0 as set."""
+        return 0.0 if self.as_set else own()
 
 
 class Proposer(ABC):

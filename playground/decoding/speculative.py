@@ -100,7 +100,7 @@ class DraftGuesser(Guesser):
                 cost: Cost) -> dict[int, Guesses]:
         # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
         # tokens' acceptance so far says pays for both.
-        price = self.own()
+        price = cost.price(self.own)
         depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
                                          lambda places: places * price))
         start = time.perf_counter()

@@ -1,9 +1,9 @@
 """The engine: a scheduler that never touches tensors, a runner that never touches queues, and a step that reads
 schedule -> propose -> verify -> accept -> commit."""
 
-from .engine import Engine, ProposalCounts, RequestOutput
+from .engine import Engine, ProposalCounts, RequestOutput, one_request_costs
 from .generate import generate, stream_generate
 from .scheduler import Request, Scheduler, Status, StepPlan
 
 __all__ = ["Engine", "ProposalCounts", "Request", "RequestOutput", "Scheduler", "Status", "StepPlan", "generate",
-           "stream_generate"]
+           "one_request_costs", "stream_generate"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -33,6 +33,12 @@ from ..waits import to_device
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
+
+
+def one_request_costs(target: LoadedModel) -> Callable[[int], float]:
+    """What a one-request engine's decode forward costs by width on this machine, in one-token forwards (the curve
+    the engine plans on): what reports quote when they say why a run drafted little."""
+    return partial(forward_costs(target.model, forwards=target.forwards).step_cost, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +222,13 @@ class Engine:
         batch = len(plan.decode)
 
         widest = self.runner.forwards.max_width or math.inf
+        as_set = self.params.plan == "as-set"
 
         def relative(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
-            return self.costs.step_cost(batch, width) if width <= widest else math.inf
-        cost = Cost(relative, self.costs.time(batch))
+            if width > widest:
+                return math.inf
+            return 1.0 if as_set else self.costs.step_cost(batch, width)
+        cost = Cost(relative, self.costs.time(batch), as_set)
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]

@@ -31,7 +31,8 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     prompt_ids = encode_prompt(target, prompt, generation) if isinstance(prompt, str) else list(prompt)
     tokens = len(prompt_ids) + generation.max_new_tokens + SPARE_TOKENS
     params = EngineParams(num_blocks=blocks_for(tokens, generation.block_size), block_size=generation.block_size,
-                          max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1, kv=generation.kv)
+                          max_batch_tokens=len(prompt_ids) + SPARE_TOKENS, max_running=1, kv=generation.kv,
+                          plan=generation.plan)
     engine = Engine(target, params, record_blocks=False, proposer=proposer, trace=True, costs=costs)
     request = engine.requests[engine.add_request(prompt_ids, sampling, generation)]
     text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt_ids)
@@ -69,4 +70,5 @@ def header(sampling: SamplingParams, generation: GenerationParams, proposer: Pro
     """The settings a trace records: sampling, length, cache, and the proposer's own."""
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "seed": sampling.seed, "max_new_tokens": generation.max_new_tokens, "raw": generation.raw,
-            "kv": generation.kv, "block_size": generation.block_size, **(proposer.describe() if proposer else {})}
+            "kv": generation.kv, "block_size": generation.block_size, "plan": generation.plan,
+            **(proposer.describe() if proposer else {})}

@@ -21,11 +21,11 @@ from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GP
                       LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, EagleParams,
                       GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams,
                       SpeculativeParams, check_int)
-from ..engine import generate, stream_generate
+from ..engine import generate, one_request_costs, stream_generate
 from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
-from ..metrics import Metrics, compute, mean_draft_length
+from ..metrics import Metrics, compute, depth_profile, drafting_note, mean_draft_length, projected_speedup
 from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
@@ -42,6 +42,8 @@ ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculat
          "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa",
          "EAGLE (tree)": "eagle"}
 ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical"}
+AS_SET = "as set"
+PLANS = {AS_SET: "as-set", "measured": "measured"}  # the Plan control's choices -> `config.PLANS`
 EXAMPLES = [
     ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
      "two miles. The council said the extension will be finished next spring.", "prompt lookup"],
@@ -54,6 +56,7 @@ EXAMPLES = [
 LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
 POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
+PROPOSAL_S = 0.3  # how long a replayed step's proposal shows before its verdict (the replay's clock waits)
 # replay pace, as a share of the measured one
 SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/30x": 1 / 30}
 
@@ -129,20 +132,32 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: float | None = None) -> str:
+def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: float | None = None,
+           note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers;
     own_cost: what the proposer's plans price a drafting forward of its own at, in target forwards (as measured
-    once it has drafted a few steps)."""
+    once it has drafted a few steps); note: why the run drafted little (`metrics.drafting_note`), if it did;
+    projected: `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that
+    kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by
+    position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
         parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
+    if note is not None:
+        parts.append(markdown_text(note, 400))
     if m.acceptance_rate is not None:
         parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
+    if kept_at:
+        parts.append("steps that kept at least 1, 2, ... drafted tokens: "
+                     + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
     if own_cost is not None:
         parts.append(f"a drafting forward priced at {own_cost:.2f} target forwards")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
+    if projected is not None:
+        parts.append(f"*projection, not measured:* {projected:.2f}x plain decoding's steps where a forward over a "
+                     "few tokens costs about one (a flat curve, as on a GPU)")
     head = ("" if against is None else
             f"### {markdown_text(against.headline(), 600)}\n{markdown_text(against.why(), 300)}\n\n")
     return head + " · ".join(parts)
@@ -153,12 +168,13 @@ def _steps(trace: Trace) -> int:
 
 
 def render(events: list[Event], prompt_tokens: list[str], token_text: TokenText, upto_step: int | None = None,
-           tokenized: bool = True) -> tuple[str, str, str]:
-    """(prompt HTML with the lookup source highlighted, generated tokens HTML, step detail HTML) as of a step.
-    An untokenized prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
+           tokenized: bool = True, proposing: bool = False) -> tuple[str, str, str]:
+    """(prompt HTML with the lookup source highlighted, generated tokens HTML, step detail HTML) as of a step; with
+    `proposing`, between its proposal and its verdict. An untokenized prompt (a replayed trace, no tokenizer) has
+    no token positions to highlight."""
     source = _source_span(events, upto_step) if tokenized else None
-    return (render_prompt(prompt_tokens, source), render_tokens(events, upto_step),
-            render_step_detail(events, upto_step, token_text))
+    return (render_prompt(prompt_tokens, source), render_tokens(events, upto_step, proposing),
+            render_step_detail(events, upto_step, token_text, proposing))
 
 
 def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool,
@@ -193,7 +209,7 @@ def _save(trace: Trace) -> str:
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
-               seed: Any, kv: str, gamma: Any, max_ngram: Any, num_draft: Any,
+               seed: Any, kv: str, plan: str, gamma: Any, max_ngram: Any, num_draft: Any,
                window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
                tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
                dtype: str, weights: str, history: list[dict[str, Any]] | None, run: int | None = None,
@@ -211,7 +227,10 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             raise ConfigError("prompt must be a non-empty string")
         sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
                                   top_p=as_float("top_p", top_p), seed=as_seed(seed))
-        generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv)
+        if plan not in PLANS:
+            raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {plan!r}")
+        generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv,
+                                      plan=PLANS[plan])
         algo = ALGOS[algo_label]
         names = [algo] if algo == PLAIN else [algo, PLAIN]
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
@@ -236,6 +255,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status,
                                      partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
+        yield status(f"not run: {markdown_text(str(exc), 300)}")  # not "loading model ..." left standing
         raise gr.Error(str(exc), duration=None) from exc
     if traces is None:
         yield status(STOPPED)
@@ -252,7 +272,11 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     own_cost = proposers[algo].own_cost() if proposers[algo] is not None else None
-    yield (*render(trace.events, prompt_tokens, token_text), _stats(metrics, against, same, own_cost), state,
+    note = drafting_note(trace, one_request_costs(target)) if proposers[algo] is not None else None
+    projected = projected_speedup(trace, own_cost) if metrics.drafted else None
+    kept_at = depth_profile(trace).get("kept_at_least") if metrics.drafted else None
+    yield (*render(trace.events, prompt_tokens, token_text),
+           _stats(metrics, against, same, own_cost, note, projected, kept_at), state,
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
@@ -293,13 +317,16 @@ def nudge(state: dict | None, step: Any, delta: int) -> tuple[str, str, str, dic
 
 def play(state: dict | None, step: Any, speed: str):
     """Replay from the slider's step (from the start when it stands at the end) at `speed` times the pace the run
-    was measured at, one frame per step reached; yields (prompt HTML, tokens HTML, step detail, slider)."""
+    was measured at, one frame per step reached; a step that proposed shows in two beats, its proposal (held
+    PROPOSAL_S, the replay's clock waiting meanwhile) and then its verdict. Yields (prompt HTML, tokens HTML, step
+    detail, slider)."""
     if speed not in SPEEDS:
         raise gr.Error(f"replay speed must be one of {', '.join(SPEEDS)}, got {speed!r}")
     trace, tokens, tokenized, text = _replayed(state)
     ends = [0.0] * (_steps(trace) + 1)  # engine time at which each step ended
     for event in trace.events:
         ends[event.step] = max(ends[event.step], event.t)
+    proposed = {e.step for e in trace.events if isinstance(e, DraftEvent)}
     first = as_int("step", step)
     first = 0 if first >= len(ends) - 1 else first
     start, shown = time.perf_counter(), -1
@@ -308,6 +335,10 @@ def play(state: dict | None, step: Any, speed: str):
         now = max(first, bisect.bisect_right(ends, t) - 1)
         if now != shown:
             shown = now
+            if now in proposed and now != first:
+                yield *render(trace.events, tokens, text, now, tokenized, proposing=True), gr.update(value=now)
+                time.sleep(PROPOSAL_S)
+                start += PROPOSAL_S
             yield *render(trace.events, tokens, text, shown, tokenized), gr.update(value=shown)
         time.sleep(FRAME_S)
 
@@ -382,6 +413,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                     acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
                                           label="Medusa acceptance when sampling")
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
+            plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
+                            info="as set: verify all the settings ask for, to see the algorithm work; measured: only "
+                                 "what pays on this machine (may switch drafting off)")
             # each field shows for the algorithms it sets (FIELDS_OF), so a visitor sees only what matters
             fields = {"gamma": gamma, "copy_ngram": copy_ngram, "max_ngram": max_ngram, "num_draft": num_draft,
                       "window": window, "ngram": ngram, "guesses": guesses, "context": context,
@@ -411,7 +445,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             # in the browser only: the panel holds both views (`render_tokens`), the class picks one
             view.change(None, [view], None, api_name=False, js="(v) => document.querySelector('#pg-generated')"
                         ".classList.toggle('pg-show-clean', v === 'clean text')")
-            stats = gr.Markdown(elem_id="pg-stats")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False, elem_id="pg-step")
             with gr.Row(elem_id="pg-player"):
                 play_button = gr.Button("▶ Play", size="sm", min_width=70)
@@ -420,6 +453,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 forward = gr.Button("Step ▶", size="sm", min_width=70)
                 speed = gr.Dropdown(list(SPEEDS), value="1/4x", label="replay speed", show_label=False,
                                     container=False, min_width=110, elem_id="pg-speed")
+            stats = gr.Markdown(elem_id="pg-stats")
             detail = gr.HTML(label="Step detail", show_label=True, container=True, elem_id="pg-step-detail")
             with gr.Row():
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
@@ -430,8 +464,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Accordion("Per-step table", open=False):
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
-    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, gamma, max_ngram, num_draft, window,
-              ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model, history]
+    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, plan, gamma, max_ngram, num_draft,
+              window, ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model,
+              history]
     shown = [prompt_view, tokens_view, detail]
     # Decode stays disabled while a run measures; the replay of what it measured follows on its own
     decoding = stoppable(run, stop, on_gpu(run_decode), inputs,
@@ -441,6 +476,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                               show_progress="hidden")
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
     stop.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
+    # a new run ends the replay of the previous one, which would otherwise paint its old trace over the new run
+    run.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
     pause.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
     back.click(partial(nudge, delta=-1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
     forward.click(partial(nudge, delta=1), [state, step], [*shown, step], api_name=False, show_progress="hidden")

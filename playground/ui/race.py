@@ -12,13 +12,14 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..engine import generate, stream_generate
-from ..metrics import compute
+from ..engine import generate, one_request_costs, stream_generate
+from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
-from ..speedup import ROUNDS, Speedup, compare, median_run
+from ..speedup import ROUNDS, Speedup, compare, median_run, winner
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import FRAME_S, LOOKAHEAD, as_float, as_int, as_seed, build_proposer, history_entry
+from .decode import (AS_SET, FRAME_S, LOOKAHEAD, PLANS, as_float, as_int, as_seed, build_proposer, history_entry,
+                     markdown_text)
 from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
@@ -50,8 +51,10 @@ PROMPT = ("Summarise in one sentence: The library will close for renovation from
           "closure, books can be returned at the town hall.")
 
 
-def _row(s: Speedup, same: bool | None) -> list[Any]:
-    return [s.name, round(s.tokens_per_s, 1), round(s.speedup, 2), round(s.tokens_per_step, 2),
+def _row(s: Speedup, same: bool | None, proposed: bool = True) -> list[Any]:
+    """A lane's table row; a lane that proposed nothing shows no speedup (its ratio to plain decoding is noise)."""
+    return [s.name, round(s.tokens_per_s, 1), round(s.speedup, 2) if proposed else "proposed nothing",
+            round(s.tokens_per_step, 2),
             f"{s.step_cost:.2f} = {s.draft:.2f} + {s.verify:.2f} + {s.other:.2f}",
             None if s.kept is None else f"{s.kept:.0%}",
             "n/a (sampling)" if same is None else ("yes" if same else "NO"), "; ".join(s.flags) or "ok"]
@@ -63,7 +66,7 @@ def replay_speed(end_s: float) -> float:
     return min(max(end_s / longest, 1.0), end_s / shortest) if end_s > 0 else 1.0
 
 
-def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any,
+def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any, plan: str,
              model_source: str, draft_source: str, device: str, dtype: str, weights: str,
              history: list[dict[str, Any]] | None, run: int | None = None, request: gr.Request | None = None):
     """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay.
@@ -79,6 +82,8 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
+        if plan not in PLANS:
+            raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {plan!r}")
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         names = [PLAIN, *chosen]
         if STOPS.stopped(run):  # while it waited in the queue
@@ -93,20 +98,29 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
             algo, kv, _ = ENTRANTS[name]
-            generate(target, prompt, proposers[name], sampling, GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv),
-                     algo)
+            generate(target, prompt, proposers[name], sampling,
+                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv, plan=PLANS[plan]), algo)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
-                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1]), ENTRANTS[name][0])
+                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1], plan=PLANS[plan]),
+                                 ENTRANTS[name][0])
                    for name in names}
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
+        yield status(f"not run: {markdown_text(str(exc), 300)}")  # not "loading model ..." left standing
         raise gr.Error(str(exc), duration=None) from exc
     if traces is None:
         yield status(STOPPED)
         return
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
-    lanes = [Lane(name, trace.events, speedups[name].why() if name != PLAIN else "") for name, trace in shown.items()]
+    metrics = {name: compute(trace) for name, trace in shown.items()}
+    # a lane that drafted in no round proposed nothing: it says why instead of a speedup
+    idle = {name for name in names[1:]
+            if ENTRANTS[name][0] != "ar" and not any(compute(t).drafted for t in traces[name])}
+    costs = one_request_costs(target)
+    lanes = [Lane(name, trace.events, "" if name == PLAIN else
+                  drafting_note(trace, costs) or "" if name in idle else speedups[name].why())
+             for name, trace in shown.items()]
     end = max(lane.wall_s for lane in lanes)
     speed = replay_speed(end)
     pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
@@ -116,12 +130,12 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         yield render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", gr.update(), gr.update(), gr.update()
         time.sleep(FRAME_S)
     plain = shown[PLAIN].finish().token_ids
-    rows = [_row(speedups[name], trace.finish().token_ids == plain if sampling.greedy else None)
+    rows = [_row(speedups[name], trace.finish().token_ids == plain if sampling.greedy else None, name not in idle)
             for name, trace in shown.items()]
     flagged = sum(bool(s.flags) for s in speedups.values())
-    done = (f"replayed {pace} (each lane: its median round of {ROUNDS}). Engine time only; page drawing is never "
-            "counted." + (f" **{flagged} row(s) flagged: see the check column.**" if flagged else ""))
-    metrics = {name: compute(trace) for name, trace in shown.items()}
+    done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "
+            f"{PLANS[plan]}). Engine time only; page drawing is never counted."
+            + (f" **{flagged} row(s) flagged: see the check column.**" if flagged else ""))
     yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in shown.items()}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
@@ -142,6 +156,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
                 seed = gr.Number(0, label="seed (-1 = random)", step=1)
+            plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
+                            info="as set: every lane verifies all its settings ask for; measured: only what pays "
+                                 "on this machine")
             with gr.Row():
                 run = gr.Button("Race", variant="primary", scale=3)
                 stop = gr.Button(STOP, variant="stop", scale=1)
@@ -152,5 +169,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                          # widths in pixels: on a phone the table scrolls sideways instead of crushing its columns
                          column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "320px"])
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
-    stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, *model, history],
+    stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, plan, *model,
+                                             history],
               [lanes, status, table, chart, history], api_name="race", show_progress="hidden")

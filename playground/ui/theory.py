@@ -50,10 +50,22 @@ def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, histo
     return theory_figure(a, g, c, measured_points(history), v), summary
 
 
+def from_run(history: list[dict[str, Any]] | None):
+    """The sliders a and g set from this session's latest run that drafted (Decode or Race): its acceptance of the
+    tokens the target judged and its mean draft length."""
+    drafted = [run for run in history or [] if run["token_acceptance"] is not None and run["mean_draft"]]
+    if not drafted:
+        raise gr.Error("set from a run: run Decode or Race with an algorithm that drafts first")
+    run = drafted[-1]
+    return gr.update(value=round(run["token_acceptance"], 2)), gr.update(value=min(max(round(run["mean_draft"]), 1),
+                                                                                   MAX_GAMMA))
+
+
 def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr.Progress()):
     """The panel's model read both ways (its GGUF blocks where it has them, and float32): each format's forward cost
-    by width on this machine (measured once, a few seconds each, then cached), and the v each implies."""
-    curves, lines = {}, []
+    by width on this machine (measured once, a few seconds each, then cached), and the v each implies; the slider v
+    set from the first (the format the panel's model reads by default where it has blocks)."""
+    curves, lines, first_v = {}, [], None
     try:
         for weights in ("gguf", "float32"):
             spec = target_spec(source, device, dtype, weights)
@@ -69,12 +81,14 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
             label = "GGUF blocks" if weights == "gguf" else "float32"
             curves[label] = costs
             v = (costs.time(5) / costs.time(1) - 1) / 4
+            first_v = v if first_v is None else first_v
             lines.append(f"- {label}: one token {1e3 * costs.time(1):.1f} ms, 5 tokens "
                          f"{costs.time(5) / costs.time(1):.2f} one-token forwards (v = {v:.3f} per extra token), "
                          f"12 tokens {costs.time(12) / costs.time(1):.2f}")
     except (ConfigError, ModelLoadError) as exc:
         raise gr.Error(str(exc)) from exc
-    return width_cost_figure(curves), "\n".join(lines)
+    lines.append(f"The slider v is set to {first_v:.3f}, this machine's.")
+    return width_cost_figure(curves), "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3))
 
 
 def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...],
@@ -93,6 +107,7 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
         gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="draft length g")
         cost_ratio = gr.Slider(0, 1, value=0.15, step=0.01, label="cost ratio c (draft / target forward)")
         verify_cost = gr.Slider(0, 1, value=0, step=0.005, label="verify cost v (per drafted token)")
+    set_from_run = gr.Button("Set a and g from the latest run that drafted", size="sm", scale=0)
     summary = gr.Markdown(elem_id="pg-theory-summary")
     plot = gr.Plot(elem_id="pg-theory-plot")
     inputs = [acceptance, gamma, cost_ratio, verify_cost, history]
@@ -100,12 +115,14 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
         control.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     history.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
     app.load(update, inputs, [plot, summary], api_name="theory")
+    set_from_run.click(from_run, [history], [acceptance, gamma], api_name=False)
     gr.Markdown("### What a wider forward costs here\nThe v above, measured: read as float32, the weights make a "
                 "one-token forward wait on memory, so a few more tokens ride along almost free. Read as GGUF blocks "
                 "(a fifth of the bytes), the same forward is bound by arithmetic instead: it is faster, and each "
                 "extra token costs more of it. The engine plans every step's width from these curves.")
-    measure = gr.Button("Measure on this machine", scale=0)
+    measure = gr.Button("Measure on this machine (and set v above from it)", scale=0)
     costs_plot = gr.Plot(elem_id="pg-width-costs")
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
     source, _, device, dtype, _ = model
-    measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary], api_name="width_costs")
+    measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary, verify_cost],
+                  api_name="width_costs")

@@ -81,11 +81,12 @@ def branched(draft: DraftEvent) -> bool:
     return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
 
 
-def render_draft_tree(draft: DraftEvent, decisions: list[Event]) -> str:
+def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool = False) -> str:
     """A proposal tree as its draft event carries it (token i + 1 follows token `parent`, 0 the last committed
     token; None: the token before it), with the texts the trace recorded: the path the target kept in the accepted
     style, the node it refused there struck through, every other node not judged; q the proposal's probability,
-    p the target's where it judged the node."""
+    p the target's where it judged the node. proposing: before the verdict, every node in the drafted style."""
+    undecided = "pending" if proposing else "discarded"
     children: dict[int, list[int]] = {}
     for node, token in enumerate(draft.tokens, start=1):
         children.setdefault(node - 1 if token.parent is None else token.parent, []).append(node)
@@ -107,23 +108,26 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event]) -> str:
             token = draft.tokens[node - 1]
             meta = [f"q {token.q:.2f}"] if token.q is not None else []
             meta += [f"p {judged[node]:.2f}"] if judged.get(node) is not None else []
-            items.append(f'<li><span class="pg-tok pg-{states.get(node, "discarded")}">'
+            items.append(f'<li><span class="pg-tok pg-{states.get(node, undecided)}">'
                          f'{html.escape(repr(token.text)[1:-1])}</span><span class="pg-meta">{" · ".join(meta)}</span>'
                          f'{branch(node)}</li>')
         return f"<ul>{''.join(items)}</ul>" if items else ""
     kept = sum(state == "accepted" for state in states.values())
-    return (f"<div>Proposal tree ({len(draft.tokens)} nodes, {kept} accepted; q: proposal probability, p: target "
+    outcome = "being verified" if proposing else f"{kept} accepted"
+    return (f"<div>Proposal tree ({len(draft.tokens)} nodes, {outcome}; q: proposal probability, p: target "
             f"probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>{branch(0)}</div>")
 
 
-def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None) -> str:
+def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None,
+                       proposing: bool = False) -> str:
     """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
     first) and the pool's candidates for the last token, the verified one outlined. Token ids are shown as text
-    when a tokenizer's `token_text` is given (a replayed trace without a model shows ids)."""
+    when a tokenizer's `token_text` is given (a replayed trace without a model shows ids). proposing: the step
+    before its verdict (what it proposed, being verified)."""
     events = list(events)
     if step is None:
         step = max((e.step for e in events), default=0)
-    mine = [e for e in events if e.step == step]
+    mine = [e for e in events if e.step == step and (not proposing or isinstance(e, (DraftEvent, LookaheadEvent)))]
     parts = [f"<style>{token_css()}{detail_css()}</style><div class='pg-detail'><b>step {step}</b>: "]
     draft = next((e for e in mine if isinstance(e, DraftEvent)), None)
     commit = next((e for e in mine if isinstance(e, CommitEvent)), None)
@@ -135,16 +139,19 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
                   if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards else "")
         if token_text is None:  # a trace carries each proposed token's text: show it rather than ids
             token_text = texts_of(draft)
+        verdict = "being verified..." if proposing else f"{verdicts[0]} accepted, {verdicts[1]} rejected"
         if branched(draft):
-            parts.append(f"proposed a tree of {len(draft.tokens)} tokens{origin}; "
-                         f"{verdicts[0]} accepted, {verdicts[1]} rejected")
+            parts.append(f"proposed a tree of {len(draft.tokens)} tokens{origin}; {verdict}")
         else:
             chain = [t.id for i, t in enumerate(draft.tokens) if not draft.is_sibling(i)]
             siblings = [t.id for i, t in enumerate(draft.tokens) if draft.is_sibling(i)]
-            label = "runner-up" if len(siblings) == 1 else "runners-up"
-            beside = f"; beside its first token the draft's {label} {_ngram(siblings, token_text)}" if siblings else ""
-            parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; "
-                         f"{verdicts[0]} accepted, {verdicts[1]} rejected")
+            if draft.source:  # prompt lookup's further copies, each starting where the first does
+                label = "a second copy" if len(siblings) == 1 else f"{len(siblings)} more copies"
+            else:  # a draft model's runner-up, or the heads' other guesses for that place
+                label = ("the draft's " if draft.draft_forwards else "") + (
+                    "runner-up" if len(siblings) == 1 else "runners-up")
+            beside = f"; beside its first token {label} {_ngram(siblings, token_text)}" if siblings else ""
+            parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; {verdict}")
     if commit is not None:
         parts.append(f"; {commit.num_tokens} token(s) committed (draft {1000 * commit.draft_s:.1f} ms, "
                      f"verify {1000 * commit.verify_s:.1f} ms)")
@@ -153,14 +160,16 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
         rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{_text(i, token_text)}</td>' for i in row)}</tr>"
                        for r, row in enumerate(look.window))
         chosen = [t.id for t in draft.tokens] if draft else None
+        outlined = ("" if not look.candidates else " (verified one outlined)" if chosen else
+                    " (none verified this step: the plan did not pay for a wider forward)")
         keys = look.keys or [1] * len(look.candidates)
         hits = "".join(f"{_ngram(c, token_text, 'pg-verified' if c == chosen else '')}<sub>after {k}</sub>"
                        for c, k in zip(look.candidates, keys))
         parts.append(f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
                      f"n-gram for the pool):</div><table>{rows}</table>"
                      f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s), each found after the "
-                     f"last k tokens{' (verified one outlined)' if look.candidates else ''}: {hits or '-'}</div>")
+                     f"last k tokens{outlined}: {hits or '-'}</div>")
     if draft is not None and branched(draft):
-        parts.append(render_draft_tree(draft, mine))
+        parts.append(render_draft_tree(draft, mine, proposing))
     parts.append("</div>")
     return "".join(parts)

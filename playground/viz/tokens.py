@@ -32,9 +32,10 @@ def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, pr
     return {AcceptEvent: "accepted", RejectEvent: "rejected", CorrectEvent: "corrected"}[type(event)]
 
 
-def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[TokenView]:
+def token_views(events: Iterable[Event], upto_step: int | None = None, proposing: bool = False) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
+    proposing: as they stood between that step's proposal and its verdict (its proposal pending, "drafted").
     A proposal left undecided is shown as discarded where it stood behind a rejection (it hangs below the refused
     node); any other (a runner-up or a branch of a tree beside the kept path) lost to the token beside it and is
     dropped from the text; the step detail shows it."""
@@ -46,6 +47,8 @@ def token_views(events: Iterable[Event], upto_step: int | None = None) -> list[T
     for event in events:
         if upto_step is not None and event.step > upto_step:
             break
+        if proposing and event.step == upto_step and not isinstance(event, DraftEvent):
+            continue  # the step's verdict has not come yet
         if isinstance(event, DraftEvent):
             proposed_steps.add(event.step)
             for index, info in enumerate(event.tokens):
@@ -100,10 +103,11 @@ def _span(text: str, classes: str, title: str | None = None) -> str:
 COMMITTED = ("generated", "accepted", "corrected", "bonus")  # the states of tokens that are part of the text
 
 
-def render_tokens(events: Iterable[Event], upto_step: int | None = None) -> str:
+def render_tokens(events: Iterable[Event], upto_step: int | None = None, proposing: bool = False) -> str:
     """The generated text as coloured token spans (HTML), and beside them, hidden unless a `pg-show-clean` class
-    above shows it instead, the text alone: the committed tokens as the output has them."""
-    views = token_views(events, upto_step)
+    above shows it instead, the text alone: the committed tokens as the output has them. proposing: see
+    `token_views`."""
+    views = token_views(events, upto_step, proposing)
     spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in views)
     clean = html.escape("".join(v.token.text for v in views if v.state in COMMITTED))
     return (f'<style>{token_css()} .pg-clean {{ display: none; white-space: pre-wrap; }}</style>'

@@ -1,0 +1,98 @@
+"""The plan choice: "as-set" verifies all an algorithm's settings ask for, whatever this machine's forward costs say;
+"measured" what pays. Both keep every algorithm greedy-exact; the reports say why a run drafted little."""
+
+from __future__ import annotations
+
+import pytest
+
+from playground.__main__ import summary_line
+from playground.config import EngineParams, GenerationParams, SpeculativeParams
+from playground.decoding.costs import ForwardCosts
+from playground.decoding.registry import build_proposer
+from playground.engine import Engine, generate
+from playground.metrics import CHEAP_TOKEN_COST, compute, drafting, drafting_note, projected_speedup
+from playground.speedup import Speedup, winner
+from playground.trace import VerifyEvent
+
+from .prompts import NEW_TOKENS, PROMPTS
+
+ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
+# a host where every token of a forward costs as much as a one-token forward: drafting never pays
+STEEP = ForwardCosts((1, 2, 64), (1.0, 2.0, 64.0))
+
+
+@pytest.fixture(scope="module")
+def proposers(target):
+    return {algo: build_proposer(target, algo) for algo in ALGOS}
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_as_set_keeps_every_algorithm_plain_decoding(target, plain_outputs, proposers, kv) -> None:
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, kv=kv, block_size=4, plan="as-set")
+    for algo, proposer in proposers.items():
+        for prompt in PROMPTS[:4]:
+            output, trace = generate(target, prompt, proposer, None, generation, costs=STEEP)
+            assert output.token_ids == plain_outputs[prompt], (algo, kv, prompt)
+            assert trace.params["plan"] == "as-set"
+
+
+@pytest.mark.parametrize("plan", ["as-set", "measured"])
+def test_a_batch_under_either_plan_gives_every_request_its_solo_output(target, plain_outputs, proposers,
+                                                                      plan) -> None:
+    for algo in ("medusa", "eagle", "speculative"):
+        engine = Engine(target, EngineParams(max_running=4, block_size=4, plan=plan), proposer=proposers[algo])
+        ids = {engine.add_request(p, None, GenerationParams(max_new_tokens=NEW_TOKENS)): p for p in PROMPTS[4:8]}
+        outputs = engine.run_all()
+        engine.close()
+        assert {ids[i]: out.token_ids for i, out in outputs.items()} == {p: plain_outputs[p] for p in PROMPTS[4:8]}, (
+            algo, plan)
+
+
+def test_as_set_drafts_what_the_settings_say_where_measured_drafts_nothing(target, proposers) -> None:
+    """On a host where no drafting pays, the measured plan verifies no proposal and says why, with no acceptance;
+    as set, the trees, chains and windows are verified in most steps (lookahead's where its pools hold a guess)."""
+    prompt = PROMPTS[3]
+    for algo in ("medusa", "eagle", "speculative", "lookahead"):
+        measured = generate(target, prompt, proposers[algo], None, GenerationParams(max_new_tokens=NEW_TOKENS),
+                            costs=STEEP)[1]
+        assert drafting(measured).drafting_steps == 0 and compute(measured).drafted == 0, algo
+        note = drafting_note(measured, lambda w: STEEP.step_cost(1, w))
+        assert note.startswith("nothing drafted: the measured plan found no step where drafting pays") and (
+            "a 5-token forward costs 5.0 one-token forwards" in note), note
+        line = summary_line(algo, compute(measured), measured, "length", lambda w: STEEP.step_cost(1, w))
+        assert note in line and "acceptance" not in line.replace("no acceptance applies", "")
+        as_set = generate(target, prompt, proposers[algo], None,
+                          GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"), costs=STEEP)[1]
+        seen = drafting(as_set)
+        assert seen.drafting_steps >= 0.6 * seen.steps and drafting_note(as_set, None) is None, (algo, seen)
+    gamma = 3
+    chains = build_proposer(target, "speculative", SpeculativeParams(gamma=gamma))
+    trace = generate(target, PROMPTS[0], chains, None, GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"),
+                     costs=STEEP)[1]
+    widths = [e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)]
+    assert widths.count(1 + gamma + 1) >= len(widths) - 2  # the chain of gamma and the runner-up, to the end
+
+
+def speedup(name: str, tokens_per_s: float, spread: float) -> Speedup:
+    return Speedup(name, 3, tokens_per_s, tokens_per_s / 100, spread, 1.0, 0.0, 1.0, 0.0, None, 0.0, ())
+
+
+def test_the_race_names_its_winner_and_whether_the_margin_beats_the_spread() -> None:
+    lanes = {"plain": speedup("plain", 100, 0.02), "medusa": speedup("medusa", 130, 0.05),
+             "eagle": speedup("eagle", 120, 0.03)}
+    assert winner(lanes) == "Fastest: medusa, 1.08x the next (eagle), above the rounds' spread (5%)"
+    lanes["eagle"] = speedup("eagle", 128, 0.04)
+    assert winner(lanes) == ("Fastest: medusa, 1.02x the next (eagle), within the rounds' spread (5%): a tie on this "
+                             "machine")
+
+
+def test_the_projection_prices_the_runs_own_steps_on_a_flat_curve(target, proposers) -> None:
+    plain = generate(target, PROMPTS[2], None, None, GenerationParams(max_new_tokens=NEW_TOKENS))[1]
+    assert projected_speedup(plain, None) == 1.0  # one token a one-token forward
+    trace = generate(target, PROMPTS[2], proposers["medusa"], None,
+                     GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"), costs=STEEP)[1]
+    per_forward = (len(trace.finish().token_ids) - 1) / sum(isinstance(e, VerifyEvent) for e in trace.events)
+    widest = max(e.num_tokens for e in trace.events if isinstance(e, VerifyEvent))
+    free = projected_speedup(trace, 0.0)
+    assert per_forward / (1 + CHEAP_TOKEN_COST * (widest - 1)) <= free <= per_forward
+    assert projected_speedup(trace, 0.5) < free  # the proposer's own forwards are paid for
