@@ -17,9 +17,9 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (SamplingParams.greedy)
 KV_KINDS = ("contiguous", "paged")
-# How much a step verifies: "measured", what pays on this machine's measured forward costs (never slower than plain
-# decoding by design); "as-set", exactly what the algorithm's settings say (gamma, tree nodes and depth, lookahead's
-# window, copy lengths), never trimmed by cost: the algorithm as configured, at whatever speed that gives here.
+# How much a step verifies: "measured", what its expected tokens pay for on this machine's measured forward costs;
+# "as-set", exactly what the algorithm's settings say (gamma, tree nodes and depth, lookahead's window, copy
+# lengths), never trimmed by cost: the algorithm as configured, at whatever speed that gives here.
 PLANS = ("measured", "as-set")
 MAX_BLOCK_SIZE = 256
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
