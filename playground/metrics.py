@@ -216,16 +216,16 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
             "they are")
 
 
-# a forward over a few tokens at about one token's cost (a GPU's shape): each token beyond the first adds this
+# a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this
 CHEAP_TOKEN_COST = 0.005
 
 
 def projected_speedup(trace: Trace, own_price: float | None) -> float | None:
     """A projection, not a measurement: the run's decode steps (its verified widths, its proposer's forwards)
-    priced where a forward over W tokens costs 1 + CHEAP_TOKEN_COST (W - 1) one-token forwards (a flat curve, as on
-    a GPU) and each proposer forward `own_price` of one (its price as measured here; 0 for None; at least one a
-    step that proposed, as the Medusa heads run once a step), against plain decoding's one forward per token; the
-    prefill both pay is left out. None for a run with no decode step."""
+    priced where a forward over W tokens costs 1 + CHEAP_TOKEN_COST (W - 1) one-token forwards (a flat curve, where
+    verifying is nearly free) and each proposer forward `own_price` of one (its price as measured here; 0 for None;
+    at least one a step that proposed, as the Medusa heads run once a step), against plain decoding's one forward
+    per token; the prefill both pay is left out. None for a run with no decode step."""
     widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
     forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent)}
     committed = sum(e.num_tokens for e in trace.events if isinstance(e, CommitEvent) and e.step in widths)

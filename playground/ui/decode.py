@@ -157,7 +157,7 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: flo
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
         parts.append(f"*projection, not measured:* {projected:.2f}x plain decoding's steps where a forward over a "
-                     "few tokens costs about one (a flat curve, as on a GPU)")
+                     "few tokens costs about one (a flat curve: each further token 0.005 of a forward)")
     head = ("" if against is None else
             f"### {markdown_text(against.headline(), 600)}\n{markdown_text(against.why(), 300)}\n\n")
     return head + " · ".join(parts)
