@@ -116,14 +116,19 @@ def cpu_signature() -> str:
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
+def arch() -> str:
+    """The -march value PLAYGROUND_NATIVE_ARCH names ("" where unset: native)."""
+    return os.environ.get(ARCH_ENV, "").strip()
+
+
 def flags() -> tuple[str, ...]:
     """The compiler's flags: FLAGS, with the architecture PLAYGROUND_NATIVE_ARCH names in place of native's."""
-    arch = os.environ.get(ARCH_ENV, "").strip()
-    if not arch:
+    march = arch()
+    if not march:
         return FLAGS
-    if not arch.replace("-", "").replace("_", "").isalnum():
-        raise OSError(f"{ARCH_ENV}={arch!r} is not a -march name (letters, digits, '-' and '_', e.g. haswell)")
-    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+    if not march.replace("-", "").replace("_", "").isalnum():
+        raise OSError(f"{ARCH_ENV}={march!r} is not a -march name (letters, digits, '-' and '_', e.g. haswell)")
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
 
 
 def build(cache_dir: Path, compiler: str, source: Path | None = None) -> Path:
@@ -221,11 +226,11 @@ def _try_kernel() -> tuple[Kernel | None, str]:
         return None, f"unavailable (the C build failed: {detail[-1] if detail else exc}): PyTorch's kernels"
     except (OSError, subprocess.TimeoutExpired, AttributeError) as exc:
         return None, f"unavailable ({exc}): PyTorch's kernels"
-    march = os.environ.get(ARCH_ENV, "").strip()
-    arch = f", built for -march={march} by {ARCH_ENV}" if march else ""
+    march = arch()
+    built_for = f", built for -march={march} by {ARCH_ENV}" if march else ""
     halves = ", 16-bit where the weights are exactly 16-bit" if loaded.halves else ""
     return loaded, (f"on ({loaded.panel_width}-row panels{halves}; attention for head sizes in multiples of "
-                    f"{loaded.vector_width}; {loaded.path.name}{arch})")
+                    f"{loaded.vector_width}; {loaded.path.name}{built_for})")
 
 
 def narrowest(weight: torch.Tensor) -> torch.dtype:

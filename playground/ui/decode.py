@@ -86,6 +86,13 @@ def as_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def as_plan(choice: Any) -> str:
+    """The Plan control's choice ("as set", "measured") as `config.PLANS` names it; any other is an error."""
+    if choice not in PLANS:
+        raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {choice!r}")
+    return PLANS[choice]
+
+
 def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ngram: Any, num_draft: Any,
                    window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE, tree_nodes: Any = 0,
                    acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
@@ -227,10 +234,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
             raise ConfigError("prompt must be a non-empty string")
         sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
                                   top_p=as_float("top_p", top_p), seed=as_seed(seed))
-        if plan not in PLANS:
-            raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {plan!r}")
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv,
-                                      plan=PLANS[plan])
+                                      plan=as_plan(plan))
         algo = ALGOS[algo_label]
         names = [algo] if algo == PLAIN else [algo, PLAIN]
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)

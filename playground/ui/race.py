@@ -12,14 +12,15 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
+from ..trace import Trace
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
 from ..speedup import ROUNDS, Speedup, compare, median_run, winner
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import (AS_SET, FRAME_S, LOOKAHEAD, PLANS, as_float, as_int, as_seed, build_proposer, history_entry,
-                     markdown_text)
+from .decode import (AS_SET, FRAME_S, LOOKAHEAD, PLANS, as_float, as_int, as_plan, as_seed, build_proposer,
+                     history_entry, markdown_text)
 from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
@@ -82,8 +83,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
-        if plan not in PLANS:
-            raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {plan!r}")
+        chosen_plan = as_plan(plan)
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         names = [PLAIN, *chosen]
         if STOPS.stopped(run):  # while it waited in the queue
@@ -99,9 +99,9 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         for name in names:
             algo, kv, _ = ENTRANTS[name]
             generate(target, prompt, proposers[name], sampling,
-                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv, plan=PLANS[plan]), algo)
+                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv, plan=chosen_plan), algo)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
-                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1], plan=PLANS[plan]),
+                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1], plan=chosen_plan),
                                  ENTRANTS[name][0])
                    for name in names}
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
@@ -113,14 +113,15 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         return
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
-    metrics = {name: compute(trace) for name, trace in shown.items()}
-    # a lane that drafted in no round proposed nothing: it says why instead of a speedup
-    idle = {name for name in names[1:]
-            if ENTRANTS[name][0] != "ar" and not any(compute(t).drafted for t in traces[name])}
+    # a proposing lane that drafted in no round (`Speedup.kept` None) says why instead of a speedup
+    idle = {name for name in names[1:] if ENTRANTS[name][0] != "ar" and speedups[name].kept is None}
     costs = one_request_costs(target)
-    lanes = [Lane(name, trace.events, "" if name == PLAIN else
-                  drafting_note(trace, costs) or "" if name in idle else speedups[name].why())
-             for name, trace in shown.items()]
+
+    def why(name: str, trace: Trace) -> str:
+        if name == PLAIN:
+            return ""
+        return (drafting_note(trace, costs) or "") if name in idle else speedups[name].why()
+    lanes = [Lane(name, trace.events, why(name, trace)) for name, trace in shown.items()]
     end = max(lane.wall_s for lane in lanes)
     speed = replay_speed(end)
     pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
@@ -134,8 +135,9 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
             for name, trace in shown.items()]
     flagged = sum(bool(s.flags) for s in speedups.values())
     done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "
-            f"{PLANS[plan]}). Engine time only; page drawing is never counted."
+            f"{chosen_plan}). Engine time only; page drawing is never counted."
             + (f" **{flagged} row(s) flagged: see the check column.**" if flagged else ""))
+    metrics = {name: compute(trace) for name, trace in shown.items()}
     yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in shown.items()}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
