@@ -325,7 +325,7 @@ def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypa
 
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
-    lanes, status, table, chart = client.predict(
+    lanes, status, table, checks, chart = client.predict(
         "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",
                                                           "lookahead", "plain, paged KV"],
         12, 0.0, 0, "measured", "embedded", "", "cpu", "float32", "auto", api_name="/race")
@@ -336,7 +336,11 @@ def test_race_measures_each_entrant_and_every_one_matches_plain(client):
     assert all(r[6] == "yes" for r in table) and float(table[0][2]) == 1.0
     # every speedup says where a step's time went, and is checked or flagged
     assert all(re.fullmatch(r"\d+\.\d\d = \d+\.\d\d \+ \d+\.\d\d \+ \d+\.\d\d", r[4]) for r in table)
-    assert all(r[7] == "ok" or "rerun" in r[7] or "explains" in r[7] or "varied" in r[7] for r in table)
+    # the check is one short line per lane; the checks below say where each lane's time went and any flag in full
+    assert all(re.fullmatch(r"ok|CHECK: \d flags?, see below", r[7]) for r in table)
+    said = dict(re.match(r"- \*\*(.+?)\*\*: (.*)", line).groups() for line in checks.splitlines())
+    assert list(said) == [r[0] for r in table] and said["plain"].startswith(("the baseline", "CHECK: "))
+    assert all(("CHECK: " in said[r[0]]) == (r[7] != "ok") for r in table)
     assert "median round of 3" in status and lanes.count('class="pg-lane-why"') == 4  # plain has nothing to explain
     assert chart is not None
 
@@ -479,7 +483,7 @@ def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
     STOPS.stop(queued)
     frames = list(race_tab.run_race("hi", ["lookahead"], 400, 0.0, 0, "measured", "embedded", "", "cpu", "float32",
                                     "auto", None, queued))
-    assert frames == [race_tab.status_frame(5, 1, STOPPED)]
+    assert frames == [race_tab.status_frame(6, 1, STOPPED)]
     STOPS.end(queued)
 
 

@@ -208,30 +208,38 @@ def test_uploaded_trace_replays(page, tmp_path):
     page.screenshot(path=str(SHOTS / "replay-error.png"), full_page=True)
 
 
-def test_as_set_shows_a_tree_drafted_and_judged_on_this_machines_costs(page, monkeypatch):
+@pytest.mark.parametrize("algo, structure", [("Medusa (tree)", ".pg-tree"), ("EAGLE (tree)", ".pg-tree"),
+                                             ("lookahead", "table")])
+def test_as_set_shows_proposals_drafted_and_judged_on_this_machines_costs(page, monkeypatch, algo, structure):
     """With the forward costs this machine measures (not the tests' fixed curve), the Decode tab's default plan
-    ("as set") verifies Medusa's trees: the replay shows the drafted tokens, their verdicts and the tree in the
-    step detail, whatever the CPU's price of a wide forward."""
+    ("as set") verifies what the algorithm proposes, whatever the CPU's price of a wide forward: the replay shows
+    drafted tokens kept, and the step detail a proposal in most steps with its structure: Medusa's and EAGLE's
+    trees (beyond a chain with runners-up), lookahead's Jacobi window every step and a verified n-gram in some."""
     from playground.decoding import costs
     from playground.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "forward_costs", costs.forward_costs)
     page.reload()  # no earlier run's stats on the page
     expect(page.locator("#pg-legend")).to_contain_text("accepted", timeout=30_000)
-    page.get_by_label("Medusa (tree)").first.check()
+    page.get_by_label(algo, exact=True).first.check()
     page.get_by_label("Prompt", exact=True).fill("List five fruits that are rich in vitamin C.")
     page.get_by_role("button", name="Decode").click()
     expect(page.locator("#pg-stats")).to_contain_text("tok/s", timeout=180_000)
     last = replayed(page, page.locator("#pg-step input[type=range]"))
     assert page.locator("#pg-generated .pg-accepted").count() > 0  # drafted tokens the target kept
-    visited, proposing, trees = 0, 0, 0
+    detail = page.locator("#pg-step-detail")
+    visited, proposing, shown, verified = 0, 0, 0, 0
     for step in range(last, max(last - 12, 0), -1):  # the last dozen steps, one step back at a time
-        expect(page.locator("#pg-step-detail")).to_contain_text(f"step {step}:", timeout=10_000)
+        expect(detail).to_contain_text(f"step {step}:", timeout=10_000)
         visited += 1
-        proposing += "nothing proposed" not in page.locator("#pg-step-detail").inner_text()
-        trees += page.locator("#pg-step-detail .pg-tree").count() > 0  # a tree beyond a chain with runners-up
+        proposing += "nothing proposed" not in detail.inner_text()
+        shown += detail.locator(structure).count() > 0
+        verified += detail.locator(".pg-verified").count() > 0
         page.get_by_role("button", name="◀ Step").click()
-    assert proposing >= visited - 2 and trees >= 2, (visited, proposing, trees)
+    if structure == "table":  # lookahead proposes where its pools hold a guess for the text so far
+        assert proposing >= visited // 2 and shown == visited and verified >= 2, (visited, proposing, verified)
+    else:
+        assert proposing >= visited - 2 and shown >= 2, (visited, proposing, shown)
     page.reload()  # the other tests' algorithm and state
 
 
@@ -259,6 +267,17 @@ def test_memory_tab_draws_the_block_map(page):
     assert page.locator("#pg-block-map .pg-block-shared").count() > 0  # the chat template's shared prefix
     expect(page.locator("#pg-memory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
     shoot(page, "memory")
+    page.set_viewport_size(PHONE)  # on a phone: the table's columns keep their width (it scrolls sideways) ...
+    widths = page.locator("#pg-memory-table th").evaluate_all("cells => cells.map(c => c.offsetWidth)")
+    assert len(widths) == 6 and min(widths) >= 70, widths
+    page.evaluate("window.scrollTo(0, 0)")  # ... and a run button brings the run's output into view
+    status = page.locator("#pg-memory-status")
+    before = status.inner_text()
+    page.get_by_role("button", name="Serve").click()
+    expect(status).to_be_in_viewport(timeout=10_000)
+    expect(status).not_to_have_text(before, timeout=10_000)  # the new run's first frame
+    expect(page.get_by_role("button", name="Serve")).to_be_enabled(timeout=180_000)  # and its end
+    page.set_viewport_size(WIDE)
     page.get_by_role("tab", name="Theory").click()
     expect(page.locator("#pg-theory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
     shoot(page, "theory")

@@ -138,6 +138,14 @@ def test_charts_count_per_step_and_accumulate_tokens():
     assert abs(expected_speedup(0.7, 4, 0.15, 0.05) - (1 - 0.7 ** 5) / 0.3 / 1.8) < 1e-12
 
 
+def test_theory_panels_are_named_by_their_axes_so_a_phone_shows_no_overlapping_titles():
+    from playground.viz.charts import theory_figure
+
+    fig = theory_figure(0.7, 4, 0.15)
+    assert not fig.layout.annotations  # no subplot titles side by side
+    assert (fig.layout.yaxis.title.text, fig.layout.yaxis2.title.text) == ("tokens per forward", "speedup vs plain")
+
+
 def test_theory_overlays_speculative_runs_against_plain_runs_of_the_same_prompt():
     from playground.ui.theory import measured_points
 
@@ -255,6 +263,13 @@ def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
     detail = render_step_detail(events, 1)
     assert detail.count("<th>row ") == 2 and detail.count("<td>") == 6 and "<td>#5</td>" in detail
     assert "pool: 7 n-grams; 2 hit(s)" in detail and detail.count("pg-ngram pg-verified") == 1
+    # as set, every hit is verified at once, as a tree: each hit is one of its root-to-leaf paths, and outlined
+    root = replace(tok(8, 3), parent=0)
+    tree = [root, replace(tok(9, 4), parent=1), root, replace(tok(7, 4), parent=3)]
+    both = render_step_detail([events[0], replace(events[1], tokens=tree)], 1)
+    assert both.count("pg-ngram pg-verified") == 2 and "the verified ones outlined" in both
+    nothing = render_step_detail(events[:1], 1)
+    assert "pg-ngram pg-verified" not in nothing and "none verified this step" in nothing
 
 
 def test_a_copy_highlights_its_source_until_a_proposal_without_one():

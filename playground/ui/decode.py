@@ -476,7 +476,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     # Decode stays disabled while a run measures; the replay of what it measured follows on its own
     decoding = stoppable(run, stop, on_gpu(run_decode), inputs,
                          [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
-                         api_name="decode", show_progress_on=[stats])
+                         show="pg-legend", api_name="decode", show_progress_on=[stats])
     replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_name=False,
                               show_progress="hidden")
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")

@@ -29,7 +29,8 @@ CHART_S = 1.0
 MAX_REQUESTS = 16
 NOT_SERVED = "stopped before its first step: nothing was served"
 TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preempted", "output"]
-COLUMN_WIDTHS = ["9%", "10%", "11%", "10%", "10%", "50%"]
+# in pixels, as the Race's: on a phone the table scrolls sideways instead of giving each column one letter
+COLUMN_WIDTHS = ["80px", "90px", "80px", "90px", "90px", "360px"]
 
 
 def _table(engine: Engine) -> list[list[Any]]:
@@ -182,5 +183,5 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     source, draft_source, device, dtype, weights = model
     stoppable(run, stop, on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running,
                                               prefix_caching, proposals, source, draft_source, device, dtype, weights],
-              [block_map, chart, status, table, state, step], api_name="memory")
+              [block_map, chart, status, table, state, step], show="pg-memory-status", api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

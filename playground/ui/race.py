@@ -53,12 +53,25 @@ PROMPT = ("Summarise in one sentence: The library will close for renovation from
 
 
 def _row(s: Speedup, same: bool | None, proposed: bool = True) -> list[Any]:
-    """A lane's table row; a lane that proposed nothing shows no speedup (its ratio to plain decoding is noise)."""
+    """A lane's table row; a lane that proposed nothing shows no speedup (its ratio to plain decoding is noise).
+    The check is one short line; what a flag says is in the checks below the table (`_checks`)."""
+    flags = len(s.flags)
     return [s.name, round(s.tokens_per_s, 1), round(s.speedup, 2) if proposed else "proposed nothing",
             round(s.tokens_per_step, 2),
             f"{s.step_cost:.2f} = {s.draft:.2f} + {s.verify:.2f} + {s.other:.2f}",
             None if s.kept is None else f"{s.kept:.0%}",
-            "n/a (sampling)" if same is None else ("yes" if same else "NO"), "; ".join(s.flags) or "ok"]
+            "n/a (sampling)" if same is None else ("yes" if same else "NO"),
+            f"CHECK: {flags} flag{'s' * (flags > 1)}, see below" if flags else "ok"]
+
+
+def _checks(speedups: dict[str, Speedup], whys: dict[str, str]) -> str:
+    """The folded detail: per lane, where its time went and, when flagged, what the measurement cannot explain (all
+    of it the app's own words and figures: no user text)."""
+    lines = []
+    for name, s in speedups.items():
+        said = [text for text in (whys.get(name, ""), *(f"CHECK: {f}" for f in s.flags)) if text]
+        lines.append(f"- **{name}**: " + ("; ".join(said) or "the baseline, nothing to explain"))
+    return "\n".join(lines)
 
 
 def replay_speed(end_s: float) -> float:
@@ -70,9 +83,9 @@ def replay_speed(end_s: float) -> float:
 def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any, plan: str,
              model_source: str, draft_source: str, device: str, dtype: str, weights: str,
              history: list[dict[str, Any]] | None, run: int | None = None, request: gr.Request | None = None):
-    """Yields (lanes HTML, status, table, chart, history): first while measuring, then the synchronised replay.
+    """Yields (lanes HTML, status, table, checks, chart, history): first while measuring, then the synchronised replay.
     run: its number in `STOPS`; once stopped it ends between two engine steps, showing nothing measured."""
-    status = partial(status_frame, 5, 1)
+    status = partial(status_frame, 6, 1)
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
@@ -91,7 +104,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
             return
         QUOTA.take(request, tokens * len(names) * ROUNDS)
         spec = target_spec(model_source, device, dtype, weights)
-        yield gr.update(), f"loading model {spec.source!r}", *[gr.update()] * 3
+        yield status(f"loading model {spec.source!r}")
         target = get_model(spec)
         proposers = {name: build_proposer(ENTRANTS[name][0], target, draft_source, **{**DEFAULTS, **ENTRANTS[name][2]})
                      for name in names}
@@ -121,14 +134,15 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         if name == PLAIN:
             return ""
         return (drafting_note(trace, costs) or "") if name in idle else speedups[name].why()
-    lanes = [Lane(name, trace.events, why(name, trace)) for name, trace in shown.items()]
+    whys = {name: why(name, trace) for name, trace in shown.items()}
+    lanes = [Lane(name, trace.events, whys[name]) for name, trace in shown.items()]
     end = max(lane.wall_s for lane in lanes)
     speed = replay_speed(end)
     pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
             else f"in slow motion, {1 / speed:.1f}x slower than measured")
     start = time.perf_counter()
     while (t := (time.perf_counter() - start) * speed) < end and not STOPS.stopped(run):  # Stop: to the end
-        yield render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", gr.update(), gr.update(), gr.update()
+        yield (render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", *[gr.update()] * 4)
         time.sleep(FRAME_S)
     plain = shown[PLAIN].finish().token_ids
     rows = [_row(speedups[name], trace.finish().token_ids == plain if sampling.greedy else None, name not in idle)
@@ -136,9 +150,10 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     flagged = sum(bool(s.flags) for s in speedups.values())
     done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "
             f"{chosen_plan}). Engine time only; page drawing is never counted."
-            + (f" **{flagged} row(s) flagged: see the check column.**" if flagged else ""))
+            + (f" **{flagged} row(s) flagged: see the checks below the table.**" if flagged else ""))
     metrics = {name: compute(trace) for name, trace in shown.items()}
-    yield (render_race(lanes), done, rows, tokens_time_figure({n: tr.events for n, tr in shown.items()}),
+    yield (render_race(lanes), done, rows, _checks(speedups, whys),
+           tokens_time_figure({n: tr.events for n, tr in shown.items()}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
 
@@ -169,8 +184,11 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             lanes = gr.HTML(elem_id="pg-race")
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, elem_id="pg-race-table", wrap=True,
                          # widths in pixels: on a phone the table scrolls sideways instead of crushing its columns
-                         column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "320px"])
+                         column_widths=["180px", "90px", "110px", "80px", "190px", "80px", "90px", "170px"])
+    with gr.Accordion("Checks: where each lane's time went, and any flag in full", open=False):
+        checks = gr.Markdown(elem_id="pg-race-checks")
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
     stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, plan, *model,
                                              history],
-              [lanes, status, table, chart, history], api_name="race", show_progress="hidden")
+              [lanes, status, table, checks, chart, history], show="pg-race-status", api_name="race",
+              show_progress="hidden")

@@ -55,7 +55,7 @@ STOPS = Stops()
 
 
 def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr.Component],
-              outputs: Sequence[gr.Component], **how: Any):
+              outputs: Sequence[gr.Component], show: str | None = None, **how: Any):
     """Wire a run button and its Stop: the run button stays disabled while its run lasts; `fn` gets the run's number
     after `inputs` and checks `STOPS.stopped` between engine steps, and its last frame says it stopped; Stop marks
     the run and reads "Stopping…" (disabled) until the run has ended. Returns the run's event (a stopped run ends
@@ -63,8 +63,15 @@ def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr
 
     Stop writes only its own button, never a line the run writes: its answer and the run's frames come back on
     different connections, in either order. Its follow-up (`settle`) is sent once its answer is shown and resets
-    the label if the run has already ended, so a late answer cannot leave "Stopping…" behind."""
+    the label if the run has already ended, so a late answer cannot leave "Stopping…" behind.
+
+    show: the id of the element where the run's output starts; where a narrow screen stacks it below the fold (a
+    phone), the run button scrolls to it, so the run is seen as it happens."""
     number = gr.State(None)
+    if show is not None:
+        run.click(None, js=f"() => {{ const shown = document.getElementById('{show}'); if (shown && "
+                           "shown.getBoundingClientRect().top > window.innerHeight) "
+                           "shown.scrollIntoView({behavior: 'smooth', block: 'start'}); }")
     started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number], api_name=False,
                         queue=False).then(fn, [*inputs, number], outputs, **how)
     idle = gr.update(value=STOP, interactive=True)

@@ -109,7 +109,7 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
         verify_cost = gr.Slider(0, 1, value=0, step=0.005, label="verify cost v (per drafted token)")
     set_from_run = gr.Button("Set a and g from the latest run that drafted", size="sm", scale=0)
     summary = gr.Markdown(elem_id="pg-theory-summary")
-    plot = gr.Plot(elem_id="pg-theory-plot")
+    plot = gr.Plot(elem_id="pg-theory-plot", show_label=False)
     inputs = [acceptance, gamma, cost_ratio, verify_cost, history]
     for control in (acceptance, gamma, cost_ratio, verify_cost):
         control.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
@@ -121,7 +121,7 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
                 "(a fifth of the bytes), the same forward is bound by arithmetic instead: it is faster, and each "
                 "extra token costs more of it. The engine plans every step's width from these curves.")
     measure = gr.Button("Measure on this machine (and set v above from it)", scale=0)
-    costs_plot = gr.Plot(elem_id="pg-width-costs")
+    costs_plot = gr.Plot(elem_id="pg-width-costs", show_label=False)
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
     source, _, device, dtype, _ = model
     measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary, verify_cost],

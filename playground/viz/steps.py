@@ -81,6 +81,15 @@ def branched(draft: DraftEvent) -> bool:
     return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
 
 
+def draft_paths(draft: DraftEvent) -> list[list[int]]:
+    """Every path a draft verifies, from the last committed token to each of its tokens, as token ids: a chain's
+    prefixes, or a tree's root-to-node paths (`render_draft_tree` reads the same parents)."""
+    paths: dict[int, list[int]] = {0: []}
+    for node, token in enumerate(draft.tokens, start=1):
+        paths[node] = paths[node - 1 if token.parent is None else token.parent] + [token.id]
+    return [path for node, path in paths.items() if node]
+
+
 def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool = False) -> str:
     """A proposal tree as its draft event carries it (token i + 1 follows token `parent`, 0 the last committed
     token; None: the token before it), with the texts the trace recorded: the path the target kept in the accepted
@@ -121,7 +130,7 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None,
                        proposing: bool = False) -> str:
     """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
-    first) and the pool's candidates for the last token, the verified one outlined. Token ids are shown as text
+    first) and the pool's candidates for the last token, the verified ones outlined. Token ids are shown as text
     when a tokenizer's `token_text` is given (a replayed trace without a model shows ids). proposing: the step
     before its verdict (what it proposed, being verified)."""
     events = list(events)
@@ -159,11 +168,11 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
     if look is not None:
         rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{_text(i, token_text)}</td>' for i in row)}</tr>"
                        for r, row in enumerate(look.window))
-        chosen = [t.id for t in draft.tokens] if draft else None
-        outlined = ("" if not look.candidates else " (verified one outlined)" if chosen else
+        verified = draft_paths(draft) if draft else []  # as set, every hit; measured, those that pay
+        outlined = ("" if not look.candidates else " (the verified ones outlined)" if verified else
                     " (none verified this step: the plan did not pay for a wider forward)")
         keys = look.keys or [1] * len(look.candidates)
-        hits = "".join(f"{_ngram(c, token_text, 'pg-verified' if c == chosen else '')}<sub>after {k}</sub>"
+        hits = "".join(f"{_ngram(c, token_text, 'pg-verified' if c in verified else '')}<sub>after {k}</sub>"
                        for c, k in zip(look.candidates, keys))
         parts.append(f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
                      f"n-gram for the pool):</div><table>{rows}</table>"
