@@ -75,9 +75,14 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"prompts-file line {number}: not valid JSON ({exc.msg})") from exc
+            raise ConfigError(f"prompts-file line {number}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"prompts-file line {number}: not valid JSON (nested too deeply)") from None
+        except ValueError:  # Python reads integers of at most 4,300 digits
+            raise ConfigError(f"prompts-file line {number}: not valid JSON (an integer too long to read)") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
             raise ConfigError(f'prompts-file line {number}: expected {{"prompt": "<non-empty text>"}}')
+        check_text(f"prompts-file line {number}: prompt", record["prompt"])
         prompts.append(record["prompt"])
     if not prompts:
         raise ConfigError(f"prompts-file: {path} holds no prompts")
@@ -89,15 +94,35 @@ def trace_path(base: str, index: int, count: int) -> Path:
     return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
 
 
-def check_writable(name: str, path: Path) -> None:
-    """A file can be written at `path`: checked before a long run, not after it."""
-    folder = path.parent
-    if not folder.is_dir():
-        raise ConfigError(f"{name}: no such folder {folder}")
-    if path.is_dir():
-        raise ConfigError(f"{name}: {path} is a folder; give a file name")
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{name}: cannot write into {folder}")
+def check_writable(name: str, paths: list[Path]) -> None:
+    """Files can be written at `paths`: checked before a long run, not after it, by creating each (and removing it
+    again where it did not exist): a folder, a device, a file name too long or a place nothing may be created is
+    refused now."""
+    for path in paths:
+        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:79]}…"
+        if not path.parent.is_dir():
+            raise ConfigError(f"{name}: no such folder {str(path.parent)[:80]}")
+        try:
+            if path.is_dir():
+                raise ConfigError(f"{name}: {shown} is a folder; give a file name")
+            if path.exists() and not path.is_file():
+                raise ConfigError(f"{name}: {shown} is not a regular file; give a file name")
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise ConfigError(f"{name}: cannot write {shown} ({exc.strerror or exc})") from None
+
+
+def save_trace(trace: Any, path: Path) -> None:
+    """The trace written at a path `check_writable` passed; a disk that fills meanwhile is one line too."""
+    try:
+        trace.save(path)
+    except OSError as exc:
+        raise ConfigError(f"trace-out: could not write {str(path)[:80]} ({exc.strerror or exc}); the output above "
+                          "is complete") from None
 
 
 # --algo -> its parameters' type; the fields are the dests of its options (`add_algo_args`)
@@ -186,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params, copies = algo_params(args)
     prompts = read_prompts(args)
     if args.trace_out:
-        check_writable("trace-out", trace_path(args.trace_out, 0, len(prompts)))
+        check_writable("trace-out", [trace_path(args.trace_out, i, len(prompts)) for i in range(len(prompts))])
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
     proposer = build_proposer(args, target, params, copies)
@@ -194,8 +219,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for index, prompt in enumerate(prompts):
         output, trace = generate(target, prompt, proposer, sampling, generation, args.algo)
         metrics = compute(trace)
-        if args.trace_out:
-            trace.save(trace_path(args.trace_out, index, len(prompts)))
         if args.json:
             record: dict[str, Any] = {
                 "prompt": prompt, "text": output.text, "token_ids": list(output.token_ids),
@@ -209,6 +232,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(output.text, flush=True)
             print(summary_line(args.algo, metrics, trace, output.finish_reason, relative_cost,
                                proposer.own_cost() if proposer is not None else None), file=sys.stderr, flush=True)
+        if args.trace_out:  # after the output, which a failed write then does not take with it
+            save_trace(trace, trace_path(args.trace_out, index, len(prompts)))
     return 0
 
 
@@ -223,12 +248,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           plan=args.plan)
     check_int("max_waiting", args.max_waiting, 0, MAX_WAITING)
     api_key = args.api_key or os.environ.get("PLAYGROUND_API_KEY") or None
+    allowed_hosts = None if args.allowed_hosts is None else tuple(h for h in args.allowed_hosts.split(",") if h.strip())
+    if allowed_hosts == ():
+        raise ConfigError("allowed_hosts must name at least one host (or * for any)")
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
         target = load_model(spec)
         serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
-              proposer=build_proposer(args, target, settings, copies))
+              proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts)
     finally:
         sock.close()
     return 0
@@ -349,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                             "only; 0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="0..65535 (default 8000; 0: any free port)")
+    server.add_argument("--allowed-hosts", default=None, metavar="NAME[,NAME...]",
+                        help="Host header names answered (e.g. myhost.example,10.0.0.5; * for any); default: "
+                             "localhost, 127.0.0.1 and [::1] when --host is a loopback address (a web page that "
+                             "resolves its own name to this machine is refused), else any")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $PLAYGROUND_API_KEY; "
                              "unset: no key)")

@@ -6,16 +6,19 @@
     GET  /v1/engine             the engine now: requests running and waiting, KV blocks and bytes, steps, seconds
     GET  /health                {"status": "ok"} (never needs the API key)
 
-Both POST endpoints take max_tokens (1..4096, default 128), temperature (0..100, default 0: greedy, so a request gets
-exactly plain decoding's tokens; below 1e-5 also greedy), top_p, top_k (0 = off), seed, stop (a string or a list of
-up to 4) and stream (server-sent events in OpenAI's chunk format, then `data: [DONE]`). Fields OpenAI clients send
-by default (n, penalties, logprobs, ...) are accepted at the value that changes nothing and refused otherwise. Every
-error is JSON, {"error": {"message", "type", "param", "code"}}, the message naming the field and its allowed range.
+Both POST endpoints take max_tokens (1..4096, default 128; or max_completion_tokens), temperature (0..100, default 0:
+greedy, so a request gets exactly plain decoding's tokens; below 1e-5 also greedy), top_p, top_k (0 = off), seed,
+stop (a string or a list of up to 4) and stream (server-sent events in OpenAI's chunk format, then `data: [DONE]`;
+stream_options.include_usage adds a usage chunk). Fields OpenAI clients send by default (n, penalties, logprobs, ...)
+are accepted at the value that changes nothing and refused otherwise; labels (user, store, metadata, service_tier)
+change nothing. Every error is JSON, {"error": {"message", "type", "param", "code"}}, the message naming the field
+and its allowed range. Bodies must be JSON and, bound to this machine only, the Host one of its names (`guard`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import secrets
 import signal
@@ -35,10 +38,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .config import (MAX_NEW_TOKENS_LIMIT, ConfigError, EngineParams, GenerationParams, SamplingParams, check_int,
-                     check_text)
+from .config import (MAX_NEW_TOKENS_LIMIT, MAX_STOP_CHARS, MAX_STOP_STRINGS, ConfigError, EngineParams,
+                     GenerationParams, SamplingParams, check_int, check_text)
 from .decoding.proposer import Proposer
 from .models import LoadedModel
 from .server import ApiError, EngineWorker, Job, Mailbox, Reply
@@ -46,15 +50,19 @@ from .server import ApiError, EngineWorker, Job, Mailbox, Reply
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0  # a request's body must arrive within this
 HEAD_TIMEOUT_S = 10.0  # a connection must send a request's whole head within this
+MAX_HEAD_BYTES = 16 * 1024  # a request's line and headers
+MAX_FRESH = 64  # connections open that have sent no request yet: a new one closes the oldest
+MAX_CONNECTIONS = 512  # open at once (well under a process's usual 1,024 files): past it, a 503
 SHUTDOWN_GRACE_S = 5  # uvicorn's wait for connections to close once the worker has answered every request
+CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection first
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 128
 # Fields OpenAI clients may send on their own: accepted only at the value that changes nothing here.
 NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
            "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
            "parallel_tool_calls": (False,)}
 ROUTES = {"GET": ("/health", "/v1/models", "/v1/engine"), "POST": ("/v1/completions", "/v1/chat/completions")}
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -62,6 +70,14 @@ class Message(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+class StreamOptions(BaseModel):
+    """include_usage: a last chunk, with no choices, carries the request's token counts (the chunk that finishes
+    the text carries them too)."""
+
+    model_config = STRICT
+    include_usage: bool | None = None
 
 
 class Options(BaseModel):
@@ -74,9 +90,16 @@ class Options(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    max_completion_tokens: int | None = None  # the chat API's newer name for max_tokens
     stop: str | list[str] | None = None
     stream: bool | None = None
-    user: str | None = None  # a client's label for its end user, which changes nothing here
+    stream_options: StreamOptions | None = None
+    # labels a client may send that change nothing here: its end user, storage and metadata for OpenAI's dashboard,
+    # the processing tier it asks for
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -85,17 +108,26 @@ class Options(BaseModel):
             return data
         for name, allowed in NEUTRAL.items():
             value = data.get(name)
-            if value is not None and value not in allowed:
+            # a boolean is not a number here, though Python's True == 1
+            if value is not None and not any(value == a and isinstance(value, bool) == isinstance(a, bool)
+                                             for a in allowed):
                 raise ApiError(f"{name} is not supported by this server (only {allowed[0]!r})", param=name)
         return {k: v for k, v in data.items() if k not in NEUTRAL}
 
     def job(self, replies: Mailbox, prompt: str | None = None,
             messages: list[dict[str, str]] | None = None) -> Job:
-        max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        check_int("max_tokens", max_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        if len(given) > 1:
+            raise ApiError("max_tokens and max_completion_tokens differ: send one of them", param="max_tokens")
+        max_tokens = given.pop() if given else DEFAULT_MAX_TOKENS
+        check_int("max_tokens" if self.max_completion_tokens is None else "max_completion_tokens", max_tokens, 1,
+                  MAX_NEW_TOKENS_LIMIT)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if len(stop) > MAX_STOP_STRINGS or not all(stop):
-            raise ConfigError(f"stop must be a non-empty string or a list of 1..{MAX_STOP_STRINGS} of them")
+        if len(stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise ConfigError(f"stop must be a string of 1..{MAX_STOP_CHARS} characters or a list of "
+                              f"1..{MAX_STOP_STRINGS} of them")
         for i, s in enumerate(stop):
             check_text(f"stop[{i}]", s)
         sampling = SamplingParams(temperature=0.0 if self.temperature is None else self.temperature,
@@ -103,6 +135,10 @@ class Options(BaseModel):
                                   seed=self.seed)
         generation = GenerationParams(max_new_tokens=max_tokens, stop=tuple(stop), raw=True)
         return Job(sampling, generation, bool(self.stream), replies, prompt=prompt, messages=messages)
+
+    @property
+    def usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(Options):
@@ -157,8 +193,9 @@ def refusal(exc: ValidationError, model: type[Options]) -> ApiError:
 
 
 def parse_job(raw: bytes, model: type[CompletionRequest | ChatRequest], model_ids: tuple[str, ...],
-              replies: Mailbox) -> Job:
-    """A request body as a job for the worker; ApiError, naming the field, for anything else."""
+              replies: Mailbox | None) -> tuple[Job, bool]:
+    """A request body as a job for the worker, and whether its stream ends with a usage chunk
+    (`stream_options.include_usage`); ApiError, naming the field, for anything else."""
     try:
         # Python's parser, not pydantic's: it keeps a lone surrogate, which check_text then names
         data = json.loads(raw)
@@ -173,17 +210,44 @@ def parse_job(raw: bytes, model: type[CompletionRequest | ChatRequest], model_id
         if body.model is not None and body.model not in model_ids:
             raise ApiError(f"model must be {' or '.join(repr(m) for m in model_ids)} (the model this server runs), "
                            f"got {body.model!r}", param="model", status=HTTPStatus.NOT_FOUND)
-        return body.to_job(replies)
+        return body.to_job(replies), body.usage_chunk
     except ValidationError as exc:
         raise refusal(exc, model) from None
     except ConfigError as exc:
         raise ApiError(str(exc), param=field_of(str(exc))) from None
 
 
-def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: `127.0.0.1:8000` -> 127.0.0.1, `[::1]:80` -> [::1]."""
+    header = header.strip().lower()
+    return header[: header.index("]") + 1] if header.startswith("[") and "]" in header else header.split(":", 1)[0]
+
+
+def hosts_for(bound: str, allowed: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The Host names a server answers to: `allowed` when given ("*" alone: any); else, bound to this machine only
+    (a loopback address), this machine's names, so that a web page whose name resolves here (DNS rebinding) is
+    refused; else any."""
+    if allowed is not None:
+        return None if "*" in allowed else tuple(host_name(h) for h in allowed)
+    try:
+        local = ipaddress.ip_address(bound).is_loopback
+    except ValueError:
+        local = bound == "localhost"
+    return LOCAL_HOSTS if local else None
+
+
+def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str, ...] | None = None) -> FastAPI:
     """The API over a worker whose `run` is serving on another thread. api_key: when set, /v1 requests must send
-    `Authorization: Bearer <api_key>`."""
-    app = FastAPI(title="decoding playground", docs_url=None, redoc_url=None)
+    `Authorization: Bearer <api_key>`. hosts: the Host names it answers to (None: any; see `hosts_for`).
+
+    Bodies are JSON: a POST whose Content-Type is another (a browser's form or text/plain, which any web page may
+    send without asking) is refused, and no CORS header is ever sent, so a page elsewhere cannot use the server.
+    No route beyond `ROUTES` (no OpenAPI schema or docs page) and no redirect (`/health/` is a 404)."""
+    async def guarded(request: Request) -> None:
+        guard(hosts, request)
+
+    app = FastAPI(title="decoding playground", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False, dependencies=[Depends(guarded)])
     model_ids = tuple(dict.fromkeys((worker.target.name, worker.target.spec.source)))
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
@@ -241,12 +305,12 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
         return await complete(request, ChatRequest)
 
     async def complete(request: Request, model: type[CompletionRequest | ChatRequest]) -> Any:
-        job = parse_job(await read_body(request), model, model_ids, Mailbox(asyncio.get_running_loop()))
+        job, usage_chunk = parse_job(await read_body(request), model, model_ids, Mailbox(asyncio.get_running_loop()))
         worker.submit(job)
         chat = model is ChatRequest
         reply = await first_reply(request, job)
         if reply is None:  # the client hung up before its answer: a 499 nobody reads
-            return JSONResponse({}, status_code=499)
+            return JSONResponse({}, status_code=CLIENT_GONE)
         if reply.error is not None:
             raise reply.error
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
@@ -258,7 +322,7 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                     "choices": [{"index": 0, **choice, "finish_reason": reply.finish_reason}], "usage": reply.usage}
         # Starlette runs the background task once the response ends, also when the client hung up (even before the
         # first chunk): the job is then stopped; a job that has ended is left alone
-        return StreamingResponse(stream(job, reply, head, chat), media_type="text/event-stream",
+        return StreamingResponse(stream(job, reply, head, chat, usage_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"}, background=BackgroundTask(worker.cancel, job))
 
     async def first_reply(request: Request, job: Job) -> Reply | None:
@@ -272,8 +336,10 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                     worker.cancel(job)
                     return None
 
-    async def stream(job: Job, reply: Reply, head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per reply, the last with the usage (or an error chunk), then [DONE]."""
+    async def stream(job: Job, reply: Reply, head: dict[str, Any], chat: bool,
+                     usage_chunk: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per reply, the last with the usage (or an error chunk), with usage_chunk one
+        more that has no choices and the usage alone, as OpenAI's `include_usage` sends it; then [DONE]."""
         first = True
         while True:
             if reply.error is not None:  # the status is sent already: the error goes in the stream
@@ -285,6 +351,8 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                      "choices": [{"index": 0, **choice, "finish_reason": reply.finish_reason}]}
             if reply.finish_reason is not None:
                 yield event({**chunk, "usage": reply.usage})
+                if usage_chunk:
+                    yield event({**chunk, "choices": [], "usage": reply.usage})
                 break
             yield event(chunk)
             first = False
@@ -293,6 +361,20 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+def guard(hosts: tuple[str, ...] | None, request: Request) -> None:
+    """Every route's first check: the Host header, then a POST's Content-Type."""
+    if hosts is not None and host_name(request.headers.get("host", "")) not in hosts:
+        raise ApiError(f"Host {request.headers.get('host', '')[:80]!r} is not one this server answers to "
+                       f"({', '.join(hosts)}); start it with --allowed-hosts to add a name", param="Host",
+                       status=HTTPStatus.FORBIDDEN)
+    if request.method == "POST":
+        kind = request.headers.get("content-type")
+        media = (kind or "").split(";", 1)[0].strip().lower()
+        if kind is not None and media != "application/json" and not media.endswith("+json"):
+            raise ApiError(f"Content-Type must be application/json, got {kind[:80]!r}", param="Content-Type",
+                           status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
 
 
 def event(payload: dict[str, Any]) -> str:
@@ -317,30 +399,80 @@ async def read_body(request: Request) -> bytes:
     except TimeoutError:
         raise ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s",
                        status=HTTPStatus.REQUEST_TIMEOUT) from None
+    except ClientDisconnect:  # nobody reads the answer; nothing failed here, so nothing is logged
+        raise ApiError("the client hung up before its request body arrived", status=CLIENT_GONE) from None
     return b"".join(chunks)
 
 
 # -- uvicorn ----------------------------------------------------------------------------------------------------------
 
 
-class HeadTimeoutH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head, which uvicorn does not have (a client
-    that opens a connection and sends its request slowly, or never, is dropped after HEAD_TIMEOUT_S), and OpenAI's
-    JSON error for a request that is not valid HTTP, where uvicorn answers in plain text."""
+class GuardedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with what it lacks against clients that hold connections without using them:
+    - a deadline for each request's head (a client that opens a connection and sends its request slowly, or never,
+      is dropped after HEAD_TIMEOUT_S), and a bound on its size (MAX_HEAD_BYTES: a 431), however it arrives;
+    - at most MAX_FRESH connections that have sent no request yet: a new one closes the oldest of them, so sockets
+      opened and left idle can never lock real clients out; past MAX_CONNECTIONS in all, a new one gets a 503;
+    - OpenAI's JSON error, with Retry-After on a 503, where uvicorn answers in plain text;
+    - TCP_NODELAY, without which every request on a kept-alive connection waits about 40 ms.
+    Requests in flight are bounded by the worker (`max_waiting`), not by counting connections."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _fresh = True  # no request yet on this connection
+    _opened = 0.0
+    _head_bytes = 0
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps(ApiError(f"the request is not valid HTTP ({msg})").body()).encode()
-        for part in (h11.Response(status_code=400, reason=b"Bad Request",
-                                  headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
+        self._answer(HTTPStatus.BAD_REQUEST, f"the request is not valid HTTP ({msg})")
+
+    def _answer(self, status: HTTPStatus, message: str) -> None:
+        """An error as the connection's last words: JSON, then close."""
+        error = ApiError(message, status=status, kind="server_error" if status >= 500 else "invalid_request_error")
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            headers.append((b"retry-after", b"1"))
+        connection = h11.Connection(h11.SERVER)  # this one's state may be mid-request: answer on a fresh one
+        connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        connection.next_event()
+        for part in (h11.Response(status_code=status, reason=status.phrase.encode(), headers=headers),
                      h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(part))
+            self.transport.write(connection.send(part))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # a response goes out in two writes (head, body): with Nagle's algorithm on, the body waits for the
+            # client's delayed ACK of the head, about 40 ms on every request of a kept-alive connection
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._opened = self.loop.time()
+        if len(self.connections) > MAX_CONNECTIONS:
+            self._answer(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds {MAX_CONNECTIONS} connections, its "
+                                                         "most; retry shortly")
+            return
+        fresh = [c for c in self.connections if c is not self and getattr(c, "_fresh", False)]
+        if len(fresh) >= MAX_FRESH:  # the one idle longest makes room
+            oldest = min(fresh, key=lambda c: c._opened)
+            oldest._fresh = False  # closing: it counts no more
+            oldest.transport.close()
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # a head is arriving
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end == -1 else end
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._answer(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                             f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes")
+                return
+            if end != -1:
+                self._head_bytes = 0
+        super().data_received(data)
+        if self.cycle is not None:
+            self._fresh = False
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -384,14 +516,16 @@ class Service:
     returned, having answered every request it held, `stop` closes HTTP."""
 
     def __init__(self, target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
-                 max_waiting: int = 64, quiet: bool = False, proposer: Proposer | None = None) -> None:
+                 max_waiting: int = 64, quiet: bool = False, proposer: Proposer | None = None,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.worker = EngineWorker(target, params, max_waiting, proposer)
         self.url = url_of(sock)
         self.host, self.port = sock.getsockname()[:2]
-        # connections are bounded (a 503 past them); idle keep-alive and request heads are timed out
+        # idle keep-alive and request heads are timed out, connections that sent nothing bounded (`GuardedH11`)
         self.http = uvicorn.Server(uvicorn.Config(
-            build_app(self.worker, api_key), http=HeadTimeoutH11, limit_concurrency=self.worker.capacity + 64,
-            timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, h11_max_incomplete_event_size=16 * 1024,
+            build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts)), http=GuardedH11,
+            timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             lifespan="off", log_level="warning" if quiet else "info", access_log=not quiet))
         self._thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, name="playground-http",
                                         daemon=True)
@@ -405,15 +539,17 @@ class Service:
 
 
 def serve(target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
-          max_waiting: int = 64, proposer: Proposer | None = None) -> None:
-    """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: what every step proposes (None: plain decoding)."""
-    service = Service(target, params, sock, api_key, max_waiting, proposer=proposer)
+          max_waiting: int = 64, proposer: Proposer | None = None,
+          allowed_hosts: tuple[str, ...] | None = None) -> None:
+    """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: what every step proposes (None: plain decoding);
+    allowed_hosts: the Host names it answers to (`hosts_for`)."""
+    service = Service(target, params, sock, api_key, max_waiting, proposer=proposer, allowed_hosts=allowed_hosts)
     service.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: service.worker.close())
     url = service.url
     print(f"Serving {target.name} at {url} (OpenAI-style: POST /v1/completions, /v1/chat/completions; GET "
           f"/v1/models, /v1/engine, /health{'; a Bearer API key required on /v1' if api_key else ''}). Try:\n"
-          f"  curl {url}/v1/chat/completions -d "
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           """'{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'\n"""
           "Ctrl+C stops.", file=sys.stderr, flush=True)
     try:

@@ -94,6 +94,9 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         if family.both:
             modes["sequential + both"] = (one, family.algo, PromptLookupParams())
     serve(target, workload(2, 8), many)  # warm-up: first-call allocations and kernel choices
+    http = http_latency(target)
+    progress(f"HTTP, a 1-token completion through {http['client']}: {1000 * http['keep_alive_s']:.1f} ms on a "
+             f"kept-alive connection, {1000 * http['fresh_s']:.1f} ms on a fresh one")
     results = {}
     for name, (params, algo, copies) in modes.items():
         results[name] = serve(target, requests, params, build_proposer(target, algo, copies=copies))
@@ -122,8 +125,65 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
+        "http": http,
         "modes": results,
     }
+
+
+def http_latency(target: Any, rounds: int = 5, per_round: int = 8) -> dict[str, Any]:
+    """The median time of a 1-token completion over HTTP (`playground.api`, plain decoding) on a kept-alive
+    connection against a fresh connection per request, interleaved over `rounds`; through the `openai` client where
+    it is installed (it keeps connections alive, as every OpenAI client does), else `http.client`."""
+    import http.client
+    import json
+    import statistics
+    import threading
+    import time
+
+    from .api import Service, listen
+
+    service = Service(target, EngineParams(num_blocks=64, block_size=8, max_running=1), listen("127.0.0.1", 0),
+                      quiet=True)
+    service.start()
+    worker = threading.Thread(target=service.worker.run)
+    worker.start()
+    while not service.http.started:
+        time.sleep(0.01)
+    body = {"prompt": "Hello", "max_tokens": 1}
+    try:
+        import openai
+
+        def client() -> Callable[[], Any]:
+            kept = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
+            return lambda: kept.completions.create(model=target.name, **body)
+        name = f"the openai client {openai.__version__}"
+    except ImportError:
+        def client() -> Callable[[], Any]:
+            kept = http.client.HTTPConnection(service.host, service.port)
+
+            def send() -> bytes:
+                kept.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                return kept.getresponse().read()
+            return send
+        name = "http.client"
+    times: dict[str, list[float]] = {"keep_alive": [], "fresh": []}
+    try:
+        kept = client()
+        kept()  # the connection opened, the first request's costs paid
+        for _ in range(rounds):
+            for mode in times:
+                for _ in range(per_round):
+                    send = kept if mode == "keep_alive" else client()
+                    start = time.perf_counter()
+                    send()
+                    times[mode].append(time.perf_counter() - start)
+    finally:
+        service.worker.close()
+        worker.join()
+        service.stop()
+    keep_alive, fresh = statistics.median(times["keep_alive"]), statistics.median(times["fresh"])
+    return {"client": name, "requests": rounds * per_round, "keep_alive_s": keep_alive, "fresh_s": fresh,
+            "keep_alive_vs_fresh": keep_alive / fresh}
 
 
 def markdown_serving(report: dict[str, Any]) -> str:
@@ -153,7 +213,11 @@ def markdown_serving(report: dict[str, Any]) -> str:
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",
-              f"- same greedy tokens in every mode: {'yes' if s['same_tokens_in_every_mode'] else 'NO'}"]
+              f"- same greedy tokens in every mode: {'yes' if s['same_tokens_in_every_mode'] else 'NO'}",
+              f"- HTTP, a 1-token completion through {s['http']['client']} (median of {s['http']['requests']}): "
+              f"{1000 * s['http']['keep_alive_s']:.1f} ms on a kept-alive connection, "
+              f"{1000 * s['http']['fresh_s']:.1f} ms on a fresh one: {s['http']['keep_alive_vs_fresh']:.2f}x "
+              "(goal <= 1.2)"]
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,12 +32,21 @@ class ConfigError(ValueError):
     """A parameter is out of its allowed range; the message names the field and the range."""
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A value as an error message quotes it: its repr, at most `limit` characters (a 4,000-digit number is cut)."""
+    try:
+        text = repr(value)
+    except ValueError:  # Python writes integers of at most 4,300 digits
+        return "an integer of more than 4,300 digits"
+    return text if len(text) <= limit else f"{text[:limit - 1]}… ({len(text)} characters)"
+
+
 def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise ConfigError(f"{name} must be an integer, got {shown(value)}")
     upper = "inf" if hi is None else str(hi)
     if value < lo or (hi is not None and value > hi):
-        raise ConfigError(f"{name} must be an integer in [{lo}, {upper}], got {value}")
+        raise ConfigError(f"{name} must be an integer in [{lo}, {upper}], got {shown(value)}")
 
 
 def check_text(name: str, value: str) -> None:
@@ -87,6 +97,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
             raise ConfigError("model must be 'embedded', a hub id, a local folder or a .gguf file; got an empty value")
+        if self.cache_dir is not None and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
+            raise ConfigError(f"cache_dir: {self.cache_dir[:80]} is a file; give a folder")
         check_choice("device", self.device, DEVICES)
         check_choice("dtype", self.dtype, DTYPES)
         if self.quant is not None:
@@ -122,6 +134,11 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+# stop strings: every step checks the text's tail against each, on the thread all requests share
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
     """Limits common to every algorithm.
@@ -147,6 +164,9 @@ class GenerationParams:
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError("stop must be a tuple of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ConfigError(f"stop must be at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters, "
+                              f"got {len(self.stop)} of up to {max(map(len, self.stop))}")
 
 
 MAX_GAMMA = 16

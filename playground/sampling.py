@@ -44,9 +44,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = logits.softmax(-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
-        # Drop a token when the mass of strictly more likely tokens already reaches top_p.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        # Drop a token when the mass of strictly more likely tokens already reaches top_p; the most likely stays
+        # even where top_p is below float32's smallest number (the comparison would then drop every token).
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (..., V)
+        dropped = mass_before >= params.top_p
+        dropped[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

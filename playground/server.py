@@ -64,12 +64,22 @@ def settled_text(text: str, stop: tuple[str, ...]) -> str:
     while True:
         cut = text.rstrip().rstrip("\ufffd")
         for s in stop:
-            starts = [k for k in range(1, min(len(s), len(cut) + 1)) if cut.endswith(s[:k])]
-            if starts:
-                cut = cut[: len(cut) - max(starts)]
+            cut = cut[: len(cut) - _stop_start(cut, s)]
         if cut == text:
             return text
         text = cut
+
+
+def _stop_start(text: str, stop: str) -> int:
+    """The length of the longest tail of `text` that begins `stop` without being all of it (0: none): only the
+    places where the tail could start, those holding stop's first character, are compared."""
+    tail = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+    at = tail.find(stop[0])
+    while at != -1:
+        if stop.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(stop[0], at + 1)
+    return 0
 
 
 @dataclass(frozen=True, slots=True)

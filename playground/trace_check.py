@@ -4,7 +4,8 @@ Each schema type is turned once into a check: a function from a parsed JSON valu
 raising TraceError on the first problem with the path of the field. A dataclass's check calls its fields' checks
 positionally, then the class's consistency rules (_RULES), so that a loaded trace is one the viewers can draw:
 integers within 64 bits, finite floats, proposal trees whose parents come before their children,
-spans that are spans, a block map with one owner per block. Paths are put together only on failure.
+spans that are spans, a block map with one owner per block, steps numbered within the trace's events. Paths are
+put together only on failure.
 """
 
 from __future__ import annotations
@@ -230,6 +231,13 @@ def _trace_check() -> Callable[[dict[str, Any]], dict[str, Any]]:
                 out[name] = field_check(value[name])
             except _Bad as bad:
                 raise bad.at(name) from None
+        # a step numbers the engine steps a run took, each of which left at least one event: the viewers size a
+        # replay by the last step, so a number beyond the events is refused, not allocated
+        last = len(out["events"])
+        for i, event in enumerate(out["events"]):
+            if not 0 <= event.step <= last:
+                raise _Bad(f"must be in [0, {last}] (a trace of {last} events), got {event.step}").at(
+                    "step").at(f"[{i}]").at("events")
         return out
     return check
 

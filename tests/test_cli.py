@@ -212,6 +212,10 @@ def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, m
     assert "Medusa heads' trees in the batch: not run (no Medusa heads ship for this model)" in markdown
     assert "the draft's chains in the batch: not run (no draft ships for this model)" in markdown
     assert "the EAGLE head's trees in the batch: not run (no EAGLE head ships for this model)" in markdown
+    # HTTP on a kept-alive connection against a fresh one: figures for the report, no goal asserted here
+    http = serving["http"]
+    assert http["client"].startswith("the openai client") and http["requests"] == 40
+    assert http["keep_alive_s"] > 0 and http["fresh_s"] > 0 and "on a kept-alive connection" in markdown
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +242,13 @@ def broken_folders(target, tmp_path_factory) -> dict[str, str]:
     pickled = folder("pickled-peer", ("config.json", *tokenizer))
     shutil.copy(source / "model.safetensors", pickled / "weights.safetensors")
     (pickled / "pytorch_model.bin").write_bytes(b"not a pickle you should open")
+    config = json.loads((source / "config.json").read_text())
+    for name, change in {"zero-heads": {"num_attention_heads": 0}, "negative-vocab": {"vocab_size": -5},
+                         "doubled-hidden": {"hidden_size": 2 * config["hidden_size"]}}.items():
+        changed = folder(name, ("model.safetensors", *tokenizer))
+        (changed / "config.json").write_text(json.dumps({**config, **change}))
+    bad_generation = folder("bad-generation-config", ("config.json", "model.safetensors", *tokenizer))
+    (bad_generation / "generation_config.json").write_text('{"eos_token_id": ')
     return {p.name: str(p) for p in root.iterdir()}
 
 
@@ -252,15 +263,37 @@ def broken_folders(target, tmp_path_factory) -> dict[str, str]:
     (["generate", "--prompts-file", "PROMPTS"], r"prompts-file line 2: not UTF-8 text \(byte 0xff\)"),
     (["generate", "--prompt", "hi", "--trace-out", "/no/such/folder/trace.json"],
      r"trace-out: no such folder /no/such/folder"),
+    (["generate", "--prompt", "hi", "--model", "zero-heads"],
+     r"config.json num_attention_heads must be an integer in \[1, 16777216\], got 0"),
+    (["generate", "--prompt", "hi", "--model", "negative-vocab"], r"config.json vocab_size must be an integer in"),
+    (["generate", "--prompt", "hi", "--model", "doubled-hidden"],
+     r"the weights do not match config.json \(\d+ problem\(s\); first: size mismatch"),
+    (["generate", "--prompt", "hi", "--model", "bad-generation-config"],
+     r"generation_config.json is not a readable JSON file"),
+    (["generate", "--prompt", "hi", "--cache-dir", "PROMPTS"], r"cache_dir: .* is a file; give a folder"),
+    (["generate", "--prompts-file", "SURROGATE"], r"prompts-file line 1: prompt must be valid Unicode text"),
+    (["generate", "--prompts-file", "NESTED"], r"prompts-file line 1: not valid JSON \(nested too deeply\)"),
+    (["generate", "--prompts-file", "BIGINT"], r"prompts-file line 1: not valid JSON \(an integer too long to read\)"),
+    (["generate", "--prompt", "hi", "--trace-out", "/dev/full"], r"trace-out: /dev/full is not a regular file"),
+    (["generate", "--prompt", "hi", "--trace-out", "/proc/x.json"], r"trace-out: cannot write /proc/x.json"),
+    (["generate", "--prompt", "hi", "--trace-out", "/sys/x.json"], r"trace-out: cannot write /sys/x.json"),
+    (["generate", "--prompt", "hi", "--trace-out", "LONG"], r"trace-out: cannot write .*… \(File name too long\)"),
+    (["generate", "--prompts-file", "TWO", "--trace-out", "T"], r"trace-out: .*t-1.json is a folder; give a file name"),
     (["bench", "--model", "pickled-peer", "--limit", "1", "--max-new-tokens", "2", "--algos", "prompt-lookup",
       "--json", "JSON", "--markdown", "MD"],
      r"peer: transformers could not load .*pickled-peer .*; --no-peers skips the transformers peers"),
 ])
 def test_broken_inputs_are_one_line(argv, message, broken_folders, tmp_path, capsys) -> None:
     """Each of these printed a traceback once; they must end in one line and exit code 2, before any long work."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xff"}\n')
-    paths = {**broken_folders, "PROMPTS": str(prompts), "JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md")}
+    files = {"PROMPTS": b'{"prompt": "fine"}\n{"prompt": "caf\xff"}\n', "SURROGATE": b'{"prompt": "a\\ud800"}\n',
+             "NESTED": b"[" * 100_000 + b"\n", "BIGINT": b'{"prompt": "a", "n": ' + b"9" * 5001 + b"}\n",
+             "TWO": b'{"prompt": "one"}\n{"prompt": "two"}\n'}
+    paths = {**broken_folders, "JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md"),
+             "LONG": str(tmp_path / ("t" * 300 + ".json")), "T": str(tmp_path / "t.json")}
+    for name, data in files.items():
+        paths[name] = str(tmp_path / f"{name}.jsonl")
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+    (tmp_path / "t-1.json").mkdir()
     assert main([paths.get(a, a) for a in argv]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]

@@ -58,8 +58,9 @@ def test_temperature_top_k_top_p() -> None:
     # top_p keeps the fewest most likely tokens whose mass reaches p: here the first two (0.57 + 0.21 >= 0.7).
     p = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
     assert torch.allclose(p, torch.cat([full[:2] / full[:2].sum(), torch.zeros(4)]))
-    tiny = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=1e-6))
-    assert tiny.tolist() == [1.0, 0, 0, 0, 0, 0]
+    for top_p in (1e-6, 1e-46, 1e-300):  # below float32's smallest number too (it rounds to 0 there)
+        tiny = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+        assert tiny.tolist() == [1.0, 0, 0, 0, 0, 0], top_p
 
 
 def test_seeded_draws_follow_the_distribution() -> None:

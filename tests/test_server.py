@@ -19,15 +19,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from playground.__main__ import main
-from playground.config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.config import ConfigError, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding.registry import build_proposer
 from playground.decoding import encode_prompt
 from playground.engine import generate
 from playground.decoding.base import chat_ids
-from playground.api import Service, listen
-from playground.server import EngineWorker, settled_text
+from playground.api import CompletionRequest, Service, listen, parse_job
+from playground.server import ApiError, EngineWorker, settled_text
 
 from .prompts import PROMPTS
 
@@ -194,10 +196,19 @@ def test_sampling_follows_the_seed(server, target):
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "top_k": -1}, 400, "top_k must be an integer in [0, inf]"),
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed: Input should be a valid integer, got 'x'"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop must be a non-empty string or a list"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop must be a string of 1..1000 characters"),
     ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream: Input should be a valid boolean, got 1"),
     ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n is not supported by this server (only 1)"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
+    # a boolean is not the number it equals in Python
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n is not supported by this server (only 1)"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": False}, 400, "frequency_penalty is not supported"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": int("9" * 4000)}, 400, "got 99999999"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options is only allowed with stream: true"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400,
+     "max_tokens and max_completion_tokens differ"),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 0}, 400, "max_completion_tokens must be an integer"),
     ("/v1/completions", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model must be 'SmolLM2-135M-Instruct'"),
     ("/v1/completions", {"messages": chat("hi")}, 400, "unknown field 'messages'"),
@@ -217,7 +228,7 @@ def test_sampling_follows_the_seed(server, target):
 def test_bad_requests_are_refused_naming_the_field(server, path, body, status, message):
     got, reply = post(server, path, body)
     assert got == status
-    assert message in reply["error"]["message"]
+    assert message in reply["error"]["message"] and len(reply["error"]["message"]) < 400
     assert reply["error"]["type"] == "invalid_request_error"
 
 
@@ -274,7 +285,8 @@ def test_a_client_that_hangs_up_stops_its_request(server):
     finished = get(server, "/v1/engine")[1]["finished"]
     sock = socket.create_connection((server.host, server.port))
     body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
     received = b""
     while b"data: " not in received:  # the headers come first, then the first piece of text: decoding has begun
         chunk = sock.recv(4096)
@@ -317,6 +329,36 @@ def test_settled_text_holds_back_what_may_change(text, stop, settled):
     assert settled_text(text, stop) == settled
 
 
+def held_back(text: str, stop: str) -> int:
+    """The definition: the longest tail of text, shorter than stop, that stop begins with."""
+    return max((k for k in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:k])), default=0)
+
+
+@given(st.text("abE ", max_size=30), st.lists(st.text("abEN", min_size=1, max_size=6), max_size=3))
+def test_settled_text_compares_only_where_a_stop_string_can_begin(text, stop):
+    """The fast search gives what the definition gives, stop string by stop string."""
+    cut = text
+    while True:
+        shorter = cut.rstrip().rstrip("\ufffd")
+        for s in stop:
+            shorter = shorter[: len(shorter) - held_back(shorter, s)]
+        if shorter == cut:
+            break
+        cut = shorter
+    assert settled_text(text, tuple(stop)) == cut
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    long = "x" * 1001
+    for stop in (("a",) * 5, (long,)):
+        with pytest.raises(ConfigError, match="stop must be at most 4 strings of 1..1000 characters"):
+            GenerationParams(stop=stop)
+    for stop in (long, ["a"] * 5, ["a", ""]):
+        with pytest.raises(ApiError, match="stop must be a string of 1..1000 characters or a list of 1..4") as refused:
+            parse_job(json.dumps({"prompt": "hi", "stop": stop}).encode(), CompletionRequest, ("m",), None)
+        assert refused.value.param == "stop"
+
+
 def test_cli_errors_before_loading_a_model(capsys):
     for argv, message in [
             (["serve", "--port", "70000"], "port must be an integer in [0, 65535], got 70000"),
@@ -335,6 +377,7 @@ def test_cli_errors_before_loading_a_model(capsys):
                                                                     "medusa or eagle, not lookahead"),
             (["serve", "--window", "2"], "window: a setting of --algo lookahead, not ar"),
             (["serve", "--algo", "lookahead", "--window", "0"], "window must be an integer in [1, 16], got 0"),
+            (["serve", "--allowed-hosts", ","], "allowed_hosts must name at least one host (or * for any)"),
     ]:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv

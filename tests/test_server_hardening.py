@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import queue
 import signal
@@ -52,8 +53,8 @@ def raw_exchange(srv, data: bytes, wait_s: float = 30) -> bytes:
 
 
 def request_bytes(path: str, body: bytes, headers: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(body)}\r\n{headers}\r\n"
-            .encode() + body)
+    return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
+            f"{headers}\r\n".encode() + body)
 
 
 def wait_for(condition, timeout_s: float = 60) -> bool:
@@ -125,13 +126,97 @@ def test_malformed_bodies_get_json_400s(srv, raw, message):
 
 
 def test_malformed_http_gets_an_answer(srv):
-    reply = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n{}")
+    reply = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: \xb2\r\n\r\n{}")
     assert reply.startswith(b"HTTP/1.1 400") and b"application/json" in reply
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the request is not valid HTTP")
     too_big = request_bytes("/v1/completions", b"", f"X-Pad: {'a' * 70_000}\r\n")
     assert raw_exchange(srv, too_big).startswith(b"HTTP/1.1 4")
     status, reply = post(srv, "/v1/completions", None, raw=b'{"prompt": "' + b"a" * (1 << 20) + b'"}')
     assert status == 413 and "at most 1048576 bytes" in reply["error"]["message"]
+
+
+def test_idle_connections_cannot_lock_clients_out(srv, monkeypatch):
+    """Connections that send nothing: past MAX_FRESH of them each new one closes the oldest, so a client that keeps
+    reopening them never starves real requests; past MAX_CONNECTIONS in all, a JSON 503 with Retry-After."""
+    monkeypatch.setattr(api, "MAX_FRESH", 8)
+    idlers = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(40)]
+    try:
+        for _ in range(3):  # a client reopening what was closed
+            for i, sock in enumerate(idlers):
+                sock.setblocking(False)
+                try:
+                    closed = sock.recv(1) == b""
+                except BlockingIOError:
+                    closed = False
+                if closed:
+                    sock.close()
+                    idlers[i] = socket.create_connection((srv.host, srv.port), timeout=10)
+            assert get(srv, "/health") == (200, {"status": "ok"})
+            assert post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+        open_now = sum(1 for c in srv.http.server_state.connections if c._fresh)
+        assert open_now <= 8
+        monkeypatch.setattr(api, "MAX_CONNECTIONS", 1)  # the idle ones are open: a new one is past it
+        refused = raw_exchange(srv, b"")
+        head, body = refused.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
+        assert "connections, its most" in json.loads(body)["error"]["message"]
+    finally:
+        for sock in idlers:
+            sock.close()
+
+
+def test_only_json_from_this_machines_names_is_served(srv):
+    """A web page elsewhere cannot use a server bound to this machine: its DNS-rebound Host is refused, a body that
+    is not JSON (a form, text/plain: sent without asking the server first) too; no redirect, schema or docs page."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    evil = raw_exchange(srv, request_bytes("/v1/completions", body, "Origin: http://evil.example\r\n").replace(
+        b"Host: localhost", b"Host: evil.example"))
+    assert evil.startswith(b"HTTP/1.1 403") and b"is not one this server answers to" in evil
+    assert b"access-control" not in evil.lower()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        reply = raw_exchange(srv, request_bytes("/v1/completions", body, f"Content-Type: {kind}\r\n"))
+        assert reply.startswith(b"HTTP/1.1 415") and b"Content-Type must be application/json" in reply, kind
+    served = raw_exchange(srv, request_bytes("/v1/completions", body, "Content-Type: application/json\r\n"))
+    assert served.startswith(b"HTTP/1.1 200")
+    for path in ("/openapi.json", "/docs", "/redoc", "/health/"):
+        status, reply = get(srv, path)
+        assert status == 404 and "no such endpoint" in reply["error"]["message"], path
+    assert post(srv, "/v1/completions/", {"prompt": "hi"})[0] == 404
+    assert api.hosts_for("127.0.0.1", None) == api.hosts_for("::1", None) == api.LOCAL_HOSTS
+    assert api.hosts_for("0.0.0.0", None) is None and api.hosts_for("127.0.0.1", ("*",)) is None
+    assert api.hosts_for("127.0.0.1", ("Box.example:8000",)) == ("box.example",)
+    assert [api.host_name(h) for h in ("[::1]:80", "LOCALHOST", "a.b:1")] == ["[::1]", "localhost", "a.b"]
+
+
+def test_a_head_over_the_limit_is_a_431_however_it_arrives(srv):
+    line = f"X-Pad: {'a' * 70_000}\r\n"
+    whole = raw_exchange(srv, request_bytes("/v1/completions", b"{}", line))
+    with socket.create_connection((srv.host, srv.port), timeout=30) as sock:  # in pieces, as a slow client
+        for piece in (b"GET /health HTTP/1.1\r\nHost: localhost\r\n", line.encode()[:9000], line.encode()[9000:]):
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break  # closed as soon as the head passed the limit
+            time.sleep(0.05)
+        pieces = b""
+        while chunk := sock.recv(65536):
+            pieces += chunk
+    for reply in (whole, pieces):
+        assert reply.startswith(b"HTTP/1.1 431") and b"at most 16384 bytes" in reply
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(srv, caplog):
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not reach the root's handlers
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with socket.create_connection((srv.host, srv.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.3)
+        time.sleep(0.5)
+        assert get(srv, "/health")[0] == 200
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 @pytest.mark.parametrize("method", ["HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"])
@@ -152,7 +237,7 @@ def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
     sockets = [socket.create_connection((srv.host, srv.port)) for _ in range(100)]
     try:
         for sock in sockets:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # a head that never ends
         assert threading.active_count() == threads  # no thread per connection
         for sock in sockets:
             sock.settimeout(10)
@@ -161,11 +246,14 @@ def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
         for sock in sockets:
             sock.close()
     with socket.create_connection((srv.host, srv.port), timeout=10) as sock:  # a body that never ends
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        sent = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
         reply = b""
         while b"}}" not in reply and (chunk := sock.recv(65536)):  # the head and the JSON body may come apart
             reply += chunk
+        waited = time.monotonic() - sent
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
+    assert waited < api.BODY_TIMEOUT_S + 2, waited  # at the deadline, not seconds after it
     assert get(srv, "/health")[0] == 200
 
 
@@ -226,6 +314,22 @@ def test_the_openai_client_gets_what_raw_http_gets(srv, target):
         client.completions.create(model=target.name, prompt="Hi", max_tokens=0)
 
 
+def test_fields_openai_clients_send_are_served(srv, target):
+    """stream_options.include_usage ends a stream with a usage chunk; max_completion_tokens is max_tokens; store,
+    metadata and service_tier change nothing here."""
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    prompt = "Name a colour."
+    expected = post(srv, "/v1/chat/completions", {"messages": chat(prompt), "max_tokens": TOKENS})[1]
+    chunks = list(client.chat.completions.create(model=target.name, messages=chat(prompt), max_completion_tokens=TOKENS,
+                                                 stream=True, stream_options={"include_usage": True}, store=False,
+                                                 metadata={"run": "test"}, service_tier="auto"))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == expected["usage"]["completion_tokens"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == expected["choices"][0]["message"]["content"]
+    plain = client.chat.completions.create(model=target.name, messages=chat(prompt), max_completion_tokens=TOKENS)
+    assert plain.choices[0].message.content == text
+
+
 def test_a_failure_inside_one_request_ends_it_alone(target):
     """A request whose sampling fails mid-batch ends with an error; its neighbours get their solo tokens."""
     engine = Engine(target, PARAMS)
@@ -263,7 +367,8 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
                            max_leaves=8)
 FIELDS = ["prompt", "messages", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "user", "n", "logprobs", "echo", "role", "content"]
+          "user", "n", "logprobs", "echo", "role", "content", "frequency_penalty", "max_completion_tokens",
+          "stream_options", "include_usage", "store", "metadata", "service_tier"]
 BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES | st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "robot"]), "content": JSON_VALUES}), max_size=2), max_size=6)
 
@@ -275,17 +380,20 @@ def test_fuzzed_request_bodies_are_a_job_or_a_400(body, chat_endpoint, surrogate
     if surrogate:
         raw = raw.replace("a", "\\ud800")
     try:
-        job = parse_job(raw.encode(), ChatRequest if chat_endpoint else CompletionRequest, ("m",), None)
+        job, usage_chunk = parse_job(raw.encode(), ChatRequest if chat_endpoint else CompletionRequest, ("m",), None)
     except ApiError as exc:
-        assert exc.status in (400, 404) and str(exc) and "\n" not in str(exc)
+        assert exc.status in (400, 404) and str(exc) and "\n" not in str(exc) and len(str(exc)) < 400
     else:
         assert isinstance(job, Job) and 1 <= job.generation.max_new_tokens <= 4096
+        assert job.stream or not usage_chunk
 
 
 def test_32_streams_some_hanging_up(srv, target):
-    """A bounded load: 32 streams at once, every fourth client hanging up after its first piece; the server stays
-    up, the rest get the CLI's greedy answers, and every KV block comes back."""
+    """A bounded load beside 200 sockets opened and left idle: 32 streams at once, every fourth client hanging up
+    after its first piece; the server stays up, the rest get the CLI's greedy answers, and every KV block comes
+    back."""
     prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+    idlers = [socket.create_connection((srv.host, srv.port)) for _ in range(200)]
 
     def one(i: int) -> str | None:
         body = {"messages": chat(prompts[i]), "max_tokens": TOKENS, "stream": True}
@@ -296,8 +404,13 @@ def test_32_streams_some_hanging_up(srv, target):
             while b"data: " not in sock.recv(4096):
                 pass
         return None
-    with ThreadPoolExecutor(32) as pool:
-        texts = list(pool.map(one, range(32)))
+    try:
+        assert get(srv, "/health") == (200, {"status": "ok"})
+        with ThreadPoolExecutor(32) as pool:
+            texts = list(pool.map(one, range(32)))
+    finally:
+        for sock in idlers:
+            sock.close()
     for i, text in enumerate(texts):
         if text is not None:
             ids = encode_prompt(target, prompts[i], GenerationParams())

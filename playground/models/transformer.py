@@ -28,8 +28,29 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Layer = Callable[..., torch.Tensor]
 
 
+# config.json's sizes the model is built from; the optional ones default to hidden_size / num_attention_heads and
+# num_attention_heads
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "max_position_embeddings", "head_dim")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+MAX_SIZE = 1 << 24
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint is not a Llama-family decoder this module implements."""
+
+
+def check_sizes(config: dict[str, Any], required: bool) -> None:
+    """config.json's sizes (`SIZES`) are positive integers, or nothing can be built from them (transformers itself
+    divides by some of them). required: the ones not in OPTIONAL_SIZES must be there (once the architecture is
+    known to be supported); else only those given are checked."""
+    for name in SIZES:
+        value = config.get(name)
+        if value is None and (not required or name in OPTIONAL_SIZES):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+            raise UnsupportedModelError(f"model: config.json {name} must be an integer in [1, {MAX_SIZE}], "
+                                        f"got {str(value)[:40]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +73,7 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"model: config.json num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})")
 
     @classmethod
@@ -62,8 +83,13 @@ class TransformerConfig:
             raise UnsupportedModelError(
                 f"model: architecture {model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)")
+        check_sizes({name: getattr(hf_config, name, None) for name in SIZES}, required=True)
         num_heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if not head_dim:
+            raise UnsupportedModelError(f"model: config.json hidden_size ({hf_config.hidden_size}) is smaller than "
+                                        f"num_attention_heads ({num_heads})")
         sliding = getattr(hf_config, "sliding_window", None)
         if model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
             sliding = None
@@ -74,7 +100,7 @@ class TransformerConfig:
             intermediate_size=hf_config.intermediate_size,
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             max_position_embeddings=hf_config.max_position_embeddings,
