@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding import Stopper, encode_prompt
@@ -40,6 +42,24 @@ def test_stopper_rules(target) -> None:
     assert [length.push(i) for i in ids[:2]] == [False, True] and length.reason == "length"
     eos = Stopper(tok, target.eos_token_ids, GenerationParams())
     assert eos.push(target.eos_token_ids[0]) and eos.reason == "eos"
+
+
+TEXT = "Crème brûlée 🍮 costs 5 €, say 'très bon' — 東京 or Zürich?\n\nYes: one  two   three 🚀🚀 done."
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.integers(0, len(TEXT) - 1), length=st.integers(1, 12))
+def test_a_stop_string_is_found_at_the_token_the_whole_text_finds_it(target, start, length) -> None:
+    """The stopper decodes only the last tokens; it stops where decoding the whole text would have, with emoji,
+    accents, CJK and runs of spaces (tokens that are a character's bytes alone, pieces whose leading space depends
+    on what comes before)."""
+    tok = target.tokenizer
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    stop_string = tok.decode(ids)[start:start + length]
+    assume(stop_string.strip())
+    expected = next(k for k in range(len(ids)) if stop_string in tok.decode(ids[:k + 1], skip_special_tokens=True))
+    stopper = Stopper(tok, (), GenerationParams(max_new_tokens=len(ids) + 1, stop=(stop_string,)))
+    assert next(k for k, i in enumerate(ids) if stopper.push(i)) == expected
 
 
 def test_generation_stops_on_stop_string(target) -> None:

@@ -103,6 +103,9 @@ def forward_tokens(model: Transformer, cache: KVCache, token_ids: list[int], num
     return rows.full_logits(hidden[0, -num_logits:], model.config.vocab_size)  # (n, V)
 
 
+STOP_MARGIN_TOKENS = 8
+
+
 class Stopper:
     """Decides, token by token, whether generation is over: end-of-sequence id, length, or a stop string."""
 
@@ -112,6 +115,10 @@ class Stopper:
         self.generation = generation
         self.tokens: list[int] = []
         self.reason: str | None = None
+        # a stop string the newest token completes lies within the last tokens: L characters span at most 4 L
+        # tokens (a character's UTF-8 bytes may come one token each), and a margin keeps the window's first token,
+        # which may decode differently alone, clear of it
+        self._window = 4 * max(map(len, generation.stop), default=0) + STOP_MARGIN_TOKENS
 
     def push(self, token: int) -> bool:
         """Record one generated token; True when it ends generation (it is kept either way)."""
@@ -120,7 +127,7 @@ class Stopper:
         self.tokens.append(token)
         if token in self.eos_ids:
             self.reason = "eos"
-        elif self.generation.stop and any(s in self._text() for s in self.generation.stop):
+        elif self.generation.stop and any(s in self._tail() for s in self.generation.stop):
             self.reason = "stop"
         elif len(self.tokens) >= self.generation.max_new_tokens:
             self.reason = "length"
@@ -128,6 +135,11 @@ class Stopper:
 
     def _text(self) -> str:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _tail(self) -> str:
+        """The text of the last tokens, where a stop string can end now: checked every token, a match ending
+        earlier would have stopped generation earlier; decoding only these keeps a step's cost flat as text grows."""
+        return self.tokenizer.decode(self.tokens[-self._window:], skip_special_tokens=True)
 
     def final_text(self) -> str:
         text = self._text()
