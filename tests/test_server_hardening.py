@@ -370,7 +370,8 @@ FIELDS = ["prompt", "messages", "model", "max_tokens", "temperature", "top_p", "
           "user", "n", "logprobs", "echo", "role", "content", "frequency_penalty", "max_completion_tokens",
           "stream_options", "include_usage", "store", "metadata", "service_tier"]
 BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES | st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "robot"]), "content": JSON_VALUES}), max_size=2), max_size=6)
+    {"role": st.sampled_from(["user", "system", "robot"]), "content": JSON_VALUES}), max_size=2)
+    | st.fixed_dictionaries({"include_usage": JSON_VALUES}), max_size=6)  # stream_options' one field
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
