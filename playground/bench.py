@@ -22,13 +22,18 @@ from .bench_report import Costs, add_copy_bounds, environment, markdown, write_r
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
 from .config import DYNAMIC_TREE, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from .metrics import perfect, priced
 from .speedup import ROUNDS, compare, measure, median_run
 
 
+REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="default", choices=["default", "serving"],
+    parser.add_argument("--suite", default="default", choices=["default", "serving", "kernel"],
                         help="default: every algorithm per prompt against plain decoding; serving: the batching "
-                             "engine with continuous vs static batching vs one request at a time")
+                             "engine with continuous vs static batching vs one request at a time; kernel: the "
+                             "native matrix products against this processor's fused multiply-add bound")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="1..4096 (default 128); serving: the longest output limit of the workload")
     parser.add_argument("--limit", type=int, default=None,
@@ -221,6 +226,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.markdown = args.markdown or f"bench_results/{stem}.md"
     if args.suite == "serving":
         return cmd_bench_serving(args)
+    if args.suite == "kernel":
+        return cmd_bench_kernel(args)
     SpeculativeParams(gamma=args.gamma)  # refuses a bad --gamma before any model loads
     args.algos = parse_algos(args.algos)
     indices = list(range(len(SUITE)))
@@ -310,6 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "flags": list(measured.flags)}
             if contender.proposer is not None:
                 result["drafting_note"] = drafting_note(trace, relative_cost)
+                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(), measured.prefill))
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
@@ -340,6 +348,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if llm is not None:
         summary["llama_cpp_median_tokens_per_s"] = statistics.median(r["llama_cpp"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
+    width, best = perfect(relative_cost)
+    summary["perfect_proposer"] = {"width": width, "speedup": best}
     report: dict[str, Any] = {
         "model": target.name,
         "max_new_tokens": args.max_new_tokens,
@@ -381,6 +391,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             deepest = max(len(r["kept_at_least"]) for r in results if "kept_at_least" in r)
             entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
                                                       for r in results) for d in range(deepest)]
+        entry.update(reached(results))
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)
@@ -392,6 +403,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
             add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info
     return write_report(args, report, markdown(report))
+
+
+def predicted(trace: Any, relative_cost: Any, own_price: float | None, prefill: float) -> dict[str, Any]:
+    """What a run's own decode steps predict on this machine's curve (`metrics.priced`: its verified widths, its
+    proposer's forwards at their price), diluted by the prefill share both runs pay, as its speedup is; and that
+    prediction's cost of a step (verify, draft), in one-token forwards. Nothing for a run with no decode step."""
+    steps = priced(trace, relative_cost, own_price)
+    if steps is None:
+        return {}
+    return {"predicted_speedup": steps.diluted(prefill),
+            "predicted_step": {"verify": steps.verify, "draft": steps.draft}}
+
+
+def reached(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the prompts: the median predicted speedup, the median share of it measured and, where that is under
+    REACHED, where the rest went: per step, the measured split (in plain decoding's steps) against the predicted
+    one (in one-token forwards; a plain step is a one-token forward and its host work)."""
+    rows = [r for r in results if "predicted_speedup" in r]
+    if not rows:
+        return {}
+    share = statistics.median(r["speedup_vs_ar"] / r["predicted_speedup"] for r in rows)
+    out: dict[str, Any] = {"median_predicted_speedup": statistics.median(r["predicted_speedup"] for r in rows),
+                           "median_share_of_predicted": share}
+    if share < REACHED:
+        measured = {part: statistics.median(r["step_split"][part] for r in rows) for part in ("draft", "verify",
+                                                                                             "other")}
+        priced_at = {part: statistics.median(r["predicted_step"][part] for r in rows) for part in ("draft", "verify")}
+        out["where_the_rest_went"] = (
+            f"per step, verifying cost {measured['verify']:.2f} plain steps where the curve says "
+            f"{priced_at['verify']:.2f} forwards, drafting {measured['draft']:.2f} where its price says "
+            f"{priced_at['draft']:.2f}, and the rest of the step (host work) {measured['other']:.2f}")
+    return out
+
+
+def cmd_bench_kernel(args: argparse.Namespace) -> int:
+    from .bench_kernel import markdown_kernel, run_kernel
+    from .models import load_model
+
+    target = load_model(model_spec(args))
+    try:
+        kernel = run_kernel(target, lambda line: print(line, file=sys.stderr, flush=True))
+    except RuntimeError as exc:
+        raise ConfigError(f"suite: {exc}") from None
+    report = {"model": target.name, "environment": environment(target.model), "kernel": kernel}
+    return write_report(args, report, markdown_kernel(report))
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:

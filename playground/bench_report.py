@@ -15,6 +15,8 @@ import torch
 
 from .bench_suite import GROUNDED
 
+# every algorithm's: how much of what its own steps predict on this machine's curve it measured
+EVERY_ALGO = [("median_share_of_predicted", 0.9)]
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
@@ -113,6 +115,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{100 * s['fraction_of_bound']:.0f}% of it (goal >= 60%)"
         + (" — CHECK: above the bound, so the bandwidth was measured while the host was slowed; rerun"
            if s["fraction_of_bound"] > 1 else ""))
+    best = s.get("perfect_proposer")
+    if best:
+        lines.append(f"- this machine's ceiling: a perfect proposer (every token it proposes kept) would reach "
+                     f"{best['speedup']:.2f}x plain decoding's decode steps, verifying {best['width']} tokens a "
+                     "forward, the best width of the measured curve (a projection from the curve, not a run)")
     if report.get("algos"):
         lines += ["", "Costs come from the runs themselves, in plain decoding's steps and forwards of this run: step "
                   "cost is an algorithm's mean engine time per decode step over plain decoding's on the same "
@@ -120,7 +127,11 @@ def markdown(report: dict[str, Any]) -> str:
                   "diluted by the prefill both pay; verify cost ratio is the median wall time of its verifying "
                   "forwards over more than one token (their median width: verify tokens) over a plain decode "
                   "forward's; draft cost ratio the same for one draft forward. `check` flags a speedup the "
-                  "measurement cannot explain (playground/speedup.py): rerun before quoting it."]
+                  "measurement cannot explain (playground/speedup.py): rerun before quoting it. The predicted "
+                  "speedup is what a run's own decode steps (the widths it verified, its proposer's forwards at "
+                  "their measured price) come to on this machine's forward-cost curve, diluted by the prefill as "
+                  "the measured one is; its share measured falls short where a step costs more than the curve "
+                  "and the price say (host work, a slowed forward), and the bench then says where."]
     for name, info in report.get("algos", {}).items():
         lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
     return "\n".join(lines) + "\n"
@@ -150,7 +161,7 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
         lines.append(line + " " + ("; ".join(r["flags"]) or "ok").replace("|", "/") + " |")
     lines.append("")
     for key, value in summary.items():
-        goal = dict(GOALS.get(name, [])).get(key)
+        goal = dict(GOALS.get(name, []) + EVERY_ALGO).get(key)
         if isinstance(value, list):  # per depth d = 1, 2, ...
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:

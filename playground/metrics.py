@@ -217,17 +217,58 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
 
 
 # a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this
-CHEAP_TOKEN_COST = 0.005
+FLAT_TOKEN_COST = 0.005
 
 
-def projected_speedup(trace: Trace, own_price: float | None) -> float | None:
-    """A projection, not a measurement: the run's decode steps (its verified widths, its proposer's forwards)
-    priced where a forward over W tokens costs 1 + CHEAP_TOKEN_COST (W - 1) one-token forwards (a flat curve, where
-    verifying is nearly free) and each proposer forward `own_price` of one (its price as measured here; 0 for None;
-    at least one a step that proposed, as the Medusa heads run once a step), against plain decoding's one forward
-    per token; the prefill both pay is left out. None for a run with no decode step."""
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """A run's decode steps priced on a cost curve, in one-token forwards: the tokens they committed, how many there
+    were, and per step what its verifying forward costs at the width it verified (`verify`) and what its proposer's
+    forwards cost (`draft`). The prefill both a run and plain decoding pay is left out."""
+
+    tokens: int
+    steps: int
+    verify: float
+    draft: float
+
+    @property
+    def speedup(self) -> float:
+        """Over plain decoding, which commits one token a one-token forward."""
+        return self.tokens / (self.steps * (self.verify + self.draft))
+
+    def diluted(self, prefill: float) -> float:
+        """The speedup where a share `prefill` of plain decoding's time is a prefill both pay alike, as a measured
+        speedup over a whole run is."""
+        return 1 / (prefill + (1 - prefill) / self.speedup)
+
+
+def priced(trace: Trace, relative_cost: Callable[[int], float], own_price: float | None) -> Priced | None:
+    """The run's decode steps (their verified widths, their proposer's forwards) priced where a forward over W
+    tokens costs relative_cost(W) one-token forwards and a proposer forward `own_price` of one (0 for None; at least
+    one forward a step that proposed, as the Medusa heads run once a step). None for a run with no decode step."""
     widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
     forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent)}
     committed = sum(e.num_tokens for e in trace.events if isinstance(e, CommitEvent) and e.step in widths)
-    cost = sum(1 + CHEAP_TOKEN_COST * (w - 1) + (own_price or 0.0) * forwards.get(s, 0) for s, w in widths.items())
-    return committed / cost if cost and committed else None
+    if not widths or not committed:
+        return None
+    return Priced(committed, len(widths), statistics.mean(relative_cost(w) for w in widths.values()),
+                  (own_price or 0.0) * sum(forwards.get(s, 0) for s in widths) / len(widths))
+
+
+def flat_cost(width: int) -> float:
+    """A forward over a few tokens at about one token's cost: where verifying is nearly free (a GPU)."""
+    return 1 + FLAT_TOKEN_COST * (width - 1)
+
+
+def projected_speedup(trace: Trace, own_price: float | None) -> float | None:
+    """A projection, not a measurement: the run's decode steps `priced` on a flat curve (`flat_cost`) with its
+    proposer's forwards at `own_price` (its price as measured here), against plain decoding's one forward per
+    token. None for a run with no decode step."""
+    steps = priced(trace, flat_cost, own_price)
+    return None if steps is None else steps.speedup
+
+
+def perfect(relative_cost: Callable[[int], float], widest: int = 64) -> tuple[int, float]:
+    """The best a proposer could do on a curve: every token it proposes kept, at the width W (up to `widest`) where
+    W tokens a forward over its cost, W / relative_cost(W), is highest; (W, that speedup)."""
+    return max(((w, w / relative_cost(w)) for w in range(1, widest + 1)), key=lambda best: best[1])

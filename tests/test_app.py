@@ -14,7 +14,8 @@ from collections import Counter
 import pytest
 from gradio_client import Client, handle_file
 
-from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, PromptLookupParams
+from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, GenerationParams, PromptLookupParams
+from playground.metrics import perfect
 from playground.models import native
 from playground.ui import build_app, launch_options
 from playground.trace import DraftEvent, Trace
@@ -526,3 +527,26 @@ def test_every_handler_that_runs_a_model_runs_inside_the_gpu_wrapper(client) -> 
     ran = GPU_CALLS - before
     assert set(ran) == {"run_decode", "run_race", "run_memory", "load", "width_costs"}, ran
 
+
+
+def test_theory_shows_the_latest_decode_run_against_this_machines_ceiling(target):
+    """Decode keeps, for the Theory tab, its run's speedup, what its own steps predict on this machine's curve and
+    a perfect proposer's best there; the tab says so for the latest such run."""
+    from playground.decoding.registry import build_proposer
+    from playground.engine import generate, one_request_costs
+    from playground.speedup import compare
+    from playground.ui import decode as decode_tab, theory
+
+    prompt, generation = "Repeat exactly: one two three, one two three.", GenerationParams(max_new_tokens=12)
+    plain = generate(target, prompt, None, None, generation)[1]
+    fast = generate(target, prompt, build_proposer(target, "prompt-lookup"), None, generation)[1]
+    against = compare({"plain": [plain], "lookup": [fast]}, "plain")["lookup"]
+    costs = one_request_costs(target)
+    ceiling = decode_tab.ceiling(fast, against, costs, None)
+    assert ceiling["measured"] == against.speedup and ceiling["predicted"] > 0
+    assert (ceiling["perfect_width"], ceiling["perfect"]) == perfect(costs)
+    assert decode_tab.ceiling(plain, None, costs, None) is None  # plain decoding has no ceiling of its own
+    line = theory.ceiling_line([{"algo": "prompt-lookup", "ceiling": ceiling}, {"algo": "ar", "ceiling": None}])
+    assert "The latest Decode run (prompt-lookup) against this machine" in line
+    assert f"come to {ceiling['predicted']:.2f}x on the measured forward-cost curve" in line
+    assert theory.ceiling_line([{"algo": "ar", "ceiling": None}]) == ""

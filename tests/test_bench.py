@@ -106,6 +106,16 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert f"depth 4, nodes {nodes}, tree dynamic, acceptance typical" in text and "(LOSSY)" in text
     assert "n/a (sampled)" in text
     assert "Costs come from the runs themselves" in text and "step cost: draft + verify + other" in text
+    # each proposing row is measured against what its own steps predict on this machine's curve
+    best = report["summary"]["perfect_proposer"]
+    assert 1 <= best["width"] <= 64 and best["speedup"] >= 1.0 and "this machine's ceiling: a perfect proposer" in text
+    for name, entry in summary.items():
+        if name.startswith("ar-"):
+            assert "median_predicted_speedup" not in entry, name
+            continue
+        assert entry["median_predicted_speedup"] > 0 and entry["median_share_of_predicted"] > 0, name
+        assert ("where_the_rest_went" in entry) == (entry["median_share_of_predicted"] < 0.9), name
+    assert "median share of predicted" in text and "(goal >= 0.9)" in text
     assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 9
 
 
@@ -147,3 +157,20 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
     assert llm.calls[0][0] == [1, 4] and llm.calls[0][1]["top_k"] == 1 and llm.calls[0][1]["temp"] == 0.0
     assert run_llama(FakeLlama([5, 6, 7, 8]), [1], target, GenerationParams(max_new_tokens=2)).token_ids == (5, 6)
     assert llama_cpp_peer(None, 512) is None
+
+
+def test_the_kernel_suite_reads_the_products_against_the_fma_bound(tmp_path, target, monkeypatch) -> None:
+    from playground import bench_kernel
+
+    monkeypatch.setattr(bench_kernel, "MIN_SECONDS", 0.002)
+    monkeypatch.setattr(bench_kernel, "REPEATS", 2)
+    out_json, out_md = tmp_path / "k.json", tmp_path / "k.md"
+    assert main(["bench", "--suite", "kernel", "--json", str(out_json), "--markdown", str(out_md)]) == 0
+    kernel = json.loads(out_json.read_text())["kernel"]
+    assert kernel["peak_gfma_per_s"] > 0 and kernel["threads"] >= 1
+    products = kernel["products"]
+    # the layers' Q4_1 blocks, the output's Q8_0 rows and the largest layer product again as float32 panels
+    assert {p["format"] for p in products} == {"Q4_1", "Q8_0", "float32"}
+    assert {p["rows"] for p in products} == {1, 4, 8, 12, kernel["rows_per_pass"]}
+    assert all(0 < p["share_of_peak"] < 1.5 and p["gfma_per_s"] > 0 for p in products)  # a bound bounds
+    assert "| 3072x576 | Q4_1 | 12 |" in out_md.read_text()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from playground.__main__ import summary_line
@@ -10,15 +12,17 @@ from playground.config import EngineParams, GenerationParams, SpeculativeParams
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
-from playground.metrics import CHEAP_TOKEN_COST, compute, drafting, drafting_note, projected_speedup
+from playground.metrics import (FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced,
+                                projected_speedup)
 from playground.speedup import Speedup, winner
-from playground.trace import VerifyEvent
+from playground.trace import DraftEvent, VerifyEvent
 
 from .prompts import NEW_TOKENS, PROMPTS
 
 ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
 # a host where every token of a forward costs as much as a one-token forward: drafting never pays
 STEEP = ForwardCosts((1, 2, 64), (1.0, 2.0, 64.0))
+STEEP_COST = partial(STEEP.step_cost, 1)  # a one-request forward's cost by width on it
 
 
 @pytest.fixture(scope="module")
@@ -94,5 +98,21 @@ def test_the_projection_prices_the_runs_own_steps_on_a_flat_curve(target, propos
     per_forward = (len(trace.finish().token_ids) - 1) / sum(isinstance(e, VerifyEvent) for e in trace.events)
     widest = max(e.num_tokens for e in trace.events if isinstance(e, VerifyEvent))
     free = projected_speedup(trace, 0.0)
-    assert per_forward / (1 + CHEAP_TOKEN_COST * (widest - 1)) <= free <= per_forward
+    assert per_forward / (1 + FLAT_TOKEN_COST * (widest - 1)) <= free <= per_forward
     assert projected_speedup(trace, 0.5) < free  # the proposer's own forwards are paid for
+    # the same steps on a curve: each step at its width's cost, the proposer's forwards at their price
+    steep = priced(trace, STEEP_COST, 0.25)
+    widths = [e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)]
+    assert steep.steps == len(widths) and steep.verify == pytest.approx(sum(widths) / len(widths))
+    assert steep.tokens == len(trace.finish().token_ids) - 1  # all but the prefill's token
+    proposing = {e.step for e in trace.events if isinstance(e, DraftEvent)} & {
+        e.step for e in trace.events if isinstance(e, VerifyEvent)}
+    assert steep.draft == pytest.approx(0.25 * len(proposing) / steep.steps)  # the heads: one forward a step
+    assert steep.diluted(0.0) == pytest.approx(steep.speedup) and steep.diluted(1.0) == pytest.approx(1.0)
+    assert priced(plain, STEEP_COST, None).speedup == pytest.approx(1.0)
+
+
+def test_a_perfect_proposer_takes_the_best_width_of_the_curve() -> None:
+    assert perfect(STEEP_COST) == (1, 1.0)  # every token as dear as a forward: no width pays
+    assert perfect(lambda width: 1 + 0.5 * (width - 1)) == (64, 64 / 32.5)  # dearer, never dear enough
+    assert perfect(lambda width: 1 if width <= 6 else width) == (6, 6.0)  # the widest that costs one forward

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import GenerationParams
+from ..metrics import FLAT_TOKEN_COST
 from ..models import Transformer
 from ..models.forwards import make_forwards, one_width
 from ..paths import default_cache_root
@@ -48,7 +49,6 @@ class ForwardCosts:
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
-FLAT_TOKEN_COST = 0.005  # what each token of a forward beyond the first adds, in one-token forwards (a GPU's scale)
 
 
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:

@@ -286,7 +286,16 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
  * one panel per pass and prefetching only ahead in it (medians of 12 interleaved rounds): 1, 2, 3, 4, 5, 6, 7, 9, 11
  * and 12 rows took 0.86, 0.86, 0.94, 0.93, 0.90, 0.95, 0.95, 0.88, 0.77 and 0.76 of the time (1 row 24.9 -> 21.4 ms,
  * 12 rows 40.7 -> 31.1). */
-static inline void plan(int n, int *chunk, int *G) {
+static inline void plan(int n, int fmt, int *chunk, int *G) {
+    if (NB <= 6 && quantised(fmt)) {
+        /* GGUF blocks with AVX2's 16 registers: even passes of up to NB rows over one panel, not the float formats'
+         * 2-3 rows over 2 panels, whose two panels' scales (and minimums) beside 12 accumulators spilled; one row
+         * as theirs, over GROUP panels, which reads memory best (docs/performance.md, "Kernel efficiency") */
+        int passes = (n + NB - 1) / NB;
+        *chunk = (n + passes - 1) / passes;
+        *G = n == 1 ? GROUP : 1;
+        return;
+    }
     if (n <= 3) {
         *chunk = n;
         *G = n == 1 ? GROUP : 2;
@@ -309,6 +318,8 @@ static inline __attribute__((always_inline)) void rows_in(const float *x, long i
                                                             uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     if (G == GROUP && nb == 1) {
         panel_rows(x, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
+    } else if (G == 2 && nb == 1) {
+        panel_rows(x, in, panel, fmt, y, out, 1, 2, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
         panel_rows(x, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
     } else if (G == 2) {
@@ -355,7 +366,7 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
     long panels = (out + PANEL - 1) / PANEL;
     uintptr_t panel_bytes = panel_bytes_of(fmt, in), row_bytes = panel_bytes / in; /* per input, on average */
     int chunk, G;
-    plan(n, &chunk, &G);
+    plan(n, fmt, &chunk, &G);
     int passes = (n + chunk - 1) / chunk; /* per group */
     /* One pass reads each panel from memory: every stream runs ahead in its own panel. Several passes read the
      * group again from the cache: each pass prefetches its share of the next group instead, split among its
@@ -1127,4 +1138,27 @@ void playground_layers(float *x, int batch, int new_tokens, int d, int layers, c
         free(s);
         free(idx);
     }
+}
+
+/* ---- The FMA bound ----
+ * What this processor's arithmetic can do at most, against which the products' efficiency is read: per thread,
+ * `reps` times ACC independent chains of vector fused multiply-adds held in registers (enough chains to cover the
+ * instruction's latency on both FMA ports of any x86 core). Returns the accumulators' sum, so that nothing is
+ * optimised away. */
+#define ACC 12
+float playground_fma_peak(long reps, int threads) {
+    float total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        vf acc[ACC], a = splat(1.0f - 1e-7f), b = splat(1e-7f);
+        for (int i = 0; i < ACC; i++)
+            acc[i] = splat((float)i);
+        for (long r = 0; r < reps; r++)
+            for (int i = 0; i < ACC; i++)
+                acc[i] = vfma(acc[i], a, b);
+        for (int i = 0; i < ACC; i++)
+            for (int l = 0; l < VEC; l++)
+                total += acc[i][l];
+    }
+    return total;
 }

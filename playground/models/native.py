@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,8 @@ def load(path: Path) -> Kernel:
     library.playground_pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_void_p]
     library.playground_pack_blocks.restype = None
+    library.playground_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]
+    library.playground_fma_peak.restype = ctypes.c_float
     formats = library.playground_formats()
     halves = (formats >> FORMATS[torch.float16]) & 1 == 1
     gguf = all((formats >> code) & 1 for code, _ in GGUF_FORMATS.values())
@@ -287,6 +290,28 @@ def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = No
                                               panels.format, panels.out, y.data_ptr(), torch.get_num_threads())
     y = y.reshape(*x.shape[:-1], panels.out)
     return y if bias is None else y + bias
+
+
+FMA_CHAINS = 12  # ACC in kernels.c
+
+
+def fma_peak(kernel: Kernel, threads: int, seconds: float = 0.2) -> float:
+    """This processor's most fused multiply-adds a second on `threads` threads (`playground_fma_peak`: independent
+    chains in registers, nothing read from memory), the best of a few runs of about `seconds` each."""
+    reps, best = 1 << 16, 0.0
+    while True:
+        start = time.perf_counter()
+        kernel.library.playground_fma_peak(reps, threads)
+        elapsed = time.perf_counter() - start
+        best = max(best, reps * FMA_CHAINS * kernel.vector_width * threads / elapsed)
+        if elapsed >= seconds:
+            break
+        reps *= 2
+    for _ in range(2):
+        start = time.perf_counter()
+        kernel.library.playground_fma_peak(reps, threads)
+        best = max(best, reps * FMA_CHAINS * kernel.vector_width * threads / (time.perf_counter() - start))
+    return best
 
 
 def row_top(kernel: Kernel, logits: torch.Tensor,

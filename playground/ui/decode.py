@@ -25,7 +25,8 @@ from ..engine import generate, one_request_costs, stream_generate
 from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
-from ..metrics import Metrics, compute, depth_profile, drafting_note, mean_draft_length, projected_speedup
+from ..metrics import (PLAIN_ALGOS, Metrics, compute, depth_profile, drafting_note, mean_draft_length, perfect,
+                       priced, projected_speedup)
 from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
@@ -277,21 +278,36 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     own_cost = proposers[algo].own_cost() if proposers[algo] is not None else None
-    note = drafting_note(trace, one_request_costs(target)) if proposers[algo] is not None else None
+    costs = one_request_costs(target)
+    note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = depth_profile(trace).get("kept_at_least") if metrics.drafted else None
     yield (*render(trace.events, prompt_tokens, token_text),
            _stats(metrics, against, same, own_cost, note, projected, kept_at), state,
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
-           [*(history or []), history_entry(trace, metrics)], steps_figure(trace.events),
+           [*(history or []), history_entry(trace, metrics, ceiling(trace, against, costs, own_cost))],
+           steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
-def history_entry(trace: Trace, m: Metrics) -> dict[str, Any]:
-    """What the Theory tab overlays from a run."""
+def history_entry(trace: Trace, m: Metrics, ceiling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the Theory tab overlays from a run, and for a Decode run that drafted its `ceiling`."""
     return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
             "token_acceptance": m.token_acceptance, "mean_accepted": m.mean_accepted_tokens,
-            "mean_draft": mean_draft_length(trace)}
+            "mean_draft": mean_draft_length(trace), "ceiling": ceiling}
+
+
+def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float],
+            own_cost: float | None) -> dict[str, Any] | None:
+    """A measured run against what this machine allows: its speedup, what its own steps predict on the forward-cost
+    curve (`metrics.priced`, diluted by the prefill as the measurement is), and a perfect proposer's best (width,
+    speedup) on that curve. None for plain decoding or a run with no decode step."""
+    steps = priced(trace, costs, own_cost) if against is not None and trace.algo not in PLAIN_ALGOS else None
+    if steps is None:
+        return None
+    width, best = perfect(costs)
+    return {"measured": against.speedup, "predicted": steps.diluted(against.prefill), "perfect_width": width,
+            "perfect": best}
 
 
 def play_measured(state: dict | None, step: Any, speed: str):

@@ -47,7 +47,21 @@ def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, histo
     summary = (f"With a = {a:.2f}, g = {g}, c = {c:.2f}, v = {v:.2f}: **{expected_tokens_per_step(a, g):.2f} tokens "
                f"per target forward**, expected speedup **{expected_speedup(a, g, c, v):.2f}x** (tokens per step / "
                "(g c + 1 + g v)).")
-    return theory_figure(a, g, c, measured_points(history), v), summary
+    return theory_figure(a, g, c, measured_points(history), v), summary + ceiling_line(history)
+
+
+def ceiling_line(history: list[dict[str, Any]] | None) -> str:
+    """The latest Decode run that drafted against what this machine allows (`decode.ceiling`), as a paragraph."""
+    latest = next((run for run in reversed(history or []) if run.get("ceiling")), None)
+    if latest is None:
+        return ""
+    c = latest["ceiling"]
+    return (f"\n\nThe latest Decode run ({latest['algo']}) against this machine: measured **{c['measured']:.2f}x** "
+            f"plain decoding; its own steps (the widths it verified, its proposer's forwards) come to "
+            f"{c['predicted']:.2f}x on the measured forward-cost curve, so it reached "
+            f"{c['measured'] / c['predicted']:.0%} of that; a perfect proposer, every proposed token kept, would "
+            f"reach {c['perfect']:.2f}x on the decode steps verifying {c['perfect_width']} tokens a forward (a "
+            "projection from the curve, not a run).")
 
 
 def from_run(history: list[dict[str, Any]] | None):
