@@ -241,7 +241,10 @@ def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
         assert threading.active_count() == threads  # no thread per connection
         for sock in sockets:
             sock.settimeout(10)
-            assert sock.recv(1024) == b""  # closed by the server
+            try:  # closed by the server: at its deadline, or before, as the oldest of more than MAX_FRESH idlers
+                assert sock.recv(1024) == b""
+            except ConnectionResetError:  # closed with the head's bytes unread: a reset, as good a close
+                pass
     finally:
         for sock in sockets:
             sock.close()

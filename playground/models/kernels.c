@@ -318,8 +318,6 @@ static inline __attribute__((always_inline)) void rows_in(const float *x, long i
                                                             uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     if (G == GROUP && nb == 1) {
         panel_rows(x, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
-    } else if (G == 2 && nb == 1) {
-        panel_rows(x, in, panel, fmt, y, out, 1, 2, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
         panel_rows(x, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
     } else if (G == 2) {
