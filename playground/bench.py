@@ -18,15 +18,12 @@ from typing import Any
 import torch
 
 from .bench_peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
-from .bench_report import Costs, add_copy_bounds, environment, markdown, write_report
+from .bench_report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
 from .config import DYNAMIC_TREE, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
 from .metrics import perfect, priced
 from .speedup import ROUNDS, compare, measure, median_run
-
-
-REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:

@@ -15,8 +15,8 @@ import torch
 
 from .bench_suite import GROUNDED
 
-# every algorithm's: how much of what its own steps predict on this machine's curve it measured
-EVERY_ALGO = [("median_share_of_predicted", 0.9)]
+REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
+EVERY_ALGO = [("median_share_of_predicted", REACHED)]  # every algorithm's goals
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
