@@ -180,7 +180,7 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
     a forward's cost by width in one-token forwards on this machine) instead of an acceptance; and, labelled as a
     projection, what the same steps would give where a forward over a few tokens costs about one (`own_price`: the
     proposer's own forward, as priced here)."""
-    from .metrics import drafting_note, expected_tokens_per_step, mean_draft_length, projected_speedup
+    from .metrics import FLAT_CURVE, drafting_note, expected_tokens_per_step, mean_draft_length, projected_speedup
 
     line = (f"[{algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} tok/s, first "
             f"token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target forwards, "
@@ -196,8 +196,7 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
                  f"(1 - a^(g+1)) / (1 - a) at mean g = {gamma:.1f}")
     projected = projected_speedup(trace, own_price) if metrics.drafted else None
     if projected is not None:
-        line += (f"; projection, not measured: {projected:.2f}x plain decoding's steps where a forward over a few "
-                 "tokens costs about one (a flat curve: each further token 0.005 of a forward)")
+        line += f"; projection, not measured: {projected:.2f}x plain decoding's steps {FLAT_CURVE}"
     return line
 
 

@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any, Literal
 
-import h11
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -429,16 +428,11 @@ class GuardedH11(H11Protocol):
         """An error as the connection's last words: JSON, then close."""
         error = ApiError(message, status=status, kind="server_error" if status >= 500 else "invalid_request_error")
         body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        if status == HTTPStatus.SERVICE_UNAVAILABLE:
-            headers.append((b"retry-after", b"1"))
-        connection = h11.Connection(h11.SERVER)  # this one's state may be mid-request: answer on a fresh one
-        connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        connection.next_event()
-        for part in (h11.Response(status_code=status, reason=status.phrase.encode(), headers=headers),
-                     h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(connection.send(part))
+        # written out whole: the connection's h11 state may be mid-request, or before any, and refuse a response
+        retry = "retry-after: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
+        head = (f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n{retry}\r\n")
+        self.transport.write(head.encode() + body)
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

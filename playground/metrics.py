@@ -218,6 +218,9 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
 
 # a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this
 FLAT_TOKEN_COST = 0.005
+# what a projection on that curve is, in the words every report that shows one uses
+FLAT_CURVE = (f"where a forward over a few tokens costs about one (a flat curve: each further token {FLAT_TOKEN_COST} "
+              "of a forward)")
 
 
 @dataclass(frozen=True, slots=True)

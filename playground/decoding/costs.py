@@ -49,8 +49,6 @@ class ForwardCosts:
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
-
-
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
     """A curve no host measured, where each token of a forward beyond the first adds `token_cost` of a one-token
     forward (as on a GPU, where a forward over a few tokens costs about one): planning that judges a proposer rather

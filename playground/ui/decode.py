@@ -25,8 +25,8 @@ from ..engine import generate, one_request_costs, stream_generate
 from ..decoding import registry
 from ..decoding.proposer import Proposer
 from ..decoding.tree import TREES
-from ..metrics import (PLAIN_ALGOS, Metrics, compute, depth_profile, drafting_note, mean_draft_length, perfect,
-                       priced, projected_speedup)
+from ..metrics import (FLAT_CURVE, PLAIN_ALGOS, Metrics, compute, depth_profile, drafting_note, mean_draft_length,
+                       perfect, priced, projected_speedup)
 from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..models import ModelLoadError
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
@@ -164,8 +164,7 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: flo
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
-        parts.append(f"*projection, not measured:* {projected:.2f}x plain decoding's steps where a forward over a "
-                     "few tokens costs about one (a flat curve: each further token 0.005 of a forward)")
+        parts.append(f"*projection, not measured:* {projected:.2f}x plain decoding's steps {FLAT_CURVE}")
     head = ("" if against is None else
             f"### {markdown_text(against.headline(), 600)}\n{markdown_text(against.why(), 300)}\n\n")
     return head + " · ".join(parts)

@@ -81,13 +81,18 @@ def branched(draft: DraftEvent) -> bool:
     return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
 
 
+def parents(draft: DraftEvent) -> list[int]:
+    """Node i + 1's parent for each of a draft's tokens: its `parent`, or, where that is None (a chain), node i."""
+    return [node if token.parent is None else token.parent for node, token in enumerate(draft.tokens)]
+
+
 def draft_paths(draft: DraftEvent) -> list[list[int]]:
     """Every path a draft verifies, from the last committed token to each of its tokens, as token ids: a chain's
-    prefixes, or a tree's root-to-node paths (`render_draft_tree` reads the same parents)."""
-    paths: dict[int, list[int]] = {0: []}
-    for node, token in enumerate(draft.tokens, start=1):
-        paths[node] = paths[node - 1 if token.parent is None else token.parent] + [token.id]
-    return [path for node, path in paths.items() if node]
+    prefixes, or a tree's root-to-node paths."""
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(draft.tokens, parents(draft)):
+        paths.append(paths[parent] + [token.id])
+    return paths[1:]
 
 
 def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool = False) -> str:
@@ -97,8 +102,8 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool
     p the target's where it judged the node. proposing: before the verdict, every node in the drafted style."""
     undecided = "pending" if proposing else "discarded"
     children: dict[int, list[int]] = {}
-    for node, token in enumerate(draft.tokens, start=1):
-        children.setdefault(node - 1 if token.parent is None else token.parent, []).append(node)
+    for node, parent in enumerate(parents(draft), start=1):
+        children.setdefault(parent, []).append(node)
     states: dict[int, str] = {}
     judged: dict[int, float | None] = {}
     node = 0
