@@ -743,23 +743,57 @@ def test_sampled_draft_chains_are_judged_losslessly() -> None:
 
 def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypatch) -> None:
     """A forward's cost by width is measured on this machine once per model and read from the cache after (once
-    per process); a decode step of width W over a batch of B costs time(B W) / time(B), interpolated between the
-    widths measured and extrapolated past the widest."""
+    per process), checked by a few forwards against this host (measured again where it drifted: another machine of
+    the same kind shared the cache); a decode step of width W over a batch of B costs time(B W) / time(B),
+    interpolated between the widths measured and extrapolated past the widest."""
     costs = ForwardCosts((1, 2, 4), (1.0, 1.0, 3.0))
     assert costs.time(3) == 2.0 and costs.time(6) == 5.0  # between 2 and 4; past 4 at the last slope
     assert costs.step_cost(1, 1) == 1.0 and costs.step_cost(1, 2) == 1.0 and costs.step_cost(2, 2) == 3.0
-    measured = []
-    real = costs_module.measure
-    monkeypatch.setattr(costs_module, "measure",
-                        lambda model, forwards, requests: measured.append(forwards) or real(model, 1, forwards))
-    monkeypatch.setattr(costs_module, "_READ", {})
-    first = costs_module.forward_costs(TINY.model, tmp_path)
+    calls, speed = [], [1.0]  # each measure's widths; seconds per token on the host now
+
+    def measure(model, rounds=5, forwards="eager", requests=1, widths=costs_module.WIDTHS):
+        calls.append("curve" if widths == costs_module.WIDTHS else "check")
+        return ForwardCosts(widths, tuple(speed[0] * (1 + 0.1 * w) for w in widths))
+
+    monkeypatch.setattr(costs_module, "measure", measure)
+
+    def new_process():
+        monkeypatch.setattr(costs_module, "_READ", {})
+        calls.clear()
+        return costs_module.forward_costs(TINY.model, tmp_path)
+
+    first = new_process()
     saved = next((tmp_path / "forward-costs").iterdir())
-    saved.write_text("not json")  # this process has read it already
-    again = costs_module.forward_costs(TINY.model, tmp_path)
-    assert measured == ["eager"] and first == again and first.tokens == costs_module.WIDTHS
-    assert all(a <= b for a, b in zip(first.seconds, first.seconds[1:]))  # a wider forward never costs less
-    monkeypatch.setattr(costs_module, "_READ", {})  # a new process: reads the broken file, measures again
-    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == ["eager"] * 2
-    monkeypatch.setattr(costs_module, "_READ", {})  # and the file it rewrote is read by the next one
-    assert costs_module.forward_costs(TINY.model, tmp_path) is not None and measured == ["eager"] * 2
+    assert calls == ["curve"] and costs_module.forward_costs(TINY.model, tmp_path) is first  # once per process
+    assert first.curve.tokens == costs_module.WIDTHS and first.time(4) == pytest.approx(1.4)
+    assert new_process().curve == first.curve and calls == ["check"]  # read, and it holds
+    speed[0] = 1.2  # a host 20% slower: within the drift allowed
+    assert new_process().curve == first.curve and calls == ["check"]
+    speed[0] = 0.4  # a faster machine reporting the same processor
+    assert new_process().time(1) == pytest.approx(0.44) and calls == ["check", "curve"]
+    assert new_process().time(1) == pytest.approx(0.44) and calls == ["check"]  # the file it rewrote is read next
+    saved.write_text("not json")
+    assert new_process().curve.tokens == costs_module.WIDTHS and calls == ["curve"]
+
+
+def test_live_costs_price_forwards_as_they_run() -> None:
+    """The engines' decode forwards correct the measured curve: a width's price is the curve's times the median of
+    its last forwards' seconds over the curve's, once three are in; between widths measured the correction is
+    interpolated, past them the nearest one's holds; a width not run for STALE forwards goes back to its neighbours'
+    correction."""
+    live = costs_module.LiveCosts(ForwardCosts((1, 2, 8), (1.0, 1.1, 1.7)))
+    assert live.step_cost(1, 4) == pytest.approx(1.3)  # the curve's until measured
+    for seconds in (0.5, 0.5, 0.6):
+        live.record(1, seconds)
+    assert live.time(1) == 0.5 and live.step_cost(1, 4) == pytest.approx(1.3)  # every width corrected alike
+    for seconds in (1.0, 9.0, 1.0):  # a width-4 forward runs at 2 one-token forwards (a busy moment aside)
+        live.record(4, seconds)
+    assert live.step_cost(1, 4) == pytest.approx(2.0)
+    # width 2 between: correction 0.5 + (1 / 1.3 - 0.5) * (2 - 1) / 3; width 8 past the widest: width 4's
+    assert live.time(2) == pytest.approx(1.1 * (0.5 + (1 / 1.3 - 0.5) / 3))
+    assert live.time(8) == pytest.approx(1.7 / 1.3)
+    for _ in range(live.STALE):
+        live.record(1, 0.5)
+    assert live.step_cost(1, 4) == pytest.approx(2.0)  # its last sample was STALE forwards ago: still held
+    live.record(1, 0.5)
+    assert live.step_cost(1, 4) == pytest.approx(1.3)  # dropped: tried again at the curve's shape

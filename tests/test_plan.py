@@ -9,7 +9,7 @@ import pytest
 
 from playground.__main__ import summary_line
 from playground.config import EngineParams, GenerationParams, SpeculativeParams
-from playground.decoding.costs import ForwardCosts
+from playground.decoding.costs import ForwardCosts, LiveCosts
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import (FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced,
@@ -116,3 +116,24 @@ def test_a_perfect_proposer_takes_the_best_width_of_the_curve() -> None:
     assert perfect(STEEP_COST) == (1, 1.0)  # every token as dear as a forward: no width pays
     assert perfect(lambda width: 1 + 0.5 * (width - 1)) == (64, 64 / 32.5)  # dearer, never dear enough
     assert perfect(lambda width: 1 if width <= 6 else width) == (6, 6.0)  # the widest that costs one forward
+
+
+def test_the_measured_plan_prices_forwards_as_they_run(target, plain_outputs, proposers) -> None:
+    """Under the measured plan, a width whose forwards ran dear stops being verified, whatever the curve taken at
+    start says: the engine's decode forwards correct it (`LiveCosts`). Here the curve says a wide forward costs a
+    one-token one, and three width-2..64 forwards earlier took a thousand times what the one-token ones do: a copy
+    that pays on the curve is never verified, and the output is plain decoding's."""
+    prompt = PROMPTS[3]
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    free = ForwardCosts((1, 64), (1.0, 1.0))
+    on_curve = generate(target, prompt, proposers["prompt-lookup"], None, generation, costs=free)[1]
+    assert max(e.num_tokens for e in on_curve.events if isinstance(e, VerifyEvent)) > 1
+    live = LiveCosts(free)
+    for _ in range(LiveCosts.MEASURED):
+        live.record(1, 1e-3)
+        for width in (2, 64):
+            live.record(width, 1.0)
+    output, trace = generate(target, prompt, proposers["prompt-lookup"], None, generation, costs=live)
+    assert output.token_ids == plain_outputs[prompt]
+    assert {e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)} == {1}
+    assert len(live.samples[1]) == LiveCosts.WINDOW  # its plain steps were recorded

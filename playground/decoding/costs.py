@@ -1,6 +1,7 @@
 """What a forward costs on this machine by how many new tokens it runs: measured once per model, device, dtype,
-kernel and thread count, cached beside the converted weights, and read by the engine's width planning (so by every
-proposer through it) instead of constants fitted on one kind of CPU.
+kernel and thread count, cached beside the converted weights, corrected by what the engines' forwards take as they
+run (`LiveCosts`), and read by the engine's width planning (so by every proposer through it) instead of constants
+fitted on one kind of CPU.
 
 A batch of B sequences of W tokens each runs the same matrix products as one sequence of B x W tokens (the rows are
 what the weights are read for); attention differs a little. So one curve, the time of a forward over T tokens after
@@ -10,9 +11,12 @@ one-token steps of that batch.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +53,66 @@ class ForwardCosts:
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
+class LiveCosts:
+    """A measured curve (`ForwardCosts`) corrected by the decode forwards this process's engines run on it: per
+    forward width in tokens, the median of its last WINDOW forwards' seconds over the curve's, once MEASURED are in;
+    a width not run lately takes the correction of the nearest widths that were (interpolated between two). A curve
+    is taken in a quiet tight loop, cached, and may have been taken on another machine of the same kind (a shared
+    cache, a VM moved to a slower or faster host); a run's forwards meet what the host does meanwhile, the cache
+    effects of the proposer's own work, tree masks. So the plan prices forwards as they run here and now, and a width
+    that costs more than the curve said stops being chosen after a few steps. A width's samples are dropped once
+    STALE forwards of other widths have run since its last (a price measured while the host was busy does not
+    silence drafting for good)."""
+
+    WINDOW, MEASURED, STALE = 16, 3, 512
+
+    def __init__(self, curve: ForwardCosts) -> None:
+        self.curve = curve
+        self.samples: dict[int, deque[float]] = {}  # width in tokens -> its last forwards' seconds over the curve's
+        self.last: dict[int, int] = {}  # width -> the forward count at its last sample
+        self.forwards = 0
+        self.known: list[tuple[int, float]] = []  # (width, correction) of the widths measured lately, ascending
+        self.times: dict[int, float] = {}  # memo of `time`, cleared by each sample
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A decode forward over `tokens` new tokens took `seconds` (as the step measured it: forward and logits)."""
+        self.forwards += 1
+        self.samples.setdefault(tokens, deque(maxlen=self.WINDOW)).append(seconds / self.curve.time(tokens))
+        self.last[tokens] = self.forwards
+        for width in [w for w, at in self.last.items() if self.forwards - at > self.STALE]:
+            del self.samples[width], self.last[width]
+        self.known = sorted((w, statistics.median(s)) for w, s in self.samples.items() if len(s) >= self.MEASURED)
+        self.times.clear()
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The widths the curve measured."""
+        return self.curve.tokens
+
+    def correction(self, tokens: int) -> float:
+        """What a forward over `tokens` takes over what the curve says (1 before any width is measured)."""
+        known = self.known
+        if not known:
+            return 1.0
+        i = bisect.bisect_left(known, (tokens, -1.0))
+        if i == len(known):
+            return known[-1][1]
+        if known[i][0] == tokens or i == 0:
+            return known[i][1]
+        (x0, y0), (x1, y1) = known[i - 1], known[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def time(self, tokens: int) -> float:
+        """Seconds of a forward over `tokens` new tokens: the curve's, corrected."""
+        if tokens not in self.times:
+            self.times[tokens] = self.curve.time(tokens) * self.correction(tokens)
+        return self.times[tokens]
+
+    def step_cost(self, batch: int, width: int) -> float:
+        """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
+        return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
+
+
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
     """A curve no host measured, where each token of a forward beyond the first adds `token_cost` of a one-token
     forward (as on a GPU, where a forward over a few tokens costs about one): planning that judges a proposer rather
@@ -57,19 +121,20 @@ def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
 
 
 @torch.inference_mode()
-def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", requests: int = 1) -> ForwardCosts:
-    """The fastest of `rounds` forwards over each of WIDTHS new tokens after a prompt of CONTEXT, the widths
+def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", requests: int = 1,
+            widths: tuple[int, ...] = WIDTHS) -> ForwardCosts:
+    """The fastest of `rounds` forwards over each of `widths` new tokens after a prompt of CONTEXT, the widths
     interleaved round by round, run as a step of an engine of up to `requests` requests runs them (the decode
     forwards `forwards` names, then the logits of every row): another process on the host only ever slows a
     forward, and the curve is cached for good, so the least disturbed round is the one kept (a median keeps what a
     busy host imposed on most rounds)."""
     vocab = model.config.vocab_size
-    cache = new_cache(model, CONTEXT + max(WIDTHS), GenerationParams())
+    cache = new_cache(model, CONTEXT + max(widths), GenerationParams())
     forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])
     run = make_forwards(model, cache, forwards, requests)
-    times: dict[int, list[float]] = {width: [] for width in WIDTHS}
+    times: dict[int, list[float]] = {width: [] for width in widths}
     for _ in range(rounds):
-        for width in WIDTHS:
+        for width in widths:
             start = time.perf_counter()
             model.project(run([0], [[(7 * i) % vocab for i in range(width)]], [list(range(CONTEXT, CONTEXT + width))]))
             if model.device.type == "cuda":
@@ -77,10 +142,10 @@ def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", r
             times[width].append(time.perf_counter() - start)
             cache.truncate(0, CONTEXT)
     seconds, slowest = [], 0.0
-    for width in WIDTHS:  # a wider forward never costs less: noise that says so is flattened
+    for width in widths:  # a wider forward never costs less: noise that says so is flattened
         slowest = max(slowest, min(times[width]))
         seconds.append(slowest)
-    return ForwardCosts(WIDTHS, tuple(seconds))
+    return ForwardCosts(widths, tuple(seconds))
 
 
 def machine_key(model: Transformer, forwards: str = "eager", requests: int = 1) -> str:
@@ -98,24 +163,26 @@ def machine_key(model: Transformer, forwards: str = "eager", requests: int = 1) 
 
 
 def forward_costs(model: Transformer, cache_root: Path | None = None, forwards: str = "eager",
-                  requests: int = 1) -> ForwardCosts:
+                  requests: int = 1) -> LiveCosts:
     """This machine's costs for the model's decode forwards run the way `forwards` names in an engine of up to
-    `requests` requests (`models.forwards.make_forwards`): read from the cache (once per process), else measured (a
-    few seconds) and cached."""
+    `requests` requests (`models.forwards.make_forwards`): the curve read from the cache (once per process), else
+    measured (a few seconds) and cached, as one `LiveCosts` per process that every engine's forwards correct."""
     path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model, forwards, requests)}.json"
     if path not in _READ:
-        _READ[path] = _read_or_measure(model, path, forwards, requests)
+        _READ[path] = LiveCosts(_read_or_measure(model, path, forwards, requests))
     return _READ[path]
 
 
-_READ: dict[Path, ForwardCosts] = {}
+_READ: dict[Path, LiveCosts] = {}
+# a cached curve is checked at these widths (a few forwards) and measured again where any is off by more than DRIFT
+CHECKED, DRIFT = (1, 8), 0.25
 
 
 def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: int) -> ForwardCosts:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]))
-        if costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS):
+        if costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS) and _holds(model, costs, forwards, requests):
             return costs
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet, or by another version of this module: measure again
@@ -125,3 +192,10 @@ def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: in
     partial.write_text(json.dumps({"tokens": costs.tokens, "seconds": costs.seconds}), encoding="utf-8")
     partial.replace(path)
     return costs
+
+
+def _holds(model: Transformer, cached: ForwardCosts, forwards: str, requests: int) -> bool:
+    """Whether a cached curve still prices this host: a few forwards at CHECKED widths each within DRIFT of it (the
+    cache may be shared by machines whose processors report the same, and run at other speeds)."""
+    now = measure(model, rounds=3, forwards=forwards, requests=requests, widths=CHECKED)
+    return all(abs(now.time(w) / cached.time(w) - 1) <= DRIFT for w in CHECKED)

@@ -21,7 +21,7 @@ import torch
 
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
-from ..decoding.costs import ForwardCosts, forward_costs
+from ..decoding.costs import ForwardCosts, LiveCosts, forward_costs
 from ..decoding.planning import plan_width
 from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
@@ -64,11 +64,13 @@ class ProposalCounts:
 
 class Engine:
     def __init__(self, target: LoadedModel, params: EngineParams | None = None, record_blocks: bool = True,
-                 proposer: Proposer | None = None, trace: bool = False, costs: ForwardCosts | None = None) -> None:
+                 proposer: Proposer | None = None, trace: bool = False,
+                 costs: ForwardCosts | LiveCosts | None = None) -> None:
         """`proposer`: what each step proposes (None: plain decoding; `decoding.registry.build_proposer` makes one);
         it is bound to this engine, dropping any state it held for another. `trace`: every request records its
         trace events (`Request.trace`), as `generate` does. `costs`: what forwards cost by width, which only a
-        proposer's steps read (None: this machine's, measured once per machine and cached)."""
+        proposer's steps read (None: this machine's, measured once per machine and cached, corrected by the decode
+        forwards every engine of the process runs: `LiveCosts`; a `ForwardCosts` given is kept as it is)."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer
@@ -91,7 +93,7 @@ class Engine:
         self.draws_ahead = target.model.device.type != "cpu"
         if costs is None and self.proposer is not None:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
-        self.costs = costs
+        self.costs: ForwardCosts | LiveCosts | None = costs
 
     @property
     def running(self) -> list[Request]:
@@ -193,7 +195,10 @@ class Engine:
             proposed = self.now()
             logits, hidden = self.runner.run(plan)
             drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
-            outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, self.now()))
+            verified = self.now()
+            if isinstance(self.costs, LiveCosts) and plan.decode and not plan.prefill:  # a decode forward alone
+                self.costs.record(plan.num_tokens, verified - proposed)
+            outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
             self._record_memory(plan.num_tokens, start)
         finally:
             self.busy_s = self.now()

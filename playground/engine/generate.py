@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, encode_prompt
-from ..decoding.costs import ForwardCosts
+from ..decoding.costs import ForwardCosts, LiveCosts
 from ..decoding.proposer import Proposer
 from ..kv import blocks_for
 from ..models import LoadedModel
@@ -20,8 +20,8 @@ SPARE_TOKENS = 128
 
 def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
                     sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-                    algo: str | None = None, costs: ForwardCosts | None = None) -> Generator[Event, None,
-                                                                                  tuple[DecodeOutput, Trace]]:
+                    algo: str | None = None, costs: ForwardCosts | LiveCosts | None = None
+                    ) -> Generator[Event, None, tuple[DecodeOutput, Trace]]:
     """Generate from a prompt (text, wrapped in the chat template unless generation.raw, or token ids) with
     `proposer` (None: plain decoding) on a cache of its own (the kind `generation.kv` names), yielding each trace
     event after the engine step that made it (the engine's clock is stopped meanwhile); returns the output and the
@@ -56,7 +56,7 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
 
 def generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None = None,
              sampling: SamplingParams | None = None, generation: GenerationParams | None = None,
-             algo: str | None = None, costs: ForwardCosts | None = None) -> tuple[DecodeOutput, Trace]:
+             algo: str | None = None, costs: ForwardCosts | LiveCosts | None = None) -> tuple[DecodeOutput, Trace]:
     """`stream_generate` to the end."""
     stream = stream_generate(target, prompt, proposer, sampling, generation, algo, costs)
     while True:

@@ -122,13 +122,13 @@ def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
 
 def width_cost_figure(curves: dict[str, Any]) -> go.Figure:
     """What a forward over T new tokens costs in one-token forwards, one line per weight format: `curves` maps a
-    label to a measured `ForwardCosts` (decoding/costs.py)."""
+    label to this machine's costs (decoding/costs.py: `ForwardCosts` or `LiveCosts`), read at the widths measured."""
     fig = go.Figure()
     for (label, costs), colour in zip(curves.items(), (STATES["accepted"].colour, STATES["bonus"].colour,
                                                        STATES["corrected"].colour)):
-        one = costs.seconds[0]
-        fig.add_scatter(x=list(costs.tokens), y=[s / one for s in costs.seconds], name=label, mode="lines+markers",
-                        line={"color": colour}, text=[f"{1e3 * s:.1f} ms" for s in costs.seconds],
+        seconds = [costs.time(t) for t in costs.tokens]
+        fig.add_scatter(x=list(costs.tokens), y=[s / seconds[0] for s in seconds], name=label, mode="lines+markers",
+                        line={"color": colour}, text=[f"{1e3 * s:.1f} ms" for s in seconds],
                         hovertemplate="%{x} tokens: %{y:.2f} one-token forwards (%{text})<extra>" + label + "</extra>")
     fig.add_hline(y=1, line={"dash": "dot", "color": "#8c8c8c"})
     fig.update_xaxes(title_text="new tokens in the forward (T)")
