@@ -396,6 +396,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if plain_forward_s:
             info.update(costs[name].ratios(plain_forward_s))
+        estimate = contender.proposer.own_estimate() if contender.proposer is not None else None
+        if "draft_cost_ratio" in info and estimate:  # one drafting forward of its own against its bytes' prediction
+            entry["draft_cost_by_bytes"] = estimate
+            entry["draft_cost_over_bytes"] = info["draft_cost_ratio"] / estimate
         if name == "prompt-lookup" and "verify_cost_ratio" in info:
             add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info

@@ -17,6 +17,8 @@ from .bench_suite import GROUNDED
 
 REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
 EVERY_ALGO = [("median_share_of_predicted", REACHED)]  # every algorithm's goals
+BYTES = 1.5  # the most a proposer's own drafting forward may cost over what the weights it reads predict
+AT_MOST = {"draft_cost_over_bytes": BYTES}  # goals a value must stay under, for every algorithm
 GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
     "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
     "speculative-copy": [("median_speedup_vs_ar", 1.8)],
@@ -126,8 +128,10 @@ def markdown(report: dict[str, Any]) -> str:
                   "prompt (draft + verify + other), so its speedup is about tokens per target forward / step cost, "
                   "diluted by the prefill both pay; verify cost ratio is the median wall time of its verifying "
                   "forwards over more than one token (their median width: verify tokens) over a plain decode "
-                  "forward's; draft cost ratio the same for one draft forward. `check` flags a speedup the "
-                  "measurement cannot explain (playground/speedup.py): rerun before quoting it. The predicted "
+                  "forward's; draft cost ratio the same for one draft forward (a draft model's, a head's), and "
+                  "draft cost by bytes what the weights that forward reads predict for it (their bytes over the "
+                  "target's). `check` flags a speedup the measurement cannot explain (playground/speedup.py): "
+                  "rerun before quoting it. The predicted "
                   "speedup is what a run's own decode steps (the widths it verified, its proposer's forwards at "
                   "their measured price) come to on this machine's forward-cost curve, diluted by the prefill as "
                   "the measured one is; its share measured falls short where a step costs more than the curve "
@@ -166,7 +170,11 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"- {key.replace('_', ' ')}: {shown}" + (f" (goal >= {goal})" if goal is not None else ""))
+        if goal is not None:
+            shown += f" (goal >= {goal})"
+        elif key in AT_MOST:
+            shown += f" (goal <= {AT_MOST[key]})"
+        lines.append(f"- {key.replace('_', ' ')}: {shown}")
     for key, value in info.items():
         if key not in ("setting", "peer"):
             lines.append(f"- {key.replace('_', ' ')}: {value:.3f}")

@@ -350,4 +350,6 @@ class EngineWorker:
                            "prefix_caching": self.params.prefix_caching, "plan": self.params.plan},
                 "proposer": None if engine.proposer is None else {
                     **engine.proposer.describe(),
-                    "counts": {source: asdict(counts) for source, counts in engine.counts.items()}}}
+                    "counts": {source: asdict(counts) for source, counts in engine.counts.items()},
+                    # times drafting rested, its steps committing fewer tokens a second than plain ones (`Payoff`)
+                    "rests": None if engine.payoff is None else engine.payoff.rests}}

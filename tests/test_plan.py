@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from playground.__main__ import summary_line
 from playground.config import EngineParams, GenerationParams, SpeculativeParams
 from playground.decoding.costs import ForwardCosts, LiveCosts
+from playground.decoding.planning import Payoff
+from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import (FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced,
@@ -137,3 +140,51 @@ def test_the_measured_plan_prices_forwards_as_they_run(target, plain_outputs, pr
     assert output.token_ids == plain_outputs[prompt]
     assert {e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)} == {1}
     assert len(live.samples[1]) == LiveCosts.WINDOW  # its plain steps were recorded
+
+
+def test_payoff_rests_drafting_that_commits_fewer_tokens_a_second() -> None:
+    """Drafting is judged by what its steps commit a second against plain steps: where it commits fewer it rests,
+    twice as long after each rest that did not pay off; where it pays, the next rest is short again. A run that
+    drafts from its first step first rests to time plain steps."""
+    payoff = Payoff()
+    for _ in range(Payoff.JUDGED):
+        payoff.record(True, 2, 1.0)  # 2 tokens a second
+    assert [payoff.resting() for _ in range(Payoff.JUDGED + 1)] == [True] * Payoff.JUDGED + [False]
+    for _ in range(Payoff.JUDGED):
+        payoff.record(False, 1, 0.4)  # plain: 2.5 tokens a second
+    payoff.record(True, 2, 1.0)
+    assert payoff.rests == 1 and sum(payoff.resting() for _ in range(2 * Payoff.REST)) == Payoff.REST
+    for _ in range(Payoff.JUDGED):
+        payoff.record(True, 2, 1.0)
+    assert payoff.rests == 2 and sum(payoff.resting() for _ in range(4 * Payoff.REST)) == 2 * Payoff.REST
+    for _ in range(Payoff.JUDGED):
+        payoff.record(True, 3, 1.0)  # now 3 a second: it pays, and a later rest starts short
+    assert payoff.rests == 2 and not payoff.resting() and payoff.rest == Payoff.REST
+
+
+class Slow(Proposer):
+    """Proposes a chain of three tokens the target never keeps, sure of them, and takes 30 ms doing it: a proposer
+    no price sees (it runs no forward the engine times)."""
+
+    label = "slow"
+
+    def propose(self, requests, rooms, cost):
+        time.sleep(0.03)
+        return {r.id: Proposal.chain([0, 0, 0][: room], self.label, 0.99) for r, room in zip(requests, rooms) if room}
+
+
+def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
+    """On this machine's live costs, a proposer whose steps commit fewer tokens a second than plain steps rests: most
+    of the run's steps are plain, and the output is plain decoding's. Under the as-set plan it drafts every step."""
+    prompt, new = PROMPTS[0], 64
+    generation = GenerationParams(max_new_tokens=new)
+    live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
+    engine = Engine(target, EngineParams(max_running=1), proposer=Slow(), costs=live)
+    engine.add_request(prompt, None, generation)
+    outputs = engine.run_all()
+    assert outputs[0].token_ids == generate(target, prompt, None, None, generation)[0].token_ids
+    assert engine.payoff.rests >= 1 and engine.counts["slow"].steps < new // 2
+    engine = Engine(target, EngineParams(max_running=1, plan="as-set"), proposer=Slow(), costs=live)
+    engine.add_request(prompt, None, generation)
+    engine.run_all()
+    assert engine.payoff is None and engine.counts["slow"].steps >= new - 3

@@ -70,8 +70,6 @@ class EagleProposer(Proposer):
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._head, target.graphs)
 
-    def own_cost(self) -> float:
-        return self.own.value()
 
     def estimate_cost(self) -> float:
         """A head forward's cost over the target's before any is measured: its layer and the output rows it

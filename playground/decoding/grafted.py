@@ -70,7 +70,7 @@ class _WithCopies(Proposer):
     def __init__(self, inner: Proposer, copies: CopyProposer) -> None:
         self.inner, self.copies = inner, copies
         self.label = f"{inner.label}+{copies.label}"
-        self.taps = inner.taps
+        self.taps, self.own = inner.taps, inner.own
 
     def bind(self, settings: Any) -> None:
         self.inner.bind(settings)
@@ -97,9 +97,6 @@ class _WithCopies(Proposer):
 
     def trace_events(self, request: RequestView, step: int, t: float) -> list[Any]:
         return self.inner.trace_events(request, step, t)
-
-    def own_cost(self) -> float | None:
-        return self.inner.own_cost()
 
     def describe(self) -> dict[str, Any]:
         copies = {f"copy_{name}": value for name, value in self.copies.describe().items() if name != "proposer"}

@@ -63,8 +63,6 @@ class MedusaGuesser(Guesser):
         # with the target's static forwards, the heads run in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._top, target.graphs)
 
-    def own_cost(self) -> float:
-        return self.own.value()
 
     def estimate_cost(self) -> float:
         """The heads' forward over the target's before any is measured: their layers and the output rows they

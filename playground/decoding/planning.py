@@ -162,3 +162,45 @@ def guess_depth(expected: list[float], rooms: list[int], cost: Callable[[int], f
     depth = len(expected) - 1
     return plan_width([expected[: min(room, depth) + 1] for room in rooms],
                       lambda width: cost(width) + price(width - 1)) - 1
+
+
+class Payoff:
+    """Whether drafting pays as it runs: the tokens per second of the recent decode steps that verified proposals
+    against those of the steps that did not, everything a step paid included (the proposer's forwards and catch-ups,
+    wider forwards as they ran, host work), which no price sees whole. Judged after each drafting step once JUDGED
+    drafting and JUDGED plain steps are in (a run that drafts from its first step first rests JUDGED steps to time
+    plain ones): where drafting commits fewer tokens a second, it rests for REST steps (the engine asks for no
+    proposal), twice as long after each rest that did not pay off, up to LONGEST, and is judged afresh after."""
+
+    WINDOW, JUDGED, REST, LONGEST = 32, 8, 32, 1024
+
+    def __init__(self) -> None:
+        self.drafting: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)  # (tokens committed, seconds) per step
+        self.plain: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self.rest, self.left = self.REST, 0  # the next rest's length; steps left of this one
+        self.rests = 0  # rests taken
+
+    def resting(self) -> bool:
+        """Whether this step rests (counted: call once a step)."""
+        if self.left:
+            self.left -= 1
+            return True
+        return False
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step (no prefill in it) committed `tokens` in `seconds`; `drafted`: it verified proposals."""
+        (self.drafting if drafted else self.plain).append((tokens, seconds))
+        if not drafted or len(self.drafting) < self.JUDGED:
+            return
+        if len(self.plain) < self.JUDGED:
+            self.left = self.JUDGED  # plain steps to compare with
+        elif _rate(self.drafting) < _rate(self.plain):
+            self.left, self.rest = self.rest, min(2 * self.rest, self.LONGEST)
+            self.rests += 1
+            self.drafting.clear()
+        else:
+            self.rest = self.REST
+
+
+def _rate(steps: deque[tuple[int, float]]) -> float:
+    return sum(tokens for tokens, _ in steps) / max(sum(seconds for _, seconds in steps), 1e-12)

@@ -18,9 +18,12 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .planning import OwnCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,7 @@ class Proposer(ABC):
     # target layers whose inputs it reads beside the final hidden states: each row of the hidden states it is given
     # (`prefilled`, `Outcome.hidden`) is then ((1 + len(taps)) E) wide, the final state first (`Transformer.forward`)
     taps: tuple[int, ...] = ()
+    own: OwnCost | None = None  # the price of its own drafting forwards, where it runs any
 
     def bind(self, settings: Any) -> None:
         """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every
@@ -189,8 +193,13 @@ class Proposer(ABC):
 
     def own_cost(self) -> float | None:
         """What a depth of its own drafting (a draft model's or a head's forward) costs in one-token target
-        forwards, as its plans price it now; None: it runs no forwards of its own, or does not price them."""
-        return None
+        forwards, as its plans price it now (`OwnCost.value`); None: it runs no forwards of its own."""
+        return None if self.own is None else self.own.value()
+
+    def own_estimate(self) -> float | None:
+        """What the same forward should cost by the weights it reads (`OwnCost.prior`: its bytes over the target's,
+        where the native kernel runs the products); None: it runs no forwards of its own."""
+        return None if self.own is None else self.own.prior
 
     def describe(self) -> dict[str, Any]:
         """The settings a trace header or a server's state shows."""

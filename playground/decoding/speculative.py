@@ -72,8 +72,6 @@ class DraftGuesser(Guesser):
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
 
-    def own_cost(self) -> float:
-        return self.own.value()
 
     def estimate_cost(self) -> float:
         """A draft forward's cost over the target's before any is measured: its layers and the output rows it

@@ -22,7 +22,7 @@ import torch
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, LiveCosts, forward_costs
-from ..decoding.planning import plan_width
+from ..decoding.planning import Payoff, plan_width
 from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import PagedKVCache, blocks_for
 from ..models import LoadedModel
@@ -94,6 +94,9 @@ class Engine:
         if costs is None and self.proposer is not None:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs: ForwardCosts | LiveCosts | None = costs
+        # on this machine's live costs, measured, drafting is judged by what its steps commit a second (a curve
+        # given, as tests pin one, plans the same whatever the host's timing)
+        self.payoff = Payoff() if isinstance(costs, LiveCosts) and self.params.plan == "measured" else None
 
     @property
     def running(self) -> list[Request]:
@@ -196,9 +199,12 @@ class Engine:
             logits, hidden = self.runner.run(plan)
             drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
             verified = self.now()
-            if isinstance(self.costs, LiveCosts) and plan.decode and not plan.prefill:  # a decode forward alone
+            alone = plan.decode and not plan.prefill  # a decode forward alone
+            if isinstance(self.costs, LiveCosts) and alone:
                 self.costs.record(plan.num_tokens, verified - proposed)
             outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
+            if self.payoff is not None and alone:
+                self.payoff.record(plan.width > 1, sum(len(out.new_token_ids) for out in outputs), self.now() - start)
             self._record_memory(plan.num_tokens, start)
         finally:
             self.busy_s = self.now()
@@ -222,7 +228,7 @@ class Engine:
 
     def _propose(self, plan: StepPlan) -> None:
         """The proposer's candidates for each decoding request, and the decode rows' width that pays most."""
-        if self.proposer is None or not plan.decode:
+        if self.proposer is None or not plan.decode or (self.payoff is not None and self.payoff.resting()):
             return
         batch = len(plan.decode)
 
