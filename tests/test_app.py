@@ -247,7 +247,8 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
     outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
                      max_new_tokens=24, tree_nodes=8)
     assert "tokens per target forward" in outputs[3]
-    assert re.search(r"a drafting forward priced at \d\.\d\d target forwards", outputs[3])  # the head's, as planned
+    assert re.search(r"a drafting forward priced at \d\.\d\d target forwards \(the bytes it reads predict \d\.\d\d\)",
+                     outputs[3])  # the head's, as planned, beside its bytes' prediction
     trace = Trace.load(outputs[4])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)

@@ -140,11 +140,11 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: float | None = None,
+def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tuple[float, float] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers;
     own_cost: what the proposer's plans price a drafting forward of its own at, in target forwards (as measured
-    once it has drafted a few steps); note: why the run drafted little (`metrics.drafting_note`), if it did;
+    once it has drafted a few steps), and what the bytes it reads predict (`Proposer.own_estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did;
     projected: `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that
     kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by
     position."""
@@ -160,7 +160,8 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: flo
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
     if own_cost is not None:
-        parts.append(f"a drafting forward priced at {own_cost:.2f} target forwards")
+        parts.append(f"a drafting forward priced at {own_cost[0]:.2f} target forwards (the bytes it reads predict "
+                     f"{own_cost[1]:.2f})")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
@@ -276,13 +277,15 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
-    own_cost = proposers[algo].own_cost() if proposers[algo] is not None else None
+    proposer = proposers[algo]
+    own_cost = proposer.own_cost() if proposer is not None else None
+    own = None if own_cost is None else (own_cost, proposer.own_estimate())
     costs = one_request_costs(target)
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = depth_profile(trace).get("kept_at_least") if metrics.drafted else None
     yield (*render(trace.events, prompt_tokens, token_text),
-           _stats(metrics, against, same, own_cost, note, projected, kept_at), state,
+           _stats(metrics, against, same, own, note, projected, kept_at), state,
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics, ceiling(trace, against, costs, own_cost))],
            steps_figure(trace.events),
