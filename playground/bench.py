@@ -315,6 +315,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if contender.proposer is not None:
                 result["drafting_note"] = drafting_note(trace, relative_cost)
                 result.update(predicted(trace, relative_cost, contender.proposer.own_cost(), measured.prefill))
+                own = contender.proposer.own
+                if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
+                    result["draft_forward"] = own.measured()
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
@@ -389,6 +392,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
                                                       for r in results) for d in range(deepest)]
         entry.update(reached(results))
+        forwards = [r["draft_forward"] for r in results if "draft_forward" in r]
+        if forwards:  # one drafting forward of its own (a draft model's, the heads'), against its bytes' prediction
+            entry["draft_forward"] = statistics.median(forwards)
+            entry["draft_forward_by_bytes"] = contender.proposer.own_estimate()
+            entry["draft_forward_over_bytes"] = entry["draft_forward"] / entry["draft_forward_by_bytes"]
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)
@@ -396,10 +404,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if plain_forward_s:
             info.update(costs[name].ratios(plain_forward_s))
-        estimate = contender.proposer.own_estimate() if contender.proposer is not None else None
-        if "draft_cost_ratio" in info and estimate:  # one drafting forward of its own against its bytes' prediction
-            entry["draft_cost_by_bytes"] = estimate
-            entry["draft_cost_over_bytes"] = info["draft_cost_ratio"] / estimate
         if name == "prompt-lookup" and "verify_cost_ratio" in info:
             add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][name] = info

@@ -12,6 +12,7 @@ from playground.__main__ import main
 from playground.bench_report import Costs
 from playground.bench_suite import SUITE, spread
 from playground.config import dynamic_nodes
+from playground.decoding.planning import OwnCost
 
 
 def test_bench_writes_report(tmp_path, target) -> None:
@@ -67,8 +68,9 @@ def test_bench_rejects_bad_limit(capsys) -> None:
     assert "rounds must be an integer in [1, 10], got 0" in capsys.readouterr().err
 
 
-def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target) -> None:
+def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target, monkeypatch) -> None:
     out_json = tmp_path / "s.json"
+    monkeypatch.setattr(OwnCost, "MEASURED", 3)  # the proposers' own forwards measured, as the bench reports them
     # chat, code and the grounded code-editing prompt (the third of the spread): prompt lookup has text to copy
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
@@ -116,6 +118,11 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
         assert entry["median_predicted_speedup"] > 0 and entry["median_share_of_predicted"] > 0, name
         assert ("where_the_rest_went" in entry) == (entry["median_share_of_predicted"] < 0.9), name
     assert "median share of predicted" in text and "(goal >= 0.9)" in text
+    for name in ("medusa", "eagle"):  # a drafting forward of its own against its bytes' prediction
+        entry = summary[name]
+        assert entry["draft_forward_over_bytes"] == pytest.approx(entry["draft_forward"] /
+                                                                  entry["draft_forward_by_bytes"]), name
+    assert "draft forward over bytes" in text and "(goal <= 1.5)" in text
     assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 9
 
 

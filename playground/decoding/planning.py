@@ -100,7 +100,12 @@ class OwnCost:
         """The price now, for a report (not counted)."""
         if self.fixed is not None:
             return self.fixed
-        return statistics.median(self.samples) if len(self.samples) >= self.MEASURED else self.prior
+        measured = self.measured()
+        return self.prior if measured is None else measured
+
+    def measured(self) -> float | None:
+        """What its last drafting steps measured (whatever `fixed` says), once MEASURED are in; None before."""
+        return statistics.median(self.samples) if len(self.samples) >= self.MEASURED else None
 
     def record(self, seconds: float, depth: int, one_s: float) -> None:
         """A drafting step `depth` deep took `seconds`; the batch's one-token target forward takes `one_s`."""
@@ -165,18 +170,19 @@ def guess_depth(expected: list[float], rooms: list[int], cost: Callable[[int], f
 
 
 class Payoff:
-    """Whether drafting pays as it runs: the tokens per second of the recent decode steps that verified proposals
-    against those of the steps that did not, everything a step paid included (the proposer's forwards and catch-ups,
-    wider forwards as they ran, host work), which no price sees whole. Judged after each drafting step once JUDGED
-    drafting and JUDGED plain steps are in (a run that drafts from its first step first rests JUDGED steps to time
-    plain ones): where drafting commits fewer tokens a second, it rests for REST steps (the engine asks for no
-    proposal), twice as long after each rest that did not pay off, up to LONGEST, and is judged afresh after."""
+    """Whether drafting pays as it runs: the tokens the recent decode steps that verified proposals committed per
+    unit of their time against those of the steps that did not, everything a step paid included (the proposer's
+    forwards and catch-ups, wider forwards as they ran, host work), which no price sees whole. Each step counts per
+    request, in its batch's one-token forwards, so steps of any batch compare. Judged after each drafting step once
+    JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first step first rests JUDGED steps to
+    time plain ones): where drafting commits fewer tokens a unit of time, it rests for REST steps (the engine asks for
+    no proposal), twice as long after each rest that did not pay off, up to LONGEST, and is judged afresh after."""
 
     WINDOW, JUDGED, REST, LONGEST = 32, 8, 32, 1024
 
     def __init__(self) -> None:
-        self.drafting: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)  # (tokens committed, seconds) per step
-        self.plain: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self.drafting: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (tokens, time) per step
+        self.plain: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
         self.rest, self.left = self.REST, 0  # the next rest's length; steps left of this one
         self.rests = 0  # rests taken
 
@@ -187,9 +193,9 @@ class Payoff:
             return True
         return False
 
-    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A decode step (no prefill in it) committed `tokens` in `seconds`; `drafted`: it verified proposals."""
-        (self.drafting if drafted else self.plain).append((tokens, seconds))
+    def record(self, drafted: bool, tokens: float, took: float) -> None:
+        """A decode step (no prefill in it) committed `tokens` in `took`; `drafted`: it verified proposals."""
+        (self.drafting if drafted else self.plain).append((tokens, took))
         if not drafted or len(self.drafting) < self.JUDGED:
             return
         if len(self.plain) < self.JUDGED:
@@ -202,5 +208,5 @@ class Payoff:
             self.rest = self.REST
 
 
-def _rate(steps: deque[tuple[int, float]]) -> float:
-    return sum(tokens for tokens, _ in steps) / max(sum(seconds for _, seconds in steps), 1e-12)
+def _rate(steps: deque[tuple[float, float]]) -> float:
+    return sum(tokens for tokens, _ in steps) / max(sum(took for _, took in steps), 1e-12)

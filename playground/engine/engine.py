@@ -203,8 +203,10 @@ class Engine:
             if isinstance(self.costs, LiveCosts) and alone:
                 self.costs.record(plan.num_tokens, verified - proposed)
             outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
-            if self.payoff is not None and alone:
-                self.payoff.record(plan.width > 1, sum(len(out.new_token_ids) for out in outputs), self.now() - start)
+            if self.payoff is not None and alone:  # per request, in the batch's one-token forwards: any batch compares
+                batch = len(plan.decode)
+                self.payoff.record(plan.width > 1, sum(len(out.new_token_ids) for out in outputs) / batch,
+                                   (self.now() - start) / self.costs.time(batch))
             self._record_memory(plan.num_tokens, start)
         finally:
             self.busy_s = self.now()

@@ -142,12 +142,12 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
 
 def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tuple[float, float] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
-    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers;
-    own_cost: what the proposer's plans price a drafting forward of its own at, in target forwards (as measured
-    once it has drafted a few steps), and what the bytes it reads predict (`Proposer.own_estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did;
-    projected: `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that
-    kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by
-    position."""
+    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own_cost:
+    what the proposer's plans price a drafting forward of its own at, in target forwards (as measured once it has
+    drafted a few steps), and what the bytes it reads predict (`Proposer.own_estimate`); note: why the run drafted
+    little (`metrics.drafting_note`), if it did; projected: `metrics.projected_speedup`, shown as the projection it
+    is; kept_at: the share of proposing steps that kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`),
+    as serving engines report acceptance by position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
