@@ -71,17 +71,22 @@ class LiveCosts:
         self.samples: dict[int, deque[float]] = {}  # width in tokens -> its last forwards' seconds over the curve's
         self.last: dict[int, int] = {}  # width -> the forward count at its last sample
         self.forwards = 0
-        self.known: list[tuple[int, float]] = []  # (width, correction) of the widths measured lately, ascending
+        self.corrections: dict[int, float] = {}  # width -> its samples' median, once MEASURED are in
+        self.known: list[tuple[int, float]] = []  # the corrections, by width ascending
         self.times: dict[int, float] = {}  # memo of `time`, cleared by each sample
 
     def record(self, tokens: int, seconds: float) -> None:
         """A decode forward over `tokens` new tokens took `seconds` (as the step measured it: forward and logits)."""
         self.forwards += 1
-        self.samples.setdefault(tokens, deque(maxlen=self.WINDOW)).append(seconds / self.curve.time(tokens))
+        samples = self.samples.setdefault(tokens, deque(maxlen=self.WINDOW))
+        samples.append(seconds / self.curve.time(tokens))
         self.last[tokens] = self.forwards
+        if len(samples) >= self.MEASURED:
+            self.corrections[tokens] = statistics.median(samples)
         for width in [w for w, at in self.last.items() if self.forwards - at > self.STALE]:
             del self.samples[width], self.last[width]
-        self.known = sorted((w, statistics.median(s)) for w, s in self.samples.items() if len(s) >= self.MEASURED)
+            self.corrections.pop(width, None)
+        self.known = sorted(self.corrections.items())
         self.times.clear()
 
     @property
@@ -126,8 +131,8 @@ def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", r
     """The fastest of `rounds` forwards over each of `widths` new tokens after a prompt of CONTEXT, the widths
     interleaved round by round, run as a step of an engine of up to `requests` requests runs them (the decode
     forwards `forwards` names, then the logits of every row): another process on the host only ever slows a
-    forward, and the curve is cached for good, so the least disturbed round is the one kept (a median keeps what a
-    busy host imposed on most rounds)."""
+    forward, and the curve is cached (later processes check it with a few forwards, `_holds`), so the least disturbed
+    round is the one kept (a median keeps what a busy host imposed on most rounds)."""
     vocab = model.config.vocab_size
     cache = new_cache(model, CONTEXT + max(widths), GenerationParams())
     forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])

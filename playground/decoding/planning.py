@@ -170,9 +170,10 @@ def guess_depth(expected: list[float], rooms: list[int], cost: Callable[[int], f
 
 
 class Payoff:
-    """Whether drafting pays as it runs: the tokens the recent decode steps that verified proposals committed per
-    unit of their time against those of the steps that did not, everything a step paid included (the proposer's
-    forwards and catch-ups, wider forwards as they ran, host work), which no price sees whole. Each step counts per
+    """Whether drafting pays as it runs: the tokens the recent decode steps that proposed committed per unit of their
+    time against those of the steps that did not, everything a step paid included (the proposer's forwards and
+    catch-ups, proposals made and then not verified, wider forwards as they ran, host work), which no price sees
+    whole. Each step counts per
     request, in its batch's one-token forwards, so steps of any batch compare. Judged after each drafting step once
     JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first step first rests JUDGED steps to
     time plain ones): where drafting commits fewer tokens a unit of time, it rests for REST steps (the engine asks for
@@ -194,7 +195,7 @@ class Payoff:
         return False
 
     def record(self, drafted: bool, tokens: float, took: float) -> None:
-        """A decode step (no prefill in it) committed `tokens` in `took`; `drafted`: it verified proposals."""
+        """A decode step (no prefill in it) committed `tokens` in `took`; `drafted`: its proposer proposed."""
         (self.drafting if drafted else self.plain).append((tokens, took))
         if not drafted or len(self.drafting) < self.JUDGED:
             return

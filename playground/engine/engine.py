@@ -194,7 +194,7 @@ class Engine:
         self.scheduler.step += 1
         try:
             plan = self.scheduler.schedule()
-            self._propose(plan)
+            drafted = self._propose(plan)
             proposed = self.now()
             logits, hidden = self.runner.run(plan)
             drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
@@ -205,7 +205,7 @@ class Engine:
             outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
             if self.payoff is not None and alone:  # per request, in the batch's one-token forwards: any batch compares
                 batch = len(plan.decode)
-                self.payoff.record(plan.width > 1, sum(len(out.new_token_ids) for out in outputs) / batch,
+                self.payoff.record(drafted, sum(len(out.new_token_ids) for out in outputs) / batch,
                                    (self.now() - start) / self.costs.time(batch))
             self._record_memory(plan.num_tokens, start)
         finally:
@@ -228,10 +228,11 @@ class Engine:
                 outputs[out.id] = out.output
         return outputs
 
-    def _propose(self, plan: StepPlan) -> None:
-        """The proposer's candidates for each decoding request, and the decode rows' width that pays most."""
+    def _propose(self, plan: StepPlan) -> bool:
+        """The proposer's candidates for each decoding request, and the decode rows' width that pays most; whether it
+        proposed anything (whatever of it the width keeps: a proposal made was paid for)."""
         if self.proposer is None or not plan.decode or (self.payoff is not None and self.payoff.resting()):
-            return
+            return False
         batch = len(plan.decode)
 
         widest = self.runner.forwards.max_width or math.inf
@@ -246,10 +247,12 @@ class Engine:
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]
         width = plan_width(gains, lambda w: cost(w + extra) if w > 1 else 1.0)
+        proposed = any(p.tokens or p.side is not None for p in plan.proposals.values())
         self.scheduler.fit(plan, width, extra)
         sources = {s for p in plan.proposals.values() for s in p.sources}
         for source in sources:
             self.counts.setdefault(source, ProposalCounts()).steps += 1
+        return proposed
 
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 drawn: dict[int, Drawn], times: StepTimes) -> list[RequestOutput]:
