@@ -211,9 +211,12 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
         return (f"drafting in {seen.drafting_steps} of {seen.steps} steps: the algorithm found a proposal only "
                 "there")
     kept = f"this run's drafting steps kept {seen.kept:.1f}"
+    rests = trace.params.get("rests")
+    rested = (f"; drafting rested {rests} time(s), its steps committing fewer tokens a second than plain ones "
+              "(the proposer's own forwards included)" if isinstance(rests, int) and rests > 0 else "")
     return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: the measured plan verifies only what "
-            f"pays on this machine ({price + '; ' if price else ''}{kept}); --plan as-set verifies the settings as "
-            "they are")
+            f"pays on this machine ({price + '; ' if price else ''}{kept}{rested}); --plan as-set verifies the "
+            "settings as they are")
 
 
 # a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this

@@ -18,7 +18,7 @@ from playground.engine import Engine, generate
 from playground.metrics import (FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced,
                                 projected_speedup)
 from playground.speedup import Speedup, winner
-from playground.trace import DraftEvent, VerifyEvent
+from playground.trace import DraftEvent, Trace, VerifyEvent
 
 from .prompts import NEW_TOKENS, PROMPTS
 
@@ -175,7 +175,8 @@ class Slow(Proposer):
 
 def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     """On this machine's live costs, a proposer whose steps commit fewer tokens a second than plain steps rests: most
-    of the run's steps are plain, and the output is plain decoding's. Under the as-set plan it drafts every step."""
+    of the run's steps are plain, the output is plain decoding's, and the run's note says drafting rested. Under the
+    as-set plan it drafts every step."""
     prompt, new = PROMPTS[0], 64
     generation = GenerationParams(max_new_tokens=new)
     live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
@@ -188,3 +189,6 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     engine.add_request(prompt, None, generation)
     engine.run_all()
     assert engine.payoff is None and engine.counts["slow"].steps >= new - 3
+    trace = generate(target, prompt, Slow(), None, generation, costs=live)[1]
+    assert trace.params["rests"] >= 1 and "drafting rested" in drafting_note(trace, STEEP_COST)
+    assert Trace.from_json(trace.to_json()).params["rests"] == trace.params["rests"]

@@ -78,15 +78,19 @@ class LiveCosts:
     def record(self, tokens: int, seconds: float) -> None:
         """A decode forward over `tokens` new tokens took `seconds` (as the step measured it: forward and logits)."""
         self.forwards += 1
-        samples = self.samples.setdefault(tokens, deque(maxlen=self.WINDOW))
+        samples = self.samples.get(tokens)
+        if samples is None:
+            samples = self.samples[tokens] = deque(maxlen=self.WINDOW)
         samples.append(seconds / self.curve.time(tokens))
         self.last[tokens] = self.forwards
         if len(samples) >= self.MEASURED:
             self.corrections[tokens] = statistics.median(samples)
-        for width in [w for w, at in self.last.items() if self.forwards - at > self.STALE]:
-            del self.samples[width], self.last[width]
-            self.corrections.pop(width, None)
-        self.known = sorted(self.corrections.items())
+            self.known = sorted(self.corrections.items())
+        if self.forwards - min(self.last.values()) > self.STALE:
+            for width in [w for w, at in self.last.items() if self.forwards - at > self.STALE]:
+                del self.samples[width], self.last[width]
+                self.corrections.pop(width, None)
+            self.known = sorted(self.corrections.items())
         self.times.clear()
 
     @property

@@ -41,13 +41,27 @@ CATCH_UP = 32
 
 @dataclass
 class _HeadState:
-    """A request's head: keys and values (Hkv, L, D) over the positions before `start`, and the target's features
-    (P, E) at positions start .. start + P - 1 that it has not read yet."""
+    """A request's head: keys and values (Hkv, L, D) over the positions before `start`, and the target's features at
+    positions start .. start + count - 1 that it has not read yet, in the chunks (n, E) they came in (joined once,
+    when the head reads them, not on every step). `catch_up` assigns new lists, never appends to one a copy shares."""
 
     k: torch.Tensor
     v: torch.Tensor
     start: int
-    features: torch.Tensor
+    chunks: list[torch.Tensor]
+    count: int
+
+    @property
+    def end(self) -> int:
+        """The position after the last feature it has."""
+        return self.start + self.count
+
+    def add(self, features: torch.Tensor) -> None:
+        self.chunks, self.count = [*self.chunks, features], self.count + len(features)
+
+    def unread(self) -> torch.Tensor:
+        """The features not read yet (count, E)."""
+        return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
 
 
 class EagleProposer(Proposer):
@@ -90,21 +104,20 @@ class EagleProposer(Proposer):
         start = request.num_computed - len(hidden)
         features = self.eagle.head.read(hidden)  # (n, E)
         state = self.states.get(request.id)
-        if state is None or state.start + len(state.features) != start:
+        if state is None or state.end != start:
             k, v = self.eagle.empty_keys()
-            self.states[request.id] = _HeadState(k, v, start, features.clone())
+            self.states[request.id] = _HeadState(k, v, start, [features.clone()], len(features))
         else:
-            state.features = torch.cat((state.features, features))
+            state.add(features.clone())
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         if proposal is not None:
             self.calibration.record(proposal, outcome.path, self.label)
         state = self.states.get(request.id)
         last = request.num_computed - 1  # the position of the step's row 0 (the engine counted it already)
-        if outcome.done or state is None or state.start + len(state.features) != last:
+        if outcome.done or state is None or state.end != last:
             return  # finished, or a prefill whose features `prefilled` had
-        kept = self.eagle.head.read(outcome.hidden[outcome.walk])  # (R, E) the kept rows' features
-        state.features = torch.cat((state.features, kept))
+        state.add(self.eagle.head.read(outcome.hidden[outcome.walk]))  # (R, E) the kept rows' features
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         ready = [(r, room) for r, room in zip(requests, rooms) if room > 0 and self._ready(r)]
@@ -126,8 +139,7 @@ class EagleProposer(Proposer):
 
     def _ready(self, request: RequestView) -> bool:
         state = self.states.get(request.id)
-        return state is not None and len(state.features) > 0 and \
-            state.start + len(state.features) == request.num_computed
+        return state is not None and state.count > 0 and state.end == request.num_computed
 
     @torch.inference_mode()
     def grow(self, requests: Sequence[RequestView], depths: list[int]) -> torch.Tensor:
@@ -191,18 +203,18 @@ class EagleProposer(Proposer):
         predicts after each request's last token (B, E), and its top_k guesses there as log-probabilities and token
         ids (B, k), on the device."""
         states = [self.states[r.id] for r in requests]
-        short = [i for i, s in enumerate(states) if len(s.features) <= CATCH_UP]
-        groups = ([short] if short else []) + [[i] for i, s in enumerate(states) if len(s.features) > CATCH_UP]
+        short = [i for i, s in enumerate(states) if s.count <= CATCH_UP]
+        groups = ([short] if short else []) + [[i] for i, s in enumerate(states) if s.count > CATCH_UP]
         root: list[torch.Tensor] = [torch.empty(0)] * len(states)
         logps, guessed = list(root), list(root)
         for group in groups:
-            counts = [len(states[i].features) for i in group]
+            counts = [states[i].count for i in group]
             width = max(counts)
             # x_{t+1} for each feature f_t, padded with the request's last token
             ids = [requests[i].tokens[states[i].start + 1 : states[i].start + n + 1] for i, n in zip(group, counts)]
             ids = [row + row[-1:] * (width - len(row)) for row in ids]  # (G, T)
             at = [[states[i].start + j for j in range(width)] for i in group]  # (G, T)
-            features = torch.stack([F.pad(states[i].features, (0, 0, 0, width - n)) for i, n in zip(group, counts)])
+            features = torch.stack([F.pad(states[i].unread(), (0, 0, 0, width - n)) for i, n in zip(group, counts)])
             past_k, past_v, known = _padded_keys([states[i] for i in group])  # (G, Hkv, C, D), (G, C)
             # each row sees its request's committed keys and the rows up to itself (padding rows: theirs too)
             visible = torch.cat((known.unsqueeze(1).expand(-1, width, -1),
@@ -213,7 +225,7 @@ class EagleProposer(Proposer):
             for g, (i, n) in enumerate(zip(group, counts)):
                 state = states[i]
                 state.k, state.v = torch.cat((state.k, new_k[g, :, :n]), 1), torch.cat((state.v, new_v[g, :, :n]), 1)
-                state.start, state.features = state.start + n, state.features[:0]
+                state.start, state.chunks, state.count = state.start + n, [], 0
                 root[i], logps[i], guessed[i] = out[g, n - 1], logp[g, 0], guesses[g, 0]
         return torch.stack(root), torch.stack(logps), torch.stack(guessed)
 

@@ -179,7 +179,7 @@ class Payoff:
     time plain ones): where drafting commits fewer tokens a unit of time, it rests for REST steps (the engine asks for
     no proposal), twice as long after each rest that did not pay off, up to LONGEST, and is judged afresh after."""
 
-    WINDOW, JUDGED, REST, LONGEST = 32, 8, 32, 1024
+    WINDOW, JUDGED, REST, LONGEST = 32, 4, 32, 1024
 
     def __init__(self) -> None:
         self.drafting: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (tokens, time) per step

@@ -51,6 +51,8 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
             yield from new
     finally:
         engine.close()
+    if engine.payoff is not None:  # how often drafting rested, committing fewer tokens a second than plain steps
+        trace.params["rests"] = engine.payoff.rests
     return output, trace
 
 
