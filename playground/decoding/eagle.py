@@ -81,6 +81,7 @@ class EagleProposer(Proposer):
         self.eos = torch.tensor(sorted(set(target.eos_token_ids)), device=target.model.device)  # (n,): never expanded
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
+        self.long_read_s = 0.0  # seconds the last catch-up spent on requests with more than CATCH_UP features
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._head, target.graphs)
 
@@ -134,7 +135,8 @@ class EagleProposer(Proposer):
         depths = [min(room, depth) for _, room in ready]
         grown = self.grow([r for r, _ in ready], depths)
         trees = dict(zip([r.id for r, _ in ready], self._proposals(grown, depths)))
-        self.own.record(time.perf_counter() - start, depth, cost.one_s)
+        # a long catch-up is a prompt's or a rest's, paid once: not a drafting forward's price
+        self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s)
         return trees
 
     def _ready(self, request: RequestView) -> bool:
@@ -207,7 +209,9 @@ class EagleProposer(Proposer):
         groups = ([short] if short else []) + [[i] for i, s in enumerate(states) if s.count > CATCH_UP]
         root: list[torch.Tensor] = [torch.empty(0)] * len(states)
         logps, guessed = list(root), list(root)
+        self.long_read_s = 0.0
         for group in groups:
+            read = time.perf_counter()
             counts = [states[i].count for i in group]
             width = max(counts)
             # x_{t+1} for each feature f_t, padded with the request's last token
@@ -227,6 +231,8 @@ class EagleProposer(Proposer):
                 state.k, state.v = torch.cat((state.k, new_k[g, :, :n]), 1), torch.cat((state.v, new_v[g, :, :n]), 1)
                 state.start, state.chunks, state.count = state.start + n, [], 0
                 root[i], logps[i], guessed[i] = out[g, n - 1], logp[g, 0], guesses[g, 0]
+            if width > CATCH_UP:
+                self.long_read_s += time.perf_counter() - read
         return torch.stack(root), torch.stack(logps), torch.stack(guessed)
 
     def _proposals(self, grown: torch.Tensor, depths: list[int]) -> list[Proposal]:

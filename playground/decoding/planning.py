@@ -73,14 +73,15 @@ class NgramAcceptance:
 
 
 class OwnCost:
-    """What one depth of a proposer's own drafting (a draft model's forward, the EAGLE head's; the Medusa heads'
-    one forward a step) costs, in the batch's one-token target forwards: `fixed` where set, else measured as the
+    """What one depth of a proposer's own drafting (a draft model's forward, the EAGLE head's; the Medusa heads' one
+    forward a step) costs, in the batch's one-token target forwards: `fixed` where set, else measured as the
     proposer runs: the median, over its last WINDOW drafting steps, of the step's drafting seconds per depth over
     the batch's one-token forward (the engine's measured curve); `prior` (an estimate from the weights) until
-    MEASURED steps are in. A median, because a step that captured a CUDA graph or met a busy host is far slower
-    than the rest. A price that stopped the drafting gets no new samples: after STALE plans priced without one the
-    samples are dropped, so a long-lived engine tries the estimate again (a price measured while the host was busy
-    does not silence a proposer for good)."""
+    MEASURED steps are in. A median, because a step that captured a CUDA graph or met a busy host is far slower than
+    the rest. A long catch-up (a prompt's, the tokens of steps drafting rested) is the proposer's to leave out: it
+    is paid once, not per depth (`Payoff` sees it). A price that stopped the drafting gets no new samples: after
+    STALE plans priced without one the samples are dropped, so a long-lived engine tries the estimate again (a price
+    measured while the host was busy does not silence a proposer for good)."""
 
     WINDOW, MEASURED, STALE = 16, 3, 256
 

@@ -71,6 +71,7 @@ class DraftGuesser(Guesser):
         self.forwards: Forwards | None = None  # the draft's decode forwards over that cache, made by `bind`
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
+        self.long_read_s = 0.0  # seconds the last `chains` spent on long catch-ups (more than CATCH_UP tokens)
 
 
     def estimate_cost(self) -> float:
@@ -103,8 +104,8 @@ class DraftGuesser(Guesser):
                                          lambda places: places * price))
         start = time.perf_counter()
         chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
-        if chains:
-            self.own.record(time.perf_counter() - start, depth, cost.one_s)
+        if chains:  # a long catch-up is a prompt's or a rest's, paid once: not a drafting forward's price
+            self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s)
         return chains
 
     def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
@@ -138,6 +139,7 @@ class DraftGuesser(Guesser):
         short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
         groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
         last: dict[int, torch.Tensor] = {}  # request id -> (E,) the draft's final hidden state at the last token
+        self.long_read_s = 0.0
         for group in groups:  # the short group as a decode forward, a long catch-up as a prefill
             width = max(len(unseen) for _, unseen in group)
             starts = [cache.length(r.id) for r, _ in group]
@@ -147,8 +149,10 @@ class DraftGuesser(Guesser):
             if width <= CATCH_UP:
                 states = self.forwards(seq_ids, ids, positions)  # (B, T, E)
             else:
+                read = time.perf_counter()
                 _, states = model(to_device(ids, model.device), to_device(positions, model.device),
                                   cache, seq_ids, num_logits=0)
+                self.long_read_s += time.perf_counter() - read
             for i, ((r, unseen), start) in enumerate(zip(group, starts)):
                 last[r.id] = states[i, len(unseen) - 1]
                 cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
