@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -192,3 +193,21 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     trace = generate(target, prompt, Slow(), None, generation, costs=live)[1]
     assert trace.params["rests"] >= 1 and "drafting rested" in drafting_note(trace, STEEP_COST)
     assert Trace.from_json(trace.to_json()).params["rests"] == trace.params["rests"]
+
+
+def test_guessers_carry_what_they_learned_only_on_live_measured_costs(target, proposers) -> None:
+    """On this machine's live costs under the measured plan, a guesser's calibration (how often its guesses were
+    kept) carries into the next engine; on a curve given, or as set, each engine starts from the prior."""
+    medusa, generation = proposers["medusa"], GenerationParams(max_new_tokens=NEW_TOKENS)
+    live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
+    generate(target, PROMPTS[1], medusa, None, generation, costs=live)
+    learned = medusa.calibration
+    judged = sum(learned.judged)
+    assert judged > 0
+    generate(target, PROMPTS[2], medusa, None, generation, costs=live)
+    assert medusa.calibration is learned and sum(learned.judged) >= judged
+    generate(target, PROMPTS[2], medusa, None, replace(generation, plan="as-set"), costs=live)
+    assert medusa.calibration is not learned
+    learned = medusa.calibration
+    generate(target, PROMPTS[2], medusa, None, generation, costs=STEEP)
+    assert medusa.calibration is not learned

@@ -43,7 +43,7 @@ CATCH_UP = 32
 class _HeadState:
     """A request's head: keys and values (Hkv, L, D) over the positions before `start`, and the target's features at
     positions start .. start + count - 1 that it has not read yet, in the chunks (n, E) they came in (joined once,
-    when the head reads them, not on every step). `catch_up` assigns new lists, never appends to one a copy shares."""
+    when the head reads them, not on every step). `_catch_up` assigns new lists, never appends to one a copy shares."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -94,8 +94,10 @@ class EagleProposer(Proposer):
         return weights_estimate(self.target.model, weights_read(head) - mix + self.eagle.output.nbytes, 1)
 
     def bind(self, settings: Any) -> None:
-        self.calibration = GuessCalibration(self.depth)
         self.states = {}
+
+    def forget(self) -> None:
+        self.calibration = GuessCalibration(self.depth)
 
     def pause(self, request: RequestView) -> None:
         self.states.pop(request.id, None)

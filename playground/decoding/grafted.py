@@ -76,6 +76,10 @@ class _WithCopies(Proposer):
         self.inner.bind(settings)
         self.copies.bind(settings)
 
+    def forget(self) -> None:
+        self.inner.forget()
+        self.copies.forget()
+
     def start(self, request: RequestView) -> None:
         self.inner.start(request)
         self.copies.start(request)

@@ -13,7 +13,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -158,9 +158,7 @@ class Guesser(Proposer):
         self.eos_ids, self.depth, self.nodes, self.shape = eos_ids, depth, nodes, shape
         self.calibration = GuessCalibration(depth)
 
-    def bind(self, settings: Any) -> None:
-        """A new engine starts from the prior: how well guesses were accepted is learned again, so that one
-        generation does not depend on those before it."""
+    def forget(self) -> None:
         self.calibration = GuessCalibration(self.depth)
 
     def ready(self, request: RequestView) -> bool:

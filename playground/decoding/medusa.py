@@ -70,7 +70,6 @@ class MedusaGuesser(Guesser):
         return weights_estimate(self.target.model, weights_read(self.heads.heads) + self.heads.output.nbytes, 1)
 
     def bind(self, settings: Any) -> None:
-        super().bind(settings)
         self.hidden = {}
 
     def pause(self, request: RequestView) -> None:

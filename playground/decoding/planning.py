@@ -174,11 +174,11 @@ class Payoff:
     """Whether drafting pays as it runs: the tokens the recent decode steps that proposed committed per unit of their
     time against those of the steps that did not, everything a step paid included (the proposer's forwards and
     catch-ups, proposals made and then not verified, wider forwards as they ran, host work), which no price sees
-    whole. Each step counts per
-    request, in its batch's one-token forwards, so steps of any batch compare. Judged after each drafting step once
-    JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first step first rests JUDGED steps to
-    time plain ones): where drafting commits fewer tokens a unit of time, it rests for REST steps (the engine asks for
-    no proposal), twice as long after each rest that did not pay off, up to LONGEST, and is judged afresh after."""
+    whole. Each step counts per request, in its batch's one-token forwards, so steps of any batch compare. Judged
+    after each drafting step once JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first
+    step first rests JUDGED steps to time plain ones): where drafting commits fewer tokens a unit of time, it rests
+    for REST steps (the engine asks for no proposal), twice as long after each rest that did not pay off, up to
+    LONGEST, and is judged afresh after."""
 
     WINDOW, JUDGED, REST, LONGEST = 32, 4, 32, 1024
 

@@ -162,6 +162,12 @@ class Proposer(ABC):
         """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every
         request's state is dropped."""
 
+    def forget(self) -> None:
+        """What it learned of its proposals' acceptance goes back to its prior, so that a generation does not depend
+        on those before it. A new engine calls it after `bind`, except where it plans on this machine's live costs
+        under the measured plan: there what was learned prices the first steps of the next run too (and the plan
+        depends on the host's timing anyway)."""
+
     def start(self, request: RequestView) -> None:
         """A request was added."""
 

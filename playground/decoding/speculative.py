@@ -81,7 +81,6 @@ class DraftGuesser(Guesser):
         return weights_estimate(self.target.model, forward_reads(draft, self.rows), draft.config.num_layers)
 
     def bind(self, settings: Any) -> None:
-        super().bind(settings)
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
         if self.forwards is not None:
             self.forwards.release()  # before the new cache is made, which may take what it built

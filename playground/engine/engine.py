@@ -94,9 +94,13 @@ class Engine:
         if costs is None and self.proposer is not None:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs: ForwardCosts | LiveCosts | None = costs
-        # on this machine's live costs, measured, drafting is judged by what its steps commit a second (a curve
-        # given, as tests pin one, plans the same whatever the host's timing)
-        self.payoff = Payoff() if isinstance(costs, LiveCosts) and self.params.plan == "measured" else None
+        # on this machine's live costs, measured, drafting is judged by what its steps commit a second and the
+        # proposer keeps what it learned in earlier engines (a curve given, as tests pin one, plans the same whatever
+        # the host's timing and the runs before)
+        live = isinstance(costs, LiveCosts) and self.params.plan == "measured"
+        self.payoff = Payoff() if live else None
+        if self.proposer is not None and not live:
+            self.proposer.forget()
 
     @property
     def running(self) -> list[Request]:
