@@ -16,6 +16,7 @@ import hashlib
 import json
 import statistics
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +36,22 @@ CONTEXT = 256
 ROUNDS = 5
 
 
+class ByWidth(ABC):
+    """What a forward costs by how many new tokens it runs (`time`), and so a decode step by its width."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def time(self, tokens: int) -> float:
+        """Seconds of a forward over `tokens` new tokens."""
+
+    def step_cost(self, batch: int, width: int) -> float:
+        """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
+        return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
+
+
 @dataclass(frozen=True, slots=True)
-class ForwardCosts:
+class ForwardCosts(ByWidth):
     tokens: tuple[int, ...]  # widths measured, ascending, the first 1
     seconds: tuple[float, ...]  # seconds of a forward over that many tokens (see `measure`), never decreasing
 
@@ -48,12 +63,8 @@ class ForwardCosts:
         slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
         return ys[i - 1] + slope * (tokens - xs[i - 1])
 
-    def step_cost(self, batch: int, width: int) -> float:
-        """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
-        return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
-
-class LiveCosts:
+class LiveCosts(ByWidth):
     """A measured curve (`ForwardCosts`) corrected by the decode forwards this process's engines run on it: per
     forward width in tokens, the median of its last WINDOW forwards' seconds over the curve's, once MEASURED are in;
     a width not run lately takes the correction of the nearest widths that were (interpolated between two). A curve
@@ -116,10 +127,6 @@ class LiveCosts:
         if tokens not in self.times:
             self.times[tokens] = self.curve.time(tokens) * self.correction(tokens)
         return self.times[tokens]
-
-    def step_cost(self, batch: int, width: int) -> float:
-        """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
-        return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
 
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
