@@ -29,17 +29,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench_suite import GROUNDED, SUITE, spread  # noqa: E402
-from playground.config import (ConfigError, GenerationParams, LookaheadParams, MedusaParams,  # noqa: E402
-                               ModelSpec, PromptLookupParams, SamplingParams, SpeculativeParams)
-from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
+from playground.decoding.registry import ALGORITHMS, build_proposer  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.metrics import compute  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.models.loader import default_draft  # noqa: E402
 from playground.trace import DraftEvent, Trace, VerifyEvent  # noqa: E402
 
-ALGOS = {"lookahead": LookaheadParams, "prompt-lookup": PromptLookupParams, "medusa": MedusaParams,
-         "speculative": SpeculativeParams}  # algorithm -> its parameters' dataclass
+ALGOS = {name: spec.params for name, spec in ALGORITHMS.items() if spec.params is not None}  # -> its parameters
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,18 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GPU_NODES, GPU_DYNAMIC_NODES,
-                     LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_GAMMA, MAX_NGRAM,
-                     MAX_WAITING, MEDUSA_ACCEPTANCE, PLANS, QUANTS, ConfigError, EagleParams, EngineParams,
-                     GenerationParams, LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
-                     SpeculativeParams, check_int, check_text)
+from .config import (MAX_GAMMA, MAX_NGRAM, MAX_WAITING, PLANS, QUANTS, ConfigError, EngineParams, GenerationParams,
+                     ModelSpec, PromptLookupParams, SamplingParams, check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .models.loader import default_draft
 
-LOOKAHEAD = LookaheadParams()  # the defaults the options show
-SPECULATIVE = SpeculativeParams()
-MEDUSA = MedusaParams()
-EAGLE = EagleParams()
 ENGINE = EngineParams()
 PLAN_HELP = ("how much a step verifies: measured (what pays on this machine's measured forward costs) or as-set "
              "(exactly what the algorithm's settings say, however slow that is here)")
@@ -125,17 +118,11 @@ def save_trace(trace: Any, path: Path) -> None:
                           "is complete") from None
 
 
-# --algo -> its parameters' type; the fields are the dests of its options (`add_algo_args`)
-PARAMS: dict[str, type] = {"speculative": SpeculativeParams, "prompt-lookup": PromptLookupParams,
-                           "lookahead": LookaheadParams, "medusa": MedusaParams, "eagle": EagleParams}
-NOT_PARAMS = ("draft_quant", "copy_ngram", "copy_tokens")  # options that are not the parameters' own fields
-# options named apart from Medusa's (and sampling's top-k) -> their fields
-RENAMED = {"eagle_depth": "depth", "eagle_top_k": "top_k", "eagle_nodes": "nodes"}
-
-
 def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | None]:
     """The chosen algorithm's validated parameters (None for plain decoding) and the copies grafted onto its trees
     (None: none), checked before any model loads: an option of another algorithm is an error, not ignored."""
+    from .decoding.registry import PLAIN, algorithm
+
     given = {dest: getattr(args, dest) for dest in args.algo_options if getattr(args, dest) is not None}
     for dest in given:
         flag, algos = args.algo_options[dest]
@@ -149,26 +136,27 @@ def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | Non
         copies = PromptLookupParams(max_ngram=args.copy_ngram, num_draft=args.copy_tokens, branches=1)
     elif "copy_tokens" in given:
         raise ConfigError("copy-tokens sizes the copies --copy-ngram grafts: add --copy-ngram")
-    if args.algo == "speculative":
-        given["draft"] = args.draft = args.draft or default_draft(args.model)
-        if not args.draft:
-            raise ConfigError("draft: --algo speculative needs --draft SPEC, a model with the target's tokenizer "
-                              "(a default draft ships only for the embedded model)")
-    if args.algo not in PARAMS:
+    if args.algo == PLAIN:
         return None, None
-    fields = {RENAMED.get(k, k): v for k, v in given.items() if k not in NOT_PARAMS}
-    return PARAMS[args.algo](**fields), copies
+    spec = algorithm(args.algo)
+    fields = {dest.split(":", 1)[1]: value for dest, value in given.items() if ":" in dest}
+    if spec.loads_draft:
+        fields["draft"] = fields.get("draft") or default_draft(args.model)
+        if not fields["draft"]:
+            raise ConfigError(f"draft: --algo {spec.name} needs --draft SPEC, a model with the target's tokenizer "
+                              "(a default draft ships only for the embedded model)")
+    return spec.make(fields), copies
 
 
 def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: PromptLookupParams | None) -> Any:
     """The proposer of the chosen algorithm (None: plain decoding), its draft model loaded as the target is."""
-    from .decoding.registry import build_proposer
+    from .decoding.registry import PLAIN, algorithm, build_proposer
     from .models import load_model
 
     draft = None
-    if args.algo == "speculative":
-        print(f"Loading draft {args.draft!r}...", file=sys.stderr, flush=True)
-        draft = load_model(ModelSpec(source=args.draft, device=args.device, dtype=args.dtype,
+    if args.algo != PLAIN and algorithm(args.algo).loads_draft:
+        print(f"Loading draft {params.draft!r}...", file=sys.stderr, flush=True)
+        draft = load_model(ModelSpec(source=params.draft, device=args.device, dtype=args.dtype,
                                      quant=args.draft_quant, cache_dir=args.cache_dir))
     return build_proposer(target, args.algo, params, copies, draft=draft)
 
@@ -262,91 +250,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_algo_args(parser: argparse.ArgumentParser) -> None:
-    """--algo and every algorithm's settings, as `generate` and `serve` take them. A setting left out takes its
-    parameters' default; one given for another algorithm than --algo is an error (`algo_params`)."""
-    from .decoding.registry import algorithms
+    """--algo and every registered algorithm's settings (`spec.Setting`), as `generate` and `serve` take them. A
+    setting left out takes its parameters' default; one given for another algorithm than --algo is an error
+    (`algo_params`). Two algorithms' fields of one name take distinct options (--medusa-depth, --eagle-depth)."""
+    from .decoding.registry import ALGORITHMS, PLAIN, algorithms
 
-    parser.add_argument("--algo", default="ar", choices=algorithms(), help="what each step proposes (default ar: "
-                        "plain decoding, nothing)")
+    parser.add_argument("--algo", default=PLAIN, choices=algorithms(), help=f"what each step proposes (default "
+                        f"{PLAIN}: plain decoding, nothing)")
     owners: dict[str, tuple[str, tuple[str, ...]]] = {}  # dest -> (its flag, the algorithms it sets)
 
-    def group(title: str, *algos: str) -> Callable[..., None]:
-        options = parser.add_argument_group(title)
+    def add(options: Any, flag: str, algos: tuple[str, ...], **kwargs: Any) -> None:
+        owners[options.add_argument(flag, **kwargs).dest] = (flag, algos)
 
-        def add(flag: str, **kwargs: Any) -> None:
-            if kwargs.get("action") == "store_true":  # None unless given, like every other setting
-                kwargs.update(action="store_const", const=True)
-            owners[options.add_argument(flag, **kwargs).dest] = (flag, algos)
-        return add
-
-    spec = group("speculative decoding (--algo speculative)", "speculative")
-    spec("--draft", help="draft model spec (same tokenizer as the target); default for the embedded model: the "
-                         "draft trained by `python -m playground.train draft`")
-    spec("--gamma", type=int, help=f"most draft tokens per step, 1..{MAX_GAMMA} (default {SPECULATIVE.gamma}); "
-                                   "each step drafts as deep as the chain's acceptance so far pays for")
-    spec("--sample-draft", action="store_true", dest="sample",
-         help="when sampling, draw the chain from the draft's distributions and judge it by the lossless rule for "
-              "them: more accepted, same distribution, but a seed no longer gives plain decoding's text (default: "
-              "the draft's greedy chain, seeded outputs unchanged)")
-    spec("--draft-quant", choices=QUANTS, help="bitsandbytes quantization of the draft")
-    copy = group("prompt copies grafted onto the tree (--algo speculative, medusa or eagle)", "speculative", "medusa",
-                 "eagle")
-    copy("--copy-ngram", type=int, help=f"1..{MAX_NGRAM} (default: off): each step may also propose a copy of "
-                                        "earlier text matching the last 1..N tokens, grafted onto the draft's, the "
-                                        "heads' or EAGLE's tree")
-    copy("--copy-tokens", type=int, help=f"most tokens a copy proposes, 1..{MAX_GAMMA} (default: as prompt lookup's "
-                                         "--num-draft)")
-    lookup = group("prompt-lookup decoding (--algo prompt-lookup)", "prompt-lookup")
-    lookup("--max-ngram", type=int, help=f"longest suffix looked up in the prompt and the text so far, "
-                                         f"1..{MAX_NGRAM} (default {PromptLookupParams().max_ngram})")
-    lookup("--num-draft", type=int, help=f"most tokens copied after a match, 1..{MAX_GAMMA} (default "
-                                         f"{LOOKUP_BRANCH_TOKENS} with more than one branch, else {LOOKUP_TOKENS})")
-    lookup("--branches", type=int, help="distinct copies (of different earlier occurrences) verified together in "
-                                        f"one forward, merged into a tree, 1..8 (default {LOOKUP_BRANCHES})")
-    ahead = group("lookahead decoding (--algo lookahead)", "lookahead")
-    ahead("--window", type=int, help=f"Jacobi window width W, 1..16 (default {LOOKAHEAD.window})")
-    ahead("--ngram", type=int, help=f"n-gram size N (window of N - 1 rows), 2..8 (default {LOOKAHEAD.ngram})")
-    ahead("--guesses", type=int, help=f"n-grams kept per first token and verified per step G, 1..16 (default "
-                                      f"{LOOKAHEAD.guesses})")
-    ahead("--no-prompt-pool", action="store_const", const=False, dest="prompt_pool",
-          help="do not seed the n-gram pool from the prompt")
-    ahead("--no-output-pool", action="store_const", const=False, dest="output_pool",
-          help="do not add the committed text's n-grams to the pool (only the window's)")
-    ahead("--text-ngram", type=int, help="size M of the n-grams the prompt, output and corpus pools take from text, "
-                                         "2..16 (default: N; a longer M verifies longer copies in wider forwards)")
-    ahead("--corpus", help="answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed the "
-                           "pool (default: the one shipped for the embedded model)")
-    ahead("--no-corpus-pool", action="store_const", const=False, dest="corpus_pool",
-          help="do not seed the pool from the target's answers to other prompts")
-    ahead("--context", type=int, help=f"look candidates up by the last K tokens first, then fewer, down to the last "
-                                      f"one, 1..8 (default {LOOKAHEAD.context}; 1: keyed by the last token only, as "
-                                      "in the paper)")
-    tree = group("Medusa decoding (--algo medusa)", "medusa")
-    tree("--medusa-heads", dest="heads", help="folder of heads trained by `python -m playground.train medusa` "
-                                              "(default: the heads shipped for the embedded model)")
-    tree("--medusa-depth", type=int, dest="depth", help="heads used, so the deepest guess, 1..the heads' number "
-                                                        "(default: every head)")
-    tree("--tree", help=f"candidate tree: {DYNAMIC_TREE} (default: the nodes the heads rate likeliest, chosen at "
-                        "every step), chain, small, medium, wide, or a JSON file of top-k paths")
-    tree("--tree-nodes", type=int, dest="nodes",
-         help=f"most nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default {CPU_DYNAMIC_NODES}, "
-              f"{GPU_DYNAMIC_NODES} on a GPU); each step verifies as many as pay for the wider forward")
-    tree("--acceptance", choices=MEDUSA_ACCEPTANCE, help="when sampling: lossless (exact, default) or typical "
-                                                         "(LOSSY, accepts more); at temperature 0 both are greedy "
-                                                         "and exact")
-    tree("--typical-epsilon", type=float, dest="epsilon",
-         help=f"typical acceptance epsilon, (0, 1] (default {MEDUSA.epsilon})")
-    tree("--typical-alpha", type=float, dest="alpha", help=f"typical acceptance alpha, (0, 1] (default {MEDUSA.alpha})")
-    eagle = group("EAGLE decoding (--algo eagle)", "eagle")
-    eagle("--eagle-head", dest="head", help="folder of a head trained by `python -m playground.train eagle` (default: "
-                                            "the head shipped for the embedded model)")
-    eagle("--eagle-depth", type=int, dest="eagle_depth", help=f"deepest drafted token, 1..{MAX_GAMMA} (default "
-                                                              f"{EAGLE.depth}); each step drafts as deep as pays")
-    eagle("--eagle-top-k", type=int, dest="eagle_top_k", help=f"nodes expanded per depth and children per node, 1..16 "
-                                                        f"(default {EAGLE.top_k})")
-    eagle("--eagle-nodes", type=int, dest="eagle_nodes",
-          help=f"most nodes of the tree, 1..{MAX_DYNAMIC_NODES} (default {EAGLE_CPU_NODES}, {EAGLE_GPU_NODES} on a "
-               "GPU); each step verifies as many as pay for the wider forward")
+    for spec in ALGORITHMS.values():
+        options = parser.add_argument_group(spec.title)
+        for setting in spec.settings:
+            default = spec.default(setting)
+            shown = setting.help if default is None or "default" in setting.help else f"{setting.help} (default " \
+                f"{default})"
+            how: dict[str, Any] = ({"action": "store_const", "const": setting.switch} if setting.switch is not None
+                                   else {"type": setting.kind, "metavar": setting.field.upper()})
+            add(options, setting.option, (spec.name,), dest=f"{spec.name}:{setting.field}", help=shown, **how)
+        if spec.loads_draft:
+            add(options, "--draft-quant", (spec.name,), choices=QUANTS, help="bitsandbytes quantization of the draft")
+    grafting = tuple(name for name, spec in ALGORITHMS.items() if spec.grafts)
+    copy = parser.add_argument_group(f"prompt copies grafted onto the tree (--algo {', '.join(grafting)})")
+    add(copy, "--copy-ngram", grafting, type=int, help=f"1..{MAX_NGRAM} (default: off): each step may also propose a "
+                                                       "copy of earlier text matching the last 1..N tokens, grafted "
+                                                       "onto the algorithm's tree")
+    add(copy, "--copy-tokens", grafting, type=int, help=f"most tokens a copy proposes, 1..{MAX_GAMMA} (default: as "
+                                                        "prompt lookup's --num-draft)")
     parser.set_defaults(algo_options=owners)
 
 

@@ -12,7 +12,6 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,8 @@ from .bench_peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_s
 from .bench_report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
 from .bench_suite import GROUNDED, SUITE, spread
 from .cli import model_spec
-from .config import DYNAMIC_TREE, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from .config import DYNAMIC_TREE, MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from .decoding.registry import ALGORITHMS, algorithm
 from .metrics import perfect, priced
 from .speedup import ROUNDS, compare, measure, median_run
 
@@ -51,8 +51,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default="measured", choices=PLANS,
                         help="how much the algorithms' steps verify: measured (default; what pays on this machine) or "
                              "as-set (exactly what their settings say)")
-    parser.add_argument("--algos", default=",".join(ALGOS),
-                        help=f"comma-separated algorithms to race against plain decoding (default {','.join(ALGOS)})")
+    names = ",".join(ALGORITHMS)
+    parser.add_argument("--algos", default=names,
+                        help=f"comma-separated algorithms to race against plain decoding (default {names})")
     serving = parser.add_argument_group("serving suite (--suite serving)")
     serving.add_argument("--requests", type=int, default=16, help="requests in the workload, 1..256 (default 16)")
     serving.add_argument("--max-running", type=int, default=16, help="requests decoded together, 1..256 (default 16)")
@@ -110,7 +111,6 @@ def run_of(trace: Any) -> Run:
     return Run(len(finish.token_ids), compute(trace).wall_s, tuple(finish.token_ids))
 
 
-ALGOS = ("speculative", "prompt-lookup", "lookahead", "medusa", "eagle")
 # the rows of plain decoding on float32 weights, of plain decoding with eager forwards, and of llama.cpp
 FLOAT32, EAGER, LLAMA = "ar-float32", "ar-eager", "llama.cpp"
 SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
@@ -143,73 +143,56 @@ def setting(proposer: Any, *extra: str) -> str:
 
 
 def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Contender], Any]:
-    """The algorithms to race against plain decoding (and the draft model, when speculative is among them)."""
-    from .config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams, SpeculativeParams
+    """The algorithms to race against plain decoding, each with its defaults (and --gamma and --tree where its
+    parameters have those fields), with prompt lookup's copies grafted where it grafts, and its variants
+    (`spec.Variant`); and the draft model, where an algorithm runs one."""
+    from dataclasses import fields
+
+    from .config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams
     from .decoding.registry import build_proposer
     from .models import load_model
     from .models.loader import default_draft
 
     contenders, draft = [], None
     copies = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants graft one span
-    if "speculative" in args.algos:
-        draft_source = default_draft(args.model) if args.draft is None else args.draft
-        if draft_source and draft_source != "none":
-            draft = load_model(ModelSpec(source=draft_source, device=args.device, dtype=args.dtype,
-                                         cache_dir=args.cache_dir))
-            # transformers' assisted generation with the same most draft tokens, its fixed schedule; it has no copy
-            # proposals, so the copying variant meets the same peer run as the copy-free row (`PeerRuns`)
-            peer = {"num_assistant_tokens": args.gamma, "num_assistant_tokens_schedule": "constant"}
-            for name, grafted in (("speculative", None), ("speculative-copy", copies)):
-                proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=args.gamma), grafted,
-                                          draft=draft)
-                contenders.append(Contender(name, "speculative", proposer, setting(proposer),
-                                            "assisted generation (constant)", dict(peer)))
-    if "prompt-lookup" in args.algos:
-        copier = build_proposer(target, "prompt-lookup")
-        lookup = copier.lookup  # K and B as chosen for this machine
-        contenders.append(Contender("prompt-lookup", "prompt-lookup", copier, setting(copier), "prompt lookup",
-                                    {"prompt_lookup_num_tokens": lookup.num_draft,
-                                     "max_matching_ngram_size": lookup.max_ngram}))
-    if "lookahead" in args.algos:
-        ahead = build_proposer(target, "lookahead")
-        seeded = f"pool seeded from {Path(ahead.corpus).parent.name}" if ahead.corpus else "no corpus pool"
-        contenders.append(Contender("lookahead", "lookahead", ahead, setting(ahead, seeded)))
-    if "medusa" in args.algos:
-        from .config import MedusaParams
-
-        greedy = build_proposer(target, "medusa", MedusaParams(tree=args.tree))
-        contenders.append(Contender("medusa", "medusa", greedy, setting(greedy)))
-        grafting = build_proposer(target, "medusa", MedusaParams(tree=args.tree), copies, heads=greedy.heads)
-        contenders.append(Contender("medusa-copy", "medusa", grafting, setting(grafting)))
-        for acceptance in ("lossless", "typical"):  # the same heads and tree, sampled: what lossy buys
-            proposer = build_proposer(target, "medusa", MedusaParams(tree=args.tree, acceptance=acceptance),
-                                      heads=greedy.heads)
-            label = setting(proposer, f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}")
-            contenders.append(Contender(f"medusa-{acceptance}", "medusa", proposer,
-                                        label + (" (LOSSY)" if acceptance == "typical" else " (exact)"),
-                                        sampling=SAMPLED))
-    if "eagle" in args.algos:
-        eagle = build_proposer(target, "eagle")
-        contenders.append(Contender("eagle", "eagle", eagle, setting(eagle)))
-        grafting = build_proposer(target, "eagle", None, copies, head=eagle.eagle)
-        contenders.append(Contender("eagle-copy", "eagle", grafting, setting(grafting)))
-        sampled = build_proposer(target, "eagle", head=eagle.eagle)
-        contenders.append(Contender("eagle-sampled", "eagle", sampled,
-                                    setting(sampled, f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}",
-                                            "(exact)"), sampling=SAMPLED))
+    for name in args.algos:
+        spec = algorithm(name)
+        known = {f.name for f in fields(spec.params)} if spec.params is not None else set()
+        changes = {key: value for key, value in (("gamma", args.gamma), ("tree", args.tree)) if key in known}
+        if spec.loads_draft:
+            source = default_draft(args.model) if args.draft is None else args.draft
+            if not source or source == "none":
+                continue
+            draft = draft or load_model(ModelSpec(source=source, device=args.device, dtype=args.dtype,
+                                                  cache_dir=args.cache_dir))
+            changes["draft"] = source
+        base = build_proposer(target, name, spec.make(changes), draft=draft if spec.loads_draft else None)
+        loaded = base.loaded()
+        # transformers has no copy proposals: a copying variant meets the same peer run as its copy-free row
+        peer, peer_kwargs = spec.peer(base) if spec.peer is not None else (None, None)
+        contenders.append(Contender(name, name, base, setting(base), peer, peer_kwargs))
+        if spec.grafts:
+            grafting = build_proposer(target, name, spec.make(changes), copies, **loaded)
+            contenders.append(Contender(f"{name}-copy", name, grafting, setting(grafting), peer,
+                                        None if peer_kwargs is None else dict(peer_kwargs)))
+        for variant in spec.variants:
+            proposer = build_proposer(target, name, spec.make({**changes, **variant.changes}), **loaded)
+            sampled = (f"temperature {SAMPLED.temperature}", f"seed {SAMPLED.seed}") if variant.sampled else ()
+            contenders.append(Contender(f"{name}-{variant.suffix}", name, proposer,
+                                        setting(proposer, *sampled, *([variant.note] if variant.note else [])),
+                                        sampling=SAMPLED if variant.sampled else SamplingParams()))
     return contenders, draft
 
 
 def parse_algos(text: str) -> tuple[str, ...]:
     names = tuple(a.strip() for a in text.split(",") if a.strip())
-    unknown = [a for a in names if a not in ALGOS]
+    unknown = [a for a in names if a not in ALGORITHMS]
     if unknown:
-        raise ConfigError(f"algos: unknown {', '.join(unknown)}; choose from {', '.join(ALGOS)} (comma-separated)")
+        raise ConfigError(f"algos: unknown {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)} (comma-separated)")
     return names
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .config import SpeculativeParams
     from .decoding import encode_prompt
     from .engine import one_request_costs
     from .metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
@@ -225,7 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_serving(args)
     if args.suite == "kernel":
         return cmd_bench_kernel(args)
-    SpeculativeParams(gamma=args.gamma)  # refuses a bad --gamma before any model loads
+    check_int("gamma", args.gamma, 1, MAX_GAMMA)  # refused before any model loads
     args.algos = parse_algos(args.algos)
     indices = list(range(len(SUITE)))
     if args.limit is not None:
@@ -247,7 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if hf_model is not None and draft is not None:
         assistant = load_hf_peer(draft)
         for contender in contenders:
-            if contender.algo == "speculative":
+            if contender.peer_kwargs is not None and algorithm(contender.algo).loads_draft:
                 contender.peer_kwargs["assistant_model"] = assistant
     device = target.model.device
     relative_cost = one_request_costs(target)  # what the engine plans on: quoted where a run drafted little
@@ -321,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
-            if contender.algo == "speculative":
+            if algorithm(contender.algo).loads_draft:  # a draft model's chain: the chain formula applies
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
             progress += f", {contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")

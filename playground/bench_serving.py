@@ -1,52 +1,38 @@
 """`python -m playground bench --suite serving`: throughput of the engine serving many requests at once.
 
 One workload (N requests built from the prompt suite, with output limits cycling from an eighth of
---max-new-tokens to all of it, all queued at time 0) runs up to fourteen ways on the same engine and paged cache:
+--max-new-tokens to all of it, all queued at time 0) runs many ways on the same engine and paged cache:
 continuous batching, static batching (a new batch only when the whole previous one has finished),
-sequentially (one request at a time), continuous and sequential again with the proposers of prompt lookup,
-lookahead, and the Medusa heads, the draft model and the EAGLE head where they ship for the target, and sequential
-with prompt lookup's copies grafted onto the Medusa heads' trees. Greedy
-outputs must be identical in every mode. KV memory is read from the engine's per-step memory events: the paged
-pool's internal fragmentation versus what reserving prompt + max_new_tokens slots per running request (a
-contiguous cache) would waste.
+sequentially (one request at a time), continuous and sequential again with every registered algorithm's proposer
+(those that read weights where theirs ship for the target), and sequential with prompt lookup's copies grafted onto
+the trees of the first algorithm that takes them (`both`). Greedy outputs must be identical in every mode. KV
+memory is read from the engine's per-step memory events: the paged pool's internal fragmentation versus what
+reserving prompt + max_new_tokens slots per running request (a contiguous cache) would waste.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from .bench_suite import workload
 from .config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
 from .decoding.proposer import Proposer
-from .decoding.registry import build_proposer
+from .decoding.registry import ALGORITHMS, PLAIN, build_proposer
+from .decoding.spec import Algorithm
 from .engine import Engine
 from .metrics import memory_summary
-from .models.eagle import default_head
-from .models.loader import default_draft
-from .models.medusa import default_heads
 
 
-@dataclass(frozen=True)
-class Shipped:
-    """A proposer the suite runs continuous and sequential where its weights ship for the target: `key` names its
-    ratios (`medusa_vs_continuous`, ...), `mode` its modes, `ships` finds its weights for a target spec; `both`:
-    it also runs sequential with prompt lookup's copies grafted onto its trees (`sequential + both`)."""
-
-    key: str
-    mode: str
-    algo: str
-    ships: Callable[[str], str | None]
-    what: str  # how the summary names its proposals
-    missing: str  # what the suite says when none ship
-    both: bool = False
+def key(spec: Algorithm) -> str:
+    """How the report's ratios name an algorithm's modes (`medusa_vs_continuous`, ...)."""
+    return spec.mode.lower().replace(" ", "_")
 
 
-SHIPPED = (Shipped("medusa", "Medusa", "medusa", default_heads, "Medusa heads' trees", "no Medusa heads ship",
-                   both=True),
-           Shipped("draft", "draft", "speculative", default_draft, "the draft's chains", "no draft ships"),
-           Shipped("eagle", "EAGLE", "eagle", default_head, "the EAGLE head's trees", "no EAGLE head ships"))
+def runs(spec: Algorithm, source: str) -> bool:
+    """Whether the suite runs an algorithm for a target: where it needs no weights, or they ship for it."""
+    return spec.ships is None or spec.ships(source) is not None
 
 
 def serve(target: Any, requests: list[tuple[str, GenerationParams]], params: EngineParams,
@@ -78,21 +64,18 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
     one = EngineParams(num_blocks=num_blocks, block_size=block_size, max_running=1)
     # mode -> (engine settings, algorithm, prompt lookup's copies grafted onto its trees)
     modes: dict[str, tuple[EngineParams, str, PromptLookupParams | None]] = {
-        "continuous": (many, "ar", None), "static": (replace(many, policy="static"), "ar", None),
-        "sequential": (one, "ar", None), "continuous + prompt lookup": (many, "prompt-lookup", None),
-        "sequential + prompt lookup": (one, "prompt-lookup", None),
-        "continuous + lookahead": (many, "lookahead", None), "sequential + lookahead": (one, "lookahead", None),
-    }
-    shipped = [family for family in SHIPPED if family.ships(target.spec.source) is not None]
-    for family in SHIPPED:
-        if family in shipped:
-            modes.update({f"continuous + {family.mode}": (many, family.algo, None),
-                          f"sequential + {family.mode}": (one, family.algo, None)})
+        "continuous": (many, PLAIN, None), "static": (replace(many, policy="static"), PLAIN, None),
+        "sequential": (one, PLAIN, None)}
+    running = [spec for spec in ALGORITHMS.values() if runs(spec, target.spec.source)]
+    for spec in ALGORITHMS.values():
+        if spec in running:
+            modes.update({f"continuous + {spec.mode}": (many, spec.name, None),
+                          f"sequential + {spec.mode}": (one, spec.name, None)})
         else:
-            progress(f"{family.missing} for this model: the serving suite runs without the {family.mode} modes")
-    for family in shipped:
-        if family.both:
-            modes["sequential + both"] = (one, family.algo, PromptLookupParams())
+            progress(f"no weights of {spec.label} ship for this model: the serving suite runs without its modes")
+    both = next((spec for spec in running if spec.grafts), None)  # the first that grafts copies, with them
+    if both is not None:
+        modes["sequential + both"] = (one, both.name, PromptLookupParams())
     serve(target, workload(2, 8), many)  # warm-up: first-call allocations and kernel choices
     http = http_latency(target)
     progress(f"HTTP, a 1-token completion through {http['client']}: {1000 * http['keep_alive_s']:.1f} ms on a "
@@ -114,14 +97,10 @@ def run_serving(target: Any, num_requests: int, max_new_tokens: int, max_running
         "sequential_tokens_per_s": sequential["tokens_per_s"],
         "continuous_vs_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "continuous_vs_static": continuous["tokens_per_s"] / results["static"]["tokens_per_s"],
-        "lookup_vs_continuous": results["continuous + prompt lookup"]["tokens_per_s"] / continuous["tokens_per_s"],
-        "lookup_vs_sequential": results["sequential + prompt lookup"]["tokens_per_s"] / sequential["tokens_per_s"],
-        "lookahead_vs_continuous": results["continuous + lookahead"]["tokens_per_s"] / continuous["tokens_per_s"],
-        "lookahead_vs_sequential": results["sequential + lookahead"]["tokens_per_s"] / sequential["tokens_per_s"],
-        **{f"{family.key}_vs_{mode}": results[f"{mode} + {family.mode}"]["tokens_per_s"] / base["tokens_per_s"]
-           for family in shipped for mode, base in (("continuous", continuous), ("sequential", sequential))},
-        **({"both_vs_sequential": results["sequential + both"]["tokens_per_s"] / sequential["tokens_per_s"]}
-           if "sequential + both" in results else {}),
+        **{f"{key(spec)}_vs_{mode}": results[f"{mode} + {spec.mode}"]["tokens_per_s"] / base["tokens_per_s"]
+           for spec in running for mode, base in (("continuous", continuous), ("sequential", sequential))},
+        **({"both": both.name, "both_vs_sequential": results["sequential + both"]["tokens_per_s"]
+            / sequential["tokens_per_s"]} if both is not None else {}),
         "kv_waste_fraction": continuous["kv_waste_fraction"],
         "contiguous_waste_fraction": continuous["contiguous_waste_fraction"],
         "same_tokens_in_every_mode": same,
@@ -205,11 +184,7 @@ def markdown_serving(report: dict[str, Any]) -> str:
     lines += ["",
               f"- continuous vs sequential: {s['continuous_vs_sequential']:.2f}x (goal >= 3)",
               f"- continuous vs static: {s['continuous_vs_static']:.2f}x",
-              f"- prompt lookup in the batch: {s['lookup_vs_continuous']:.2f}x continuous, "
-              f"{s['lookup_vs_sequential']:.2f}x sequential (the same tokens)",
-              f"- lookahead in the batch: {s['lookahead_vs_continuous']:.2f}x continuous, "
-              f"{s['lookahead_vs_sequential']:.2f}x sequential (the same tokens)",
-              *(_shipped_line(family, s) for family in SHIPPED),
+              *(_algorithm_line(spec, s) for spec in ALGORITHMS.values()),
               f"- KV waste (paged internal fragmentation / KV in use, summed over steps): "
               f"{100 * s['kv_waste_fraction']:.1f}% (goal < 4%); contiguous reservation of prompt + max_new_tokens "
               f"per request would waste {100 * s['contiguous_waste_fraction']:.0f}%",
@@ -221,10 +196,11 @@ def markdown_serving(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _shipped_line(family: Shipped, s: dict[str, Any]) -> str:
-    """The summary's line for a shipped proposer: its ratios, or why it did not run."""
-    if family.key + "_vs_continuous" not in s:
-        return f"- {family.what} in the batch: not run ({family.missing} for this model)"
-    both = f"; with prompt lookup too: {s['both_vs_sequential']:.2f}x sequential" if family.both else ""
-    return (f"- {family.what} in the batch: {s[family.key + '_vs_continuous']:.2f}x continuous, "
-            f"{s[family.key + '_vs_sequential']:.2f}x sequential{both} (the same tokens)")
+def _algorithm_line(spec: Algorithm, s: dict[str, Any]) -> str:
+    """The summary's line for an algorithm: its ratios, or why it did not run."""
+    if key(spec) + "_vs_continuous" not in s:
+        return f"- {spec.label} in the batch: not run (no weights of it ship for this model)"
+    both = f"; with prompt lookup too: {s['both_vs_sequential']:.2f}x sequential" if s.get("both") == spec.name \
+        else ""
+    return (f"- {spec.label} in the batch: {s[key(spec) + '_vs_continuous']:.2f}x continuous, "
+            f"{s[key(spec) + '_vs_sequential']:.2f}x sequential{both} (the same tokens)")

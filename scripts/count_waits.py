@@ -23,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.config import EngineParams, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding.planning import OwnCost  # noqa: E402
-from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.decoding.registry import algorithms, build_proposer  # noqa: E402
 from playground.engine import Engine  # noqa: E402
 from playground.engine.scheduler import Request  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.waits import Waits  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
 
-ALGOS = ("ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle")
+ALGOS = tuple(algorithms())
 
 
 def step_waits(target: LoadedModel, algo: str, requests: Sequence[tuple[str, SamplingParams | None]],

@@ -11,6 +11,7 @@ import json
 import re
 from collections import Counter
 
+import gradio as gr
 import pytest
 from gradio_client import Client, handle_file
 
@@ -18,17 +19,30 @@ from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, GenerationP
 from playground.metrics import perfect
 from playground.models import native
 from playground.ui import build_app, launch_options
+from playground.ui.form import Filled, Form, layout
 from playground.trace import DraftEvent, Trace
 from playground.viz.steps import branched
 
 from .conftest import write_draft_copy
 
-DEFAULTS = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-            "seed": None, "kv": "contiguous", "plan": "measured", "gamma": 4, "max_ngram": 3,
-            "num_draft": 8, "window": 2, "ngram": 3, "guesses": 2, "context": 3, "text_ngram": 0,
-            "pools": ["prompt", "output", "corpus"], "tree": "small", "tree_nodes": 0,
-            "acceptance": "lossless (exact)", "copy_ngram": 0, "model": "embedded", "draft": "", "device": "cpu",
-            "dtype": "float32", "weights": "auto"}
+HEAD = {"algo": "prompt lookup", "max_new_tokens": 24, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None,
+        "kv": "contiguous", "plan": "measured"}
+# the algorithm fields, as the registry lays them out (`form.layout`): <algorithm>_<field>, copies_<field>
+FIELDS = {f"{owner.replace('-', '_')}_{setting.field}": value for owner, setting, value in layout()}
+TAIL = {"model": "embedded", "draft": "", "device": "cpu", "dtype": "float32", "weights": "auto"}
+DEFAULTS = {**HEAD, **FIELDS, "prompt_lookup_num_draft": 8, "lookahead_window": 2, "medusa_tree": "small", **TAIL}
+
+
+def direct(prompt: str, run: int | None = None, **changes):
+    """`run_decode` called as the app calls it, with the fields' values gathered as `form.taking` gathers them."""
+    from playground.ui import decode as decode_tab
+
+    args = {**DEFAULTS, **changes}
+    with gr.Blocks():
+        form = Form.build(args["algo"])
+    fields = Filled(form, [args[key] for key in FIELDS])
+    return decode_tab.run_decode(prompt, *[args[key] for key in HEAD], fields, *[args[key] for key in TAIL], None,
+                                 run)
 
 
 GPU_CALLS: Counter[str] = Counter()  # the handlers run through the app's GPU wrapper, by name
@@ -143,23 +157,24 @@ def test_html_in_the_prompt_is_shown_as_text(client):
     ("hi", {"temperature": -1}, "temperature must be in [0, 100]"),
     ("hi", {"top_p": 1.5}, "top_p"),
     ("hi", {"temperature": None}, "temperature: a number is required"),
-    ("hi", {"algo": "speculative (draft model)", "gamma": 99}, "gamma"),
-    ("hi", {"algo": "speculative (draft model)", "copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
-    ("hi", {"algo": "lookahead", "ngram": 1}, "ngram"),
-    ("hi", {"algo": "lookahead", "context": 0}, "context must be an integer in [1, 8]"),
-    ("hi", {"algo": "lookahead", "guesses": 17}, "guesses must be an integer in [1, 16]"),
-    ("hi", {"algo": "lookahead", "text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
-    ("hi", {"algo": "lookahead", "text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
-    ("hi", {"algo": "lookahead", "text_ngram": 3.5}, "text n-gram M must be a whole number"),
-    ("hi", {"max_ngram": 2.5}, "max n-gram must be a whole number"),
-    ("hi", {"num_draft": -1}, "num_draft must be an integer in [1, 16], got -1"),
-    ("hi", {"algo": "speculative (draft model)", "copy_ngram": 3, "num_draft": 17},
-     "num_draft must be an integer in [1, 16]"),
+    ("hi", {"algo": "speculative (draft model)", "speculative_gamma": 99}, "gamma"),
+    ("hi", {"algo": "speculative (draft model)", "copies_copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
+    ("hi", {"algo": "lookahead", "lookahead_ngram": 1}, "ngram"),
+    ("hi", {"algo": "lookahead", "lookahead_context": 0}, "context must be an integer in [1, 8]"),
+    ("hi", {"algo": "lookahead", "lookahead_guesses": 17}, "guesses must be an integer in [1, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 3.5}, "text_ngram must be a whole number"),
+    ("hi", {"prompt_lookup_max_ngram": 2.5}, "max_ngram must be a whole number"),
+    ("hi", {"prompt_lookup_num_draft": -1}, "num_draft must be an integer in [1, 16], got -1"),
+    ("hi", {"algo": "speculative (draft model)", "copies_copy_ngram": 3, "copies_copy_tokens": 17},
+     "copy_tokens must be an integer in [0, 16]"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
-    ("hi", {"algo": "Medusa (tree)", "acceptance": "greedy (temperature 0)"}, "is not in the list of choices"),
-    ("hi", {"algo": "Medusa (tree)", "tree": "dynamic", "tree_nodes": 65}, "nodes must be an integer in [1, 64]"),
-    ("hi", {"algo": "Medusa (tree)", "tree_nodes": 8}, "nodes sizes the dynamic tree only; tree 'small'"),
+    ("hi", {"algo": "Medusa (tree)", "medusa_acceptance": "greedy (temperature 0)"}, "is not in the list of choices"),
+    ("hi", {"algo": "Medusa (tree)", "medusa_tree": "dynamic", "medusa_nodes": 65},
+     "nodes must be an integer in [1, 64]"),
+    ("hi", {"algo": "Medusa (tree)", "medusa_nodes": 8}, "nodes sizes the dynamic tree only; tree 'small'"),
     ("x " * 9000, {}, "prompt is"),
 ])
 def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, message):
@@ -207,8 +222,9 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     prompt = "List the days of the week, one per line."
     traces = {}
     for pools, text_ngram in ((["prompt", "output", "corpus"], 0), ([], 0), (["output"], 5)):
-        trace_file = decode(client, prompt, algo="lookahead", max_new_tokens=24, pools=pools,
-                            text_ngram=text_ngram)[4]
+        switches = {f"lookahead_{pool}_pool": pool in pools for pool in ("prompt", "output", "corpus")}
+        trace_file = decode(client, prompt, algo="lookahead", max_new_tokens=24, lookahead_text_ngram=text_ngram,
+                            **switches)[4]
         traces[tuple(pools), text_ngram] = json.loads(open(trace_file, encoding="utf-8").read())
     header = {key: trace["params"] for key, trace in traces.items()}
     assert header[("prompt", "output", "corpus"), 0]["corpus"] == "answers.safetensors"  # named, no local folder
@@ -225,27 +241,29 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
 
 
 def test_lookahead_settings_reach_the_run(client):
-    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, window=1, ngram=2, guesses=3)[4]
+    trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, lookahead_window=1,
+                        lookahead_ngram=2, lookahead_guesses=3)[4]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["ngram"], params["guesses"], params["text_ngram"]) == (2, 3, 2)  # M 0: N
     with pytest.raises(Exception, match=re.escape("ngram must be an integer in [2, 8], got 0")):
-        decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, ngram=0)
+        decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, lookahead_ngram=0)
 
 
 def test_tokens_per_proposal_zero_follows_the_copies(client, target):
-    trace_file = decode(client, "Repeat: one two three, one two three.", max_new_tokens=8, num_draft=0)[4]
+    trace_file = decode(client, "Repeat: one two three, one two three.", max_new_tokens=8,
+                        prompt_lookup_num_draft=0)[4]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["num_draft"], params["branches"]) == (LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES)
     copies = PromptLookupParams(branches=1).resolve()  # one copy grafted on
     for algo in ("Medusa (tree)", "speculative (draft model)", "EAGLE (tree)"):
-        trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copy_ngram=3,
-                            num_draft=0)[4]
+        trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copies_copy_ngram=3,
+                            copies_copy_tokens=0)[4]
         assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_num_draft"] == copies.num_draft
 
 
 def test_eagle_step_detail_draws_the_heads_tree(client, target):
     outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
-                     max_new_tokens=24, tree_nodes=8)
+                     max_new_tokens=24, eagle_nodes=8)
     assert "tokens per target forward" in outputs[3]
     assert re.search(r"a drafting forward priced at \d\.\d\d target forwards \(the bytes it reads predict \d\.\d\d\)",
                      outputs[3])  # the head's, as planned, beside its bytes' prediction
@@ -268,8 +286,8 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     _, _, uploaded = client.predict(2, api_name="/replay_step")  # the uploaded trace's step 2, with no model
     assert "replayed trace of **medusa**" in summary and "Proposal tree (" in uploaded
     prompt_html, _, detail, *_ = decode(client, "Repeat exactly: red green blue, red green blue, red green blue.",
-                                        algo="Medusa (tree)", tree="dynamic", tree_nodes=6, copy_ngram=3,
-                                        num_draft=4, max_new_tokens=4)
+                                        algo="Medusa (tree)", medusa_tree="dynamic", medusa_nodes=6,
+                                        copies_copy_ngram=3, copies_copy_tokens=4, max_new_tokens=4)
     # the first steps graft a copy of the prompt: the tree holds it and the prompt highlights its source
     assert "pg-source" in prompt_html.split("</style>")[-1]
 
@@ -327,14 +345,14 @@ def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypa
 
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
+    entrants = ["speculative (draft model) + prompt copies", "Medusa (tree) + prompt copies", "lookahead",
+                "plain, paged KV"]
     lanes, status, table, checks, chart = client.predict(
-        "Repeat exactly: one two three, one two three.", ["speculative + prompt copies", "Medusa + prompt copies",
-                                                          "lookahead", "plain, paged KV"],
-        12, 0.0, 0, "measured", "embedded", "", "cpu", "float32", "auto", api_name="/race")
+        "Repeat exactly: one two three, one two three.", entrants, 12, 0.0, 0, "measured", "embedded", "", "cpu",
+        "float32", "auto", api_name="/race")
     assert lanes.count('class="pg-lane pg-lane-done"') == 5 and "replayed" in status
     table = rows(table)
-    assert [r[0] for r in table] == ["plain", "speculative + prompt copies", "Medusa + prompt copies", "lookahead",
-                                     "plain, paged KV"]
+    assert [r[0] for r in table] == ["plain", *entrants]
     assert all(r[6] == "yes" for r in table) and float(table[0][2]) == 1.0
     # every speedup says where a step's time went, and is checked or flagged
     assert all(re.fullmatch(r"\d+\.\d\d = \d+\.\d\d \+ \d+\.\d\d \+ \d+\.\d\d", r[4]) for r in table)
@@ -362,16 +380,16 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     assert block_map.count('class="pg-block') == 24 and "blocks in use" in block_map
     assert "Waste over the run: paged" in summary and chart is not None and "Prompt lookup" not in summary
     table = rows(table)
-    proposed = client.predict(4, 12, 8, 24, 4, True, "Medusa heads + prompt lookup", "embedded", "", "cpu", "float32",
+    proposed = client.predict(4, 12, 8, 24, 4, True, "Medusa (tree) + prompt lookup", "embedded", "", "cpu", "float32",
                               "auto", api_name="/memory")
     assert re.search(r"Prompt lookup: \*\*\d+ of \d+\*\* copied tokens accepted", proposed[2])
     assert re.search(r"Medusa heads: \*\*\d+ of \d+\*\* guessed tokens accepted", proposed[2])
     assert rows(proposed[3]) == table  # the same requests, the same tokens
-    drafted = client.predict(4, 12, 8, 24, 4, True, "draft model", "embedded", "", "cpu", "float32",
+    drafted = client.predict(4, 12, 8, 24, 4, True, "speculative (draft model)", "embedded", "", "cpu", "float32",
                              "auto", api_name="/memory")
     assert re.search(r"Draft model: \*\*\d+ of \d+\*\* drafted tokens accepted", drafted[2])
     assert rows(drafted[3]) == table
-    eagle = client.predict(4, 12, 8, 24, 4, True, "EAGLE head + prompt lookup", "embedded", "", "cpu", "float32",
+    eagle = client.predict(4, 12, 8, 24, 4, True, "EAGLE (tree) + prompt lookup", "embedded", "", "cpu", "float32",
                            "auto", api_name="/memory")
     assert re.search(r"EAGLE head: \*\*\d+ of \d+\*\* drafted tokens accepted", eagle[2])
     assert rows(eagle[3]) == table
@@ -394,7 +412,7 @@ def test_memory_tab_serves_every_request_and_draws_the_pool(client):
     ({"requests": 17}, "requests must be in [1, 16]"),
     ({"max_running": 1.5}, "max running must be a whole number"),
     ({"proposals": "Medusa heads + draft model"}, "Medusa heads + draft model is not in the list of choices"),
-    ({"proposals": "draft model", "draft_model": "/no/such/draft"}, "/no/such/draft"),
+    ({"proposals": "speculative (draft model)", "draft_model": "/no/such/draft"}, "/no/such/draft"),
 ])
 def test_memory_tab_names_the_bad_field(client, changes, message):
     args = {"requests": 2, "max_new_tokens": 4, "block_size": 8, "num_blocks": 24, "max_running": 2,
@@ -455,9 +473,7 @@ def test_a_space_installs_the_embedded_model_without_its_dependencies(monkeypatc
 def test_a_new_run_first_clears_what_the_last_one_left(target):
     """The first frame of a run empties the previous run's trace, download, slider, charts and table, so nothing of
     it stays on screen beside the new tokens."""
-    from playground.ui import decode as decode_tab
-
-    frames = decode_tab.run_decode("Count: one, two, three, four.", *DEFAULTS.values(), None)
+    frames = direct("Count: one, two, three, four.")
     state, download, step, _, steps_plot, time_plot, table = next(frames)[4:]
     assert state is None and download is None and steps_plot is None and time_plot is None and table == []
     assert step["value"] == 0 and step["interactive"] is False
@@ -472,7 +488,7 @@ def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
     from playground.ui.stops import STOPPED, STOPS
 
     run = STOPS.start()
-    frames = decode_tab.run_decode("Count from 1 to 500.", *{**DEFAULTS, "max_new_tokens": 400}.values(), None, run)
+    frames = direct("Count from 1 to 500.", run, max_new_tokens=400)
     for frame in frames:
         if str(frame[3]).startswith("measuring run 1"):  # the engine is between two steps of the first run
             break

@@ -83,7 +83,7 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "speculative", "--draft", "embedded", "--copy-tokens", "0"],
      r"copy_tokens must be an integer in \[1, 16\]"),
     (["--prompt", "hi", "--algo", "lookahead", "--copy-ngram", "2"],
-     r"copy-ngram: a setting of --algo speculative or medusa or eagle, not lookahead"),
+     r"copy-ngram: a setting of --algo medusa or speculative or eagle, not lookahead"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[1, 8\]"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-tokens", "4"], "copy-tokens sizes the copies --copy-ngram grafts"),
     (["--prompt", "hi", "--gamma", "3"], "gamma: a setting of --algo speculative, not ar"),
@@ -171,7 +171,8 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     assert result.returncode == 0, result.stderr
     serving = json.loads(out.read_text())["serving"]
     for key in ("continuous_tokens_per_s", "static_tokens_per_s", "sequential_tokens_per_s", "kv_waste_fraction",
-                "lookup_vs_continuous", "lookup_vs_sequential", "medusa_vs_continuous", "medusa_vs_sequential",
+                "prompt_lookup_vs_continuous", "prompt_lookup_vs_sequential", "medusa_vs_continuous",
+                "medusa_vs_sequential",
                 "both_vs_sequential", "draft_vs_continuous", "draft_vs_sequential", "lookahead_vs_continuous",
                 "lookahead_vs_sequential", "eagle_vs_continuous", "eagle_vs_sequential"):
         assert serving[key] > 0
@@ -187,7 +188,7 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
     assert serving["modes"]["continuous + EAGLE"]["proposals"]["eagle"]["proposed"] > 0
     markdown = (tmp_path / "serving.md").read_text()
     assert "| sequential + prompt lookup |" in markdown and "| sequential + both |" in markdown
-    assert "- the EAGLE head's trees in the batch: " in markdown and "x sequential (the same tokens)" in markdown
+    assert "- EAGLE (tree) in the batch: " in markdown and "x sequential (the same tokens)" in markdown
     bad = cli("bench", "--suite", "serving", "--requests", "0")
     assert bad.returncode == 2 and "requests must be an integer in [1, 256]" in bad.stderr
 
@@ -197,21 +198,21 @@ def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, m
     modes, and says so."""
     from playground import bench_serving
 
-    monkeypatch.setattr(bench_serving, "SHIPPED", tuple(dataclasses.replace(family, ships=lambda source: None)
-                                                        for family in bench_serving.SHIPPED))
+    shipping = {name: spec for name, spec in bench_serving.ALGORITHMS.items() if spec.ships is not None}
+    for name, spec in shipping.items():
+        monkeypatch.setitem(bench_serving.ALGORITHMS, name, dataclasses.replace(spec, ships=lambda source: None))
     said = []
     serving = bench_serving.run_serving(target, 2, 4, 2, 8, 64, said.append)
     assert set(serving["modes"]) == {"continuous", "static", "sequential", "continuous + prompt lookup",
                                      "sequential + prompt lookup", "continuous + lookahead",
                                      "sequential + lookahead"} and "medusa_vs_continuous" not in serving
-    assert any("no Medusa heads ship for this model" in line for line in said)
-    assert any("no draft ships for this model" in line for line in said) and "draft_vs_continuous" not in serving
-    assert any("no EAGLE head ships for this model" in line for line in said) and "eagle_vs_continuous" not in serving
+    for spec in shipping.values():
+        assert any(f"no weights of {spec.label} ship for this model" in line for line in said)
+    assert "draft_vs_continuous" not in serving and "eagle_vs_continuous" not in serving
     report = {"serving": serving, "model": "m", "environment": {"device": "cpu", "dtype": "float32"}}
     markdown = bench_serving.markdown_serving(report)
-    assert "Medusa heads' trees in the batch: not run (no Medusa heads ship for this model)" in markdown
-    assert "the draft's chains in the batch: not run (no draft ships for this model)" in markdown
-    assert "the EAGLE head's trees in the batch: not run (no EAGLE head ships for this model)" in markdown
+    for spec in shipping.values():
+        assert f"{spec.label} in the batch: not run (no weights of it ship for this model)" in markdown
     # HTTP on a kept-alive connection against a fresh one: figures for the report, no goal asserted here
     http = serving["http"]
     assert http["client"].startswith("the openai client") and http["requests"] == 40

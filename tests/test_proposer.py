@@ -1,15 +1,26 @@
-"""A new algorithm is one proposer: one defined here, in a test alone, runs through the engine's batch and the
-server with no other file changed, and keeps greedy and seeded outputs those of plain decoding."""
+"""A new algorithm is one proposer and its spec: one defined here, in a test alone, runs through the engine's batch
+and the server with no other file changed, keeps greedy and seeded outputs those of plain decoding, and once
+registered appears with its setting on the command line, in the app's Decode and Race tabs and in the bench."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+from dataclasses import dataclass
+
 import pytest
 
+from playground import bench
+from playground.__main__ import algo_params, build_parser
+from playground.config import ConfigError, check_int
 from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
                                PromptLookupParams, SamplingParams)
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import Proposal, Proposer
-from playground.decoding.registry import PROPOSERS
+from playground.decoding import registry
+from playground.decoding.registry import ALGORITHMS
+from playground.decoding.spec import Algorithm, Setting
 from playground.engine import Engine
 from playground.engine import generate
 from playground.metrics import compute
@@ -21,16 +32,25 @@ from .stats import reference_tokens
 from .test_server import get, post, running
 
 
+@dataclass(frozen=True)
+class BigramParams:
+    longest: int = 3
+
+    def __post_init__(self) -> None:
+        check_int("longest", self.longest, 1, 8)
+
+
 class Bigrams(Proposer):
     """Proposes, after each request's last token, the chain its own text's bigrams lead to: the token that followed
-    that token most recently, then the one that followed that, up to three. Its table is per request, kept from
+    that token most recently, then the one that followed that, up to `longest`. Its table is per request, kept from
     `start` to `end` and grown in `observe` from the tokens the verifier kept."""
 
     label = "bigrams"
 
-    def __init__(self) -> None:
+    def __init__(self, target=None, params: BigramParams | None = None) -> None:
         self.tables: dict[int, dict[int, int]] = {}
         self.ended = 0
+        self.longest = (params or BigramParams()).longest
 
     def bind(self, settings) -> None:
         self.tables = {}
@@ -46,7 +66,7 @@ class Bigrams(Proposer):
         proposals = {}
         for request, room in zip(requests, rooms):
             table, token, chain = self.tables[request.id], request.tokens[request.num_computed], []
-            while token in table and len(chain) < min(3, room):
+            while token in table and len(chain) < min(self.longest, room):
                 token = table[token]
                 chain.append(token)
             if chain:
@@ -56,6 +76,21 @@ class Bigrams(Proposer):
     def observe(self, request, proposal, outcome) -> None:
         text = request.tokens[: request.num_computed] + outcome.new
         self.tables[request.id].update(zip(text[-len(outcome.new) - 1 :], outcome.new))
+
+    def describe(self):
+        return {"proposer": self.label, "longest": self.longest}
+
+
+BIGRAMS = Algorithm("bigrams", "bigram chains (a test's)", "bigram chains (--algo bigrams)", BigramParams, Bigrams,
+                    (Setting("longest", "most tokens a chain proposes, 1..8", label="longest chain (1..8)"),),
+                    sources={"bigrams": ("Bigrams", "chained")}, example="Repeat: red green blue, red green blue.")
+
+
+@pytest.fixture
+def registered():
+    registry.register(BIGRAMS)
+    yield BIGRAMS
+    registry.unregister(BIGRAMS.name)
 
 
 def test_a_proposer_defined_in_a_test_runs_in_the_engine_batch(target, plain_outputs) -> None:
@@ -101,7 +136,7 @@ def test_batch_one_generation_is_the_engine_step_with_its_trace(target, plain_ou
     cache, and a trace that survives its JSON round trip and adds up (tokens drawn, decisions, steps)."""
     params = {"prompt-lookup": PromptLookupParams(), "lookahead": LookaheadParams(),
               "medusa": MedusaParams(), "speculative": SpeculativeParams()}.get(algo)
-    proposer = None if params is None else PROPOSERS[algo](target, params)
+    proposer = None if params is None else ALGORITHMS[algo].proposer(target, params)
     drafted = 0
     for prompt in PROMPTS:
         output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS,
@@ -127,7 +162,7 @@ def test_batch_one_generation_samples_what_plain_decoding_samples(target) -> Non
         plain = tuple(reference_tokens(target, prompt, sampling, generation))
         for algo, params in (("ar", None), ("prompt-lookup", PromptLookupParams()), ("lookahead", LookaheadParams()),
                              ("medusa", MedusaParams())):
-            proposer = None if params is None else PROPOSERS[algo](target, params)
+            proposer = None if params is None else ALGORITHMS[algo].proposer(target, params)
             output, _ = generate(target, prompt, proposer, sampling, generation, algo)
             assert output.token_ids == plain, (algo, prompt)
 
@@ -141,7 +176,7 @@ def test_proposer_settings_keep_greedy_exact(target, plain_outputs, algo, params
     """Several copies merged into a tree, the named Medusa trees, typical acceptance and sampled draft chains (the
     last two matter only when sampling) leave greedy outputs plain decoding's (with every width run, as if a forward
     cost one step however wide)."""
-    proposer = PROPOSERS[algo](target, params)
+    proposer = ALGORITHMS[algo].proposer(target, params)
     trees = 0
     for prompt in PROMPTS[:12]:
         output, trace = generate(target, prompt, proposer, generation=GenerationParams(max_new_tokens=NEW_TOKENS),
@@ -158,13 +193,13 @@ def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None
     generation = GenerationParams(max_new_tokens=32)
     accepted = {}
     for acceptance in ("lossless", "typical"):
-        proposer = PROPOSERS["medusa"](target, MedusaParams(acceptance=acceptance))
+        proposer = ALGORITHMS["medusa"].proposer(target, MedusaParams(acceptance=acceptance))
         accepted[acceptance] = sum(
             compute(generate(target, p, proposer, SamplingParams(temperature=0.7, seed=i), generation,
                              "medusa")[1]).accepted
             for i, p in enumerate(PROMPTS[:6]))
     assert accepted["typical"] > accepted["lossless"] > 0
-    proposer = PROPOSERS["speculative"](target, SpeculativeParams(sample=True))
+    proposer = ALGORITHMS["speculative"].proposer(target, SpeculativeParams(sample=True))
     output, trace = generate(target, PROMPTS[0], proposer, SamplingParams(temperature=0.7, seed=0), generation,
                              "speculative")
     assert len(output.token_ids) > 0 and compute(trace).drafted > 0
@@ -173,7 +208,7 @@ def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None
 def test_a_proposer_adds_its_own_trace_events(target) -> None:
     """Lookahead's window, pool size and candidates go into the engine's trace before each step's draft, and the
     step detail draws them."""
-    proposer = PROPOSERS["lookahead"](target, LookaheadParams())
+    proposer = ALGORITHMS["lookahead"].proposer(target, LookaheadParams())
     _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=12),
                         algo="lookahead")
     windows = [e for e in trace.events if isinstance(e, LookaheadEvent)]
@@ -185,7 +220,7 @@ def test_a_proposer_adds_its_own_trace_events(target) -> None:
 def test_the_step_detail_draws_an_engine_tree_with_its_texts(target) -> None:
     """A Medusa step through the engine: its tree drawn from the draft event alone, with the tokens' own texts (no
     tokenizer at hand) and the kept path marked."""
-    proposer = PROPOSERS["medusa"](target, MedusaParams())
+    proposer = ALGORITHMS["medusa"].proposer(target, MedusaParams())
     _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=16),
                         algo="medusa")
     step = next(e.step for e in trace.events if isinstance(e, AcceptEvent) and e.step > 0)
@@ -193,3 +228,54 @@ def test_the_step_detail_draws_an_engine_tree_with_its_texts(target) -> None:
     html = render_step_detail(trace.events, step)
     assert "Proposal tree" in html and "pg-accepted" in html and "#" + str(draft.tokens[0].id) not in html
     assert all(t.text.strip() == "" or t.text.strip() in html for t in draft.tokens if "<" not in t.text)
+
+
+def test_a_registered_algorithm_appears_on_every_surface(registered, target, plain_outputs) -> None:
+    """Its spec alone puts it, with its one setting, on the command line (generate and serve), in the app's Decode
+    tab (its choice, its field, its example) and Race, and in the bench's contenders; each runs it with the setting
+    given, and greedy output stays plain decoding's."""
+    from gradio_client import Client
+
+    from playground.ui import build_app
+    from playground.ui.form import layout
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        helped = parser._subparsers._group_actions[0].choices[command].format_help()
+        assert "bigram chains (--algo bigrams):" in helped and re.search(r"--longest LONGEST\s+most tokens", helped)
+    args = parser.parse_args(["generate", "--prompt", "hi", "--algo", "bigrams", "--longest", "2"])
+    assert algo_params(args) == (BigramParams(2), None)
+    assert algo_params(parser.parse_args(["serve", "--algo", "bigrams", "--longest", "5"]))[0] == BigramParams(5)
+    with pytest.raises(ConfigError, match=re.escape("longest must be an integer in [1, 8], got 0")):
+        algo_params(parser.parse_args(["generate", "--prompt", "hi", "--algo", "bigrams", "--longest", "0"]))
+    with pytest.raises(ConfigError, match="longest: a setting of --algo bigrams, not medusa"):
+        algo_params(parser.parse_args(["generate", "--prompt", "hi", "--algo", "medusa", "--longest", "2"]))
+
+    # the app: the Decode tab runs it with its field's value; the Race runs it at its defaults
+    fields = {f"{owner}.{setting.field}": value for owner, setting, value in layout()}
+    assert fields["bigrams.longest"] == 3
+    app = build_app(lambda handler: handler)
+    app.launch(prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(app.local_url, verbose=False)
+        values = [2 if key == "bigrams.longest" else value for key, value in fields.items()]
+        prompt = PROMPTS[0]
+        outputs = client.predict(prompt, BIGRAMS.label, NEW_TOKENS, 0.0, 0, 1.0, None, "contiguous", "as set",
+                                 *values, "embedded", "", "cpu", "float32", "auto", api_name="/decode")
+        trace = Trace.load(outputs[4])
+        assert trace.algo == "bigrams" and trace.params["longest"] == 2
+        assert tuple(trace.finish().token_ids) == plain_outputs[prompt] and compute(trace).drafted > 0
+        assert "same tokens as plain decoding: yes" in outputs[3]
+        page = json.dumps(client.config)  # the layout the browser draws: its choice, its field and its example
+        assert all(text in page for text in (BIGRAMS.label, "longest chain (1..8)", BIGRAMS.example))
+        _, status, table, *_ = client.predict(prompt, [BIGRAMS.label], 8, 0.0, 0, "as set", "embedded", "", "cpu",
+                                              "float32", "auto", api_name="/race")
+        assert [row[0] for row in (table["data"] if isinstance(table, dict) else table)] == ["plain", BIGRAMS.label]
+    finally:
+        app.close()
+
+    # the bench races it against plain decoding at its defaults
+    assert bench.parse_algos("bigrams") == ("bigrams",)
+    options = argparse.Namespace(algos=("bigrams",), gamma=4, tree="dynamic", draft=None, model="embedded")
+    contenders, draft = bench.build_contenders(options, target)
+    assert [(c.name, c.algo, c.setting) for c in contenders] == [("bigrams", "bigrams", "longest 3")] and draft is None

@@ -24,15 +24,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, EagleParams
+from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA, EagleParams
 from ..models import LoadedModel
-from ..models.eagle import LoadedEagle, load_head
+from ..models.eagle import LoadedEagle, default_head, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
 from ..models.linear import weights_read
 from ..waits import to_device
 from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+from .spec import Algorithm, Setting, Variant
 
 # The head reads up to this many unread features per request in one padded batched forward (the kept rows of the
 # steps since it last drafted); more (a prompt's) alone.
@@ -288,6 +289,9 @@ class EagleProposer(Proposer):
         top = self.eagle.output.logits(picked).log_softmax(-1).topk(self.top_k, dim=-1)  # (B, S, top_k)
         return out, k, v, top.values, self.eagle.vocab_ids[top.indices]
 
+    def loaded(self) -> dict[str, Any]:
+        return {"head": self.eagle}
+
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "head": self.eagle.folder.name, "depth": self.depth, "top_k": self.top_k,
                 "nodes": self.nodes}
@@ -301,3 +305,18 @@ def _padded_keys(states: Sequence[_HeadState]) -> tuple[torch.Tensor, torch.Tens
     k, v = (torch.stack([F.pad(getattr(state, kv), (0, 0, 0, committed - n)) for state, n in zip(states, lengths)])
             for kv in ("k", "v"))
     return k, v, torch.arange(committed) < torch.tensor(lengths).unsqueeze(1)
+
+
+ALGORITHM = Algorithm(
+    "eagle", "EAGLE (tree)", "EAGLE decoding (--algo eagle)", EagleParams, EagleProposer,
+    (Setting("head", "folder of a head trained by `python -m playground.train eagle` (default: the head shipped for "
+                     "the embedded model)", flag="--eagle-head", kind=str),
+     Setting("depth", f"deepest drafted token, 1..{MAX_GAMMA}; each step drafts as deep as pays",
+             flag="--eagle-depth"),
+     Setting("top_k", "nodes expanded per depth and children per node, 1..16", flag="--eagle-top-k"),
+     Setting("nodes", f"most nodes of the tree, 1..{MAX_DYNAMIC_NODES} (default {EAGLE_CPU_NODES}, "
+                      f"{EAGLE_GPU_NODES} on a GPU); each step verifies as many as pay for the wider forward",
+             flag="--eagle-nodes", label=f"EAGLE tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", auto=True)),
+    sources={"eagle": ("EAGLE head", "drafted")}, colour="#d55e00",
+    example="Describe how a bicycle works in a short paragraph.", ships=default_head, grafts=True,
+    variants=(Variant("sampled", {}, sampled=True, note="(exact)"),), short="EAGLE")

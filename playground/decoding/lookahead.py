@@ -32,6 +32,7 @@ from ..trace import LookaheadEvent
 from .planning import NgramAcceptance
 from .pools import TextPools, seed_pools, start_pools
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
+from .spec import Algorithm, Setting
 
 
 def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor]:
@@ -146,3 +147,26 @@ class LookaheadProposer(Proposer):
         return {"proposer": self.label, "window": la.window, "ngram": la.ngram, "guesses": la.guesses,
                 "text_ngram": la.text_n, "context": la.context, "prompt_pool": la.prompt_pool,
                 "output_pool": la.output_pool, "corpus": self.corpus and Path(self.corpus).name}
+
+
+ALGORITHM = Algorithm(
+    "lookahead", "lookahead", "lookahead decoding (--algo lookahead)", LookaheadParams, LookaheadProposer,
+    (Setting("window", "Jacobi window width W, 1..16", label="window W (1..16)"),
+     Setting("ngram", "n-gram size N (window of N - 1 rows), 2..8", label="n-gram N (2..8)"),
+     Setting("guesses", "n-grams kept per first token and verified per step G, 1..16",
+             label="guesses G (1..16)"),
+     Setting("context", "look candidates up by the last K tokens first, then fewer, down to the last one, 1..8 (1: "
+                        "keyed by the last token only, as in the paper)", label="context K (1..8)"),
+     Setting("text_ngram", "size M of the n-grams the prompt, output and corpus pools take from text, 2..16 "
+                           "(default: N; a longer M verifies longer copies in wider forwards)",
+             label="text n-gram M (0 = N, 2..16)", auto=True),
+     Setting("prompt_pool", "seed the n-gram pool from the prompt", flag="--no-prompt-pool",
+             label="pool: the prompt's n-grams", kind=bool, switch=False),
+     Setting("output_pool", "add the committed text's n-grams to the pool (else only the window's)",
+             flag="--no-output-pool", label="pool: the text so far", kind=bool, switch=False),
+     Setting("corpus_pool", "seed the pool from the target's answers to other prompts", flag="--no-corpus-pool",
+             label="pool: the target's habitual phrases", kind=bool, switch=False),
+     Setting("corpus", "answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed the pool "
+                       "(default: the one shipped for the embedded model)", kind=str)),
+    sources={"lookahead": ("Lookahead", "candidate")}, colour="#009e73",
+    example="List the days of the week, one per line.")

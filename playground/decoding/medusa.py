@@ -17,16 +17,18 @@ from typing import Any
 
 import torch
 
-from ..config import DYNAMIC_TREE, ConfigError, MedusaParams, dynamic_nodes
+from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, ConfigError, MedusaParams,
+                      dynamic_nodes)
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.linear import weights_read
-from ..models.medusa import LoadedHeads, load_heads
+from ..models.medusa import LoadedHeads, default_heads, load_heads
 from ..waits import to_device
 from .guesses import Guesser, Guesses
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
-from .tree import load_tree
+from .spec import Algorithm, Setting, Variant
+from .tree import TREES, load_tree
 
 
 class MedusaGuesser(Guesser):
@@ -122,6 +124,32 @@ class MedusaGuesser(Guesser):
         if not outcome.done:  # the row that predicted the last new token: the heads read it next
             self.hidden[request.id] = outcome.hidden[outcome.walk[-1]].clone()
 
+    def loaded(self) -> dict[str, Any]:
+        return {"heads": self.heads}
+
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "heads": self.heads.folder.name, "depth": self.depth, "nodes": self.nodes,
                 "tree": self.params.tree, "acceptance": self.params.acceptance}
+
+
+ALGORITHM = Algorithm(
+    "medusa", "Medusa (tree)", "Medusa decoding (--algo medusa)", MedusaParams, MedusaGuesser,
+    (Setting("heads", "folder of heads trained by `python -m playground.train medusa` (default: the heads shipped "
+                      "for the embedded model)", flag="--medusa-heads", kind=str),
+     Setting("depth", "heads used, so the deepest guess, 1..the heads' number (default: every head)",
+             flag="--medusa-depth"),
+     Setting("tree", f"candidate tree: {DYNAMIC_TREE} (default: the nodes the heads rate likeliest, chosen at every "
+                     f"step), {', '.join(TREES)}, or a JSON file of top-k paths", label="Medusa tree", kind=str,
+             choices=(DYNAMIC_TREE, *TREES)),
+     Setting("nodes", f"most nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default {CPU_DYNAMIC_NODES}, "
+                      f"{GPU_DYNAMIC_NODES} on a GPU); each step verifies as many as pay for the wider forward",
+             flag="--tree-nodes", label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", auto=True),
+     Setting("acceptance", "when sampling: lossless (exact, default) or typical (LOSSY, accepts more); at "
+                           "temperature 0 both are greedy and exact", label="Medusa acceptance when sampling",
+             kind=str, choices=(("lossless (exact)", "lossless"), ("typical (LOSSY)", "typical"))),
+     Setting("epsilon", "typical acceptance epsilon, (0, 1]", flag="--typical-epsilon", kind=float),
+     Setting("alpha", "typical acceptance alpha, (0, 1]", flag="--typical-alpha", kind=float)),
+    sources={"medusa": ("Medusa heads", "guessed")}, colour="#cc79a7",
+    example="Give three tips for staying focused while studying.", ships=default_heads, grafts=True,
+    variants=(Variant("lossless", {"acceptance": "lossless"}, sampled=True, note="(exact)"),
+              Variant("typical", {"acceptance": "typical"}, sampled=True, note="(LOSSY)")), short="Medusa")

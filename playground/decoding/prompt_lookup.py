@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..config import PromptLookupParams
+from ..config import (LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_BRANCHES, MAX_GAMMA, MAX_NGRAM,
+                      PromptLookupParams)
 from ..models import LoadedModel
 from .copies import Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
+from .spec import Algorithm, Setting
 
 
 class CopyProposer(Proposer):
@@ -102,3 +104,24 @@ class CopyProposer(Proposer):
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,
                 "branches": self.lookup.branches}
+
+
+def _lookup_peer(proposer: CopyProposer) -> tuple[str, dict[str, Any]]:
+    """transformers' prompt lookup with the same most copied tokens and longest match."""
+    return "prompt lookup", {"prompt_lookup_num_tokens": proposer.lookup.num_draft,
+                             "max_matching_ngram_size": proposer.lookup.max_ngram}
+
+
+ALGORITHM = Algorithm(
+    "prompt-lookup", "prompt lookup", "prompt-lookup decoding (--algo prompt-lookup)", PromptLookupParams,
+    CopyProposer,
+    (Setting("max_ngram", f"longest suffix looked up in the prompt and the text so far, 1..{MAX_NGRAM}",
+             label="max n-gram (1..8)"),
+     Setting("num_draft", f"most tokens copied after a match, 1..{MAX_GAMMA} (default {LOOKUP_BRANCH_TOKENS} with "
+                          f"more than one branch, else {LOOKUP_TOKENS})",
+             label="most tokens per proposal (0 = auto, 1..16)", auto=True),
+     Setting("branches", "distinct copies (of different earlier occurrences) verified together in one forward, "
+                         f"merged into a tree, 1..{MAX_BRANCHES}")),
+    sources={"copy": ("Prompt lookup", "copied")}, colour="#e69f00",
+    example="Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street "
+            "by two miles. The council said the extension will be finished next spring.", peer=_lookup_peer)

@@ -211,6 +211,11 @@ class Proposer(ABC):
         """The settings a trace header or a server's state shows."""
         return {"proposer": self.label}
 
+    def loaded(self) -> dict[str, Any]:
+        """The weights it loaded, as the keywords that give another proposer of its algorithm the same ones
+        (`registry.build_proposer`) rather than a second load (none by default)."""
+        return {}
+
 
 def merge_chains(chains: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
     """Chains of candidate tokens merged into one tree where they start alike: (tokens, parents, source), node i

@@ -1,60 +1,73 @@
-"""From settings to a proposer: the one place that knows every algorithm's proposer by name."""
+"""From settings to a proposer: the one place that lists every algorithm (`spec.Algorithm`, each defined in its own
+module). Every surface (the command line, the app, the bench, the serving suite) reads this list when it is built,
+so an algorithm registered here, or by `register` before a surface is built, appears in all of them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..config import ConfigError, PromptLookupParams
 from ..models import LoadedModel
-from ..models.eagle import LoadedEagle
-from ..models.medusa import LoadedHeads
-from .eagle import EagleProposer
+from . import eagle, lookahead, medusa, prompt_lookup, speculative
 from .grafted import Grafted, GraftedTree
 from .guesses import Guesser
-from .lookahead import LookaheadProposer
-from .medusa import MedusaGuesser
 from .prompt_lookup import CopyProposer
 from .proposer import Proposer
-from .speculative import DraftGuesser
+from .spec import Algorithm
 
-# algorithm name -> (target, its parameters or None for the defaults) -> proposer; a new algorithm is one module and
-# one line here
-PROPOSERS: dict[str, Callable[..., Proposer]] = {
-    "prompt-lookup": CopyProposer,
-    "lookahead": LookaheadProposer,
-    "medusa": MedusaGuesser,
-    "speculative": DraftGuesser,
-    "eagle": EagleProposer,
-}
 PLAIN = "ar"  # plain decoding: no proposer
+PLAIN_LABEL = "plain (autoregressive)"
+# name -> algorithm; a new algorithm is one module and one line here
+ALGORITHMS: dict[str, Algorithm] = {spec.name: spec for spec in (
+    prompt_lookup.ALGORITHM,
+    lookahead.ALGORITHM,
+    medusa.ALGORITHM,
+    speculative.ALGORITHM,
+    eagle.ALGORITHM,
+)}
+
+
+def register(spec: Algorithm) -> None:
+    """Add an algorithm defined elsewhere (a plug-in, a test) to every surface built after this call."""
+    if spec.name == PLAIN or spec.name in ALGORITHMS:
+        raise ConfigError(f"algorithm {spec.name!r} is already registered")
+    ALGORITHMS[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Remove an algorithm `register` added."""
+    del ALGORITHMS[name]
 
 
 def algorithms() -> list[str]:
     """Every algorithm's name, plain decoding first."""
-    return [PLAIN, *PROPOSERS]
+    return [PLAIN, *ALGORITHMS]
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registered algorithm of that name; plain decoding has none."""
+    if name not in ALGORITHMS:
+        raise ConfigError(f"algo must be one of {', '.join(algorithms())}, got {name!r}")
+    return ALGORITHMS[name]
 
 
 def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: PromptLookupParams | None = None,
-                   heads: LoadedHeads | None = None, draft: LoadedModel | None = None,
-                   head: LoadedEagle | None = None) -> Proposer | None:
+                   **loaded: Any) -> Proposer | None:
     """The proposer of algorithm `algo` with its parameters (None: its defaults; plain decoding has none), with
-    prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms that guess a tree: Medusa,
-    the draft model and EAGLE). `heads`, `draft`, `head`: ones already loaded for Medusa, the draft model, EAGLE."""
-    if algo not in algorithms():
-        raise ConfigError(f"algo must be one of {', '.join(algorithms())}, got {algo!r}")
+    prompt lookup's copies grafted onto its trees where `copies` is set (for the algorithms whose spec `grafts`).
+    `loaded`: weights already loaded, as a proposer's `loaded()` names them (`heads`, `draft`, `head`)."""
     if algo == PLAIN:
         if params is not None or copies is not None:
             raise ConfigError("plain decoding (ar) takes no proposer settings and no copies")
         return None
-    loaded = {name: value for name, value in (("heads", heads), ("draft", draft), ("head", head)) if value is not None}
-    proposer = PROPOSERS[algo](target, params, **loaded)
+    spec = algorithm(algo)
+    proposer = spec.proposer(target, params, **{key: value for key, value in loaded.items() if value is not None})
     if copies is None:
         return proposer
-    if isinstance(proposer, Guesser):
-        return Grafted(proposer, CopyProposer(target, copies))
-    if isinstance(proposer, EagleProposer):
-        return GraftedTree(proposer, CopyProposer(target, copies), proposer.nodes)
-    raise ConfigError(f"copies: prompt lookup's copies graft onto Medusa's, the draft's or EAGLE's trees, not onto "
-                      f"{algo}")
-
+    if not spec.grafts:
+        grafting = [name for name, other in ALGORITHMS.items() if other.grafts]
+        raise ConfigError(f"copies: prompt lookup's copies graft onto the trees of {', '.join(grafting)}, not onto "
+                          f"{algo}")
+    copier = CopyProposer(target, copies)
+    return Grafted(proposer, copier) if isinstance(proposer, Guesser) else GraftedTree(proposer, copier,
+                                                                                       proposer.nodes)

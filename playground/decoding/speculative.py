@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, SpeculativeParams
+from ..config import MAX_GAMMA, ConfigError, SpeculativeParams
 from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
-from ..models.loader import load_draft
+from ..models.loader import default_draft, load_draft
 from ..models.vocab import proposal_rows
 from ..sampling import probabilities, sample
 from ..waits import to_device
@@ -31,6 +31,7 @@ from .copies import agreement
 from .guesses import Guesser, Guesses
 from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
+from .spec import Algorithm, Setting
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
 CATCH_UP = 4
@@ -203,6 +204,9 @@ class DraftGuesser(Guesser):
             if self.cache.length(request.id) > kept:
                 self.cache.truncate(request.id, kept)
 
+    def loaded(self) -> dict[str, Any]:
+        return {"draft": self.draft}
+
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "draft": self.draft.name, "gamma": self.depth}
 
@@ -225,3 +229,26 @@ def _read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tu
     for (d, i), (log_q, x) in drawn.items():
         logp[d][i], chains[d][i] = [log_q], [x]
     return logp, chains
+
+
+def _assisted(proposer: DraftGuesser) -> tuple[str, dict[str, Any]]:
+    """transformers' assisted generation with the same most draft tokens on its fixed schedule (the bench adds the
+    draft as its assistant model)."""
+    return "assisted generation (constant)", {"num_assistant_tokens": proposer.depth,
+                                              "num_assistant_tokens_schedule": "constant"}
+
+
+ALGORITHM = Algorithm(
+    "speculative", "speculative (draft model)", "speculative decoding (--algo speculative)", SpeculativeParams,
+    DraftGuesser,
+    (Setting("draft", "draft model spec (same tokenizer as the target); default for the embedded model: the draft "
+                      "trained by `python -m playground.train draft`", kind=str),
+     Setting("gamma", f"most draft tokens per step, 1..{MAX_GAMMA}; each step drafts as deep as the chain's "
+                      "acceptance so far pays for", label="gamma (most draft tokens, 1..16)"),
+     Setting("sample", "when sampling, draw the chain from the draft's distributions and judge it by the lossless "
+                       "rule for them: more accepted, same distribution, but a seed no longer gives plain decoding's "
+                       "text (default: the draft's greedy chain, seeded outputs unchanged)", flag="--sample-draft",
+             kind=bool, switch=True)),
+    sources={"draft": ("Draft model", "drafted")}, colour="#0072b2",
+    example="Write a Python function that returns the n-th Fibonacci number.", loads_draft=True, ships=default_draft,
+    grafts=True, peer=_assisted, short="draft")

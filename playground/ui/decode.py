@@ -17,14 +17,9 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, EAGLE_CPU_NODES, EAGLE_GPU_NODES, GPU_DYNAMIC_NODES,
-                      LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_DYNAMIC_NODES, MAX_NGRAM, ConfigError, EagleParams,
-                      GenerationParams, LookaheadParams, MedusaParams, PromptLookupParams, SamplingParams,
-                      SpeculativeParams, check_int)
+from ..config import ConfigError, GenerationParams, SamplingParams
 from ..engine import generate, one_request_costs, stream_generate
 from ..decoding import registry
-from ..decoding.proposer import Proposer
-from ..decoding.tree import TREES
 from ..metrics import (FLAT_CURVE, PLAIN_ALGOS, Metrics, compute, depth_profile, drafting_note, mean_draft_length,
                        perfect, priced, projected_speedup)
 from ..speedup import ROUNDS, Speedup, compare, median_run
@@ -33,44 +28,29 @@ from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceEr
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
-from .models import get_draft, get_model, target_spec
+from .form import (PLAIN_LABEL, Entrant, Filled, Form, algorithm_of, as_float, as_int, labels, line, make_proposer,
+                   taking)
+from .models import get_model, target_spec
 from .measure import measured, status_frame
 from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 
-PLAIN = "ar"
-ALGOS = {"plain (autoregressive)": PLAIN, "speculative (draft model)": "speculative",
-         "prompt lookup": "prompt-lookup", "lookahead": "lookahead", "Medusa (tree)": "medusa",
-         "EAGLE (tree)": "eagle"}
-ACCEPTANCE = {"lossless (exact)": "lossless", "typical (LOSSY)": "typical"}
+PLAIN = registry.PLAIN
 AS_SET = "as set"
 PLANS = {AS_SET: "as-set", "measured": "measured"}  # the Plan control's choices -> `config.PLANS`
-EXAMPLES = [
-    ["Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street by "
-     "two miles. The council said the extension will be finished next spring.", "prompt lookup"],
-    ["Write a Python function that returns the n-th Fibonacci number.", "speculative (draft model)"],
-    ["List the days of the week, one per line.", "lookahead"],
-    ["Give three tips for staying focused while studying.", "Medusa (tree)"],
-    ["Describe how a bicycle works in a short paragraph.", "EAGLE (tree)"],
-    ["Explain in two sentences why the sky is blue.", "plain (autoregressive)"],
-]
-LOOKAHEAD = LookaheadParams()  # the defaults the controls start at
-POOLS = ("prompt", "output", "corpus")  # lookahead's text pools, each switched by the LookaheadParams field <name>_pool
+PLAIN_EXAMPLE = "Explain in two sentences why the sky is blue."
+
+
+def examples() -> list[list[str]]:
+    """A prompt per registered algorithm that shows it at its best, then one for plain decoding."""
+    return [*([spec.example, spec.label] for spec in registry.ALGORITHMS.values() if spec.example),
+            [PLAIN_EXAMPLE, PLAIN_LABEL]]
+
+
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
 PROPOSAL_S = 0.3  # how long a replayed step's proposal shows before its verdict (the replay's clock waits)
 # replay pace, as a share of the measured one
 SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/30x": 1 / 30}
-
-
-def as_int(name: str, value: Any, optional: bool = False) -> int | None:
-    """Gradio numbers arrive as floats (or None): whole numbers pass, anything else is an error naming the field."""
-    if value is None or value == "":
-        if optional:
-            return None
-        raise ConfigError(f"{name}: a whole number is required")
-    if float(value) != int(float(value)):
-        raise ConfigError(f"{name} must be a whole number, got {value}")
-    return int(float(value))
 
 
 def as_seed(value: Any) -> int | None:
@@ -80,57 +60,11 @@ def as_seed(value: Any) -> int | None:
     return None if seed == -1 else seed
 
 
-def as_float(name: str, value: Any) -> float:
-    """A Gradio number as a float; an empty field is an error naming it (ranges are the dataclasses' to check)."""
-    if value is None or value == "":
-        raise ConfigError(f"{name}: a number is required")
-    return float(value)
-
-
 def as_plan(choice: Any) -> str:
     """The Plan control's choice ("as set", "measured") as `config.PLANS` names it; any other is an error."""
     if choice not in PLANS:
         raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {choice!r}")
     return PLANS[choice]
-
-
-def build_proposer(algo: str, target: Any, draft_source: str, gamma: Any, max_ngram: Any, num_draft: Any,
-                   window: Any, ngram: Any, guesses: Any, tree: str = DYNAMIC_TREE, tree_nodes: Any = 0,
-                   acceptance: str = "lossless (exact)", copy_ngram: Any = 0, context: Any = LOOKAHEAD.context,
-                   text_ngram: Any = 0, pools: Any = POOLS) -> Proposer | None:
-    """The proposer for the form's settings (None: plain decoding); every parameter is validated by its dataclass.
-    Copies grafted onto the draft's, the heads' or EAGLE's trees propose at most num_draft tokens, as prompt lookup
-    does; num_draft 0 leaves it to the number of copies (`PromptLookupParams.resolve`)."""
-    tokens = as_int("tokens per proposal", num_draft) or None  # 0: as many copies make it
-    copy = as_int("copy n-gram", copy_ngram)
-    check_int("copy_ngram", copy, 0, MAX_NGRAM)
-    copies = PromptLookupParams(max_ngram=copy, num_draft=tokens, branches=1) if copy else None
-    draft = None
-    if algo == "speculative":
-        params: Any = SpeculativeParams(gamma=as_int("gamma", gamma))
-        draft = get_draft(target, draft_source)
-    elif algo == "prompt-lookup":
-        params, copies = PromptLookupParams(max_ngram=as_int("max n-gram", max_ngram), num_draft=tokens), None
-    elif algo == "lookahead":
-        chosen = set(pools or ())
-        unknown = sorted(map(str, chosen - set(POOLS)))
-        if unknown:
-            raise ConfigError(f"pools must be chosen from {', '.join(POOLS)}, got {', '.join(unknown)}")
-        switches = {f"{pool}_pool": pool in chosen for pool in POOLS}
-        params = LookaheadParams(window=as_int("window W", window), ngram=as_int("n-gram N", ngram),
-                                 guesses=as_int("guesses G", guesses), context=as_int("context K", context),
-                                 text_ngram=as_int("text n-gram M", text_ngram) or None, **switches)  # M 0: N
-        copies = None
-    elif algo == "medusa":
-        if acceptance not in ACCEPTANCE:
-            raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
-        params = MedusaParams(tree=tree, nodes=as_int("tree nodes", tree_nodes) or None,
-                              acceptance=ACCEPTANCE[acceptance])
-    elif algo == "eagle":
-        params = EagleParams(nodes=as_int("tree nodes", tree_nodes) or None)
-    else:
-        params, copies = None, None
-    return registry.build_proposer(target, algo, params, copies, draft=draft)
 
 
 def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
@@ -217,27 +151,26 @@ def _save(trace: Trace) -> str:
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
-               seed: Any, kv: str, plan: str, gamma: Any, max_ngram: Any, num_draft: Any,
-               window: Any, ngram: Any, guesses: Any, context: Any, text_ngram: Any, pools: list[str], tree: str,
-               tree_nodes: Any, acceptance: str, copy_ngram: Any, model_source: str, draft_source: str, device: str,
+               seed: Any, kv: str, plan: str, settings: Filled, model_source: str, draft_source: str, device: str,
                dtype: str, weights: str, history: list[dict[str, Any]] | None, run: int | None = None,
                request: gr.Request | None = None):
     """Measure first, then show: the algorithm and plain decoding run on the engine alone, interleaved over
     ROUNDS rounds (nothing is drawn meanwhile, so the browser never competes with the clock); yields (prompt HTML,
     tokens HTML, step detail, stats, trace state, trace file, step slider, session history, per-step chart,
     tokens-vs-time chart, step table): a cleared page with progress in the stats line, then the median round.
-    run: its number in `STOPS`; once stopped it ends between two engine steps, showing nothing measured."""
+    settings: the algorithm fields' values (`form.taking` passes them); run: its number in `STOPS`; once stopped it
+    ends between two engine steps, showing nothing measured."""
     status = partial(status_frame, 11, 3)
     try:
-        if algo_label not in ALGOS:
-            raise ConfigError(f"algorithm must be one of {', '.join(ALGOS)}, got {algo_label!r}")
+        chosen = algorithm_of(algo_label)
+        algo = PLAIN if chosen is None else chosen.name
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
         sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
                                   top_p=as_float("top_p", top_p), seed=as_seed(seed))
         generation = GenerationParams(max_new_tokens=as_int("max_new_tokens", max_new_tokens), kv=kv,
                                       plan=as_plan(plan))
-        algo = ALGOS[algo_label]
+        params, copies = settings.settings(algo)  # checked before any model loads
         names = [algo] if algo == PLAIN else [algo, PLAIN]
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
         cleared = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(),
@@ -250,9 +183,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         yield *cleared[:3], f"loading model {spec.source!r} (the first load converts it; later ones are instant)", \
             *cleared[3:]
         target = get_model(spec)
-        proposers = {algo: build_proposer(algo, target, draft_source, gamma, max_ngram, num_draft, window, ngram,
-                                          guesses, tree, tree_nodes, acceptance, copy_ngram, context, text_ngram,
-                                          pools), PLAIN: None}
+        proposers = {algo: make_proposer(target, algo, params, copies, draft_source), PLAIN: None}
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
             generate(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
@@ -289,7 +220,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
            [*(history or []), history_entry(trace, metrics, ceiling(trace, against, costs, own_cost))],
            steps_figure(trace.events),
-           tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
+           tokens_time_figure({trace.algo: trace.events}, {trace.algo: line(Entrant(algo))}), step_rows(trace.events))
 
 
 def history_entry(trace: Trace, m: Metrics, ceiling: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -385,68 +316,19 @@ def load_trace(file: Any):
             steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
 
 
-# the algorithms each parameter field sets
-FIELDS_OF = {"gamma": ("speculative",), "copy_ngram": ("speculative", "medusa", "eagle"),
-             "max_ngram": ("prompt-lookup",), "num_draft": ("prompt-lookup", "speculative", "medusa", "eagle"),
-             **{name: ("lookahead",) for name in ("window", "ngram", "guesses", "context", "text_ngram", "pools")},
-             **{name: ("medusa",) for name in ("tree", "acceptance")}, "tree_nodes": ("medusa", "eagle")}
-
-
-def fields_for(algo_label: str) -> list[dict[str, Any]]:
-    """Show the parameter fields of the chosen algorithm, in FIELDS_OF's order; hide the others."""
-    algo = ALGOS.get(algo_label)
-    return [gr.update(visible=algo in algos) for algos in FIELDS_OF.values()]
-
-
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
-            prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0])
-            algo = gr.Radio(list(ALGOS), value="prompt lookup", label="Algorithm")
+            picks = examples()
+            prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=picks[0][0])
+            algo = gr.Radio(list(labels()), value=picks[0][1], label="Algorithm")
             with gr.Accordion("Algorithm parameters", open=False):
-                with gr.Row():
-                    gamma = gr.Number(4, label="gamma (most draft tokens, 1..16)", step=1,
-                                      info="speculative: each step drafts as deep as its acceptance pays for")
-                    copy_ngram = gr.Number(0, label="copy n-gram (0 = off, 1..8)", step=1,
-                                           info="draft, Medusa, EAGLE: graft copies of earlier text onto the tree")
-                with gr.Row():
-                    max_ngram = gr.Number(3, label="max n-gram (1..8)", step=1)
-                    num_draft = gr.Number(0, label="most tokens per proposal (0 = auto, 1..16)", step=1,
-                                          info=f"auto: {LOOKUP_BRANCH_TOKENS} for prompt lookup's two copies, "
-                                               f"{LOOKUP_TOKENS} for a copy grafted onto a tree")
-                with gr.Row():
-                    window = gr.Number(LOOKAHEAD.window, label="window W (1..16)", step=1)
-                    ngram = gr.Number(LOOKAHEAD.ngram, label="n-gram N (2..8)", step=1)
-                    guesses = gr.Number(LOOKAHEAD.guesses, label="guesses G (1..16)", step=1,
-                                        info="lookahead: n-grams verified per step at most")
-                    context = gr.Number(LOOKAHEAD.context, label="context K (1..8)", step=1,
-                                        info="lookahead: look guesses up by the last K tokens first, then fewer")
-                with gr.Row():
-                    text_ngram = gr.Number(0, label="text n-gram M (0 = N, 2..16)", step=1,
-                                           info="lookahead: size of the n-grams the pools take from text")
-                    pools = gr.CheckboxGroup(list(POOLS), value=list(POOLS), label="lookahead pools",
-                                             info="seed guesses from the prompt, the text so far, the target's "
-                                                  "habitual phrases")
-                with gr.Row():
-                    tree = gr.Dropdown([DYNAMIC_TREE, *TREES], value=DYNAMIC_TREE, label="Medusa tree",
-                                       info="dynamic: the nodes the heads rate likeliest, chosen at every step")
-                    tree_nodes = gr.Number(0, label=f"dynamic tree nodes (0 = auto, 1..{MAX_DYNAMIC_NODES})", step=1,
-                                           info=f"auto: Medusa {CPU_DYNAMIC_NODES}, EAGLE {EAGLE_CPU_NODES} on a "
-                                                f"CPU; {GPU_DYNAMIC_NODES}, {EAGLE_GPU_NODES} on a GPU")
-                    acceptance = gr.Radio(list(ACCEPTANCE), value="lossless (exact)",
-                                          label="Medusa acceptance when sampling")
+                form = Form.build(algo.value)  # each algorithm's fields, shown while it is chosen
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
+            algo.change(form.visibility, [algo], list(form.groups.values()), api_name=False, queue=False)
             plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
                             info="as set: verify all the settings ask for, to see the algorithm work; measured: only "
                                  "what pays on this machine (may switch drafting off)")
-            # each field shows for the algorithms it sets (FIELDS_OF), so a visitor sees only what matters
-            fields = {"gamma": gamma, "copy_ngram": copy_ngram, "max_ngram": max_ngram, "num_draft": num_draft,
-                      "window": window, "ngram": ngram, "guesses": guesses, "context": context,
-                      "text_ngram": text_ngram, "pools": pools, "tree": tree, "tree_nodes": tree_nodes,
-                      "acceptance": acceptance}
-            algo.change(fields_for, [algo], [fields[name] for name in FIELDS_OF], api_name=False, queue=False)
-            for name, field in fields.items():
-                field.visible = ALGOS[algo.value] in FIELDS_OF[name]
             with gr.Accordion("Sampling", open=False):
                 max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy, ..100)")
@@ -456,7 +338,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 run = gr.Button("Decode", variant="primary", scale=3)
                 stop = gr.Button(STOP, variant="stop", scale=1)
-            gr.Examples(EXAMPLES, [prompt, algo], label="Examples: each shows one algorithm at its best")
+            gr.Examples(picks, [prompt, algo], label="Examples: each shows one algorithm at its best")
         with gr.Column(scale=3, min_width=300):
             with gr.Row(equal_height=True):
                 gr.HTML(render_legend(), elem_id="pg-legend")
@@ -487,12 +369,10 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Accordion("Per-step table", open=False):
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
     state = gr.State(None)
-    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, plan, gamma, max_ngram, num_draft,
-              window, ngram, guesses, context, text_ngram, pools, tree, tree_nodes, acceptance, copy_ngram, *model,
-              history]
+    inputs = [prompt, algo, max_new_tokens, temperature, top_k, top_p, seed, kv, plan, *form.fields, *model, history]
     shown = [prompt_view, tokens_view, detail]
     # Decode stays disabled while a run measures; the replay of what it measured follows on its own
-    decoding = stoppable(run, stop, on_gpu(run_decode), inputs,
+    decoding = stoppable(run, stop, on_gpu(taking(run_decode, form)), inputs,
                          [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
                          show="pg-legend", api_name="decode", show_progress_on=[stats])
     replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_name=False,

@@ -11,14 +11,14 @@ import gradio as gr
 
 from ..bench_suite import workload
 from ..metrics import memory_summary
-from ..config import ConfigError, EngineParams, PromptLookupParams, SamplingParams, check_choice
-from ..decoding.registry import build_proposer
+from ..config import ConfigError, EngineParams, SamplingParams, check_choice
+from ..decoding import registry
 from ..engine import Engine
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map, statuses_at
-from .decode import as_int
-from .models import get_draft, get_model, target_spec
+from .form import Entrant, as_int, entrants, make_proposer, source_names
+from .models import get_model, target_spec
 from .quota import QUOTA
 from .stops import STOP, STOPS, stoppable
 
@@ -52,22 +52,19 @@ def _summary(engine: Engine) -> str:
             f"generated).{_proposals(engine)}")
 
 
-# what every step of the batch proposes: choice -> (algorithm, prompt lookup's copies grafted onto its trees)
-PROPOSALS = {"none (plain decoding)": ("ar", False), "prompt lookup": ("prompt-lookup", False),
-             "lookahead": ("lookahead", False), "Medusa heads": ("medusa", False),
-             "Medusa heads + prompt lookup": ("medusa", True), "draft model": ("speculative", False),
-             "draft model + prompt lookup": ("speculative", True), "EAGLE head": ("eagle", False),
-             "EAGLE head + prompt lookup": ("eagle", True)}
-# a proposal source's name and what its tokens are called
-SOURCES = {"copy": ("Prompt lookup", "copied"), "lookahead": ("Lookahead", "candidate"),
-           "medusa": ("Medusa heads", "guessed"), "draft": ("Draft model", "drafted"),
-           "eagle": ("EAGLE head", "drafted")}
+NONE = "none (plain decoding)"
+
+
+def proposals() -> dict[str, Entrant]:
+    """What every step of the batch may propose: nothing, or any registered algorithm (with prompt lookup's copies
+    grafted where it takes them)."""
+    return {NONE: Entrant(registry.PLAIN), **entrants("prompt lookup")}
 
 
 def _proposals(engine: Engine) -> str:
     parts = []
     for source, counts in engine.counts.items():
-        who, what = SOURCES.get(source, (source, "proposed"))
+        who, what = source_names().get(source, (source, "proposed"))
         parts.append(f"{who}: **{counts.accepted} of {counts.proposed}** {what} tokens accepted, in "
                      f"{counts.steps} of {engine.step_count} steps.")
     if not parts:
@@ -76,7 +73,7 @@ def _proposals(engine: Engine) -> str:
 
 
 def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_blocks: Any, max_running: Any,
-               prefix_caching: bool, proposals: str, model_source: str, draft_source: str, device: str, dtype: str,
+               prefix_caching: bool, proposal: str, model_source: str, draft_source: str, device: str, dtype: str,
                weights: str, run: int | None = None, request: gr.Request | None = None,
                progress: gr.Progress = gr.Progress()):
     """Yields (block map HTML, memory chart, status, request table, memory events, step slider) as the engine
@@ -88,8 +85,9 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
             raise ConfigError(f"requests must be in [1, {MAX_REQUESTS}], got {requests}")
         params = EngineParams(num_blocks=as_int("pool blocks", num_blocks), block_size=as_int("block size", block_size),
                               max_running=as_int("max running", max_running), prefix_caching=bool(prefix_caching))
-        check_choice("proposals", proposals, tuple(PROPOSALS))
-        algo, copies = PROPOSALS[proposals]
+        offered = proposals()
+        check_choice("proposals", proposal, tuple(offered))
+        chosen = offered[proposal]
         work = workload(requests, as_int("max new tokens", max_new_tokens))
         if STOPS.stopped(run):  # while it waited in the queue
             yield gr.update(), gr.update(), NOT_SERVED, gr.update(), gr.update(), gr.update()
@@ -99,8 +97,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         progress(0.0, desc=f"loading model {spec.source!r}")
         target = get_model(spec)
         # the app's loaded draft (the panel's, else the shipped one), not a fresh load on every run
-        draft = get_draft(target, draft_source) if algo == "speculative" else None
-        proposer = build_proposer(target, algo, copies=PromptLookupParams() if copies else None, draft=draft)
+        proposer = make_proposer(target, chosen.algo, None, chosen.copies, draft_source)
         engine = Engine(target, params, proposer=proposer)
         for prompt, generation in work:
             engine.add_request(prompt, SamplingParams(), generation)
@@ -167,7 +164,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 max_running = gr.Number(8, label="max running (1..256)", step=1)
                 prefix_caching = gr.Checkbox(True, label="prefix caching")
-            proposals = gr.Dropdown(list(PROPOSALS), value="none (plain decoding)", label="proposals in the batch")
+            proposal = gr.Dropdown(list(proposals()), value=NONE, label="proposals in the batch")
             with gr.Row():
                 run = gr.Button("Serve", variant="primary", scale=3)
                 stop = gr.Button(STOP, variant="stop", scale=1)
@@ -182,6 +179,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     state = gr.State(None)
     source, draft_source, device, dtype, weights = model
     stoppable(run, stop, on_gpu(run_memory), [num_requests, max_new_tokens, block_size, num_blocks, max_running,
-                                              prefix_caching, proposals, source, draft_source, device, dtype, weights],
+                                              prefix_caching, proposal, source, draft_source, device, dtype, weights],
               [block_map, chart, status, table, state, step], show="pg-memory-status", api_name="memory")
     step.release(replay_step, [state, step], [block_map], api_name="memory_step")

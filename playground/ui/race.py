@@ -12,6 +12,7 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
+from ..decoding import registry
 from ..trace import Trace
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import compute, drafting_note
@@ -19,29 +20,24 @@ from ..models import ModelLoadError
 from ..speedup import ROUNDS, Speedup, compare, median_run, winner
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
-from .decode import (AS_SET, FRAME_S, LOOKAHEAD, PLANS, as_float, as_int, as_plan, as_seed, build_proposer,
-                     history_entry, markdown_text)
+from .decode import AS_SET, FRAME_S, PLANS, as_plan, as_seed, history_entry, markdown_text
+from .form import Entrant, as_float, as_int, entrants, line, make_proposer
 from .measure import measured, status_frame
 from .models import get_model, target_spec
 from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 
-# name -> (algorithm, KV cache, build_proposer's parameters that differ from DEFAULTS)
-DEFAULTS: dict[str, Any] = {"gamma": 4, "max_ngram": 3, "num_draft": 0,
-                            "window": LOOKAHEAD.window, "ngram": LOOKAHEAD.ngram, "guesses": LOOKAHEAD.guesses}
 PLAIN = "plain"
-RACERS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "speculative (gamma 4)": ("speculative", "contiguous", {}),
-    "speculative + prompt copies": ("speculative", "contiguous", {"copy_ngram": 3}),
-    "prompt lookup": ("prompt-lookup", "contiguous", {}),
-    "lookahead": ("lookahead", "contiguous", {}),
-    "Medusa (dynamic tree)": ("medusa", "contiguous", {}),
-    "Medusa + prompt copies": ("medusa", "contiguous", {"copy_ngram": 3}),
-    "EAGLE (dynamic tree)": ("eagle", "contiguous", {}),
-    "EAGLE + prompt copies": ("eagle", "contiguous", {"copy_ngram": 3}),
-    "plain, paged KV": ("ar", "paged", {}),
-}
-ENTRANTS = {PLAIN: ("ar", "contiguous", {}), **RACERS}
+PAGED = "plain, paged KV"  # plain decoding on the paged cache: what gathering its blocks costs
+FAVOURITES = ("speculative", "prompt-lookup", "medusa", "eagle")  # the lanes the form starts with, where registered
+
+
+def racers() -> dict[str, Entrant]:
+    """The lanes a race may run besides plain decoding: every registered algorithm, with copies where it grafts
+    them, and plain decoding on the paged cache."""
+    return {**entrants("prompt copies"), PAGED: Entrant(registry.PLAIN, kv="paged")}
+
+
 MAX_RIVALS = 4  # plain plus four lanes fit a laptop screen
 REPLAY_S = (6.0, 12.0)  # a replay lasts this long at least and at most: slowed or sped up by a factor it states
 TABLE_HEADERS = ["algorithm", "tokens/s (median)", "speedup vs plain (median of rounds)", "tokens per step",
@@ -80,7 +76,7 @@ def replay_speed(end_s: float) -> float:
     return min(max(end_s / longest, 1.0), end_s / shortest) if end_s > 0 else 1.0
 
 
-def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any, plan: str,
+def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any, plan: str,
              model_source: str, draft_source: str, device: str, dtype: str, weights: str,
              history: list[dict[str, Any]] | None, run: int | None = None, request: gr.Request | None = None):
     """Yields (lanes HTML, status, table, checks, chart, history): first while measuring, then the synchronised replay.
@@ -89,10 +85,10 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        chosen = list(racers or [])
-        unknown = [r for r in chosen if r not in RACERS]
+        chosen, lanes = list(rivals or []), {PLAIN: Entrant(registry.PLAIN), **racers()}
+        unknown = [r for r in chosen if r not in lanes]
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
-            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(RACERS)} to race "
+            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(list(lanes)[1:])} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
@@ -106,16 +102,16 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
         spec = target_spec(model_source, device, dtype, weights)
         yield status(f"loading model {spec.source!r}")
         target = get_model(spec)
-        proposers = {name: build_proposer(ENTRANTS[name][0], target, draft_source, **{**DEFAULTS, **ENTRANTS[name][2]})
+        proposers = {name: make_proposer(target, lanes[name].algo, None, lanes[name].copies, draft_source)
                      for name in names}
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
-            algo, kv, _ = ENTRANTS[name]
             generate(target, prompt, proposers[name], sampling,
-                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=kv, plan=chosen_plan), algo)
+                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=lanes[name].kv, plan=chosen_plan),
+                     lanes[name].algo)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
-                                 GenerationParams(max_new_tokens=tokens, kv=ENTRANTS[name][1], plan=chosen_plan),
-                                 ENTRANTS[name][0])
+                                 GenerationParams(max_new_tokens=tokens, kv=lanes[name].kv, plan=chosen_plan),
+                                 lanes[name].algo)
                    for name in names}
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
@@ -127,7 +123,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
     # a proposing lane that drafted in no round (`Speedup.kept` None) says why instead of a speedup
-    idle = {name for name in names[1:] if ENTRANTS[name][0] != "ar" and speedups[name].kept is None}
+    idle = {name for name in names[1:] if lanes[name].algo != registry.PLAIN and speedups[name].kept is None}
     costs = one_request_costs(target)
 
     def why(name: str, trace: Trace) -> str:
@@ -153,7 +149,7 @@ def run_race(prompt: str, racers: list[str] | None, max_new_tokens: Any, tempera
             + (f" **{flagged} row(s) flagged: see the checks below the table.**" if flagged else ""))
     metrics = {name: compute(trace) for name, trace in shown.items()}
     yield (render_race(lanes), done, rows, _checks(speedups, whys),
-           tokens_time_figure({n: tr.events for n, tr in shown.items()}),
+           tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(lanes[n]) for n in shown}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
 
@@ -166,9 +162,10 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(PROMPT, label="Prompt", lines=3, max_lines=10)
-            racers = gr.CheckboxGroup(list(RACERS), value=["speculative (gamma 4)", "prompt lookup",
-                                                               "Medusa (dynamic tree)", "EAGLE (dynamic tree)"],
-                                      label="Race against plain decoding (1 to 4)")
+            offered = racers()
+            rivals = gr.CheckboxGroup(list(offered), value=[name for name, lane in offered.items()
+                                                            if lane.algo in FAVOURITES and lane.copies is None],
+                                      label=f"Race against plain decoding (1 to {MAX_RIVALS})")
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
@@ -188,7 +185,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Accordion("Checks: where each lane's time went, and any flag in full", open=False):
         checks = gr.Markdown(elem_id="pg-race-checks")
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
-    stoppable(run, stop, on_gpu(run_race), [prompt, racers, max_new_tokens, temperature, seed, plan, *model,
+    stoppable(run, stop, on_gpu(run_race), [prompt, rivals, max_new_tokens, temperature, seed, plan, *model,
                                              history],
               [lanes, status, table, checks, chart, history], show="pg-race-status", api_name="race",
               show_progress="hidden")

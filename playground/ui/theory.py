@@ -14,16 +14,19 @@ from ..decoding.costs import forward_costs
 from ..metrics import expected_tokens_per_step
 from ..models import ModelLoadError
 from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure, width_cost_figure
+from ..decoding import registry
 from .models import get_model, target_spec
 
 
 def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]:
-    """Speculative runs of this session; speedup against the latest plain run of the same prompt, if any."""
+    """This session's runs of algorithms that draft chains with a draft model (the theory's case); speedup against
+    the latest plain run of the same prompt, if any."""
     points, plain = [], {}
     for run in history or []:
-        if run["algo"] == "ar":
+        chains = run["algo"] in registry.ALGORITHMS and registry.ALGORITHMS[run["algo"]].loads_draft
+        if run["algo"] == registry.PLAIN:
             plain[run["prompt"]] = run["tokens_per_s"]
-        elif run["algo"] == "speculative" and run["mean_draft"] and run["token_acceptance"] is not None:
+        elif chains and run["mean_draft"] and run["token_acceptance"] is not None:
             base = plain.get(run["prompt"])
             points.append(MeasuredPoint(f"run {len(points) + 1}", run["mean_draft"], run["token_acceptance"],
                                         run["mean_accepted"], run["tokens_per_s"] / base if base else None))

@@ -47,12 +47,13 @@ def tokens_time_series(events: Iterable[Event]) -> tuple[list[float], list[int]]
     return times, totals
 
 
-def tokens_time_figure(runs: dict[str, Iterable[Event]]) -> go.Figure:
-    """Tokens committed against engine time, one line per run (a race draws several)."""
+def tokens_time_figure(runs: dict[str, Iterable[Event]], lines: dict[str, dict[str, str]] | None = None) -> go.Figure:
+    """Tokens committed against engine time, one line per run (a race draws several); `lines`: a run's line style
+    (plotly's `color`, `dash`), where given."""
     fig = go.Figure()
     for name, events in runs.items():
         times, totals = tokens_time_series(events)
-        fig.add_scatter(x=times, y=totals, mode="lines", line_shape="hv", name=name)
+        fig.add_scatter(x=times, y=totals, mode="lines", line_shape="hv", name=name, line=(lines or {}).get(name))
     fig.update_layout(title="Tokens vs engine time", xaxis_title="seconds (engine time)", yaxis_title="tokens",
                       **LAYOUT)
     return fig
