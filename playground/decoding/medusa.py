@@ -140,6 +140,7 @@ ALGORITHM = Algorithm(
              flag="--medusa-depth"),
      Setting("tree", f"candidate tree: {DYNAMIC_TREE} (default: the nodes the heads rate likeliest, chosen at every "
                      f"step), {', '.join(TREES)}, or a JSON file of top-k paths", label="Medusa tree", kind=str,
+             note="dynamic: the nodes the heads rate likeliest, chosen at every step",
              choices=(DYNAMIC_TREE, *TREES)),
      Setting("nodes", f"most nodes of the dynamic tree, 1..{MAX_DYNAMIC_NODES} (default {CPU_DYNAMIC_NODES}, "
                       f"{GPU_DYNAMIC_NODES} on a GPU); each step verifies as many as pay for the wider forward",

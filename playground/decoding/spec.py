@@ -17,9 +17,10 @@ from .proposer import Proposer
 class Setting:
     """One field of an algorithm's parameters class as the command line and the app set it.
 
-    help: what it does, with its range (the option's help and the form field's note); flag: the command-line option
-    (default: --field with dashes); label: the form field's label (empty: the app does not show it, as a folder of
-    weights); switch: for a true/false field, the value its option stores (an option `--no-x` stores False); auto:
+    help: what it does, with its range (the option's help, and the form field's note unless `note` is given); flag:
+    the command-line option (default: --field with dashes); label: the form field's label (empty: the app does not
+    show it, as a folder of weights); note: the form field's note where the help says what only the command line
+    takes; switch: for a true/false field, the value its option stores (an option `--no-x` stores False); auto:
     the form's 0 stands for None (the parameters class then chooses); choices: the values the form offers (the
     command line takes any the parameters class accepts)."""
 
@@ -27,6 +28,7 @@ class Setting:
     help: str
     flag: str = ""
     label: str = ""
+    note: str = ""
     kind: type = int
     switch: bool | None = None
     auto: bool = False

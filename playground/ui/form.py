@@ -87,24 +87,25 @@ def read(setting: Setting, value: Any) -> Any:
 
 def layout() -> list[tuple[str, Setting, Any]]:
     """Every field in the form's order: (its algorithm's name, or COPIES; its setting; its starting value, the
-    parameters' default, an auto field's None as 0)."""
+    parameters' default, an auto field's None as 0); an algorithm's switches after its other fields."""
     fields = [(name, setting, spec.default(setting)) for name, spec in registry.ALGORITHMS.items()
-              for setting in spec.settings if setting.label]
+              for setting in sorted(spec.settings, key=lambda setting: setting.kind is bool) if setting.label]
     fields += [(COPIES, setting, 0) for setting in COPY_SETTINGS]
     return [(owner, setting, 0 if value is None and setting.auto else value) for owner, setting, value in fields]
 
 
 def _field(setting: Setting, default: Any) -> gr.Component:
     """The form field of a setting, at its parameters' default (an auto field's None shows as 0)."""
+    info = setting.note or setting.help
     if setting.kind is bool:
-        return gr.Checkbox(bool(default), label=setting.label, info=setting.help)
+        return gr.Checkbox(bool(default), label=setting.label, info=info, min_width=140)
     if setting.choices:
         make = gr.Radio if len(setting.choices) <= 3 else gr.Dropdown
-        return make(list(setting.choices), value=default, label=setting.label, info=setting.help)
+        return make(list(setting.choices), value=default, label=setting.label, info=info, min_width=200)
     if setting.kind in (int, float):
-        return gr.Number(default, label=setting.label, info=setting.help,
-                         step=1 if setting.kind is int else None)
-    return gr.Textbox(default or "", label=setting.label, info=setting.help)
+        return gr.Number(default, label=setting.label, info=info, step=1 if setting.kind is int else None,
+                         min_width=160)
+    return gr.Textbox(default or "", label=setting.label, info=info, min_width=200)
 
 
 @dataclass
@@ -124,10 +125,12 @@ class Form:
         groups, owners, fields = {}, [], []
         for owner, shown in itertools.groupby(layout(), key=lambda field: field[0]):
             with gr.Group(visible=_shows(owner, algo)) as group:
-                with gr.Row():
-                    for _, setting, value in shown:
-                        fields.append(_field(setting, value))
-                        owners.append((owner, setting))
+                # numbers and choices in one row, switches in the next (a switch beside a number is cramped)
+                for _, row in itertools.groupby(shown, key=lambda field: field[1].kind is bool):
+                    with gr.Row():
+                        for _, setting, value in row:
+                            fields.append(_field(setting, value))
+                            owners.append((owner, setting))
             groups[owner] = group
         return cls(groups, owners, fields)
 
