@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-
 from forward_costs import widths  # noqa: E402
+
 from playground.config import ModelSpec  # noqa: E402
 from playground.models import load_model, native  # noqa: E402
 

@@ -14,9 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (MAX_GAMMA, MAX_NGRAM, MAX_WAITING, PLANS, QUANTS, ConfigError, EngineParams, GenerationParams,
-                     ModelSpec, PromptLookupParams, SamplingParams, check_int, check_text)
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
+from .config import (
+    MAX_GAMMA,
+    MAX_NGRAM,
+    MAX_WAITING,
+    PLANS,
+    QUANTS,
+    ConfigError,
+    EngineParams,
+    GenerationParams,
+    ModelSpec,
+    PromptLookupParams,
+    SamplingParams,
+    check_int,
+    check_text,
+)
 from .models.loader import default_draft
 
 ENGINE = EngineParams()
@@ -225,8 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .models import load_model
     from .api import listen, serve
+    from .models import load_model
 
     spec = model_spec(args)
     settings, copies = algo_params(args)

@@ -40,8 +40,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .config import (MAX_NEW_TOKENS_LIMIT, MAX_STOP_CHARS, MAX_STOP_STRINGS, ConfigError, EngineParams,
-                     GenerationParams, SamplingParams, check_int, check_text)
+from .config import (
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ConfigError,
+    EngineParams,
+    GenerationParams,
+    SamplingParams,
+    check_int,
+    check_text,
+)
 from .decoding.proposer import Proposer
 from .models import LoadedModel
 from .server import ApiError, EngineWorker, Job, Mailbox, Reply

@@ -6,8 +6,22 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, KVAllocEvent, KVFreeEvent,
-                    MemoryEvent, PrefillEvent, RejectEvent, Trace, TraceError, VerifyEvent)
+from .trace import (
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    Event,
+    KVAllocEvent,
+    KVFreeEvent,
+    MemoryEvent,
+    PrefillEvent,
+    RejectEvent,
+    Trace,
+    TraceError,
+    VerifyEvent,
+)
 
 PLAIN_ALGOS = ("ar",)  # algorithms that propose nothing: acceptance metrics do not apply
 

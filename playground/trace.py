@@ -14,9 +14,28 @@ from typing import Any
 
 from pydantic_core import from_json
 
-from .events import (EVENT_TYPES, SCHEMA_VERSION, AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent,
-                     Event, FinishEvent, JSONScalar, KVAllocEvent, KVFreeEvent, LookaheadEvent, MemoryEvent,
-                     PrefillEvent, PreemptEvent, RejectEvent, TokenInfo, TraceError, VerifyEvent)
+from .events import (
+    EVENT_TYPES,
+    SCHEMA_VERSION,
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    Event,
+    FinishEvent,
+    JSONScalar,
+    KVAllocEvent,
+    KVFreeEvent,
+    LookaheadEvent,
+    MemoryEvent,
+    PreemptEvent,
+    PrefillEvent,
+    RejectEvent,
+    TokenInfo,
+    TraceError,
+    VerifyEvent,
+)
 from .trace_check import trace_fields
 
 MAX_TRACE_BYTES = 64 * 1024 * 1024

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .events import (EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError)
+from .events import EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError
 
 _Check = Callable[[Any], Any]
 

@@ -17,9 +17,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (DEVICES, DTYPES, FORWARDS, EngineParams, GenerationParams,  # noqa: E402
-                               LookaheadParams, MedusaParams, ModelSpec, PromptLookupParams, SamplingParams,
-                               SpeculativeParams)
+from playground.config import (  # noqa: E402
+    DEVICES,
+    DTYPES,
+    FORWARDS,
+    EngineParams,
+    GenerationParams,
+    LookaheadParams,
+    MedusaParams,
+    ModelSpec,
+    PromptLookupParams,
+    SamplingParams,
+    SpeculativeParams,
+)
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import Engine, generate  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity  # noqa: E402
 from check_exact import check  # noqa: E402
 from count_waits import step_waits  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding.base import contiguous_cache, forward_tokens  # noqa: E402

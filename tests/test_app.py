@@ -18,9 +18,9 @@ from gradio_client import Client, handle_file
 from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, GenerationParams, PromptLookupParams
 from playground.metrics import perfect
 from playground.models import native
+from playground.trace import DraftEvent, Trace
 from playground.ui import build_app, launch_options
 from playground.ui.form import Filled, Form, layout
-from playground.trace import DraftEvent, Trace
 from playground.viz.steps import branched
 
 from .conftest import write_draft_copy
@@ -484,7 +484,8 @@ def test_a_new_run_first_clears_what_the_last_one_left(target):
 def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
     """Stop marks the run; the run ends itself at its next check, between two engine steps, with a line that says
     so (no task is cancelled mid-step); marked while still queued, it ends before loading anything."""
-    from playground.ui import decode as decode_tab, race as race_tab
+    from playground.ui import decode as decode_tab
+    from playground.ui import race as race_tab
     from playground.ui.stops import STOPPED, STOPS
 
     run = STOPS.start()
@@ -552,7 +553,8 @@ def test_theory_shows_the_latest_decode_run_against_this_machines_ceiling(target
     from playground.decoding.registry import build_proposer
     from playground.engine import generate, one_request_costs
     from playground.speedup import compare
-    from playground.ui import decode as decode_tab, theory
+    from playground.ui import decode as decode_tab
+    from playground.ui import theory
 
     prompt, generation = "Repeat exactly: one two three, one two three.", GenerationParams(max_new_tokens=12)
     plain = generate(target, prompt, None, None, generation)[1]

@@ -16,8 +16,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from playground.config import (ConfigError, EagleParams, EngineParams, GenerationParams, PromptLookupParams,
-                               SamplingParams)
+from playground.config import (
+    ConfigError,
+    EagleParams,
+    EngineParams,
+    GenerationParams,
+    PromptLookupParams,
+    SamplingParams,
+)
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.eagle import EagleProposer
 from playground.decoding.grafted import graft
@@ -26,8 +32,17 @@ from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import compute, depth_profile
 from playground.models import ModelLoadError, native
-from playground.models.eagle import (CONFIG, EMBEDDED_EAGLE, TAPPED, WEIGHTS, EagleHead, default_head, head_config,
-                                     load_head, save_head)
+from playground.models.eagle import (
+    CONFIG,
+    EMBEDDED_EAGLE,
+    TAPPED,
+    WEIGHTS,
+    EagleHead,
+    default_head,
+    head_config,
+    load_head,
+    save_head,
+)
 from playground.trace import AcceptEvent, DraftEvent, TokenInfo, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact

@@ -15,22 +15,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (ConfigError, SpeculativeParams, MedusaParams, EngineParams, GenerationParams,
-                               LookaheadParams, ModelSpec, PromptLookupParams, SamplingParams)
-from playground.decoding import encode_prompt
-from playground.engine import generate
+from playground.config import (
+    ConfigError,
+    EngineParams,
+    GenerationParams,
+    LookaheadParams,
+    MedusaParams,
+    ModelSpec,
+    PromptLookupParams,
+    SamplingParams,
+    SpeculativeParams,
+)
+from playground.decoding import costs as costs_module
+from playground.decoding import encode_prompt, prompt_lookup
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
-from playground.decoding.planning import OwnCost, widest_paying
-from playground.decoding import prompt_lookup
-from playground.decoding import costs as costs_module
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.grafted import Grafted
 from playground.decoding.guesses import GuessCalibration, guess_tree
+from playground.decoding.planning import OwnCost, widest_paying
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
 from playground.decoding.speculative import DraftGuesser
-from playground.engine import Engine, ProposalCounts, Status
+from playground.engine import Engine, ProposalCounts, Status, generate
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads

@@ -30,9 +30,7 @@ from playground.decoding import costs as costs_module
 from playground.decoding.base import contiguous_cache, forward_tokens, paged_cache
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
-from playground.models import ModelLoadError, load_model
-from playground.models import compiled
-from playground.models.loader import load_draft, load_hf_peer
+from playground.models import ModelLoadError, compiled, load_model
 from playground.models import forwards as forwards_module
 from playground.models.forwards import (
     MIN_KEYS,
@@ -43,6 +41,7 @@ from playground.models.forwards import (
     bucket,
     make_forwards,
 )
+from playground.models.loader import load_draft, load_hf_peer
 
 from .prompts import NEW_TOKENS, PROMPTS
 from .test_engine import tiny_model

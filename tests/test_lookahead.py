@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
-from playground.decoding.lookahead import LookaheadProposer, jacobi_block
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.proposer import merge_chains
+from playground.decoding.lookahead import LookaheadProposer, jacobi_block
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
+from playground.decoding.proposer import merge_chains
 from playground.engine import generate
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers

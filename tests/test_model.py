@@ -13,8 +13,8 @@ from playground.decoding.base import new_cache as decoding_cache
 from playground.kv import ContiguousKVCache
 from playground.models import Transformer, UnsupportedModelError, compiled, native
 from playground.models.forwards import make_forwards
-from playground.models.loader import build_model
 from playground.models.linear import linear, pack
+from playground.models.loader import build_model
 from playground.models.vocab import output_rows
 
 TOL = 1e-4

@@ -16,8 +16,7 @@ from playground.decoding.planning import Payoff
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
-from playground.metrics import (FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced,
-                                projected_speedup)
+from playground.metrics import FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced, projected_speedup
 from playground.speedup import Speedup, winner
 from playground.trace import DraftEvent, Trace, VerifyEvent
 

@@ -13,16 +13,23 @@ import pytest
 
 from playground import bench
 from playground.__main__ import algo_params, build_parser
-from playground.config import ConfigError, check_int
-from playground.config import (SpeculativeParams, MedusaParams, EngineParams, GenerationParams, LookaheadParams,
-                               PromptLookupParams, SamplingParams)
+from playground.config import (
+    ConfigError,
+    EngineParams,
+    GenerationParams,
+    LookaheadParams,
+    MedusaParams,
+    PromptLookupParams,
+    SamplingParams,
+    SpeculativeParams,
+    check_int,
+)
+from playground.decoding import registry
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.proposer import Proposal, Proposer
-from playground.decoding import registry
 from playground.decoding.registry import ALGORITHMS
 from playground.decoding.spec import Algorithm, Setting
-from playground.engine import Engine
-from playground.engine import generate
+from playground.engine import Engine, generate
 from playground.metrics import compute
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace
 from playground.viz.steps import render_step_detail

@@ -7,8 +7,19 @@ import torch
 
 from playground.config import ConfigError, SamplingParams
 from playground.models import native
-from playground.sampling import (Drawn, accept, argmax_rows, draws_ahead, draws_along, greedy_rows, make_generator,
-                                next_token, probabilities, sample, softmax_at)
+from playground.sampling import (
+    Drawn,
+    accept,
+    argmax_rows,
+    draws_ahead,
+    draws_along,
+    greedy_rows,
+    make_generator,
+    next_token,
+    probabilities,
+    sample,
+    softmax_at,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

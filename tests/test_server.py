@@ -23,12 +23,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from playground.__main__ import main
-from playground.config import ConfigError, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
-from playground.decoding.registry import build_proposer
-from playground.decoding import encode_prompt
-from playground.engine import generate
-from playground.decoding.base import chat_ids
 from playground.api import CompletionRequest, Service, listen, parse_job
+from playground.config import ConfigError, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.decoding import encode_prompt
+from playground.decoding.base import chat_ids
+from playground.decoding.registry import build_proposer
+from playground.engine import generate
 from playground.server import ApiError, EngineWorker, settled_text
 
 from .prompts import PROMPTS

@@ -11,8 +11,14 @@ import torch
 from safetensors.torch import save_file
 
 from playground.bench_suite import PASSAGE_LIBRARY
-from playground.config import (ConfigError, GenerationParams, ModelSpec, PromptLookupParams, SamplingParams,
-                               SpeculativeParams)
+from playground.config import (
+    ConfigError,
+    GenerationParams,
+    ModelSpec,
+    PromptLookupParams,
+    SamplingParams,
+    SpeculativeParams,
+)
 from playground.decoding import encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.registry import build_proposer

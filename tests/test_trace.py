@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from playground.config import GenerationParams, SamplingParams
 from playground.engine import generate
 from playground.metrics import compute, drafted_count
-from playground.trace import (SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace,
-                              TraceError)
+from playground.trace import SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace, TraceError
 
 
 @pytest.fixture(scope="module")

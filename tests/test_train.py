@@ -13,25 +13,43 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from playground.bench_suite import SUITE
 from playground.config import ConfigError, ModelSpec
 from playground.decoding.speculative import check_compatible
 from playground.models import load_model
+from playground.models.answers import ANSWERS, EMBEDDED_ANSWERS, load_answers
 from playground.models.loader import EMBEDDED_DRAFT, default_draft
-from playground.train.__main__ import main
 from playground.models.medusa import EMBEDDED_MEDUSA, default_heads, load_heads
 from playground.models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, proposal_rows
 from playground.train import draft as draft_module
-from playground.models.answers import ANSWERS, EMBEDDED_ANSWERS, load_answers
 from playground.train import medusa as medusa_module
 from playground.train import ngrams as ngrams_module
-from playground.train.draft import (Corpus, answer_ids, batches, distillation_loss, frequent_vocabulary,
-                                    generate_corpus, load_or_generate_corpus, one_cycle, two_stage_corpus)
+from playground.train.__main__ import main
+from playground.train.draft import (
+    Corpus,
+    answer_ids,
+    batches,
+    distillation_loss,
+    frequent_vocabulary,
+    generate_corpus,
+    load_or_generate_corpus,
+    one_cycle,
+    two_stage_corpus,
+)
 from playground.train.medusa import head_examples
 from playground.train.ngrams import sample_prompts
-from playground.train.prompts import (CODE_TEMPLATES, EXTRA_TEMPLATES, HELD_OUT_TOPICS, TEMPLATES, TRAIN_TOPICS,
-                                      WIDE_TOPICS, held_out_prompts, maths_prompt, second_stage_prompts,
-                                      training_prompts)
-from playground.bench_suite import SUITE
+from playground.train.prompts import (
+    CODE_TEMPLATES,
+    EXTRA_TEMPLATES,
+    HELD_OUT_TOPICS,
+    TEMPLATES,
+    TRAIN_TOPICS,
+    WIDE_TOPICS,
+    held_out_prompts,
+    maths_prompt,
+    second_stage_prompts,
+    training_prompts,
+)
 
 
 def test_training_pipeline_smoke(tmp_path, target, capsys) -> None:

@@ -11,8 +11,19 @@ import pytest
 from playground.config import GenerationParams, PromptLookupParams, SamplingParams
 from playground.decoding.prompt_lookup import CopyProposer
 from playground.engine import generate
-from playground.trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, FinishEvent,
-                              LookaheadEvent, MemoryEvent, PreemptEvent, RejectEvent, TokenInfo)
+from playground.trace import (
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    FinishEvent,
+    LookaheadEvent,
+    MemoryEvent,
+    PreemptEvent,
+    RejectEvent,
+    TokenInfo,
+)
 from playground.ui.decode import _source_span
 from playground.viz import STATES, render_legend, render_prompt, render_tokens, token_views
 from playground.viz.memory import memory_figure, render_block_map, request_colour

@@ -22,6 +22,7 @@ from .planning import RunningAcceptance, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 from .tree import COPY_PRIOR, best_first
 
+
 class Guesses(NamedTuple):
     """A request's guesses: log-probabilities and tokens, (D, k) each, best first; for a chain sampled from the
     guesser's distributions (k = 1), those distributions q (D, V), judged by the lossless rule."""

@@ -17,8 +17,15 @@ from typing import Any
 
 import torch
 
-from ..config import (CPU_DYNAMIC_NODES, DYNAMIC_TREE, GPU_DYNAMIC_NODES, MAX_DYNAMIC_NODES, ConfigError, MedusaParams,
-                      dynamic_nodes)
+from ..config import (
+    CPU_DYNAMIC_NODES,
+    DYNAMIC_TREE,
+    GPU_DYNAMIC_NODES,
+    MAX_DYNAMIC_NODES,
+    ConfigError,
+    MedusaParams,
+    dynamic_nodes,
+)
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.linear import weights_read

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..config import (LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_BRANCHES, MAX_GAMMA, MAX_NGRAM,
-                      PromptLookupParams)
+from ..config import LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_BRANCHES, MAX_GAMMA, MAX_NGRAM, PromptLookupParams
 from ..models import LoadedModel
 from .copies import Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying

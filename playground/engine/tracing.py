@@ -18,8 +18,20 @@ import torch
 from ..decoding.proposer import Outcome, Proposal
 from ..kv import KVMemory
 from ..sampling import Drawn, probabilities, shown_probabilities
-from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, FinishEvent,
-                     KVAllocEvent, PrefillEvent, RejectEvent, TokenInfo, VerifyEvent)
+from ..trace import (
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    Event,
+    FinishEvent,
+    KVAllocEvent,
+    PrefillEvent,
+    RejectEvent,
+    TokenInfo,
+    VerifyEvent,
+)
 from .scheduler import Request
 
 

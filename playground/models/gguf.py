@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .native import GGUF_FORMATS
 from .checkpoint import layer_products
+from .native import GGUF_FORMATS
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)

@@ -9,7 +9,6 @@ from torch import nn
 
 from . import native
 
-
 # Up to this many rows, a CPU matrix product is memory-bound and runs as split batched matrix-vector products.
 SMALL_ROWS = 32
 # From this many rows, a prepacked oneDNN weight beats the split batched matrix-vector products (see `pack`).

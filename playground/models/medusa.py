@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from .linear import linear
 from .loader import LoadedModel, ModelLoadError
 from .native import Panels
-from .linear import linear
 from .transformer import Transformer
 from .vocab import VOCAB_IDS, OutputRows, check_vocab_ids, output_rows, save_with_vocab
 

@@ -26,8 +26,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import native
-from .loader import LoadedModel, ModelLoadError
 from .linear import linear, product_bytes
+from .loader import LoadedModel, ModelLoadError
 from .transformer import Transformer
 
 VOCAB_IDS = "vocab_ids"  # the tensor listing the token ids a proposer scores, ascending

@@ -36,8 +36,7 @@ from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, c
 from ..models.loader import EMBEDDED_DRAFT, TORCH_DTYPES
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, rows_of
 from . import log
-from .prompts import (EXTRA_TEMPLATES, TEMPLATES, WIDE_TOPICS, held_out_prompts, second_stage_prompts,
-                      training_prompts)
+from .prompts import EXTRA_TEMPLATES, TEMPLATES, WIDE_TOPICS, held_out_prompts, second_stage_prompts, training_prompts
 
 GAMMA = 4  # draft length of the acceptance report
 TOP_K = 16  # target alternatives kept per answer position as soft labels
@@ -150,8 +149,8 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     bfloat16's precision (docs/defaults.md has the measurements)."""
     from transformers import LogitsProcessorList
 
-    from ..models.loader import load_hf_peer
     from ..decoding import encode_prompt
+    from ..models.loader import load_hf_peer
 
     hf = load_hf_peer(target).to(TORCH_DTYPES[dtype])
     pad = target.eos_token_ids[0]

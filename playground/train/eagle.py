@@ -37,8 +37,15 @@ from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
 from . import log
-from .draft import (Corpus, add_corpus_args, frequent_vocabulary, load_or_generate_corpus, one_cycle, run_report,
-                    training_setup)
+from .draft import (
+    Corpus,
+    add_corpus_args,
+    frequent_vocabulary,
+    load_or_generate_corpus,
+    one_cycle,
+    run_report,
+    training_setup,
+)
 from .medusa import sequence_states
 from .prompts import held_out_prompts
 

@@ -30,9 +30,20 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from . import log
-from .draft import (TOP_K, Corpus, add_corpus_args, answer_ids, distillation_loss, frequent_vocabulary,
-                    generate_corpus, load_or_generate_corpus, one_cycle, run_report, training_setup,
-                    vocabulary_position)
+from .draft import (
+    TOP_K,
+    Corpus,
+    add_corpus_args,
+    answer_ids,
+    distillation_loss,
+    frequent_vocabulary,
+    generate_corpus,
+    load_or_generate_corpus,
+    one_cycle,
+    run_report,
+    training_setup,
+    vocabulary_position,
+)
 from .prompts import held_out_prompts
 
 

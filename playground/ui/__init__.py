@@ -3,8 +3,8 @@ stylesheet that `Blocks.launch` takes in Gradio 6."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import gradio as gr

@@ -18,20 +18,41 @@ from typing import Any
 import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
-from ..engine import generate, one_request_costs, stream_generate
 from ..decoding import registry
-from ..metrics import (FLAT_CURVE, PLAIN_ALGOS, Metrics, compute, depth_profile, drafting_note, mean_draft_length,
-                       perfect, priced, projected_speedup)
-from ..speedup import ROUNDS, Speedup, compare, median_run
+from ..engine import generate, one_request_costs, stream_generate
+from ..metrics import (
+    FLAT_CURVE,
+    PLAIN_ALGOS,
+    Metrics,
+    compute,
+    depth_profile,
+    drafting_note,
+    mean_draft_length,
+    perfect,
+    priced,
+    projected_speedup,
+)
 from ..models import ModelLoadError
+from ..speedup import ROUNDS, Speedup, compare, median_run
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
 from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
-from .form import (PLAIN_LABEL, Entrant, Filled, Form, algorithm_of, as_float, as_int, labels, line, make_proposer,
-                   taking)
-from .models import get_model, target_spec
+from .form import (
+    PLAIN_LABEL,
+    Entrant,
+    Filled,
+    Form,
+    algorithm_of,
+    as_float,
+    as_int,
+    labels,
+    line,
+    make_proposer,
+    taking,
+)
 from .measure import measured, status_frame
+from .models import get_model, target_spec
 from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 

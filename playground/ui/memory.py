@@ -10,10 +10,10 @@ from typing import Any
 import gradio as gr
 
 from ..bench_suite import workload
-from ..metrics import memory_summary
 from ..config import ConfigError, EngineParams, SamplingParams, check_choice
 from ..decoding import registry
 from ..engine import Engine
+from ..metrics import memory_summary
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map, statuses_at

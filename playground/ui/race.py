@@ -13,11 +13,11 @@ import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
-from ..trace import Trace
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
 from ..speedup import ROUNDS, Speedup, compare, median_run, winner
+from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, render_race
 from .decode import AS_SET, FRAME_S, PLANS, as_plan, as_seed, history_entry, markdown_text

@@ -10,11 +10,11 @@ from typing import Any
 import gradio as gr
 
 from ..config import MAX_GAMMA, ConfigError
+from ..decoding import registry
 from ..decoding.costs import forward_costs
 from ..metrics import expected_tokens_per_step
 from ..models import ModelLoadError
 from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure, width_cost_figure
-from ..decoding import registry
 from .models import get_model, target_spec
 
 

@@ -5,8 +5,8 @@ Colours come from the decision palette."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots

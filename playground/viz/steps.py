@@ -7,8 +7,17 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterable
 
-from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, LookaheadEvent,
-                     RejectEvent, VerifyEvent)
+from ..trace import (
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    Event,
+    LookaheadEvent,
+    RejectEvent,
+    VerifyEvent,
+)
 from .palette import token_css
 from .tokens import decision_of
 

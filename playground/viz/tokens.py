@@ -11,8 +11,7 @@ import html
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..trace import (AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent,
-                     TokenInfo)
+from ..trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Event, RejectEvent, TokenInfo
 from .palette import STATES, token_css
 
 
