@@ -72,8 +72,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"prompts-file line {line}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
+        at = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"prompts-file line {at}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -66,9 +66,9 @@ CLIENT_GONE = 499  # nginx's status for a request whose client closed the connec
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_TOKENS = 128
 # Fields OpenAI clients may send on their own: accepted only at the value that changes nothing here.
-NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
-           "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-           "parallel_tool_calls": (False,)}
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
+    "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
 ROUTES = {"GET": ("/health", "/v1/models", "/v1/engine"), "POST": ("/v1/completions", "/v1/chat/completions")}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -126,7 +126,7 @@ class Options(BaseModel):
             messages: list[dict[str, str]] | None = None) -> Job:
         if self.stream_options is not None and not self.stream:
             raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
-        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        given = {n for n in (self.max_tokens, self.max_completion_tokens) if n is not None}
         if len(given) > 1:
             raise ApiError("max_tokens and max_completion_tokens differ: send one of them", param="max_tokens")
         max_tokens = given.pop() if given else DEFAULT_MAX_TOKENS
@@ -201,7 +201,7 @@ def refusal(exc: ValidationError, model: type[Options]) -> ApiError:
 
 
 def parse_job(raw: bytes, model: type[CompletionRequest | ChatRequest], model_ids: tuple[str, ...],
-              replies: Mailbox | None) -> tuple[Job, bool]:
+              replies: Mailbox) -> tuple[Job, bool]:
     """A request body as a job for the worker, and whether its stream ends with a usage chunk
     (`stream_options.include_usage`); ApiError, naming the field, for anything else."""
     try:
@@ -456,7 +456,7 @@ class GuardedH11(H11Protocol):
             self._answer(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds {MAX_CONNECTIONS} connections, its "
                                                          "most; retry shortly")
             return
-        fresh = [c for c in self.connections if c is not self and getattr(c, "_fresh", False)]
+        fresh = [c for c in self.connections if isinstance(c, GuardedH11) and c is not self and c._fresh]
         if len(fresh) >= MAX_FRESH:  # the one idle longest makes room
             oldest = min(fresh, key=lambda c: c._opened)
             oldest._fresh = False  # closing: it counts no more

@@ -23,6 +23,7 @@ from .cli import model_spec
 from .config import DYNAMIC_TREE, MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
 from .decoding.registry import ALGORITHMS, algorithm
 from .metrics import perfect, priced
+from .models.transformer import Transformer
 from .speedup import ROUNDS, compare, measure, median_run
 
 
@@ -82,7 +83,7 @@ def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10
     return 2 * src.numel() * src.element_size() / best
 
 
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
+def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights one decode step reads: every parameter as the forward reads it (a product's weight as the
     native kernel's panels, which hold 16-bit floats where the weight is exactly those), except that an untied input
     embedding only contributes the one row it looks up (a tied one is read whole as the output projection)."""
@@ -167,6 +168,7 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
                                                   cache_dir=args.cache_dir))
             changes["draft"] = source
         base = build_proposer(target, name, spec.make(changes), draft=draft if spec.loads_draft else None)
+        assert base is not None  # a registered algorithm's proposer
         loaded = base.loaded()
         # transformers has no copy proposals: a copying variant meets the same peer run as its copy-free row
         peer, peer_kwargs = spec.peer(base) if spec.peer is not None else (None, None)

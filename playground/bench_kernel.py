@@ -58,7 +58,7 @@ def run_kernel(target: Any, progress: Any) -> dict[str, Any]:
         if panels.format != native.FORMATS[torch.float32]:
             chosen.append((weight, native.pack_panels(weight.float(), kernel, narrow=False)))
     rows = sorted({*ROWS, kernel.rows_per_pass})
-    table = []
+    table: list[dict[str, Any]] = []
     for weight, panels in chosen:
         name = native.FORMAT_NAMES[panels.format]
         for n in rows:

@@ -128,7 +128,7 @@ def http_latency(target: Any, rounds: int = 5, per_round: int = 8) -> dict[str, 
     worker.start()
     while not service.http.started:
         time.sleep(0.01)
-    body = {"prompt": "Hello", "max_tokens": 1}
+    body: dict[str, Any] = {"prompt": "Hello", "max_tokens": 1}
     try:
         import openai
 

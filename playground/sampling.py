@@ -76,6 +76,7 @@ def greedy_rows(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     if kernel is None:
         return logits.argmax(-1).tolist(), torch.logsumexp(logits.float(), -1)
     argmax, top, total = native.row_top(kernel, logits, True)
+    assert total is not None  # asked for
     return argmax, top + total.log()
 
 
@@ -164,6 +165,8 @@ def draws_ahead(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         prob = (flat.gather(1, token.unsqueeze(1)).squeeze(1) - normaliser).exp()  # (N,)
         at = flat.new_zeros(0) if cells is None else (flat[cells[0], cells[1]] - normaliser[cells[0]]).exp()  # (C,)
         return token, prob, at, ()
+    if generator is None or depths is None:
+        raise ValueError("sampled draws ahead need the request's generator and each row's depth")
     states, uniforms = [], []
     for _ in range(max(depths) + 1):
         states.append(generator.get_state())
@@ -238,9 +241,9 @@ def draws_along(logits: torch.Tensor, proposals: list[int], params: SamplingPara
         if drawn is not None:
             token, p = drawn.tokens[row], drawn.probs[row]
         else:
-            draw, p = next_token(logits[row], params, generator)
-            token = int(draw)
-        yield row, token, float(p)
+            draw, chance = next_token(logits[row], params, generator)
+            token, p = int(draw), float(chance)
+        yield row, token, p
         row = next((i + 1 for i, (x, parent) in enumerate(zip(proposals, parents)) if parent == row and x == token),
                    None)
 
@@ -314,11 +317,12 @@ def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: 
         if parents != list(range(len(tokens))):
             raise ValueError("a proposal with its own distributions q must be a chain")
         verdict = verify_lossless(p, q, tokens, generator)
-        rows = list(range(verdict.num_accepted + 1))
+        rows, final = list(range(verdict.num_accepted + 1)), verdict.token
     else:
+        assert typical is not None  # the first case takes proposals with neither
         children, retrieve = tree_shape(parents)
         tree_verdict = verify_tree_typical(p, retrieve, [-1, *tokens], *typical, generator, children)
-        rows, verdict = [0, *tree_verdict.path], tree_verdict
-    drawn = [tokens[row - 1] for row in rows[1:]] + [verdict.token]
-    for row, token in zip(rows, drawn):
+        rows, final = [0, *tree_verdict.path], tree_verdict.token
+    kept = [tokens[row - 1] for row in rows[1:]] + [final]
+    for row, token in zip(rows, kept):
         yield row, token, float(p[row, token])

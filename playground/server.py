@@ -320,7 +320,9 @@ class EngineWorker:
             usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": len(record.tokens),
                      "total_tokens": record.prompt_tokens + len(record.tokens)}
             # the rest of the text: all of it unless pieces were streamed
-            reply = Reply(output.output.text[len(record.sent):], FINISH_REASONS[output.output.finish_reason], usage)
+            final = output.output
+            assert final is not None  # a finished request's step output carries its whole output
+            reply = Reply(final.text[len(record.sent):], FINISH_REASONS[final.finish_reason], usage)
             self._end(output.id)  # only once the reply is made: a failure before leaves the record to `_step`
             self.finished += 1
             self._answer(job, reply)

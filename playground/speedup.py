@@ -6,11 +6,14 @@ bench and the notebooks all measure through here."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from .metrics import compute
 from .trace import CommitEvent, Trace
+
+T = TypeVar("T")  # what an entrant's run returns: a trace, or a peer's run
 
 ROUNDS = 3
 SPREAD_LIMIT = 0.20  # a speed varying more than this across rounds was measured on a busy machine
@@ -27,9 +30,9 @@ def order(names: list[str], rounds: int = ROUNDS) -> Iterator[tuple[int, str]]:
             yield round_, name
 
 
-def measure(runs: dict[str, Callable[[], Trace]], rounds: int = ROUNDS) -> dict[str, list[Trace]]:
-    """Run the entrants in `order`: each entrant's traces in round order."""
-    traces: dict[str, list[Trace]] = {name: [] for name in runs}
+def measure(runs: Mapping[str, Callable[[], T]], rounds: int = ROUNDS) -> dict[str, list[T]]:
+    """Run the entrants in `order`: each entrant's runs (traces) in round order."""
+    traces: dict[str, list[T]] = {name: [] for name in runs}
     for _, name in order(list(runs), rounds):
         traces[name].append(runs[name]())
     return traces

@@ -59,6 +59,13 @@ class Trace:
     def finish(self) -> FinishEvent | None:
         return next((e for e in reversed(self.events) if isinstance(e, FinishEvent)), None)
 
+    def output_ids(self) -> list[int]:
+        """The finished run's token ids; a trace without its finish event has none to give."""
+        finish = self.finish()
+        if finish is None:
+            raise TraceError("the trace has no finish event: the run did not end")
+        return finish.token_ids
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version,

@@ -98,7 +98,7 @@ def _compile(annotation: Any) -> _Check:
     if annotation is JSONScalar:
         return _scalar
     if dataclasses.is_dataclass(annotation):
-        return _dataclass(annotation)
+        return _dataclass(typing.cast(type, annotation))
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is list:
         return _list(_compile(args[0]))

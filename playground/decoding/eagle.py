@@ -69,6 +69,7 @@ class EagleProposer(Proposer):
     """An EAGLE head's dynamic tree for every decoding request whose features it has."""
 
     label = "eagle"
+    own: OwnCost  # its drafting forwards' price, measured as it runs
 
     def __init__(self, target: LoadedModel, params: EagleParams | None = None, head: LoadedEagle | None = None) -> None:
         params = params or EagleParams()

@@ -13,7 +13,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, cast
 
 import torch
 
@@ -77,7 +77,7 @@ class GuessCalibration:
         reached, kept = {0, *path}, set(path)
         judged = set()  # (depth, parent) of every reached node with guesses below it
         for i, (parent, p, depth) in enumerate(zip(proposal.parents, proposal.probs, proposal.depths()[1:])):
-            if parent in reached and proposal.sources[i] == label:
+            if parent in reached and proposal.sources[i] == label and p is not None:
                 self.predicted[depth - 1] += p
                 self.kept[depth - 1] += float(i + 1 in kept)
                 judged.add((depth, parent))
@@ -114,7 +114,7 @@ def guess_tree(rated: list[list[float]], logp: list[list[float]], tokens: list[l
         paths = tuple(p for p in shape if len(p) <= len(tokens) and all(r < len(tokens[d]) for d, r in enumerate(p)))
         chain = len(copied)
     # The copy runs through the guessed nodes whose token it is, then on as `chain` nodes of its own.
-    chosen, walk = set(paths), ()
+    chosen, walk = set(paths), cast(tuple[int, ...], ())
     for depth, token in enumerate(copied[: len(tokens)]):
         if token not in tokens[depth] or walk + (tokens[depth].index(token),) not in chosen:
             break

@@ -135,6 +135,7 @@ class LookaheadProposer(Proposer):
             end = path[-1] if path else 0
             key = state.keys[path[0] - 1 if path else 0]
             state.accepted.record(key, len(path), len(path) + (end in proposal.parents))
+        assert outcome.side is not None  # every proposal runs the window beside it
         state.window = slide(state.window, outcome.side, state.pools)
 
     def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:

@@ -44,6 +44,7 @@ class MedusaGuesser(Guesser):
     admitted), batched over the requests; the dynamic tree is built from them (`Guesser.tree`)."""
 
     label = "medusa"
+    own: OwnCost  # its drafting forwards' price, measured as it runs
 
     def __init__(self, target: LoadedModel, params: MedusaParams | None = None,
                  heads: LoadedHeads | None = None) -> None:

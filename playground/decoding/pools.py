@@ -21,10 +21,10 @@ class NGramPool:
         (seeding tens of thousands of n-grams afresh cost ~0.1 s per run); the base must not change afterwards."""
         if base is not None and (base.guesses, base.key) != (guesses, key):
             raise ValueError("base: a pool with the same guesses and key is required")
-        self.guesses = guesses
-        self.key = key
+        self.guesses: int = guesses
+        self.key: int = key
         self._by_key: dict[tuple[int, ...], OrderedDict[tuple[int, ...], None]] = {}
-        self._base = {} if base is None else base._by_key
+        self._base: dict[tuple[int, ...], OrderedDict[tuple[int, ...], None]] = {} if base is None else base._by_key
         self._size = 0 if base is None else len(base)  # kept as it changes: counting per step cost ~1 ms
 
     def _entries(self, key: tuple[int, ...]) -> OrderedDict[tuple[int, ...], None]:
@@ -67,7 +67,9 @@ class NGramPool:
             return []
         key = tuple(text[-self.key :])
         entries = self._by_key.get(key)
-        return list(reversed(self._base.get(key, {}) if entries is None else entries))
+        if entries is None:
+            entries = self._base.get(key, OrderedDict())
+        return list(reversed(entries))
 
     def __len__(self) -> int:
         return self._size
@@ -87,8 +89,9 @@ class TextPools:
     def __init__(self, guesses: int, text_ngram: int, context: int, base: TextPools | None = None) -> None:
         """`base`: pools of the same settings this one starts as a copy of (see `NGramPool`)."""
         self.guesses, self.text_ngram = guesses, text_ngram
-        starts = [None] * context if base is None else base.pools
-        self.pools = [NGramPool(guesses, key, start) for key, start in zip(range(1, context + 1), starts, strict=True)]
+        starts: list[NGramPool | None] = [None] * context if base is None else list(base.pools)
+        self.pools: list[NGramPool] = [NGramPool(guesses, key, start)
+                                       for key, start in zip(range(1, context + 1), starts, strict=True)]
 
     @classmethod
     def seeded(cls, guesses: int, text_ngram: int, context: int, answers: list[list[int]]) -> TextPools:

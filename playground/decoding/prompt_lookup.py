@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ..config import LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_BRANCHES, MAX_GAMMA, MAX_NGRAM, PromptLookupParams
 from ..models import LoadedModel
@@ -33,6 +33,7 @@ class CopyProposer(Proposer):
     def __init__(self, target: LoadedModel, params: PromptLookupParams | None = None) -> None:
         params = params or PromptLookupParams()
         self.lookup = params.resolve()
+        self.most = cast(int, self.lookup.num_draft)  # the most tokens a copy proposes, as `resolve` fixed it
         self.eos_ids = frozenset(target.eos_token_ids)
         self.accepted: dict[int, NgramAcceptance] = {}  # request id -> acceptance per matched n-gram length
         self.ngrams: dict[int, list[int | None]] = {}  # request id -> per node proposed, its copy's n-gram length
@@ -54,13 +55,13 @@ class CopyProposer(Proposer):
     def bound(self, request: RequestView, room: int) -> list[float]:
         """The most a copy could commit with k = 0.. tokens, at the request's best acceptance of any n-gram length."""
         accepted = self.accepted[request.id]
-        return [accepted.best_expected_tokens(k) for k in range(min(self.lookup.num_draft, room) + 1)]
+        return [accepted.best_expected_tokens(k) for k in range(min(self.most, room) + 1)]
 
     def find(self, request: RequestView, room: int, limit: int = 1) -> list[Lookup]:
         """Up to `limit` copies of at most `room` tokens each for the request, best first."""
         if room <= 0:
             return []
-        return find_continuations(request.tokens, self.lookup.max_ngram, min(self.lookup.num_draft, room),
+        return find_continuations(request.tokens, self.lookup.max_ngram, min(self.most, room),
                                   self.eos_ids, limit)
 
     def rate(self, request: RequestView, copy: Lookup) -> float:
@@ -92,13 +93,18 @@ class CopyProposer(Proposer):
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         """The copy the kept path follows (where none was kept, the first) was judged up to its first refusal."""
         ngrams = self.ngrams.pop(request.id, None)
-        rows = [] if proposal is None else [i + 1 for i, s in enumerate(proposal.sources) if s == self.label]
-        if not rows or ngrams is None:
+        if proposal is None or ngrams is None:
             return
-        path = list(itertools.takewhile(lambda row: proposal.sources[row - 1] == self.label, outcome.path))
+        sources = proposal.sources
+        rows = [i + 1 for i, s in enumerate(sources) if s == self.label]
+        if not rows:
+            return
+        path = list(itertools.takewhile(lambda row: sources[row - 1] == self.label, outcome.path))
         end = path[-1] if path else 0
         refused = any(proposal.parents[row - 1] == end for row in rows)
-        self.accepted[request.id].record(ngrams[(path[0] if path else rows[0]) - 1], len(path), len(path) + refused)
+        ngram = ngrams[(path[0] if path else rows[0]) - 1]
+        assert ngram is not None  # a copied node's match
+        self.accepted[request.id].record(ngram, len(path), len(path) + refused)
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "max_ngram": self.lookup.max_ngram, "num_draft": self.lookup.num_draft,

@@ -18,7 +18,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -152,7 +152,7 @@ class Cost:
 class Proposer(ABC):
     """Candidates for every decoding request of a step, and what to learn from what the verifier kept."""
 
-    label: ClassVar[str]
+    label: str  # its proposals' source label (the trace's and the engine's counts)
     # target layers whose inputs it reads beside the final hidden states: each row of the hidden states it is given
     # (`prefilled`, `Outcome.hidden`) is then ((1 + len(taps)) E) wide, the final state first (`Transformer.forward`)
     taps: tuple[int, ...] = ()

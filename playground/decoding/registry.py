@@ -4,7 +4,7 @@ so an algorithm registered here, or by `register` before a surface is built, app
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ..config import ConfigError, PromptLookupParams
 from ..models import LoadedModel
@@ -69,5 +69,6 @@ def build_proposer(target: LoadedModel, algo: str, params: Any = None, copies: P
         raise ConfigError(f"copies: prompt lookup's copies graft onto the trees of {', '.join(grafting)}, not onto "
                           f"{algo}")
     copier = CopyProposer(target, copies)
-    return Grafted(proposer, copier) if isinstance(proposer, Guesser) else GraftedTree(proposer, copier,
-                                                                                       proposer.nodes)
+    if isinstance(proposer, Guesser):
+        return Grafted(proposer, copier)
+    return GraftedTree(proposer, copier, cast(Any, proposer).nodes)  # a tree proposer states its most nodes

@@ -57,6 +57,7 @@ class DraftGuesser(Guesser):
     judged by the lossless rule for them."""
 
     label = "draft"
+    own: OwnCost  # its drafting forwards' price, measured as it runs
     chained = True
 
     def __init__(self, target: LoadedModel, params: SpeculativeParams | None = None,
@@ -122,7 +123,8 @@ class DraftGuesser(Guesser):
         the draft's free blocks is left out."""
         if not depth:
             return {}
-        model, cache = self.draft.model, self.cache
+        model, cache, forwards = self.draft.model, self.cache, self.forwards
+        assert cache is not None and forwards is not None  # made by `bind`
         for r in requests:  # all added before any is sized: a prompt sharing another's blocks makes both copy them
             if not cache.has_sequence(r.id):
                 cache.add_sequence(r.id, r.tokens[: r.num_computed + 1] if self.prefix_caching else [])
@@ -147,7 +149,7 @@ class DraftGuesser(Guesser):
             positions = [[s + j for j in range(width)] for s in starts]  # (B, T)
             seq_ids = [r.id for r, _ in group]
             if width <= CATCH_UP:
-                states = self.forwards(seq_ids, ids, positions)  # (B, T, E)
+                states = forwards(seq_ids, ids, positions)  # (B, T, E)
             else:
                 read = time.perf_counter()
                 _, states = model(to_device(ids, model.device), to_device(positions, model.device),
@@ -184,7 +186,7 @@ class DraftGuesser(Guesser):
                 fed[i, 0] = x
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
-            states = self.forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
+            states = forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
             hidden = states[:, 0]  # (B, E)
         logp, chains = _read_places(places, drawn)
         out = {}
@@ -201,8 +203,10 @@ class DraftGuesser(Guesser):
             # The draft keeps what it read of the tokens committed, never the new last token: its next chain
             # starts from its hidden state there.
             kept = request.num_computed + min(agreement(drafted, outcome.new), len(outcome.path))
-            if self.cache.length(request.id) > kept:
-                self.cache.truncate(request.id, kept)
+            cache = self.cache
+            assert cache is not None  # made by `bind`
+            if cache.length(request.id) > kept:
+                cache.truncate(request.id, kept)
 
     def loaded(self) -> dict[str, Any]:
         return {"draft": self.draft}

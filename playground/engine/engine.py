@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, LiveCosts, forward_costs
 from ..decoding.planning import Payoff, plan_width
 from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
-from ..kv import PagedKVCache, blocks_for
+from ..kv import blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
 from ..sampling import Drawn, accept, argmax_rows, draws_ahead, make_generator
@@ -207,7 +208,8 @@ class Engine:
             if isinstance(self.costs, LiveCosts) and alone:
                 self.costs.record(plan.num_tokens, verified - proposed)
             outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
-            if self.payoff is not None and alone:  # per request, in the batch's one-token forwards: any batch compares
+            # per request, in the batch's one-token forwards: any batch compares
+            if self.payoff is not None and self.costs is not None and alone:
                 batch = len(plan.decode)
                 self.payoff.record(drafted, sum(len(out.new_token_ids) for out in outputs) / batch,
                                    (self.now() - start) / self.costs.time(batch))
@@ -229,6 +231,7 @@ class Engine:
             if out.error is not None:
                 raise RuntimeError(f"request {out.id} failed: {out.error}")
             if out.finished:
+                assert out.output is not None  # a finished request's output is whole
                 outputs[out.id] = out.output
         return outputs
 
@@ -237,16 +240,16 @@ class Engine:
         proposed anything (whatever of it the width keeps: a proposal made was paid for)."""
         if self.proposer is None or not plan.decode or (self.payoff is not None and self.payoff.resting()):
             return False
-        batch = len(plan.decode)
-
+        batch, costs = len(plan.decode), self.costs
+        assert costs is not None  # a proposer's engine prices its steps
         widest = self.runner.forwards.max_width or math.inf
         as_set = self.params.plan == "as-set"
 
         def relative(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
             if width > widest:
                 return math.inf
-            return 1.0 if as_set else self.costs.step_cost(batch, width)
-        cost = Cost(relative, self.costs.time(batch), as_set)
+            return 1.0 if as_set else costs.step_cost(batch, width)
+        cost = Cost(relative, costs.time(batch), as_set)
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
         extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]
@@ -297,7 +300,8 @@ class Engine:
         greedy = [r for r in requests if r.sampling.greedy]
         # (requests; on the device their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,)
         # and side rows' argmax (S,); generator states)
-        parts = []
+        parts: list[tuple[list[Request], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          tuple[torch.Tensor, ...]]] = []
         if greedy:
             token, prob, nodes, _ = draws_ahead(torch.cat([logits[r.id] for r in greedy]), greedy[0].sampling, None,
                                                 cells=self._cells(greedy, proposals, logits))
@@ -326,16 +330,16 @@ class Engine:
             for piece in pieces:
                 split.append(values[at : at + len(piece)])
                 at += len(piece)
-            tokens, probs, nodes, side = split
+            got_tokens, got_probs, got_nodes, got_side = split
             row = node = 0
             for r in group:
                 proposal = proposals.get(r.id)
                 k = len(proposal.tokens) if proposal is not None else 0
-                rows = len(logits[r.id]) if r.sampling.greedy else len(tokens)
-                mine = [int(t) for t in tokens[row : row + rows]]
-                drawn[r.id] = Drawn(mine, probs[row : row + rows], states, nodes[node : node + k],
-                                    mine[1 + k :] if r.sampling.greedy else [int(t) for t in side])
-                row, node = row + rows, node + k
+                count = len(logits[r.id]) if r.sampling.greedy else len(got_tokens)
+                mine = [int(t) for t in got_tokens[row : row + count]]
+                drawn[r.id] = Drawn(mine, got_probs[row : row + count], states, got_nodes[node : node + k],
+                                    mine[1 + k :] if r.sampling.greedy else [int(t) for t in got_side])
+                row, node = row + count, node + k
         return drawn
 
     def _cells(self, group: list[Request], proposals: dict[int, Proposal],
@@ -382,8 +386,9 @@ class Engine:
             if self.cache.length(request.id) > request.num_computed + len(outcome.path):
                 self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
         now = self.now()
-        if request.trace is not None:
-            own = partial(self.proposer.trace_events, request) if self.proposer is not None else lambda *_: []
+        if request.trace is not None and self.tracer is not None:
+            own: Callable[[int, float], list[Any]] = (partial(self.proposer.trace_events, request)
+                                                      if self.proposer is not None else lambda *_: [])
             request.trace += self.tracer.step(request, proposal, outcome, read, times, now, self.cache.memory(),
                                               own, drawn)
         if request.first_token_t is None:
@@ -393,7 +398,7 @@ class Engine:
         if done:
             self.scheduler.release(request)
             self._end(request, Status.FINISHED)
-            if request.trace is not None:
+            if request.trace is not None and self.tracer is not None:
                 request.trace.append(self.tracer.finish(request, now))
             return RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t))
         request.num_computed += len(outcome.path)
@@ -419,9 +424,7 @@ class Engine:
     def _record_memory(self, num_tokens: int, start: float) -> None:
         memory = self.cache.memory()
         per_token = memory.bytes_per_token
-        blocks = self.record_blocks and isinstance(self.cache, PagedKVCache)
-        owners = self.cache.block_owners() if blocks else []
-        shared = [b for b, refs in enumerate(self.cache.allocator.refs) if refs > 1] if blocks else []
+        owners, shared = (self.cache.block_map() if self.record_blocks else None) or ([], [])
         now = self.now()
         self.events.append(MemoryEvent(
             step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,

@@ -40,19 +40,23 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     trace = Trace(algo=name, model=target.name, prompt=text, prompt_ids=prompt_ids,
                   params=header(sampling, generation, proposer))
     output = None
+    events = request.trace
+    assert events is not None  # the engine records traces
     try:
         while engine.has_unfinished():
             for out in engine.step():
                 if out.error is not None:
                     raise RuntimeError(f"generation failed: {out.error}")
                 output = out.output or output
-            new = request.trace[len(trace.events):]
+            new = events[len(trace.events):]
             trace.events += new
             yield from new
     finally:
         engine.close()
     if engine.payoff is not None:  # how often drafting rested, committing fewer tokens a second than plain steps
         trace.params["rests"] = engine.payoff.rests
+    if output is None:
+        raise RuntimeError("generation ended without an output")
     return output, trace
 
 

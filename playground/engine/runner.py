@@ -16,7 +16,7 @@ import torch
 
 from ..decoding.proposer import Proposal
 from ..decoding.tree import ancestor_mask
-from ..kv import PagedKVCache
+from ..kv import KVCache
 from ..models import Transformer
 from ..models.forwards import Forwards
 from ..waits import to_device
@@ -26,7 +26,7 @@ EMPTY = Proposal([], [], [], [])
 
 
 class Runner:
-    def __init__(self, model: Transformer, cache: PagedKVCache, forwards: Forwards) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, forwards: Forwards) -> None:
         self.model, self.cache, self.forwards = model, cache, forwards
 
     def run(self, plan: StepPlan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import Stopper
 from ..decoding.proposer import Proposal
-from ..kv import PagedKVCache
+from ..kv import KVCache
 from ..trace import Event, KVAllocEvent, KVFreeEvent, PreemptEvent
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, params: EngineParams, cache: PagedKVCache, clock: Callable[[], float],
+    def __init__(self, params: EngineParams, cache: KVCache, clock: Callable[[], float],
                  paused: Callable[[Request], None], events: list[Event]) -> None:
         """clock: the engine's time; paused: told when a request's KV is dropped (preempted or released); events:
         where its KV events go."""

@@ -75,9 +75,9 @@ class Tracer:
             if drawn is not None:
                 shown.append(drawn.nodes[refused])
             else:
-                row = logits[end : end + 1]  # (1, V)
-                p_row = None if request.sampling.greedy else probabilities(row, request.sampling)
-                shown += shown_probabilities(row, p_row, [(0, proposal.tokens[refused])])
+                refusing = logits[end : end + 1]  # (1, V)
+                p_row = None if request.sampling.greedy else probabilities(refusing, request.sampling)
+                shown += shown_probabilities(refusing, p_row, [(0, proposal.tokens[refused])])
         events: list[Event] = []
         if prefill:
             events += [PrefillEvent(step=0, t=times.verified, num_tokens=len(request.prompt_ids),

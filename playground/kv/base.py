@@ -48,7 +48,9 @@ class KVMemory:
 
 
 class KVCache(ABC):
-    """Contiguous and paged caches implement this; rejected tokens leave through `truncate`."""
+    """Contiguous and paged caches implement this: the scheduler's view (sequences and the blocks they hold), the
+    model's (where a forward's keys go and come from) and the engine's (trimming rejected tokens, memory). A cache
+    without blocks (the contiguous one) counts a row as one block."""
 
     def _allocate(self, shape: tuple[int, ...], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device | str) -> None:
@@ -139,6 +141,39 @@ class KVCache(ABC):
     @abstractmethod
     def memory(self) -> KVMemory:
         """Current memory accounting, read by traces and metrics."""
+
+    # -- the scheduler's view: sequences and their blocks ----------------------------------------------------
+
+    @abstractmethod
+    def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:
+        """Start a sequence (with prefix caching, on the cached blocks of its prompt's prefix); returns the prompt
+        tokens already cached."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """End a sequence and release what it held."""
+
+    @abstractmethod
+    def has_sequence(self, seq_id: int) -> bool:
+        """Whether the sequence holds slots here."""
+
+    @abstractmethod
+    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """(tokens, blocks) of a prompt's prefix already cached, which adding it would share."""
+
+    @abstractmethod
+    def blocks_needed(self, seq_id: int, num_new: int) -> int:
+        """Blocks a forward of `num_new` more tokens of the sequence would take (copies of shared ones included)."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+
+    def block_map(self) -> tuple[list[int], list[int]] | None:
+        """For a view of the blocks: each block's owner (the lowest sequence id holding it, -1 free) and the blocks
+        shared by more than one sequence; None where the cache has no blocks to show."""
+        return None
 
 
 def build_attention_mask(

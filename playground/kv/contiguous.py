@@ -139,6 +139,7 @@ class ContiguousKVCache(KVCache):
         if layout.write_slots is not None:  # static shapes: the one row, its new tokens and keys at the slots named
             k_layer.index_copy_(2, layout.write_slots, k)  # k: (1, Hkv, T, D)
             v_layer.index_copy_(2, layout.write_slots, v)
+            assert layout.read_slots is not None  # named with the writes
             read = layout.read_slots[0]  # (L,)
             return k_layer.index_select(2, read), v_layer.index_select(2, read)  # (1, Hkv, L, D)
         for row, (seq, start) in enumerate(zip(layout.seq_ids, layout.starts)):

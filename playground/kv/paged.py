@@ -130,13 +130,12 @@ class PagedKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    def block_owners(self) -> list[int]:
-        """For each physical block, the id of a sequence holding it (the lowest), or -1 when it is free."""
+    def block_map(self) -> tuple[list[int], list[int]]:
         owners = [-1] * self.allocator.num_blocks
         for seq in sorted(self._tables, reverse=True):
             for block in self._tables[seq]:
                 owners[block] = seq
-        return owners
+        return owners, [block for block, refs in enumerate(self.allocator.refs) if refs > 1]
 
     # -- the KVCache interface ---------------------------------------------------------------------------------
 
@@ -236,11 +235,12 @@ class PagedKVCache(KVCache):
         self, layer: int, layout: AttentionLayout, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, hkv, t, d = k.shape
-        key_len = layout.key_len
+        key_len, writes, reads = layout.key_len, layout.write_slots, layout.read_slots
+        assert writes is not None and reads is not None  # `prepare` and the static layouts name the slots
         out = []
         for pool, new in ((self._k_layers[layer], k), (self._v_layers[layer], v)):
-            pool.index_copy_(0, layout.write_slots, new.transpose(1, 2).reshape(b * t, hkv, d))  # (B*T, Hkv, D)
-            gathered = pool.index_select(0, layout.read_slots.view(-1))  # (B*L, Hkv, D)
+            pool.index_copy_(0, writes, new.transpose(1, 2).reshape(b * t, hkv, d))  # (B*T, Hkv, D)
+            gathered = pool.index_select(0, reads.view(-1))  # (B*L, Hkv, D)
             out.append(gathered.view(b, key_len, hkv, d).transpose(1, 2))  # (B, Hkv, L, D)
         return out[0], out[1]
 

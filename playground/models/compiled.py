@@ -67,7 +67,8 @@ def layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
     attn, mlp = block.self_attn, block.mlp
     h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     first, rest = compiled()
-    q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+    q_norm, k_norm = ((None, None) if attn.q_norm is None or attn.k_norm is None
+                      else (attn.q_norm.weight, attn.k_norm.weight))
     qkv = first(x, block.input_layernorm.weight, block.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
                 q_norm, k_norm, cos, sin, h, hkv, d)  # (B, T, H + 2*Hkv, D)
     attended = attn.attend(qkv[:, :, : h + hkv], qkv[:, :, h + hkv :], cache, layout, attend)  # (B, T, H*D)

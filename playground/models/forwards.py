@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -161,8 +161,8 @@ class Bucket:
         self.inputs = self.host[0] if device.type == "cpu" else torch.zeros_like(self.host[0], device=device)
         self.copied = [torch.cuda.Event() for _ in self.host] if pinned else None
         self.turn = 0  # the staging buffer the next forward fills
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.hidden: torch.Tensor | None = None  # (B, W, (1 + taps) E), the graph's output
+        # the CUDA graph and its output (B, W, (1 + taps) E), once captured
+        self.captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> their causal `_seen`
 
     def run(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
@@ -172,10 +172,11 @@ class Bucket:
         if not self.shapes.graphs:
             hidden = self._forward(cache)
         else:
-            if self.graph is None:
-                self._capture(cache)
-            self.graph.replay()
-            hidden = self.hidden
+            if self.captured is None:  # only once captured whole: a failed capture is tried again
+                self.captured = capture(lambda: self._forward(cache), self.shapes.pool)
+                self.shapes.captures += 1
+            graph, hidden = self.captured
+            graph.replay()
         return hidden[:rows, :width].clone()  # (B, T, (1 + taps) E), out of the memory the next forward may reuse
 
     def _fill(self, cache: KVCache, seq_ids: list[int], starts: tuple[int, ...], ids: Ids,
@@ -195,6 +196,7 @@ class Bucket:
         host[:split].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
         host[split:].copy_(seen.view(-1).view(torch.uint8))
         if self.inputs is not host:
+            assert self.copied is not None  # inputs on the device have their transfers' events
             self.inputs.copy_(host, non_blocking=True)
             self.copied[self.turn].record()
             self.turn = (self.turn + 1) % len(self.host)
@@ -226,11 +228,6 @@ class Bucket:
         _, hidden = self.model(ids.view(b, w), positions.view(b, w), cache, (), num_logits=0, layout=layout,
                                layer=compiled_layer if self.shapes.compiled else None, taps=self.shapes.taps)
         return hidden  # (B, W, (1 + taps) E)
-
-    def _capture(self, cache: KVCache) -> None:
-        # only once captured whole: a failed capture is tried again
-        self.graph, self.hidden = capture(lambda: self._forward(cache), self.shapes.pool)
-        self.shapes.captures += 1
 
 
 class Captured:
@@ -275,7 +272,7 @@ def capture(run: Callable[[], T], pool: tuple | None) -> tuple[torch.cuda.CUDAGr
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=cast(Any, pool)):
         outputs = run()
     return graph, outputs
 

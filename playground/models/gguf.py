@@ -89,8 +89,8 @@ def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch
     out: dict[str, tuple[str, torch.Tensor]] = {}
 
     def put(name: str, parts: list[str]) -> None:
-        found = [blocks.get(part) for part in parts]
-        if all(f is not None for f in found) and len({f[0] for f in found}) == 1:
+        found = [blocks[part] for part in parts if part in blocks]
+        if len(found) == len(parts) and len({f[0] for f in found}) == 1:
             out[name] = (found[0][0], torch.cat([f[1] for f in found]))  # rows stacked: (out, bytes)
 
     put("embed_tokens.weight", ["model.embed_tokens.weight"])

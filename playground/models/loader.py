@@ -177,6 +177,7 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         if asked:
             raise ModelLoadError(f"weights: gguf needs {reason}; use --weights float32")
         return None
+    assert gguf_file is not None  # else `reason` says why not
     try:
         if not (folder / BLOCKS_FILE).is_file():
             print(f"Copying the Q8_0/Q4_1 blocks of {gguf_file.name} into {folder} (once)...", file=sys.stderr,
@@ -317,6 +318,7 @@ def quantize_linears(model: Transformer, quant: str, device: torch.device) -> No
             linear = getattr(parent, name)
             bias = linear.bias is not None
             weight = linear.weight.data.float().cpu()
+            layer: torch.nn.Module
             if quant == "int8":
                 layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias,
                                             has_fp16_weights=False, threshold=0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +39,11 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads))
-        for block in self.blocks:
+        blocks = [nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads)]
+        for block in blocks:
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
+        self.blocks = nn.ModuleList(blocks)
 
     @property
     def num_heads(self) -> int:
@@ -70,8 +72,9 @@ class FusedBlocks:
 
     @classmethod
     def of(cls, heads: MedusaHeads, pack_like: Transformer) -> "FusedBlocks":
-        weight = torch.cat([block.weight for block in heads.blocks])  # (K*E, 2E)
-        bias = torch.cat([block.bias for block in heads.blocks])  # (K*E,)
+        blocks = cast(list[nn.Linear], list(heads.blocks))
+        weight = torch.cat([block.weight for block in blocks])  # (K*E, 2E)
+        bias = torch.cat([block.bias for block in blocks])  # (K*E,)
         return cls(weight, bias, pack_like.pack_like_own(weight))
 
 

@@ -30,10 +30,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..paths import default_cache_root
+
+if TYPE_CHECKING:
+    from .transformer import Transformer
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
@@ -92,7 +96,7 @@ class Panels:
         return self.data.numel() * self.data.element_size()
 
 
-def formats_read(model: torch.nn.Module) -> str:
+def formats_read(model: Transformer) -> str:
     """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks (96 MB)", "float32 (538 MB)";
     "PyTorch's products" where the native kernel runs none."""
     products = model.packed_products()
@@ -170,13 +174,13 @@ def load(path: Path) -> Kernel:
     library.playground_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     library.playground_rms_norm.restype = None
     library.playground_attention_in.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                                ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [
-        ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+                                                ctypes.c_float, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 2,
+                                                *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 3]
     library.playground_attention_in.restype = None
     library.playground_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                             ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p,
-                                                                                      ctypes.c_int] + [
-        ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
+                                             ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_float, ctypes.c_void_p,
+                                             ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 3, ctypes.c_void_p,
+                                             ctypes.c_int]
     library.playground_mlp_block.restype = None
     library.playground_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [
         ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -178,7 +178,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, t, h + 2 * hkv, d)  # (B, T, H + 2*Hkv, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h : h + hkv])), dim=2)
         else:
             qk = qkv[:, :, : h + hkv]
@@ -249,16 +249,23 @@ class Block(nn.Module):
         """The same layer in two native calls around attention: on a 2-core CPU the ~20 PyTorch ops between the
         products of a layer cost more than its attention."""
         attn, mlp, kernel = self.self_attn, self.mlp, self.kernel
+        assert kernel is not None  # `forward` checked it
         b, t, _ = x.shape
         h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         norm = self.input_layernorm
-        qkv = native.attention_in(kernel, x, norm.weight, norm.eps, attn.qkv_proj.packed, attn.qkv_proj.bias, cos,
+        qkv = native.attention_in(kernel, x, norm.weight, norm.eps, panels(attn.qkv_proj), attn.qkv_proj.bias, cos,
                                   sin, h + hkv, d).view(b, t, h + 2 * hkv, d)  # (B, T, H + 2*Hkv, D), q, k rotated
         out = attn.attend(qkv[:, :, : h + hkv], qkv[:, :, h + hkv :], cache, layout, attend)  # (B, T, H*D)
         norm = self.post_attention_layernorm
-        native.mlp_block(kernel, x, out, attn.o_proj.packed, norm.weight, norm.eps, mlp.gate_up_proj.packed,
-                         mlp.down_proj.packed)
+        native.mlp_block(kernel, x, out, panels(attn.o_proj), norm.weight, norm.eps, panels(mlp.gate_up_proj),
+                         panels(mlp.down_proj))
         return x
+
+
+def panels(product: Linear) -> native.Panels:
+    """A product's weights as the native kernel packed them (`Block.fusable` checked every one of a fused layer's)."""
+    assert isinstance(product.packed, native.Panels)
+    return product.packed
 
 
 class Transformer(nn.Module):
@@ -280,6 +287,11 @@ class Transformer(nn.Module):
         self.static_shelf: dict[tuple, list] = {}
 
     @property
+    def blocks(self) -> list[Block]:
+        """The decoder layers (`layers`), typed."""
+        return cast(list[Block], list(self.layers))
+
+    @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, E)
 
@@ -295,7 +307,7 @@ class Transformer(nn.Module):
     def rows_per_pass(self) -> int | None:
         """Tokens a forward's matrix products serve per pass over the weights when the native CPU kernel runs
         them (see `native.Kernel`); None where PyTorch's kernels do (GPU, quantised or unpacked weights)."""
-        packed = self.layers[0].self_attn.qkv_proj.packed if len(self.layers) else None
+        packed = self.blocks[0].self_attn.qkv_proj.packed if len(self.layers) else None
         return packed.kernel.rows_per_pass if isinstance(packed, native.Panels) else None
 
     def packed_products(self) -> list[tuple[torch.Tensor, native.Panels]]:
@@ -303,14 +315,14 @@ class Transformer(nn.Module):
         linears' and the output projection's (which a tied embedding has no linear for); empty where PyTorch's
         kernels run them."""
         pairs = [(module.weight, module.packed) for module in self.modules()
-                 if isinstance(getattr(module, "packed", None), native.Panels)]
+                 if isinstance(module, Linear) and isinstance(module.packed, native.Panels)]
         if isinstance(self.packed_output, native.Panels) and all(p is not self.packed_output for _, p in pairs):
             pairs.append((self.output_weight, self.packed_output))
         return pairs
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see `apply_rope`), each (B, T, 1, D) to broadcast over heads."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)
+        freqs = positions.unsqueeze(-1).float() * cast(torch.Tensor, self.inv_freq)  # (B, T, D/2)
         cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scale  # (B, T, D)
         sin = freqs.sin() * self.rope_scale  # (B, T, D/2)
         sin_signed = torch.cat((-sin, sin), dim=-1)  # (B, T, D)
@@ -374,16 +386,17 @@ class Transformer(nn.Module):
 
         def packed(name: str, weight: torch.Tensor) -> native.Panels | torch.Tensor:
             if name in blocks:
+                assert kernel is not None  # `blocks` is empty without one
                 return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel)
             return pack(weight)
 
         _serve(self, kernel, packed)
-        if kernel is not None and self.layers and all(block.kernel is not None for block in self.layers):
+        if kernel is not None and self.layers and all(block.kernel is not None for block in self.blocks):
             cfg = self.config
             self.native_stack = native.layer_stack(kernel, [
-                (b.input_layernorm.weight, b.self_attn.qkv_proj.packed, b.self_attn.qkv_proj.bias,
-                 b.self_attn.o_proj.packed, b.post_attention_layernorm.weight, b.mlp.gate_up_proj.packed,
-                 b.mlp.down_proj.packed) for b in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                (b.input_layernorm.weight, panels(b.self_attn.qkv_proj), b.self_attn.qkv_proj.bias,
+                 panels(b.self_attn.o_proj), b.post_attention_layernorm.weight, panels(b.mlp.gate_up_proj),
+                 panels(b.mlp.down_proj)) for b in self.blocks], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                 cfg.rms_norm_eps)
         if can_pack(self.output_weight):
             self.packed_output = (self.lm_head.packed if self.lm_head is not None
@@ -419,7 +432,7 @@ class Transformer(nn.Module):
         b, t = token_ids.shape
         cfg = self.config
         static = layout is not None
-        if not static:  # a static layout pads its keys: its caller checks the real length
+        if layout is None:  # a static layout pads its keys: its caller checks the real length
             layout = cache.prepare(tuple(seq_ids), t, attn_mask)
             self.check_window(layout.key_len)
         x = self.embed_tokens(token_ids)  # (B, T, E), a new tensor: fused layers update it in place
@@ -429,21 +442,24 @@ class Transformer(nn.Module):
         pools = cache.slot_pools(layout) if native_ready and slabs is None else None
         tapped: dict[int, torch.Tensor] = {}  # layer -> its input (B, T, E)
         if slabs is not None or pools is not None:
+            stack = self.native_stack
+            assert stack is not None  # `native_ready`
             mask = layout.mask  # (B, 1, T, L) bool, or None: every key visible
-            keys, values = slabs or pools  # (layers, ...) each
+            keys, values = slabs or cast(tuple[torch.Tensor, torch.Tensor], pools)  # (layers, ...) each
+            slots = None if pools is None else cast(tuple[torch.Tensor, torch.Tensor],
+                                                    (layout.write_slots, layout.read_slots))  # a pool's own
             first = 0
             for end in sorted({*taps, cfg.num_layers}):  # one native call per run of layers between taps
                 if end > first:
-                    native.layers(self.native_stack.part(first, end) if taps else self.native_stack, x, cos, sin,
+                    native.layers(stack.part(first, end) if taps else stack, x, cos, sin,
                                   keys[first:end], values[first:end], layout.starts, layout.key_len,
-                                  None if mask is None else mask[:, 0],
-                                  None if pools is None else (layout.write_slots, layout.read_slots))
+                                  None if mask is None else mask[:, 0], slots)
                 if end in taps:
                     tapped[end] = x.clone()  # the native call updates x in place
                 first = end
         else:
             attend = self.attention(layout)
-            for i, block in enumerate(self.layers):
+            for i, block in enumerate(self.blocks):
                 if i in taps:
                     tapped[i] = x.clone()  # fused layers update x in place
                 if layer is not None and static and block.kernel is None:

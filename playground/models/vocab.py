@@ -31,7 +31,7 @@ class OutputRows:
 
     ids: torch.Tensor  # (V',) int64 ascending, on the model's device
     weight: torch.Tensor  # (V', E)
-    packed: torch.Tensor | None  # `weight` prepacked for the CPU (see linear.pack), or None
+    packed: native.Panels | torch.Tensor | None  # `weight` prepacked for the CPU (see linear.pack), or None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -65,7 +65,7 @@ def output_rows(model: Transformer, ids: torch.Tensor) -> OutputRows:
     weight = rows_of(model.output_weight, ids)
     if weight is model.output_weight:
         packed = model.packed_output
-    elif model.output_blocks is not None:
+    elif model.output_blocks is not None and isinstance(model.packed_output, native.Panels):
         kind, blocks = model.output_blocks
         packed = native.pack_blocks(blocks[ids.cpu()], kind, weight.shape[1], model.packed_output.kernel)
     else:

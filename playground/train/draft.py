@@ -249,7 +249,9 @@ def batches(corpus: Corpus, size: int, generator: torch.Generator, pad: int):
         chosen = order[first : first + size]
         width = max(len(corpus.sequences[i]) for i in chosen)
         ids = torch.full((len(chosen), width), pad)
-        rows, columns, labels = [], [], []
+        rows: list[int] = []
+        columns: list[int] = []
+        labels: list[int] = []
         for r, i in enumerate(chosen):
             seq, answer_start = corpus.sequences[i], corpus.answer_starts[i]
             ids[r, : len(seq)] = torch.tensor(seq)

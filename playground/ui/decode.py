@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gradio as gr
 
@@ -77,7 +77,9 @@ SPEEDS = {"1x (as measured)": 1.0, "1/2x": 0.5, "1/4x": 0.25, "1/10x": 0.1, "1/3
 def as_seed(value: Any) -> int | None:
     """The seed field: -1 draws a fresh seed every run (as does an empty value from the API). The browser shows an
     empty number field as 0 and sends 0, so emptiness cannot be the form's way to ask for a random seed."""
-    seed = as_int("seed", value, optional=True)
+    if value is None or value == "":
+        return None
+    seed = as_int("seed", value)
     return None if seed == -1 else seed
 
 
@@ -194,8 +196,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         params, copies = settings.settings(algo)  # checked before any model loads
         names = [algo] if algo == PLAIN else [algo, PLAIN]
         # the first frame clears what the previous run left (its tokens, trace, slider, charts and table)
-        cleared = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False), gr.update(),
-                   None, None, []]
+        cleared: list[Any] = ["", "", "", None, None, gr.update(minimum=0, maximum=1, value=0, interactive=False),
+                              gr.update(), None, None, []]
         if STOPS.stopped(run):  # while it waited in the queue
             yield *cleared[:3], STOPPED, *cleared[3:]
             return
@@ -220,8 +222,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         return
     trace = median_run(traces[algo])
     against = compare(traces, PLAIN)[algo] if algo != PLAIN else None
-    same = trace.finish().token_ids == median_run(traces[PLAIN]).finish().token_ids if against and \
-        sampling.greedy else None
+    same = trace.output_ids() == median_run(traces[PLAIN]).output_ids() if against and sampling.greedy else None
     token_text = partial(_token_text, target.tokenizer)
     prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)
@@ -231,11 +232,12 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
              "texts": {str(i): token_text(i) for i in bare}}
     proposer = proposers[algo]
     own_cost = proposer.own_cost() if proposer is not None else None
-    own = None if own_cost is None else (own_cost, proposer.own_estimate())
+    estimate = proposer.own_estimate() if proposer is not None else None
+    own = None if own_cost is None or estimate is None else (own_cost, estimate)
     costs = one_request_costs(target)
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
-    kept_at = depth_profile(trace).get("kept_at_least") if metrics.drafted else None
+    kept_at = cast(list[float] | None, depth_profile(trace).get("kept_at_least")) if metrics.drafted else None
     yield (*render(trace.events, prompt_tokens, token_text),
            _stats(metrics, against, same, own, note, projected, kept_at), state,
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
@@ -257,7 +259,7 @@ def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float]
     curve (`metrics.priced`, diluted by the prefill as the measurement is), and a perfect proposer's best (width,
     speedup) on that curve. None for plain decoding or a run with no decode step."""
     steps = priced(trace, costs, own_cost) if against is not None and trace.algo not in PLAIN_ALGOS else None
-    if steps is None:
+    if steps is None or against is None:
         return None
     width, best = perfect(costs)
     return {"measured": against.speedup, "predicted": steps.diluted(against.prefill), "perfect_width": width,
@@ -346,7 +348,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Accordion("Algorithm parameters", open=False):
                 form = Form.build(algo.value)  # each algorithm's fields, shown while it is chosen
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
-            algo.change(form.visibility, [algo], list(form.groups.values()), api_name=False, queue=False)
+            algo.change(form.visibility, [algo], list(form.groups.values()), api_visibility="private", queue=False)
             plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
                             info="as set: verify all the settings ask for, to see the algorithm work; measured: only "
                                  "what pays on this machine (may switch drafting off)")
@@ -369,7 +371,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                   elem_id="pg-prompt")
             tokens_view = gr.HTML(label="Generated", show_label=True, container=True, elem_id="pg-generated")
             # in the browser only: the panel holds both views (`render_tokens`), the class picks one
-            view.change(None, [view], None, api_name=False, js="(v) => document.querySelector('#pg-generated')"
+            view.change(None, [view], None, api_visibility="private",
+                        js="(v) => document.querySelector('#pg-generated')"
                         ".classList.toggle('pg-show-clean', v === 'clean text')")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False, elem_id="pg-step")
             with gr.Row(elem_id="pg-player"):
@@ -396,15 +399,16 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     decoding = stoppable(run, stop, on_gpu(taking(run_decode, form)), inputs,
                          [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
                          show="pg-legend", api_name="decode", show_progress_on=[stats])
-    replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_name=False,
+    replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_visibility="private",
                               show_progress="hidden")
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
-    stop.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
+    stop.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
     # a new run ends the replay of the previous one, which would otherwise paint its old trace over the new run
-    run.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
-    pause.click(None, None, None, cancels=[replay, playing], api_name=False, queue=False)
-    back.click(partial(nudge, delta=-1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
-    forward.click(partial(nudge, delta=1), [state, step], [*shown, step], api_name=False, show_progress="hidden")
+    run.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
+    pause.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
+    for button, delta in ((back, -1), (forward, 1)):
+        button.click(partial(nudge, delta=delta), [state, step], [*shown, step], api_visibility="private",
+                     show_progress="hidden")
     step.release(replay_step, [state, step], shown, api_name="replay_step")
     upload.upload(load_trace, [upload],
                   [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],

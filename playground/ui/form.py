@@ -35,11 +35,9 @@ def labels() -> dict[str, str]:
     return {PLAIN_LABEL: registry.PLAIN, **{spec.label: name for name, spec in registry.ALGORITHMS.items()}}
 
 
-def as_int(name: str, value: Any, optional: bool = False) -> int | None:
+def as_int(name: str, value: Any) -> int:
     """Gradio numbers arrive as floats (or None): whole numbers pass, anything else is an error naming the field."""
     if value is None or value == "":
-        if optional:
-            return None
         raise ConfigError(f"{name}: a whole number is required")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(f"{name} must be a whole number, got {value!r}")
@@ -103,7 +101,7 @@ def _field(setting: Setting, default: Any) -> gr.Component:
         make = gr.Radio if len(setting.choices) <= 3 else gr.Dropdown
         return make(list(setting.choices), value=default, label=setting.label, info=info, min_width=200)
     if setting.kind in (int, float):
-        return gr.Number(default, label=setting.label, info=info, step=1 if setting.kind is int else None,
+        return gr.Number(default, label=setting.label, info=info, step=1 if setting.kind is int else 0.01,
                          min_width=160)
     return gr.Textbox(default or "", label=setting.label, info=info, min_width=200)
 

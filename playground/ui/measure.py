@@ -4,7 +4,7 @@ the page shows only a progress line; the Decode and Race tabs replay what was me
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import gradio as gr
@@ -23,7 +23,7 @@ def status_frame(outputs: int, at: int, line: str) -> tuple:
 Stream = Callable[[], Generator[Event, None, tuple[Any, Trace]]]
 
 
-def measured(streams: dict[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple],
+def measured(streams: Mapping[str, Stream], label: Callable[[str], str], frame: Callable[[str], tuple],
              stopped: Callable[[], bool]):
     """Run every entrant's stream to its end, interleaved over ROUNDS rounds (`speedup.order`); yields
     `frame(progress line)` at most every PROGRESS_S (the engine's clock stops while it is shown) and returns each

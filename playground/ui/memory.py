@@ -30,7 +30,7 @@ MAX_REQUESTS = 16
 NOT_SERVED = "stopped before its first step: nothing was served"
 TABLE_HEADERS = ["request", "status", "prompt tokens", "generated", "preempted", "output"]
 # in pixels, as the Race's: on a phone the table scrolls sideways instead of giving each column one letter
-COLUMN_WIDTHS = ["80px", "90px", "80px", "90px", "90px", "360px"]
+COLUMN_WIDTHS: list[str | int] = ["80px", "90px", "80px", "90px", "90px", "360px"]
 
 
 def _table(engine: Engine) -> list[list[Any]]:

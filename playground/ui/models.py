@@ -154,6 +154,8 @@ def build_panel(access: Access, on_gpu: Callable[[Callable], Callable]
     app offers its allowed models to choose from instead of a free text field. on_gpu wraps the loading handler."""
     with gr.Accordion("Model", open=False):
         with gr.Row():
+            source: gr.Dropdown | gr.Textbox
+            draft: gr.Dropdown | gr.Textbox
             if access.public:
                 source = gr.Dropdown(list(access.choices), value=EMBEDDED, label="Model ('embedded': "
                                      "SmolLM2-135M-Instruct)", scale=3)

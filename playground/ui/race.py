@@ -85,10 +85,10 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        chosen, lanes = list(rivals or []), {PLAIN: Entrant(registry.PLAIN), **racers()}
-        unknown = [r for r in chosen if r not in lanes]
+        chosen, offered = list(rivals or []), {PLAIN: Entrant(registry.PLAIN), **racers()}
+        unknown = [r for r in chosen if r not in offered]
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
-            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(list(lanes)[1:])} to race "
+            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(list(offered)[1:])} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
@@ -102,16 +102,16 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
         spec = target_spec(model_source, device, dtype, weights)
         yield status(f"loading model {spec.source!r}")
         target = get_model(spec)
-        proposers = {name: make_proposer(target, lanes[name].algo, None, lanes[name].copies, draft_source)
+        proposers = {name: make_proposer(target, offered[name].algo, None, offered[name].copies, draft_source)
                      for name in names}
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
             generate(target, prompt, proposers[name], sampling,
-                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=lanes[name].kv, plan=chosen_plan),
-                     lanes[name].algo)
+                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=offered[name].kv, plan=chosen_plan),
+                     offered[name].algo)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
-                                 GenerationParams(max_new_tokens=tokens, kv=lanes[name].kv, plan=chosen_plan),
-                                 lanes[name].algo)
+                                 GenerationParams(max_new_tokens=tokens, kv=offered[name].kv, plan=chosen_plan),
+                                 offered[name].algo)
                    for name in names}
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
@@ -123,7 +123,7 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
     # a proposing lane that drafted in no round (`Speedup.kept` None) says why instead of a speedup
-    idle = {name for name in names[1:] if lanes[name].algo != registry.PLAIN and speedups[name].kept is None}
+    idle = {name for name in names[1:] if offered[name].algo != registry.PLAIN and speedups[name].kept is None}
     costs = one_request_costs(target)
 
     def why(name: str, trace: Trace) -> str:
@@ -140,8 +140,8 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     while (t := (time.perf_counter() - start) * speed) < end and not STOPS.stopped(run):  # Stop: to the end
         yield (render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", *[gr.update()] * 4)
         time.sleep(FRAME_S)
-    plain = shown[PLAIN].finish().token_ids
-    rows = [_row(speedups[name], trace.finish().token_ids == plain if sampling.greedy else None, name not in idle)
+    plain = shown[PLAIN].output_ids()
+    rows = [_row(speedups[name], trace.output_ids() == plain if sampling.greedy else None, name not in idle)
             for name, trace in shown.items()]
     flagged = sum(bool(s.flags) for s in speedups.values())
     done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "
@@ -149,7 +149,7 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
             + (f" **{flagged} row(s) flagged: see the checks below the table.**" if flagged else ""))
     metrics = {name: compute(trace) for name, trace in shown.items()}
     yield (render_race(lanes), done, rows, _checks(speedups, whys),
-           tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(lanes[n]) for n in shown}),
+           tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(offered[n]) for n in shown}),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
 

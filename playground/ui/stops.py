@@ -72,8 +72,8 @@ def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr
         run.click(None, js=f"() => {{ const shown = document.getElementById('{show}'); if (shown && "
                            "shown.getBoundingClientRect().top > window.innerHeight) "
                            "shown.scrollIntoView({behavior: 'smooth', block: 'start'}); }")
-    started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number], api_name=False,
-                        queue=False).then(fn, [*inputs, number], outputs, **how)
+    started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number],
+                        api_visibility="private", queue=False).then(fn, [*inputs, number], outputs, **how)
     idle = gr.update(value=STOP, interactive=True)
 
     def ended(run_number: int | None) -> tuple[dict, dict]:
@@ -81,11 +81,12 @@ def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr
         return gr.update(interactive=True), idle
 
     for after in (started.then, started.failure):  # in the browser `then` does not follow a failed run
-        after(ended, [number], [run, stop], api_name=False, queue=False)
+        after(ended, [number], [run, stop], api_visibility="private", queue=False)
 
     def settle(run_number: int | None) -> dict:
         return gr.update() if STOPS.live(run_number) else idle  # still live: `ended` comes after this
 
     stop.click(lambda n: gr.update(value=STOPPING, interactive=False) if STOPS.stop(n) else gr.update(), [number],
-               stop, api_name=False, queue=False).then(settle, [number], stop, api_name=False, queue=False)
+               stop, api_visibility="private", queue=False).then(settle, [number], stop, api_visibility="private",
+                                                                 queue=False)
     return started

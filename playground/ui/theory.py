@@ -21,7 +21,8 @@ from .models import get_model, target_spec
 def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]:
     """This session's runs of algorithms that draft chains with a draft model (the theory's case); speedup against
     the latest plain run of the same prompt, if any."""
-    points, plain = [], {}
+    points: list[MeasuredPoint] = []
+    plain: dict[str, float] = {}
     for run in history or []:
         chains = run["algo"] in registry.ALGORITHMS and registry.ALGORITHMS[run["algo"]].loads_draft
         if run["algo"] == registry.PLAIN:
@@ -82,7 +83,9 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
     """The panel's model read both ways (its GGUF blocks where it has them, and float32): each format's forward cost
     by width on this machine (measured once, a few seconds each, then cached), and the v each implies; the slider v
     set from the first (the format the panel's model reads by default where it has blocks)."""
-    curves, lines, first_v = {}, [], None
+    curves: dict[str, Any] = {}
+    lines: list[str] = []
+    first_v: float | None = None
     try:
         for weights in ("gguf", "float32"):
             spec = target_spec(source, device, dtype, weights)
@@ -104,6 +107,7 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
                          f"12 tokens {costs.time(12) / costs.time(1):.2f}")
     except (ConfigError, ModelLoadError) as exc:
         raise gr.Error(str(exc)) from exc
+    assert first_v is not None  # float32 was measured, or the panel's model raised
     lines.append(f"The slider v is set to {first_v:.3f}, this machine's.")
     return width_cost_figure(curves), "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3))
 
@@ -129,10 +133,10 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
     plot = gr.Plot(elem_id="pg-theory-plot", show_label=False)
     inputs = [acceptance, gamma, cost_ratio, verify_cost, history]
     for control in (acceptance, gamma, cost_ratio, verify_cost):
-        control.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
-    history.change(update, inputs, [plot, summary], api_name=False, show_progress="hidden")
+        control.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
+    history.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
     app.load(update, inputs, [plot, summary], api_name="theory")
-    set_from_run.click(from_run, [history], [acceptance, gamma], api_name=False)
+    set_from_run.click(from_run, [history], [acceptance, gamma], api_visibility="private")
     gr.Markdown("### What a wider forward costs here\nThe v above, measured: read as float32, the weights make a "
                 "one-token forward wait on memory, so a few more tokens ride along almost free. Read as GGUF blocks "
                 "(a fifth of the bytes), the same forward is bound by arithmetic instead: it is faster, and each "

@@ -56,12 +56,13 @@ def token_views(events: Iterable[Event], upto_step: int | None = None, proposing
                 views.append(view)
                 nodes.append((view, index if info.parent is None else info.parent))
         elif isinstance(event, (AcceptEvent, RejectEvent)):
-            view = pending.pop((event.token.position, event.token.id), None)
-            if view is None:  # a decision on a token the trace never proposed: show it rather than drop it
-                view = TokenView(event.token, "pending", event.step)
-                views.append(view)
-            view.state = decision_of(event, proposed_steps)
-            view.u = event.u
+            decided = (event.token.position, event.token.id)
+            judged = pending.pop(decided) if decided in pending else None
+            if judged is None:  # a decision on a token the trace never proposed: show it rather than drop it
+                judged = TokenView(event.token, "pending", event.step)
+                views.append(judged)
+            judged.state = decision_of(event, proposed_steps)
+            judged.u = event.u
         elif isinstance(event, (CorrectEvent, BonusEvent)):
             views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
         elif isinstance(event, CommitEvent):
