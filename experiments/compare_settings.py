@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench_suite import GROUNDED, SUITE, spread  # noqa: E402
+from playground.bench.suite import GROUNDED, SUITE, spread  # noqa: E402
 from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding.registry import ALGORITHMS, build_proposer  # noqa: E402
 from playground.engine import generate  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from playground.bench_suite import SUITE
+from playground.bench.suite import SUITE
 from playground.config import GenerationParams, ModelSpec
 from playground.decoding.registry import build_proposer
 from playground.engine import generate

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench_suite import SUITE  # noqa: E402
+from playground.bench.suite import SUITE  # noqa: E402
 from playground.config import LOOKUP_TOKENS, GenerationParams, ModelSpec, PromptLookupParams  # noqa: E402
 from playground.decoding.base import encode_prompt, forward_tokens, new_cache  # noqa: E402
 from playground.decoding.copies import best_copy  # noqa: E402

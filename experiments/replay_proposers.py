@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench_suite import GROUNDED, SUITE  # noqa: E402
+from playground.bench.suite import GROUNDED, SUITE  # noqa: E402
 from playground.config import (  # noqa: E402
     ConfigError,
     GenerationParams,

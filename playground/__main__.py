@@ -297,7 +297,7 @@ def add_algo_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import add_bench_args
+    from .bench.harness import add_bench_args
 
     parser = OneLineParser(prog="python -m playground", description="The decoding playground.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)

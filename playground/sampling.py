@@ -8,8 +8,10 @@ can treat greedy and sampled decoding alike.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -298,31 +300,91 @@ def tree_shape(parents: list[int]) -> tuple[tuple[tuple[int, ...], ...], tuple[t
     return tuple(map(tuple, children)), tuple(paths(0))
 
 
+class Rule(ABC):
+    """How a proposal's tokens are judged where a request samples (greedy requests take the argmax along the tree
+    whatever the rule): the object a proposal carries (`Proposal.rule`), so that neither the engine nor `accept`
+    asks which algorithm made it. `plain`: its draws are plain decoding's, which the engine may make ahead of the
+    walk (`draws_ahead`); `chain_only`: its proposals must stay chains (nothing may be grafted on)."""
+
+    plain: ClassVar[bool] = False
+    chain_only: ClassVar[bool] = False
+
+    @abstractmethod
+    def walk(self, logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+             generator: torch.Generator, drawn: Drawn | None) -> Iterator[tuple[int, int, float]]:
+        """(row, token drawn there, its probability) along the kept path, as `accept` yields them."""
+
+    def first(self, n: int) -> Rule:
+        """The rule of the proposal's first n nodes."""
+        return self
+
+
+class PlainDraws(Rule):
+    """One-hot proposals: each token drawn from the target's row as plain decoding draws it, the walk following
+    the node equal to the draw (`draws_along`): exact, and a seed's output plain decoding's."""
+
+    plain = True
+
+    def walk(self, logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+             generator: torch.Generator, drawn: Drawn | None) -> Iterator[tuple[int, int, float]]:
+        yield from draws_along(logits, tokens, params, generator, parents, drawn)
+
+
+@dataclass(frozen=True)
+class Lossless(Rule):
+    """A chain sampled from the proposer's distributions q (n, V), judged by Leviathan et al.'s rule
+    (`verify_lossless`): the target's distribution, though not a seed's plain-decoding draws."""
+
+    q: torch.Tensor
+    chain_only: ClassVar[bool] = True
+
+    def walk(self, logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+             generator: torch.Generator, drawn: Drawn | None) -> Iterator[tuple[int, int, float]]:
+        if parents != list(range(len(tokens))):
+            raise ValueError("a proposal with its own distributions q must be a chain")
+        p = probabilities(logits, params)  # (1 + n, V)
+        verdict = verify_lossless(p, self.q, tokens, generator)
+        rows = list(range(verdict.num_accepted + 1))
+        yield from _along(p, tokens, rows, verdict.token)
+
+    def first(self, n: int) -> Lossless:
+        return Lossless(self.q[:n])
+
+
+@dataclass(frozen=True)
+class Typical(Rule):
+    """Medusa's typical acceptance (Cai et al.), lossy by design: node x after node n is kept where p_n(x) >
+    min(epsilon, alpha * exp(-H(p_n))) (`verify_tree_typical`)."""
+
+    epsilon: float
+    alpha: float
+
+    def walk(self, logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+             generator: torch.Generator, drawn: Drawn | None) -> Iterator[tuple[int, int, float]]:
+        p = probabilities(logits, params)  # (1 + n, V)
+        children, retrieve = tree_shape(parents)
+        verdict = verify_tree_typical(p, retrieve, [-1, *tokens], self.epsilon, self.alpha, generator, children)
+        yield from _along(p, tokens, [0, *verdict.path], verdict.token)
+
+
+PLAIN_DRAWS = PlainDraws()
+
+
+def _along(p: torch.Tensor, tokens: list[int], rows: list[int], last: int) -> Iterator[tuple[int, int, float]]:
+    """A verdict as `accept` yields it: the kept rows' tokens, then the correction or bonus `last`."""
+    for row, token in zip(rows, [tokens[row - 1] for row in rows[1:]] + [last]):
+        yield row, token, float(p[row, token])
+
+
 def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
-           generator: torch.Generator, q: torch.Tensor | None = None, typical: tuple[float, float] | None = None,
+           generator: torch.Generator, rule: Rule = PLAIN_DRAWS,
            drawn: Drawn | None = None) -> Iterator[tuple[int, int, float]]:
     """The one acceptance step over a proposal: row 0 of logits (1 + n, V) scores the position after the last
     committed token, row i + 1 the position after tokens[i], which follows row parents[i]. Yields (row, token drawn
-    there, its probability), as `draws_along` does, the last token the correction or the bonus:
-    - greedy, or proposals without a distribution of their own: `draws_along`, plain decoding's draws (lossless
-      for one-hot proposals);
-    - q (n, V), the distributions a chain was sampled from: Leviathan et al.'s rule, `verify_lossless`;
-    - typical (epsilon, alpha): Medusa's typical acceptance, `verify_tree_typical` (lossy by design).
-    drawn: for the first case, every row's draw made beforehand (`draws_ahead`)."""
-    if params.greedy or not tokens or (q is None and typical is None):
+    there, its probability), as `draws_along` does, the last token the correction or the bonus: greedy, or with
+    nothing proposed, plain decoding's draws along the tree; else as the proposal's `rule` judges it. drawn: every
+    row's draw made beforehand (`draws_ahead`), for plain decoding's draws."""
+    if params.greedy or not tokens:
         yield from draws_along(logits, tokens, params, generator, parents, drawn)
         return
-    p = probabilities(logits, params)  # (1 + n, V)
-    if q is not None:
-        if parents != list(range(len(tokens))):
-            raise ValueError("a proposal with its own distributions q must be a chain")
-        verdict = verify_lossless(p, q, tokens, generator)
-        rows, final = list(range(verdict.num_accepted + 1)), verdict.token
-    else:
-        assert typical is not None  # the first case takes proposals with neither
-        children, retrieve = tree_shape(parents)
-        tree_verdict = verify_tree_typical(p, retrieve, [-1, *tokens], *typical, generator, children)
-        rows, final = [0, *tree_verdict.path], tree_verdict.token
-    kept = [tokens[row - 1] for row in rows[1:]] + [final]
-    for row, token in zip(rows, kept):
-        yield row, token, float(p[row, token])
+    yield from rule.walk(logits, tokens, parents, params, generator, drawn)

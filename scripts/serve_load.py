@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.bench_suite import SUITE  # noqa: E402
+from playground.bench.suite import SUITE  # noqa: E402
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from playground.__main__ import main
-from playground.bench_report import Costs
-from playground.bench_suite import SUITE, spread
+from playground.bench.report import Costs
+from playground.bench.suite import SUITE, spread
 from playground.config import dynamic_nodes
 from playground.decoding.planning import OwnCost
 
@@ -143,7 +143,7 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
     peer needs a GGUF file and the optional package."""
     from types import SimpleNamespace
 
-    from playground.bench_peers import llama_cpp_peer, run_llama
+    from playground.bench.peers import llama_cpp_peer, run_llama
     from playground.config import GenerationParams
 
     class FakeLlama:
@@ -167,7 +167,7 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
 
 
 def test_the_kernel_suite_reads_the_products_against_the_fma_bound(tmp_path, target, monkeypatch) -> None:
-    from playground import bench_kernel
+    from playground.bench import kernel as bench_kernel
 
     monkeypatch.setattr(bench_kernel, "MIN_SECONDS", 0.002)
     monkeypatch.setattr(bench_kernel, "REPEATS", 2)

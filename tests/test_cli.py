@@ -196,7 +196,7 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
 def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, monkeypatch) -> None:
     """A model with no shipped Medusa heads, draft or EAGLE head still gets the serving benchmark, without their
     modes, and says so."""
-    from playground import bench_serving
+    from playground.bench import serving as bench_serving
 
     shipping = {name: spec for name, spec in bench_serving.ALGORITHMS.items() if spec.ships is not None}
     for name, spec in shipping.items():

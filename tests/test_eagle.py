@@ -43,6 +43,7 @@ from playground.models.eagle import (
     load_head,
     save_head,
 )
+from playground.sampling import Lossless
 from playground.trace import AcceptEvent, DraftEvent, TokenInfo, Trace
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
@@ -128,7 +129,7 @@ def test_a_copy_grafted_onto_a_tree_runs_through_its_nodes_then_on_by_itself() -
     assert through.tokens == [5, 7, 8, 6] and through.parents == [0, 1, 2, 0]
     assert through.reach == pytest.approx([0.9, 0.81, 0.729, 0.3])
     assert graft(tree, [2, 4], 0.9, "copy", 8, eos).tokens == [2, 5, 6, 7]  # nothing after an end of sequence
-    sampled = dataclasses.replace(tree, q=torch.ones(3, 4) / 4)
+    sampled = dataclasses.replace(tree, rule=Lossless(torch.ones(3, 4) / 4))
     assert graft(sampled, [6, 9], 0.9, "copy", 8, eos) is sampled  # judged by its own distributions
 
 

@@ -198,8 +198,8 @@ def test_bad_requests_and_settings_are_refused(target) -> None:
         build_proposer(target, "speculative", draft=TINY)
     with pytest.raises(ModelLoadError, match="draft: none ships for this target"):
         build_proposer(replace(TINY, spec=ModelSpec(source="some/other-model")), "speculative")
-    with pytest.raises(ConfigError, match="copies: prompt lookup's copies graft onto Medusa's, the draft's or "
-                                          "EAGLE's trees, not onto lookahead"):
+    with pytest.raises(ConfigError, match="copies: prompt lookup's copies graft onto the trees of medusa, "
+                                          "speculative, eagle, not onto lookahead"):
         build_proposer(target, "lookahead", copies=PromptLookupParams())
     with pytest.raises(ConfigError, match=r"window must be an integer in \[1, 16\]"):
         LookaheadParams(window=0)

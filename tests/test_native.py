@@ -539,7 +539,7 @@ def test_the_shipped_draft_runs_on_sixteen_bit_panels_with_the_same_bits(kernel:
     """The draft ships in float16, so every product of its layers and its output projection packs in float16: its
     forwards (a prompt, steps, a tree; all layers in one call or layer by layer) give bit for bit what the same model
     on float32 panels gives, and the benchmark counts the bytes its panels hold."""
-    from playground.bench import weight_bytes_per_token
+    from playground.bench.harness import weight_bytes_per_token
     from playground.config import ModelSpec
     from playground.kv import ContiguousKVCache
     from playground.models import load_model

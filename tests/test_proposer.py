@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from playground import bench
 from playground.__main__ import algo_params, build_parser
+from playground.bench import harness as bench
 from playground.config import (
     ConfigError,
     EngineParams,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from playground.bench_suite import PASSAGE_LIBRARY
+from playground.bench.suite import PASSAGE_LIBRARY
 from playground.config import (
     ConfigError,
     GenerationParams,

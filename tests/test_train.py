@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from playground.bench_suite import SUITE
+from playground.bench.suite import SUITE
 from playground.config import ConfigError, ModelSpec
 from playground.decoding.speculative import check_compatible
 from playground.models import load_model

@@ -29,8 +29,8 @@ def graft(tree: Proposal, copy: list[int], rate: float, label: str, nodes: int,
     """`copy` grafted onto a finished tree: it runs through the tree's nodes holding its tokens (each then kept with
     at least `rate` once its parent is, its source the copy's `label`) and on as a chain of its own nodes, each kept
     with `rate` once the one before is (none below an end of sequence); the `nodes` likeliest of them all, best
-    first. A sampled chain (`tree.q`) is judged by its own distributions: it stays as it is."""
-    if tree.q is not None:
+    first. A chain its rule keeps a chain (a sampled one, judged by its own distributions) stays as it is."""
+    if tree.rule.chain_only:
         return tree
     tokens, parents, sources = list(tree.tokens), list(tree.parents), list(tree.sources)
     probs = list(tree.probs) if tree.probs else [None] * len(tokens)

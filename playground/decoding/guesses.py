@@ -17,6 +17,7 @@ from typing import ClassVar, NamedTuple, cast
 
 import torch
 
+from ..sampling import Lossless
 from .copies import Lookup
 from .planning import RunningAcceptance, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
@@ -186,7 +187,7 @@ class Guesser(Proposer):
             copy = None
         tree = guess_tree(self.calibration.log_rates(logp), logp, tokens, nodes, self.eos_ids, self.label,
                           self.chained, copy, copy_rate, copy_label, self.shape)
-        return tree if guesses.q is None else replace(tree, q=guesses.q[: len(tree.tokens)])
+        return tree if guesses.q is None else replace(tree, rule=Lossless(guesses.q[: len(tree.tokens)]))
 
     def propose(self, requests: Sequence[RequestView], rooms: list[int], cost: Cost) -> dict[int, Proposal]:
         longest = widest_paying([self.bound(r, room) for r, room in zip(requests, rooms)], cost) - 1

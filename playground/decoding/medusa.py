@@ -30,6 +30,7 @@ from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.linear import weights_read
 from ..models.medusa import LoadedHeads, default_heads, load_heads
+from ..sampling import Typical
 from ..waits import to_device
 from .guesses import Guesser, Guesses
 from .planning import OwnCost, guess_depth, weights_estimate
@@ -125,7 +126,7 @@ class MedusaGuesser(Guesser):
     def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
         tree = super().tree(guesses, room, nodes, *copy)
         typical = self.params.acceptance == "typical"
-        return replace(tree, typical=(self.params.epsilon, self.params.alpha)) if typical else tree
+        return replace(tree, rule=Typical(self.params.epsilon, self.params.alpha)) if typical else tree
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         super().observe(request, proposal, outcome)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..sampling import PLAIN_DRAWS, Rule
+
 if TYPE_CHECKING:
     from .planning import OwnCost
 
@@ -43,11 +45,12 @@ class SideRows:
 class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order. sources[i]: the label of the
     proposer whose node i is (the trace and the engine's counts read it); reach[i]: the chance node i is kept;
-    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). How the tokens are
-    judged (`sampling.accept`): q (n, V), the distributions a sampled chain was drawn from, for the lossless rule;
-    typical (epsilon, alpha) for Medusa's typical acceptance; neither, one-hot proposals. For the trace:
-    `forwards`, the model forwards proposing took; `span` and `ngram`, where copied nodes come from (the [start,
-    end) positions of their source in the text so far, and the length of the match that ends at start)."""
+    probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). rule: how the tokens
+    are judged where a request samples (`sampling.Rule`: plain decoding's draws for one-hot proposals, the lossless
+    rule for a chain sampled from distributions q, Medusa's typical acceptance). side: rows run beside it and never
+    verified (lookahead's window). For the trace: `forwards`, the model forwards proposing took; `span` and
+    `ngram`, where copied nodes come from (the [start, end) positions of their source in the text so far, and the
+    length of the match that ends at start)."""
 
     tokens: list[int]
     parents: list[int]
@@ -55,8 +58,7 @@ class Proposal:
     reach: list[float]
     probs: list[float | None] = field(default_factory=list)
     side: SideRows | None = None
-    q: torch.Tensor | None = None
-    typical: tuple[float, float] | None = None
+    rule: Rule = PLAIN_DRAWS
     forwards: int = 0
     span: list[int] | None = None
     ngram: int | None = None
@@ -73,7 +75,7 @@ class Proposal:
         if span is not None and self.is_chain():  # a chain's nodes are its source's tokens in order
             span = [span[0], min(span[1], span[0] + n)]
         return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
-                       reach=self.reach[:n], probs=self.probs[:n], span=span, q=None if self.q is None else self.q[:n])
+                       reach=self.reach[:n], probs=self.probs[:n], span=span, rule=self.rule.first(n))
 
     def children(self) -> list[list[int]]:
         """Each row's children rows, best first."""

@@ -28,7 +28,7 @@ from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
-from ..sampling import Drawn, accept, argmax_rows, draws_ahead, make_generator
+from ..sampling import PLAIN_DRAWS, Drawn, accept, argmax_rows, draws_ahead, make_generator
 from ..trace import Event, MemoryEvent
 from ..waits import to_device
 from .runner import Runner
@@ -308,7 +308,7 @@ class Engine:
             parts.append((greedy, token, prob, nodes, token[:0], ()))
         for r in requests:
             proposal = proposals.get(r.id)
-            if r.sampling.greedy or proposal is not None and (proposal.q is not None or proposal.typical is not None):
+            if r.sampling.greedy or proposal is not None and not proposal.rule.plain:  # drawn as its rule goes
                 continue
             depths = [0]
             for parent in proposal.parents if proposal is not None else []:  # node i + 1 follows row parents[i]
@@ -357,13 +357,25 @@ class Engine:
 
     def _advance(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
                  times: StepTimes, drawn: Drawn | None = None) -> RequestOutput:
-        """Draw a request's new tokens from its rows of the step's logits (or read the draws made beforehand:
-        `drawn`) and commit them to its cache."""
+        """One request's end of the step, in its phases: accept (its new tokens drawn along the proposal), the
+        proposer told what was kept, commit (the kept path's KV), then its trace and output."""
+        outcome, read = self._judge(request, proposal, logits, hidden, drawn)
+        if proposal is not None:
+            self._count(proposal, outcome.path)
+        if self.proposer is not None:
+            self.proposer.observe(request, proposal, outcome)
+        self._commit(request, proposal, outcome)
+        return self._report(request, proposal, outcome, read, times, drawn)
+
+    def _judge(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
+               drawn: Drawn | None) -> tuple[Outcome, torch.Tensor]:
+        """Accept: the request's new tokens drawn from its rows of the step's logits as the proposal's rule judges
+        them (or read from the draws made beforehand: `drawn`), up to a stop; the outcome and the rows read."""
         tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
         read = logits[: 1 + len(tokens)]
         new, walk, probs, done = [], [], [], False
-        q, typical = (proposal.q, proposal.typical) if proposal else (None, None)
-        for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, q, typical, drawn):
+        rule = proposal.rule if proposal else PLAIN_DRAWS
+        for row, token, p in accept(read, tokens, parents, request.sampling, request.generator, rule, drawn):
             new.append(token)
             walk.append(row)
             probs.append(p)
@@ -375,16 +387,21 @@ class Engine:
         side = None
         if proposal is not None and proposal.side is not None:  # the argmax of each side row read
             side = list(drawn.side) if drawn is not None else argmax_rows(logits[1 + len(tokens) :])
-        outcome = Outcome(new, walk, probs, done, hidden, side)
+        return Outcome(new, walk, probs, done, hidden, side), read
+
+    def _commit(self, request: Request, proposal: Proposal | None, outcome: Outcome) -> None:
+        """Commit: the kept path's keys and values move next to the last token, the rest of the step's rows go (a
+        finished request's all go when it is released)."""
+        if outcome.done:
+            return
         if proposal is not None:
-            self._count(proposal, outcome.path)
-        if self.proposer is not None:
-            self.proposer.observe(request, proposal, outcome)
-        if not done:
-            if proposal is not None:  # the kept path's KV moves next to the last token; the rest goes
-                self.cache.keep(request.id, request.num_computed - 1, [0, *outcome.path])
-            if self.cache.length(request.id) > request.num_computed + len(outcome.path):
-                self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
+            self.cache.keep(request.id, request.num_computed - 1, [0, *outcome.path])
+        if self.cache.length(request.id) > request.num_computed + len(outcome.path):
+            self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
+
+    def _report(self, request: Request, proposal: Proposal | None, outcome: Outcome, read: torch.Tensor,
+                times: StepTimes, drawn: Drawn | None) -> RequestOutput:
+        """The step's trace events and output of a request; a finished one is released, another moves on."""
         now = self.now()
         if request.trace is not None and self.tracer is not None:
             own: Callable[[int, float], list[Any]] = (partial(self.proposer.trace_events, request)
@@ -395,14 +412,14 @@ class Engine:
             request.first_token_t = now
         else:
             request.decode_steps += 1
-        if done:
+        if outcome.done:
             self.scheduler.release(request)
             self._end(request, Status.FINISHED)
             if request.trace is not None and self.tracer is not None:
                 request.trace.append(self.tracer.finish(request, now))
-            return RequestOutput(request.id, new, True, request.stopper.output(now - request.arrival_t))
+            return RequestOutput(request.id, outcome.new, True, request.stopper.output(now - request.arrival_t))
         request.num_computed += len(outcome.path)
-        return RequestOutput(request.id, new, False)
+        return RequestOutput(request.id, outcome.new, False)
 
     def _count(self, proposal: Proposal, path: list[int]) -> None:
         for source in proposal.sources:

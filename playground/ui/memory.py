@@ -9,7 +9,7 @@ from typing import Any
 
 import gradio as gr
 
-from ..bench_suite import workload
+from ..bench.suite import workload
 from ..config import ConfigError, EngineParams, SamplingParams, check_choice
 from ..decoding import registry
 from ..engine import Engine

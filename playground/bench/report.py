@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .bench_suite import GROUNDED
+from .suite import GROUNDED
 
 REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
 EVERY_ALGO = [("median_share_of_predicted", REACHED)]  # every algorithm's goals
@@ -41,7 +41,7 @@ class Costs:
     draft: list[float] = field(default_factory=list)  # seconds per draft forward, one entry per drafting step
 
     def add(self, trace: Any) -> None:
-        from .trace import DraftEvent, VerifyEvent
+        from ..trace import DraftEvent, VerifyEvent
 
         for event in trace.events:
             if isinstance(event, VerifyEvent) and event.target_forwards == 1:
@@ -189,7 +189,7 @@ def add_copy_bounds(lookup: Any, rows: list[dict[str, Any]], plain_outputs: list
     verify_cost prices a verifying forward in one-token steps: the caller passes what prompt lookup's own
     verifying forwards cost in the runs (median), so the bound's speedup is an estimate at this machine's prices.
     """
-    from .decoding.copies import copy_bound
+    from ..decoding.copies import copy_bound
 
     grounded = []
     for row, (prompt_ids, output_ids) in zip(rows, plain_outputs):
@@ -222,7 +222,7 @@ def cpu_model() -> str | None:
 
 
 def environment(model: Any) -> dict[str, Any]:
-    from .models import native
+    from ..models import native
 
     return {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from .bench_peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
-from .bench_report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
-from .bench_suite import GROUNDED, SUITE, spread
-from .cli import model_spec
-from .config import DYNAMIC_TREE, MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
-from .decoding.registry import ALGORITHMS, algorithm
-from .metrics import perfect, priced
-from .models.transformer import Transformer
-from .speedup import ROUNDS, compare, measure, median_run
+from ..cli import model_spec
+from ..config import DYNAMIC_TREE, MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from ..decoding.registry import ALGORITHMS, algorithm
+from ..metrics import perfect, priced
+from ..models.transformer import Transformer
+from ..speedup import ROUNDS, compare, measure, median_run
+from .peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
+from .report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
+from .suite import GROUNDED, SUITE, spread
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
 def trace_of(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> Any:
     """One generation on our engine (on the contender's own target where it has one): its trace."""
-    from .engine import generate
+    from ..engine import generate
 
     return generate(contender.target or target, prompt, contender.proposer, contender.sampling, generation,
                     contender.algo)[1]
@@ -106,7 +106,7 @@ def trace_of(target: Any, contender: Contender, prompt: str, generation: Generat
 
 def run_of(trace: Any) -> Run:
     """A trace's run as the report counts it."""
-    from .metrics import compute
+    from ..metrics import compute
 
     finish = trace.finish()
     return Run(len(finish.token_ids), compute(trace).wall_s, tuple(finish.token_ids))
@@ -136,6 +136,11 @@ class Contender:
     def sampled(self) -> bool:
         return not self.sampling.greedy
 
+    @property
+    def drafts(self) -> bool:
+        """Whether it runs a draft model (whose chains the chain formula and assisted generation describe)."""
+        return self.algo in ALGORITHMS and ALGORITHMS[self.algo].loads_draft
+
 
 def setting(proposer: Any, *extra: str) -> str:
     """A proposer's settings as the report shows them."""
@@ -149,10 +154,10 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
     (`spec.Variant`); and the draft model, where an algorithm runs one."""
     from dataclasses import fields
 
-    from .config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams
-    from .decoding.registry import build_proposer
-    from .models import load_model
-    from .models.loader import default_draft
+    from ..config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams
+    from ..decoding.registry import build_proposer
+    from ..models import load_model
+    from ..models.loader import default_draft
 
     contenders, draft = [], None
     copies = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants graft one span
@@ -195,11 +200,11 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .decoding import encode_prompt
-    from .engine import one_request_costs
-    from .metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
-    from .models import load_model
-    from .models.loader import load_hf_peer, source_gguf
+    from ..decoding import encode_prompt
+    from ..engine import one_request_costs
+    from ..metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
+    from ..models import load_model
+    from ..models.loader import load_hf_peer, source_gguf
 
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
     check_int("rounds", args.rounds, 1, 10)
@@ -232,7 +237,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if hf_model is not None and draft is not None:
         assistant = load_hf_peer(draft)
         for contender in contenders:
-            if contender.peer_kwargs is not None and algorithm(contender.algo).loads_draft:
+            if contender.peer_kwargs is not None and contender.drafts:
                 contender.peer_kwargs["assistant_model"] = assistant
     device = target.model.device
     relative_cost = one_request_costs(target)  # what the engine plans on: quoted where a run drafted little
@@ -306,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
-            if algorithm(contender.algo).loads_draft:  # a draft model's chain: the chain formula applies
+            if contender.drafts:  # a draft model's chain: the chain formula applies
                 result["predicted_tokens_per_forward"] = expected_tokens_per_step(
                     metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
             progress += f", {contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")
@@ -428,8 +433,8 @@ def reached(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cmd_bench_kernel(args: argparse.Namespace) -> int:
-    from .bench_kernel import markdown_kernel, run_kernel
-    from .models import load_model
+    from ..models import load_model
+    from .kernel import markdown_kernel, run_kernel
 
     target = load_model(model_spec(args))
     try:
@@ -441,9 +446,9 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:
-    from .bench_serving import markdown_serving, run_serving
-    from .config import EngineParams
-    from .models import load_model
+    from ..config import EngineParams
+    from ..models import load_model
+    from .serving import markdown_serving, run_serving
 
     check_int("requests", args.requests, 1, 256)
     EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running)

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from .bench_suite import workload
-from .config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
-from .decoding.proposer import Proposer
-from .decoding.registry import ALGORITHMS, PLAIN, build_proposer
-from .decoding.spec import Algorithm
-from .engine import Engine
-from .metrics import memory_summary
+from ..config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from ..decoding.proposer import Proposer
+from ..decoding.registry import ALGORITHMS, PLAIN, build_proposer
+from ..decoding.spec import Algorithm
+from ..engine import Engine
+from ..metrics import memory_summary
+from .suite import workload
 
 
 def key(spec: Algorithm) -> str:
@@ -119,7 +119,7 @@ def http_latency(target: Any, rounds: int = 5, per_round: int = 8) -> dict[str, 
     import threading
     import time
 
-    from .api import Service, listen
+    from ..api import Service, listen
 
     service = Service(target, EngineParams(num_blocks=64, block_size=8, max_running=1), listen("127.0.0.1", 0),
                       quiet=True)

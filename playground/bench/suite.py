@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .config import GenerationParams
+from ..config import GenerationParams
 
 PASSAGE_TIDES = (
     "Tides are the regular rise and fall of the sea surface. They are caused mainly by the Moon's gravity, which "

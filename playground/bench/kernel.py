@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .models import native
+from ..models import native
 
 ROWS = (1, 4, 8, 12)
 MIN_SECONDS = 0.02  # each timing repeats a product until it has run this long

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .config import GenerationParams
+from ..config import GenerationParams
 
 
 @dataclass(frozen=True, slots=True)
