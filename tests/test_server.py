@@ -373,8 +373,8 @@ def test_cli_errors_before_loading_a_model(capsys):
              "medusa heads: '/no/such/heads' is not a folder"),
             (["serve", "--gamma", "2"], "gamma: a setting of --algo speculative, not ar"),
             (["serve", "--algo", "speculative", "--gamma", "17"], "gamma must be an integer in [1, 16], got 17"),
-            (["serve", "--algo", "lookahead", "--copy-ngram", "3"], "copy-ngram: a setting of --algo speculative or "
-                                                                    "medusa or eagle, not lookahead"),
+            (["serve", "--algo", "lookahead", "--copy-ngram", "3"], "copy-ngram: a setting of --algo medusa or "
+                                                                    "speculative or eagle, not lookahead"),
             (["serve", "--window", "2"], "window: a setting of --algo lookahead, not ar"),
             (["serve", "--algo", "lookahead", "--window", "0"], "window must be an integer in [1, 16], got 0"),
             (["serve", "--allowed-hosts", ","], "allowed_hosts must name at least one host (or * for any)"),
