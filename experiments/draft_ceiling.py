@@ -27,10 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench.suite import SUITE  # noqa: E402
-from playground.config import LOOKUP_TOKENS, GenerationParams, ModelSpec, PromptLookupParams  # noqa: E402
+from playground.config import GenerationParams, ModelSpec  # noqa: E402
 from playground.decoding.base import encode_prompt, forward_tokens, new_cache  # noqa: E402
 from playground.decoding.copies import best_copy  # noqa: E402
 from playground.decoding.costs import FLAT_TOKEN_COST  # noqa: E402
+from playground.decoding.prompt_lookup import LOOKUP_TOKENS, PromptLookupParams  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402

@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench.suite import workload  # noqa: E402
-from playground.config import EagleParams, EngineParams, GenerationParams, ModelSpec  # noqa: E402
+from playground.config import EngineParams, GenerationParams, ModelSpec  # noqa: E402
+from playground.decoding.eagle import EagleParams  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import Engine  # noqa: E402
 from playground.models import load_model  # noqa: E402

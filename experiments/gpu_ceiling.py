@@ -25,17 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench.suite import SUITE  # noqa: E402
-from playground.config import (  # noqa: E402
-    EAGLE_GPU_NODES,
-    EagleParams,
-    GenerationParams,
-    MedusaParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-    dynamic_nodes,
-)
+from playground.config import GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding.costs import FLAT_TOKEN_COST, flat  # noqa: E402
+from playground.decoding.eagle import EAGLE_GPU_NODES, EagleParams  # noqa: E402
+from playground.decoding.medusa import MedusaParams, dynamic_nodes  # noqa: E402
+from playground.decoding.prompt_lookup import PromptLookupParams  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.events import DraftEvent, VerifyEvent  # noqa: E402

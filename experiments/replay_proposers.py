@@ -25,18 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playground.bench.suite import GROUNDED, SUITE  # noqa: E402
-from playground.config import (  # noqa: E402
-    ConfigError,
-    GenerationParams,
-    LookaheadParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-)
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
 from playground.decoding import encode_prompt  # noqa: E402
 from playground.decoding.copies import agreement, find_continuation  # noqa: E402
+from playground.decoding.lookahead import LookaheadParams  # noqa: E402
 from playground.decoding.planning import NgramAcceptance  # noqa: E402
 from playground.decoding.pools import TextPools  # noqa: E402
+from playground.decoding.prompt_lookup import PromptLookupParams  # noqa: E402
 from playground.engine import generate  # noqa: E402
 from playground.models import LoadedModel, ModelLoadError, load_model  # noqa: E402
 from playground.models.answers import default_answers, read_answers  # noqa: E402

@@ -25,11 +25,11 @@ from .config import (
     EngineParams,
     GenerationParams,
     ModelSpec,
-    PromptLookupParams,
     SamplingParams,
     check_int,
     check_text,
 )
+from .decoding.prompt_lookup import PromptLookupParams
 from .models.loader import default_draft
 
 ENGINE = EngineParams()

@@ -6,7 +6,7 @@ Every check names the field and the allowed range; nothing is silently clamped.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -24,9 +24,6 @@ KV_KINDS = ("contiguous", "paged")
 PLANS = ("measured", "as-set")
 MAX_BLOCK_SIZE = 256
 MAX_NGRAM = 8  # the longest suffix prompt lookup matches
-MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
-# prompt lookup's copies: LOOKUP_BRANCHES of LOOKUP_BRANCH_TOKENS each by default, LOOKUP_TOKENS for a copy alone
-LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
 
 class ConfigError(ValueError):
     """A parameter is out of its allowed range; the message names the field and the range."""
@@ -64,7 +61,7 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_finite(name: str, value: object) -> float:
+def check_finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, got {value!r}")
     return float(value)
@@ -119,11 +116,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        temperature = _check_finite("temperature", self.temperature)
+        temperature = check_finite("temperature", self.temperature)
         if temperature < 0 or temperature > 100:
             raise ConfigError(f"temperature must be in [0, 100] (0 = greedy), got {self.temperature}")
         check_int("top_k", self.top_k, 0)
-        top_p = _check_finite("top_p", self.top_p)
+        top_p = check_finite("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
@@ -172,187 +169,7 @@ class GenerationParams:
 MAX_GAMMA = 16
 
 
-@dataclass(frozen=True, slots=True)
-class PromptLookupParams:
-    """Prompt lookup (Saxena 2023). max_ngram: the longest suffix of the text so far that is looked up (then
-    shorter ones, down to 1); num_draft: the most tokens proposed after a match (None: LOOKUP_BRANCH_TOKENS with
-    more than one branch, else LOOKUP_TOKENS, `resolve`); branches: how many distinct copies (of different earlier
-    occurrences) one forward verifies, merged into a tree. How many of them a step verifies is the engine's to plan
-    from this machine's measured forward costs."""
-
-    max_ngram: int = 3
-    num_draft: int | None = None
-    branches: int = LOOKUP_BRANCHES
-
-    def __post_init__(self) -> None:
-        check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
-        if self.num_draft is not None:
-            check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
-        check_int("branches", self.branches, 1, MAX_BRANCHES)
-
-    def resolve(self) -> PromptLookupParams:
-        """These settings with num_draft fixed (docs/defaults.md says why shorter copies go with more of them)."""
-        tokens = LOOKUP_BRANCH_TOKENS if self.branches > 1 else LOOKUP_TOKENS
-        return self if self.num_draft is not None else replace(self, num_draft=tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class LookaheadParams:
-    """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
-    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (how many
-    of them a step verifies is the engine's to plan from this machine's measured forward costs); prompt_pool: seed
-    the pool with the prompt's own n-grams; output_pool: add every n-gram of the committed text; text_ngram: M,
-    the size of the n-grams those two and the corpus pool take from text (None: N); a longer M verifies longer
-    copies, since text repeats in longer runs than the window guesses, in wider forwards.
-    corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
-    target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
-    for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
-    tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
-    step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
-    only); it changes which G n-grams are verified, not how many.
-    """
-
-    window: int = 1
-    ngram: int = 3
-    guesses: int = 2
-    prompt_pool: bool = True
-    output_pool: bool = True
-    text_ngram: int | None = None
-    corpus_pool: bool = True
-    corpus: str | None = None
-    context: int = 3
-
-    def __post_init__(self) -> None:
-        check_int("window", self.window, 1, 16)
-        check_int("ngram", self.ngram, 2, 8)
-        check_int("guesses", self.guesses, 1, 16)
-        if self.text_ngram is not None:
-            check_int("text_ngram", self.text_ngram, 2, 16)
-        check_int("context", self.context, 1, 8)
-        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
-            raise ConfigError(f"corpus must be a file path or None, got {self.corpus!r}")
-        for name in ("prompt_pool", "output_pool", "corpus_pool"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-    @property
-    def text_n(self) -> int:
-        """M, the size of the n-grams the prompt, output and corpus pools take."""
-        return self.ngram if self.text_ngram is None else self.text_ngram
-
-
-MEDUSA_ACCEPTANCE = ("lossless", "typical")
-DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
-CPU_DYNAMIC_NODES = 5  # the dynamic tree's nodes on a CPU (see `dynamic_nodes`)
-GPU_DYNAMIC_NODES = 23  # on a GPU
-MAX_DYNAMIC_NODES = 64
-
-
-def dynamic_nodes(gpu: bool) -> int:
-    """The dynamic tree's most nodes when `MedusaParams.nodes` is None: the engine verifies as many of them as pay
-    at this machine's measured forward costs, but choosing among more costs host time on a CPU (docs/defaults.md
-    says what was measured)."""
-    return GPU_DYNAMIC_NODES if gpu else CPU_DYNAMIC_NODES
-
-
-@dataclass(frozen=True, slots=True)
-class MedusaParams:
-    """Medusa heads in the engine: after each decoding request's last token, a tree of the heads' guesses verified in
-    the batch's decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped
-    heads of the embedded target); depth: the heads used, so the deepest guess (None: every head); tree: "dynamic"
-    (chosen at every step from the heads' calibrated probabilities, `tree.best_first`), a named tree or a JSON file
-    of top-k paths; nodes: the most guesses per dynamic tree (None: `dynamic_nodes`; the batch's width then trims
-    every tree to what pays); acceptance, which matters only when sampling: "lossless" (each token drawn as plain
-    decoding draws it, the tree followed where a node holds the draw: exact) or "typical" (Cai et al.: accept x if
-    p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, accepts more). How wide a tree pays is the engine's to decide,
-    from this machine's measured forward costs."""
-
-    heads: str | None = None
-    depth: int | None = None
-    nodes: int | None = None
-    tree: str = DYNAMIC_TREE
-    acceptance: str = "lossless"
-    epsilon: float = 0.3
-    alpha: float = 0.09
-
-    def __post_init__(self) -> None:
-        if self.heads is not None and (not isinstance(self.heads, str) or not self.heads.strip()):
-            raise ConfigError(f"heads must be a folder of Medusa heads or None, got {self.heads!r}")
-        if self.depth is not None:
-            check_int("depth", self.depth, 1, MAX_GAMMA)
-        if self.nodes is not None:
-            check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
-        if not isinstance(self.tree, str) or not self.tree.strip():
-            raise ConfigError("tree must be a tree name or a JSON file of paths")
-        if self.nodes is not None and self.tree != DYNAMIC_TREE:
-            raise ConfigError(f"nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
-        check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
-        for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
-            if not 0 < _check_finite(name, value) <= 1:
-                raise ConfigError(f"{name} must be in (0, 1], got {value}")
-
-
-EAGLE_CPU_NODES = 12  # the EAGLE tree's most nodes on a CPU (see `EagleParams`)
-EAGLE_GPU_NODES = 48  # on a GPU
-
-
-@dataclass(frozen=True, slots=True)
-class EagleParams:
-    """An EAGLE head in the engine (Li et al. 2024; the tree of EAGLE-2): after each decoding request's last token the
-    head drafts on the target's features and then on its own, expanding at each depth the `top_k` likeliest nodes of
-    that depth (by the head's cumulative probability) with `top_k` children each, up to `depth` deep; the `nodes`
-    likeliest of them (None: EAGLE_CPU_NODES, or EAGLE_GPU_NODES on a GPU) form the tree the target verifies, which
-    the engine trims to the width that pays. head: a folder of a trained head (None: the one shipped for the
-    embedded target); draft_cost: one depth of the head's drafting as a fraction of the target's one-token forward
-    (None: measured as it runs, `planning.OwnCost`; estimated from the weights each reads until then). Proposals
-    are one-hot, so every token is drawn from the target's row as plain decoding draws it: greedy and seeded outputs
-    are plain decoding's."""
-
-    head: str | None = None
-    depth: int = 6
-    top_k: int = 4
-    nodes: int | None = None
-    draft_cost: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
-            raise ConfigError(f"head must be a folder of an EAGLE head or None, got {self.head!r}")
-        check_int("depth", self.depth, 1, MAX_GAMMA)
-        check_int("top_k", self.top_k, 1, 16)
-        if self.nodes is not None:
-            check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
-        if self.draft_cost is not None and not 0.0 <= _check_finite("draft_cost", self.draft_cost) <= 1.0:
-            raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeParams:
-    """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
-    up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
-    every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
-    model spec with the target's tokenizer (None: the draft shipped for the embedded target); draft_cost: one draft
-    forward's cost as a fraction of the target's at the same batch, which a chain's drafted tokens must pay for
-    besides the wider verifying forward (None: measured as it runs, `planning.OwnCost`; until then estimated from
-    the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work dominates
-    on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
-    each token is still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by
-    batching or by the draft). sample: when a request samples, draw its chain from the draft's distributions q
-    instead (no runner-up) and judge it by the lossless rule for q (Leviathan et al. 2023): more of it is accepted,
-    and the output still follows the target's distribution, but a seed no longer gives plain decoding's text."""
-
-    draft: str | None = None
-    gamma: int = 4
-    draft_cost: float | None = None
-    sample: bool = False
-
-    def __post_init__(self) -> None:
-        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
-            raise ConfigError(f"draft must be a model spec or None, got {self.draft!r}")
-        check_int("gamma", self.gamma, 1, MAX_GAMMA)
-        if self.draft_cost is not None and not 0.0 <= _check_finite("draft_cost", self.draft_cost) <= 1.0:
-            raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
-        if not isinstance(self.sample, bool):
-            raise ConfigError(f"sample must be true or false, got {self.sample!r}")
+MAX_DYNAMIC_NODES = 64  # the most nodes of a dynamic tree (Medusa's, EAGLE's)
 
 
 SCHEDULING_POLICIES = ("continuous", "static")

@@ -17,20 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from playground.config import (  # noqa: E402
-    DEVICES,
-    DTYPES,
-    FORWARDS,
-    EngineParams,
-    GenerationParams,
-    LookaheadParams,
-    MedusaParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-    SpeculativeParams,
-)
+from playground.config import DEVICES, DTYPES, FORWARDS, EngineParams, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
+from playground.decoding.lookahead import LookaheadParams  # noqa: E402
+from playground.decoding.medusa import MedusaParams  # noqa: E402
+from playground.decoding.prompt_lookup import PromptLookupParams  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.decoding.speculative import SpeculativeParams  # noqa: E402
 from playground.engine import Engine, generate  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
 from playground.models.loader import load_draft  # noqa: E402

@@ -15,7 +15,8 @@ import gradio as gr
 import pytest
 from gradio_client import Client, handle_file
 
-from playground.config import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, GenerationParams, PromptLookupParams
+from playground.config import GenerationParams
+from playground.decoding.prompt_lookup import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, PromptLookupParams
 from playground.metrics import perfect
 from playground.models import native
 from playground.trace import DraftEvent, Trace

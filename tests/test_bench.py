@@ -11,7 +11,7 @@ import pytest
 from playground.__main__ import main
 from playground.bench.report import Costs
 from playground.bench.suite import SUITE, spread
-from playground.config import dynamic_nodes
+from playground.decoding.medusa import dynamic_nodes
 from playground.decoding.planning import OwnCost
 
 

@@ -16,17 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from playground.config import (
-    ConfigError,
-    EagleParams,
-    EngineParams,
-    GenerationParams,
-    PromptLookupParams,
-    SamplingParams,
-)
+from playground.config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.eagle import EagleProposer
+from playground.decoding.eagle import EagleParams, EagleProposer
 from playground.decoding.grafted import graft
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate

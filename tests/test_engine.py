@@ -15,17 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from playground.config import (
-    ConfigError,
-    EngineParams,
-    GenerationParams,
-    LookaheadParams,
-    MedusaParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-    SpeculativeParams,
-)
+from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding import costs as costs_module
 from playground.decoding import encode_prompt, prompt_lookup
 from playground.decoding.base import forward_tokens, new_cache
@@ -33,10 +23,13 @@ from playground.decoding.copies import Lookup
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.grafted import Grafted
 from playground.decoding.guesses import GuessCalibration, guess_tree
+from playground.decoding.lookahead import LookaheadParams
+from playground.decoding.medusa import MedusaParams
 from playground.decoding.planning import OwnCost, widest_paying
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
-from playground.decoding.speculative import DraftGuesser
+from playground.decoding.speculative import DraftGuesser, SpeculativeParams
 from playground.engine import Engine, ProposalCounts, Status, generate
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model

@@ -16,19 +16,12 @@ import torch
 
 from playground.__main__ import main
 from playground.cli import add_model_args, model_spec
-from playground.config import (
-    KV_KINDS,
-    ConfigError,
-    EngineParams,
-    GenerationParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-    SpeculativeParams,
-)
+from playground.config import KV_KINDS, ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding import costs as costs_module
 from playground.decoding.base import contiguous_cache, forward_tokens, paged_cache
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.registry import build_proposer
+from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
 from playground.models import ModelLoadError, compiled, load_model
 from playground.models import forwards as forwards_module

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from playground.config import ConfigError, GenerationParams, LookaheadParams, SamplingParams
+from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.lookahead import LookaheadProposer, jacobi_block
+from playground.decoding.lookahead import LookaheadParams, LookaheadProposer, jacobi_block
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
 from playground.decoding.proposer import merge_chains
 from playground.engine import generate

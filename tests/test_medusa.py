@@ -17,19 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from playground.config import (
-    CPU_DYNAMIC_NODES,
-    GPU_DYNAMIC_NODES,
-    ConfigError,
-    GenerationParams,
-    MedusaParams,
-    PromptLookupParams,
-    SamplingParams,
-    dynamic_nodes,
-)
+from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding import encode_prompt
 from playground.decoding.base import new_cache
 from playground.decoding.costs import ForwardCosts
+from playground.decoding.medusa import CPU_DYNAMIC_NODES, GPU_DYNAMIC_NODES, MedusaParams, dynamic_nodes
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposer
 from playground.decoding.registry import build_proposer
 from playground.decoding.tree import COPY_PRIOR, TREES, best_first, build_tree, load_tree

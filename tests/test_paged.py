@@ -8,8 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from playground.config import GenerationParams, MedusaParams, SpeculativeParams
+from playground.config import GenerationParams
+from playground.decoding.medusa import MedusaParams
 from playground.decoding.registry import build_proposer
+from playground.decoding.speculative import SpeculativeParams
 from playground.kv import ContiguousKVCache, OutOfBlocksError, PagedKVCache
 from playground.kv.blocks import BlockKey
 

@@ -10,11 +10,12 @@ from functools import partial
 import pytest
 
 from playground.__main__ import summary_line
-from playground.config import EngineParams, GenerationParams, SpeculativeParams
+from playground.config import EngineParams, GenerationParams
 from playground.decoding.costs import ForwardCosts, LiveCosts
 from playground.decoding.planning import Payoff
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
+from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
 from playground.metrics import FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced, projected_speedup
 from playground.speedup import Speedup, winner

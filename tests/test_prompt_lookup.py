@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from playground.config import ConfigError, GenerationParams, PromptLookupParams, SamplingParams
+from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding.copies import best_copy, copy_bound, find_continuation, find_continuations
 from playground.decoding.costs import ForwardCosts
 from playground.decoding.planning import NgramAcceptance, guess_depth, plan_width
-from playground.decoding.prompt_lookup import CopyProposer
+from playground.decoding.prompt_lookup import CopyProposer, PromptLookupParams
 from playground.decoding.proposer import Proposal, merge_chains
 from playground.decoding.tree import ancestor_mask
 from playground.engine import generate

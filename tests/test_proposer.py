@@ -13,22 +13,16 @@ import pytest
 
 from playground.__main__ import algo_params, build_parser
 from playground.bench import harness as bench
-from playground.config import (
-    ConfigError,
-    EngineParams,
-    GenerationParams,
-    LookaheadParams,
-    MedusaParams,
-    PromptLookupParams,
-    SamplingParams,
-    SpeculativeParams,
-    check_int,
-)
+from playground.config import ConfigError, EngineParams, GenerationParams, SamplingParams, check_int
 from playground.decoding import registry
 from playground.decoding.costs import ForwardCosts
+from playground.decoding.lookahead import LookaheadParams
+from playground.decoding.medusa import MedusaParams
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import ALGORITHMS
 from playground.decoding.spec import Algorithm, Setting
+from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
 from playground.metrics import compute
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace

@@ -24,9 +24,10 @@ from hypothesis import strategies as st
 
 from playground.__main__ import main
 from playground.api import CompletionRequest, Service, listen, parse_job
-from playground.config import ConfigError, EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from playground.config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from playground.decoding import encode_prompt
 from playground.decoding.base import chat_ids
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.registry import build_proposer
 from playground.engine import generate
 from playground.server import ApiError, EngineWorker, settled_text

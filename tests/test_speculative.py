@@ -11,18 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from playground.bench.suite import PASSAGE_LIBRARY
-from playground.config import (
-    ConfigError,
-    GenerationParams,
-    ModelSpec,
-    PromptLookupParams,
-    SamplingParams,
-    SpeculativeParams,
-)
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding import encode_prompt
 from playground.decoding.base import forward_tokens, new_cache
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.registry import build_proposer
-from playground.decoding.speculative import DraftGuesser
+from playground.decoding.speculative import DraftGuesser, SpeculativeParams
 from playground.engine import generate
 from playground.metrics import compute
 from playground.models import LoadedModel, ModelLoadError, load_model

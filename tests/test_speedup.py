@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from playground.config import GenerationParams, PromptLookupParams
+from playground.config import GenerationParams
 from playground.decoding import registry
+from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.engine import generate
 from playground.speedup import compare, measure, median_run, order, spread
 from playground.trace import CommitEvent, FinishEvent, Trace, VerifyEvent

@@ -140,7 +140,7 @@ def test_hostile_traces_are_refused_in_one_line(text: str, message: str, tmp_pat
 @pytest.fixture(scope="module")
 def real_traces(target) -> list[dict]:
     """Small real traces of every kind of step (chains with runners-up, trees with copies, lookahead windows)."""
-    from playground.config import PromptLookupParams
+    from playground.decoding.prompt_lookup import PromptLookupParams
     from playground.decoding.registry import build_proposer
 
     generation = GenerationParams(max_new_tokens=10)

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from playground.config import GenerationParams, PromptLookupParams, SamplingParams
-from playground.decoding.prompt_lookup import CopyProposer
+from playground.config import GenerationParams, SamplingParams
+from playground.decoding.prompt_lookup import CopyProposer, PromptLookupParams
 from playground.engine import generate
 from playground.trace import (
     AcceptEvent,

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from ..cli import model_spec
-from ..config import DYNAMIC_TREE, MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
 from ..decoding.registry import ALGORITHMS, algorithm
+from ..decoding.tree import DYNAMIC_TREE
 from ..metrics import perfect, priced
 from ..models.transformer import Transformer
 from ..speedup import ROUNDS, compare, measure, median_run
@@ -154,7 +155,8 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
     (`spec.Variant`); and the draft model, where an algorithm runs one."""
     from dataclasses import fields
 
-    from ..config import LOOKUP_TOKENS, ModelSpec, PromptLookupParams
+    from ..config import ModelSpec
+    from ..decoding.prompt_lookup import LOOKUP_TOKENS, PromptLookupParams
     from ..decoding.registry import build_proposer
     from ..models import load_model
     from ..models.loader import default_draft

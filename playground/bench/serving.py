@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from ..config import EngineParams, GenerationParams, PromptLookupParams, SamplingParams
+from ..config import EngineParams, GenerationParams, SamplingParams
+from ..decoding.prompt_lookup import PromptLookupParams
 from ..decoding.proposer import Proposer
 from ..decoding.registry import ALGORITHMS, PLAIN, build_proposer
 from ..decoding.spec import Algorithm

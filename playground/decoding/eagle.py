@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import EAGLE_CPU_NODES, EAGLE_GPU_NODES, MAX_DYNAMIC_NODES, MAX_GAMMA, EagleParams
+from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_finite, check_int
 from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, default_head, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
@@ -34,6 +34,38 @@ from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
 from .spec import Algorithm, Setting, Variant
+
+EAGLE_CPU_NODES = 12  # the EAGLE tree's most nodes on a CPU (see `EagleParams`)
+EAGLE_GPU_NODES = 48  # on a GPU
+
+
+@dataclass(frozen=True, slots=True)
+class EagleParams:
+    """An EAGLE head in the engine (Li et al. 2024; the tree of EAGLE-2): after each decoding request's last token the
+    head drafts on the target's features and then on its own, expanding at each depth the `top_k` likeliest nodes of
+    that depth (by the head's cumulative probability) with `top_k` children each, up to `depth` deep; the `nodes`
+    likeliest of them (None: EAGLE_CPU_NODES, or EAGLE_GPU_NODES on a GPU) form the tree the target verifies, which
+    the engine trims to the width that pays. head: a folder of a trained head (None: the one shipped for the
+    embedded target); draft_cost: one depth of the head's drafting as a fraction of the target's one-token forward
+    (None: measured as it runs, `planning.OwnCost`; estimated from the weights each reads until then). Proposals
+    are one-hot, so every token is drawn from the target's row as plain decoding draws it: greedy and seeded outputs
+    are plain decoding's."""
+
+    head: str | None = None
+    depth: int = 6
+    top_k: int = 4
+    nodes: int | None = None
+    draft_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
+            raise ConfigError(f"head must be a folder of an EAGLE head or None, got {self.head!r}")
+        check_int("depth", self.depth, 1, MAX_GAMMA)
+        check_int("top_k", self.top_k, 1, 16)
+        if self.nodes is not None:
+            check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
+        if self.draft_cost is not None and not 0.0 <= check_finite("draft_cost", self.draft_cost) <= 1.0:
+            raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
 
 # The head reads up to this many unread features per request in one padded batched forward (the kept rows of the
 # steps since it last drafted); more (a prompt's) alone.

@@ -26,13 +26,58 @@ from typing import Any
 
 import torch
 
-from ..config import LookaheadParams
+from ..config import ConfigError, check_int
 from ..models import LoadedModel
 from ..trace import LookaheadEvent
 from .planning import NgramAcceptance
 from .pools import TextPools, seed_pools, start_pools
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
 from .spec import Algorithm, Setting
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadParams:
+    """Lookahead decoding. window: W columns of the Jacobi window; ngram: N, the size of the n-grams the window
+    yields (it keeps N - 1 rows); guesses: G, the most n-grams kept per first token and verified per step (how many
+    of them a step verifies is the engine's to plan from this machine's measured forward costs); prompt_pool: seed
+    the pool with the prompt's own n-grams; output_pool: add every n-gram of the committed text; text_ngram: M,
+    the size of the n-grams those two and the corpus pool take from text (None: N); a longer M verifies longer
+    copies, since text repeats in longer runs than the window guesses, in wider forwards.
+    corpus_pool: before the prompt's, seed the pool with the G most frequent M-grams per first token of the
+    target's own answers in `corpus` (a file `python -m playground.train ngrams` writes; None: the one shipped
+    for the embedded target, and no seeding for a target without one). context: K, the longest run of trailing
+    tokens candidates are looked up by: the text's n-grams are also kept keyed by their first 2..K tokens, and a
+    step takes the continuations of the longest matching key first (1: the paper's pool, keyed by the last token
+    only); it changes which G n-grams are verified, not how many.
+    """
+
+    window: int = 1
+    ngram: int = 3
+    guesses: int = 2
+    prompt_pool: bool = True
+    output_pool: bool = True
+    text_ngram: int | None = None
+    corpus_pool: bool = True
+    corpus: str | None = None
+    context: int = 3
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, 1, 16)
+        check_int("ngram", self.ngram, 2, 8)
+        check_int("guesses", self.guesses, 1, 16)
+        if self.text_ngram is not None:
+            check_int("text_ngram", self.text_ngram, 2, 16)
+        check_int("context", self.context, 1, 8)
+        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
+            raise ConfigError(f"corpus must be a file path or None, got {self.corpus!r}")
+        for name in ("prompt_pool", "output_pool", "corpus_pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def text_n(self) -> int:
+        """M, the size of the n-grams the prompt, output and corpus pools take."""
+        return self.ngram if self.text_ngram is None else self.text_ngram
 
 
 def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor]:

@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import (
-    CPU_DYNAMIC_NODES,
-    DYNAMIC_TREE,
-    GPU_DYNAMIC_NODES,
-    MAX_DYNAMIC_NODES,
-    ConfigError,
-    MedusaParams,
-    dynamic_nodes,
-)
+from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_choice, check_finite, check_int
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.linear import weights_read
@@ -36,7 +28,55 @@ from .guesses import Guesser, Guesses
 from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .spec import Algorithm, Setting, Variant
-from .tree import TREES, load_tree
+from .tree import DYNAMIC_TREE, TREES, load_tree
+
+MEDUSA_ACCEPTANCE = ("lossless", "typical")
+CPU_DYNAMIC_NODES = 5  # the dynamic tree's nodes on a CPU (see `dynamic_nodes`)
+GPU_DYNAMIC_NODES = 23  # on a GPU
+
+
+def dynamic_nodes(gpu: bool) -> int:
+    """The dynamic tree's most nodes when `MedusaParams.nodes` is None: the engine verifies as many of them as pay
+    at this machine's measured forward costs, but choosing among more costs host time on a CPU (docs/defaults.md
+    says what was measured)."""
+    return GPU_DYNAMIC_NODES if gpu else CPU_DYNAMIC_NODES
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaParams:
+    """Medusa heads in the engine: after each decoding request's last token, a tree of the heads' guesses verified in
+    the batch's decode forward with each request's own tree mask. heads: a folder of trained heads (None: the shipped
+    heads of the embedded target); depth: the heads used, so the deepest guess (None: every head); tree: "dynamic"
+    (chosen at every step from the heads' calibrated probabilities, `tree.best_first`), a named tree or a JSON file
+    of top-k paths; nodes: the most guesses per dynamic tree (None: `dynamic_nodes`; the batch's width then trims
+    every tree to what pays); acceptance, which matters only when sampling: "lossless" (each token drawn as plain
+    decoding draws it, the tree followed where a node holds the draw: exact) or "typical" (Cai et al.: accept x if
+    p(x) > min(epsilon, alpha * exp(-H(p))): LOSSY, accepts more). How wide a tree pays is the engine's to decide,
+    from this machine's measured forward costs."""
+
+    heads: str | None = None
+    depth: int | None = None
+    nodes: int | None = None
+    tree: str = DYNAMIC_TREE
+    acceptance: str = "lossless"
+    epsilon: float = 0.3
+    alpha: float = 0.09
+
+    def __post_init__(self) -> None:
+        if self.heads is not None and (not isinstance(self.heads, str) or not self.heads.strip()):
+            raise ConfigError(f"heads must be a folder of Medusa heads or None, got {self.heads!r}")
+        if self.depth is not None:
+            check_int("depth", self.depth, 1, MAX_GAMMA)
+        if self.nodes is not None:
+            check_int("nodes", self.nodes, 1, MAX_DYNAMIC_NODES)
+        if not isinstance(self.tree, str) or not self.tree.strip():
+            raise ConfigError("tree must be a tree name or a JSON file of paths")
+        if self.nodes is not None and self.tree != DYNAMIC_TREE:
+            raise ConfigError(f"nodes sizes the dynamic tree only; tree {self.tree!r} has its own nodes")
+        check_choice("acceptance", self.acceptance, MEDUSA_ACCEPTANCE)
+        for name, value in (("epsilon", self.epsilon), ("alpha", self.alpha)):
+            if not 0 < check_finite(name, value) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
 
 
 class MedusaGuesser(Guesser):

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config import LookaheadParams
 from ..models import LoadedModel
 from ..models.answers import default_answers, load_answers
+
+if TYPE_CHECKING:
+    from .lookahead import LookaheadParams
 
 
 class NGramPool:

@@ -12,15 +12,43 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from ..config import LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS, MAX_BRANCHES, MAX_GAMMA, MAX_NGRAM, PromptLookupParams
+from ..config import MAX_GAMMA, MAX_NGRAM, check_int
 from ..models import LoadedModel
 from .copies import Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 from .spec import Algorithm, Setting
+
+MAX_BRANCHES = 8  # distinct copies prompt lookup verifies in one forward
+# prompt lookup's copies: LOOKUP_BRANCHES of LOOKUP_BRANCH_TOKENS each by default, LOOKUP_TOKENS for a copy alone
+LOOKUP_BRANCHES, LOOKUP_BRANCH_TOKENS, LOOKUP_TOKENS = 2, 5, 8
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLookupParams:
+    """Prompt lookup (Saxena 2023). max_ngram: the longest suffix of the text so far that is looked up (then
+    shorter ones, down to 1); num_draft: the most tokens proposed after a match (None: LOOKUP_BRANCH_TOKENS with
+    more than one branch, else LOOKUP_TOKENS, `resolve`); branches: how many distinct copies (of different earlier
+    occurrences) one forward verifies, merged into a tree. How many of them a step verifies is the engine's to plan
+    from this machine's measured forward costs."""
+
+    max_ngram: int = 3
+    num_draft: int | None = None
+    branches: int = LOOKUP_BRANCHES
+
+    def __post_init__(self) -> None:
+        check_int("max_ngram", self.max_ngram, 1, MAX_NGRAM)
+        if self.num_draft is not None:
+            check_int("num_draft", self.num_draft, 1, MAX_GAMMA)
+        check_int("branches", self.branches, 1, MAX_BRANCHES)
+
+    def resolve(self) -> PromptLookupParams:
+        """These settings with num_draft fixed (docs/defaults.md says why shorter copies go with more of them)."""
+        tokens = LOOKUP_BRANCH_TOKENS if self.branches > 1 else LOOKUP_TOKENS
+        return self if self.num_draft is not None else replace(self, num_draft=tokens)
 
 
 class CopyProposer(Proposer):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from ..config import ConfigError, PromptLookupParams
+from ..config import ConfigError
 from ..models import LoadedModel
 from . import eagle, lookahead, medusa, prompt_lookup, speculative
 from .grafted import Grafted, GraftedTree
 from .guesses import Guesser
-from .prompt_lookup import CopyProposer
+from .prompt_lookup import CopyProposer, PromptLookupParams
 from .proposer import Proposer
 from .spec import Algorithm
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import MAX_GAMMA, ConfigError, SpeculativeParams
+from ..config import MAX_GAMMA, ConfigError, check_finite, check_int
 from ..kv import ContiguousKVCache, PagedKVCache
 from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
@@ -32,6 +32,36 @@ from .guesses import Guesser, Guesses
 from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
 from .proposer import Cost, Outcome, Proposal, RequestView
 from .spec import Algorithm, Setting
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeParams:
+    """A draft model in the serving engine: after each decoding request's last token, the draft's greedy chain of
+    up to `gamma` tokens and its runner-up at the first place (one batched draft forward per drafted token, over
+    every request that drafts, on the draft's own paged cache), verified in the batch's decode forward. draft: a
+    model spec with the target's tokenizer (None: the draft shipped for the embedded target); draft_cost: one draft
+    forward's cost as a fraction of the target's at the same batch, which a chain's drafted tokens must pay for
+    besides the wider verifying forward (None: measured as it runs, `planning.OwnCost`; until then estimated from
+    the weights each forward reads where the native CPU kernel runs, else from the layers, whose fixed work dominates
+    on a GPU). The chain is the draft's argmax at every place, a one-hot proposal even when sampling, so
+    each token is still drawn from the target's row exactly as plain decoding draws it (seeded outputs unchanged by
+    batching or by the draft). sample: when a request samples, draw its chain from the draft's distributions q
+    instead (no runner-up) and judge it by the lossless rule for q (Leviathan et al. 2023): more of it is accepted,
+    and the output still follows the target's distribution, but a seed no longer gives plain decoding's text."""
+
+    draft: str | None = None
+    gamma: int = 4
+    draft_cost: float | None = None
+    sample: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
+            raise ConfigError(f"draft must be a model spec or None, got {self.draft!r}")
+        check_int("gamma", self.gamma, 1, MAX_GAMMA)
+        if self.draft_cost is not None and not 0.0 <= check_finite("draft_cost", self.draft_cost) <= 1.0:
+            raise ConfigError(f"draft_cost must be in [0, 1] or None, got {self.draft_cost:g}")
+        if not isinstance(self.sample, bool):
+            raise ConfigError(f"sample must be true or false, got {self.sample!r}")
 
 # The engine's draft reads up to this many unseen tokens per request in one padded batched forward; more alone.
 CATCH_UP = 4

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DYNAMIC_TREE, ConfigError
+from ..config import ConfigError
 
 MAX_TREE_NODES = 128
 MAX_TREE_DEPTH = 16
@@ -168,6 +168,7 @@ def best_first(logp: list[list[float]], tokens: list[list[int]], copy: list[int]
 
 # Named trees, for teaching and for comparison with the dynamic tree (best_first, the default), which commits more
 # than any of them at the same width; "wide" suits where a wider forward is nearly free.
+DYNAMIC_TREE = "dynamic"  # Medusa's tree chosen at every step
 TREES: dict[str, list[tuple[int, ...]]] = {
     "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "small": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],

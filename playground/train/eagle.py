@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, EagleParams, GenerationParams, ModelSpec, SamplingParams, check_int
+from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
+from ..decoding.eagle import EagleParams
 from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save_head
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of

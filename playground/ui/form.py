@@ -13,8 +13,9 @@ from typing import Any
 
 import gradio as gr
 
-from ..config import MAX_GAMMA, MAX_NGRAM, ConfigError, PromptLookupParams, check_int
+from ..config import MAX_GAMMA, MAX_NGRAM, ConfigError, check_int
 from ..decoding import registry
+from ..decoding.prompt_lookup import PromptLookupParams
 from ..decoding.proposer import Proposer
 from ..decoding.spec import Algorithm, Setting
 from ..models import LoadedModel
