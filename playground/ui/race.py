@@ -85,11 +85,12 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        chosen, offered = list(rivals or []), {PLAIN: Entrant(registry.PLAIN), **racers()}
-        unknown = [r for r in chosen if r not in offered]
+        chosen, lanes_offered = list(rivals or []), racers()
+        unknown = [r for r in chosen if r not in lanes_offered]
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
-            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(list(offered)[1:])} to race "
+            raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(lanes_offered)} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        offered = {PLAIN: Entrant(registry.PLAIN), **lanes_offered}
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
         chosen_plan = as_plan(plan)
