@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +52,22 @@ class RequestOutput:
     finished: bool
     output: DecodeOutput | None = None
     error: str | None = None
+
+
+class _Ahead(NamedTuple):
+    """One group's draws made ahead on the device, before the step's one transfer: the requests (all the greedy ones,
+    or one sampled one), their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,), the side
+    rows' argmax (S,), and the generator's states (`Drawn`)."""
+
+    requests: list[Request]
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    nodes: torch.Tensor
+    side: torch.Tensor
+    states: tuple[torch.Tensor, ...]
+
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.probs, self.nodes, self.side
 
 
 @dataclass
@@ -298,14 +314,11 @@ class Engine:
         requests = plan.decode + [r for r, n in plan.prefill if r.num_computed + n >= len(r.tokens)]
         proposals = plan.proposals
         greedy = [r for r in requests if r.sampling.greedy]
-        # (requests; on the device their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,)
-        # and side rows' argmax (S,); generator states)
-        parts: list[tuple[list[Request], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                          tuple[torch.Tensor, ...]]] = []
+        parts: list[_Ahead] = []
         if greedy:
             token, prob, nodes, _ = draws_ahead(torch.cat([logits[r.id] for r in greedy]), greedy[0].sampling, None,
                                                 cells=self._cells(greedy, proposals, logits))
-            parts.append((greedy, token, prob, nodes, token[:0], ()))
+            parts.append(_Ahead(greedy, token, prob, nodes, token[:0], ()))
         for r in requests:
             proposal = proposals.get(r.id)
             if r.sampling.greedy or proposal is not None and not proposal.rule.plain:  # drawn as its rule goes
@@ -317,27 +330,27 @@ class Engine:
             token, prob, nodes, states = draws_ahead(rows[: len(depths)], r.sampling, r.generator, depths,
                                                      self._cells([r], proposals, logits))
             side = rows[len(depths) :].argmax(-1) if len(rows) > len(depths) else token[:0]  # (S,)
-            parts.append(([r], token, prob, nodes, side, states))
+            parts.append(_Ahead([r], token, prob, nodes, side, states))
         if not parts:
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()
             return {}
         # one transfer, the step's one wait for the device (float64 holds the tokens and probabilities exactly)
-        values = torch.cat([piece.double() for part in parts for piece in part[1:5] if len(piece)]).tolist()
+        values = torch.cat([piece.double() for part in parts for piece in part.pieces() if len(piece)]).tolist()
         drawn, at = {}, 0
-        for group, *pieces, states in parts:
-            split = []  # tokens, probabilities, nodes' probabilities, side rows' argmax
-            for piece in pieces:
+        for part in parts:
+            split = []  # tokens, probabilities, nodes' probabilities, side rows' argmax, read back
+            for piece in part.pieces():
                 split.append(values[at : at + len(piece)])
                 at += len(piece)
             got_tokens, got_probs, got_nodes, got_side = split
             row = node = 0
-            for r in group:
+            for r in part.requests:
                 proposal = proposals.get(r.id)
                 k = len(proposal.tokens) if proposal is not None else 0
                 count = len(logits[r.id]) if r.sampling.greedy else len(got_tokens)
                 mine = [int(t) for t in got_tokens[row : row + count]]
-                drawn[r.id] = Drawn(mine, got_probs[row : row + count], states, got_nodes[node : node + k],
+                drawn[r.id] = Drawn(mine, got_probs[row : row + count], part.states, got_nodes[node : node + k],
                                     mine[1 + k :] if r.sampling.greedy else [int(t) for t in got_side])
                 row, node = row + count, node + k
         return drawn
