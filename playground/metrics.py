@@ -19,7 +19,6 @@ from .trace import (
     PrefillEvent,
     RejectEvent,
     Trace,
-    TraceError,
     VerifyEvent,
 )
 
@@ -56,9 +55,7 @@ class Metrics:
 
 
 def compute(trace: Trace) -> Metrics:
-    finish = trace.finish()
-    if finish is None:
-        raise TraceError("events: the trace has no finish event (the run did not complete)")
+    finish = trace.finished()
     tokens = len(finish.token_ids)
     first_token = next((e.t for e in trace.events if isinstance(e, (AcceptEvent, CorrectEvent, BonusEvent))), None)
     prefills = sum(1 for e in trace.events if isinstance(e, PrefillEvent))

@@ -59,12 +59,12 @@ class Trace:
     def finish(self) -> FinishEvent | None:
         return next((e for e in reversed(self.events) if isinstance(e, FinishEvent)), None)
 
-    def output_ids(self) -> list[int]:
-        """The finished run's token ids; a trace without its finish event has none to give."""
+    def finished(self) -> FinishEvent:
+        """The finish event of a whole run; a trace without one is refused."""
         finish = self.finish()
         if finish is None:
-            raise TraceError("the trace has no finish event: the run did not end")
-        return finish.token_ids
+            raise TraceError("events: the trace has no finish event (the run did not complete)")
+        return finish
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -18,7 +18,7 @@ import torch
 
 from ..cli import model_spec
 from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
-from ..decoding.registry import ALGORITHMS, algorithm
+from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, find
 from ..decoding.tree import DYNAMIC_TREE
 from ..metrics import perfect, priced
 from ..models.transformer import Transformer
@@ -109,8 +109,8 @@ def run_of(trace: Any) -> Run:
     """A trace's run as the report counts it."""
     from ..metrics import compute
 
-    finish = trace.finish()
-    return Run(len(finish.token_ids), compute(trace).wall_s, tuple(finish.token_ids))
+    ids = trace.finished().token_ids
+    return Run(len(ids), compute(trace).wall_s, tuple(ids))
 
 
 # the rows of plain decoding on float32 weights, of plain decoding with eager forwards, and of llama.cpp
@@ -140,7 +140,8 @@ class Contender:
     @property
     def drafts(self) -> bool:
         """Whether it runs a draft model (whose chains the chain formula and assisted generation describe)."""
-        return self.algo in ALGORITHMS and ALGORITHMS[self.algo].loads_draft
+        spec = find(self.algo)
+        return spec is not None and spec.loads_draft
 
 
 def setting(proposer: Any, *extra: str) -> str:
@@ -225,13 +226,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         indices = spread(args.limit)
     target = load_model(model_spec(args))
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
-    plain = Contender("ar", "ar", None, "plain decoding")
+    plain = Contender(PLAIN, PLAIN, None, "plain decoding")
     contenders, draft = build_contenders(args, target)
     if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
-        contenders.insert(0, Contender(FLOAT32, "ar", None, "plain decoding on the dequantised float32 weights",
+        contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
     if target.forwards != "eager":  # the same weights' forwards each at its own shape: what the static shapes buy
-        contenders.insert(0, Contender(EAGER, "ar", None, "plain decoding with eager forwards",
+        contenders.insert(0, Contender(EAGER, PLAIN, None, "plain decoding with eager forwards",
                                        target=replace(target, forwards="eager")))
     hf_model = None if args.no_peers else load_hf_peer(target)
     llm = None if args.no_peers else llama_cpp_peer(source_gguf(target.spec),

@@ -16,7 +16,6 @@ from .proposer import Proposer
 from .spec import Algorithm
 
 PLAIN = "ar"  # plain decoding: no proposer
-PLAIN_LABEL = "plain (autoregressive)"
 # name -> algorithm; a new algorithm is one module and one line here
 ALGORITHMS: dict[str, Algorithm] = {spec.name: spec for spec in (
     prompt_lookup.ALGORITHM,
@@ -42,6 +41,11 @@ def unregister(name: str) -> None:
 def algorithms() -> list[str]:
     """Every algorithm's name, plain decoding first."""
     return [PLAIN, *ALGORITHMS]
+
+
+def find(name: str) -> Algorithm | None:
+    """The registered algorithm of that name; None for plain decoding (or a name not registered)."""
+    return ALGORITHMS.get(name)
 
 
 def algorithm(name: str) -> Algorithm:

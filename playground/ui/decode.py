@@ -43,12 +43,12 @@ from .form import (
     Entrant,
     Filled,
     Form,
-    algorithm_of,
     as_float,
     as_int,
     labels,
     line,
     make_proposer,
+    named,
     taking,
 )
 from .measure import measured, status_frame
@@ -185,8 +185,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     ends between two engine steps, showing nothing measured."""
     status = partial(status_frame, 11, 3)
     try:
-        chosen = algorithm_of(algo_label)
-        algo = PLAIN if chosen is None else chosen.name
+        algo = named(algo_label)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
         sampling = SamplingParams(temperature=as_float("temperature", temperature), top_k=as_int("top_k", top_k),
@@ -222,7 +221,8 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         return
     trace = median_run(traces[algo])
     against = compare(traces, PLAIN)[algo] if algo != PLAIN else None
-    same = trace.output_ids() == median_run(traces[PLAIN]).output_ids() if against and sampling.greedy else None
+    same = (trace.finished().token_ids == median_run(traces[PLAIN]).finished().token_ids if against and sampling.greedy
+            else None)
     token_text = partial(_token_text, target.tokenizer)
     prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)

@@ -17,7 +17,7 @@ from ..config import MAX_GAMMA, MAX_NGRAM, ConfigError, check_int
 from ..decoding import registry
 from ..decoding.prompt_lookup import PromptLookupParams
 from ..decoding.proposer import Proposer
-from ..decoding.spec import Algorithm, Setting
+from ..decoding.spec import Setting
 from ..models import LoadedModel
 from .models import get_draft
 
@@ -163,7 +163,8 @@ class Form:
 
 def _shows(owner: str, algo: str | None) -> bool:
     if owner == COPIES:
-        return algo in registry.ALGORITHMS and registry.ALGORITHMS[algo].grafts
+        spec = registry.find(algo) if algo is not None else None
+        return spec is not None and spec.grafts
     return owner == algo
 
 
@@ -205,7 +206,8 @@ PLAIN_COLOUR = "#1f2328"
 
 def line(entrant: Entrant) -> dict[str, str]:
     """An entrant's line in charts: its algorithm's colour (plain decoding's near black), dashed with copies."""
-    colour = PLAIN_COLOUR if entrant.algo == registry.PLAIN else registry.algorithm(entrant.algo).colour
+    spec = registry.find(entrant.algo)
+    colour = PLAIN_COLOUR if spec is None else spec.colour
     return {"color": colour, "dash": "dash" if entrant.copies is not None or entrant.kv == "paged" else "solid"}
 
 
@@ -251,10 +253,9 @@ def taking(fn: Callable, form: Form) -> Callable:
     return handler
 
 
-def algorithm_of(label: str) -> Algorithm | None:
-    """The registered algorithm a label names (None: plain decoding); an unknown label is an error naming it."""
+def named(label: str) -> str:
+    """The registry name of the algorithm a label names; an unknown label is an error naming it."""
     choices = labels()
     if label not in choices:
         raise ConfigError(f"algorithm must be one of {', '.join(choices)}, got {label!r}")
-    algo = choices[label]
-    return None if algo == registry.PLAIN else registry.algorithm(algo)
+    return choices[label]

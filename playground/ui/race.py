@@ -141,8 +141,8 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     while (t := (time.perf_counter() - start) * speed) < end and not STOPS.stopped(run):  # Stop: to the end
         yield (render_race(lanes, t), f"replaying {pace}: engine time {t:.2f} s", *[gr.update()] * 4)
         time.sleep(FRAME_S)
-    plain = shown[PLAIN].output_ids()
-    rows = [_row(speedups[name], trace.output_ids() == plain if sampling.greedy else None, name not in idle)
+    plain = shown[PLAIN].finished().token_ids
+    rows = [_row(speedups[name], trace.finished().token_ids == plain if sampling.greedy else None, name not in idle)
             for name, trace in shown.items()]
     flagged = sum(bool(s.flags) for s in speedups.values())
     done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "

@@ -24,7 +24,8 @@ def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]
     points: list[MeasuredPoint] = []
     plain: dict[str, float] = {}
     for run in history or []:
-        chains = run["algo"] in registry.ALGORITHMS and registry.ALGORITHMS[run["algo"]].loads_draft
+        spec = registry.find(run["algo"])
+        chains = spec is not None and spec.loads_draft
         if run["algo"] == registry.PLAIN:
             plain[run["prompt"]] = run["tokens_per_s"]
         elif chains and run["mean_draft"] and run["token_acceptance"] is not None:
