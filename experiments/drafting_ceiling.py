@@ -62,7 +62,7 @@ def main() -> None:
     dcfg = model.config
     cache = PagedKVCache(dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, past // 8 + 4, 8, dtype=torch.float32,
                          device="cpu")
-    cache.add_sequence(0, [])
+    cache.blocks.add_sequence(0, [])
     with torch.inference_mode():
         model(torch.zeros(1, past, dtype=torch.long), torch.arange(past).unsqueeze(0), cache, [0], num_logits=0)
 

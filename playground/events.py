@@ -51,7 +51,7 @@ class DraftEvent:
     t: float
     tokens: list[TokenInfo]
     wall_s: float
-    draft_forwards: int
+    draft_forwards: int  # forwards of a model of the proposer's own (a draft, a head) it took
     source: list[int] | None = None
     ngram: int | None = None
 

@@ -21,7 +21,7 @@ from playground.decoding.costs import ForwardCosts
 from playground.decoding.eagle import EagleParams, EagleProposer
 from playground.decoding.grafted import graft
 from playground.decoding.prompt_lookup import PromptLookupParams
-from playground.decoding.proposer import Proposal
+from playground.decoding.proposer import Drafted, Proposal
 from playground.decoding.registry import build_proposer
 from playground.engine import Engine, generate
 from playground.metrics import compute, depth_profile
@@ -112,13 +112,13 @@ def test_greedy_exact_with_copies_grafted_on_both_caches(target, head, plain_out
 def test_a_copy_grafted_onto_a_tree_runs_through_its_nodes_then_on_by_itself() -> None:
     eos = frozenset({2})
     # root -> 5 (0.6) -> 7 (0.3); root -> 6 (0.3)
-    tree = Proposal([5, 6, 7], [0, 0, 1], ["eagle"] * 3, [0.6, 0.3, 0.3], [0.6, 0.3, 0.5], forwards=2)
+    tree = Proposal([5, 6, 7], [0, 0, 1], ["eagle"] * 3, [0.6, 0.3, 0.3], [0.6, 0.3, 0.5], note=Drafted(2))
     grafted = graft(tree, [6, 9, 10], 0.5, "copy", 4, eos)
     # 6 is the tree's: now kept at 0.5 once the root is; 9 and 10 hang below it; the least likely node (10) is cut
     assert (grafted.tokens, grafted.parents, grafted.sources) == ([5, 6, 7, 9], [0, 0, 1, 2],
                                                                  ["eagle", "copy", "eagle", "copy"])
     assert grafted.reach == pytest.approx([0.6, 0.5, 0.3, 0.25]) and grafted.probs == [0.6, 0.3, 0.5, None]
-    assert grafted.forwards == 2
+    assert grafted.trace_fields()["draft_forwards"] == 2
     through = graft(tree, [5, 7, 8], 0.9, "copy", 8, eos)  # along the likeliest path, each edge at least 0.9
     assert through.tokens == [5, 7, 8, 6] and through.parents == [0, 1, 2, 0]
     assert through.reach == pytest.approx([0.9, 0.81, 0.729, 0.3])

@@ -63,8 +63,8 @@ def check_no_leak(engine: Engine) -> None:
     assert not engine.has_unfinished()
     draft = drafter(engine)
     for cache in (engine.cache, *([draft.cache] if draft is not None else [])):
-        assert cache.num_free_blocks == engine.params.num_blocks
-        assert not any(cache.allocator.refs)
+        assert cache.blocks.num_free == engine.params.num_blocks
+        assert not any(cache.blocks.allocator.refs)
 
 
 def memory_events(engine: Engine) -> list[MemoryEvent]:
@@ -591,7 +591,7 @@ def check_cache_holds(cache, model: LoadedModel, seq: int, tokens: list[int], bl
     """The paged KV of sequence `seq` equals what a recomputation of `tokens` from scratch gives."""
     length = len(tokens)
     assert cache.length(seq) == length
-    table = cache.block_table(seq)
+    table = cache.blocks.table(seq)
     slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(length)])  # (T,)
     fresh = new_cache(model.model, length, GenerationParams())
     forward_tokens(model.model, fresh, tokens)

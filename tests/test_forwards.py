@@ -86,7 +86,7 @@ def test_padded_batches_with_preemption_give_every_request_its_own_output(static
         assert {ids[i]: out.token_ids for i, out in outputs.items()} == {p: plain_outputs[p] for p in prompts}, algo
         rows = {key[0] for key in engine.runner.forwards.buckets}
         assert rows <= {1, 2, 4, 8} and rows & {4, 8}, algo  # 3 or 5 requests ran padded to 4 or 8 rows
-        assert engine.cache.num_free_blocks == 48
+        assert engine.cache.blocks.num_free == 48
 
 
 def test_captured_runs_from_one_set_of_inputs_per_shape() -> None:

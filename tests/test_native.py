@@ -431,7 +431,7 @@ def cached_rows(cache, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     length = cache.length(seq)
     if not isinstance(cache, PagedKVCache):
         return cache.k[:, seq, :, :length].clone(), cache.v[:, seq, :, :length].clone()
-    table, size = cache.block_table(seq), cache.block_size
+    table, size = cache.blocks.table(seq), cache.block_size
     slots = torch.tensor([table[j // size] * size + j % size for j in range(length)])  # (length,)
     return cache.k[:, slots].transpose(1, 2).clone(), cache.v[:, slots].transpose(1, 2).clone()
 
@@ -477,9 +477,9 @@ def test_the_layer_stack_runs_on_the_paged_pool_bit_for_bit(kernel: native.Kerne
         cache = (PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=24, block_size=4) if paged
                  else ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, max_seqs=3))
         if paged:
-            cache.allocator.allocate(24)
+            cache.blocks.allocator.allocate(24)
             for block in torch.randperm(24, generator=torch.Generator().manual_seed(0)).tolist():
-                cache.allocator.release(block)
+                cache.blocks.allocator.release(block)
         results.append(forwards(model, stack, cache, steps))
         if paged:  # every forward in one call, rows out of order too (the contiguous cache runs those by layers)
             assert len(calls) == (len(steps) if stack else 0)

@@ -34,7 +34,7 @@ def write(cache, seq: int, values: list[int]) -> torch.Tensor:
 
 def contents(cache: PagedKVCache, seq: int) -> list[int]:
     """The keys of a sequence in logical order, read straight from the pool through its block table."""
-    bs, table = cache.block_size, cache.block_table(seq)
+    bs, table = cache.block_size, cache.blocks.table(seq)
     slots = [table[j // bs] * bs + j % bs for j in range(cache.length(seq))]
     for layer in range(LAYERS):
         assert torch.equal(cache.v[layer, slots], -cache.k[layer, slots])
@@ -45,7 +45,7 @@ def test_slot_mapping_reads_keys_in_logical_order() -> None:
     cache = paged()
     keys = write(cache, 0, [10, 11, 12, 13, 14, 15])
     assert keys.flatten().tolist() == [10, 11, 12, 13, 14, 15]
-    assert len(cache.block_table(0)) == 2 and contents(cache, 0) == [10, 11, 12, 13, 14, 15]
+    assert len(cache.blocks.table(0)) == 2 and contents(cache, 0) == [10, 11, 12, 13, 14, 15]
     keys = write(cache, 0, [16])
     assert keys.flatten().tolist() == [10, 11, 12, 13, 14, 15, 16]
     memory = cache.memory()
@@ -57,11 +57,11 @@ def test_truncate_releases_blocks_and_keep_moves_slots_across_blocks() -> None:
     cache = paged()
     write(cache, 0, list(range(10)))
     cache.truncate(0, 5)
-    assert len(cache.block_table(0)) == 2 and cache.num_free_blocks == 6
+    assert len(cache.blocks.table(0)) == 2 and cache.blocks.num_free == 6
     write(cache, 0, [50, 51, 52, 53, 54])  # slots 5..9
     cache.keep(0, 5, [0, 2, 4])  # 50, 52, 54 move to slots 5, 6, 7
     assert contents(cache, 0) == [0, 1, 2, 3, 4, 50, 52, 54]
-    assert cache.num_free_blocks == 6
+    assert cache.blocks.num_free == 6
     with pytest.raises(ValueError, match="outside"):
         cache.keep(0, 6, [2])
     with pytest.raises(ValueError, match="cannot truncate"):
@@ -83,67 +83,67 @@ def test_rows_of_different_lengths_share_the_contiguous_mask() -> None:
 def test_prefix_blocks_are_shared_and_copied_on_write() -> None:
     cache = paged()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert cache.add_sequence(0, prompt) == 0
+    assert cache.blocks.add_sequence(0, prompt) == 0
     write(cache, 0, prompt)
     # A second prompt with the same first 8 tokens reuses both full blocks and computes from token 8 on.
-    assert cache.add_sequence(1, prompt[:8] + [99, 98]) == 8
-    assert cache.block_table(1) == cache.block_table(0)[:2]
+    assert cache.blocks.add_sequence(1, prompt[:8] + [99, 98]) == 8
+    assert cache.blocks.table(1) == cache.blocks.table(0)[:2]
     write(cache, 1, [99, 98])
     memory = cache.memory()
     assert memory.blocks_shared == 2 and memory.blocks_used == 4 and memory.tokens == 9 + 2
     # The same prompt again: every full block hits, but its last token is recomputed for its logits, which
     # writes into a shared block: that block is copied first and the other holders keep theirs.
     same = prompt[:8]
-    assert cache.add_sequence(2, same) == 7
-    shared_before = cache.block_table(0)[1]
+    assert cache.blocks.add_sequence(2, same) == 7
+    shared_before = cache.blocks.table(0)[1]
     write(cache, 2, [8])
-    assert cache.block_table(2)[1] != shared_before and cache.block_table(0)[1] == shared_before
+    assert cache.blocks.table(2)[1] != shared_before and cache.blocks.table(0)[1] == shared_before
     assert contents(cache, 2) == prompt[:8] and contents(cache, 0) == prompt and contents(cache, 1)[-2:] == [99, 98]
 
 
 def test_prefix_blocks_reports_blocks_still_being_computed_as_promised() -> None:
     cache = paged()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert cache.prefix_blocks(prompt) == (0, 0)
-    cache.add_sequence(0, prompt)  # its two full blocks are promised until written
-    assert cache.prefix_blocks(prompt) == (0, 2)
-    assert cache.prefix_blocks(prompt[:4] + [0, 0, 0, 0]) == (0, 1)  # the chain stops at the first difference
+    assert cache.blocks.prefix_blocks(prompt) == (0, 0)
+    cache.blocks.add_sequence(0, prompt)  # its two full blocks are promised until written
+    assert cache.blocks.prefix_blocks(prompt) == (0, 2)
+    assert cache.blocks.prefix_blocks(prompt[:4] + [0, 0, 0, 0]) == (0, 1)  # the chain stops at the first difference
     write(cache, 0, prompt[:6])  # the first block is written (and registered), the second not yet
-    assert cache.prefix_blocks(prompt) == (1, 2)
+    assert cache.blocks.prefix_blocks(prompt) == (1, 2)
     write(cache, 0, prompt[6:])
-    assert cache.prefix_blocks(prompt) == (2, 2)
-    assert cache.add_sequence(1, prompt) == 8
-    cache.free(0)
-    cache.free(1)
-    assert cache.prefix_blocks(prompt) == (2, 2)  # freed blocks stay findable until handed out
-    cache.add_sequence(2, [7, 7, 7, 7])
-    cache.free(2)  # freed before writing: nothing is promised any more
-    assert cache.prefix_blocks([7, 7, 7, 7]) == (0, 0)
+    assert cache.blocks.prefix_blocks(prompt) == (2, 2)
+    assert cache.blocks.add_sequence(1, prompt) == 8
+    cache.blocks.free(0)
+    cache.blocks.free(1)
+    assert cache.blocks.prefix_blocks(prompt) == (2, 2)  # freed blocks stay findable until handed out
+    cache.blocks.add_sequence(2, [7, 7, 7, 7])
+    cache.blocks.free(2)  # freed before writing: nothing is promised any more
+    assert cache.blocks.prefix_blocks([7, 7, 7, 7]) == (0, 0)
 
 
 def test_a_freed_prefix_stays_reusable_until_its_blocks_are_handed_out() -> None:
     cache = paged(num_blocks=3)
-    cache.add_sequence(0, [1, 2, 3, 4, 5])
+    cache.blocks.add_sequence(0, [1, 2, 3, 4, 5])
     write(cache, 0, [1, 2, 3, 4, 5])
-    cache.free(0)
-    assert cache.num_free_blocks == 3
-    assert cache.add_sequence(1, [1, 2, 3, 4, 5, 6]) == 4
+    cache.blocks.free(0)
+    assert cache.blocks.num_free == 3
+    assert cache.blocks.add_sequence(1, [1, 2, 3, 4, 5, 6]) == 4
     write(cache, 1, [5, 6])
     assert contents(cache, 1) == [1, 2, 3, 4, 5, 6]
-    cache.free(1)
+    cache.blocks.free(1)
     write(cache, 2, list(range(12)))  # takes every block, the cached prefix included
-    assert cache.add_sequence(3, [1, 2, 3, 4, 5]) == 0
+    assert cache.blocks.add_sequence(3, [1, 2, 3, 4, 5]) == 0
 
 
 def test_a_hash_hit_with_other_tokens_is_refused() -> None:
     cache = paged()
-    cache.add_sequence(0, [1, 2, 3, 4])
+    cache.blocks.add_sequence(0, [1, 2, 3, 4])
     write(cache, 0, [1, 2, 3, 4])
-    cache.add_sequence(1, [9])  # registers seq 0's block
-    (block,) = cache.block_table(0)
-    key = cache.allocator._key_of[block]
-    assert cache.allocator.lookup(key) == block
-    assert cache.allocator.lookup(BlockKey(key.hash, key.parent, (4, 3, 2, 1))) is None
+    cache.blocks.add_sequence(1, [9])  # registers seq 0's block
+    (block,) = cache.blocks.table(0)
+    key = cache.blocks.allocator._key_of[block]
+    assert cache.blocks.allocator.lookup(key) == block
+    assert cache.blocks.allocator.lookup(BlockKey(key.hash, key.parent, (4, 3, 2, 1))) is None
 
 
 def test_running_out_of_blocks_changes_nothing() -> None:
@@ -167,15 +167,15 @@ def test_random_operations_keep_the_cache_consistent(ops) -> None:
     model: dict[int, list[int]] = {}
     for op, seq, tokens in ops:
         if op == "add" and seq not in model:
-            cached = cache.add_sequence(seq, tokens)  # a prompt: its first forward writes the rest of it
+            cached = cache.blocks.add_sequence(seq, tokens)  # a prompt: its first forward writes the rest of it
             assert cached <= len(tokens) - 1 and contents(cache, seq) == tokens[:cached]
             try:
                 write(cache, seq, tokens[cached:])
             except OutOfBlocksError:
-                cache.free(seq)
+                cache.blocks.free(seq)
             else:
                 model[seq] = list(tokens)
-        elif op == "write" and (seq in model or not cache.has_sequence(seq)):
+        elif op == "write" and (seq in model or not cache.blocks.has_sequence(seq)):
             try:
                 write(cache, seq, tokens)
             except OutOfBlocksError:
@@ -187,21 +187,21 @@ def test_random_operations_keep_the_cache_consistent(ops) -> None:
             cache.truncate(seq, cut)
             del model[seq][cut:]
         elif op == "free" and seq in model:
-            cache.free(seq)
+            cache.blocks.free(seq)
             del model[seq]
         for s, expected in model.items():
             assert contents(cache, s) == expected
         holders: dict[int, int] = {}
         for s in model:
-            table = cache.block_table(s)
+            table = cache.blocks.table(s)
             assert len(table) == -(-len(model[s]) // cache.block_size)
             for block in table:
                 holders[block] = holders.get(block, 0) + 1
-        assert all(cache.allocator.refs[b] == holders.get(b, 0) for b in range(12))
-        assert cache.num_free_blocks == 12 - len(holders)
+        assert all(cache.blocks.allocator.refs[b] == holders.get(b, 0) for b in range(12))
+        assert cache.blocks.num_free == 12 - len(holders)
     for s in list(model):
-        cache.free(s)
-    assert cache.num_free_blocks == 12 and not any(cache.allocator.refs)
+        cache.blocks.free(s)
+    assert cache.blocks.num_free == 12 and not any(cache.blocks.allocator.refs)
 
 
 GREEDY_PAGED = GenerationParams(max_new_tokens=NEW_TOKENS, kv="paged", block_size=4)

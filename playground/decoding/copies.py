@@ -5,7 +5,10 @@ can take a text at best."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .proposer import Note
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +16,28 @@ class Lookup:
     tokens: list[int]  # the proposal
     start: int  # position of its first token's source in the searched sequence
     ngram: int  # length of the matched suffix
+
+
+@dataclass(frozen=True, slots=True)
+class Copied(Note):
+    """Where a proposal's copied nodes come from, for the trace: the [start, end) positions of their source in the
+    text so far and the length of the match that ends at start. In a chain (`chain`) the nodes are the source's
+    tokens in order, so the proposal's first n nodes come from its first n positions. base: the note of the tree
+    the copy was grafted onto."""
+
+    start: int
+    end: int
+    ngram: int
+    chain: bool = False
+    base: Note | None = None
+
+    def fields(self) -> dict[str, Any]:
+        base = self.base.fields() if self.base is not None else {}
+        return {**base, "source": [self.start, self.end], "ngram": self.ngram}
+
+    def first(self, n: int) -> Copied:
+        base = self.base.first(n) if self.base is not None else None
+        return replace(self, end=min(self.end, self.start + n) if self.chain else self.end, base=base)
 
 
 def occurrences(sequence: list[int], max_ngram: int) -> Iterator[tuple[int, int]]:

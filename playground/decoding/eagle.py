@@ -32,7 +32,7 @@ from ..models.linear import weights_read
 from ..waits import to_device
 from .guesses import GuessCalibration
 from .planning import OwnCost, guess_depth, weights_estimate
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+from .proposer import Cost, Drafted, Outcome, Proposal, Proposer, RequestView
 from .spec import Algorithm, Setting, Variant
 
 EAGLE_CPU_NODES = 12  # the EAGLE tree's most nodes on a CPU (see `EagleParams`)
@@ -283,7 +283,7 @@ class EagleProposer(Proposer):
                     kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
             proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
                                       [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
-                                      forwards=depth))
+                                      note=Drafted(depth)))
         return proposals
 
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[list[int]],

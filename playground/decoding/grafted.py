@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .copies import Lookup
+from .copies import Copied, Lookup
 from .guesses import Guesser
 from .planning import at, plan_width, widest_paying
 from .prompt_lookup import CopyProposer
@@ -111,7 +111,7 @@ class _WithCopies(Proposer):
         budget may cut its tail)."""
         copied = tree.sources.count(self.copies.label)
         if copy and copied:
-            tree = replace(tree, span=[copy.start, copy.start + copied], ngram=copy.ngram)
+            tree = replace(tree, note=Copied(copy.start, copy.start + copied, copy.ngram, base=tree.note))
             self.copies.remember(request, tree, [copy.ngram] * len(tree.tokens))
         return tree
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from ..config import MAX_GAMMA, MAX_NGRAM, check_int
 from ..models import LoadedModel
-from .copies import Lookup, find_continuations
+from .copies import Copied, Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 from .spec import Algorithm, Setting
@@ -114,7 +114,8 @@ class CopyProposer(Proposer):
             proposal, source = candidates([copy.tokens for copy in found],
                                           [self.rate(request, copy) for copy in found], self.label)
             first = found[0]
-            proposal = replace(proposal, span=[first.start, first.start + len(first.tokens)], ngram=first.ngram)
+            note = Copied(first.start, first.start + len(first.tokens), first.ngram, chain=proposal.is_chain())
+            proposal = replace(proposal, note=note)
             proposals[request.id] = self.remember(request, proposal, [found[c].ngram for c in source])
         return proposals
 

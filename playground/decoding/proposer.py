@@ -41,6 +41,29 @@ class SideRows:
     read: int
 
 
+class Note(ABC):
+    """What a proposer tells the trace about a proposal beyond its tokens: further fields of its draft event
+    (`events.DraftEvent`). The engine passes it on unread."""
+
+    @abstractmethod
+    def fields(self) -> dict[str, Any]:
+        """The draft event's fields this note fills."""
+
+    def first(self, n: int) -> Note:
+        """The note of the proposal's first n nodes (`Proposal.first`)."""
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Drafted(Note):
+    """A proposal drafted by `forwards` forwards of a model of the proposer's own (a draft model, a head)."""
+
+    forwards: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"draft_forwards": self.forwards}
+
+
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """Tokens to verify after a request's last token, as a tree in best-first order. sources[i]: the label of the
@@ -48,9 +71,8 @@ class Proposal:
     probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). rule: how the tokens
     are judged where a request samples (`sampling.Rule`: plain decoding's draws for one-hot proposals, the lossless
     rule for a chain sampled from distributions q, Medusa's typical acceptance). side: rows run beside it and never
-    verified (lookahead's window). For the trace: `forwards`, the model forwards proposing took; `span` and
-    `ngram`, where copied nodes come from (the [start, end) positions of their source in the text so far, and the
-    length of the match that ends at start)."""
+    verified (lookahead's window). note: what the proposer tells the trace about it (the draft event's further
+    fields), opaque to the engine."""
 
     tokens: list[int]
     parents: list[int]
@@ -59,23 +81,22 @@ class Proposal:
     probs: list[float | None] = field(default_factory=list)
     side: SideRows | None = None
     rule: Rule = PLAIN_DRAWS
-    forwards: int = 0
-    span: list[int] | None = None
-    ngram: int | None = None
+    note: Note | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], source: str, rate: float, span: list[int] | None = None,
-              ngram: int | None = None) -> Proposal:
+    def chain(cls, tokens: list[int], source: str, rate: float) -> Proposal:
         """A chain whose every token is kept with probability `rate` once the one before it was."""
         return cls(tokens, list(range(len(tokens))), [source] * len(tokens),
-                   [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens), span=span, ngram=ngram)
+                   [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens))
 
     def first(self, n: int) -> Proposal:
-        span = self.span
-        if span is not None and self.is_chain():  # a chain's nodes are its source's tokens in order
-            span = [span[0], min(span[1], span[0] + n)]
         return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
-                       reach=self.reach[:n], probs=self.probs[:n], span=span, rule=self.rule.first(n))
+                       reach=self.reach[:n], probs=self.probs[:n], rule=self.rule.first(n),
+                       note=self.note.first(n) if self.note is not None else None)
+
+    def trace_fields(self) -> dict[str, Any]:
+        """The draft event's fields its note fills (without one: no forwards of the proposer's own)."""
+        return {"draft_forwards": 0, **(self.note.fields() if self.note is not None else {})}
 
     def children(self) -> list[list[int]]:
         """Each row's children rows, best first."""

@@ -30,7 +30,7 @@ from .base import engine_cache
 from .copies import agreement
 from .guesses import Guesser, Guesses
 from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
-from .proposer import Cost, Outcome, Proposal, RequestView
+from .proposer import Cost, Drafted, Outcome, Proposal, RequestView
 from .spec import Algorithm, Setting
 
 
@@ -122,8 +122,8 @@ class DraftGuesser(Guesser):
         self.drafted = {}
 
     def pause(self, request: RequestView) -> None:
-        if self.cache is not None and self.cache.has_sequence(request.id):
-            self.cache.free(request.id)
+        if self.cache is not None and self.cache.blocks.has_sequence(request.id):
+            self.cache.blocks.free(request.id)
         self.drafted.pop(request.id, None)
 
     def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
@@ -141,7 +141,7 @@ class DraftGuesser(Guesser):
 
     def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
         proposal = super().tree(guesses, room, nodes, *copy)
-        return replace(proposal, forwards=len(guesses[0]))  # one draft forward per place drafted
+        return replace(proposal, note=Drafted(len(guesses[0])))  # one draft forward per place drafted
 
     @torch.inference_mode()
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
@@ -156,13 +156,13 @@ class DraftGuesser(Guesser):
         model, cache, forwards = self.draft.model, self.cache, self.forwards
         assert cache is not None and forwards is not None  # made by `bind`
         for r in requests:  # all added before any is sized: a prompt sharing another's blocks makes both copy them
-            if not cache.has_sequence(r.id):
-                cache.add_sequence(r.id, r.tokens[: r.num_computed + 1] if self.prefix_caching else [])
-        free = cache.num_free_blocks
+            if not cache.blocks.has_sequence(r.id):
+                cache.blocks.add_sequence(r.id, r.tokens[: r.num_computed + 1] if self.prefix_caching else [])
+        free = cache.blocks.num_free
         todo: dict[int, tuple[RequestView, list[int]]] = {}
         for r in requests:
             unseen = r.tokens[cache.length(r.id) : r.num_computed + 1]
-            need = cache.blocks_needed(r.id, max(len(unseen), CATCH_UP) + depth - 1)
+            need = cache.blocks.blocks_needed(r.id, max(len(unseen), CATCH_UP) + depth - 1)
             if need <= free:
                 free -= need
                 todo[r.id] = (r, unseen)

@@ -97,7 +97,8 @@ class Engine:
         self.record_blocks = record_blocks
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []
-        self.scheduler = Scheduler(self.params, self.cache, self.now, self._paused, self.events)
+        self.scheduler = Scheduler(self.params, self.cache.blocks, self.cache.memory, self.now, self._paused,
+                                   self.events)
         forwards = make_forwards(target.model, self.cache, target.forwards, self.params.max_running,
                                  self.proposer.taps if self.proposer is not None else ())
         self.runner = Runner(target.model, self.cache, forwards)
@@ -454,7 +455,7 @@ class Engine:
     def _record_memory(self, num_tokens: int, start: float) -> None:
         memory = self.cache.memory()
         per_token = memory.bytes_per_token
-        owners, shared = (self.cache.block_map() if self.record_blocks else None) or ([], [])
+        owners, shared = (self.cache.blocks.block_map() if self.record_blocks else None) or ([], [])
         now = self.now()
         self.events.append(MemoryEvent(
             step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,

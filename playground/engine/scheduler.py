@@ -1,5 +1,5 @@
 """Which requests run this step, and how many of their tokens: queues, the token budget, KV blocks and preemption.
-It reads and books the paged cache's blocks, never a tensor.
+It books the cache's blocks through their plain-Python book (`KVCache.blocks`), never a tensor.
 
 First-come first-served: running requests first, then waiting ones while the token budget, the running limit and
 the free blocks allow; a waiting request whose prompt blocks a running request is computing right now waits until
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import Stopper
 from ..decoding.proposer import Proposal
-from ..kv import KVCache
+from ..kv import Blocks, KVMemory
 from ..trace import Event, KVAllocEvent, KVFreeEvent, PreemptEvent
 
 if TYPE_CHECKING:
@@ -81,11 +81,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, params: EngineParams, cache: KVCache, clock: Callable[[], float],
-                 paused: Callable[[Request], None], events: list[Event]) -> None:
-        """clock: the engine's time; paused: told when a request's KV is dropped (preempted or released); events:
-        where its KV events go."""
-        self.params, self.cache, self.clock, self.paused, self.events = params, cache, clock, paused, events
+    def __init__(self, params: EngineParams, blocks: Blocks, memory: Callable[[], KVMemory],
+                 clock: Callable[[], float], paused: Callable[[Request], None], events: list[Event]) -> None:
+        """blocks: the cache's book, which the scheduler keeps; memory: the cache's memory now, for its events; clock:
+        the engine's time; paused: told when a request's KV is dropped (preempted or released); events: where its KV
+        events go."""
+        self.params, self.blocks, self.memory = params, blocks, memory
+        self.clock, self.paused, self.events = clock, paused, events
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.step = 0  # the step being scheduled, as the events name it
@@ -104,8 +106,8 @@ class Scheduler:
             if request.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(len(request.tokens) - request.num_computed, budget)
-            need = self.cache.blocks_needed(request.id, n)
-            while need > self.cache.num_free_blocks - reserved:
+            need = self.blocks.blocks_needed(request.id, n)
+            while need > self.blocks.num_free - reserved:
                 victim = self.running[-1]  # the newest: never one already planned, those are older
                 self.preempt(victim)
                 if victim is request:
@@ -121,18 +123,18 @@ class Scheduler:
         while self.waiting and (budget > 0 or static) and len(self.running) < self.params.max_running:
             request = self.waiting[0]
             prompt = request.tokens if self.params.prefix_caching else []
-            cached_blocks, promised_blocks = self.cache.prefix_blocks(prompt)
+            cached_blocks, promised_blocks = self.blocks.prefix_blocks(prompt)
             if promised_blocks > cached_blocks and not static:
                 # A running request is computing blocks of this prompt right now (requests arriving together share
                 # a system prompt): admit it once they are written and share them instead of computing them twice.
                 # A static batch is formed whole instead: waiting would shrink it.
                 break
-            cached = self.cache.add_sequence(request.id, prompt)
+            cached = self.blocks.add_sequence(request.id, prompt)
             n = min(len(request.tokens) - cached, budget)
-            need = self.cache.blocks_needed(request.id, n)
+            need = self.blocks.blocks_needed(request.id, n)
             # Leave a block per running request so they can all grow next step without preempting this one.
-            if need + len(self.running) > self.cache.num_free_blocks - reserved:
-                self.cache.free(request.id)
+            if need + len(self.running) > self.blocks.num_free - reserved:
+                self.blocks.free(request.id)
                 break
             reserved += need
             self.waiting.popleft()
@@ -157,11 +159,11 @@ class Scheduler:
         width 1) to the token budget and the blocks the step leaves free, and trims the proposals to them."""
         batch = len(plan.decode)
         budget = self.params.max_batch_tokens - plan.num_tokens
-        decode_blocks = sum(self.cache.blocks_needed(r.id, 1) for r in plan.decode)
-        free = self.cache.num_free_blocks - decode_blocks - sum(self.cache.blocks_needed(r.id, n)
+        decode_blocks = sum(self.blocks.blocks_needed(r.id, 1) for r in plan.decode)
+        free = self.blocks.num_free - decode_blocks - sum(self.blocks.blocks_needed(r.id, n)
                                                                 for r, n in plan.prefill)
         while width > 1 and (batch * (width - 1 + extra) > budget or sum(
-                self.cache.blocks_needed(r.id, width + extra) for r in plan.decode) - decode_blocks > free):
+                self.blocks.blocks_needed(r.id, width + extra) for r in plan.decode) - decode_blocks > free):
             width -= 1
         plan.width = width + extra if width > 1 else 1
         plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
@@ -177,13 +179,13 @@ class Scheduler:
 
     def release(self, request: Request) -> None:
         """Free a running request's blocks; it no longer runs."""
-        freed = self.cache.length(request.id)
-        self.cache.free(request.id)
+        freed = self.blocks.length(request.id)
+        self.blocks.free(request.id)
         self.paused(request)
         self.running.remove(request)
         self.events.append(KVFreeEvent(step=self.step, t=self.clock(), seq=request.id,
                                        num_tokens=freed, **self._bytes()))
 
     def _bytes(self) -> dict[str, int]:
-        memory = self.cache.memory()
+        memory = self.memory()
         return {"bytes_used": memory.bytes_used, "bytes_reserved": memory.bytes_reserved}

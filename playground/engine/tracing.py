@@ -89,8 +89,7 @@ class Tracer:
             if proposal.tokens:
                 chain = proposal.is_chain()
                 events.append(DraftEvent(
-                    step=step, t=times.proposed, wall_s=times.proposed - times.start, draft_forwards=proposal.forwards,
-                    source=proposal.span, ngram=proposal.ngram,
+                    step=step, t=times.proposed, wall_s=times.proposed - times.start, **proposal.trace_fields(),
                     tokens=[self.info(token, base + depths[i + 1], q=proposal.probs[i],
                                       parent=None if chain else proposal.parents[i])
                             for i, token in enumerate(proposal.tokens)]))

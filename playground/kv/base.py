@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..waits import to_device
+from .blocks import Blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +49,11 @@ class KVMemory:
 
 
 class KVCache(ABC):
-    """Contiguous and paged caches implement this: the scheduler's view (sequences and the blocks they hold), the
-    model's (where a forward's keys go and come from) and the engine's (trimming rejected tokens, memory). A cache
-    without blocks (the contiguous one) counts a row as one block."""
+    """Contiguous and paged caches implement this: the model's view (where a forward's keys go and come from) and
+    the engine's (trimming rejected tokens, memory). Their `blocks` is the scheduler's view, plain Python: the
+    sequences, their lengths and the blocks they hold (a contiguous cache counts a row as one block)."""
+
+    blocks: Blocks
 
     def _allocate(self, shape: tuple[int, ...], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device | str) -> None:
@@ -125,13 +128,13 @@ class KVCache(ABC):
         `layout.read_slots` name (the whole-stack native forward writes and reads them there); None otherwise."""
         return None
 
-    @abstractmethod
     def length(self, seq_id: int) -> int:
         """Number of committed slots of a sequence."""
+        return self.blocks.length(seq_id)
 
-    @abstractmethod
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop every slot of `seq_id` from `length` on (rejected draft tokens)."""
+        self.blocks.truncate(seq_id, length)
 
     @abstractmethod
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
@@ -141,39 +144,6 @@ class KVCache(ABC):
     @abstractmethod
     def memory(self) -> KVMemory:
         """Current memory accounting, read by traces and metrics."""
-
-    # -- the scheduler's view: sequences and their blocks ----------------------------------------------------
-
-    @abstractmethod
-    def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:
-        """Start a sequence (with prefix caching, on the cached blocks of its prompt's prefix); returns the prompt
-        tokens already cached."""
-
-    @abstractmethod
-    def free(self, seq_id: int) -> None:
-        """End a sequence and release what it held."""
-
-    @abstractmethod
-    def has_sequence(self, seq_id: int) -> bool:
-        """Whether the sequence holds slots here."""
-
-    @abstractmethod
-    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """(tokens, blocks) of a prompt's prefix already cached, which adding it would share."""
-
-    @abstractmethod
-    def blocks_needed(self, seq_id: int, num_new: int) -> int:
-        """Blocks a forward of `num_new` more tokens of the sequence would take (copies of shared ones included)."""
-
-    @property
-    @abstractmethod
-    def num_free_blocks(self) -> int:
-        """Blocks no sequence holds."""
-
-    def block_map(self) -> tuple[list[int], list[int]] | None:
-        """For a view of the blocks: each block's owner (the lowest sequence id holding it, -1 free) and the blocks
-        shared by more than one sequence; None where the cache has no blocks to show."""
-        return None
 
 
 def build_attention_mask(

@@ -1,8 +1,9 @@
 """Contiguous KV cache: one preallocated (rows x max_len) slab per layer, position-indexed.
 
-Slot j of a row holds that row's j-th token, so rolling back rejected tokens is just moving the length. Sequence i
-is row i, unless a scheduler gave it a row with `add_sequence` (the engine does): then the cache books whole rows
-as the paged cache books blocks, each row reserved for one sequence from its start to its end.
+Slot j of a row holds that row's j-th token, so rolling back rejected tokens is just moving the length. Its book
+(`Rows`) gives a sequence row i where it is i, unless a scheduler gave it a row with `add_sequence` (the engine
+does): then whole rows are booked as the paged cache's blocks are, each reserved for one sequence from its start to
+its end.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from ..waits import to_device
 from .base import AttentionLayout, KVCache, KVMemory, build_attention_mask
+from .blocks import Blocks
 
 
 def consecutive(seq_ids: tuple[int, ...]) -> slice | None:
@@ -19,6 +21,64 @@ def consecutive(seq_ids: tuple[int, ...]) -> slice | None:
     if seq_ids != tuple(range(first, first + len(seq_ids))):
         return None
     return slice(first, first + len(seq_ids))
+
+
+class Rows(Blocks):
+    """The contiguous cache's book: a row per sequence, each row's length. A row counts as one block."""
+
+    def __init__(self, max_seqs: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.lengths = [0] * max_seqs  # per row
+        self._rows: dict[int, int] = {}  # sequence id -> its row, for sequences added with `add_sequence`
+
+    def row(self, seq_id: int) -> int:
+        return self._rows.get(seq_id, seq_id)
+
+    def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:
+        """Give a sequence a free row of its own; nothing of its prompt is cached (0 tokens)."""
+        if seq_id in self._rows:
+            raise ValueError(f"sequence {seq_id} is already in the KV cache")
+        row = min(set(range(len(self.lengths))) - set(self._rows.values()))
+        self._rows[seq_id], self.lengths[row] = row, 0
+        return 0
+
+    def free(self, seq_id: int) -> None:
+        self.lengths[self._rows.pop(seq_id)] = 0
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._rows
+
+    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """No prompt is shared between rows: nothing cached, nothing promised."""
+        return 0, 0
+
+    def blocks_needed(self, seq_id: int, num_new: int) -> int:
+        """Rows a forward of `num_new` tokens would take: none while they fit the sequence's row, which it holds
+        from its start; more than there are past its end."""
+        return 0 if self.length(seq_id) + num_new <= self.max_len else len(self.lengths) + 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.lengths) - len(self._rows)
+
+    def length(self, seq_id: int) -> int:
+        return self.lengths[self.row(seq_id)]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        row = self.row(seq_id)
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+        rows = tuple(self.row(s) for s in seq_ids)
+        starts = tuple(self.lengths[r] for r in rows)
+        if max(starts) + num_new > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens per sequence; this forward needs "
+                             f"{max(starts) + num_new}")
+        for r in rows:
+            self.lengths[r] += num_new
+        return starts, []
 
 
 class ContiguousKVCache(KVCache):
@@ -39,78 +99,27 @@ class ContiguousKVCache(KVCache):
         # static-shape forward writes its padding there.
         self._allocate((num_layers, max_seqs, num_kv_heads, max_len + 1, head_dim), num_kv_heads, head_dim, dtype,
                        device)
-        self._lengths = [0] * max_seqs
-        self._rows: dict[int, int] = {}  # sequence id -> its row, for sequences added with `add_sequence`
+        self.blocks: Rows = Rows(max_seqs, max_len)
 
     @property
     def capacity(self) -> int:
         return self.max_len
 
-    def _row(self, seq_id: int) -> int:
-        return self._rows.get(seq_id, seq_id)
-
-    # -- booking rows, as the engine's scheduler books the paged cache's blocks -------------------------------
-
-    def add_sequence(self, seq_id: int, prompt_ids: list[int]) -> int:
-        """Give a sequence a free row of its own; nothing of its prompt is cached (0 tokens)."""
-        if seq_id in self._rows:
-            raise ValueError(f"sequence {seq_id} is already in the KV cache")
-        row = min(set(range(len(self._lengths))) - set(self._rows.values()))
-        self._rows[seq_id], self._lengths[row] = row, 0
-        return 0
-
-    def free(self, seq_id: int) -> None:
-        self._lengths[self._rows.pop(seq_id)] = 0
-
-    def has_sequence(self, seq_id: int) -> bool:
-        return seq_id in self._rows
-
-    def prefix_blocks(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """No prompt is shared between rows: nothing cached, nothing promised."""
-        return 0, 0
-
-    def blocks_needed(self, seq_id: int, num_new: int) -> int:
-        """Rows a forward of `num_new` tokens would take: none while they fit the sequence's row, which it holds
-        from its start; more than there are past its end."""
-        return 0 if self.length(seq_id) + num_new <= self.max_len else len(self._lengths) + 1
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._lengths) - len(self._rows)
-
-    # -- the KVCache interface ---------------------------------------------------------------------------------
-
-    def length(self, seq_id: int) -> int:
-        return self._lengths[self._row(seq_id)]
-
-    def truncate(self, seq_id: int, length: int) -> None:
-        row = self._row(seq_id)
-        if not 0 <= length <= self._lengths[row]:
-            raise ValueError(f"cannot truncate sequence {seq_id} of length {self._lengths[row]} to {length}")
-        self._lengths[row] = length
-
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
-        row = self._row(seq_id)
-        if any(o < 0 or start + o >= self._lengths[row] for o in offsets):
+        row, lengths = self.blocks.row(seq_id), self.blocks.lengths
+        if any(o < 0 or start + o >= lengths[row] for o in offsets):
             raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} "
-                             f"of length {self._lengths[row]}")
+                             f"of length {lengths[row]}")
         if offsets != list(range(len(offsets))):
             source = to_device(offsets, self.device) + start  # (n,)
             for cache in (self.k, self.v):
                 slots = cache[:, row]  # (layers, Hkv, Tmax, D)
                 # index_select copies, so moving slots over each other is safe
                 slots[:, :, start : start + len(offsets)] = slots.index_select(2, source)
-        self._lengths[row] = start + len(offsets)
+        lengths[row] = start + len(offsets)
 
     def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
-        rows = tuple(self._row(s) for s in seq_ids)
-        starts = tuple(self._lengths[r] for r in rows)
-        if max(starts) + num_new > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens per sequence; this forward needs "
-                             f"{max(starts) + num_new}")
-        for r in rows:
-            self._lengths[r] += num_new
-        return starts
+        return self.blocks.reserve(seq_ids, num_new)[0]
 
     def prepare(
         self, seq_ids: tuple[int, ...], num_new: int, attn_mask: torch.Tensor | None = None
@@ -118,13 +127,13 @@ class ContiguousKVCache(KVCache):
         starts = self.reserve(seq_ids, num_new)
         key_len = max(starts) + num_new
         mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
-        return AttentionLayout(tuple(self._row(s) for s in seq_ids), starts, num_new, key_len, mask)  # names rows
+        return AttentionLayout(tuple(self.blocks.row(s) for s in seq_ids), starts, num_new, key_len, mask)  # names rows
 
     def static_slots(self, tables: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, width: int,
                      key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One row only (an engine's contiguous cache has one): its keys are read from its first slots."""
-        if len(self._lengths) != 1:
-            raise ValueError(f"static shapes need a one-row contiguous cache, got {len(self._lengths)} rows")
+        if len(self.blocks.lengths) != 1:
+            raise ValueError(f"static shapes need a one-row contiguous cache, got {len(self.blocks.lengths)} rows")
         offsets = torch.arange(width, device=starts.device)  # (W,)
         write = torch.where(offsets < widths[0], starts[0] + offsets, self.max_len)  # (W,)
         # keys past the row's own tokens are masked, but a masked NaN still poisons the sum: read its last slot there
@@ -159,6 +168,6 @@ class ContiguousKVCache(KVCache):
         return self.k[:, rows], self.v[:, rows]  # (layers, B, Hkv, Tmax, D)
 
     def memory(self) -> KVMemory:
-        tokens = sum(self._lengths)
+        tokens = sum(self.blocks.lengths)
         reserved = self.k.shape[1] * self.max_len * self._bytes_per_token
         return KVMemory(tokens * self._bytes_per_token, reserved, tokens, self._bytes_per_token)
