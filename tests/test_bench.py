@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 
 from playground.__main__ import main
-from playground.bench.report import Costs
+from playground.bench.report import Costs, goals
 from playground.bench.suite import SUITE, spread
 from playground.decoding.medusa import dynamic_nodes
 from playground.decoding.planning import OwnCost
+from playground.decoding.registry import ALGORITHMS
 
 
 def test_bench_writes_report(tmp_path, target) -> None:
@@ -124,6 +125,21 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
                                                                   entry["draft_forward_by_bytes"]), name
     assert "draft forward over bytes" in text and "(goal <= 1.5)" in text
     assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 9
+
+
+def test_the_goals_file_names_contenders_and_bounds() -> None:
+    """A goal is data the report reads (`bench/goals.toml`): each table names a contender (or `every`), each goal
+    is a bound on a figure, so a misspelt name cannot silently drop one."""
+    contenders = {"every"}
+    for spec in ALGORITHMS.values():
+        contenders |= {spec.name, *(f"{spec.name}-{v.suffix}" for v in spec.variants)}
+        contenders |= {f"{spec.name}-copy"} if spec.grafts else set()
+    table = goals()
+    assert set(table) <= contenders and "every" in table
+    for name, entries in table.items():
+        for key, goal in entries.items():
+            bound, value = goal.split()
+            assert bound in (">=", "<=") and float(value) > 0, (name, key)
 
 
 def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:

@@ -4,9 +4,11 @@ and the environment they were measured in."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,19 +18,15 @@ import torch
 from .suite import GROUNDED
 
 REACHED = 0.9  # of the speedup its own steps predict on this machine's curve: below, the bench says where it went
-EVERY_ALGO = [("median_share_of_predicted", REACHED)]  # every algorithm's goals
-BYTES = 1.5  # the most a proposer's own drafting forward may cost over what the weights it reads predict
-AT_MOST = {"draft_forward_over_bytes": BYTES}  # goals a value must stay under, for every algorithm
-GOALS = {  # name -> (summary key, goal) as stated in the issues, shown next to the measured value
-    "speculative": [("median_speedup_vs_ar", 1.8), ("median_ratio_vs_peer", 1.5)],
-    "speculative-copy": [("median_speedup_vs_ar", 1.8)],
-    "prompt-lookup": [("median_speedup_vs_ar_grounded", 2.0), ("median_ratio_vs_peer", 1.0)],
-    "lookahead": [("median_speedup_vs_ar", 1.3)],
-    "medusa": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
-    "medusa-copy": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 2.5)],
-    "eagle": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 3.0)],
-    "eagle-copy": [("median_speedup_vs_ar", 1.8), ("median_tokens_per_target_forward", 3.0)],
-}
+GOALS_FILE = Path(__file__).with_name("goals.toml")
+
+
+@functools.cache
+def goals() -> dict[str, dict[str, str]]:
+    """The goals the report shows beside each summary figure, per contender and for `every` one: key -> ">= x" or
+    "<= x" (`goals.toml`, the project's own targets; data, not code)."""
+    with GOALS_FILE.open("rb") as file:
+        return tomllib.load(file)
 
 
 @dataclass
@@ -165,15 +163,13 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
         lines.append(line + " " + ("; ".join(r["flags"]) or "ok").replace("|", "/") + " |")
     lines.append("")
     for key, value in summary.items():
-        goal = dict(GOALS.get(name, []) + EVERY_ALGO).get(key)
+        goal = {**goals()["every"], **goals().get(name, {})}.get(key)
         if isinstance(value, list):  # per depth d = 1, 2, ...
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
         if goal is not None:
-            shown += f" (goal >= {goal})"
-        elif key in AT_MOST:
-            shown += f" (goal <= {AT_MOST[key]})"
+            shown += f" (goal {goal})"
         lines.append(f"- {key.replace('_', ' ')}: {shown}")
     for key, value in info.items():
         if key not in ("setting", "peer"):
