@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .trace import (
+    PLAIN,
     AcceptEvent,
     BonusEvent,
     CommitEvent,
@@ -21,8 +22,6 @@ from .trace import (
     Trace,
     VerifyEvent,
 )
-
-PLAIN_ALGOS = ("ar",)  # algorithms that propose nothing: acceptance metrics do not apply
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +64,7 @@ def compute(trace: Trace) -> Metrics:
     rejected = sum(1 for e in trace.events if isinstance(e, RejectEvent))
     kv_bytes = next((e.kv_bytes if isinstance(e, CommitEvent) else e.bytes_used for e in reversed(trace.events)
                      if isinstance(e, (CommitEvent, KVAllocEvent, KVFreeEvent))), None)
-    proposes = trace.algo not in PLAIN_ALGOS
+    proposes = trace.algo != PLAIN
     # The first token of a run comes from the prefill forward; every later one from a verifying forward.
     mean_accepted = (tokens - 1) / verify_forwards if proposes and verify_forwards else None
     return Metrics(
@@ -203,7 +202,7 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
     proposes: where its measured plan verified proposals in fewer than half its decode steps, what a forward as
     wide as it verified costs here (`relative_cost(width)`, in one-token forwards) against what its drafting steps
     kept; where nothing was drafted, that no acceptance applies. None where the run drafted in most steps."""
-    if trace.algo in PLAIN_ALGOS:
+    if trace.algo == PLAIN:
         return None
     seen = drafting(trace)
     if seen.steps == 0 or seen.drafting_steps >= MOSTLY_OFF * seen.steps:

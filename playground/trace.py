@@ -39,16 +39,17 @@ from .events import (
 from .trace_check import trace_fields
 
 MAX_TRACE_BYTES = 64 * 1024 * 1024
-__all__ = ["EVENT_TYPES", "SCHEMA_VERSION", "AcceptEvent", "BonusEvent", "CommitEvent", "CorrectEvent", "DraftEvent",
-           "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "LookaheadEvent", "MemoryEvent", "PrefillEvent",
-           "PreemptEvent", "RejectEvent", "TokenInfo", "Trace", "TraceError", "VerifyEvent"]
+PLAIN = "ar"  # the algorithm name of plain decoding, which proposes nothing
+__all__ = ["EVENT_TYPES", "PLAIN", "SCHEMA_VERSION", "AcceptEvent", "BonusEvent", "CommitEvent", "CorrectEvent",
+           "DraftEvent", "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "LookaheadEvent", "MemoryEvent",
+           "PrefillEvent", "PreemptEvent", "RejectEvent", "TokenInfo", "Trace", "TraceError", "VerifyEvent"]
 
 
 @dataclass(slots=True)
 class Trace:
     """Everything one generation left behind. params holds the algorithm's and sampling settings as JSON scalars."""
 
-    algo: str
+    algo: str  # a registered algorithm's name, or PLAIN
     model: str
     prompt: str
     prompt_ids: list[int]

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from ..config import ConfigError
 from ..models import LoadedModel
+from ..trace import PLAIN
 from . import eagle, lookahead, medusa, prompt_lookup, speculative
 from .grafted import Grafted, GraftedTree
 from .guesses import Guesser
@@ -15,7 +16,6 @@ from .prompt_lookup import CopyProposer, PromptLookupParams
 from .proposer import Proposer
 from .spec import Algorithm
 
-PLAIN = "ar"  # plain decoding: no proposer
 # name -> algorithm; a new algorithm is one module and one line here
 ALGORITHMS: dict[str, Algorithm] = {spec.name: spec for spec in (
     prompt_lookup.ALGORITHM,

@@ -22,7 +22,6 @@ from ..decoding import registry
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import (
     FLAT_CURVE,
-    PLAIN_ALGOS,
     Metrics,
     compute,
     depth_profile,
@@ -258,7 +257,7 @@ def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float]
     """A measured run against what this machine allows: its speedup, what its own steps predict on the forward-cost
     curve (`metrics.priced`, diluted by the prefill as the measurement is), and a perfect proposer's best (width,
     speedup) on that curve. None for plain decoding or a run with no decode step."""
-    steps = priced(trace, costs, own_cost) if against is not None and trace.algo not in PLAIN_ALGOS else None
+    steps = priced(trace, costs, own_cost) if against is not None and trace.algo != PLAIN else None
     if steps is None or against is None:
         return None
     width, best = perfect(costs)
