@@ -11,7 +11,7 @@ pool (`--corpus`), without the Jacobi window, whose guesses need the model.
     python experiments/replay_proposers.py [--new-tokens 128] [--text-ngrams 3,4,5,6] [--outputs FILE.json]
 
 `--outputs` keeps plain decoding's tokens in a JSON file (written when missing, read when present), so later
-replays skip the model. Speed is not replayed: a wider verification costs more (docs/engine.md).
+replays skip the model. Speed is not replayed: a wider verification costs more (docs/results.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ GPU_DYNAMIC_NODES = 23  # on a GPU
 def dynamic_nodes(gpu: bool) -> int:
     """The dynamic tree's most nodes when `MedusaParams.nodes` is None: the engine verifies as many of them as pay
     at this machine's measured forward costs, but choosing among more costs host time on a CPU (docs/defaults.md
-    says what was measured)."""
+    says why)."""
     return GPU_DYNAMIC_NODES if gpu else CPU_DYNAMIC_NODES
 
 

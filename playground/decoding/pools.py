@@ -86,7 +86,7 @@ class TextPools:
     (k + M - 1)-grams keyed by their first k tokens, so its continuations have the same M - 1 tokens but follow a
     longer match: after "the" many phrases go on, after "of the" fewer. A step takes up to G continuations from
     the longest key that has any, then shorter ones, skipping a guess that starts one already taken and letting
-    a longer guess replace one it starts; the forward stays as wide as with one pool (docs/defaults.md has what
+    a longer guess replace one it starts; the forward stays as wide as with one pool (docs/results.md has what
     each K measured)."""
 
     def __init__(self, guesses: int, text_ngram: int, context: int, base: TextPools | None = None) -> None:

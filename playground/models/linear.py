@@ -26,7 +26,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> native.Panels | torch.Tensor:
     """A prepacked copy of a (out, in) float32 CPU weight for `linear(..., packed=)`: panels for the native kernel
     where it is built (every row count then runs there), else oneDNN's layout (opaque to other ops), which serves
-    `PACKED_MIN_ROWS` rows and more while fewer keep the split bmm (docs/performance.md has the measurements)."""
+    `PACKED_MIN_ROWS` rows and more while fewer keep the split bmm (docs/results.md has the measurements)."""
     kernel = native.kernel()
     if kernel is not None:
         return native.pack_panels(weight, kernel)

@@ -9,10 +9,10 @@
 - 16-bit panels: a product whose every weight is exactly a float16 (or bfloat16) number packs in that format; the
   kernel widens the weights as it loads them, so the sums keep their bits and a step reads half the bytes.
 
-What each of these bought, measured, is in docs/performance.md. The build is optional: without a C compiler with
-OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the model keeps PyTorch's kernels, with the reason in
-`status()`. The library is cached under $PLAYGROUND_CACHE (or ~/.cache/decoding-playground)/native, keyed by the
-source, the compiler, the flags and this CPU's model and flags. It is built with -march=native, or for the
+How they work is in docs/performance.md, what each bought in docs/results.md. The build is optional: without a C
+compiler with OpenMP (or with PLAYGROUND_NATIVE=0) `kernel()` is None and the model keeps PyTorch's kernels, with the
+reason in `status()`. The library is cached under $PLAYGROUND_CACHE (or ~/.cache/decoding-playground)/native, keyed
+by the source, the compiler, the flags and this CPU's model and flags. It is built with -march=native, or for the
 architecture PLAYGROUND_NATIVE_ARCH names (e.g. `haswell`: the AVX2 path on an AVX-512 host, as the test suite can
 run on any x86 CPU to check the code an AVX2-only machine runs).
 """

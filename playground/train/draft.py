@@ -146,7 +146,7 @@ def generate_corpus(target: Any, prompts: list[str], answer_tokens: int, dtype: 
     grounded prompts of the second stage run from one sentence to a paragraph. bfloat16 answers faster than
     float32 on a CPU with bfloat16 instructions and is still the target writing: its answers follow float32's for
     about half their tokens before a near tie tips another way, and its labels are the same distribution to
-    bfloat16's precision (docs/defaults.md has the measurements)."""
+    bfloat16's precision (docs/results.md has the measurements)."""
     from transformers import LogitsProcessorList
 
     from ..decoding import encode_prompt
