@@ -161,7 +161,7 @@ class Scheduler:
         budget = self.params.max_batch_tokens - plan.num_tokens
         decode_blocks = sum(self.blocks.blocks_needed(r.id, 1) for r in plan.decode)
         free = self.blocks.num_free - decode_blocks - sum(self.blocks.blocks_needed(r.id, n)
-                                                                for r, n in plan.prefill)
+                                                          for r, n in plan.prefill)
         while width > 1 and (batch * (width - 1 + extra) > budget or sum(
                 self.blocks.blocks_needed(r.id, width + extra) for r in plan.decode) - decode_blocks > free):
             width -= 1
