@@ -162,8 +162,9 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
             line += (f" {r['peer']['tokens_per_s']:.1f} | {r['ratio_vs_peer']:.2f}x |" if "peer" in r else " - | - |")
         lines.append(line + " " + ("; ".join(r["flags"]) or "ok").replace("|", "/") + " |")
     lines.append("")
+    targets = {**goals()["every"], **goals().get(name, {})}
     for key, value in summary.items():
-        goal = {**goals()["every"], **goals().get(name, {})}.get(key)
+        goal = targets.get(key)
         if isinstance(value, list):  # per depth d = 1, 2, ...
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:

@@ -136,6 +136,12 @@ class KVCache(ABC):
         """Drop every slot of `seq_id` from `length` on (rejected draft tokens)."""
         self.blocks.truncate(seq_id, length)
 
+    def _check_kept(self, seq_id: int, start: int, offsets: list[int]) -> None:
+        """`keep`'s offsets must name slots the sequence holds."""
+        length = self.length(seq_id)
+        if any(o < 0 or start + o >= length for o in offsets):
+            raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} of length {length}")
+
     @abstractmethod
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
         """Keep only some of the tokens from slot `start` on: slot start + offsets[i] moves to start + i and the

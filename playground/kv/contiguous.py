@@ -106,17 +106,15 @@ class ContiguousKVCache(KVCache):
         return self.max_len
 
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
-        row, lengths = self.blocks.row(seq_id), self.blocks.lengths
-        if any(o < 0 or start + o >= lengths[row] for o in offsets):
-            raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} "
-                             f"of length {lengths[row]}")
+        self._check_kept(seq_id, start, offsets)
+        row = self.blocks.row(seq_id)
         if offsets != list(range(len(offsets))):
             source = to_device(offsets, self.device) + start  # (n,)
             for cache in (self.k, self.v):
                 slots = cache[:, row]  # (layers, Hkv, Tmax, D)
                 # index_select copies, so moving slots over each other is safe
                 slots[:, :, start : start + len(offsets)] = slots.index_select(2, source)
-        lengths[row] = start + len(offsets)
+        self.blocks.truncate(seq_id, start + len(offsets))
 
     def reserve(self, seq_ids: tuple[int, ...], num_new: int) -> tuple[int, ...]:
         return self.blocks.reserve(seq_ids, num_new)[0]

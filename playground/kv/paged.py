@@ -43,9 +43,7 @@ class PagedKVCache(KVCache):
         return self.scratch_slot  # every block of the pool
 
     def keep(self, seq_id: int, start: int, offsets: list[int]) -> None:
-        length = self.blocks.length(seq_id)
-        if any(o < 0 or start + o >= length for o in offsets):
-            raise ValueError(f"offsets {offsets} from slot {start} are outside sequence {seq_id} of length {length}")
+        self._check_kept(seq_id, start, offsets)
         if offsets != list(range(len(offsets))):
             self._copy(self.blocks.make_writable(seq_id, start, start + len(offsets)))
             table = self.blocks.table(seq_id)
