@@ -44,7 +44,10 @@ class PrefillEvent:
 class DraftEvent:
     """Proposed tokens. For proposals copied from earlier text (prompt lookup): source is the [start, end)
     positions, in prompt + generated tokens, of the copied tokens, and ngram the length of the match that
-    ends at `start` (the last `ngram` tokens so far equal the `ngram` tokens before `start`)."""
+    ends at `start` (the last `ngram` tokens so far equal the `ngram` tokens before `start`). For proposals
+    retrieved from a datastore (REST): suffix is the trailing tokens matched there and hits how often they occur.
+    For a target drafting with its own layers (self-speculation): draft_layers is how many of them each of its
+    draft forwards ran."""
 
     KIND: ClassVar[str] = "draft"
     step: int
@@ -54,6 +57,9 @@ class DraftEvent:
     draft_forwards: int  # forwards of a model of the proposer's own (a draft, a head) it took
     source: list[int] | None = None
     ngram: int | None = None
+    suffix: list[int] | None = None
+    hits: int | None = None
+    draft_layers: int | None = None
 
     def is_sibling(self, index: int) -> bool:
         """Whether tokens[index] is another guess for the first proposed position beside an earlier one (parent 0,
