@@ -29,6 +29,7 @@ from playground.decoding.planning import OwnCost, widest_paying
 from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
+from playground.decoding.self_speculative import SelfSpeculativeParams
 from playground.decoding.speculative import DraftGuesser, SpeculativeParams
 from playground.engine import Engine, ProposalCounts, Status, generate
 from playground.models import LoadedModel
@@ -233,7 +234,7 @@ def test_prompt_lookup_in_the_batch_gives_plain_outputs(target, grounded_outputs
         check_no_leak(engine)
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "medusa", "draft", "lookahead"])
+@pytest.mark.parametrize("proposer", ["lookup", "medusa", "draft", "lookahead", "rest", "self"])
 def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, proposer) -> None:
     """Under sampling a copied or guessed token is kept only when the request's own draw at its row is that token,
     which is the lossless rule for one-hot proposals and draws exactly what plain decoding draws: same seeds, same
@@ -243,7 +244,8 @@ def test_proposals_sample_what_plain_decoding_samples_seed_for_seed(target, prop
     prompts = [*GROUNDED, PROMPTS[6], PROMPTS[16]]
     # a draft or heads that cost nothing keep guessing through the refusals sampling brings, so that some are kept
     algo, on = {"lookup": ("prompt-lookup", None), "medusa": ("medusa", None),
-                "draft": ("speculative", SpeculativeParams(draft_cost=0.0)), "lookahead": ("lookahead", None)}[proposer]
+                "draft": ("speculative", SpeculativeParams(draft_cost=0.0)), "lookahead": ("lookahead", None),
+                "rest": ("rest", None), "self": ("self-speculative", SelfSpeculativeParams(draft_cost=0.0))}[proposer]
     # lookahead's window makes every row wider, which pays at batch 1 on this CPU, not at 3
     batch = 1 if proposer == "lookahead" else 3
     results, kept = [], []
@@ -307,6 +309,30 @@ def test_guesses_in_the_batch_give_plain_outputs(target, grounded_outputs, monke
 
 # A forward costs one step however wide: every proposal and window the budget and the blocks allow runs.
 FLAT = ForwardCosts((1, 2), (1.0, 1.0))
+
+
+@pytest.mark.parametrize("algo", ["rest", "self-speculative"])
+def test_retrieval_and_own_layers_in_the_batch_give_plain_outputs(target, grounded_outputs, algo) -> None:
+    """Tries of retrieved continuations, and chains the target drafts with its own layers on its own paged cache
+    (their K/V written for the drafted tokens and dropped), change how many tokens a step commits, never which: at
+    batch sizes 1, 4 and 20 every request gets plain decoding's greedy tokens, with proposals accepted and refused,
+    and every KV block free at the end (the contiguous cache runs one request: tests/test_rest.py and
+    tests/test_self_speculative.py)."""
+    generation = GenerationParams(max_new_tokens=24)
+    prompts = list(grounded_outputs)
+    label = {"rest": "rest", "self-speculative": "self"}[algo]
+    for max_running in (1, 4, 20):
+        proposer = build_proposer(target, algo)
+        if proposer.own is not None:
+            proposer.own.fixed = 0.0  # drafting priced free, so that it drafts wherever a chain could pay
+        engine = Engine(target, EngineParams(max_running=max_running), proposer=proposer, costs=FLAT)
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        for rid, prompt in ids.items():
+            assert outputs[rid].token_ids == grounded_outputs[prompt], (algo, max_running, prompt)
+        made = counts(engine, label)
+        assert made.steps > 0 and 0 < made.accepted < made.proposed, (algo, max_running)
+        check_no_leak(engine)
 
 
 def test_lookahead_in_the_batch_gives_plain_outputs(target, grounded_outputs) -> None:

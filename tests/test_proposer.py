@@ -53,7 +53,7 @@ class Bigrams(Proposer):
         self.ended = 0
         self.longest = (params or BigramParams()).longest
 
-    def bind(self, settings) -> None:
+    def bind(self, settings, cache) -> None:
         self.tables = {}
 
     def start(self, request) -> None:

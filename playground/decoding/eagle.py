@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_finite, check_int
+from ..kv import KVCache
 from ..models import LoadedModel
 from ..models.eagle import LoadedEagle, default_head, load_head
 from ..models.forwards import MIN_KEYS, Captured, bucket
@@ -127,7 +128,7 @@ class EagleProposer(Proposer):
         mix = weights_read(head.mix) if head.mix is not None else 0
         return weights_estimate(self.target.model, weights_read(head) - mix + self.eagle.output.nbytes, 1)
 
-    def bind(self, settings: Any) -> None:
+    def bind(self, settings: Any, cache: KVCache) -> None:
         self.states = {}
 
     def forget(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..kv import KVCache
 from .copies import Copied, Lookup
 from .guesses import Guesser
 from .planning import at, plan_width, widest_paying
@@ -72,9 +73,9 @@ class _WithCopies(Proposer):
         self.label = f"{inner.label}+{copies.label}"
         self.taps, self.own = inner.taps, inner.own
 
-    def bind(self, settings: Any) -> None:
-        self.inner.bind(settings)
-        self.copies.bind(settings)
+    def bind(self, settings: Any, cache: KVCache) -> None:
+        self.inner.bind(settings, cache)
+        self.copies.bind(settings, cache)
 
     def forget(self) -> None:
         self.inner.forget()

@@ -200,3 +200,24 @@ class Guesser(Proposer):
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         if proposal is not None:
             self.calibration.record(proposal, outcome.path, self.label)
+
+
+def read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
+                ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
+    """A chain's places, (log-probabilities, ids) (B, k) per place, back on the host in one transfer (float64 holds
+    both exactly): (D, B, k) lists, with the draws of `drawn` ((place, request index) -> (log q, token)) in place of
+    their ranked guesses."""
+    widths = [ids.shape[1] for _, ids in places]
+    both = torch.stack([torch.cat([v.double() for v, _ in places], dim=1),
+                        torch.cat([ids.double() for _, ids in places], dim=1)]).tolist()  # (2, B, sum of k)
+    values, tokens = both[0], [[int(t) for t in row] for row in both[1]]
+    logp: list[list[list[float]]] = []
+    chains: list[list[list[int]]] = []
+    at = 0
+    for d, k in enumerate(widths):
+        logp.append([row[at : at + k] for row in values])
+        chains.append([row[at : at + k] for row in tokens])
+        at += k
+    for (d, i), (log_q, x) in drawn.items():
+        logp[d][i], chains[d][i] = [log_q], [x]
+    return logp, chains

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, check_int
+from ..kv import KVCache
 from ..models import LoadedModel
 from ..trace import LookaheadEvent
 from .planning import NgramAcceptance
@@ -136,7 +137,7 @@ class LookaheadProposer(Proposer):
         self.corpus, self.seeds = seed_pools(target, la)  # every request's pools start as copies of these
         self.states: dict[int, _Sequence] = {}
 
-    def bind(self, settings: Any) -> None:
+    def bind(self, settings: Any, cache: KVCache) -> None:
         self.states = {}
 
     def start(self, request: RequestView) -> None:

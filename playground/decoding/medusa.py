@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_choice, check_finite, check_int
+from ..kv import KVCache
 from ..models import LoadedModel
 from ..models.forwards import Captured, bucket
 from ..models.linear import weights_read
@@ -120,7 +121,7 @@ class MedusaGuesser(Guesser):
         score."""
         return weights_estimate(self.target.model, weights_read(self.heads.heads) + self.heads.output.nbytes, 1)
 
-    def bind(self, settings: Any) -> None:
+    def bind(self, settings: Any, cache: KVCache) -> None:
         self.hidden = {}
 
     def pause(self, request: RequestView) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from ..config import MAX_GAMMA, MAX_NGRAM, check_int
+from ..kv import KVCache
 from ..models import LoadedModel
 from .copies import Copied, Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying
@@ -66,7 +67,7 @@ class CopyProposer(Proposer):
         self.accepted: dict[int, NgramAcceptance] = {}  # request id -> acceptance per matched n-gram length
         self.ngrams: dict[int, list[int | None]] = {}  # request id -> per node proposed, its copy's n-gram length
 
-    def bind(self, settings: Any) -> None:
+    def bind(self, settings: Any, cache: KVCache) -> None:
         self.accepted, self.ngrams = {}, {}
 
     def start(self, request: RequestView) -> None:

@@ -25,6 +25,7 @@ import torch
 from ..sampling import PLAIN_DRAWS, Rule
 
 if TYPE_CHECKING:
+    from ..kv import KVCache
     from .planning import OwnCost
 
 
@@ -181,9 +182,9 @@ class Proposer(ABC):
     taps: tuple[int, ...] = ()
     own: OwnCost | None = None  # the price of its own drafting forwards, where it runs any
 
-    def bind(self, settings: Any) -> None:
-        """A new engine (its `EngineParams`) takes this proposer: per-engine resources are made afresh and every
-        request's state is dropped."""
+    def bind(self, settings: Any, cache: KVCache) -> None:
+        """A new engine (its `EngineParams` and its target's KV cache) takes this proposer: per-engine resources are
+        made afresh and every request's state is dropped."""
 
     def forget(self) -> None:
         """What it learned of its proposals' acceptance goes back to its prior, so that a generation does not depend

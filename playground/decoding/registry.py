@@ -9,7 +9,7 @@ from typing import Any, cast
 from ..config import ConfigError
 from ..models import LoadedModel
 from ..trace import PLAIN
-from . import eagle, lookahead, medusa, prompt_lookup, rest, speculative
+from . import eagle, lookahead, medusa, prompt_lookup, rest, self_speculative, speculative
 from .grafted import Grafted, GraftedTree
 from .guesses import Guesser
 from .prompt_lookup import CopyProposer, PromptLookupParams
@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, Algorithm] = {spec.name: spec for spec in (
     speculative.ALGORITHM,
     eagle.ALGORITHM,
     rest.ALGORITHM,
+    self_speculative.ALGORITHM,
 )}
 
 

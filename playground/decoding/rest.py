@@ -382,13 +382,14 @@ class RestProposer(Proposer):
         """The trie as a proposal: node i's probability its count over its parent's, its reach the product of the
         calibrated probabilities down its path."""
         depths = Proposal(tokens, parents, [], []).depths()[1:]  # each node's, from 1
-        probs, reach = [], []
+        probs: list[float | None] = []
+        reach: list[float] = []
         for parent, count, depth in zip(parents, counts, depths):
             p = count / (sampled if parent == 0 else counts[parent - 1])
             probs.append(p)
             rate = min(1.0, p * self.calibration.scale(depth - 1))
             reach.append(rate * (1.0 if parent == 0 else reach[parent - 1]))
-        return Proposal(tokens, parents, [self.label] * len(tokens), reach, list(probs), note=note)
+        return Proposal(tokens, parents, [self.label] * len(tokens), reach, probs, note=note)
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         if proposal is not None and proposal.tokens:

@@ -21,8 +21,8 @@ class Setting:
     the command-line option (default: --field with dashes); label: the form field's label (empty: the app does not
     show it, as a folder of weights); note: the form field's note where the help says what only the command line
     takes; switch: for a true/false field, the value its option stores (an option `--no-x` stores False); auto:
-    the form's 0 stands for None (the parameters class then chooses); choices: the values the form offers (the
-    command line takes any the parameters class accepts)."""
+    the form's 0 (empty text for a text field) stands for None (the parameters class then chooses); choices: the
+    values the form offers (the command line takes any the parameters class accepts)."""
 
     field: str
     help: str

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import MAX_GAMMA, ConfigError, check_finite, check_int
-from ..kv import ContiguousKVCache, PagedKVCache
+from ..kv import ContiguousKVCache, KVCache, PagedKVCache
 from ..models import LoadedModel
 from ..models.forwards import Forwards, make_forwards
 from ..models.loader import default_draft, load_draft
@@ -28,7 +28,7 @@ from ..sampling import probabilities, sample
 from ..waits import to_device
 from .base import engine_cache
 from .copies import agreement
-from .guesses import Guesser, Guesses
+from .guesses import Guesser, Guesses, read_places
 from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
 from .proposer import Cost, Drafted, Outcome, Proposal, RequestView
 from .spec import Algorithm, Setting
@@ -112,7 +112,7 @@ class DraftGuesser(Guesser):
         draft = self.draft.model
         return weights_estimate(self.target.model, forward_reads(draft, self.rows), draft.config.num_layers)
 
-    def bind(self, settings: Any) -> None:
+    def bind(self, settings: Any, cache: KVCache) -> None:
         # As large as the target's cache, of its kind: a request's draft never holds more tokens than its target side.
         if self.forwards is not None:
             self.forwards.release()  # before the new cache is made, which may take what it built
@@ -218,7 +218,7 @@ class DraftGuesser(Guesser):
                 break  # the last drafted token is not read: the target's verdict on it comes first
             states = forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
             hidden = states[:, 0]  # (B, E)
-        logp, chains = _read_places(places, drawn)
+        logp, chains = read_places(places, drawn)
         out = {}
         for i, r in enumerate(drafting):
             self.drafted[r.id] = [place[i][0] for place in chains[:-1]]  # the chain: the top guess at each place
@@ -243,26 +243,6 @@ class DraftGuesser(Guesser):
 
     def describe(self) -> dict[str, Any]:
         return {"proposer": self.label, "draft": self.draft.name, "gamma": self.depth}
-
-
-def _read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
-                 ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
-    """The chain's places back on the host in one transfer, log-probabilities and ids together (float64 holds both
-    exactly): (D, B, k) lists, with the sampled requests' draws in place of their ranked guesses."""
-    widths = [ids.shape[1] for _, ids in places]
-    both = torch.stack([torch.cat([v.double() for v, _ in places], dim=1),
-                        torch.cat([ids.double() for _, ids in places], dim=1)]).tolist()  # (2, B, sum of k)
-    values, tokens = both[0], [[int(t) for t in row] for row in both[1]]
-    logp: list[list[list[float]]] = []
-    chains: list[list[list[int]]] = []
-    at = 0
-    for d, k in enumerate(widths):
-        logp.append([row[at : at + k] for row in values])
-        chains.append([row[at : at + k] for row in tokens])
-        at += k
-    for (d, i), (log_q, x) in drawn.items():
-        logp[d][i], chains[d][i] = [log_q], [x]
-    return logp, chains
 
 
 def _assisted(proposer: DraftGuesser) -> tuple[str, dict[str, Any]]:

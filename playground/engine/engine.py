@@ -91,9 +91,9 @@ class Engine:
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer
-        if self.proposer is not None:
-            self.proposer.bind(self.params)
         self.cache = engine_cache(target.model, self.params)
+        if self.proposer is not None:
+            self.proposer.bind(self.params, self.cache)
         self.record_blocks = record_blocks
         self.requests: dict[int, Request] = {}
         self.events: list[Event] = []

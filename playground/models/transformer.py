@@ -414,6 +414,7 @@ class Transformer(nn.Module):
         layout: AttentionLayout | None = None,
         layer: Layer | None = None,
         taps: tuple[int, ...] = (),
+        skip: frozenset[int] = frozenset(),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per row through the model and store their K/V.
 
@@ -426,6 +427,8 @@ class Transformer(nn.Module):
         layer: with a static layout, what runs each block that the native kernel does not (`models.compiled.layer`);
         None runs the block.
         taps: layers whose input (the residual stream entering them) is returned beside the final-norm states.
+        skip: layers not run (a target drafting with its other layers, `decoding.self_speculative`): the residual
+        stream passes them by and they store no K/V.
         Returns logits (B, T or n, V) float32 and final-norm hidden states (B, T, E), followed along the last
         dimension by the tapped layers' inputs in the order of `taps`: (B, T, (1 + len(taps)) E).
         """
@@ -448,20 +451,23 @@ class Transformer(nn.Module):
             keys, values = slabs or cast(tuple[torch.Tensor, torch.Tensor], pools)  # (layers, ...) each
             slots = None if pools is None else cast(tuple[torch.Tensor, torch.Tensor],
                                                     (layout.write_slots, layout.read_slots))  # a pool's own
-            first = 0
-            for end in sorted({*taps, cfg.num_layers}):  # one native call per run of layers between taps
-                if end > first:
-                    native.layers(stack.part(first, end) if taps else stack, x, cos, sin,
-                                  keys[first:end], values[first:end], layout.starts, layout.key_len,
-                                  None if mask is None else mask[:, 0], slots)
-                if end in taps:
-                    tapped[end] = x.clone()  # the native call updates x in place
-                first = end
+            # one native call per run of layers between taps and skipped layers (a skipped layer is a run alone)
+            cuts = sorted({0, cfg.num_layers, *taps, *skip, *(i + 1 for i in skip)})
+            for first, end in zip(cuts, cuts[1:]):
+                if first in taps:
+                    tapped[first] = x.clone()  # the native call updates x in place
+                if first in skip:
+                    continue
+                native.layers(stack.part(first, end) if len(cuts) > 2 else stack, x, cos, sin,
+                              keys[first:end], values[first:end], layout.starts, layout.key_len,
+                              None if mask is None else mask[:, 0], slots)
         else:
             attend = self.attention(layout)
             for i, block in enumerate(self.blocks):
                 if i in taps:
                     tapped[i] = x.clone()  # fused layers update x in place
+                if i in skip:
+                    continue
                 if layer is not None and static and block.kernel is None:
                     x = layer(block, x, cos, sin, cache, layout, attend)
                 else:

@@ -1,13 +1,14 @@
-"""`python -m playground.train draft|medusa|eagle|ngrams [options]`: train a draft model for speculative decoding,
-Medusa heads or an EAGLE head for a target, or write the target's answers whose n-grams seed lookahead decoding's
-pool."""
+"""`python -m playground.train draft|medusa|eagle|ngrams|datastore|layerskip [options]`: train a draft model for
+speculative decoding, Medusa heads or an EAGLE head for a target, write the target's answers whose n-grams seed
+lookahead decoding's pool, build a REST datastore, or search the layers a target drafts with for
+self-speculative decoding."""
 
 from __future__ import annotations
 
 import sys
 
 from ..cli import OneLineParser, run_cli
-from . import draft, eagle, medusa, ngrams
+from . import datastore, draft, eagle, layerskip, medusa, ngrams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     ngrams_parser = commands.add_parser("ngrams", help="write the target's answers for lookahead's corpus pool")
     ngrams.add_args(ngrams_parser)
     ngrams_parser.set_defaults(func=ngrams.main)
+    datastore_parser = commands.add_parser("datastore", help="build the REST datastore of a text or JSONL file")
+    datastore.add_args(datastore_parser)
+    datastore_parser.set_defaults(func=datastore.main)
+    layerskip_parser = commands.add_parser("layerskip", help="search the layers a target drafts with for "
+                                                            "self-speculative decoding")
+    layerskip.add_args(layerskip_parser)
+    layerskip_parser.set_defaults(func=layerskip.main)
     return run_cli(parser, argv)
 
 

@@ -226,7 +226,9 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)
     metrics = compute(trace)
+    # ids a step detail shows beside its proposals: lookahead's window and hits, a retrieval's matched suffix
     bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
+    bare |= {i for e in trace.events if isinstance(e, DraftEvent) and e.suffix for i in e.suffix}
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     proposer = proposers[algo]

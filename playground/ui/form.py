@@ -66,7 +66,8 @@ def _choices(setting: Setting) -> list[Any]:
 
 
 def read(setting: Setting, value: Any) -> Any:
-    """A field's value as its parameters class takes it; an auto field's 0 is None (the class's default)."""
+    """A field's value as its parameters class takes it; an auto field's 0 (or empty text) is None (the class's
+    default)."""
     name = setting.field
     if setting.kind is bool:
         if not isinstance(value, bool):
@@ -81,16 +82,22 @@ def read(setting: Setting, value: Any) -> Any:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, _choices(setting)))}, got {value!r}")
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be text, got {value!r}")
-    return value
+    return None if setting.auto and not value.strip() else value
 
 
 def layout() -> list[tuple[str, Setting, Any]]:
     """Every field in the form's order: (its algorithm's name, or COPIES; its setting; its starting value, the
-    parameters' default, an auto field's None as 0); an algorithm's switches after its other fields."""
+    parameters' default, an auto field's None as 0 or empty text); an algorithm's switches after its other fields."""
     fields = [(name, setting, spec.default(setting)) for name, spec in registry.ALGORITHMS.items()
               for setting in sorted(spec.settings, key=lambda setting: setting.kind is bool) if setting.label]
     fields += [(COPIES, setting, 0) for setting in COPY_SETTINGS]
-    return [(owner, setting, 0 if value is None and setting.auto else value) for owner, setting, value in fields]
+    return [(owner, setting, _unset(setting) if value is None and setting.auto else value)
+            for owner, setting, value in fields]
+
+
+def _unset(setting: Setting) -> Any:
+    """How an auto field shows None: 0, or empty text."""
+    return "" if setting.kind is str else 0
 
 
 def _field(setting: Setting, default: Any) -> gr.Component:

@@ -141,6 +141,19 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool
             f"probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>{branch(0)}</div>")
 
 
+def _origin(draft: DraftEvent, token_text: TokenText | None) -> str:
+    """Where a step's proposal came from, as its draft event says: a copied span, a datastore's match, forwards."""
+    if draft.source:
+        return f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
+    if draft.suffix:
+        return (f" retrieved after the last {len(draft.suffix)} token(s) {_ngram(draft.suffix, token_text)}, found "
+                f"{draft.hits} time(s) in the datastore ({draft.hits} hit(s))")
+    if draft.draft_forwards:
+        layers = f" of {draft.draft_layers} of the target's own layers" if draft.draft_layers else ""
+        return f" by {draft.draft_forwards} draft forward(s){layers}"
+    return ""
+
+
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None,
                        proposing: bool = False) -> str:
     """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
@@ -158,10 +171,9 @@ def render_step_detail(events: Iterable[Event], step: int | None = None, token_t
     if draft is None:
         parts.append("nothing proposed")
     else:
-        origin = (f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
-                  if draft.source else f" by {draft.draft_forwards} draft forward(s)" if draft.draft_forwards else "")
         if token_text is None:  # a trace carries each proposed token's text: show it rather than ids
             token_text = texts_of(draft)
+        origin = _origin(draft, token_text)
         verdict = "being verified..." if proposing else f"{verdicts[0]} accepted, {verdicts[1]} rejected"
         if branched(draft):
             parts.append(f"proposed a tree of {len(draft.tokens)} tokens{origin}; {verdict}")
