@@ -78,7 +78,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     report = json.loads(out_json.read_text())
     assert set(report["algos"]) == {"ar-float32", "speculative", "speculative-copy", "prompt-lookup", "lookahead",
                                     "medusa", "medusa-copy", "medusa-lossless", "medusa-typical", "eagle",
-                                    "eagle-copy", "eagle-sampled"}
+                                    "eagle-copy", "eagle-sampled", "rest", "rest-wide", "self-speculative"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled rows show what lossless and typical acceptance buy; they are not greedy

@@ -174,12 +174,14 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
                 "prompt_lookup_vs_continuous", "prompt_lookup_vs_sequential", "medusa_vs_continuous",
                 "medusa_vs_sequential",
                 "both_vs_sequential", "draft_vs_continuous", "draft_vs_sequential", "lookahead_vs_continuous",
-                "lookahead_vs_sequential", "eagle_vs_continuous", "eagle_vs_sequential"):
+                "lookahead_vs_sequential", "eagle_vs_continuous", "eagle_vs_sequential", "rest_vs_continuous",
+                "rest_vs_sequential", "self_spec_vs_continuous", "self_spec_vs_sequential"):
         assert serving[key] > 0
     assert serving["same_tokens_in_every_mode"] and set(serving["modes"]) == {
         "continuous", "static", "sequential", "continuous + prompt lookup", "sequential + prompt lookup",
         "continuous + lookahead", "sequential + lookahead", "continuous + Medusa", "sequential + Medusa",
-        "sequential + both", "continuous + draft", "sequential + draft", "continuous + EAGLE", "sequential + EAGLE"}
+        "sequential + both", "continuous + draft", "sequential + draft", "continuous + EAGLE", "sequential + EAGLE",
+        "continuous + REST", "sequential + REST", "continuous + self-spec", "sequential + self-spec"}
     assert serving["modes"]["sequential"]["mean_running"] == 1
     assert serving["modes"]["sequential"]["proposals"] == {}
     assert serving["modes"]["sequential + Medusa"]["proposals"]["medusa"]["proposed"] > 0
@@ -194,8 +196,8 @@ def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:
 
 
 def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, monkeypatch) -> None:
-    """A model with no shipped Medusa heads, draft or EAGLE head still gets the serving benchmark, without their
-    modes, and says so."""
+    """A model with no shipped Medusa heads, draft, EAGLE head or REST corpus still gets the serving benchmark,
+    without their modes, and says so."""
     from playground.bench import serving as bench_serving
 
     shipping = {name: spec for name, spec in bench_serving.ALGORITHMS.items() if spec.ships is not None}
@@ -205,7 +207,8 @@ def test_serving_benchmark_without_shipped_proposers_skips_their_modes(target, m
     serving = bench_serving.run_serving(target, 2, 4, 2, 8, 64, said.append)
     assert set(serving["modes"]) == {"continuous", "static", "sequential", "continuous + prompt lookup",
                                      "sequential + prompt lookup", "continuous + lookahead",
-                                     "sequential + lookahead"} and "medusa_vs_continuous" not in serving
+                                     "sequential + lookahead", "continuous + self-spec",
+                                     "sequential + self-spec"} and "medusa_vs_continuous" not in serving
     for spec in shipping.values():
         assert any(f"no weights of {spec.label} ship for this model" in line for line in said)
     assert "draft_vs_continuous" not in serving and "eagle_vs_continuous" not in serving

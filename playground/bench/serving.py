@@ -28,7 +28,7 @@ from .suite import workload
 
 def key(spec: Algorithm) -> str:
     """How the report's ratios name an algorithm's modes (`medusa_vs_continuous`, ...)."""
-    return spec.mode.lower().replace(" ", "_")
+    return spec.mode.lower().replace(" ", "_").replace("-", "_")
 
 
 def runs(spec: Algorithm, source: str) -> bool:

@@ -415,5 +415,5 @@ ALGORITHM = Algorithm(
      Setting("depth", f"most tokens a retrieved continuation runs ahead, 1..{MAX_GAMMA}", flag="--rest-depth",
              label=f"trie depth (1..{MAX_GAMMA})")),
     sources={"rest": ("Retrieval (REST)", "retrieved")}, colour="#56b4e9",
-    example="Explain what photosynthesis is and why it matters.",
-    variants=(Variant("wide", {"nodes": 24}, note="(a wider trie)"),))
+    example="Explain what photosynthesis is and why it matters.", ships=default_answers,
+    variants=(Variant("wide", {"nodes": 24}, note="(a wider trie)"),), short="REST")

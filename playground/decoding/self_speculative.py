@@ -219,7 +219,7 @@ class LayerSkipGuesser(Guesser):
                 for i, r in enumerate(drafting)}
 
     def describe(self) -> dict[str, Any]:
-        return {"proposer": self.label, "layers": list(self.layers), "of": self.target.model.config.num_layers,
+        return {"proposer": self.label, "layers": format_layers(self.layers), "of": self.target.model.config.num_layers,
                 "gamma": self.depth}
 
 

@@ -8,8 +8,9 @@ measured forward-cost curve predicts for a chain of g = 1..gamma drafted tokens 
 (1 + a + ... + a^g) / (cost(1 + g) + g c), at the best g. Candidates, in the spirit of SWIFT's search over skipped
 layers: every early exit (a prefix of layers), and the sets a greedy search reaches by removing, each round, the
 layer whose removal keeps a highest on a few of the answers; the best candidates are scored again on all of them.
-Written to `layers.json` (the choice, its figures and every candidate's) beside the proposal vocabulary, the
-answers' most frequent tokens, whose output rows alone a drafting forward scores.
+Written to `layers.json` (the choice, its figures and every candidate's) beside the proposal vocabulary, the most
+frequent tokens of the answers and of the target's shipped answers corpus, whose output rows alone a drafting
+forward scores.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 from ..config import EngineParams, GenerationParams, ModelSpec, check_int
 from ..decoding.planning import weights_estimate
 from ..decoding.self_speculative import EMBEDDED_LAYERS, LAYERS, format_layers
+from ..models.answers import default_answers, load_answers
 from ..models.linear import weights_read
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, OutputRows, output_rows
 from . import log
@@ -46,7 +48,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-layers", type=int, default=None,
                         help="fewest drafting layers considered (default: a quarter of the target's)")
     parser.add_argument("--proposal-vocab", type=int, default=8192,
-                        help="most frequent answer tokens a drafting forward scores, 1..vocab (default 8192)")
+                        help="most frequent tokens of the answers (and of the target's shipped answers corpus, where "
+                             "one ships) a drafting forward scores, 1..vocab (default 8192)")
     parser.add_argument("--finalists", type=int, default=6,
                         help="best candidates on the search's answers scored again on all (default 6)")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,7 +118,11 @@ def main(args: argparse.Namespace) -> int:
     outputs = engine.run_all()
     sequences = [(ids + list(outputs[rid].token_ids), len(ids)) for rid, ids in asked.items()
                  if outputs[rid].token_ids]
+    # the proposal vocabulary: the most frequent tokens of these answers and of the target's shipped answers corpus
     frequent = Counter(t for ids, at in sequences for t in ids[at:])
+    corpus = default_answers(args.model)
+    if corpus is not None:
+        frequent.update(t for answer in load_answers(corpus, model.config.vocab_size) for t in answer)
     vocab_ids = torch.tensor(sorted(t for t, _ in frequent.most_common(args.proposal_vocab)), dtype=torch.int64)
     scorer = Scorer(target, sequences, output_rows(model, vocab_ids))
     curve = forward_costs(model)
