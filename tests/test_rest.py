@@ -86,7 +86,7 @@ def test_a_datastore_from_a_users_file_drafts_its_phrases(target, tmp_path, monk
     assert drafts and all(e.suffix and e.hits for e in drafts)
     assert compute(trace).accepted >= 8  # the sentence is in the datastore: most of it is drafted and kept
     html = render_step_detail(trace.events, drafts[-1].step)
-    assert "retrieved after the last" in html and f"{drafts[-1].hits} hit" in html
+    assert "retrieved after the last" in html and f"({drafts[-1].hits} hit" in html and "in the datastore" in html
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])

@@ -229,7 +229,8 @@ ALGORITHM = Algorithm(
     (Setting("layers", "the target's layers that draft: a count of leading layers (an early exit, e.g. 12) or layers "
                        "and ranges (e.g. 0-9,12,15); default: the choice of `python -m playground.train layerskip` "
                        "shipped for the embedded model, else the first half", flag="--draft-layers",
-             label="drafting layers (e.g. 12 or 0-9,14; empty = the shipped choice)", kind=str, auto=True),
+             label="drafting layers (empty = the shipped choice)", kind=str, auto=True,
+             note="a count of leading layers (12: an early exit) or layers and ranges (0-9,14)"),
      Setting("gamma", f"most drafted tokens per step, 1..{MAX_GAMMA}; each step drafts as deep as the chain's "
                       "acceptance so far pays for", flag="--self-gamma", label="gamma (most drafted tokens, 1..16)")),
     sources={"self": ("Target's own layers", "drafted")}, colour="#882255",

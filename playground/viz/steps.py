@@ -146,8 +146,9 @@ def _origin(draft: DraftEvent, token_text: TokenText | None) -> str:
     if draft.source:
         return f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
     if draft.suffix:
-        return (f" retrieved after the last {len(draft.suffix)} token(s) {_ngram(draft.suffix, token_text)}, found "
-                f"{draft.hits} time(s) in the datastore ({draft.hits} hit(s))")
+        hits = f"{draft.hits} hit" + ("" if draft.hits == 1 else "s")
+        return (f" retrieved after the last {len(draft.suffix)} token(s) {_ngram(draft.suffix, token_text)} "
+                f"({hits} in the datastore)")
     if draft.draft_forwards:
         layers = f" of {draft.draft_layers} of the target's own layers" if draft.draft_layers else ""
         return f" by {draft.draft_forwards} draft forward(s){layers}"
