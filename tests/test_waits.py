@@ -21,7 +21,7 @@ from scripts.count_waits import step_waits
 from .prompts import PROMPTS
 
 # a step's waits beyond its draws: the proposers that read their guesses back, once a step for every request
-READS_GUESSES = {"speculative": 1, "medusa": 1, "eagle": 1}
+READS_GUESSES = {"speculative": 1, "medusa": 1, "eagle": 1, "self-speculative": 1}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_a_decode_step_waits_once_and_once_more_where_guesses_are_read(static, a
         assert [e[2] for e in shown(ours.trace)] == pytest.approx([e[2] for e in shown(theirs.trace)], rel=1e-4)
 
 
-@pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"])
+@pytest.mark.parametrize("algo", ["ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle", "rest",
+                                  "self-speculative"])
 def test_a_batch_step_waits_as_a_single_request_does(static, algo) -> None:
     """Three requests decoded together, one greedy and two sampled: each step waits as one request's does, and every
     request gets the tokens the CPU's row-by-row walk gives it."""
@@ -100,6 +101,7 @@ def test_the_script_counts_every_algorithms_waits_by_site() -> None:
     out = subprocess.run([sys.executable, "scripts/count_waits.py", "--new-tokens", "6", "--kv", "paged"],
                          capture_output=True, text=True, check=True, timeout=600).stdout
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
-    assert set(rows) == {"ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle"}
+    assert set(rows) == {"ar", "prompt-lookup", "lookahead", "speculative", "medusa", "eagle", "rest",
+                         "self-speculative"}
     assert all(int(row[3]) <= 1 + READS_GUESSES.get(algo, 0) for algo, row in rows.items())
     assert "engine.py:" in rows["ar"][4]

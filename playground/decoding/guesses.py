@@ -10,6 +10,7 @@ and on as a chain of their own, each worth at least the request's running accept
 from __future__ import annotations
 
 import math
+import time
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,8 +20,8 @@ import torch
 
 from ..sampling import Lossless
 from .copies import Lookup
-from .planning import RunningAcceptance, widest_paying
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView
+from .planning import OwnCost, RunningAcceptance, guess_depth, widest_paying
+from .proposer import Cost, Drafted, Note, Outcome, Proposal, Proposer, RequestView
 from .tree import COPY_PRIOR, best_first
 
 
@@ -201,6 +202,40 @@ class Guesser(Proposer):
         if proposal is not None:
             self.calibration.record(proposal, outcome.path, self.label)
 
+
+
+class ChainDrafter(Guesser):
+    """A guesser that drafts a chain with forwards of its own, one per place (a draft model, the target's drafting
+    layers): each step as deep as the chain's acceptance so far says pays for those forwards, priced as measured
+    (`own`), besides the wider verification."""
+
+    chained = True
+    own: OwnCost
+    unpriced_s = 0.0  # seconds of the last `chains` that are no drafting forward's (a long catch-up, paid once)
+
+    @abstractmethod
+    def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
+        """Each request's chain of `depth` places of guesses (those it drafts for)."""
+
+    def note(self, forwards: int) -> Note:
+        """What the trace says of a chain drafted by `forwards` forwards."""
+        return Drafted(forwards)
+
+    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
+                cost: Cost) -> dict[int, Guesses]:
+        price = cost.price(self.own)
+        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
+                                         lambda places: places * price))
+        start = time.perf_counter()
+        chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
+        if chains:
+            self.own.record(time.perf_counter() - start - self.unpriced_s, depth, cost.one_s)
+        return chains
+
+    def tree(self, guesses: Guesses, room: int, nodes: int, copy: Lookup | None = None, copy_rate: float = COPY_PRIOR,
+             copy_label: str = "") -> Proposal:
+        proposal = super().tree(guesses, room, nodes, copy, copy_rate, copy_label)
+        return replace(proposal, note=self.note(len(guesses.logp)))  # one forward per place drafted
 
 def read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
                 ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,9 @@ from ..models import LoadedModel
 from ..models.linear import product_bytes, weights_read
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
 from ..waits import to_device
-from .guesses import Guesser, Guesses, read_places
-from .planning import OwnCost, guess_depth, weights_estimate
-from .proposer import Cost, Drafted, Proposal, RequestView
+from .guesses import ChainDrafter, Guesses, read_places
+from .planning import OwnCost, weights_estimate
+from .proposer import Drafted, RequestView
 from .spec import Algorithm, Setting
 
 LAYERS = "layers.json"
@@ -134,15 +133,13 @@ class SkipDrafted(Drafted):
         return {"draft_forwards": self.forwards, "draft_layers": self.layers}
 
 
-class LayerSkipGuesser(Guesser):
+class LayerSkipGuesser(ChainDrafter):
     """The target's drafting layers in the engine: each decoding request's greedy chain of up to gamma tokens and the
     runner-up at its first place, batched over the requests on the target's cache (one forward of the drafting
     layers per drafted token), as deep as the chain's acceptance so far says pays for those forwards and the wider
     verification."""
 
     label = "self"
-    own: OwnCost
-    chained = True
 
     def __init__(self, target: LoadedModel, params: SelfSpeculativeParams | None = None) -> None:
         params = params or SelfSpeculativeParams()
@@ -164,20 +161,8 @@ class LayerSkipGuesser(Guesser):
     def bind(self, settings: Any, cache: KVCache) -> None:
         self.cache = cache
 
-    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
-                cost: Cost) -> dict[int, Guesses]:
-        price = cost.price(self.own)
-        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
-                                         lambda places: places * price))
-        start = time.perf_counter()
-        chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
-        if chains:
-            self.own.record(time.perf_counter() - start, depth, cost.one_s)
-        return chains
-
-    def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
-        proposal = super().tree(guesses, room, nodes, *copy)
-        return replace(proposal, note=SkipDrafted(len(guesses[0]), len(self.layers)))
+    def note(self, forwards: int) -> SkipDrafted:
+        return SkipDrafted(forwards, len(self.layers))
 
     @torch.inference_mode()
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:

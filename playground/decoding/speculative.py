@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,9 +28,9 @@ from ..sampling import probabilities, sample
 from ..waits import to_device
 from .base import engine_cache
 from .copies import agreement
-from .guesses import Guesser, Guesses, read_places
-from .planning import OwnCost, forward_reads, guess_depth, weights_estimate
-from .proposer import Cost, Drafted, Outcome, Proposal, RequestView
+from .guesses import ChainDrafter, Guesses, read_places
+from .planning import OwnCost, forward_reads, weights_estimate
+from .proposer import Outcome, Proposal, RequestView
 from .spec import Algorithm, Setting
 
 
@@ -79,7 +79,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise ConfigError(f"draft: output vocabulary of {d_size} rows, the target has {t_size}; they must be equal")
 
 
-class DraftGuesser(Guesser):
+class DraftGuesser(ChainDrafter):
     """A draft model in the engine: each decoding request's greedy chain of up to gamma tokens and the runner-up at
     its first place, batched over the requests on the draft's own cache (one forward per drafted token), as deep as
     the chain's acceptance so far says pays for the draft's forwards and the wider verification. With
@@ -87,8 +87,6 @@ class DraftGuesser(Guesser):
     judged by the lossless rule for them."""
 
     label = "draft"
-    own: OwnCost  # its drafting forwards' price, measured as it runs
-    chained = True
 
     def __init__(self, target: LoadedModel, params: SpeculativeParams | None = None,
                  draft: LoadedModel | None = None) -> None:
@@ -103,7 +101,6 @@ class DraftGuesser(Guesser):
         self.forwards: Forwards | None = None  # the draft's decode forwards over that cache, made by `bind`
         self.prefix_caching = True
         self.drafted: dict[int, list[int]] = {}  # request id -> the tokens the draft read after its last token
-        self.long_read_s = 0.0  # seconds the last `chains` spent on long catch-ups (more than CATCH_UP tokens)
 
 
     def estimate_cost(self) -> float:
@@ -125,23 +122,6 @@ class DraftGuesser(Guesser):
         if self.cache is not None and self.cache.blocks.has_sequence(request.id):
             self.cache.blocks.free(request.id)
         self.drafted.pop(request.id, None)
-
-    def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
-                cost: Cost) -> dict[int, Guesses]:
-        # Drafted tokens cost draft forwards besides the wider verification: draft only as deep as the drafted
-        # tokens' acceptance so far says pays for both.
-        price = cost.price(self.own)
-        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
-                                         lambda places: places * price))
-        start = time.perf_counter()
-        chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
-        if chains:  # a long catch-up is a prompt's or a rest's, paid once: not a drafting forward's price
-            self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s)
-        return chains
-
-    def tree(self, guesses: Guesses, room: int, nodes: int, *copy: Any) -> Proposal:
-        proposal = super().tree(guesses, room, nodes, *copy)
-        return replace(proposal, note=Drafted(len(guesses[0])))  # one draft forward per place drafted
 
     @torch.inference_mode()
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
@@ -171,7 +151,7 @@ class DraftGuesser(Guesser):
         short = [(r, unseen) for r, unseen in todo.values() if len(unseen) <= CATCH_UP]
         groups = ([short] if short else []) + [[(r, unseen)] for r, unseen in todo.values() if len(unseen) > CATCH_UP]
         last: dict[int, torch.Tensor] = {}  # request id -> (E,) the draft's final hidden state at the last token
-        self.long_read_s = 0.0
+        self.unpriced_s = 0.0  # long catch-ups (more than CATCH_UP tokens): a prompt's or a rest's
         for group in groups:  # the short group as a decode forward, a long catch-up as a prefill
             width = max(len(unseen) for _, unseen in group)
             starts = [cache.length(r.id) for r, _ in group]
@@ -184,7 +164,7 @@ class DraftGuesser(Guesser):
                 read = time.perf_counter()
                 _, states = model(to_device(ids, model.device), to_device(positions, model.device),
                                   cache, seq_ids, num_logits=0)
-                self.long_read_s += time.perf_counter() - read
+                self.unpriced_s += time.perf_counter() - read
             for i, ((r, unseen), start) in enumerate(zip(group, starts)):
                 last[r.id] = states[i, len(unseen) - 1]
                 cache.truncate(r.id, start + len(unseen))  # the padding after a shorter row
