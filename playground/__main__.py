@@ -256,7 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
         target = load_model(spec)
         serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
-              proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts)
+              proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts,
+              metrics_public=args.metrics_public)
     finally:
         sock.close()
     return 0
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $PLAYGROUND_API_KEY; "
                              "unset: no key)")
+    server.add_argument("--metrics-public", action="store_true",
+                        help="serve GET /metrics (Prometheus) without the API key (default: behind --api-key, as /v1)")
     server.add_argument("--max-waiting", type=int, default=64,
                         help=f"requests held waiting beyond --max-running, 0..{MAX_WAITING} (default 64); more get "
                              "a 503 with Retry-After")

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -53,6 +53,7 @@ from .config import (
 )
 from .decoding.proposer import Proposer
 from .models import LoadedModel
+from .prometheus import CONTENT_TYPE
 from .server import ApiError, EngineWorker, Job, Mailbox, Reply
 
 MAX_BODY_BYTES = 1 << 20
@@ -69,7 +70,8 @@ DEFAULT_MAX_TOKENS = 128
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False, 0),
     "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "parallel_tool_calls": (False,)}
-ROUTES = {"GET": ("/health", "/v1/models", "/v1/engine"), "POST": ("/v1/completions", "/v1/chat/completions")}
+ROUTES = {"GET": ("/health", "/metrics", "/v1/models", "/v1/engine"),
+          "POST": ("/v1/completions", "/v1/chat/completions")}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -244,9 +246,11 @@ def hosts_for(bound: str, allowed: tuple[str, ...] | None) -> tuple[str, ...] | 
     return LOCAL_HOSTS if local else None
 
 
-def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str, ...] | None = None) -> FastAPI:
-    """The API over a worker whose `run` is serving on another thread. api_key: when set, /v1 requests must send
-    `Authorization: Bearer <api_key>`. hosts: the Host names it answers to (None: any; see `hosts_for`).
+def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str, ...] | None = None,
+              metrics_public: bool = False) -> FastAPI:
+    """The API over a worker whose `run` is serving on another thread. api_key: when set, /v1 requests (and /metrics,
+    unless `metrics_public`) must send `Authorization: Bearer <api_key>`. hosts: the Host names it answers to (None:
+    any; see `hosts_for`).
 
     Bodies are JSON: a POST whose Content-Type is another (a browser's form or text/plain, which any web page may
     send without asking) is refused, and no CORS header is ever sent, so a page elsewhere cannot use the server.
@@ -261,6 +265,7 @@ def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        worker.metrics.failed(exc.status)
         retry = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
@@ -294,6 +299,10 @@ def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=[] if metrics_public else [Depends(authorize)])
+    async def metrics() -> Response:
+        return Response(worker.metrics.render(), media_type=CONTENT_TYPE)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -520,13 +529,13 @@ class Service:
 
     def __init__(self, target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
                  max_waiting: int = 64, quiet: bool = False, proposer: Proposer | None = None,
-                 allowed_hosts: tuple[str, ...] | None = None) -> None:
+                 allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False) -> None:
         self.worker = EngineWorker(target, params, max_waiting, proposer)
         self.url = url_of(sock)
         self.host, self.port = sock.getsockname()[:2]
         # idle keep-alive and request heads are timed out, connections that sent nothing bounded (`GuardedH11`)
         self.http = uvicorn.Server(uvicorn.Config(
-            build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts)), http=GuardedH11,
+            build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts), metrics_public), http=GuardedH11,
             timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             lifespan="off", log_level="warning" if quiet else "info", access_log=not quiet))
@@ -543,15 +552,18 @@ class Service:
 
 def serve(target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
           max_waiting: int = 64, proposer: Proposer | None = None,
-          allowed_hosts: tuple[str, ...] | None = None) -> None:
+          allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False) -> None:
     """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: what every step proposes (None: plain decoding);
-    allowed_hosts: the Host names it answers to (`hosts_for`)."""
-    service = Service(target, params, sock, api_key, max_waiting, proposer=proposer, allowed_hosts=allowed_hosts)
+    allowed_hosts: the Host names it answers to (`hosts_for`); metrics_public: /metrics without the API key."""
+    service = Service(target, params, sock, api_key, max_waiting, proposer=proposer, allowed_hosts=allowed_hosts,
+                      metrics_public=metrics_public)
     service.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: service.worker.close())
     url = service.url
     print(f"Serving {target.name} at {url} (OpenAI-style: POST /v1/completions, /v1/chat/completions; GET "
-          f"/v1/models, /v1/engine, /health{'; a Bearer API key required on /v1' if api_key else ''}). Try:\n"
+          f"/v1/models, /v1/engine, /health, /metrics (Prometheus)"
+          f"{'; a Bearer API key required on /v1' if api_key else ''}"
+          f"{' and /metrics' if api_key and not metrics_public else ''}). Try:\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           """'{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'\n"""
           "Ctrl+C stops.", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
@@ -29,6 +30,8 @@ from .decoding.proposer import Proposer
 from .engine import Engine, RequestOutput
 from .kv import blocks_for
 from .models import LoadedModel
+from .prometheus import ServerMetrics
+from .trace import PreemptEvent
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 # An idle engine thread wakes this often: a Ctrl+C that the kernel hands to another thread (HTTP, OpenMP workers)
@@ -118,6 +121,7 @@ class Job:
     replies: Mailbox | queue.Queue
     prompt: str | None = None  # /v1/completions
     messages: list[dict[str, str]] | None = None  # /v1/chat/completions
+    arrived: float = field(default_factory=time.monotonic)  # when it was made, its request read
 
 
 @dataclass(eq=False)
@@ -128,6 +132,7 @@ class Running:
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
     sent: str = ""  # text streamed so far
+    first_s: float | None = None  # seconds from its arrival to its first generated token
 
 
 class EngineWorker:
@@ -147,6 +152,8 @@ class EngineWorker:
         self.target, self.params = target, params
         self.engine = Engine(target, params, record_blocks=False, proposer=proposer)
         self.finished = 0
+        self.preemptions = 0  # over every engine this worker ran
+        self.metrics = ServerMetrics(lambda: self.state, target.name)  # read at a scrape, from another thread
         self.capacity = params.max_running + max_waiting  # jobs held at once, running or waiting
         self.held = 0  # jobs submitted and not yet answered for good
         self._inbox: queue.Queue[Job | None] = queue.Queue()  # None: close
@@ -301,7 +308,8 @@ class EngineWorker:
                                  costs=self.engine.costs)
             self._fail_all(server_error(f"the engine failed: {exc}"))
             return
-        self.engine.take_events()  # a server keeps no history; the state it reports is read from the cache
+        # a server keeps no history: it counts the preemptions; the state it reports is read from the cache
+        self.preemptions += sum(isinstance(e, PreemptEvent) for e in self.engine.take_events())
         for output in outputs:
             try:
                 self._deliver(output)
@@ -316,6 +324,8 @@ class EngineWorker:
             self._answer(self._end(output.id), Reply(error=server_error(f"the request failed: {output.error}")))
             return
         record.tokens.extend(output.new_token_ids)
+        if record.first_s is None and record.tokens:
+            record.first_s = time.monotonic() - job.arrived
         if output.finished:
             usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": len(record.tokens),
                      "total_tokens": record.prompt_tokens + len(record.tokens)}
@@ -325,6 +335,8 @@ class EngineWorker:
             reply = Reply(final.text[len(record.sent):], FINISH_REASONS[final.finish_reason], usage)
             self._end(output.id)  # only once the reply is made: a failure before leaves the record to `_step`
             self.finished += 1
+            self.metrics.answered(FINISH_REASONS[final.finish_reason], record.prompt_tokens, len(record.tokens),
+                                  record.first_s, time.monotonic() - job.arrived)
             self._answer(job, reply)
         elif job.stream:
             text = self.target.tokenizer.decode(record.tokens, skip_special_tokens=True)
@@ -343,7 +355,8 @@ class EngineWorker:
         engine = self.engine
         memory = engine.cache.memory()
         return {"model": self.target.name, "running": len(engine.running), "waiting": len(engine.waiting),
-                "finished": self.finished, "steps": engine.step_count, "engine_s": round(engine.busy_s, 3),
+                "finished": self.finished, "preemptions": self.preemptions, "steps": engine.step_count,
+                "engine_s": round(engine.busy_s, 3),
                 "kv": {"block_size": self.params.block_size, "blocks_total": memory.blocks_total,
                        "blocks_used": memory.blocks_used, "blocks_shared": memory.blocks_shared,
                        "bytes_used": memory.bytes_used, "bytes_reserved": memory.bytes_reserved},
@@ -354,4 +367,6 @@ class EngineWorker:
                     **engine.proposer.describe(),
                     "counts": {source: asdict(counts) for source, counts in engine.counts.items()},
                     # times drafting rested, its steps committing fewer tokens a second than plain ones (`Payoff`)
-                    "rests": None if engine.payoff is None else engine.payoff.rests}}
+                    "rests": None if engine.payoff is None else engine.payoff.rests},
+                # every proposal verified, as vLLM counts speculative decoding (`engine.Drafts`)
+                "drafts": None if engine.proposer is None else asdict(engine.drafts)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -71,6 +71,18 @@ class _Ahead(NamedTuple):
 
 
 @dataclass
+class Drafts:
+    """Every proposal verified so far, whoever made it, as vLLM's speculative-decoding counters count them: proposals
+    (a request's step that verified any node), nodes verified, nodes kept, and how many were kept at each depth of
+    the kept path (`accepted_at[j]`: steps that kept a node at depth j + 1)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ProposalCounts:
     """Nodes of one source verified so far: decode forwards that verified any, nodes verified, nodes kept."""
 
@@ -106,6 +118,7 @@ class Engine:
         self._step_started: float | None = None
         self._next_id = 0
         self.counts: dict[str, ProposalCounts] = {}  # source label -> its nodes verified so far
+        self.drafts = Drafts()
         self.tracer = Tracer(target.tokenizer) if trace else None
         # draw every request's rows of a step at once (`_draws`): off the CPU, where each wait for the device costs
         self.draws_ahead = target.model.device.type != "cpu"
@@ -440,6 +453,14 @@ class Engine:
             self.counts[source].proposed += 1
         for row in path:
             self.counts[proposal.sources[row - 1]].accepted += 1
+        if proposal.tokens:
+            drafts = self.drafts
+            drafts.drafts += 1
+            drafts.draft_tokens += len(proposal.tokens)
+            drafts.accepted += len(path)
+            drafts.accepted_at.extend([0] * (len(path) - len(drafts.accepted_at)))
+            for depth in range(len(path)):
+                drafts.accepted_at[depth] += 1
 
     def _paused(self, request: Request) -> None:
         if self.proposer is not None:
