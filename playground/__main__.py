@@ -212,12 +212,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     if args.trace_out:
         check_writable("trace-out", [trace_path(args.trace_out, i, len(prompts)) for i in range(len(prompts))])
+    if args.timeline_out:
+        check_writable("timeline-out", [Path(args.timeline_out)])
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
     proposer = build_proposer(args, target, params, copies)
     relative_cost = one_request_costs(target) if proposer is not None else None
+    traces = []
     for index, prompt in enumerate(prompts):
         output, trace = generate(target, prompt, proposer, sampling, generation, args.algo)
+        traces.append(trace)
         metrics = compute(trace)
         if args.json:
             record: dict[str, Any] = {
@@ -234,6 +238,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                proposer.own_cost() if proposer is not None else None), file=sys.stderr, flush=True)
         if args.trace_out:  # after the output, which a failed write then does not take with it
             save_trace(trace, trace_path(args.trace_out, index, len(prompts)))
+    if args.timeline_out:
+        from .timeline import save_timeline
+
+        try:
+            save_timeline(traces, args.timeline_out)
+        except OSError as exc:
+            raise ConfigError(f"timeline-out: could not write {str(args.timeline_out)[:80]} ({exc.strerror or exc}); "
+                              "the output above is complete") from None
     return 0
 
 
@@ -312,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--trace-out", help="write the trace JSON here (FILE-<i>.json for several prompts)")
+    gen.add_argument("--timeline-out", help="write the run's steps as a timeline here: Chrome's Trace Event JSON, "
+                                            "which Perfetto (ui.perfetto.dev) and chrome://tracing open; one track "
+                                            "per prompt")
     gen.set_defaults(func=cmd_generate)
 
     bench = commands.add_parser("bench", help="benchmark against plain decoding and transformers")

@@ -33,6 +33,7 @@ from ..metrics import (
 )
 from ..models import ModelLoadError
 from ..speedup import ROUNDS, Speedup, compare, median_run
+from ..timeline import save_timeline
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
@@ -165,11 +166,14 @@ def markdown_text(text: str, limit: int = 80) -> str:
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", html.escape(shown, quote=False))
 
 
-def _save(trace: Trace) -> str:
+def _save(trace: Trace) -> list[str]:
+    """The trace and its timeline (Chrome's Trace Event JSON, for Perfetto), as files to download."""
     folder = Path(tempfile.mkdtemp(prefix="pg-trace-"))
     path = folder / f"trace-{trace.algo}.json"  # a run's algo is a registry name
     trace.save(path)
-    return str(path)
+    timeline = folder / f"timeline-{trace.algo}.json"
+    save_timeline([trace], timeline)
+    return [str(path), str(timeline)]
 
 
 def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
@@ -389,7 +393,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 steps_plot = gr.Plot(elem_id="pg-steps-plot", show_label=False)
                 time_plot = gr.Plot(elem_id="pg-time-plot", show_label=False)
             with gr.Row():
-                download = gr.File(label="Download trace (JSON)", interactive=False)
+                download = gr.File(label="Download the trace (JSON) and its timeline (opens in ui.perfetto.dev)",
+                                   file_count="multiple", interactive=False)
                 upload = gr.File(label="Replay a trace (JSON)", file_types=[".json"], elem_id="pg-upload")
     with gr.Accordion("Per-step table", open=False):
         table = gr.Dataframe(headers=STEP_HEADERS, interactive=False, elem_id="pg-step-table")
