@@ -92,8 +92,11 @@ def test_decode_streams_to_coloured_tokens_and_a_trace(client, target):
     # the headline: measured against plain decoding over three interleaved rounds, with where a step's time went
     assert re.search(r"^### \d\\\.\d\dx plain decoding \\\(median of 3 rounds\\\)", stats)
     assert "a step keeps" in stats and "same tokens as plain decoding: yes" in stats
+    trace_file, timeline_file = trace_file  # the trace and its timeline for Perfetto, to download
     trace = json.loads(open(trace_file, encoding="utf-8").read())
     assert trace["algo"] == "prompt-lookup" and trace["events"][-1]["kind"] == "finish"
+    timeline = json.loads(open(timeline_file, encoding="utf-8").read())
+    assert any(e["ph"] == "X" and e["name"] == "verify" for e in timeline["traceEvents"])
     assert step["maximum"] == max(e["step"] for e in trace["events"])
     assert steps_plot is not None and time_plot is not None
     # the step table has a row per step whose committed tokens add up to the output (minus the prefill token)
@@ -132,7 +135,7 @@ def test_seed_minus_one_samples_afresh_and_a_seed_repeats(client):
     emptiness cannot), any other seed gives the same sample again."""
     def sample(seed):
         trace_file = decode(client, "Write one line of a poem about rain.", algo="plain (autoregressive)",
-                            max_new_tokens=12, temperature=1.5, seed=seed)[4]
+                            max_new_tokens=12, temperature=1.5, seed=seed)[4][0]
         trace = json.loads(open(trace_file, encoding="utf-8").read())
         return trace["params"]["seed"], tuple(trace["events"][-1]["token_ids"])
 
@@ -186,7 +189,7 @@ def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, 
 
 
 def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
-    trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[4]
+    trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[4][0]
     prompt_html, tokens_html, detail, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
     assert "replayed trace of **prompt\\-lookup**" in stats and "pg-tok" in tokens_html and "<b>step" in detail
     # a trace's text fields reach the page as literal text, never as markup the browser would act on
@@ -225,7 +228,7 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     for pools, text_ngram in ((["prompt", "output", "corpus"], 0), ([], 0), (["output"], 5)):
         switches = {f"lookahead_{pool}_pool": pool in pools for pool in ("prompt", "output", "corpus")}
         trace_file = decode(client, prompt, algo="lookahead", max_new_tokens=24, lookahead_text_ngram=text_ngram,
-                            **switches)[4]
+                            **switches)[4][0]
         traces[tuple(pools), text_ngram] = json.loads(open(trace_file, encoding="utf-8").read())
     header = {key: trace["params"] for key, trace in traces.items()}
     assert header[("prompt", "output", "corpus"), 0]["corpus"] == "answers.safetensors"  # named, no local folder
@@ -233,7 +236,7 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
     assert header[(), 0]["corpus"] is None and header[(), 0]["text_ngram"] == 3  # M defaults to N
     assert header[("output",), 5]["output_pool"] is True and header[("output",), 5]["text_ngram"] == 5
     # whichever pools guess, greedy output stays plain decoding's; the window alone commits fewer per forward
-    plain_file = decode(client, prompt, algo="plain (autoregressive)", max_new_tokens=24)[4]
+    plain_file = decode(client, prompt, algo="plain (autoregressive)", max_new_tokens=24)[4][0]
     plain = json.loads(open(plain_file, encoding="utf-8").read())["events"][-1]["token_ids"]
     assert all(trace["events"][-1]["token_ids"] == plain for trace in traces.values())
     forwards = {key: sum(e.get("target_forwards", 0) for e in trace["events"] if e["kind"] == "verify")
@@ -243,7 +246,7 @@ def test_lookahead_pools_and_text_ngram_reach_the_run(client):
 
 def test_lookahead_settings_reach_the_run(client):
     trace_file = decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, lookahead_window=1,
-                        lookahead_ngram=2, lookahead_guesses=3)[4]
+                        lookahead_ngram=2, lookahead_guesses=3)[4][0]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["ngram"], params["guesses"], params["text_ngram"]) == (2, 3, 2)  # M 0: N
     with pytest.raises(Exception, match=re.escape("ngram must be an integer in [2, 8], got 0")):
@@ -252,13 +255,13 @@ def test_lookahead_settings_reach_the_run(client):
 
 def test_tokens_per_proposal_zero_follows_the_copies(client, target):
     trace_file = decode(client, "Repeat: one two three, one two three.", max_new_tokens=8,
-                        prompt_lookup_num_draft=0)[4]
+                        prompt_lookup_num_draft=0)[4][0]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["num_draft"], params["branches"]) == (LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES)
     copies = PromptLookupParams(branches=1).resolve()  # one copy grafted on
     for algo in ("Medusa (tree)", "speculative (draft model)", "EAGLE (tree)"):
         trace_file = decode(client, "Repeat: one two three.", algo=algo, max_new_tokens=4, copies_copy_ngram=3,
-                            copies_copy_tokens=0)[4]
+                            copies_copy_tokens=0)[4][0]
         assert json.loads(open(trace_file, encoding="utf-8").read())["params"]["copy_num_draft"] == copies.num_draft
 
 
@@ -268,7 +271,7 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
     assert "tokens per target forward" in outputs[3]
     assert re.search(r"a drafting forward priced at \d\.\d\d target forwards \(the bytes it reads predict \d\.\d\d\)",
                      outputs[3])  # the head's, as planned, beside its bytes' prediction
-    trace = Trace.load(outputs[4])
+    trace = Trace.load(outputs[4][0])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)
     trees = [e.step for e in trace.events if isinstance(e, DraftEvent) and branched(e)]
@@ -283,7 +286,7 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
     assert "proposed" in detail and "tokens per target forward" in stats
     _, _, replayed = client.predict(2, api_name="/replay_step")  # replay reads token texts from the trace alone
     assert "<b>step 2</b>" in replayed and "Proposal tree (" in replayed
-    _, _, _, summary, *_ = client.predict(handle_file(outputs[4]), api_name="/load_trace")
+    _, _, _, summary, *_ = client.predict(handle_file(outputs[4][0]), api_name="/load_trace")
     _, _, uploaded = client.predict(2, api_name="/replay_step")  # the uploaded trace's step 2, with no model
     assert "replayed trace of **medusa**" in summary and "Proposal tree (" in uploaded
     prompt_html, _, detail, *_ = decode(client, "Repeat exactly: red green blue, red green blue, red green blue.",

@@ -197,3 +197,31 @@ def test_the_kernel_suite_reads_the_products_against_the_fma_bound(tmp_path, tar
     assert {p["rows"] for p in products} == {1, 4, 8, 12, kernel["rows_per_pass"]}
     assert all(0 < p["share_of_peak"] < 1.5 and p["gfma_per_s"] > 0 for p in products)  # a bound bounds
     assert "| 3072x576 | Q4_1 | 12 |" in out_md.read_text()
+
+
+def test_bench_races_a_spec_bench_file_per_category(tmp_path) -> None:
+    """Spec-Bench's question.jsonl format (a few rows of two categories, two turns each): each row's first turn is
+    raced under its category, `--per-category` samples, and the report tabulates each category's speedup and mean
+    accepted tokens beside the project's columns; a bad file is one line before any model loads."""
+    questions = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": category, "turns": [text, "And then?"]} for i, (category, text) in
+            enumerate([("summarization", "Summarise: the cat sat on the mat and the cat sat on the mat."),
+                       ("math_reasoning", "What is 12 times 12?"), ("summarization", "Summarise: rain fell."),
+                       ("math_reasoning", "What is 3 plus 4?")])]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "b.json"
+    assert main(["bench", "--prompts", str(questions), "--per-category", "1", "--algos", "prompt-lookup",
+                 "--max-new-tokens", "6", "--rounds", "1", "--no-peers", "--device", "cpu", "--json", str(out),
+                 "--markdown", str(tmp_path / "b.md")]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["category"], r["prompt"]) for r in report["prompts"]] == [
+        ("summarization", rows[0]["turns"][0]), ("math_reasoning", rows[1]["turns"][0])]
+    table = report["summary"]["algos"]["prompt-lookup"]["by_category"]
+    assert set(table) == {"summarization", "math_reasoning"} and all(
+        v["prompts"] == 1 and v["median_speedup"] > 0 and v["mean_accepted_tokens"] >= 1 for v in table.values())
+    text = (tmp_path / "b.md").read_text()
+    assert "| category | prompts | speedup (median) | mean accepted tokens |" in text
+    assert "| summarization | 1 |" in text
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    assert main(["bench", "--prompts", str(bad)]) == 2

@@ -25,7 +25,7 @@ from ..models.transformer import Transformer
 from ..speedup import ROUNDS, compare, measure, median_run
 from .peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
 from .report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
-from .suite import GROUNDED, SUITE, spread
+from .suite import GROUNDED, SUITE, per_category, read_prompts_file, spread
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +37,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="1..4096 (default 128); serving: the longest output limit of the workload")
     parser.add_argument("--limit", type=int, default=None,
                         help="run only N prompts of the suite, spread over its categories (one of each first)")
+    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help="the prompts to race instead of the built-in suite: JSONL rows {\"prompt\": ..., "
+                             "\"category\": ...} or Spec-Bench's question.jsonl (each row's first turn, by its "
+                             "category); the report adds a table per category as Spec-Bench tabulates")
+    parser.add_argument("--per-category", type=int, default=None,
+                        help="run only the first N prompts of each category, 1..1000")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help=f"runs of plain decoding and each algorithm per prompt, interleaved; speedups are the "
                              f"median of their rounds' ratios, 1..10 (default {ROUNDS})")
@@ -220,10 +226,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_kernel(args)
     check_int("gamma", args.gamma, 1, MAX_GAMMA)  # refused before any model loads
     args.algos = parse_algos(args.algos)
-    indices = list(range(len(SUITE)))
+    suite = SUITE if args.prompts is None else read_prompts_file(args.prompts)
+    indices = list(range(len(suite)))
+    if args.per_category is not None:
+        check_int("per_category", args.per_category, 1, 1000)
+        indices = per_category(suite, args.per_category)
     if args.limit is not None:
-        check_int("limit", args.limit, 1, len(SUITE))
-        indices = spread(args.limit)
+        check_int("limit", args.limit, 1, len(indices))
+        chosen = spread(args.limit, [suite[i] for i in indices])
+        indices = [indices[i] for i in chosen]
     target = load_model(model_spec(args))
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender(PLAIN, PLAIN, None, "plain decoding")
@@ -262,7 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plain_costs, costs = Costs(), {contender.name: Costs() for contender in contenders}
     plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
     for run, index in enumerate(indices):
-        category, prompt = SUITE[index]
+        category, prompt = suite[index]
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
         # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
@@ -370,6 +381,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if grounded and open_ended:
             entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
             entry["median_speedup_vs_ar_open"] = statistics.median(open_ended)
+        categories = sorted({r["category"] for r in rows})
+        if len(categories) > 1:  # as Spec-Bench tabulates: each category's speedup and mean accepted tokens
+            entry["by_category"] = {c: {
+                "prompts": sum(r["category"] == c for r in rows),
+                "median_speedup": statistics.median(r["algos"][name]["speedup_vs_ar"] for r in rows
+                                                    if r["category"] == c),
+                "mean_accepted_tokens": statistics.mean(r["algos"][name]["mean_accepted_tokens"] for r in rows
+                                                        if r["category"] == c)} for c in categories}
         if all("ratio_vs_peer" in r for r in results):
             entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
         entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)

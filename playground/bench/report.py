@@ -165,6 +165,12 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
     targets = {**goals()["every"], **goals().get(name, {})}
     for key, value in summary.items():
         goal = targets.get(key)
+        if key == "by_category":
+            lines += ["", "| category | prompts | speedup (median) | mean accepted tokens |", "|---|---|---|---|"]
+            lines += [f"| {c} | {v['prompts']} | {v['median_speedup']:.2f}x | {v['mean_accepted_tokens']:.2f} |"
+                      for c, v in value.items()]
+            lines.append("")
+            continue
         if isinstance(value, list):  # per depth d = 1, 2, ...
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:

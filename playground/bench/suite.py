@@ -6,9 +6,12 @@ their source text inside the prompt, which is where prompt-lookup decoding shoul
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
 
-from ..config import GenerationParams
+from ..config import ConfigError, GenerationParams
 
 PASSAGE_TIDES = (
     "Tides are the regular rise and fall of the sea surface. They are caused mainly by the Moon's gravity, which "
@@ -57,19 +60,58 @@ SUITE: tuple[tuple[str, str], ...] = (
 )
 
 
-def spread(count: int) -> list[int]:
-    """The suite indices of `count` prompts spread over the categories, in suite order: the first prompt of every
-    category, then the second of every category, and so on, until `count` are taken. Why: a short run (`--limit`)
-    should sample every kind of task; the suite's first 7 prompts hold no maths, translation or rewriting, and on
-    them Medusa with copies replays 1.87 tokens per forward against 2.47 over all 14."""
-    if not 1 <= count <= len(SUITE):
-        raise ValueError(f"count must be in 1..{len(SUITE)}, got {count}")
+def spread(count: int, suite: Sequence[tuple[str, str]] = SUITE) -> list[int]:
+    """The indices of `count` prompts of a suite spread over its categories, in suite order: the first prompt of
+    every category, then the second of every category, and so on, until `count` are taken. Why: a short run
+    (`--limit`) should sample every kind of task; the built-in suite's first 7 prompts hold no maths, translation or
+    rewriting, and on them Medusa with copies replays 1.87 tokens per forward against 2.47 over all 14."""
+    if not 1 <= count <= len(suite):
+        raise ValueError(f"count must be in 1..{len(suite)}, got {count}")
     seen: Counter[str] = Counter()
     rank = []  # (how many of its category come before it, suite index) per prompt
-    for index, (category, _) in enumerate(SUITE):
+    for index, (category, _) in enumerate(suite):
         rank.append((seen[category], index))
         seen[category] += 1
     return sorted(index for _, index in sorted(rank)[:count])
+
+
+def per_category(suite: Sequence[tuple[str, str]], count: int) -> list[int]:
+    """The indices of the first `count` prompts of each category, in suite order."""
+    seen: Counter[str] = Counter()
+    kept = []
+    for index, (category, _) in enumerate(suite):
+        if seen[category] < count:
+            kept.append(index)
+        seen[category] += 1
+    return kept
+
+
+def read_prompts_file(path: str) -> tuple[tuple[str, str], ...]:
+    """(category, prompt) per row of a JSONL file: `{"prompt": ..., "category": ...}` (category optional: "file"), or
+    a row of Spec-Bench's `question.jsonl` (`{"question_id", "category", "turns": [...]}`: its first turn). A bad row
+    is one message naming its line."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"prompts: no such file {path!r} (a JSONL file of prompts, or Spec-Bench's question.jsonl)")
+    suite = []
+    for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"prompts: line {number} is not JSON") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            prompt = turns[0]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f"prompts: line {number} must hold a \"prompt\" string or Spec-Bench's \"turns\" list")
+        category = row.get("category", "file")
+        suite.append((category if isinstance(category, str) and category else "file", prompt))
+    if not suite:
+        raise ConfigError(f"prompts: {path!r} holds no prompts")
+    return tuple(suite)
 
 
 LENGTH_EIGHTHS = (8, 2, 4, 6, 1, 8, 3, 5)  # output limits in eighths of --max-new-tokens, cycled
