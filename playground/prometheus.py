@@ -82,12 +82,12 @@ class ServerMetrics:
                                      registry=registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated for the requests answered.",
                                          model_only, registry=registry)
-        self.first_token = Histogram(PREFIX + "time_to_first_token_seconds", "From a request's arrival at the "
-                                     "engine to its first generated token.", model_only, registry=registry,
+        self.first_token = Histogram(PREFIX + "time_to_first_token_seconds", "From a request's arrival (its body read) "
+                                     "to its first generated token, queueing included.", model_only, registry=registry,
                                      buckets=LATENCY_BUCKETS)
         self.per_token = Histogram(PREFIX + "time_per_output_token_seconds", "A request's time per generated "
                                    "token after its first.", model_only, registry=registry, buckets=TOKEN_BUCKETS)
-        self.latency = Histogram(PREFIX + "e2e_request_latency_seconds", "From a request's arrival at the engine to "
+        self.latency = Histogram(PREFIX + "e2e_request_latency_seconds", "From a request's arrival (its body read) to "
                                  "its last token.", model_only, registry=registry, buckets=LATENCY_BUCKETS)
         self.registry.register(EngineState(state, model))
 

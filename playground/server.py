@@ -304,8 +304,10 @@ class EngineWorker:
             traceback.print_exc()
             # a fresh engine over the same proposer (its weights loaded once; its per-request state dropped)
             self.engine.close()
+            drafts = self.engine.drafts  # its counters go on (Prometheus's counters never go back)
             self.engine = Engine(self.target, self.params, record_blocks=False, proposer=self.engine.proposer,
                                  costs=self.engine.costs)
+            self.engine.drafts = drafts
             self._fail_all(server_error(f"the engine failed: {exc}"))
             return
         # a server keeps no history: it counts the preemptions; the state it reports is read from the cache
