@@ -263,7 +263,7 @@ def test_a_registered_algorithm_appears_on_every_surface(registered, target, pla
         prompt = PROMPTS[0]
         outputs = client.predict(prompt, BIGRAMS.label, NEW_TOKENS, 0.0, 0, 1.0, None, "contiguous", "as set",
                                  *values, "embedded", "", "cpu", "float32", "auto", api_name="/decode")
-        trace = Trace.load(outputs[4])
+        trace = Trace.load(outputs[4][0])  # the trace, then its timeline
         assert trace.algo == "bigrams" and trace.params["longest"] == 2
         assert tuple(trace.finish().token_ids) == plain_outputs[prompt] and compute(trace).drafted > 0
         assert "same tokens as plain decoding: yes" in outputs[3]
