@@ -371,4 +371,5 @@ class EngineWorker:
                     # times drafting rested, its steps committing fewer tokens a second than plain ones (`Payoff`)
                     "rests": None if engine.payoff is None else engine.payoff.rests},
                 # every proposal verified, as vLLM counts speculative decoding (`engine.Drafts`)
-                "drafts": None if engine.proposer is None else asdict(engine.drafts)}
+                "drafts": None if engine.proposer is None else {**asdict(engine.drafts),
+                                                                "accepted": engine.drafts.accepted}}

@@ -203,7 +203,6 @@ class Guesser(Proposer):
             self.calibration.record(proposal, outcome.path, self.label)
 
 
-
 class ChainDrafter(Guesser):
     """A guesser that drafts a chain with forwards of its own, one per place (a draft model, the target's drafting
     layers): each step as deep as the chain's acceptance so far says pays for those forwards, priced as measured
@@ -236,6 +235,7 @@ class ChainDrafter(Guesser):
              copy_label: str = "") -> Proposal:
         proposal = super().tree(guesses, room, nodes, copy, copy_rate, copy_label)
         return replace(proposal, note=self.note(len(guesses.logp)))  # one forward per place drafted
+
 
 def read_places(places: list[tuple[torch.Tensor, torch.Tensor]], drawn: dict[tuple[int, int], tuple[float, int]]
                 ) -> tuple[list[list[list[float]]], list[list[list[int]]]]:

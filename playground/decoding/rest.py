@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_int
-from ..models import LoadedModel
+from ..models import LoadedModel, Transformer
 from ..models.answers import default_answers, read_answers
 from ..paths import default_cache_root
 from .guesses import GuessCalibration
@@ -276,9 +277,16 @@ def _digest(*parts: bytes) -> str:
     return digest.hexdigest()[:20]
 
 
+# Per loaded model, dropped with it: its tokenizer's vocabulary as the datastore's cache key reads it (serialising
+# ~50k entries takes most of a proposer's making, which the app does every run)
+_VOCABS: weakref.WeakKeyDictionary[Transformer, bytes] = weakref.WeakKeyDictionary()
+
+
 def _vocab_digest(target: LoadedModel) -> bytes:
-    vocab = target.tokenizer.get_vocab()
-    return json.dumps(sorted(vocab.items()), ensure_ascii=True).encode()
+    if target.model not in _VOCABS:
+        vocab = target.tokenizer.get_vocab()
+        _VOCABS[target.model] = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=True).encode()).digest()
+    return _VOCABS[target.model]
 
 
 def datastore_for(target: LoadedModel, corpus: str | None, progress: Progress | None = None,

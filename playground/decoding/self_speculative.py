@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from ..config import MAX_GAMMA, ConfigError, check_finite, check_int
 from ..kv import KVCache
 from ..models import LoadedModel
 from ..models.linear import product_bytes, weights_read
-from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, OutputRows, check_vocab_ids, output_rows
+from ..models.transformer import Transformer
+from ..models.vocab import PROPOSAL_VOCAB, OutputRows, vocabulary_rows
 from ..waits import to_device
 from .guesses import ChainDrafter, Guesses, read_places
 from .planning import OwnCost, weights_estimate
@@ -82,13 +82,16 @@ def default_layers(target_source: str) -> str | None:
 
 def shipped_rows(target: LoadedModel) -> OutputRows | None:
     """The output rows of the proposal vocabulary shipped beside the search's choice (None: none ships; a drafting
-    forward scores every token)."""
+    forward scores every token), read once per loaded target."""
     folder = shipped(target.spec.source)
-    if folder is None or not (folder / PROPOSAL_VOCAB).is_file():
-        return None
-    ids = load_file(str(folder / PROPOSAL_VOCAB))[VOCAB_IDS]
-    check_vocab_ids(ids, target.model.config.vocab_size, f"self-speculative: {folder / PROPOSAL_VOCAB}")
-    return output_rows(target.model, ids)
+    return None if folder is None else vocabulary_rows(target.model, folder / PROPOSAL_VOCAB, "self-speculative")
+
+
+def drafting_cost(model: Transformer, layers: Sequence[int], rows: OutputRows | None) -> float:
+    """A forward of the drafting `layers` over the full one before any is measured, by the weights each reads: the
+    layers and the output rows (`rows`, or all of them)."""
+    output = product_bytes(model.output_weight, model.packed_output) if rows is None else rows.nbytes
+    return weights_estimate(model, sum(weights_read(model.layers[i]) for i in layers) + output, len(layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +151,8 @@ class LayerSkipGuesser(ChainDrafter):
         self.skip = frozenset(range(target.model.config.num_layers)) - set(self.layers)
         super().__init__(frozenset(target.eos_token_ids), params.gamma, params.gamma + 1)  # chain + runner-up
         self.rows = shipped_rows(target)  # the tokens a drafting forward scores; None: every token
-        self.own = OwnCost(params.draft_cost, self.estimate_cost())
+        self.own = OwnCost(params.draft_cost, drafting_cost(target.model, self.layers, self.rows))
         self.cache: KVCache | None = None  # the engine's, given by `bind`
-
-    def estimate_cost(self) -> float:
-        """A drafting forward over the full one before any is measured: its layers and the output rows."""
-        model = self.target.model
-        output = product_bytes(model.output_weight, model.packed_output) if self.rows is None else self.rows.nbytes
-        reads = sum(weights_read(model.layers[i]) for i in self.layers) + output
-        return weights_estimate(model, reads, len(self.layers))
 
     def bind(self, settings: Any, cache: KVCache) -> None:
         self.cache = cache

@@ -78,8 +78,11 @@ class Drafts:
 
     drafts: int = 0
     draft_tokens: int = 0
-    accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_at)
 
 
 @dataclass
@@ -457,7 +460,6 @@ class Engine:
             drafts = self.drafts
             drafts.drafts += 1
             drafts.draft_tokens += len(proposal.tokens)
-            drafts.accepted += len(path)
             drafts.accepted_at.extend([0] * (len(path) - len(drafts.accepted_at)))
             for depth in range(len(path)):
                 drafts.accepted_at[depth] += 1

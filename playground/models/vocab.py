@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -88,25 +89,32 @@ def check_vocab_ids(ids: torch.Tensor, vocab: int, where: str) -> None:
                              f"ascending int64 token ids in [0, {vocab})")
 
 
-# One entry per loaded draft model, dropped with it: every decoder built over a draft (the app builds one per run,
-# the bench two) shares its rows instead of reading the file and copying and packing ~6 MB of weights again.
-_PROPOSALS: weakref.WeakKeyDictionary[Transformer, OutputRows | None] = weakref.WeakKeyDictionary()
+# Per loaded model, dropped with it, the rows of each vocabulary file read for it: every decoder built over a model
+# (the app builds one per run, the bench two) shares its rows instead of reading the file and copying and packing
+# ~6 MB of weights again.
+_PROPOSALS: weakref.WeakKeyDictionary[Transformer, dict[Path, OutputRows | None]] = weakref.WeakKeyDictionary()
 
 
 def proposal_rows(draft: LoadedModel) -> OutputRows | None:
     """The draft's proposal vocabulary from `proposal_vocab.safetensors` in its folder, or None (no such file:
     the draft scores every token); read once per loaded draft."""
-    if draft.model not in _PROPOSALS:
-        _PROPOSALS[draft.model] = read_proposal_rows(draft)
-    return _PROPOSALS[draft.model]
+    return vocabulary_rows(draft.model, draft.folder / PROPOSAL_VOCAB, "draft")
 
 
-def read_proposal_rows(draft: LoadedModel) -> OutputRows | None:
-    path = draft.folder / PROPOSAL_VOCAB
+def vocabulary_rows(model: Transformer, path: Path, who: str) -> OutputRows | None:
+    """The model's output rows for the token ids of a vocabulary file (`save_with_vocab`'s `vocab_ids`), or None
+    where there is no such file; read once per loaded model and file. who: whose file it is, for the message."""
+    read = _PROPOSALS.setdefault(model, {})
+    if path not in read:
+        read[path] = read_vocabulary_rows(model, path, who)
+    return read[path]
+
+
+def read_vocabulary_rows(model: Transformer, path: Path, who: str) -> OutputRows | None:
     if not path.is_file():
         return None
     tensors = load_file(str(path))
     if VOCAB_IDS not in tensors:
-        raise ModelLoadError(f"draft: {path} has no {VOCAB_IDS!r} tensor")
-    check_vocab_ids(tensors[VOCAB_IDS], draft.model.config.vocab_size, f"draft: {path}")
-    return output_rows(draft.model, tensors[VOCAB_IDS])
+        raise ModelLoadError(f"{who}: {path} has no {VOCAB_IDS!r} tensor")
+    check_vocab_ids(tensors[VOCAB_IDS], model.config.vocab_size, f"{who}: {path}")
+    return output_rows(model, tensors[VOCAB_IDS])

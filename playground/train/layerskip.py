@@ -27,10 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import EngineParams, GenerationParams, ModelSpec, check_int
-from ..decoding.planning import weights_estimate
-from ..decoding.self_speculative import EMBEDDED_LAYERS, LAYERS, format_layers
+from ..decoding.self_speculative import EMBEDDED_LAYERS, LAYERS, drafting_cost, format_layers
 from ..models.answers import default_answers, load_answers
-from ..models.linear import weights_read
 from ..models.vocab import PROPOSAL_VOCAB, VOCAB_IDS, OutputRows, output_rows
 from . import log
 from .ngrams import sample_prompts
@@ -82,10 +80,7 @@ class Scorer:
 
     def cost(self, layers: tuple[int, ...]) -> float:
         """A drafting forward over the full one, by the weights each reads."""
-        model = self.target.model
-        reads = sum(weights_read(model.layers[i]) for i in layers) + self.rows.nbytes
-        return weights_estimate(model, reads, len(layers)) if model.rows_per_pass is not None else \
-            len(layers) / self.count
+        return drafting_cost(self.target.model, layers, self.rows)
 
     def score(self, alpha: float, cost: float, curve: Any, gamma: int) -> tuple[float, int]:
         """The predicted speedup of a chain kept with `alpha` per token at draft cost `cost`, and its best depth."""
