@@ -505,7 +505,7 @@ def test_a_stopped_run_ends_between_engine_steps_saying_so(target):
     queued = STOPS.start()
     STOPS.stop(queued)
     frames = list(race_tab.run_race("hi", ["lookahead"], 400, 0.0, 0, "measured", "embedded", "", "cpu", "float32",
-                                    "auto", None, queued))
+                                    "auto", "", "", "", None, queued))
     assert frames == [race_tab.status_frame(6, 1, STOPPED)]
     STOPS.end(queued)
 

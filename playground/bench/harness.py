@@ -7,6 +7,7 @@ noisy; absolute tokens/s are reported next to the memory-bandwidth bound that ca
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,8 +23,9 @@ from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, find
 from ..decoding.tree import DYNAMIC_TREE
 from ..metrics import perfect, priced
 from ..models.transformer import Transformer
+from ..remote import Remote, endpoint_urls
 from ..speedup import ROUNDS, compare, measure, median_run
-from .peers import PeerRuns, Run, llama_cpp_peer, run_hf, run_llama, run_stats
+from .peers import PeerRuns, Run, endpoint_stats, llama_cpp_peer, run_hf, run_llama, run_stats
 from .report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
 from .suite import GROUNDED, SUITE, per_category, read_prompts_file, spread
 
@@ -67,6 +69,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--max-running", type=int, default=16, help="requests decoded together, 1..256 (default 16)")
     serving.add_argument("--block-size", type=int, default=8, help="tokens per KV block, 1..256 (default 8)")
     serving.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool (default 512)")
+    remote = parser.add_argument_group("remote lanes: any OpenAI-compatible server (vLLM, SGLang, llama.cpp's, ours)")
+    remote.add_argument("--endpoint", default=None, metavar="URL[,URL...]",
+                        help="also stream every prompt from these servers' /v1/chat/completions (base URLs such as "
+                             "http://127.0.0.1:8000/v1), interleaved with the local runs; reported as wall-clock "
+                             "tok/s over HTTP beside plain decoding, with no steps and no exactness check")
+    remote.add_argument("--endpoint-model", default=None,
+                        help="the model to ask each endpoint for (default: the first its /v1/models lists)")
+    remote.add_argument("--endpoint-key", default=None,
+                        help="the endpoints' API key (default: $OPENAI_API_KEY, else none)")
     parser.add_argument("--json", default=None,
                         help="where to write the JSON results (default bench_results/bench.json, serving.json)")
     parser.add_argument("--markdown", default=None,
@@ -235,6 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_int("limit", args.limit, 1, len(indices))
         chosen = spread(args.limit, [suite[i] for i in indices])
         indices = [indices[i] for i in chosen]
+    remotes = connect(args)  # refused, or unreachable, before any model loads
     target = load_model(model_spec(args))
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender(PLAIN, PLAIN, None, "plain decoding")
@@ -262,6 +274,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         trace_of(target, contender, "Hello", warm)
     if llm is not None:
         run_llama(llm, warm_ids, target, warm)
+    for remote in remotes.values():
+        remote.stream("Hello", warm.max_new_tokens)
     if hf_model is not None:
         run_hf(hf_model, warm_ids, target, warm)
         for contender in contenders:
@@ -280,8 +294,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (plain, *contenders)}
         if llm is not None:
             entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
+        for label, remote in remotes.items():
+            entrants[label] = partial(remote.stream, prompt, args.max_new_tokens)
         traces = measure(entrants, args.rounds)
         llama_runs = traces.pop(LLAMA, None)
+        remote_runs = {label: traces.pop(label) for label in remotes}
         speedups = compare(traces, plain.name)
         plain_trace = median_run(traces[plain.name])
         plain_costs.add(plain_trace)
@@ -296,6 +313,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             row["ratio_vs_llama_cpp"] = statistics.median(
                 run_of(t).tokens_per_s / r.tokens_per_s for t, r in zip(traces[plain.name], llama_runs))
             progress += f", llama.cpp {row['llama_cpp']['tokens_per_s']:.1f}"
+        if remotes:
+            plain_runs = [run_of(t) for t in traces[plain.name]]
+            row["endpoints"] = {label: endpoint_stats(runs, plain_runs) for label, runs in remote_runs.items()}
+            progress += "".join(f", {label} {e['tokens_per_s']:.1f} (remote)" for label, e in row["endpoints"].items())
         if hf_model is not None:
             peer = run_hf(hf_model, prompt_ids, target, generation)
             row["hf"] = run_stats(peer)
@@ -352,6 +373,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if llm is not None:
         summary["llama_cpp_median_tokens_per_s"] = statistics.median(r["llama_cpp"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
+    if remotes:
+        summary["endpoints"] = {label: {
+            "url": remote.url, "model": remote.model,
+            "median_tokens_per_s": statistics.median(r["endpoints"][label]["tokens_per_s"] for r in rows),
+            "median_ratio_vs_ar": statistics.median(r["endpoints"][label]["ratio_vs_ar"] for r in rows),
+            "median_first_token_s": statistics.median(r["endpoints"][label]["first_token_s"] or 0.0 for r in rows),
+            "counted": sorted({r["endpoints"][label]["counted"] for r in rows})} for label, remote in remotes.items()}
     width, best = perfect(relative_cost)
     summary["perfect_proposer"] = {"width": width, "speedup": best}
     report: dict[str, Any] = {
@@ -455,6 +483,18 @@ def reached(results: list[dict[str, Any]]) -> dict[str, Any]:
             f"{priced_at['verify']:.2f} forwards, drafting {measured['draft']:.2f} where its price says "
             f"{priced_at['draft']:.2f}, and the rest of the step (host work) {measured['other']:.2f}")
     return out
+
+
+def connect(args: argparse.Namespace) -> dict[str, Remote]:
+    """`--endpoint`'s servers by their report label (the model at the host), each asked for its model name."""
+    if args.endpoint is None:
+        return {}
+    key = args.endpoint_key or os.environ.get("OPENAI_API_KEY")
+    remotes: dict[str, Remote] = {}
+    for number, url in enumerate(endpoint_urls(args.endpoint), start=1):
+        remote = Remote(url, args.endpoint_model, key)
+        remotes[remote.label if remote.label not in remotes else f"{remote.label} ({number})"] = remote
+    return remotes
 
 
 def cmd_bench_kernel(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
-"""The bench's peers: transformers `generate` on the same weights (and its assisted generation), and llama.cpp
-(`llama-cpp-python`, an optional extra: `bash scripts/setup.sh --llama`) on the same GGUF file."""
+"""The bench's peers: transformers `generate` on the same weights (and its assisted generation), llama.cpp
+(`llama-cpp-python`, an optional extra: `bash scripts/setup.sh --llama`) on the same GGUF file, and any
+OpenAI-compatible endpoint (`playground.remote`), timed over HTTP."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,15 @@ def run_hf(hf_model: Any, prompt_ids: list[int], target: Any, generation: Genera
 
 def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
+
+
+def endpoint_stats(runs: list[Any], plain: list[Run]) -> dict[str, Any]:
+    """A remote lane on one prompt: its median round (by tok/s, with its time to the first text and how its
+    tokens were counted) and the median over rounds of its tok/s over plain decoding's in the same round."""
+    middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    return {"tokens": middle.tokens, "wall_s": middle.wall_s, "tokens_per_s": middle.tokens_per_s,
+            "first_token_s": middle.first_token_s, "counted": middle.counted,
+            "ratio_vs_ar": statistics.median(r.tokens_per_s / p.tokens_per_s for r, p in zip(runs, plain))}
 
 
 class PeerRuns:

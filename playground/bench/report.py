@@ -109,6 +109,9 @@ def markdown(report: dict[str, Any]) -> str:
     if s.get("llama_cpp_median_tokens_per_s") is not None:
         lines += [f"- llama.cpp on the same GGUF file: median {s['llama_cpp_median_tokens_per_s']:.1f} tok/s",
                   f"- ours / llama.cpp: median {s['median_ratio_vs_llama_cpp']:.2f}x (goal >= 1.3x)"]
+    for label, e in s.get("endpoints", {}).items():
+        lines.append(f"- remote endpoint {label}: median {e['median_tokens_per_s']:.1f} tok/s = "
+                     f"{e['median_ratio_vs_ar']:.2f}x ours (a remote measurement: see its section)")
     lines.append(
         f"- memory-bandwidth bound: {bound['copy_gb_per_s']:.1f} GB/s copy / {bound['weight_mb_per_token']:.0f} MB "
         f"of weights per token = {bound['bound_tokens_per_s']:.1f} tok/s; ours reaches "
@@ -136,7 +139,30 @@ def markdown(report: dict[str, Any]) -> str:
                   "more than the curve and the price say (host work, a slowed forward), and the bench then says where."]
     for name, info in report.get("algos", {}).items():
         lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
+    for label, summary in s.get("endpoints", {}).items():
+        lines += markdown_endpoint(label, summary, report["prompts"])
     return "\n".join(lines) + "\n"
+
+
+def markdown_endpoint(label: str, summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """A remote lane's section: per prompt its wall-clock figures beside ours, and what they cannot say."""
+    counted = {"usage": "the server's usage count", "chunks": "the streamed chunks (the server sent no usage)"}
+    lines = ["", f"## remote: {label}", "",
+             f"`{summary['url']}`, model `{summary['model']}`: the same prompts as one chat message each, streamed "
+             "at temperature 0 and interleaved with the local runs. Wall clock of this process from the request to "
+             "the stream's end, so the network, the server's queue and its own chat template are in it; tokens "
+             f"counted by {' and '.join(counted[c] for c in summary['counted'])}. A remote measurement: no steps, "
+             "no exactness check (its weights and arithmetic are its own).", "",
+             "| # | category | tokens | tok/s | ours plain tok/s | remote / ours | first text after (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(rows):
+        e = row["endpoints"][label]
+        first = "-" if e["first_token_s"] is None else f"{e['first_token_s']:.3f}"
+        lines.append(f"| {i} | {row['category']} | {e['tokens']} | {e['tokens_per_s']:.1f} | "
+                     f"{row['ar']['tokens_per_s']:.1f} | {e['ratio_vs_ar']:.2f}x | {first} |")
+    lines += ["", f"- median: {summary['median_tokens_per_s']:.1f} tok/s, {summary['median_ratio_vs_ar']:.2f}x ours "
+                  f"plain decoding, first text after {summary['median_first_token_s']:.3f} s"]
+    return lines
 
 
 def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:

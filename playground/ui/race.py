@@ -1,9 +1,12 @@
 """The Race tab: plain decoding and 1 to 4 other algorithms on the same prompt. Each run is measured alone on the
 engine, one after another, then all are replayed side by side at the pace each was measured (their engine
-timestamps), so they never compete for the processor; a table and a tokens-vs-time chart summarise the race."""
+timestamps), so they never compete for the processor; a table and a tokens-vs-time chart summarise the race.
+Outside a public app one lane may be an OpenAI-compatible endpoint (`playground.remote`), streamed in the same
+rounds and replayed at the wall-clock times its text arrived, labelled as the remote measurement it is."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -16,19 +19,23 @@ from ..decoding import registry
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
+from ..remote import Remote, RemoteRun, endpoint_url
 from ..speedup import ROUNDS, Speedup, compare, median_run, winner
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
-from ..viz.race import Lane, render_race
+from ..viz.race import Lane, RemoteLane, render_race
 from .decode import AS_SET, FRAME_S, PLANS, as_plan, as_seed, history_entry, markdown_text
 from .form import Entrant, as_float, as_int, entrants, line, make_proposer
 from .measure import measured, status_frame
-from .models import get_model, target_spec
+from .models import catalog, get_model, target_spec
 from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 
 PLAIN = "plain"
 PAGED = "plain, paged KV"  # plain decoding on the paged cache: what gathering its blocks costs
+REMOTE = "OpenAI endpoint"  # the remote lane (not in a public app, which reaches no other server)
+REMOTE_NOTE = ("remote: wall clock over HTTP, from the request to the stream's end (network, the server's queue and "
+               "its own chat template included); no steps, no exactness check")
 FAVOURITES = ("speculative", "prompt-lookup", "medusa", "eagle")  # the lanes the form starts with, where registered
 
 
@@ -70,6 +77,22 @@ def _checks(speedups: dict[str, Speedup], whys: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def remote_stream(remote: Remote, prompt: str, tokens: int, sampling: SamplingParams, stopped: Callable[[], bool]):
+    """The remote lane as `measured` runs an entrant: no engine events; its run is the result."""
+    run = remote.stream(prompt, tokens, sampling.temperature, sampling.seed, stopped)
+    yield from ()
+    return None, run
+
+
+def remote_row(lane: str, runs: list[RemoteRun], plain: list[Trace]) -> list[Any]:
+    """The remote lane's table row: its median round's tok/s and the median of its rounds' ratios to plain
+    decoding's tok/s in the same round; the columns about steps do not apply."""
+    middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    ratio = statistics.median(r.tokens_per_s / compute(p).tokens_per_s for r, p in zip(runs, plain))
+    return [lane, round(middle.tokens_per_s, 1), f"{ratio:.2f} (remote, wall clock)", "n/a (remote)",
+            "n/a (no steps)", "n/a", "not checked (remote)", "remote"]
+
+
 def replay_speed(end_s: float) -> float:
     """How much faster than measured a race of end_s engine seconds replays (below 1: slow motion)."""
     shortest, longest = REPLAY_S
@@ -78,28 +101,37 @@ def replay_speed(end_s: float) -> float:
 
 def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, temperature: Any, seed: Any, plan: str,
              model_source: str, draft_source: str, device: str, dtype: str, weights: str,
-             history: list[dict[str, Any]] | None, run: int | None = None, request: gr.Request | None = None):
+             endpoint: str, endpoint_model: str, endpoint_key: str, history: list[dict[str, Any]] | None,
+             run: int | None = None, request: gr.Request | None = None):
     """Yields (lanes HTML, status, table, checks, chart, history): first while measuring, then the synchronised replay.
+    endpoint, endpoint_model, endpoint_key: the remote lane's server, where REMOTE is chosen.
     run: its number in `STOPS`; once stopped it ends between two engine steps, showing nothing measured."""
     status = partial(status_frame, 6, 1)
+    remote: Remote | None = None
     try:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("prompt must be a non-empty string")
-        chosen, lanes_offered = list(rivals or []), racers()
+        public = catalog.access.public
+        chosen, lanes_offered = list(rivals or []), [*racers(), *([] if public else [REMOTE])]
         unknown = [r for r in chosen if r not in lanes_offered]
         if unknown or not 1 <= len(chosen) <= MAX_RIVALS:
             raise ConfigError(f"algorithms: choose 1 to {MAX_RIVALS} of {', '.join(lanes_offered)} to race "
                               f"against plain decoding" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-        offered = {PLAIN: Entrant(registry.PLAIN), **lanes_offered}
+        offered = {PLAIN: Entrant(registry.PLAIN), **racers()}
         sampling = SamplingParams(temperature=as_float("temperature", temperature), seed=as_seed(seed))
         tokens = as_int("max_new_tokens", max_new_tokens)
         chosen_plan = as_plan(plan)
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
-        names = [PLAIN, *chosen]
+        names = [PLAIN, *(name for name in chosen if name != REMOTE)]
+        if REMOTE in chosen:
+            endpoint_url(endpoint)  # a malformed URL is refused before anything is asked of it
         if STOPS.stopped(run):  # while it waited in the queue
             yield status(STOPPED)
             return
         QUOTA.take(request, tokens * len(names) * ROUNDS)
+        if REMOTE in chosen:
+            yield status(f"asking {markdown_text(endpoint_url(endpoint), 120)} for its model")
+            remote = Remote(endpoint, endpoint_model, endpoint_key)
         spec = target_spec(model_source, device, dtype, weights)
         yield status(f"loading model {spec.source!r}")
         target = get_model(spec)
@@ -110,10 +142,14 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
             generate(target, prompt, proposers[name], sampling,
                      GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=offered[name].kv, plan=chosen_plan),
                      offered[name].algo)
-        streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling,
-                                 GenerationParams(max_new_tokens=tokens, kv=offered[name].kv, plan=chosen_plan),
-                                 offered[name].algo)
-                   for name in names}
+        streams: dict[str, Any] = {
+            name: partial(stream_generate, target, prompt, proposers[name], sampling,
+                          GenerationParams(max_new_tokens=tokens, kv=offered[name].kv, plan=chosen_plan),
+                          offered[name].algo)
+            for name in names}
+        if remote is not None:
+            remote.stream(prompt, WARMUP_TOKENS, sampling.temperature, sampling.seed)
+            streams[REMOTE] = partial(remote_stream, remote, prompt, tokens, sampling, partial(STOPS.stopped, run))
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
         yield status(f"not run: {markdown_text(str(exc), 300)}")  # not "loading model ..." left standing
@@ -121,6 +157,8 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     if traces is None:
         yield status(STOPPED)
         return
+    remote_runs: list[RemoteRun] = traces.pop(REMOTE, [])  # type: ignore[arg-type]
+    remote_name = f"{REMOTE}: {remote.label}" if remote is not None else REMOTE
     speedups = compare(traces, PLAIN)
     shown = {name: median_run(runs) for name, runs in traces.items()}
     # a proposing lane that drafted in no round (`Speedup.kept` None) says why instead of a speedup
@@ -132,7 +170,12 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
             return ""
         return (drafting_note(trace, costs) or "") if name in idle else speedups[name].why()
     whys = {name: why(name, trace) for name, trace in shown.items()}
-    lanes = [Lane(name, trace.events, whys[name]) for name, trace in shown.items()]
+    lanes: list[Lane | RemoteLane] = [Lane(name, trace.events, whys[name]) for name, trace in shown.items()]
+    remote_lane = None
+    if remote_runs:
+        middle = sorted(remote_runs, key=lambda r: r.tokens_per_s)[len(remote_runs) // 2]
+        remote_lane = RemoteLane(remote_name, middle, REMOTE_NOTE)
+        lanes.append(remote_lane)
     end = max(lane.wall_s for lane in lanes)
     speed = replay_speed(end)
     pace = ("at the measured pace" if speed == 1 else f"{speed:.1f}x faster than measured" if speed > 1
@@ -144,13 +187,20 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     plain = shown[PLAIN].finished().token_ids
     rows = [_row(speedups[name], trace.finished().token_ids == plain if sampling.greedy else None, name not in idle)
             for name, trace in shown.items()]
+    checks = _checks(speedups, whys)
+    if remote_lane is not None:
+        rows.append(remote_row(remote_name, remote_runs, traces[PLAIN]))
+        counted = "its server's usage count" if remote_lane.run.counted == "usage" else "its streamed chunks"
+        checks += f"\n- **{markdown_text(remote_name, 120)}**: {REMOTE_NOTE}; tokens counted by {counted}"
     flagged = sum(bool(s.flags) for s in speedups.values())
     done = (f"**{winner(speedups)}.** Each lane replayed {pace} (its median round of {ROUNDS}; plan "
             f"{chosen_plan}). Engine time only; page drawing is never counted."
+            + (" The remote lane is wall-clock time over HTTP: not an engine figure." if remote_lane else "")
             + (f" **{flagged} row(s) flagged: see the checks below the table.**" if flagged else ""))
     metrics = {name: compute(trace) for name, trace in shown.items()}
-    yield (render_race(lanes), done, rows, _checks(speedups, whys),
-           tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(offered[n]) for n in shown}),
+    yield (render_race(lanes), done, rows, checks,
+           tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(offered[n]) for n in shown},
+                              {remote_name: remote_lane.series()} if remote_lane else None),
            [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
 
 
@@ -163,10 +213,19 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=300):
             prompt = gr.Textbox(PROMPT, label="Prompt", lines=3, max_lines=10)
-            offered = racers()
-            rivals = gr.CheckboxGroup(list(offered), value=[name for name, lane in offered.items()
-                                                            if lane.algo in FAVOURITES and lane.copies is None],
+            offered, public = racers(), catalog.access.public
+            rivals = gr.CheckboxGroup([*offered, *([] if public else [REMOTE])],
+                                      value=[name for name, lane in offered.items()
+                                             if lane.algo in FAVOURITES and lane.copies is None],
                                       label=f"Race against plain decoding (1 to {MAX_RIVALS})")
+            with gr.Accordion(f"{REMOTE}: race any OpenAI-compatible server", open=False, visible=not public):
+                gr.Markdown("Tick **OpenAI endpoint** above to stream the same prompt from a server (vLLM, SGLang, "
+                            "llama.cpp's, or `python -m playground serve`) in the same rounds. Its lane is wall-clock "
+                            "time over HTTP: no steps, no exactness check.")
+                endpoint = gr.Textbox("", label="URL", placeholder="http://127.0.0.1:8000/v1", max_lines=1)
+                with gr.Row():
+                    endpoint_model = gr.Textbox("", label="model", placeholder="the first it lists", max_lines=1)
+                    endpoint_key = gr.Textbox("", label="API key", placeholder="none", type="password", max_lines=1)
             with gr.Row():
                 max_new_tokens = gr.Number(48, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
@@ -187,6 +246,6 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
         checks = gr.Markdown(elem_id="pg-race-checks")
     chart = gr.Plot(elem_id="pg-race-plot", show_label=False)
     stoppable(run, stop, on_gpu(run_race), [prompt, rivals, max_new_tokens, temperature, seed, plan, *model,
-                                             history],
+                                             endpoint, endpoint_model, endpoint_key, history],
               [lanes, status, table, checks, chart, history], show="pg-race-status", api_name="race",
               show_progress="hidden")

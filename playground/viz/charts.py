@@ -47,15 +47,19 @@ def tokens_time_series(events: Iterable[Event]) -> tuple[list[float], list[int]]
     return times, totals
 
 
-def tokens_time_figure(runs: dict[str, Iterable[Event]], lines: dict[str, dict[str, str]] | None = None) -> go.Figure:
+def tokens_time_figure(runs: dict[str, Iterable[Event]], lines: dict[str, dict[str, str]] | None = None,
+                       remote: dict[str, tuple[list[float], list[float]]] | None = None) -> go.Figure:
     """Tokens committed against engine time, one line per run (a race draws several); `lines`: a run's line style
-    (plotly's `color`, `dash`), where given."""
+    (plotly's `color`, `dash`), where given; `remote`: (wall-clock seconds, tokens) of remote lanes, dotted."""
     fig = go.Figure()
     for name, events in runs.items():
         times, totals = tokens_time_series(events)
         fig.add_scatter(x=times, y=totals, mode="lines", line_shape="hv", name=name, line=(lines or {}).get(name))
-    fig.update_layout(title="Tokens vs engine time", xaxis_title="seconds (engine time)", yaxis_title="tokens",
-                      **LAYOUT)
+    for name, (seconds, counts) in (remote or {}).items():
+        fig.add_scatter(x=seconds, y=counts, mode="lines", line_shape="hv", name=name, line={"dash": "dot"})
+    fig.update_layout(title="Tokens vs engine time", yaxis_title="tokens", **LAYOUT,
+                      xaxis_title="seconds (engine time; dotted: a remote lane's wall clock)" if remote
+                      else "seconds (engine time)")
     return fig
 
 
