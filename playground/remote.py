@@ -5,6 +5,7 @@ the network between are its own, so the bench and the Race tab label it as a rem
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,16 @@ class RemoteRun:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+
+def median_round(runs: list[RemoteRun]) -> RemoteRun:
+    """A lane's median round by tok/s (the upper middle of an even count)."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
+def median_ratio(runs: list[RemoteRun], local_tokens_per_s: list[float]) -> float:
+    """The median over rounds of a remote run's tok/s over the local tok/s of the same round."""
+    return statistics.median(r.tokens_per_s / local for r, local in zip(runs, local_tokens_per_s))
 
 
 class Remote:

@@ -41,6 +41,14 @@ def test_a_public_app_loads_only_what_it_offers(public_client, target, tmp_path)
     assert str(target.folder) not in str(refused.value)
 
 
+def test_a_public_app_races_no_remote_endpoint(public_client):
+    """The Race tab offers no OpenAI endpoint lane, and one asked for through the API is refused before any request
+    leaves: a public app reaches no other server."""
+    with pytest.raises(Exception, match="is not in the list of choices|unknown: OpenAI endpoint"):
+        public_client.predict("hi", ["OpenAI endpoint"], 8, 0.0, 0, "measured", "embedded", "", "cpu", "float32",
+                              "auto", "http://127.0.0.1:9/v1", "", "", api_name="/race")
+
+
 def test_an_allow_list_of_paths_is_refused():
     with pytest.raises(Exception, match="PLAYGROUND_MODELS: '/data/model' is not a hub id"):
         models.Access(public=True, allowed=("/data/model",))

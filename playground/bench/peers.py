@@ -4,7 +4,6 @@ OpenAI-compatible endpoint (`playground.remote`), timed over HTTP."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationParams
+from ..remote import RemoteRun, median_ratio, median_round
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +47,13 @@ def run_stats(run: Run) -> dict[str, float]:
     return {"tokens": run.tokens, "wall_s": run.wall_s, "tokens_per_s": run.tokens_per_s}
 
 
-def endpoint_stats(runs: list[Any], plain: list[Run]) -> dict[str, Any]:
+def endpoint_stats(runs: list[RemoteRun], plain: list[Run]) -> dict[str, Any]:
     """A remote lane on one prompt: its median round (by tok/s, with its time to the first text and how its
     tokens were counted) and the median over rounds of its tok/s over plain decoding's in the same round."""
-    middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    middle = median_round(runs)
     return {"tokens": middle.tokens, "wall_s": middle.wall_s, "tokens_per_s": middle.tokens_per_s,
             "first_token_s": middle.first_token_s, "counted": middle.counted,
-            "ratio_vs_ar": statistics.median(r.tokens_per_s / p.tokens_per_s for r, p in zip(runs, plain))}
+            "ratio_vs_ar": median_ratio(runs, [p.tokens_per_s for p in plain])}
 
 
 class PeerRuns:

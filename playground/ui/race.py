@@ -6,7 +6,6 @@ rounds and replayed at the wall-clock times its text arrived, labelled as the re
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -19,7 +18,7 @@ from ..decoding import registry
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
-from ..remote import Remote, RemoteRun, endpoint_url
+from ..remote import Remote, RemoteRun, endpoint_url, median_ratio, median_round
 from ..speedup import ROUNDS, Speedup, compare, median_run, winner
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
@@ -87,9 +86,8 @@ def remote_stream(remote: Remote, prompt: str, tokens: int, sampling: SamplingPa
 def remote_row(lane: str, runs: list[RemoteRun], plain: list[Trace]) -> list[Any]:
     """The remote lane's table row: its median round's tok/s and the median of its rounds' ratios to plain
     decoding's tok/s in the same round; the columns about steps do not apply."""
-    middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
-    ratio = statistics.median(r.tokens_per_s / compute(p).tokens_per_s for r, p in zip(runs, plain))
-    return [lane, round(middle.tokens_per_s, 1), f"{ratio:.2f} (remote, wall clock)", "n/a (remote)",
+    ratio = median_ratio(runs, [compute(p).tokens_per_s for p in plain])
+    return [lane, round(median_round(runs).tokens_per_s, 1), f"{ratio:.2f} (remote, wall clock)", "n/a (remote)",
             "n/a (no steps)", "n/a", "not checked (remote)", "remote"]
 
 
@@ -173,8 +171,7 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     lanes: list[Lane | RemoteLane] = [Lane(name, trace.events, whys[name]) for name, trace in shown.items()]
     remote_lane = None
     if remote_runs:
-        middle = sorted(remote_runs, key=lambda r: r.tokens_per_s)[len(remote_runs) // 2]
-        remote_lane = RemoteLane(remote_name, middle, REMOTE_NOTE)
+        remote_lane = RemoteLane(remote_name, median_round(remote_runs), REMOTE_NOTE)
         lanes.append(remote_lane)
     end = max(lane.wall_s for lane in lanes)
     speed = replay_speed(end)
@@ -218,7 +215,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                                       value=[name for name, lane in offered.items()
                                              if lane.algo in FAVOURITES and lane.copies is None],
                                       label=f"Race against plain decoding (1 to {MAX_RIVALS})")
-            with gr.Accordion(f"{REMOTE}: race any OpenAI-compatible server", open=False, visible=not public):
+            with gr.Accordion(f"{REMOTE} lane: server URL, model, API key", open=False, visible=not public):
                 gr.Markdown("Tick **OpenAI endpoint** above to stream the same prompt from a server (vLLM, SGLang, "
                             "llama.cpp's, or `python -m playground serve`) in the same rounds. Its lane is wall-clock "
                             "time over HTTP: no steps, no exactness check.")
