@@ -226,35 +226,56 @@ def test_the_head_reads_each_feature_once_and_drafts_every_step(target, head) ->
     assert len(seen) >= compute(trace).target_forwards - 2 and len(steps) >= 0.8 * len(seen)
 
 
+def same_trees(a: list[Proposal], b: list[Proposal]) -> None:
+    """The same nodes, tokens and parents; chances to float error (a batch's padded forward may round apart)."""
+    assert [(p.tokens, p.parents, p.note) for p in a] == [(p.tokens, p.parents, p.note) for p in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.reach, y.reach, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(x.probs, y.probs, atol=1e-4, rtol=1e-4)
+
+
 def test_trees_grown_together_are_each_requests_own(target, head) -> None:
     """A batch's trees grow in one head forward per depth: each is the tree its request grows alone (the same
-    nodes, tokens and parents, worths to float error), whatever its depth, and each head's keys are what it stores
-    alone."""
+    nodes, tokens and parents, chances to float error), whatever its depth, and each head's keys are what it stores
+    alone. The bookkeeping in Python lists (a CPU's) and as tensors on the device (a GPU's) grow the same trees."""
     proposer = eagle(target, head, draft_cost=0.0)  # priced free and verified on a flat cost curve: deep trees
     original, compared = proposer.grow, []
 
     def grow(requests, depths):
         before = {r.id: dataclasses.replace(proposer.states[r.id]) for r in requests}  # `grow` assigns, never mutates
+        proposer.on_host = False
+        on_device = original(requests, depths)
+        proposer.states.update({r.id: dataclasses.replace(before[r.id]) for r in requests})
+        proposer.on_host = True
         together = original(requests, depths)
+        same_trees(together, on_device)
         if len(requests) > 1:
             after = dict(proposer.states)
             for i, (r, depth) in enumerate(zip(requests, depths)):
                 proposer.states[r.id] = before[r.id]
-                alone = original([r], [depth])[0]
-                mine = together[i][:, together[i][3] > -math.inf]  # (5, n): the nodes within its depth
-                assert torch.equal(alone[:, alone[3] > -math.inf][:3], mine[:3]), r.id  # nodes, tokens, parents
-                torch.testing.assert_close(alone[:, alone[3] > -math.inf][3:], mine[3:], atol=1e-4, rtol=1e-4)
+                [alone] = original([r], [depth])
+                same_trees([alone], [together[i]])
                 torch.testing.assert_close(proposer.states[r.id].k, after[r.id].k, atol=1e-4, rtol=1e-4)
             proposer.states.update(after)
-            compared.append((len(requests), max(depths), len(set(depths))))
+        compared.append((len(requests), max(depths), len(set(depths))))
         return together
     proposer.grow = grow
     engine = Engine(target, EngineParams(max_running=4), proposer=proposer, costs=ForwardCosts((1, 2), (1.0, 1.0)))
     for i, prompt in enumerate(PROMPTS[:5]):  # staggered ends: a request near its end has less room than the rest
         engine.add_request(prompt, generation=GenerationParams(max_new_tokens=12 + 5 * i))
     engine.run_all()
-    assert len(compared) >= 10 and max(b for b, _, _ in compared) == 4 and max(d for _, d, _ in compared) >= 4
-    assert any(kinds > 1 for _, _, kinds in compared)  # trees of different depths in one batch (rooms near the end)
+    batched = [c for c in compared if c[0] > 1]
+    assert len(batched) >= 10 and max(b for b, _, _ in batched) == 4 and max(d for _, d, _ in batched) >= 4
+    assert any(kinds > 1 for _, _, kinds in batched)  # trees of different depths in one batch (rooms near the end)
+    assert len(compared) > len(batched)  # and alone, once the others have finished
+
+
+def test_the_device_bookkeeping_is_greedy_exact_too(target, head, plain_outputs) -> None:
+    """The tensor bookkeeping a GPU runs, run here on the CPU: plain decoding's tokens."""
+    proposer = eagle(target, head)
+    proposer.on_host = False
+    accepted, _ = assert_greedy_exact(target, proposer, plain_outputs)
+    assert accepted > 0
 
 
 def test_shipped_head_contract(target, head) -> None:

@@ -114,6 +114,9 @@ class EagleProposer(Proposer):
         self.nodes = params.nodes or (EAGLE_GPU_NODES if gpu else EAGLE_CPU_NODES)
         self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a head forward's cost, measured as it runs
         self.eos = torch.tensor(sorted(set(target.eos_token_ids)), device=target.model.device)  # (n,): never expanded
+        self.eos_ids = frozenset(target.eos_token_ids)
+        # on a CPU a tensor op costs more than the few numbers a tree's bookkeeping moves: it runs in Python lists
+        self.on_host = target.model.device.type == "cpu"
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
         self.long_read_s = 0.0  # seconds the last catch-up spent on requests with more than CATCH_UP features
@@ -170,8 +173,7 @@ class EagleProposer(Proposer):
             return {}
         start = time.perf_counter()
         depths = [min(room, depth) for _, room in ready]
-        grown = self.grow([r for r, _ in ready], depths)
-        trees = dict(zip([r.id for r, _ in ready], self._proposals(grown, depths)))
+        trees = dict(zip([r.id for r, _ in ready], self.grow([r for r, _ in ready], depths)))
         # a long catch-up is a prompt's or a rest's, paid once: not a drafting forward's price
         self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s)
         return trees
@@ -181,14 +183,83 @@ class EagleProposer(Proposer):
         return state is not None and state.count > 0 and state.end == request.num_computed
 
     @torch.inference_mode()
-    def grow(self, requests: Sequence[RequestView], depths: list[int]) -> torch.Tensor:
-        """Catch the head up on each request's unread features, then grow every request's tree at once on the
-        device, `depths[i]` deep, each depth's `top_k` likeliest nodes of every tree expanded in one head forward:
-        each tree's likeliest nodes, best first, as rows of node index, token, parent index, worth and head
-        log-probability (B, 5, n) float64, left on the device (a node's worth is -inf below an end of sequence or
-        past its tree's depth)."""
-        k, device = self.top_k, self.target.model.device
+    def grow(self, requests: Sequence[RequestView], depths: list[int]) -> list[Proposal]:
+        """Catch the head up on each request's unread features, then grow every request's tree, `depths[i]` deep,
+        each depth's `top_k` likeliest nodes of every tree expanded in one head forward: each tree's likeliest
+        nodes, parents first. The bookkeeping between the forwards runs in Python on a CPU (`_grow_on_host`), as
+        tensors left on the device elsewhere (`_grow_on_device`); both choose the same nodes."""
         root, logps, tokens = self._catch_up(requests)  # (B, E), (B, k), (B, k)
+        if self.on_host:
+            return self._grow_on_host(requests, depths, root, logps, tokens)
+        return self._proposals(self._grow_on_device(requests, depths, root, logps, tokens), depths)
+
+    def _grow_on_host(self, requests: Sequence[RequestView], depths: list[int], root: torch.Tensor,
+                      logps: torch.Tensor, tokens: torch.Tensor) -> list[Proposal]:
+        """`_grow_on_device`'s trees with their nodes in Python lists: per depth, one head forward and two reads
+        of its top_k guesses; the nodes' worths are the same float64 sums, ranked by the same stable sort."""
+        k, b, depth = self.top_k, len(requests), max(depths)
+        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests])  # (B, Hkv, C, D), (B, C)
+        committed = known.shape[1]
+        scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
+        # per tree, every node in order of depth: token, parent index (-1: the root), head log-probability, worth
+        # (its calibrated log-chance of being reached), depth
+        trees = [[(token, -1, logp, min(logp + scale[0], 0.0), 1) for token, logp in zip(row_tokens, row_logps)]
+                 for row_tokens, row_logps in zip(tokens.tolist(), logps.tolist())]
+        lines: list[list[list[int]]] = [[] for _ in range(b)]  # per tree, each expanded node's expanded ancestry
+        features = root.unsqueeze(1).expand(b, k, -1)  # (B, k, E): the feature each newest node was guessed from
+        first = 0  # the newest depth's first node
+        tree_k, tree_v = past_k[:, :, :0], past_v[:, :, :0]
+        rows = torch.arange(b).unsqueeze(1)  # (B, 1)
+        for d in range(1, depth):
+            chosen, best, visible = [], [], []
+            for nodes, line in zip(trees, lines):
+                # the newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that is
+                # expands too, its children worth nothing
+                score = [-math.inf if token in self.eos_ids else worth for token, _, _, worth, _ in nodes[first:]]
+                ranked = sorted(range(len(score)), key=lambda i: -score[i])[:k]
+                expanded = len(line)
+                for slot, i in enumerate(ranked):  # a chosen node's parent is the (i // k)-th expanded last
+                    line.append((line[expanded - k + i // k] if d > 1 else []) + [expanded + slot])
+                chosen.append(ranked)
+                best.append([score[i] for i in ranked])
+                visible.append([[x in set(ancestry) for x in range(expanded + k)] for ancestry in line[expanded:]])
+            # each chosen node sees its request's committed keys, its expanded ancestors and itself
+            seen = torch.cat((known.unsqueeze(1).expand(b, k, committed), torch.tensor(visible)), 2)
+            at = [[r.num_computed + d - 1] * k for r in requests]
+            guessed_from = features if d == 1 else features[rows, torch.tensor(chosen) // k]  # (B, k, E)
+            out, new_k, new_v, logp, guesses = self._forward(
+                torch.tensor([[nodes[first + i][0] for i in ranked] for nodes, ranked in zip(trees, chosen)]),
+                guessed_from, at, torch.cat((past_k, tree_k), 2), torch.cat((past_v, tree_v), 2), seen,
+                [list(range(k))] * b)
+            tree_k, tree_v = torch.cat((tree_k, new_k), 2), torch.cat((tree_v, new_v), 2)
+            added = len(trees[0])
+            for nodes, ranked, worths, row_logps, row_guesses in zip(trees, chosen, best, logp.tolist(),
+                                                                      guesses.tolist()):
+                for i, worth, child_logps, child_tokens in zip(ranked, worths, row_logps, row_guesses):
+                    nodes.extend((token, first + i, lp, worth + min(lp + scale[d], 0.0), d + 1)
+                                 for token, lp in zip(child_tokens, child_logps))
+            first, features = added, out
+        proposals = []
+        for nodes, tree_depth in zip(trees, depths):
+            worth = [w if at_depth <= tree_depth else -math.inf for _, _, _, w, at_depth in nodes]
+            row: dict[int, int] = {}
+            kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
+            for i in sorted(range(len(nodes)), key=lambda i: -worth[i])[: self.nodes]:
+                if worth[i] > -math.inf:  # not below an end of sequence nor past the tree's depth
+                    token, parent, logp_i, _, _ = nodes[i]
+                    row[i] = len(kept) + 1
+                    kept.append((token, 0 if parent < 0 else row[parent], math.exp(worth[i]), math.exp(logp_i)))
+            proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
+                                      [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
+                                      note=Drafted(tree_depth)))
+        return proposals
+
+    def _grow_on_device(self, requests: Sequence[RequestView], depths: list[int], root: torch.Tensor,
+                        logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Every request's tree grown at once on the device: each tree's likeliest nodes, best first, as rows of
+        node index, token, parent index, worth and head log-probability (B, 5, n) float64, left on the device (a
+        node's worth is -inf below an end of sequence or past its tree's depth)."""
+        k, device = self.top_k, self.target.model.device
         b, depth = len(requests), max(depths)
         past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests])  # (B, Hkv, C, D), (B, C)
         committed, known = known.shape[1], to_device(known, device)
