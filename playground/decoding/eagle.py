@@ -8,9 +8,9 @@ the feature at each last token and so the first drafted tokens; then it grows ev
 each depth the `top_k` likeliest nodes of that depth in each tree (by the head's cumulative probability, calibrated
 by how often its guesses at that depth were kept) are expanded in one head forward over the batch, each reading its
 ancestors' keys beside its request's committed ones and giving `top_k` children. The likeliest nodes of all depths
-form a request's proposal (a parent is always likelier than its child, so they form a tree). The trees grow on the
-device and come back to the host once, chosen. Nothing drafted enters the head's own keys: what the target keeps
-comes back as real features the next step reads.
+form a request's proposal (a parent is always likelier than its child, so they form a tree). On a GPU the trees
+grow on the device and come back to the host once, chosen; on a CPU their bookkeeping runs in Python lists. Nothing
+drafted enters the head's own keys: what the target keeps comes back as real features the next step reads.
 """
 
 from __future__ import annotations
