@@ -9,7 +9,7 @@ each depth the `top_k` likeliest nodes of that depth in each tree (by the head's
 by how often its guesses at that depth were kept) are expanded in one head forward over the batch, each reading its
 ancestors' keys beside its request's committed ones and giving `top_k` children. The likeliest nodes of all depths
 form a request's proposal (a parent is always likelier than its child, so they form a tree). On a GPU the trees
-grow on the device and come back to the host once, chosen; on a CPU their bookkeeping runs in Python lists. Nothing
+grow on the device and come back to the host once, chosen; on a CPU (eager forwards) in Python lists. Nothing
 drafted enters the head's own keys: what the target keeps comes back as real features the next step reads.
 """
 
@@ -115,13 +115,15 @@ class EagleProposer(Proposer):
         self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a head forward's cost, measured as it runs
         self.eos = torch.tensor(sorted(set(target.eos_token_ids)), device=target.model.device)  # (n,): never expanded
         self.eos_ids = frozenset(target.eos_token_ids)
-        # on a CPU a tensor op costs more than the few numbers a tree's bookkeeping moves: it runs in Python lists
-        self.on_host = target.model.device.type == "cpu"
         self.calibration = GuessCalibration(self.depth)
         self.states: dict[int, _HeadState] = {}
         self.long_read_s = 0.0  # seconds the last catch-up spent on requests with more than CATCH_UP features
         # with the target's static forwards, the head runs in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._head, target.graphs)
+        # with eager forwards on a CPU, where a tensor op costs more than the few numbers a tree's bookkeeping moves,
+        # the trees grow in Python lists; static forwards (a GPU's, or a CPU standing in for one) keep them on the
+        # device, reading them back once a step
+        self.on_host = target.model.device.type == "cpu" and self.captured is None
 
 
     def estimate_cost(self) -> float:
@@ -186,8 +188,8 @@ class EagleProposer(Proposer):
     def grow(self, requests: Sequence[RequestView], depths: list[int]) -> list[Proposal]:
         """Catch the head up on each request's unread features, then grow every request's tree, `depths[i]` deep,
         each depth's `top_k` likeliest nodes of every tree expanded in one head forward: each tree's likeliest
-        nodes, parents first. The bookkeeping between the forwards runs in Python on a CPU (`_grow_on_host`), as
-        tensors left on the device elsewhere (`_grow_on_device`); both choose the same nodes."""
+        nodes, parents first. The bookkeeping between the forwards runs in Python lists (`_grow_on_host`) or as
+        tensors left on the device (`_grow_on_device`), as `on_host` says; both choose the same nodes."""
         root, logps, tokens = self._catch_up(requests)  # (B, E), (B, k), (B, k)
         if self.on_host:
             return self._grow_on_host(requests, depths, root, logps, tokens)
@@ -242,16 +244,9 @@ class EagleProposer(Proposer):
         proposals = []
         for nodes, tree_depth in zip(trees, depths):
             worth = [w if at_depth <= tree_depth else -math.inf for _, _, _, w, at_depth in nodes]
-            row: dict[int, int] = {}
-            kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
-            for i in sorted(range(len(nodes)), key=lambda i: -worth[i])[: self.nodes]:
-                if worth[i] > -math.inf:  # not below an end of sequence nor past the tree's depth
-                    token, parent, logp_i, _, _ = nodes[i]
-                    row[i] = len(kept) + 1
-                    kept.append((token, 0 if parent < 0 else row[parent], math.exp(worth[i]), math.exp(logp_i)))
-            proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
-                                      [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
-                                      note=Drafted(tree_depth)))
+            ranked = sorted(range(len(nodes)), key=lambda i: -worth[i])[: self.nodes]
+            proposals.append(self._proposal([(i, nodes[i][0], nodes[i][1], worth[i], nodes[i][2]) for i in ranked],
+                                            tree_depth))
         return proposals
 
     def _grow_on_device(self, requests: Sequence[RequestView], depths: list[int], root: torch.Tensor,
@@ -344,19 +339,23 @@ class EagleProposer(Proposer):
         return torch.stack(root), torch.stack(logps), torch.stack(guessed)
 
     def _proposals(self, grown: torch.Tensor, depths: list[int]) -> list[Proposal]:
-        """The trees `grow` left on the device (B, 5, n), read back in one transfer, as proposals."""
-        proposals = []
-        for tree, depth in zip(grown.tolist(), depths):
-            row: dict[int, int] = {}
-            kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
-            for node, token, parent, worth, logp in zip(*tree):
-                if worth > -math.inf:  # not below an end of sequence nor past the tree's depth
-                    row[int(node)] = len(kept) + 1
-                    kept.append((int(token), 0 if parent < 0 else row[int(parent)], math.exp(worth), math.exp(logp)))
-            proposals.append(Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept],
-                                      [self.label] * len(kept), [c for _, _, c, _ in kept], [p for _, _, _, p in kept],
-                                      note=Drafted(depth)))
-        return proposals
+        """The trees `_grow_on_device` left on the device (B, 5, n), read back in one transfer, as proposals."""
+        return [self._proposal([(int(node), int(token), int(parent), worth, logp)
+                                for node, token, parent, worth, logp in zip(*tree)], depth)
+                for tree, depth in zip(grown.tolist(), depths)]
+
+    def _proposal(self, ranked: list[tuple[int, int, int, float, float]], depth: int) -> Proposal:
+        """A tree's likeliest nodes, best first, each (node index, token, parent index or -1, worth, head
+        log-probability), as a proposal: those worth something (not below an end of sequence nor past the tree's
+        depth), each parent's row before its children's."""
+        row: dict[int, int] = {}
+        kept: list[tuple[int, int, float, float]] = []  # token, parent row, chance of reaching, head probability
+        for node, token, parent, worth, logp in ranked:
+            if worth > -math.inf:
+                row[node] = len(kept) + 1
+                kept.append((token, 0 if parent < 0 else row[parent], math.exp(worth), math.exp(logp)))
+        return Proposal([t for t, _, _, _ in kept], [r for _, r, _, _ in kept], [self.label] * len(kept),
+                        [c for _, _, c, _ in kept], [p for _, _, _, p in kept], note=Drafted(depth))
 
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[list[int]],
                  past_k: torch.Tensor, past_v: torch.Tensor, visible: torch.Tensor,
