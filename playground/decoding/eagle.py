@@ -224,7 +224,7 @@ class EagleProposer(Proposer):
                     line.append((line[expanded - k + i // k] if d > 1 else []) + [expanded + slot])
                 chosen.append(ranked)
                 best.append([score[i] for i in ranked])
-                visible.append([[x in set(ancestry) for x in range(expanded + k)] for ancestry in line[expanded:]])
+                visible.append([[x in ancestry for x in range(expanded + k)] for ancestry in line[expanded:]])
             # each chosen node sees its request's committed keys, its expanded ancestors and itself
             seen = torch.cat((known.unsqueeze(1).expand(b, k, committed), torch.tensor(visible)), 2)
             at = [[r.num_computed + d - 1] * k for r in requests]

@@ -121,15 +121,15 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
         chosen_plan = as_plan(plan)
         GenerationParams(max_new_tokens=tokens)  # refuses a bad length before any model loads
         names = [PLAIN, *(name for name in chosen if name != REMOTE)]
-        if REMOTE in chosen:
-            endpoint_url(endpoint)  # a malformed URL is refused before anything is asked of it
+        # a malformed URL is refused before anything is asked of it
+        url = endpoint_url(endpoint) if REMOTE in chosen else None
         if STOPS.stopped(run):  # while it waited in the queue
             yield status(STOPPED)
             return
         QUOTA.take(request, tokens * len(names) * ROUNDS)
-        if REMOTE in chosen:
-            yield status(f"asking {markdown_text(endpoint_url(endpoint), 120)} for its model")
-            remote = Remote(endpoint, endpoint_model, endpoint_key)
+        if url is not None:
+            yield status(f"asking {markdown_text(url, 120)} for its model")
+            remote = Remote(url, endpoint_model, endpoint_key)
         spec = target_spec(model_source, device, dtype, weights)
         yield status(f"loading model {spec.source!r}")
         target = get_model(spec)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..trace import CommitEvent, Event, FinishEvent
 from .tokens import render_tokens
+
+if TYPE_CHECKING:
+    from ..remote import RemoteRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class RemoteLane:
     where chunks and tokens differ in number)."""
 
     name: str
-    run: Any  # remote.RemoteRun
+    run: RemoteRun
     why: str = ""
 
     @property
@@ -86,9 +89,9 @@ def race_css() -> str:
             f".pg-bar{{height:4px;background:{border};border-radius:2px;margin:0.3rem 0;}}"
             ".pg-bar>div{height:100%;background:#009E73;border-radius:2px;}"
             ".pg-lane-why{font-size:0.8rem;color:var(--body-text-color-subdued,#57606a);margin-bottom:0.2rem;}"
+            ".pg-remote{white-space:pre-wrap;}"
             # column-reverse keeps the newest tokens in view as a lane outgrows its box; text sits at the bottom,
             # so the top fade only touches a lane whose text has reached the top: the cue that it scrolls
-            ".pg-remote{white-space:pre-wrap;}"
             ".pg-lane-tokens{height:6.5rem;overflow-y:auto;display:flex;flex-direction:column-reverse;"
             "-webkit-mask-image:linear-gradient(to bottom,transparent 0,#000 1.2rem);"
             "mask-image:linear-gradient(to bottom,transparent 0,#000 1.2rem);}")
