@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from playground.__main__ import main
+from playground.bench.report import markdown_endpoint
 from playground.config import ConfigError, EngineParams
 from playground.models.loader import embedded_gguf
 from playground.remote import Remote, endpoint_url, endpoint_urls
@@ -109,6 +111,11 @@ def test_the_bench_races_an_endpoint_beside_plain_decoding(service, tmp_path, ca
     assert summary["url"] == base(service) and summary["counted"] == ["usage"] and label.endswith(
         f"@ {service.host}:{service.port}")
     assert summary["median_tokens_per_s"] > 0 and summary["median_ratio_vs_ar"] > 0
+    assert 0 < summary["median_first_token_s"] == statistics.median(
+        row["endpoints"][label]["first_token_s"] for row in report["prompts"])
+    # a server that sent no text has no first-text time (not 0 s)
+    silent = dict(summary, median_first_token_s=None)
+    assert markdown_endpoint(label, silent, report["prompts"])[-1].endswith("plain decoding, no text came")
     for row in report["prompts"]:
         remote = row["endpoints"][label]
         assert 1 <= remote["tokens"] <= 6 and remote["first_token_s"] <= remote["wall_s"]

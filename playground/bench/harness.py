@@ -373,13 +373,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if llm is not None:
         summary["llama_cpp_median_tokens_per_s"] = statistics.median(r["llama_cpp"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-    if remotes:
-        summary["endpoints"] = {label: {
+    for label, remote in remotes.items():
+        ran = [r["endpoints"][label] for r in rows]
+        firsts = [e["first_token_s"] for e in ran if e["first_token_s"] is not None]  # None: no text came
+        summary.setdefault("endpoints", {})[label] = {
             "url": remote.url, "model": remote.model,
-            "median_tokens_per_s": statistics.median(r["endpoints"][label]["tokens_per_s"] for r in rows),
-            "median_ratio_vs_ar": statistics.median(r["endpoints"][label]["ratio_vs_ar"] for r in rows),
-            "median_first_token_s": statistics.median(r["endpoints"][label]["first_token_s"] or 0.0 for r in rows),
-            "counted": sorted({r["endpoints"][label]["counted"] for r in rows})} for label, remote in remotes.items()}
+            "median_tokens_per_s": statistics.median(e["tokens_per_s"] for e in ran),
+            "median_ratio_vs_ar": statistics.median(e["ratio_vs_ar"] for e in ran),
+            "median_first_token_s": statistics.median(firsts) if firsts else None,
+            "counted": sorted({e["counted"] for e in ran})}
     width, best = perfect(relative_cost)
     summary["perfect_proposer"] = {"width": width, "speedup": best}
     report: dict[str, Any] = {

@@ -160,8 +160,9 @@ def markdown_endpoint(label: str, summary: dict[str, Any], rows: list[dict[str, 
         first = "-" if e["first_token_s"] is None else f"{e['first_token_s']:.3f}"
         lines.append(f"| {i} | {row['category']} | {e['tokens']} | {e['tokens_per_s']:.1f} | "
                      f"{row['ar']['tokens_per_s']:.1f} | {e['ratio_vs_ar']:.2f}x | {first} |")
+    first = summary["median_first_token_s"]
     lines += ["", f"- median: {summary['median_tokens_per_s']:.1f} tok/s, {summary['median_ratio_vs_ar']:.2f}x ours "
-                  f"plain decoding, first text after {summary['median_first_token_s']:.3f} s"]
+                  "plain decoding, " + ("no text came" if first is None else f"first text after {first:.3f} s")]
     return lines
 
 
