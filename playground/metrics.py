@@ -211,9 +211,16 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
     width = seen.width or NOMINAL_WIDTH
     price = (f"here a {width}-token forward costs {relative_cost(width):.1f} one-token forwards, so a step must keep "
              f"{relative_cost(width):.1f} tokens to break even" if relative_cost is not None else "")
+    rested_steps = trace.params.get("rested_steps")
+    rested_steps = rested_steps if isinstance(rested_steps, int) else 0
     if seen.drafting_steps == 0:
         if not measured:
             return "nothing drafted: the algorithm found no proposal in any step, so no acceptance applies"
+        if rested_steps:
+            return (f"nothing drafted: drafting rested in {rested_steps} of {seen.steps} steps, as the drafting "
+                    "steps before (an earlier run's too) committed fewer tokens a second than plain ones (the "
+                    f"proposer's own forwards included){'; ' + price if price else ''}, so no acceptance applies; "
+                    "--plan as-set verifies the settings as they are")
         return (f"nothing drafted: the measured plan found no step where drafting pays on this machine"
                 f"{' (' + price + ')' if price else ''}, so no acceptance applies; --plan as-set verifies the "
                 "settings as they are")
@@ -221,9 +228,8 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
         return (f"drafting in {seen.drafting_steps} of {seen.steps} steps: the algorithm found a proposal only "
                 "there")
     kept = f"this run's drafting steps kept {seen.kept:.1f}"
-    rests = trace.params.get("rests")
-    rested = (f"; drafting rested {rests} time(s), its steps committing fewer tokens a second than plain ones "
-              "(the proposer's own forwards included)" if isinstance(rests, int) and rests > 0 else "")
+    rested = (f"; drafting rested in {rested_steps} steps, its steps committing fewer tokens a second than plain "
+              "ones (the proposer's own forwards included)" if rested_steps else "")
     return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: the measured plan verifies only what "
             f"pays on this machine ({price + '; ' if price else ''}{kept}{rested}); --plan as-set verifies the "
             "settings as they are")

@@ -356,6 +356,7 @@ class EngineWorker:
     def _snapshot(self) -> dict[str, Any]:
         engine = self.engine
         memory = engine.cache.memory()
+        rests = engine.rests()
         return {"model": self.target.name, "running": len(engine.running), "waiting": len(engine.waiting),
                 "finished": self.finished, "preemptions": self.preemptions, "steps": engine.step_count,
                 "engine_s": round(engine.busy_s, 3),
@@ -369,7 +370,7 @@ class EngineWorker:
                     **engine.proposer.describe(),
                     "counts": {source: asdict(counts) for source, counts in engine.counts.items()},
                     # times drafting rested, its steps committing fewer tokens a second than plain ones (`Payoff`)
-                    "rests": None if engine.payoff is None else engine.payoff.rests},
+                    "rests": None if rests is None else rests[0]},
                 # every proposal verified, as vLLM counts speculative decoding (`engine.Drafts`)
                 "drafts": None if engine.proposer is None else {**asdict(engine.drafts),
                                                                 "accepted": engine.drafts.accepted}}

@@ -177,15 +177,25 @@ class Slow(Proposer):
 def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     """On this machine's live costs, a proposer whose steps commit fewer tokens a second than plain steps rests: most
     of the run's steps are plain, the output is plain decoding's, and the run's note says drafting rested. Under the
-    as-set plan it drafts every step."""
+    as-set plan it drafts every step. The judgement is the proposer's: a new engine with it goes on resting where the
+    last one left off, and its note says so."""
     prompt, new = PROMPTS[0], 64
     generation = GenerationParams(max_new_tokens=new)
     live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
-    engine = Engine(target, EngineParams(max_running=1), proposer=Slow(), costs=live)
+    slow = Slow()
+    engine = Engine(target, EngineParams(max_running=1), proposer=slow, costs=live)
     engine.add_request(prompt, None, generation)
     outputs = engine.run_all()
     assert outputs[0].token_ids == generate(target, prompt, None, None, generation)[0].token_ids
     assert engine.payoff.rests >= 1 and engine.counts["slow"].steps < new // 2
+    rest_left = slow.payoff.left
+    assert rest_left > 0  # the run ended in a rest
+    output, trace = generate(target, prompt, slow, None, generation, costs=live)
+    assert output.token_ids == outputs[0].token_ids
+    steps = [e for e in trace.events if isinstance(e, VerifyEvent)]
+    resting = min(rest_left, len(steps))
+    assert trace.params["rested_steps"] >= resting and all(e.num_tokens == 1 for e in steps[:resting])
+    assert "drafting rested in" in drafting_note(trace, STEEP_COST)
     engine = Engine(target, EngineParams(max_running=1, plan="as-set"), proposer=Slow(), costs=live)
     engine.add_request(prompt, None, generation)
     engine.run_all()

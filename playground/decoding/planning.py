@@ -178,7 +178,7 @@ class Payoff:
     after each drafting step once JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first
     step first rests JUDGED steps to time plain ones): where drafting commits fewer tokens a unit of time, it rests
     for REST steps (the engine asks for no proposal), twice as long after each rest that did not pay off, up to
-    LONGEST, and is judged afresh after."""
+    LONGEST, and is judged afresh after. A proposer keeps its own across engines (`Proposer.payoff`)."""
 
     WINDOW, JUDGED, REST, LONGEST = 32, 4, 32, 1024
 
@@ -187,11 +187,13 @@ class Payoff:
         self.plain: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
         self.rest, self.left = self.REST, 0  # the next rest's length; steps left of this one
         self.rests = 0  # rests taken
+        self.rested = 0  # steps rested
 
     def resting(self) -> bool:
         """Whether this step rests (counted: call once a step)."""
         if self.left:
             self.left -= 1
+            self.rested += 1
             return True
         return False
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..sampling import PLAIN_DRAWS, Rule
+from .planning import OwnCost, Payoff
 
 if TYPE_CHECKING:
     from ..kv import KVCache
-    from .planning import OwnCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +181,17 @@ class Proposer(ABC):
     # (`prefilled`, `Outcome.hidden`) is then ((1 + len(taps)) E) wide, the final state first (`Transformer.forward`)
     taps: tuple[int, ...] = ()
     own: OwnCost | None = None  # the price of its own drafting forwards, where it runs any
+    _payoff: Payoff | None = None
+
+    @property
+    def payoff(self) -> Payoff:
+        """Whether its drafting pays, judged from the steps as they run (`planning.Payoff`), by engines on this
+        machine's live costs under the measured plan. Kept from one engine to the next, as what it learned of its
+        acceptance and its own price is: a new run (the app's, the bench's next prompt) rests where the last ones
+        found that drafting did not pay, rather than paying to find it out again."""
+        if self._payoff is None:
+            self._payoff = Payoff()
+        return self._payoff
 
     def bind(self, settings: Any, cache: KVCache) -> None:
         """A new engine (its `EngineParams` and its target's KV cache) takes this proposer: per-engine resources are

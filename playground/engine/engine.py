@@ -23,7 +23,7 @@ import torch
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, LiveCosts, forward_costs
-from ..decoding.planning import Payoff, plan_width
+from ..decoding.planning import plan_width
 from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import blocks_for
 from ..models import LoadedModel
@@ -129,12 +129,22 @@ class Engine:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs: ForwardCosts | LiveCosts | None = costs
         # on this machine's live costs, measured, drafting is judged by what its steps commit a second and the
-        # proposer keeps what it learned in earlier engines (a curve given, as tests pin one, plans the same whatever
-        # the host's timing and the runs before)
+        # proposer keeps what it learned in earlier engines, that judgement included (a curve given, as tests pin
+        # one, plans the same whatever the host's timing and the runs before)
         live = isinstance(costs, LiveCosts) and self.params.plan == "measured"
-        self.payoff = Payoff() if live else None
+        self.payoff = self.proposer.payoff if live and self.proposer is not None else None
+        # the payoff's counts when this engine took it: `rests` counts from there
+        self._payoff_from = (self.payoff.rests, self.payoff.rested) if self.payoff is not None else (0, 0)
         if self.proposer is not None and not live:
             self.proposer.forget()
+
+    def rests(self) -> tuple[int, int] | None:
+        """Under the measured plan on live costs, how often drafting rested in this engine, its steps committing fewer
+        tokens a second than plain ones (`planning.Payoff`), and how many steps it rested (a rest begun in an
+        earlier engine included); None where drafting is not judged so."""
+        if self.payoff is None:
+            return None
+        return self.payoff.rests - self._payoff_from[0], self.payoff.rested - self._payoff_from[1]
 
     @property
     def running(self) -> list[Request]:

@@ -53,8 +53,9 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
             yield from new
     finally:
         engine.close()
-    if engine.payoff is not None:  # how often drafting rested, committing fewer tokens a second than plain steps
-        trace.params["rests"] = engine.payoff.rests
+    rests = engine.rests()  # how often drafting rested, committing fewer tokens a second than plain steps
+    if rests is not None:
+        trace.params["rests"], trace.params["rested_steps"] = rests
     if output is None:
         raise RuntimeError("generation ended without an output")
     return output, trace
