@@ -46,9 +46,9 @@ class PagedKVCache(KVCache):
         self._check_kept(seq_id, start, offsets)
         if offsets != list(range(len(offsets))):
             self._copy(self.blocks.make_writable(seq_id, start, start + len(offsets)))
-            table = self.blocks.table(seq_id)
-            source = self._slots(table, [start + o for o in offsets])  # (n,)
-            target = self._slots(table, range(start, start + len(offsets)))  # (n,)
+            slots = self._sequence_slots(seq_id)
+            source = to_device(slots[[start + o for o in offsets]], self.device)  # (n,)
+            target = to_device(slots[start : start + len(offsets)], self.device)  # (n,)
             for pool in (self.k, self.v):
                 # index_select copies, so moving slots over each other is safe
                 pool.index_copy_(1, target, pool.index_select(1, source))
@@ -66,13 +66,14 @@ class PagedKVCache(KVCache):
         key_len = max(starts) + num_new
         write, read = [], []
         for s, start in zip(seq_ids, starts):
-            table = self.blocks.table(s)
-            write.append(self._slots(table, range(start, start + num_new)))
-            # Keys past a shorter row's own tokens are masked; any valid slot serves as their index.
-            read.append(self._slots(table, [min(j, start + num_new - 1) for j in range(key_len)]))
+            slots, end = self._sequence_slots(s), start + num_new
+            write.append(slots[start:end])
+            # Keys past a shorter row's own tokens are masked; its last slot serves as their index.
+            read.append(torch.cat([slots[:end], slots[end - 1 : end].expand(key_len - end)]))
         mask = build_attention_mask(starts, num_new, key_len, attn_mask, self.device)
         return AttentionLayout(tuple(seq_ids), starts, num_new, key_len, mask,
-                               write_slots=torch.cat(write), read_slots=torch.stack(read))
+                               write_slots=to_device(torch.cat(write), self.device),
+                               read_slots=to_device(torch.stack(read), self.device))
 
     def static_tables(self, seq_ids: tuple[int, ...], key_len: int) -> list[list[int]]:
         blocks = blocks_for(key_len, self.block_size)
@@ -119,9 +120,12 @@ class PagedKVCache(KVCache):
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _slots(self, table: list[int], positions) -> torch.Tensor:
+    def _sequence_slots(self, seq_id: int) -> torch.Tensor:
+        """The pool slot of every position its blocks hold, in order: (blocks * block_size,) int64 on the host, built
+        with tensor ops (a list per position cost more than a small model's forward at a few hundred keys)."""
         bs = self.block_size
-        return to_device([table[j // bs] * bs + j % bs for j in positions], self.device)
+        table = torch.tensor(self.blocks.table(seq_id), dtype=torch.int64)  # (blocks,)
+        return (table.unsqueeze(1) * bs + torch.arange(bs)).view(-1)  # (blocks * bs,)
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, copy) block's keys and values, as the manager's copy on write asked."""
