@@ -131,7 +131,7 @@ def run_of(trace: Any) -> Run:
 
 
 # the rows of plain decoding on float32 weights, of plain decoding with eager forwards, and of llama.cpp
-FLOAT32, EAGER, LLAMA = "ar-float32", "ar-eager", "llama.cpp"
+FLOAT32, EAGER, LLAMA, SAMPLED_PLAIN = "ar-float32", "ar-eager", "llama.cpp", "ar-sampled"
 SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
 SAMPLED = SamplingParams(temperature=0.7, seed=0)  # Medusa's lossless vs typical acceptance differ only when sampling
 
@@ -251,6 +251,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender(PLAIN, PLAIN, None, "plain decoding")
     contenders, draft = build_contenders(args, target)
+    # a sampled variant races plain decoding sampled alike: drawing from a softmax costs plain decoding too
+    sampled_plain = (Contender(SAMPLED_PLAIN, PLAIN, None, "plain decoding, sampled", sampling=SAMPLED)
+                     if any(c.sampled for c in contenders) else None)
     if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
         contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
@@ -270,7 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     warm = GenerationParams(max_new_tokens=8, plan=args.plan)
     warm_ids = encode_prompt(target, "Hello", warm)
-    for contender in (plain, *contenders):
+    for contender in (plain, *([sampled_plain] if sampled_plain is not None else []), *contenders):
         trace_of(target, contender, "Hello", warm)
     if llm is not None:
         run_llama(llm, warm_ids, target, warm)
@@ -291,7 +294,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
         # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
-        entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (plain, *contenders)}
+        baselines = [plain] if sampled_plain is None else [plain, sampled_plain]
+        entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (*baselines, *contenders)}
         if llm is not None:
             entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
         for label, remote in remotes.items():
@@ -300,6 +304,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         llama_runs = traces.pop(LLAMA, None)
         remote_runs = {label: traces.pop(label) for label in remotes}
         speedups = compare(traces, plain.name)
+        if sampled_plain is not None:
+            sampled_speedups = compare(traces, sampled_plain.name)
+            speedups.update({c.name: sampled_speedups[c.name] for c in contenders if c.sampled})
         plain_trace = median_run(traces[plain.name])
         plain_costs.add(plain_trace)
         ours = run_of(plain_trace)
@@ -308,6 +315,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                "ar_spread": speedups[plain.name].spread}
         plain_outputs.append((prompt_ids, list(ours.token_ids)))
         progress = f"[{run + 1}/{len(indices)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
+        if sampled_plain is not None:  # what the sampled variants are measured against
+            row["ar_sampled"] = run_stats(run_of(median_run(traces[sampled_plain.name])))
         if llama_runs is not None:
             row["llama_cpp"] = run_stats(sorted(llama_runs, key=lambda r: r.tokens_per_s)[len(llama_runs) // 2])
             row["ratio_vs_llama_cpp"] = statistics.median(

@@ -72,7 +72,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"torch {env['torch']}, {env['threads']} threads, {env['machine']}; native CPU kernels: "
         f"{env['native_kernel']}. Per prompt, plain decoding and every algorithm ran interleaved, "
-        f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios.",
+        f"{report['rounds']} round(s); each row shows the median round, each speedup the median of the rounds' ratios "
+        "(a sampled variant's over plain decoding sampled alike, which ran in the same rounds).",
         "",
         f"Weights: {env.get('weights', 'float32')}. Decode forwards: {env.get('forwards', 'eager')}. Plan: "
         f"{report.get('plan', 'measured')} ({PLAN_WORDS[report.get('plan', 'measured')]}).",
