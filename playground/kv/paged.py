@@ -122,7 +122,7 @@ class PagedKVCache(KVCache):
 
     def _sequence_slots(self, seq_id: int) -> torch.Tensor:
         """The pool slot of every position its blocks hold, in order: (blocks * block_size,) int64 on the host, built
-        with tensor ops (a list per position cost more than a small model's forward at a few hundred keys)."""
+        with tensor ops rather than a Python list per position (every forward's layout reads it)."""
         bs = self.block_size
         table = torch.tensor(self.blocks.table(seq_id), dtype=torch.int64)  # (blocks,)
         return (table.unsqueeze(1) * bs + torch.arange(bs)).view(-1)  # (blocks * bs,)
