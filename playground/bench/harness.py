@@ -254,6 +254,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # a sampled variant races plain decoding sampled alike: drawing from a softmax costs plain decoding too
     sampled_plain = (Contender(SAMPLED_PLAIN, PLAIN, None, "plain decoding, sampled", sampling=SAMPLED)
                      if any(c.sampled for c in contenders) else None)
+    baselines = [plain] if sampled_plain is None else [plain, sampled_plain]
     if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
         contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
@@ -273,7 +274,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     warm = GenerationParams(max_new_tokens=8, plan=args.plan)
     warm_ids = encode_prompt(target, "Hello", warm)
-    for contender in (plain, *([sampled_plain] if sampled_plain is not None else []), *contenders):
+    for contender in (*baselines, *contenders):
         trace_of(target, contender, "Hello", warm)
     if llm is not None:
         run_llama(llm, warm_ids, target, warm)
@@ -294,7 +295,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt_ids = encode_prompt(target, prompt, generation)
         peer_runs = PeerRuns()
         # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
-        baselines = [plain] if sampled_plain is None else [plain, sampled_plain]
         entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (*baselines, *contenders)}
         if llm is not None:
             entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
