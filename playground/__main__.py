@@ -175,12 +175,13 @@ def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: P
 
 
 def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
-                 relative_cost: Callable[[int], float] | None = None, own_price: float | None = None) -> str:
+                 relative_cost: Callable[[int], float] | None = None,
+                 own_price: Callable[[int], float] | None = None) -> str:
     """The run in one line: speed, forwards, and for an algorithm that drafted its acceptance against the theory's
     prediction; where a run drafted in few steps or none, why (`metrics.drafting_note`, priced by `relative_cost`:
     a forward's cost by width in one-token forwards on this machine) instead of an acceptance; and, labelled as a
     projection, what the same steps would give where a forward over a few tokens costs about one (`own_price`: the
-    proposer's own forward, as priced here)."""
+    proposer's own forwards a step by their number, as priced here)."""
     from .metrics import FLAT_CURVE, drafting_note, expected_tokens_per_step, mean_draft_length, projected_speedup
 
     line = (f"[{algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} tok/s, first "

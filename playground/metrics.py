@@ -264,17 +264,19 @@ class Priced:
         return 1 / (prefill + (1 - prefill) / self.speedup)
 
 
-def priced(trace: Trace, relative_cost: Callable[[int], float], own_price: float | None) -> Priced | None:
+def priced(trace: Trace, relative_cost: Callable[[int], float],
+           own_price: Callable[[int], float] | None) -> Priced | None:
     """The run's decode steps (their verified widths, their proposer's forwards) priced where a forward over W
-    tokens costs relative_cost(W) one-token forwards and a proposer forward `own_price` of one (0 for None; at least
-    one forward a step that proposed, as the Medusa heads run once a step). None for a run with no decode step."""
+    tokens costs relative_cost(W) one-token forwards and a step's g forwards of the proposer's own own_price(g) of
+    one (a `planning.DraftPrice`; None: nothing; at least one forward a step that proposed, as the Medusa heads run
+    once a step). None for a run with no decode step."""
     widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
     forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent)}
     committed = sum(e.num_tokens for e in trace.events if isinstance(e, CommitEvent) and e.step in widths)
     if not widths or not committed:
         return None
     return Priced(committed, len(widths), statistics.mean(relative_cost(w) for w in widths.values()),
-                  (own_price or 0.0) * sum(forwards.get(s, 0) for s in widths) / len(widths))
+                  sum(own_price(forwards.get(s, 0)) for s in widths) / len(widths) if own_price is not None else 0.0)
 
 
 def flat_cost(width: int) -> float:
@@ -282,7 +284,7 @@ def flat_cost(width: int) -> float:
     return 1 + FLAT_TOKEN_COST * (width - 1)
 
 
-def projected_speedup(trace: Trace, own_price: float | None) -> float | None:
+def projected_speedup(trace: Trace, own_price: Callable[[int], float] | None) -> float | None:
     """A projection, not a measurement: the run's decode steps `priced` on a flat curve (`flat_cost`) with its
     proposer's forwards at `own_price` (its price as measured here), against plain decoding's one forward per
     token. None for a run with no decode step."""

@@ -269,8 +269,9 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
     outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
                      max_new_tokens=24, eagle_nodes=8)
     assert "tokens per target forward" in outputs[3]
-    assert re.search(r"a drafting forward priced at \d\.\d\d target forwards \(the bytes it reads predict \d\.\d\d\)",
-                     outputs[3])  # the head's, as planned, beside its bytes' prediction
+    assert re.search(r"drafting priced at \d\.\d\d target forwards for a step's first depth \(its catch-up on the "
+                     r"tokens kept included\) and \d\.\d\d for each further one \(the bytes a forward reads predict "
+                     r"\d\.\d\d\)", outputs[3])  # the head's, as planned, beside its bytes' prediction
     trace = Trace.load(outputs[4][0])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)
@@ -284,6 +285,9 @@ def test_medusa_step_detail_draws_the_candidate_tree(client, target):
                      max_new_tokens=12)
     detail, stats = outputs[2], outputs[3]
     assert "proposed" in detail and "tokens per target forward" in stats
+    # the heads run one forward a step, whatever the depth: one price
+    assert re.search(r"the proposer's forward priced at \d\.\d\d target forwards, once a step \(the bytes it reads "
+                     r"predict \d\.\d\d\)", stats)
     _, _, replayed = client.predict(2, api_name="/replay_step")  # replay reads token texts from the trace alone
     assert "<b>step 2</b>" in replayed and "Proposal tree (" in replayed
     _, _, _, summary, *_ = client.predict(handle_file(outputs[4][0]), api_name="/load_trace")

@@ -25,7 +25,7 @@ from playground.decoding.grafted import Grafted
 from playground.decoding.guesses import GuessCalibration, guess_tree
 from playground.decoding.lookahead import LookaheadParams
 from playground.decoding.medusa import MedusaParams
-from playground.decoding.planning import OwnCost, widest_paying
+from playground.decoding.planning import DraftPrice, OwnCost, widest_paying
 from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.decoding.proposer import Proposal
 from playground.decoding.registry import build_proposer
@@ -399,39 +399,48 @@ def test_proposals_calibration_and_the_widest_paying_forward() -> None:
 
 
 def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) -> None:
-    """Fixed where set; else the estimate until MEASURED drafting steps are in, then the median of the recent
-    ones (seconds per depth over the batch's one-token forward), which a step that captured a graph cannot move,
-    dropped after STALE plans without a new one; the engine's steps record them, and its plans read them."""
+    """Fixed per depth where set; else the estimate until MEASURED drafting steps are in, then the medians of the
+    recent ones (a step's first depth, catch-up included, and each further depth, in the batch's one-token
+    forwards), which a step that captured a graph cannot move, dropped after STALE plans without a new one; the
+    engine's steps record them, and its plans read them."""
     monkeypatch.setattr(OwnCost, "MEASURED", 3)  # as outside the tests
     own = OwnCost(0.2, 0.05)
-    own.record(1.0, 2, 0.01)
-    assert own() == 0.2  # fixed
+    own.record(1.0, 2, 0.01, 0.6)
+    assert own() == DraftPrice(0.2, 0.2) and own()(3) == pytest.approx(0.6)  # fixed, per depth
     own = OwnCost(None, 0.05)
-    for seconds in (0.004, 0.5, 0.006):  # the second step captured a graph: 100 times slower
-        assert own() == 0.05  # the estimate, until three steps are in
-        own.record(seconds, 2, 0.01)
-    assert own() == pytest.approx(0.3)  # the median of 0.2, 25 and 0.3
+    for seconds, first in ((0.004, 0.003), (0.5, 0.2), (0.006, 0.004)):  # the second step captured a graph
+        assert own() == DraftPrice(0.05, 0.05)  # the estimate, until three steps are in
+        own.record(seconds, 3, 0.01, first)
+    # first depths 0.3, 20, 0.4; further ones (0.001, 0.3, 0.002) / 2 / 0.01 = 0.05, 15, 0.1
+    assert own() == DraftPrice(pytest.approx(0.4), pytest.approx(0.1))
+    assert own()(3) == pytest.approx(0.6) and own()(0) == 0.0
     own.record(0.1, 0, 0.01)  # nothing drafted: nothing measured
-    assert len(own.samples) == 3
+    assert len(own.firsts) == 3
     for _ in range(OwnCost.WINDOW):
-        own.record(0.002, 1, 0.01)
-    assert own() == pytest.approx(0.2) and len(own.samples) == OwnCost.WINDOW  # the recent steps only
+        own.record(0.002, 1, 0.01, 0.002)  # a step one deep measures its first depth alone
+    assert own() == DraftPrice(pytest.approx(0.2), pytest.approx(0.1)) and len(own.firsts) == OwnCost.WINDOW
+    assert own.measured() == pytest.approx(0.1) and own.measured_first() == pytest.approx(0.2)
     # a price that stops the drafting gets no samples: STALE plans later the estimate is tried again
     for _ in range(OwnCost.STALE - 1):
-        assert own() == pytest.approx(0.2)
-    assert own.value() == pytest.approx(0.2)  # a report does not count as a plan
-    assert own() == 0.05 and not own.samples
-    own.record(0.004, 2, 0.01)
-    assert own.unmeasured == 0
+        assert own().first == pytest.approx(0.2)
+    assert own.value().first == pytest.approx(0.2)  # a report does not count as a plan
+    assert own() == DraftPrice(0.05, 0.05) and not own.firsts and not own.furthers
+    own.record(0.004, 2, 0.01)  # not timed apart: its seconds per depth price both
+    assert own.unmeasured == 0 and list(own.firsts) == list(own.furthers) == [pytest.approx(0.2)]
+    heads = OwnCost(None, 0.05, per_depth=False)  # one forward a step, whatever the depth
+    for _ in range(3):
+        heads.record(0.003, 4, 0.01)
+    assert heads() == DraftPrice(pytest.approx(0.3), None) and heads()(4) == pytest.approx(0.3)
 
     proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
     estimate = proposer.own_cost()
     priced = []
-    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s: (
-        priced.append((depth, one_s)), OwnCost.record(proposer.own, seconds, depth, one_s)))
+    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, first: (
+        priced.append((depth, one_s, first, seconds)), OwnCost.record(proposer.own, seconds, depth, one_s, first)))
     generate(target, PROMPTS[0], proposer, SamplingParams(), GenerationParams(max_new_tokens=16))
-    assert len(priced) >= 3 and all(depth >= 1 and one_s == TEST_COSTS.time(1) for depth, one_s in priced)
-    assert proposer.own_cost() == statistics.median(proposer.own.samples) != estimate
+    assert len(priced) >= 3 and all(depth >= 1 and one_s == TEST_COSTS.time(1) for depth, one_s, _, _ in priced)
+    assert all(0 < first <= seconds for _, _, first, seconds in priced)  # a CPU times the first depth apart
+    assert proposer.own_cost().first == statistics.median(proposer.own.firsts) != estimate.first
 
 
 def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:

@@ -12,7 +12,7 @@ import pytest
 from playground.__main__ import summary_line
 from playground.config import EngineParams, GenerationParams
 from playground.decoding.costs import ForwardCosts, LiveCosts
-from playground.decoding.planning import Payoff
+from playground.decoding.planning import DraftPrice, Payoff
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
 from playground.decoding.speculative import SpeculativeParams
@@ -101,11 +101,11 @@ def test_the_projection_prices_the_runs_own_steps_on_a_flat_curve(target, propos
                      GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"), costs=STEEP)[1]
     per_forward = (len(trace.finish().token_ids) - 1) / sum(isinstance(e, VerifyEvent) for e in trace.events)
     widest = max(e.num_tokens for e in trace.events if isinstance(e, VerifyEvent))
-    free = projected_speedup(trace, 0.0)
+    free = projected_speedup(trace, DraftPrice(0.0, None))
     assert per_forward / (1 + FLAT_TOKEN_COST * (widest - 1)) <= free <= per_forward
-    assert projected_speedup(trace, 0.5) < free  # the proposer's own forwards are paid for
+    assert projected_speedup(trace, DraftPrice(0.5, None)) < free  # the proposer's own forwards are paid for
     # the same steps on a curve: each step at its width's cost, the proposer's forwards at their price
-    steep = priced(trace, STEEP_COST, 0.25)
+    steep = priced(trace, STEEP_COST, DraftPrice(0.25, None))
     widths = [e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)]
     assert steep.steps == len(widths) and steep.verify == pytest.approx(sum(widths) / len(widths))
     assert steep.tokens == len(trace.finish().token_ids) - 1  # all but the prefill's token

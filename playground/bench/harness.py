@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -352,6 +353,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 own = contender.proposer.own
                 if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
                     result["draft_forward"] = own.measured()
+                if own is not None and own.per_depth and own.measured_first() is not None:
+                    result["draft_first"] = own.measured_first()  # a step's first depth, its catch-up included
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
@@ -451,6 +454,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entry["draft_forward"] = statistics.median(forwards)
             entry["draft_forward_by_bytes"] = contender.proposer.own_estimate()
             entry["draft_forward_over_bytes"] = entry["draft_forward"] / entry["draft_forward_by_bytes"]
+        firsts = [r["draft_first"] for r in results if "draft_first" in r]
+        if firsts:  # a drafting step's first depth: its catch-up and the step's fixed work besides a forward
+            entry["draft_first"] = statistics.median(firsts)
         judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
         if judged:
             entry["mean_token_acceptance"] = statistics.mean(judged)
@@ -464,7 +470,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return write_report(args, report, markdown(report))
 
 
-def predicted(trace: Any, relative_cost: Any, own_price: float | None, prefill: float) -> dict[str, Any]:
+def predicted(trace: Any, relative_cost: Any, own_price: Callable[[int], float] | None,
+              prefill: float) -> dict[str, Any]:
     """What a run's own decode steps predict on this machine's curve (`metrics.priced`: its verified widths, its
     proposer's forwards at their price), diluted by the prefill share both runs pay, as its speedup is; and that
     prediction's cost of a step (verify, draft), in one-token forwards. Nothing for a run with no decode step."""

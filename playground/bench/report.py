@@ -132,12 +132,15 @@ def markdown(report: dict[str, Any]) -> str:
                   "than one token (their median width: verify tokens) over a plain decode forward's; draft cost ratio "
                   "the same for one draft forward. Draft forward is what one forward of the proposer's own (a draft "
                   "model's, the heads') cost in one-token target forwards as its plan measured it (the median over its "
-                  "last drafting steps, per prompt), by bytes what the weights it reads predict (their bytes over the "
-                  "target's). `check` flags a speedup the measurement cannot explain (playground/speedup.py): rerun "
-                  "before quoting it. The predicted speedup is what a run's own decode steps (the widths it verified, "
-                  "its proposer's forwards at their measured price) come to on this machine's forward-cost curve, "
-                  "diluted by the prefill as the measured one is; its share measured falls short where a step costs "
-                  "more than the curve and the price say (host work, a slowed forward), and the bench then says where."]
+                  "last drafting steps, per prompt: each depth after a step's first, or the heads' one forward a "
+                  "step), by bytes what the weights it reads predict (their bytes over the target's); draft first "
+                  "what a drafting step's first depth cost, with its catch-up on the tokens the proposer has not read "
+                  "and the step's fixed work around its forwards. `check` flags a speedup the measurement cannot "
+                  "explain (playground/speedup.py): rerun before quoting it. The predicted speedup is what a run's own "
+                  "decode steps (the widths it verified, its proposer's forwards at their measured price) come to on "
+                  "this machine's forward-cost curve, diluted by the prefill as the measured one is; its share "
+                  "measured falls short where a step costs more than the curve and the price say (host work, a slowed "
+                  "forward), and the bench then says where."]
     for name, info in report.get("algos", {}).items():
         lines += markdown_algo(name, info, report["prompts"], s["algos"][name])
     for label, summary in s.get("endpoints", {}).items():

@@ -124,6 +124,9 @@ class EagleProposer(Proposer):
         # the trees grow in Python lists; static forwards (a GPU's, or a CPU standing in for one) keep them on the
         # device, reading them back once a step
         self.on_host = target.model.device.type == "cpu" and self.captured is None
+        # on a CPU each forward has run when its call returns, so a step's first depth is timed apart from the rest
+        self.timed_apart = target.model.device.type == "cpu"
+        self.caught_up = 0.0  # when the last `grow` had drafted its first depth (`time.perf_counter`)
 
 
     def estimate_cost(self) -> float:
@@ -169,15 +172,15 @@ class EagleProposer(Proposer):
         # Each drafted depth costs a head forward besides the wider verification: as deep as the guesses' kept
         # share so far says pays for both.
         price = cost.price(self.own)
-        depth = guess_depth(self.calibration.expected_tokens(self.depth), [room for _, room in ready], cost,
-                            lambda places: places * price)
+        depth = guess_depth(self.calibration.expected_tokens(self.depth), [room for _, room in ready], cost, price)
         if not depth:
             return {}
         start = time.perf_counter()
         depths = [min(room, depth) for _, room in ready]
         trees = dict(zip([r.id for r, _ in ready], self.grow([r for r, _ in ready], depths)))
-        # a long catch-up is a prompt's or a rest's, paid once: not a drafting forward's price
-        self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s)
+        # a long catch-up is a prompt's or a rest's, paid once: not a drafting step's price
+        first = self.caught_up - start - self.long_read_s if self.timed_apart else None
+        self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s, first)
         return trees
 
     def _ready(self, request: RequestView) -> bool:
@@ -191,6 +194,7 @@ class EagleProposer(Proposer):
         nodes, parents first. The bookkeeping between the forwards runs in Python lists (`_grow_on_host`) or as
         tensors left on the device (`_grow_on_device`), as `on_host` says; both choose the same nodes."""
         root, logps, tokens = self._catch_up(requests)  # (B, E), (B, k), (B, k)
+        self.caught_up = time.perf_counter()  # the first depth drafted
         if self.on_host:
             return self._grow_on_host(requests, depths, root, logps, tokens)
         return self._proposals(self._grow_on_device(requests, depths, root, logps, tokens), depths)

@@ -14,7 +14,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import ClassVar, NamedTuple, cast
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch
 
@@ -23,6 +23,9 @@ from .copies import Lookup
 from .planning import OwnCost, RunningAcceptance, guess_depth, widest_paying
 from .proposer import Cost, Drafted, Note, Outcome, Proposal, Proposer, RequestView
 from .tree import COPY_PRIOR, best_first
+
+if TYPE_CHECKING:
+    from ..models import LoadedModel
 
 
 class Guesses(NamedTuple):
@@ -210,7 +213,9 @@ class ChainDrafter(Guesser):
 
     chained = True
     own: OwnCost
+    target: LoadedModel
     unpriced_s = 0.0  # seconds of the last `chains` that are no drafting forward's (a long catch-up, paid once)
+    first_done = 0.0  # when the last `chains` had drafted its first place (`time.perf_counter`)
 
     @abstractmethod
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
@@ -223,12 +228,13 @@ class ChainDrafter(Guesser):
     def guesses(self, requests: Sequence[RequestView], rooms: list[int], longest: int,
                 cost: Cost) -> dict[int, Guesses]:
         price = cost.price(self.own)
-        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost,
-                                         lambda places: places * price))
+        depth = min(longest, guess_depth(self.calibration.expected_tokens(self.depth), rooms, cost, price))
         start = time.perf_counter()
         chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
         if chains:
-            self.own.record(time.perf_counter() - start - self.unpriced_s, depth, cost.one_s)
+            # on a CPU each forward has run when its call returns, so the first depth is timed apart from the rest
+            first = self.first_done - start - self.unpriced_s if self.target.model.device.type == "cpu" else None
+            self.own.record(time.perf_counter() - start - self.unpriced_s, depth, cost.one_s, first)
         return chains
 
     def tree(self, guesses: Guesses, room: int, nodes: int, copy: Lookup | None = None, copy_rate: float = COPY_PRIOR,

@@ -111,7 +111,8 @@ class MedusaGuesser(Guesser):
             self.top_k = max(tree.top_k())
         super().__init__(frozenset(target.eos_token_ids), depth, nodes, shape)
         self.hidden: dict[int, torch.Tensor] = {}  # request id -> (E,) the state that predicted its last token
-        self.own = OwnCost(None, self.estimate_cost())  # the heads' forward, once a step, measured as it runs
+        # the heads' one forward a step, whatever the depth, measured as it runs
+        self.own = OwnCost(None, self.estimate_cost(), per_depth=False)
         # with the target's static forwards, the heads run in static shapes too (captured with its graphs)
         self.captured = None if target.forwards == "eager" else Captured(self._top, target.graphs)
 
@@ -140,7 +141,7 @@ class MedusaGuesser(Guesser):
         # the heads run once a step whatever the tree: only where the tokens their guesses are expected to add so
         # far pay for them besides the wider verification
         price = cost.price(self.own)
-        if not guess_depth(self.calibration.expected_tokens(depth), rooms, cost, lambda places: price):
+        if not guess_depth(self.calibration.expected_tokens(depth), rooms, cost, price):
             return {}
         start = time.perf_counter()
         k = self.top_k if self.shape is not None else min(longest, self.heads.vocab_size)

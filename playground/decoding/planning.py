@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..models.linear import product_bytes, weights_read
@@ -72,47 +73,82 @@ class NgramAcceptance:
             estimate.decay()
 
 
+@dataclass(frozen=True, slots=True)
+class DraftPrice:
+    """What drafting g deep costs a step, in the batch's one-token target forwards: `first` for its first depth (the
+    proposer's catch-up on what it has not read, and the step's fixed work around its forwards, included) and
+    `further` for each depth after it (None where one forward drafts every depth, as the Medusa heads' does)."""
+
+    first: float
+    further: float | None
+
+    def __call__(self, depth: int) -> float:
+        return 0.0 if depth <= 0 else self.first + (depth - 1) * (self.further or 0.0)
+
+
 class OwnCost:
-    """What one depth of a proposer's own drafting (a draft model's forward, the EAGLE head's; the Medusa heads' one
-    forward a step) costs, in the batch's one-token target forwards: `fixed` where set, else measured as the
-    proposer runs: the median, over its last WINDOW drafting steps, of the step's drafting seconds per depth over
-    the batch's one-token forward (the engine's measured curve); `prior` (an estimate from the weights) until
-    MEASURED steps are in. A median, because a step that captured a CUDA graph or met a busy host is far slower than
-    the rest. A long catch-up (a prompt's, the tokens of steps drafting rested) is the proposer's to leave out: it
-    is paid once, not per depth (`Payoff` sees it). A price that stopped the drafting gets no new samples: after
-    STALE plans priced without one the samples are dropped, so a long-lived engine tries the estimate again (a price
-    measured while the host was busy does not silence a proposer for good)."""
+    """What a proposer's own drafting (a draft model's forwards, the EAGLE head's, the Medusa heads' one a step) costs
+    a step (`DraftPrice`): `fixed` per depth where set, else measured as the proposer runs: the medians, over its last
+    WINDOW drafting steps, of the first depth's seconds and of each further depth's over the batch's one-token forward
+    (the engine's measured curve); `prior` (an estimate from the weights a forward reads) for either until MEASURED
+    steps measured it. `per_depth` False: one forward drafts every depth (further depths cost nothing). Where a
+    step's depths are not timed apart (a device that runs asynchronously), its seconds per depth price both. A median,
+    because a step that captured a CUDA graph or met a busy host is far slower than the rest. A long catch-up (a
+    prompt's, the tokens of many steps drafting rested) is the proposer's to leave out: it is paid once (`Payoff`
+    sees it). A price that stopped the drafting gets no new samples: after STALE plans priced without one the samples
+    are dropped, so a long-lived engine tries the estimate again (a price measured while the host was busy does not
+    silence a proposer for good)."""
 
     WINDOW, MEASURED, STALE = 16, 3, 256
 
-    def __init__(self, fixed: float | None, prior: float) -> None:
-        self.fixed, self.prior = fixed, prior
-        self.samples: deque[float] = deque(maxlen=self.WINDOW)
+    def __init__(self, fixed: float | None, prior: float, per_depth: bool = True) -> None:
+        self.fixed, self.prior, self.per_depth = fixed, prior, per_depth
+        self.firsts: deque[float] = deque(maxlen=self.WINDOW)  # a step's first depth, in one-token forwards
+        self.furthers: deque[float] = deque(maxlen=self.WINDOW)  # each further depth
         self.unmeasured = 0  # plans priced since the last sample
 
-    def __call__(self) -> float:
+    def __call__(self) -> DraftPrice:
         """The price for a plan (counted towards STALE)."""
         self.unmeasured += 1
         if self.unmeasured > self.STALE:
-            self.samples.clear()
+            self.firsts.clear()
+            self.furthers.clear()
         return self.value()
 
-    def value(self) -> float:
+    def value(self) -> DraftPrice:
         """The price now, for a report (not counted)."""
         if self.fixed is not None:
-            return self.fixed
-        measured = self.measured()
-        return self.prior if measured is None else measured
+            return DraftPrice(self.fixed, self.fixed if self.per_depth else None)
+        first, further = _median(self.firsts), _median(self.furthers)
+        return DraftPrice(self.prior if first is None else first,
+                          None if not self.per_depth else self.prior if further is None else further)
 
     def measured(self) -> float | None:
-        """What its last drafting steps measured (whatever `fixed` says), once MEASURED are in; None before."""
-        return statistics.median(self.samples) if len(self.samples) >= self.MEASURED else None
+        """A drafting forward's price as its last steps measured it (whatever `fixed` says): a further depth's, or
+        where one forward drafts every depth that one's; None until MEASURED steps measured it."""
+        return _median(self.furthers if self.per_depth else self.firsts)
 
-    def record(self, seconds: float, depth: int, one_s: float) -> None:
-        """A drafting step `depth` deep took `seconds`; the batch's one-token target forward takes `one_s`."""
-        if depth > 0 and one_s > 0:
-            self.samples.append(seconds / depth / one_s)
-            self.unmeasured = 0
+    def measured_first(self) -> float | None:
+        """A step's first depth's price as measured (its catch-up and fixed work included); None before."""
+        return _median(self.firsts)
+
+    def record(self, seconds: float, depth: int, one_s: float, first: float | None = None) -> None:
+        """A drafting step `depth` deep took `seconds`, `first` of them until its first depth was drafted (None: not
+        timed apart); the batch's one-token target forward takes `one_s`."""
+        if depth <= 0 or one_s <= 0:
+            return
+        if first is None or not self.per_depth:
+            first = seconds / depth if self.per_depth else seconds
+            if depth > 1:
+                self.furthers.append(first / one_s)
+        elif depth > 1:
+            self.furthers.append((seconds - first) / (depth - 1) / one_s)
+        self.firsts.append(first / one_s)
+        self.unmeasured = 0
+
+
+def _median(samples: deque[float]) -> float | None:
+    return statistics.median(samples) if len(samples) >= OwnCost.MEASURED else None
 
 
 def weights_estimate(target: Transformer, reads: int, layers: float) -> float:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..sampling import PLAIN_DRAWS, Rule
-from .planning import OwnCost, Payoff
+from .planning import DraftPrice, OwnCost, Payoff
 
 if TYPE_CHECKING:
     from ..kv import KVCache
@@ -154,6 +154,9 @@ class Outcome:
         return self.walk[1:]
 
 
+FREE = DraftPrice(0.0, 0.0)  # drafting priced as nothing: the "as-set" plan
+
+
 @dataclass(frozen=True, slots=True)
 class Cost:
     """What the step's decode forward costs by width, relative to the same batch's one-token forward (cost(1) = 1),
@@ -168,9 +171,10 @@ class Cost:
     def __call__(self, width: int) -> float:
         return self.relative(width)
 
-    def price(self, own: Callable[[], float]) -> float:
-        """A proposer's own forward in one-token target forwards: `own()` (an `OwnCost`), or 0 as set."""
-        return 0.0 if self.as_set else own()
+    def price(self, own: Callable[[], DraftPrice]) -> DraftPrice:
+        """What a proposer's own drafting costs a step by depth, in one-token target forwards: `own()` (an
+        `OwnCost`), or nothing as set."""
+        return FREE if self.as_set else own()
 
 
 class Proposer(ABC):
@@ -232,8 +236,8 @@ class Proposer(ABC):
         a viewer needs to see how the proposal was made (none by default)."""
         return []
 
-    def own_cost(self) -> float | None:
-        """What a depth of its own drafting (a draft model's or a head's forward) costs in one-token target
+    def own_cost(self) -> DraftPrice | None:
+        """What its own drafting (a draft model's or a head's forwards) costs a step by depth in one-token target
         forwards, as its plans price it now (`OwnCost.value`); None: it runs no forwards of its own."""
         return None if self.own is None else self.own.value()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,6 +192,8 @@ class LayerSkipGuesser(ChainDrafter):
                 best = logits.log_softmax(-1).topk(2 if d == 0 else 1, dim=-1)  # values, indices: (B, k)
                 ranked = best.indices if self.rows is None else self.rows.ids[best.indices]  # (B, k)
                 places.append((best.values, ranked))
+                if d == 0:
+                    self.first_done = time.perf_counter()
                 fed = ranked[:, :1]  # (B, 1)
         finally:
             for r in drafting:

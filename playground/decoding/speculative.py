@@ -194,6 +194,8 @@ class DraftGuesser(ChainDrafter):
                 x = int(sample(q_rows[i][-1], r.generator))
                 drawn[(d, i)] = (math.log(float(q_rows[i][-1][x])), x)
                 fed[i, 0] = x
+            if d == 0:
+                self.first_done = time.perf_counter()
             if d == depth - 1:
                 break  # the last drafted token is not read: the target's verdict on it comes first
             states = forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])

@@ -240,7 +240,7 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
     return {"held_out_prompts": len(prompts), "held_out_tokens_per_target_forward": tokens / max(forwards, 1),
             "held_out_kept_at_least": {d: sum(k >= d for k in kept_per_step) / max(len(kept_per_step), 1)
                                        for d in range(1, depth + 1)},
-            "head_target_cost_ratio": proposer.own_cost()}
+            "head_target_cost_ratio": proposer.own.fixed}
 
 
 def main(args: argparse.Namespace) -> int:

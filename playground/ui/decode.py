@@ -19,6 +19,7 @@ import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
+from ..decoding.planning import DraftPrice
 from ..engine import generate, one_request_costs, stream_generate
 from ..metrics import (
     FLAT_CURVE,
@@ -97,11 +98,12 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tuple[float, float] | None = None,
+def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tuple[DraftPrice, float] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own_cost:
-    what the proposer's plans price a drafting forward of its own at, in target forwards (as measured once it has
-    drafted a few steps), and what the bytes it reads predict (`Proposer.own_estimate`); note: why the run drafted
+    what the proposer's plans price its own drafting at, in target forwards (as measured once it has drafted a few
+    steps: `planning.DraftPrice`), and what the bytes a forward of it reads predict (`Proposer.own_estimate`); note:
+    why the run drafted
     little (`metrics.drafting_note`), if it did; projected: `metrics.projected_speedup`, shown as the projection it
     is; kept_at: the share of proposing steps that kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`),
     as serving engines report acceptance by position."""
@@ -117,8 +119,12 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tup
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
     if own_cost is not None:
-        parts.append(f"a drafting forward priced at {own_cost[0]:.2f} target forwards (the bytes it reads predict "
-                     f"{own_cost[1]:.2f})")
+        price, estimate = own_cost
+        parts.append(f"drafting priced at {price.first:.2f} target forwards for a step's first depth (its catch-up "
+                     f"on the tokens kept included) and {price.further:.2f} for each further one (the bytes a forward "
+                     f"reads predict {estimate:.2f})" if price.further is not None else
+                     f"the proposer's forward priced at {price.first:.2f} target forwards, once a step (the bytes it "
+                     f"reads predict {estimate:.2f})")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
@@ -259,7 +265,7 @@ def history_entry(trace: Trace, m: Metrics, ceiling: dict[str, Any] | None = Non
 
 
 def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float],
-            own_cost: float | None) -> dict[str, Any] | None:
+            own_cost: DraftPrice | None) -> dict[str, Any] | None:
     """A measured run against what this machine allows: its speedup, what its own steps predict on the forward-cost
     curve (`metrics.priced`, diluted by the prefill as the measurement is), and a perfect proposer's best (width,
     speedup) on that curve. None for plain decoding or a run with no decode step."""
