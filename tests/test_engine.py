@@ -405,19 +405,20 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     engine's steps record them, and its plans read them."""
     monkeypatch.setattr(OwnCost, "MEASURED", 3)  # as outside the tests
     own = OwnCost(0.2, 0.05)
-    own.record(1.0, 2, 0.01, 0.6)
+    own.record(1.0, 2, 0.01, 0.4)
     assert own() == DraftPrice(0.2, 0.2) and own()(3) == pytest.approx(0.6)  # fixed, per depth
     own = OwnCost(None, 0.05)
-    for seconds, first in ((0.004, 0.003), (0.5, 0.2), (0.006, 0.004)):  # the second step captured a graph
+    for seconds, further in ((0.004, 0.001), (0.5, 0.3), (0.006, 0.002)):  # the second step captured a graph
         assert own() == DraftPrice(0.05, 0.05)  # the estimate, until three steps are in
-        own.record(seconds, 3, 0.01, first)
-    # first depths 0.3, 20, 0.4; further ones (0.001, 0.3, 0.002) / 2 / 0.01 = 0.05, 15, 0.1
+        own.record(seconds, 3, 0.01, further)
+    # first depths (0.003, 0.2, 0.004) / 0.01 = 0.3, 20, 0.4; further ones (0.001, 0.3, 0.002) / 2 / 0.01 = 0.05,
+    # 15, 0.1
     assert own() == DraftPrice(pytest.approx(0.4), pytest.approx(0.1))
     assert own()(3) == pytest.approx(0.6) and own()(0) == 0.0
     own.record(0.1, 0, 0.01)  # nothing drafted: nothing measured
     assert len(own.firsts) == 3
     for _ in range(OwnCost.WINDOW):
-        own.record(0.002, 1, 0.01, 0.002)  # a step one deep measures its first depth alone
+        own.record(0.002, 1, 0.01, 0.0)  # a step one deep measures its first depth alone
     assert own() == DraftPrice(pytest.approx(0.2), pytest.approx(0.1)) and len(own.firsts) == OwnCost.WINDOW
     assert own.measured() == pytest.approx(0.1) and own.measured_first() == pytest.approx(0.2)
     # a price that stops the drafting gets no samples: STALE plans later the estimate is tried again
@@ -435,11 +436,12 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
     estimate = proposer.own_cost()
     priced = []
-    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, first: (
-        priced.append((depth, one_s, first, seconds)), OwnCost.record(proposer.own, seconds, depth, one_s, first)))
+    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, further: (
+        priced.append((depth, one_s, further, seconds)), OwnCost.record(proposer.own, seconds, depth, one_s, further)))
     generate(target, PROMPTS[0], proposer, SamplingParams(), GenerationParams(max_new_tokens=16))
     assert len(priced) >= 3 and all(depth >= 1 and one_s == TEST_COSTS.time(1) for depth, one_s, _, _ in priced)
-    assert all(0 < first <= seconds for _, _, first, seconds in priced)  # a CPU times the first depth apart
+    assert all(0 <= further < seconds for _, _, further, seconds in priced)  # a CPU times the further depths apart
+    assert any(depth > 1 and further > 0 for depth, _, further, _ in priced)
     assert proposer.own_cost().first == statistics.median(proposer.own.firsts) != estimate.first
 
 

@@ -124,9 +124,10 @@ class EagleProposer(Proposer):
         # the trees grow in Python lists; static forwards (a GPU's, or a CPU standing in for one) keep them on the
         # device, reading them back once a step
         self.on_host = target.model.device.type == "cpu" and self.captured is None
-        # on a CPU each forward has run when its call returns, so a step's first depth is timed apart from the rest
+        # on a CPU each forward has run when its call returns, so a step's further depths are timed apart from the
+        # rest: from when the last `grow` had caught up (its first depth drafted) to when its last depth was grown
         self.timed_apart = target.model.device.type == "cpu"
-        self.caught_up = 0.0  # when the last `grow` had drafted its first depth (`time.perf_counter`)
+        self.caught_up = self.grown = 0.0  # `time.perf_counter`
 
 
     def estimate_cost(self) -> float:
@@ -179,8 +180,8 @@ class EagleProposer(Proposer):
         depths = [min(room, depth) for _, room in ready]
         trees = dict(zip([r.id for r, _ in ready], self.grow([r for r, _ in ready], depths)))
         # a long catch-up is a prompt's or a rest's, paid once: not a drafting step's price
-        first = self.caught_up - start - self.long_read_s if self.timed_apart else None
-        self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s, first)
+        further = self.grown - self.caught_up if self.timed_apart else None
+        self.own.record(time.perf_counter() - start - self.long_read_s, depth, cost.one_s, further)
         return trees
 
     def _ready(self, request: RequestView) -> bool:
@@ -245,6 +246,7 @@ class EagleProposer(Proposer):
                     nodes.extend((token, first + i, lp, worth + min(lp + scale[d], 0.0), d + 1)
                                  for token, lp in zip(child_tokens, child_logps))
             first, features = added, out
+        self.grown = time.perf_counter()
         proposals = []
         for nodes, tree_depth in zip(trees, depths):
             worth = [w if at_depth <= tree_depth else -math.inf for _, _, _, w, at_depth in nodes]
@@ -296,6 +298,7 @@ class EagleProposer(Proposer):
             tokens, logps = torch.cat((tokens, guesses.flatten(1)), 1), torch.cat((logps, logp.flatten(1)), 1)
             worths = torch.cat((worths, (best.unsqueeze(2) + (logp.double() + scale[d]).clamp(max=0.0)).flatten(1)), 1)
             features = out.repeat_interleave(k, dim=1)  # (B, k * k, E)
+        self.grown = time.perf_counter()
         # a node deeper than its request's tree goes is worth nothing (depth 1 holds k nodes, each later one k * k)
         node_depth = torch.tensor([1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)])  # (N,)
         deep = to_device(node_depth.unsqueeze(0) > torch.tensor(depths).unsqueeze(1), device)  # (B, N)

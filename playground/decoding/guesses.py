@@ -215,7 +215,7 @@ class ChainDrafter(Guesser):
     own: OwnCost
     target: LoadedModel
     unpriced_s = 0.0  # seconds of the last `chains` that are no drafting forward's (a long catch-up, paid once)
-    first_done = 0.0  # when the last `chains` had drafted its first place (`time.perf_counter`)
+    first_done = last_done = 0.0  # when the last `chains` had drafted its first place, and its last (`perf_counter`)
 
     @abstractmethod
     def chains(self, requests: Sequence[RequestView], depth: int) -> dict[int, Guesses]:
@@ -232,9 +232,9 @@ class ChainDrafter(Guesser):
         start = time.perf_counter()
         chains = self.chains([r for r, room in zip(requests, rooms) if room > 0], depth)
         if chains:
-            # on a CPU each forward has run when its call returns, so the first depth is timed apart from the rest
-            first = self.first_done - start - self.unpriced_s if self.target.model.device.type == "cpu" else None
-            self.own.record(time.perf_counter() - start - self.unpriced_s, depth, cost.one_s, first)
+            # on a CPU each forward has run when its call returns, so the further depths are timed apart
+            further = self.last_done - self.first_done if self.target.model.device.type == "cpu" else None
+            self.own.record(time.perf_counter() - start - self.unpriced_s, depth, cost.one_s, further)
         return chains
 
     def tree(self, guesses: Guesses, room: int, nodes: int, copy: Lookup | None = None, copy_rate: float = COPY_PRIOR,

@@ -132,18 +132,23 @@ class OwnCost:
         """A step's first depth's price as measured (its catch-up and fixed work included); None before."""
         return _median(self.firsts)
 
-    def record(self, seconds: float, depth: int, one_s: float, first: float | None = None) -> None:
-        """A drafting step `depth` deep took `seconds`, `first` of them until its first depth was drafted (None: not
-        timed apart); the batch's one-token target forward takes `one_s`."""
+    def record(self, seconds: float, depth: int, one_s: float, further: float | None = None) -> None:
+        """A drafting step `depth` deep took `seconds`, `further` of them drafting its depths after the first (None:
+        not timed apart; the rest is the first depth's, with the step's fixed work before and after its forwards);
+        the batch's one-token target forward takes `one_s`."""
         if depth <= 0 or one_s <= 0:
             return
-        if first is None or not self.per_depth:
-            first = seconds / depth if self.per_depth else seconds
-            if depth > 1:
-                self.furthers.append(first / one_s)
-        elif depth > 1:
-            self.furthers.append((seconds - first) / (depth - 1) / one_s)
+        later: float | None = None
+        if not self.per_depth:
+            first = seconds
+        elif further is None or depth == 1:
+            first = seconds / depth
+            later = first if depth > 1 else None
+        else:
+            first, later = seconds - further, further / (depth - 1)
         self.firsts.append(first / one_s)
+        if later is not None:
+            self.furthers.append(later / one_s)
         self.unmeasured = 0
 
 

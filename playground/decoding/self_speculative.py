@@ -195,6 +195,7 @@ class LayerSkipGuesser(ChainDrafter):
                 if d == 0:
                     self.first_done = time.perf_counter()
                 fed = ranked[:, :1]  # (B, 1)
+            self.last_done = time.perf_counter()
         finally:
             for r in drafting:
                 cache.truncate(r.id, r.num_computed)

@@ -197,6 +197,7 @@ class DraftGuesser(ChainDrafter):
             if d == 0:
                 self.first_done = time.perf_counter()
             if d == depth - 1:
+                self.last_done = time.perf_counter()
                 break  # the last drafted token is not read: the target's verdict on it comes first
             states = forwards([r.id for r in drafting], fed, [[cache.length(r.id)] for r in drafting])
             hidden = states[:, 0]  # (B, E)
