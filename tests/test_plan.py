@@ -163,6 +163,38 @@ def test_payoff_rests_drafting_that_commits_fewer_tokens_a_second() -> None:
     assert payoff.rests == 2 and not payoff.resting() and payoff.rest == Payoff.REST
 
 
+def test_a_proposer_that_keeps_declining_is_asked_less_often(target, proposers) -> None:
+    """After DECLINED steps in a row that proposed nothing, the proposer is left idle for as many steps (up to
+    IDLE), which are no rests; a proposal resets the count. In an engine on live costs under the measured plan, a
+    proposer whose forwards are priced out is asked in few of the steps, and the output is plain decoding's."""
+    payoff = Payoff()
+    for _ in range(Payoff.DECLINED - 1):
+        payoff.declined(False)
+    assert not payoff.resting()
+    payoff.declined(False)
+    idle = [payoff.resting() for _ in range(Payoff.DECLINED + 1)]
+    assert idle == [True] * Payoff.DECLINED + [False] and payoff.rested == 0 and payoff.rests == 0
+    for _ in range(3 * Payoff.IDLE):
+        payoff.declined(False)
+    assert payoff.idle == Payoff.IDLE
+    payoff.idle = 0
+    payoff.declined(True)
+    assert payoff.declines == 0 and not payoff.resting()
+
+    medusa, generation = proposers["medusa"], GenerationParams(max_new_tokens=NEW_TOKENS)
+    asked = []
+    live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
+    try:
+        with pytest.MonkeyPatch.context() as patch:  # its plan prices its forwards out every step
+            patch.setattr(medusa, "propose", lambda requests, rooms, cost: asked.append(1) or {})
+            output, trace = generate(target, PROMPTS[1], medusa, None, generation, costs=live)
+    finally:
+        medusa._payoff = None  # the next test's engines judge it afresh
+    steps = sum(isinstance(e, VerifyEvent) for e in trace.events)
+    assert output.token_ids == generate(target, PROMPTS[1], None, None, generation)[0].token_ids
+    assert Payoff.DECLINED <= len(asked) < steps // 2
+
+
 class Slow(Proposer):
     """Proposes a chain of three tokens the target never keeps, sure of them, and takes 30 ms doing it: a proposer
     no price sees (it runs no forward the engine times)."""

@@ -219,9 +219,14 @@ class Payoff:
     after each drafting step once JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first
     step first rests JUDGED steps to time plain ones): where drafting commits fewer tokens a unit of time, it rests
     for REST steps (the engine asks for no proposal), twice as long after each rest that did not pay off, up to
-    LONGEST, and is judged afresh after. A proposer keeps its own across engines (`Proposer.payoff`)."""
+    LONGEST, and is judged afresh after. Asking costs a step too (the plan's arithmetic, about 1% of a step on a
+    CPU): a proposer with forwards of its own that priced them out DECLINED steps in a row is not asked for the next
+    steps, as many as it has declined in a row, up to IDLE (`declined`; copies grafted onto it wait as long), since
+    its price and its estimates move little from one step to the next. A proposer keeps its own across engines
+    (`Proposer.payoff`)."""
 
     WINDOW, JUDGED, REST, LONGEST = 32, 4, 32, 1024
+    DECLINED, IDLE = 4, 16
 
     def __init__(self) -> None:
         self.drafting: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (tokens, time) per step
@@ -229,14 +234,26 @@ class Payoff:
         self.rest, self.left = self.REST, 0  # the next rest's length; steps left of this one
         self.rests = 0  # rests taken
         self.rested = 0  # steps rested
+        self.declines = 0  # steps in a row it was asked and proposed nothing
+        self.idle = 0  # steps left without asking after those
 
     def resting(self) -> bool:
-        """Whether this step rests (counted: call once a step)."""
+        """Whether this step asks for no proposal: drafting rests, or the proposer is left idle after declining
+        (counted: call once a step)."""
         if self.left:
             self.left -= 1
             self.rested += 1
             return True
+        if self.idle:
+            self.idle -= 1
+            return True
         return False
+
+    def declined(self, proposed: bool) -> None:
+        """The proposer was asked and proposed something, or nothing (its plan found no depth that pays)."""
+        self.declines = 0 if proposed else self.declines + 1
+        if self.declines >= self.DECLINED:
+            self.idle = min(self.declines, self.IDLE)
 
     def record(self, drafted: bool, tokens: float, took: float) -> None:
         """A decode step (no prefill in it) committed `tokens` in `took`; `drafted`: its proposer proposed."""

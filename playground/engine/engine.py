@@ -298,6 +298,8 @@ class Engine:
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]
         width = plan_width(gains, lambda w: cost(w + extra) if w > 1 else 1.0)
         proposed = any(p.tokens or p.side is not None for p in plan.proposals.values())
+        if self.payoff is not None and self.proposer.own is not None:  # nothing proposed: its forwards priced out
+            self.payoff.declined(proposed)
         self.scheduler.fit(plan, width, extra)
         sources = {s for p in plan.proposals.values() for s in p.sources}
         for source in sources:
