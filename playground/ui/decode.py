@@ -103,10 +103,9 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tup
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own_cost:
     what the proposer's plans price its own drafting at, in target forwards (as measured once it has drafted a few
     steps: `planning.DraftPrice`), and what the bytes a forward of it reads predict (`Proposer.own_estimate`); note:
-    why the run drafted
-    little (`metrics.drafting_note`), if it did; projected: `metrics.projected_speedup`, shown as the projection it
-    is; kept_at: the share of proposing steps that kept at least 1, 2, ... drafted tokens (`metrics.depth_profile`),
-    as serving engines report acceptance by position."""
+    why the run drafted little (`metrics.drafting_note`), if it did; projected: `metrics.projected_speedup`, shown as
+    the projection it is; kept_at: the share of proposing steps that kept at least 1, 2, ... drafted tokens
+    (`metrics.depth_profile`), as serving engines report acceptance by position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
