@@ -219,11 +219,10 @@ class Payoff:
     after each drafting step once JUDGED drafting and JUDGED plain steps are in (a run that drafts from its first
     step first rests JUDGED steps to time plain ones): where drafting commits fewer tokens a unit of time, it rests
     for REST steps (the engine asks for no proposal), twice as long after each rest that did not pay off, up to
-    LONGEST, and is judged afresh after. Asking costs a step too (the plan's arithmetic, about 1% of a step on a
-    CPU): a proposer with forwards of its own that priced them out DECLINED steps in a row is not asked for the next
-    steps, as many as it has declined in a row, up to IDLE (`declined`; copies grafted onto it wait as long), since
-    its price and its estimates move little from one step to the next. A proposer keeps its own across engines
-    (`Proposer.payoff`)."""
+    LONGEST, and is judged afresh after. Asking costs a step too (the plan's arithmetic): a proposer with forwards of
+    its own that priced them out DECLINED steps in a row is not asked for the next steps, as many as it has declined
+    in a row, up to IDLE (`declined`; copies grafted onto it wait as long), since its price and its estimates move
+    little from one step to the next. A proposer keeps its own across engines (`Proposer.payoff`)."""
 
     WINDOW, JUDGED, REST, LONGEST = 32, 4, 32, 1024
     DECLINED, IDLE = 4, 16
