@@ -27,7 +27,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
     parser.add_argument("--weights", default="auto", choices=WEIGHTS,
                         help="what a GGUF model's products read: gguf, the file's Q8_0/Q4_1 blocks (native CPU "
-                             "kernel, float32; the same outputs from a fifth of the bytes); float32, dequantised; "
+                             "kernel, float32, each block summed apart; a fifth of the bytes); float32, dequantised; "
                              "auto (default): gguf where it can run")
     forwards = parser.add_mutually_exclusive_group()
     forwards.add_argument("--forwards", default="auto", choices=FORWARDS,

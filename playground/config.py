@@ -75,7 +75,7 @@ class ModelSpec:
     ("org/name"), a local Hugging Face folder, or a path to a .gguf file.
     cache_dir: where converted GGUF weights are kept; None means $PLAYGROUND_CACHE or ~/.cache/decoding-playground.
     weights: how a GGUF source's matrix products read their weights: "gguf" as the file's Q8_0 and Q4_1 blocks (the
-    native CPU kernel, float32; the same bits as "float32", from a fifth to a quarter of the bytes), "float32"
+    native CPU kernel, float32, each block summed apart: from a fifth to a quarter of the bytes), "float32"
     dequantised once, "auto" the blocks wherever they can run.
     forwards: how the decode forwards run (`models.forwards`): "eager" each at its own shape, "static" padded to
     buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "compiled" static with each

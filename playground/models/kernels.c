@@ -74,9 +74,12 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
  * float16 scale d (and, for Q4_1, float16 minimum m), and the panel regroups them by block: block b of a panel is
  * its PANEL scales, then (Q4_1) its PANEL minimums, then for each of the QK inputs its PANEL quants (Q8_0: one
  * signed byte per output; Q4_1: PANEL / 2 bytes, output i in the low nibble of byte i, output i + PANEL / 2 in the
- * high nibble). A weight is widened to the float32 gguf's dequantisation computes, d * q for Q8_0 and (d * q) + m
- * for Q4_1, so every product gives the bits of the float32 panels of the dequantised weight from 8.5 or 5 bits a
- * weight. */
+ * high nibble). A product sums each block apart, factored as the format is: d * (sum of q * x) for Q8_0, and
+ * d * (sum of q * x) + m * (sum of x) for Q4_1, the sums of q * x over the block's inputs in order (q widened to
+ * float32 exactly) and folded into the output's sum block by block in order. Against widening every weight to
+ * gguf's dequantised float32 first, a weight read costs no multiply, and the block's small sums round less (a
+ * product's error against float64 is a half to a fifth of the float32 panels'); the bits are not those of the
+ * float32 panels, but again depend on one output and one row alone, and are the same on every build. */
 #define FMT_F32 0
 #define FMT_F16 1
 #define FMT_BF16 2
@@ -194,37 +197,27 @@ void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8
  * which this thread reads next; past the last panel, a harmless prefetch of unowned memory: an address computed as
  * an integer, since a pointer past the array would be undefined behaviour). Re-reading panels from the cache, the
  * streams fetch the next panels instead (see `playground_gemm`). */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, long in, const void *panel, int fmt,
-                                                               float *y, long out, int nb, int G, int cols,
-                                                               uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *sums, long in,
+                                                               const void *panel, int fmt, float *y, long out, int nb,
+                                                               int G, int cols, uintptr_t fetch, uintptr_t stride,
+                                                               uintptr_t step) {
     /* Every loop over the accumulators is unrolled: one left rolled indexes acc at run time, which keeps it in
      * memory, stored to on every k. */
     vf acc[GROUP][NB][NV];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; g++)
-#pragma GCC unroll 16
-        for (int i = 0; i < nb; i++)
-            for (int j = 0; j < NV; j++) acc[g][i][j] = (vf){0};
-    /* GGUF formats run block by block, each block's scales (and minimums) loaded once for its QK inputs; the
-     * others take `in` as one block. */
+    /* GGUF formats: acc holds a block's sums of q * x, folded into `total` (through memory: the registers hold
+     * acc) at the block's end. The others take `in` as one block and sum into acc directly. */
+    float total[GROUP][NB][PANEL];
+    (void)total, (void)sums;
     const long block = quantised(fmt) ? QK : in, panel_bytes = panel_bytes_of(fmt, in);
     const long block_bytes = panel_bytes / (in / block), quant_at = fmt == FMT_Q4_1 ? PANEL * 4 : PANEL * 2;
     const long quant_row = fmt == FMT_Q4_1 ? PANEL / 2 : PANEL;
+    (void)block_bytes, (void)quant_at, (void)quant_row;
     for (long k0 = 0; k0 < in; k0 += block) {
-        vf scale[GROUP][NV], low[GROUP][NV];
-        (void)scale, (void)low, (void)block_bytes, (void)quant_at, (void)quant_row;
-#if HALF_PANELS
-        if (quantised(fmt)) {
 #pragma GCC unroll 16
-            for (int g = 0; g < G; g++) {
-                const uint8_t *head = (const uint8_t *)panel + g * panel_bytes + k0 / QK * block_bytes;
-                for (int j = 0; j < NV; j++) {
-                    scale[g][j] = load_halves(head + j * VEC * 2);
-                    if (fmt == FMT_Q4_1) low[g][j] = load_halves(head + PANEL * 2 + j * VEC * 2);
-                }
-            }
-        }
-#endif
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+            for (int i = 0; i < nb; i++)
+                for (int j = 0; j < NV; j++) acc[g][i][j] = (vf){0};
         for (long k = k0; k < k0 + block; k++) {
             uintptr_t at = fetch + k * step;
 #pragma GCC unroll 16
@@ -238,10 +231,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
                         if (quantised(fmt)) {
                             const uint8_t *q = (const uint8_t *)panel + g * panel_bytes + k0 / QK * block_bytes +
                                                quant_at + (k - k0) * quant_row;
-                            /* d * q is exact in float32 (11 significant bits times at most 8), so rounding
-                             * it with + m in one fused step is gguf's (d * q) + m, one operation cheaper */
-                            wv[j] = fmt == FMT_Q4_1 ? vfma(load_quants(q, j, fmt), scale[g][j], low[g][j])
-                                                    : load_quants(q, j, fmt) * scale[g][j];
+                            wv[j] = load_quants(q, j, fmt);
                         } else
 #endif
                             wv[j] = load_weights(panel, (g * in + k) * PANEL + j * VEC, fmt);
@@ -262,7 +252,39 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, lon
                 }
             }
         }
+#if HALF_PANELS
+        if (quantised(fmt)) { /* total = (acc * d + total) [+ sum(x) * m], each rounded once */
+#pragma GCC unroll 16
+            for (int g = 0; g < G; g++) {
+                /* loaded once here: the stores to `total` below could alias the panel's bytes */
+                const uint8_t *head = (const uint8_t *)panel + g * panel_bytes + k0 / QK * block_bytes;
+                vf scale[NV], low[NV];
+                for (int j = 0; j < NV; j++) {
+                    scale[j] = load_halves(head + j * VEC * 2);
+                    low[j] = fmt == FMT_Q4_1 ? load_halves(head + PANEL * 2 + j * VEC * 2) : (vf){0};
+                }
+#pragma GCC unroll 16
+                for (int i = 0; i < nb; i++) {
+                    vf x_sum = fmt == FMT_Q4_1 ? splat(sums[i * (in / QK) + k0 / QK]) : (vf){0};
+                    for (int j = 0; j < NV; j++) {
+                        vf *t = (vf *)&total[g][i][j * VEC];
+                        vf sum = vfma(acc[g][i][j], scale[j], k0 == 0 ? (vf){0} : *t);
+                        *t = fmt == FMT_Q4_1 ? vfma(x_sum, low[j], sum) : sum;
+                    }
+                }
+            }
+        }
+#endif
     }
+#if HALF_PANELS
+    if (quantised(fmt)) {
+#pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+            for (int i = 0; i < nb; i++)
+                for (int j = 0; j < NV; j++) acc[g][i][j] = *(vf *)&total[g][i][j * VEC];
+    }
+#endif
 #pragma GCC unroll 16
     for (int g = 0; g < G; g++) {
         float *yg = y + g * PANEL;
@@ -309,40 +331,42 @@ static inline void plan(int n, int fmt, int *chunk, int *G) {
 }
 
 #define ROWS_CASE(k) \
-    case k: panel_rows(x, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
+    case k: panel_rows(x, sums, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
 
 /* One pass of nb rows over G panels of format fmt (a constant at each call, see `rows`): G is 1 for any nb, GROUP
  * for 1 row, 2 for 2 or 3 rows (see `plan`). */
-static inline __attribute__((always_inline)) void rows_in(const float *x, long in, const void *panel, int fmt,
+static inline __attribute__((always_inline)) void rows_in(const float *x, const float *sums, long in,
+                                                            const void *panel, int fmt,
                                                             float *y, long out, int nb, int G, int cols,
                                                             uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     if (G == GROUP && nb == 1) {
-        panel_rows(x, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
+        panel_rows(x, sums, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
-        panel_rows(x, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
+        panel_rows(x, sums, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
     } else if (G == 2) {
-        panel_rows(x, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
+        panel_rows(x, sums, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
     } else {
         switch (nb) {
             ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5)
 #if NB > 6
             ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11)
 #endif
-            default: panel_rows(x, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
+            default: panel_rows(x, sums, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
         }
     }
 }
 
-static void rows(const float *x, long in, const void *panel, int fmt, float *y, long out, int nb, int G, int cols,
+static void rows(const float *x, const float *sums, long in, const void *panel, int fmt, float *y, long out, int nb,
+                 int G, int cols,
                  uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     /* one copy of the loop per format, each with its format a constant */
 #define FORMAT_CASE(f) \
-    case f: rows_in(x, in, panel, f, y, out, nb, G, cols, fetch, stride, step); return;
+    case f: rows_in(x, sums, in, panel, f, y, out, nb, G, cols, fetch, stride, step); return;
     switch (fmt) {
 #if HALF_PANELS
         FORMAT_CASE(FMT_F16) FORMAT_CASE(FMT_BF16) FORMAT_CASE(FMT_Q8_0) FORMAT_CASE(FMT_Q4_1)
 #endif
-        default: rows_in(x, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
+        default: rows_in(x, sums, in, panel, FMT_F32, y, out, nb, G, cols, fetch, stride, step);
     }
 }
 
@@ -358,9 +382,26 @@ static inline void row_share(long n, int t, int nt, long *first, long *end) {
  * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
  * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
  * next group (see `plan`). */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* The sum of each block of QK inputs of x (n, in), s (n, in / QK): the four 8-float runs of a block added as
+ * vectors in order, then the 8 lanes pairwise; 8-float vectors on every build, so AVX2 and AVX-512 agree. */
+static void block_sums(const float *x, long n, long in, float *s) {
+    for (long b = 0; b < n * in / QK; b++) {
+        const v8 *v = (const v8 *)(x + b * QK);
+        v8 a = ((v[0] + v[1]) + v[2]) + v[3];
+        s[b] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
 static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
                        int nt) {
     if (n <= 0) return;
+    float *sums = NULL; /* Q4_1: every row's block sums, each thread its own copy */
+    if (fmt == FMT_Q4_1) {
+        sums = malloc((size_t)n * (in / QK) * sizeof(float));
+        block_sums(x, n, in, sums);
+    }
     long panels = (out + PANEL - 1) / PANEL;
     uintptr_t panel_bytes = panel_bytes_of(fmt, in), row_bytes = panel_bytes / in; /* per input, on average */
     int chunk, G;
@@ -381,18 +422,19 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
         uintptr_t next = (uintptr_t)group + G * panel_bytes;
         for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
             int nb = n - i0 < chunk ? n - i0 : chunk;
-            const float *xr = x + (long)i0 * in;
+            const float *xr = x + (long)i0 * in, *sr = sums ? sums + (long)i0 * (in / QK) : NULL;
             float *yr = y + (long)i0 * out + p0 * PANEL;
             uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
             if (count == G) {
-                rows(xr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
+                rows(xr, sr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
             } else { /* a thread's last panels, fewer than a group */
                 for (long g = 0; g < count; g++)
-                    rows(xr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
+                    rows(xr, sr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
                          g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
             }
         }
     }
+    free(sums);
 }
 
 void playground_gemm(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int threads) {

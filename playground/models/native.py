@@ -268,8 +268,8 @@ def pack_panels(weight: torch.Tensor, kernel: Kernel, narrow: bool = True) -> Pa
 
 def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kernel) -> Panels:
     """A weight of `out` rows stored as GGUF blocks, blocks (out, in / 32 * block bytes) uint8 as the file holds
-    them (row-major, `kind` Q8_0 or Q4_1), regrouped per panel for `kernel` (see kernels.c): every product gives
-    the bits of the float32 panels of gguf's dequantisation."""
+    them (row-major, `kind` Q8_0 or Q4_1), regrouped per panel for `kernel` (see kernels.c): every product sums each
+    block apart, d * (sum of q * x) [+ m * (sum of x)], its bits those of one output and one row alone."""
     code, size = GGUF_FORMATS[kind]
     out, width, count = blocks.shape[0], kernel.panel_width, in_features // BLOCK
     if in_features % BLOCK or blocks.shape[1] != count * size:

@@ -169,8 +169,8 @@ def build_panel(access: Access, on_gpu: Callable[[Callable], Callable]
         with gr.Row():
             device = gr.Dropdown(list(DEVICES), value="auto", label="Device")
             dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype (greedy exactness holds in float32)")
-            weights = gr.Dropdown(WEIGHT_CHOICES, value="auto", label="Weights the products read (GGUF blocks: the "
-                                  "same outputs as float32 from a fifth of the bytes)")
+            weights = gr.Dropdown(WEIGHT_CHOICES, value="auto", label="Weights the products read (GGUF blocks: a "
+                                  "fifth of float32's bytes, each block summed apart)")
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
     button.click(on_gpu(load), [source, draft, device, dtype, weights], [status], api_name="load_model",
