@@ -5,6 +5,7 @@ bench and the notebooks all measure through here."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -80,15 +81,17 @@ def median_run(traces: list[Trace]) -> Trace:
 @dataclass(frozen=True, slots=True)
 class Speedup:
     """One entrant against plain decoding. speedup: median over rounds of its tokens/s over plain decoding's in
-    the same round; tokens_per_step: tokens each decode step kept; step_cost: its mean step time in plain decoding
-    steps (draft, verify, other); kept: accepted / drafted tokens (None: it drafts nothing); prefill: the share of
-    plain decoding's time its prefill took, paid alike by every entrant, which pulls every speedup towards 1.
-    explained: the speedup those imply, 1 / (prefill + (1 - prefill) * step_cost / tokens_per_step)."""
+    the same round (ratios: those per-round ratios, in round order); tokens_per_step: tokens each decode step kept;
+    step_cost: its mean step time in plain decoding steps (draft, verify, other); kept: accepted / drafted tokens
+    (None: it drafts nothing); prefill: the share of plain decoding's time its prefill took, paid alike by every
+    entrant, which pulls every speedup towards 1. explained: the speedup those imply,
+    1 / (prefill + (1 - prefill) * step_cost / tokens_per_step)."""
 
     name: str
     rounds: int
     tokens_per_s: float
     speedup: float
+    ratios: tuple[float, ...]
     spread: float
     tokens_per_step: float
     draft: float
@@ -122,6 +125,19 @@ class Speedup:
         return text + (" — CHECK: " + "; ".join(self.flags) if self.flags else "")
 
 
+def median_interval(ratios: list[tuple[float, ...]], level: float = 0.9, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """How far the median over prompts of each prompt's median per-round ratio (the bench's summary speedup) moves
+    with the noise of the prompts drawn and the rounds run: the central `level` of its values over `resamples`
+    bootstrap draws, each drawing the prompts with replacement and, within each, its rounds with replacement."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(statistics.median(rng.choices(rounds, k=len(rounds)))
+                                       for rounds in rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
+
+
 def winner(speedups: dict[str, Speedup]) -> str:
     """One line naming the fastest entrant by measured tokens/s (plain decoding's row included), its margin over
     the next, and whether that margin is above the rounds' spread (the larger of the two entrants'), so a race
@@ -149,7 +165,8 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
         metrics = [compute(trace) for trace in runs]
         speeds = [m.tokens_per_s for m in metrics]
         costs = [StepCost.of(trace) for trace in runs]
-        speedup = statistics.median(s / b for s, b in zip(speeds, base_speeds) if b)
+        ratios = tuple(s / b for s, b in zip(speeds, base_speeds) if b)
+        speedup = statistics.median(ratios)
         per_step = statistics.median(1.0 if m.mean_accepted_tokens is None else m.mean_accepted_tokens
                                      for m in metrics)
         unit = base_step or 1.0
@@ -168,8 +185,8 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
             flags.append(f"its steps cost {cost:.2f} of plain decoding's though each verifies at least one token: "
                          f"the baseline was slowed, rerun")
         result = Speedup(name=name, rounds=len(runs), tokens_per_s=statistics.median(speeds), speedup=speedup,
-                         spread=spread(speeds), tokens_per_step=per_step, draft=draft, verify=verify, other=other,
-                         kept=accepted / drafted if drafted else None, prefill=prefill, flags=())
+                         ratios=ratios, spread=spread(speeds), tokens_per_step=per_step, draft=draft, verify=verify,
+                         other=other, kept=accepted / drafted if drafted else None, prefill=prefill, flags=())
         if judged and cost >= CHEAPEST_STEP and abs(speedup / result.explained - 1) > EXPLAIN_LIMIT:
             flags.append(f"{speedup:.2f}x is not what {per_step:.2f} tokens per step at {cost:.2f} plain steps "
                          f"each (prefill {prefill:.0%} of the time) explains: {result.explained:.2f}x")

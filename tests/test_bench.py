@@ -106,7 +106,12 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
             assert result["step_cost"] == pytest.approx(split["draft"] + split["verify"] + split["other"])
             assert result["step_cost"] > 0 and isinstance(result["flags"], list)
     assert all(entry["median_step_cost"] > 0 and entry["flagged_prompts"] >= 0 for entry in summary.values())
+    for entry in summary.values():  # how far the summary speedup moves with the prompts and rounds drawn
+        low, high = entry["median_speedup_vs_ar_interval"]
+        assert low <= entry["median_speedup_vs_ar"] <= high
+        assert entry["never_loses"].startswith("yes" if high >= 0.98 else "NO")
     text = (tmp_path / "s.md").read_text()
+    assert "(90% of bootstrap draws over the prompts and their rounds)" in text
     assert "## speculative" in text and "## prompt-lookup" in text and "(goal >= 1.3)" in text
     nodes = dynamic_nodes(gpu=False)
     assert f"depth 4, nodes {nodes}, tree dynamic, acceptance typical" in text and "(LOSSY)" in text

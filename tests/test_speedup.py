@@ -9,7 +9,7 @@ from playground.config import GenerationParams
 from playground.decoding import registry
 from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.engine import generate
-from playground.speedup import compare, measure, median_run, order, spread
+from playground.speedup import compare, measure, median_interval, median_run, order, spread
 from playground.trace import CommitEvent, FinishEvent, Trace, VerifyEvent
 
 
@@ -63,6 +63,19 @@ def test_a_busy_baseline_is_flagged_by_its_spread():
               "spec": [fake("speculative", 41, 20, 0.013) for _ in range(3)]}
     assert spread([1.0, 1.35, 1.0]) == pytest.approx(0.35)
     assert any("plain decoding's speed varied" in f for f in compare(traces, "ar")["spec"].flags)
+
+
+def test_the_summary_median_comes_with_its_noise():
+    """The bootstrap interval of the median over prompts holds it, widens with the rounds' spread, is reproducible
+    (a fixed seed), and is one point where every round of every prompt agrees."""
+    centres = [1.0 + 0.01 * i for i in range(-7, 7)]  # 14 prompts, 0.93x to 1.06x: their median 0.995x
+    steady = [(c, c + 0.01, c - 0.01) for c in centres]
+    noisy = [(c - 0.1, c, c + 0.1) for c in centres]
+    low, high = median_interval(steady)
+    assert low <= 0.995 <= high and median_interval(steady) == (low, high)
+    noisy_low, noisy_high = median_interval(noisy)
+    assert noisy_high - noisy_low > high - low
+    assert median_interval([(0.97,) * 3] * 5) == (0.97, 0.97)
 
 
 def test_the_median_round_is_replayed():

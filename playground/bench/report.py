@@ -202,7 +202,9 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
                       for c, v in value.items()]
             lines.append("")
             continue
-        if isinstance(value, list):  # per depth d = 1, 2, ...
+        if key.endswith("_interval"):
+            shown = f"{value[0]:.2f}x to {value[1]:.2f}x (90% of bootstrap draws over the prompts and their rounds)"
+        elif isinstance(value, list):  # per depth d = 1, 2, ...
             shown = ", ".join(f"{v:.2f}" for v in value) + " (depth 1, 2, ...)"
         else:
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
