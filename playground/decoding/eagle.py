@@ -36,6 +36,7 @@ from .planning import OwnCost, guess_depth, weights_estimate
 from .proposer import Cost, Drafted, Outcome, Proposal, Proposer, RequestView
 from .spec import Algorithm, Setting, Variant
 
+KEYS_ROOM = 256  # places a request's head keys start with, doubled as it needs more
 EAGLE_CPU_NODES = 12  # the EAGLE tree's most nodes on a CPU (see `EagleParams`)
 EAGLE_GPU_NODES = 48  # on a GPU
 
@@ -75,12 +76,14 @@ CATCH_UP = 32
 
 @dataclass
 class _HeadState:
-    """A request's head: keys and values (Hkv, L, D) over the positions before `start`, and the target's features at
-    positions start .. start + count - 1 that it has not read yet, in the chunks (n, E) they came in (joined once,
-    when the head reads them, not on every step). `_catch_up` assigns new lists, never appends to one a copy shares."""
+    """A request's head: storage for keys and values (Hkv, L', D) whose first L places hold those over the positions
+    before `start` (the places after are scratch: a step's tree writes its keys there), and the target's features
+    at positions start .. start + count - 1 that it has not read yet, in the chunks (n, E) they came in (joined
+    once, when the head reads them, not on every step)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    length: int  # L
     start: int
     chunks: list[torch.Tensor]
     count: int
@@ -89,6 +92,17 @@ class _HeadState:
     def end(self) -> int:
         """The position after the last feature it has."""
         return self.start + self.count
+
+    def reserve(self, room: int) -> None:
+        """At least `room` places after the first L, the storage doubled as often as that takes."""
+        size = self.k.shape[1]
+        if size < self.length + room:
+            while size < self.length + room:
+                size *= 2
+            grown = [t.new_zeros(t.shape[0], size, t.shape[2]) for t in (self.k, self.v)]
+            for old, new in zip((self.k, self.v), grown):
+                new[:, : self.length] = old[:, : self.length]
+            self.k, self.v = grown
 
     def add(self, features: torch.Tensor) -> None:
         self.chunks, self.count = [*self.chunks, features], self.count + len(features)
@@ -152,8 +166,8 @@ class EagleProposer(Proposer):
         features = self.eagle.head.read(hidden)  # (n, E)
         state = self.states.get(request.id)
         if state is None or state.end != start:
-            k, v = self.eagle.empty_keys()
-            self.states[request.id] = _HeadState(k, v, start, [features.clone()], len(features))
+            k, v = self.eagle.empty_keys(KEYS_ROOM)
+            self.states[request.id] = _HeadState(k, v, 0, start, [features.clone()], len(features))
         else:
             state.add(features.clone())
 
@@ -205,7 +219,9 @@ class EagleProposer(Proposer):
         """`_grow_on_device`'s trees with their nodes in Python lists: per depth, one head forward and two reads
         of its top_k guesses; the nodes' worths are the same float64 sums, ranked by the same stable sort."""
         k, b, depth = self.top_k, len(requests), max(depths)
-        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests])  # (B, Hkv, C, D), (B, C)
+        # (B, Hkv, C + room, D), (B, C): the committed keys, then room for the tree's, which each depth's forward
+        # writes in place
+        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests], (depth - 1) * k)
         committed = known.shape[1]
         scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
         # per tree, every node in order of depth: token, parent index (-1: the root), head log-probability, worth
@@ -215,7 +231,6 @@ class EagleProposer(Proposer):
         lines: list[list[list[int]]] = [[] for _ in range(b)]  # per tree, each expanded node's expanded ancestry
         features = root.unsqueeze(1).expand(b, k, -1)  # (B, k, E): the feature each newest node was guessed from
         first = 0  # the newest depth's first node
-        tree_k, tree_v = past_k[:, :, :0], past_v[:, :, :0]
         rows = torch.arange(b).unsqueeze(1)  # (B, 1)
         for d in range(1, depth):
             chosen, best, visible = [], [], []
@@ -234,11 +249,9 @@ class EagleProposer(Proposer):
             seen = torch.cat((known.unsqueeze(1).expand(b, k, committed), torch.tensor(visible)), 2)
             at = [[r.num_computed + d - 1] * k for r in requests]
             guessed_from = features if d == 1 else features[rows, torch.tensor(chosen) // k]  # (B, k, E)
-            out, new_k, new_v, logp, guesses = self._forward(
+            out, _, _, logp, guesses = self._forward(
                 torch.tensor([[nodes[first + i][0] for i in ranked] for nodes, ranked in zip(trees, chosen)]),
-                guessed_from, at, torch.cat((past_k, tree_k), 2), torch.cat((past_v, tree_v), 2), seen,
-                [list(range(k))] * b)
-            tree_k, tree_v = torch.cat((tree_k, new_k), 2), torch.cat((tree_v, new_v), 2)
+                guessed_from, at, past_k, past_v, seen, [list(range(k))] * b)
             added = len(trees[0])
             for nodes, ranked, worths, row_logps, row_guesses in zip(trees, chosen, best, logp.tolist(),
                                                                       guesses.tolist()):
@@ -262,7 +275,8 @@ class EagleProposer(Proposer):
         node's worth is -inf below an end of sequence or past its tree's depth)."""
         k, device = self.top_k, self.target.model.device
         b, depth = len(requests), max(depths)
-        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests])  # (B, Hkv, C, D), (B, C)
+        # (B, Hkv, C + room, D), (B, C), as `_grow_on_host`'s
+        past_k, past_v, known = _padded_keys([self.states[r.id] for r in requests], (depth - 1) * k)
         committed, known = known.shape[1], to_device(known, device)
         scale = [math.log(self.calibration.scale(d)) for d in range(depth)]
         # Every node of a tree in order of depth (N,): depth 1's top_k guesses after the last token's predicted
@@ -273,7 +287,6 @@ class EagleProposer(Proposer):
         features = root.unsqueeze(1).expand(b, k, -1)  # (B, k, E): the feature each newest node was guessed from
         first = 0  # the newest depth's first node
         ancestry = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, X, X): each expanded node's line
-        tree_k, tree_v = past_k[:, :, :0], past_v[:, :, :0]
         rows = torch.arange(b, device=device).unsqueeze(1)  # (B, 1)
         for d in range(1, depth):
             # Each tree's newest depth's likeliest nodes that are not an end of sequence; where fewer are, one that
@@ -289,10 +302,9 @@ class EagleProposer(Proposer):
             # each chosen node sees its request's committed keys, its expanded ancestors and itself
             visible = torch.cat((known.unsqueeze(1).expand(b, k, committed), line), 2)  # (B, k, C + X + k)
             at = [[r.num_computed + d - 1] * k for r in requests]
-            out, new_k, new_v, logp, guesses = self._forward(
-                tokens[:, first:].gather(1, chosen), features[rows, chosen], at,
-                torch.cat((past_k, tree_k), 2), torch.cat((past_v, tree_v), 2), visible, [list(range(k))] * b)
-            tree_k, tree_v = torch.cat((tree_k, new_k), 2), torch.cat((tree_v, new_v), 2)
+            out, _, _, logp, guesses = self._forward(
+                tokens[:, first:].gather(1, chosen), features[rows, chosen], at, past_k, past_v, visible,
+                [list(range(k))] * b)
             parents = torch.cat((parents, (first + chosen).repeat_interleave(k, dim=1)), 1)
             first = tokens.shape[1]
             tokens, logps = torch.cat((tokens, guesses.flatten(1)), 1), torch.cat((logps, logp.flatten(1)), 1)
@@ -329,7 +341,7 @@ class EagleProposer(Proposer):
             ids = [row + row[-1:] * (width - len(row)) for row in ids]  # (G, T)
             at = [[states[i].start + j for j in range(width)] for i in group]  # (G, T)
             features = torch.stack([F.pad(states[i].unread(), (0, 0, 0, width - n)) for i, n in zip(group, counts)])
-            past_k, past_v, known = _padded_keys([states[i] for i in group])  # (G, Hkv, C, D), (G, C)
+            past_k, past_v, known = _padded_keys([states[i] for i in group], width)  # (G, Hkv, C + T, D), (G, C)
             # each row sees its request's committed keys and the rows up to itself (padding rows: theirs too)
             visible = torch.cat((known.unsqueeze(1).expand(-1, width, -1),
                                  torch.ones(width, width, dtype=torch.bool).tril().expand(len(group), -1, -1)), 2)
@@ -338,8 +350,11 @@ class EagleProposer(Proposer):
                 to_device(visible, features.device), [[n - 1] for n in counts])  # visible: (G, T, C + T)
             for g, (i, n) in enumerate(zip(group, counts)):
                 state = states[i]
-                state.k, state.v = torch.cat((state.k, new_k[g, :, :n]), 1), torch.cat((state.v, new_v[g, :, :n]), 1)
-                state.start, state.chunks, state.count = state.start + n, [], 0
+                if len(group) > 1:  # one request's forward wrote them into its own storage already
+                    state.reserve(n)
+                    state.k[:, state.length : state.length + n] = new_k[g, :, :n]
+                    state.v[:, state.length : state.length + n] = new_v[g, :, :n]
+                state.length, state.start, state.chunks, state.count = state.length + n, state.start + n, [], 0
                 root[i], logps[i], guessed[i] = out[g, n - 1], logp[g, 0], guesses[g, 0]
             if width > CATCH_UP:
                 self.long_read_s += time.perf_counter() - read
@@ -367,8 +382,9 @@ class EagleProposer(Proposer):
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: list[list[int]],
                  past_k: torch.Tensor, past_v: torch.Tensor, visible: torch.Tensor,
                  scored: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """The head over T new positions of B requests, tokens (B, T), features (B, T, E), past keys and values
-        (B, Hkv, L, D) and visible (B, T, L + T) on the device: predicted features (B, T, E), their keys and values
+        """The head over T new positions of B requests, tokens (B, T), features (B, T, E), storage past_k, past_v
+        (B, Hkv, L', D) whose first L places hold the keys and values before, and visible (B, T, L + T), on the
+        device (where L' >= L + T the new keys and values are stored at [L, L + T) too): predicted features (B, T, E), their keys and values
         (B, Hkv, T, D), and the top_k guesses after the features of the rows `scored` (B, S), as log-probabilities
         and token ids (B, S, top_k), all left on the device."""
         (b, t), s = tokens.shape, len(scored[0])
@@ -376,7 +392,7 @@ class EagleProposer(Proposer):
         if self.captured is None:
             return self._head(tokens, features, at, past_k, past_v, visible, rows)
         # padded: B, T and S to powers of two, the keys before to a power of two from MIN_KEYS
-        heads, past, dim = past_k.shape[1:]
+        (heads, _, dim), past = past_k.shape[1:], visible.shape[2] - t
         many, padded, keys = bucket(b), bucket(t), bucket(past, MIN_KEYS)
         seen = torch.zeros(many, padded, keys + padded, dtype=torch.bool, device=visible.device)
         seen[:, :, keys:] = torch.eye(padded, dtype=torch.bool, device=visible.device)  # padding rows see themselves
@@ -384,14 +400,18 @@ class EagleProposer(Proposer):
         seen[:b, :t, keys : keys + t] = visible[..., past:]
         shapes = ((many, padded), (many, padded, features.shape[2]), (many, padded), (many, heads, keys, dim),
                   (many, heads, keys, dim), seen.shape, (many, bucket(s)))
-        out, k, v, logp, guesses = self.captured((tokens, features, at, past_k, past_v, seen, rows), shapes)
-        return out[:b, :t], k[:b, :, :t], v[:b, :, :t], logp[:b, :s], guesses[:b, :s]
+        out, k, v, logp, guesses = self.captured(
+            (tokens, features, at, past_k[:, :, :past], past_v[:, :, :past], seen, rows), shapes)
+        k, v = k[:b, :, :t], v[:b, :, :t]
+        if past_k.shape[2] >= past + t:  # stored where the head would have written them
+            past_k[:, :, past : past + t], past_v[:, :, past : past + t] = k, v
+        return out[:b, :t], k, v, logp[:b, :s], guesses[:b, :s]
 
     def _head(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
               past_v: torch.Tensor, visible: torch.Tensor,
               scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Device tensors in and out: ids (B, T), features (B, T, E), positions (B, T), past_k, past_v (B, Hkv, L,
-        D), visible (B, T, L + T), scored (B, S) -> features (B, T, E), keys and values (B, Hkv, T, D), top_k
+        """Device tensors in and out: ids (B, T), features (B, T, E), positions (B, T), past_k, past_v (B, Hkv, L',
+        D) as `_forward`'s, visible (B, T, L + T), scored (B, S) -> features (B, T, E), keys and values (B, Hkv, T, D), top_k
         log-probabilities and token ids (B, S, top_k) after the scored rows' features."""
         model = self.target.model
         cos, sin = model.rope(positions, model.dtype)
@@ -408,13 +428,20 @@ class EagleProposer(Proposer):
                 "nodes": self.nodes}
 
 
-def _padded_keys(states: Sequence[_HeadState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The requests' head keys and values padded with zeros to the longest, (B, Hkv, C, D) each, and which of the C
-    places each request holds (B, C) bool, on the host."""
-    lengths = [state.k.shape[1] for state in states]
+def _padded_keys(states: Sequence[_HeadState], room: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The requests' head keys and values, (B, Hkv, C + room, D) each with C the most any request holds, and which
+    of the C places each request holds (B, C) bool, on the host. One request's are a view of its own storage (the
+    room reserved there), so a forward writing its keys at [C, C + T) writes them there; several requests' are a
+    copy padded with zeros."""
+    if len(states) == 1:
+        state = states[0]
+        state.reserve(room)
+        end = state.length + room
+        return state.k[None, :, :end], state.v[None, :, :end], torch.ones(1, state.length, dtype=torch.bool)
+    lengths = [state.length for state in states]
     committed = max(lengths)
-    k, v = (torch.stack([F.pad(getattr(state, kv), (0, 0, 0, committed - n)) for state, n in zip(states, lengths)])
-            for kv in ("k", "v"))
+    k, v = (torch.stack([F.pad(getattr(state, kv)[:, :n], (0, 0, 0, committed + room - n))
+                         for state, n in zip(states, lengths)]) for kv in ("k", "v"))
     return k, v, torch.arange(committed) < torch.tensor(lengths).unsqueeze(1)
 
 

@@ -36,16 +36,23 @@ TAPPED = "inputs of the tapped layers, each scaled to unit RMS, mixed"  # what a
 
 
 class _PastKeys:
-    """What a head forward attends over: the keys and values given (B, Hkv, L, D) and the forward's own, which it
-    keeps (`k`, `v`) for the caller to store. Stands in for a KV cache in the layer's attention."""
+    """What a head forward attends over: the first L keys and values of the storage given (B, Hkv, L', D), and the
+    forward's own, which it keeps (`k`, `v`) for the caller to store. Where the storage has room (L' >= L + T) the
+    forward's own are written into it at [L, L + T), else joined to a copy. Stands in for a KV cache in the layer's
+    attention."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.past_k, self.past_v = k, v
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        self.past_k, self.past_v, self.length = k, v, length
         self.k = self.v = k[:, :, :0]
 
     def update(self, layer: int, layout: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k, self.v = k, v  # (B, Hkv, T, D)
-        return torch.cat((self.past_k, k), 2), torch.cat((self.past_v, v), 2)  # (B, Hkv, L + T, D)
+        n, end = self.length, self.length + k.shape[2]
+        if self.past_k.shape[2] >= end:
+            self.past_k[:, :, n:end], self.past_v[:, :, n:end] = k, v
+            self.k, self.v = self.past_k[:, :, n:end], self.past_v[:, :, n:end]  # (B, Hkv, T, D)
+            return self.past_k[:, :, :end], self.past_v[:, :, :end]  # (B, Hkv, L + T, D)
+        self.k, self.v = k, v
+        return torch.cat((self.past_k[:, :, :n], k), 2), torch.cat((self.past_v[:, :, :n], v), 2)
 
 
 class EagleHead(nn.Module):
@@ -76,8 +83,10 @@ class EagleHead(nn.Module):
         """Predicted features (B, T, E) for T new positions, and their keys and values (B, Hkv, T, D).
 
         embeddings, features: (B, T, E) the next tokens' input embeddings and the features before them; cos, sin:
-        the target's RoPE at the new positions (`Transformer.rope`); past_k, past_v: (B, Hkv, L, D); visible:
-        (B, T, L + T) bool, which keys each new position sees."""
+        the target's RoPE at the new positions (`Transformer.rope`); visible: (B, T, L + T) bool, which keys each new
+        position sees; past_k, past_v: (B, Hkv, L', D) storage whose first L places hold the keys and values before,
+        L' >= L; where L' >= L + T the new keys and values are written at [L, L + T) (no copy; the storage must not
+        need gradients)."""
         cfg = self.config
         x = self.fc(torch.cat((embeddings, features), dim=-1))  # (B, T, E)
         b, t, _ = x.shape
@@ -89,7 +98,7 @@ class EagleHead(nn.Module):
             additive = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -torch.inf)
             additive = additive.unsqueeze(1).expand(b, group, t, -1).reshape(b, 1, group * t, -1)  # (B, 1, G*T, L+T)
             attend = partial(F.scaled_dot_product_attention, attn_mask=additive)
-        keys = _PastKeys(past_k, past_v)
+        keys = _PastKeys(past_k, past_v, visible.shape[2] - t)
         x = self.layer(x, cos, sin, keys, None, attend)
         return self.norm(x), keys.k, keys.v
 
@@ -105,10 +114,10 @@ class LoadedEagle:
     def vocab_ids(self) -> torch.Tensor:
         return self.output.ids  # (V',) int64 ascending
 
-    def empty_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (Hkv, 0, D) of no position, in the head's device and dtype."""
+    def empty_keys(self, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage for keys and values (Hkv, room, D), in the head's device and dtype."""
         cfg, weight = self.head.config, self.head.fc.weight
-        shape = (cfg.num_kv_heads, 0, cfg.head_dim)
+        shape = (cfg.num_kv_heads, room, cfg.head_dim)
         return weight.new_zeros(shape), weight.new_zeros(shape)
 
 
