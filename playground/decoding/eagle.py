@@ -384,9 +384,9 @@ class EagleProposer(Proposer):
                  scored: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """The head over T new positions of B requests, tokens (B, T), features (B, T, E), storage past_k, past_v
         (B, Hkv, L', D) whose first L places hold the keys and values before, and visible (B, T, L + T), on the
-        device (where L' >= L + T the new keys and values are stored at [L, L + T) too): predicted features (B, T, E), their keys and values
-        (B, Hkv, T, D), and the top_k guesses after the features of the rows `scored` (B, S), as log-probabilities
-        and token ids (B, S, top_k), all left on the device."""
+        device (where L' >= L + T the new keys and values are stored at [L, L + T) too): predicted features
+        (B, T, E), their keys and values (B, Hkv, T, D), and the top_k guesses after the features of the rows
+        `scored` (B, S), as log-probabilities and token ids (B, S, top_k), all left on the device."""
         (b, t), s = tokens.shape, len(scored[0])
         at, rows = to_device([p + r for p, r in zip(positions, scored)], features.device).split([t, s], 1)
         if self.captured is None:
@@ -411,8 +411,8 @@ class EagleProposer(Proposer):
               past_v: torch.Tensor, visible: torch.Tensor,
               scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device tensors in and out: ids (B, T), features (B, T, E), positions (B, T), past_k, past_v (B, Hkv, L',
-        D) as `_forward`'s, visible (B, T, L + T), scored (B, S) -> features (B, T, E), keys and values (B, Hkv, T, D), top_k
-        log-probabilities and token ids (B, S, top_k) after the scored rows' features."""
+        D) as `_forward`'s, visible (B, T, L + T), scored (B, S) -> features (B, T, E), keys and values
+        (B, Hkv, T, D), top_k log-probabilities and token ids (B, S, top_k) after the scored rows' features."""
         model = self.target.model
         cos, sin = model.rope(positions, model.dtype)
         out, k, v = self.eagle.head(model.embed_tokens.weight[ids], features, cos, sin, past_k, past_v, visible)
