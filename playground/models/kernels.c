@@ -311,8 +311,9 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 static inline void plan(int n, int fmt, int *chunk, int *G) {
     if (NB <= 6 && quantised(fmt)) {
         /* GGUF blocks with AVX2's 16 registers: even passes of up to NB rows over one panel, not the float formats'
-         * 2-3 rows over 2 panels, whose two panels' scales (and minimums) beside 12 accumulators spilled; one row
-         * as theirs, over GROUP panels, which reads memory best (docs/performance.md, "Kernel efficiency") */
+         * 2-3 rows over 2 panels, which took up to 1.2x the time with the blocks summed apart (and spilled their
+         * scales when every weight was widened to its float); one row as theirs, over GROUP panels, which reads
+         * memory best (docs/results.md, 2026-12-04: the kernel's products against the FMA bound) */
         int passes = (n + NB - 1) / NB;
         *chunk = (n + passes - 1) / passes;
         *G = n == 1 ? GROUP : 1;
