@@ -186,7 +186,7 @@ void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8
 }
 
 /* Rows x[0..nb) of G adjacent panels (panel g at panel + g * panel_bytes_of(fmt, in), `cols` outputs in the last
- * one); nb and G are compile-time constants at every call site (see `rows`), so the accumulators stay in registers.
+ * one); for Q4_1, sums (nb, in / QK) holds each row's block sums of x (`block_sums`; unread otherwise). nb and G are compile-time constants at every call site (see `rows`), so the accumulators stay in registers.
  * Why several
  * panels: each output's sum is one chain of FMAs, each waiting on the one before (4 cycles on Zen 3 and 4), so a
  * pass over one panel with few rows is bound by that latency, not by the FMA units; G panels give G times the
@@ -337,9 +337,9 @@ static inline void plan(int n, int fmt, int *chunk, int *G) {
 /* One pass of nb rows over G panels of format fmt (a constant at each call, see `rows`): G is 1 for any nb, GROUP
  * for 1 row, 2 for 2 or 3 rows (see `plan`). */
 static inline __attribute__((always_inline)) void rows_in(const float *x, const float *sums, long in,
-                                                            const void *panel, int fmt,
-                                                            float *y, long out, int nb, int G, int cols,
-                                                            uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+                                                            const void *panel, int fmt, float *y, long out, int nb,
+                                                            int G, int cols, uintptr_t fetch, uintptr_t stride,
+                                                            uintptr_t step) {
     if (G == GROUP && nb == 1) {
         panel_rows(x, sums, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
@@ -358,8 +358,7 @@ static inline __attribute__((always_inline)) void rows_in(const float *x, const 
 }
 
 static void rows(const float *x, const float *sums, long in, const void *panel, int fmt, float *y, long out, int nb,
-                 int G, int cols,
-                 uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+                 int G, int cols, uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     /* one copy of the loop per format, each with its format a constant */
 #define FORMAT_CASE(f) \
     case f: rows_in(x, sums, in, panel, f, y, out, nb, G, cols, fetch, stride, step); return;
@@ -379,10 +378,6 @@ static inline void row_share(long n, int t, int nt, long *first, long *end) {
     *end = n * (t + 1) / nt;
 }
 
-/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
- * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
- * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
- * next group (see `plan`). */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 /* The sum of each block of QK inputs of x (n, in), s (n, in / QK): the four 8-float runs of a block added as
@@ -395,12 +390,17 @@ static void block_sums(const float *x, long n, long in, float *s) {
     }
 }
 
+/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
+ * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
+ * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
+ * next group (see `plan`). */
 static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
                        int nt) {
     if (n <= 0) return;
     float *sums = NULL; /* Q4_1: every row's block sums, each thread its own copy */
     if (fmt == FMT_Q4_1) {
         sums = malloc((size_t)n * (in / QK) * sizeof(float));
+        if (sums == NULL) abort(); /* a few hundred kilobytes at most: the process is out of memory */
         block_sums(x, n, in, sums);
     }
     long panels = (out + PANEL - 1) / PANEL;
