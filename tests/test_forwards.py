@@ -162,7 +162,8 @@ def test_tapped_forwards_return_the_final_states_and_each_tapped_layers_input(ta
     """With taps (an EAGLE-3 head's), eager forwards (the native kernel's layers in runs between the taps) and
     static ones (layer by layer) give the same bits, the untapped forward's final states first, then the residual
     stream entering each tapped layer: what transformers returns as that layer's hidden states, the trainer's
-    input (`train.medusa.sequence_states`)."""
+    input (`train.medusa.sequence_states`), to the rounding that reading the GGUF blocks (summed block by block)
+    rather than transformers' dequantised float32 weights adds over 27 layers."""
     model, taps, e = target.model, (27, 2, 15), target.model.config.hidden_size
     ids, prompt = [[300, 301]], torch.arange(10, 20).unsqueeze(0)  # a decode forward after a 10-token prefix
 
@@ -181,7 +182,7 @@ def test_tapped_forwards_return_the_final_states_and_each_tapped_layers_input(ta
     got = torch.cat(eager, 1)  # (1, 12, 4E)
     for i, layer in enumerate(taps):
         torch.testing.assert_close(got[..., (i + 1) * e : (i + 2) * e], expected.hidden_states[layer],
-                                   rtol=1e-4, atol=1e-4)
+                                   rtol=1e-3, atol=1e-3)
 
 
 # (prompts, new tokens) of the 16-bit checks: the suite's share proves the property; the sweep (`pytest -m sweep`,
