@@ -80,8 +80,8 @@ def median_run(traces: list[Trace]) -> Trace:
 
 @dataclass(frozen=True, slots=True)
 class Speedup:
-    """One entrant against plain decoding. speedup: median over rounds of its tokens/s over plain decoding's in
-    the same round (ratios: those per-round ratios, in round order); tokens_per_step: tokens each decode step kept;
+    """One entrant against plain decoding. ratios: its tokens/s over plain decoding's in the same round, per round in
+    round order (speedup: their median); tokens_per_step: tokens each decode step kept;
     step_cost: its mean step time in plain decoding steps (draft, verify, other); kept: accepted / drafted tokens
     (None: it drafts nothing); prefill: the share of plain decoding's time its prefill took, paid alike by every
     entrant, which pulls every speedup towards 1. explained: the speedup those imply,
@@ -90,7 +90,6 @@ class Speedup:
     name: str
     rounds: int
     tokens_per_s: float
-    speedup: float
     ratios: tuple[float, ...]
     spread: float
     tokens_per_step: float
@@ -100,6 +99,10 @@ class Speedup:
     kept: float | None
     prefill: float
     flags: tuple[str, ...]
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.ratios)
 
     @property
     def step_cost(self) -> float:
@@ -166,7 +169,6 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
         speeds = [m.tokens_per_s for m in metrics]
         costs = [StepCost.of(trace) for trace in runs]
         ratios = tuple(s / b for s, b in zip(speeds, base_speeds) if b)
-        speedup = statistics.median(ratios)
         per_step = statistics.median(1.0 if m.mean_accepted_tokens is None else m.mean_accepted_tokens
                                      for m in metrics)
         unit = base_step or 1.0
@@ -184,11 +186,11 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
         if judged and cost < CHEAPEST_STEP:
             flags.append(f"its steps cost {cost:.2f} of plain decoding's though each verifies at least one token: "
                          f"the baseline was slowed, rerun")
-        result = Speedup(name=name, rounds=len(runs), tokens_per_s=statistics.median(speeds), speedup=speedup,
-                         ratios=ratios, spread=spread(speeds), tokens_per_step=per_step, draft=draft, verify=verify,
-                         other=other, kept=accepted / drafted if drafted else None, prefill=prefill, flags=())
-        if judged and cost >= CHEAPEST_STEP and abs(speedup / result.explained - 1) > EXPLAIN_LIMIT:
-            flags.append(f"{speedup:.2f}x is not what {per_step:.2f} tokens per step at {cost:.2f} plain steps "
+        result = Speedup(name=name, rounds=len(runs), tokens_per_s=statistics.median(speeds), ratios=ratios,
+                         spread=spread(speeds), tokens_per_step=per_step, draft=draft, verify=verify, other=other,
+                         kept=accepted / drafted if drafted else None, prefill=prefill, flags=())
+        if judged and cost >= CHEAPEST_STEP and abs(result.speedup / result.explained - 1) > EXPLAIN_LIMIT:
+            flags.append(f"{result.speedup:.2f}x is not what {per_step:.2f} tokens per step at {cost:.2f} plain steps "
                          f"each (prefill {prefill:.0%} of the time) explains: {result.explained:.2f}x")
         out[name] = replace(result, flags=tuple(flags))
     return out

@@ -82,8 +82,7 @@ def test_as_set_drafts_what_the_settings_say_where_measured_drafts_nothing(targe
 
 
 def speedup(name: str, tokens_per_s: float, spread: float) -> Speedup:
-    return Speedup(name, 3, tokens_per_s, tokens_per_s / 100, (tokens_per_s / 100,) * 3, spread, 1.0, 0.0, 1.0, 0.0,
-                   None, 0.0, ())
+    return Speedup(name, 3, tokens_per_s, (tokens_per_s / 100,) * 3, spread, 1.0, 0.0, 1.0, 0.0, None, 0.0, ())
 
 
 def test_the_race_names_its_winner_and_whether_the_margin_beats_the_spread() -> None:
