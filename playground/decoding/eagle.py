@@ -104,6 +104,13 @@ class _HeadState:
                 new[:, : self.length] = old[:, : self.length]
             self.k, self.v = grown
 
+    def keep(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values (Hkv, n, D) over the n positions after the first L, stored there."""
+        n = k.shape[1]
+        self.reserve(n)
+        self.k[:, self.length : self.length + n], self.v[:, self.length : self.length + n] = k, v
+        self.length += n
+
     def add(self, features: torch.Tensor) -> None:
         self.chunks, self.count = [*self.chunks, features], self.count + len(features)
 
@@ -350,11 +357,11 @@ class EagleProposer(Proposer):
                 to_device(visible, features.device), [[n - 1] for n in counts])  # visible: (G, T, C + T)
             for g, (i, n) in enumerate(zip(group, counts)):
                 state = states[i]
-                if len(group) > 1:  # one request's forward wrote them into its own storage already
-                    state.reserve(n)
-                    state.k[:, state.length : state.length + n] = new_k[g, :, :n]
-                    state.v[:, state.length : state.length + n] = new_v[g, :, :n]
-                state.length, state.start, state.chunks, state.count = state.length + n, state.start + n, [], 0
+                if len(group) > 1:
+                    state.keep(new_k[g, :, :n], new_v[g, :, :n])
+                else:  # one request's forward wrote them into its own storage (`_padded_keys`)
+                    state.length += n
+                state.start, state.chunks, state.count = state.start + n, [], 0
                 root[i], logps[i], guessed[i] = out[g, n - 1], logp[g, 0], guesses[g, 0]
             if width > CATCH_UP:
                 self.long_read_s += time.perf_counter() - read
