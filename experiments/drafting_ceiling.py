@@ -2,8 +2,8 @@
 (its native layer over `--rows` new rows of one request and `--keys` keys, its output rows and top-k) and one
 draft-model decode forward (one token over `--keys` cached ones), each the median of `--rounds`, over this machine's
 one-token target forward (the engine's cached curve), beside `own_estimate` (the bytes each reads over the
-target's). The bench's `draft_forward` is the same price measured inside `propose`, host work included; the gap
-between the two is the proposer's bookkeeping per depth.
+target's, at the rows it runs on that curve). The bench's `draft_forward` is the same price measured inside
+`propose`, host work included; the gap between the two is the proposer's bookkeeping per depth.
 
     python experiments/drafting_ceiling.py [--rows 4] [--keys 100] [--rounds 80]
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from playground.config import ModelSpec  # noqa: E402
 from playground.decoding.costs import forward_costs  # noqa: E402
 from playground.decoding.registry import build_proposer  # noqa: E402
+from playground.engine.engine import one_request_costs  # noqa: E402
 from playground.kv import PagedKVCache  # noqa: E402
 from playground.models import load_model  # noqa: E402
 
@@ -46,7 +47,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=80)
     args = parser.parse_args()
     target = load_model(ModelSpec())
-    one_s = forward_costs(target.model, forwards=target.forwards).time(1)
+    costs = forward_costs(target.model, forwards=target.forwards)
+    one_s, relative = costs.time(1), one_request_costs(target)
     eagle, draft = build_proposer(target, "eagle"), build_proposer(target, "speculative")
     head, cfg, t, past = eagle.eagle, eagle.eagle.head.config, args.rows, args.keys
     embeddings, features = torch.randn(1, t, cfg.hidden_size), torch.randn(1, t, cfg.hidden_size)  # (1, T, E)
@@ -73,9 +75,10 @@ def main() -> None:
 
     print(f"one-token target forward {1e3 * one_s:.2f} ms (the cached curve); median of {args.rounds}\n")
     print("| forward | ms | target forwards | bytes predict | over bytes |\n|---|---|---|---|---|")
-    for name, run, proposer in ((f"EAGLE head, {t} rows, output rows and top-k", head_forward, eagle),
-                                ("draft model, 1 token", draft_forward, draft)):
-        seconds, estimate = median_s(run, args.rounds), proposer.own_estimate()
+    for name, run, estimate in ((f"EAGLE head, {t} rows, output rows and top-k", head_forward,
+                                 eagle.own.prior * relative(t)),
+                                ("draft model, 1 token", draft_forward, draft.own_estimate(relative))):
+        seconds = median_s(run, args.rounds)
         print(f"| {name} | {1e3 * seconds:.3f} | {seconds / one_s:.3f} | {estimate:.3f} | "
               f"{seconds / one_s / estimate:.2f} |")
 

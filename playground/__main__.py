@@ -235,8 +235,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
             print(output.text, flush=True)
-            print(summary_line(args.algo, metrics, trace, output.finish_reason, relative_cost,
-                               proposer.own_cost() if proposer is not None else None), file=sys.stderr, flush=True)
+            own = proposer.own_cost(relative_cost) if proposer is not None else None
+            print(summary_line(args.algo, metrics, trace, output.finish_reason, relative_cost, own), file=sys.stderr,
+                  flush=True)
         if args.trace_out:  # after the output, which a failed write then does not take with it
             save_trace(trace, trace_path(args.trace_out, index, len(prompts)))
     if args.timeline_out:

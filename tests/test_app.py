@@ -270,8 +270,9 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
                      max_new_tokens=24, eagle_nodes=8)
     assert "tokens per target forward" in outputs[3]
     assert re.search(r"drafting priced at \d\.\d\d target forwards for a step's first depth \(its catch-up on the "
-                     r"tokens kept included\) and \d\.\d\d for each further one \(the bytes a forward reads predict "
-                     r"\d\.\d\d\)", outputs[3])  # the head's, as planned, beside its bytes' prediction
+                     r"tokens kept included\) and \d\.\d\d for each further one \(the bytes its forward reads "
+                     r"predict \d\.\d\d, 4 rows on this machine's curve\)", outputs[3])
+    # the head's, as planned, beside its bytes' prediction at the top_k rows a further depth's forward runs
     trace = Trace.load(outputs[4][0])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)

@@ -13,7 +13,9 @@ from playground.bench.report import Costs, goals
 from playground.bench.suite import SUITE, spread
 from playground.decoding.medusa import dynamic_nodes
 from playground.decoding.planning import OwnCost
-from playground.decoding.registry import ALGORITHMS
+from playground.decoding.registry import ALGORITHMS, build_proposer
+
+from .conftest import TEST_COSTS
 
 
 def test_bench_writes_report(tmp_path, target) -> None:
@@ -131,6 +133,10 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
         entry = summary[name]
         assert entry["draft_forward_over_bytes"] == pytest.approx(entry["draft_forward"] /
                                                                   entry["draft_forward_by_bytes"]), name
+    # EAGLE's further depth is one forward over top_k rows a request: its bytes predict that width's cost
+    eagle = build_proposer(target, "eagle")
+    assert summary["eagle"]["draft_forward_by_bytes"] == pytest.approx(eagle.own.prior * TEST_COSTS.step_cost(
+        1, eagle.top_k)) and eagle.top_k > 1 and TEST_COSTS.step_cost(1, eagle.top_k) > 1
     assert "draft forward over bytes" in text and "(goal <= 1.5)" in text
     assert text.count(" | ok |") + text.count("rerun") + text.count("varied") + text.count("explains") >= 3 * 9
 

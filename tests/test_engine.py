@@ -21,13 +21,14 @@ from playground.decoding import encode_prompt, prompt_lookup
 from playground.decoding.base import forward_tokens, new_cache
 from playground.decoding.copies import Lookup
 from playground.decoding.costs import ForwardCosts
+from playground.decoding.eagle import EagleParams
 from playground.decoding.grafted import Grafted
 from playground.decoding.guesses import GuessCalibration, guess_tree
 from playground.decoding.lookahead import LookaheadParams
 from playground.decoding.medusa import MedusaParams
 from playground.decoding.planning import DraftPrice, OwnCost, widest_paying
 from playground.decoding.prompt_lookup import PromptLookupParams
-from playground.decoding.proposer import Proposal
+from playground.decoding.proposer import Cost, Proposal
 from playground.decoding.registry import build_proposer
 from playground.decoding.self_speculative import SelfSpeculativeParams
 from playground.decoding.speculative import DraftGuesser, SpeculativeParams
@@ -432,6 +433,20 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     for _ in range(3):
         heads.record(0.003, 4, 0.01)
     assert heads() == DraftPrice(pytest.approx(0.3), None) and heads()(4) == pytest.approx(0.3)
+    # a further depth's forward over 4 rows a request: its bytes' estimate at 4 rows of the target's curve, until
+    # measured; the first depth (one row) and a plan without a curve keep the one-row estimate
+    wide = OwnCost(None, 0.05, rows=4)
+    curve = {1: 1.0, 4: 1.8}.__getitem__
+    assert wide.estimate(curve) == pytest.approx(0.09) and wide.estimate() == 0.05
+    assert wide(curve) == DraftPrice(0.05, pytest.approx(0.09)) and wide() == DraftPrice(0.05, 0.05)
+    for _ in range(3):
+        wide.record(0.003, 2, 0.01, 0.001)
+    assert wide(curve) == DraftPrice(pytest.approx(0.2), pytest.approx(0.1))  # measured: the curve is not read
+    eagle = build_proposer(target, "eagle", EagleParams(top_k=3))
+    assert eagle.own.rows == 3
+    assert eagle.own_estimate(lambda width: float(width)) == pytest.approx(3 * eagle.own_estimate())
+    assert Cost(lambda width: float(width), 0.01).price(eagle.own).further == pytest.approx(3 * eagle.own.prior)
+    assert Cost(lambda width: float(width), 0.01, as_set=True).price(eagle.own) == DraftPrice(0.0, 0.0)
 
     proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
     estimate = proposer.own_cost()

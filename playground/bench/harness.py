@@ -352,7 +352,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "flags": list(measured.flags)}
             if contender.proposer is not None:
                 result["drafting_note"] = drafting_note(trace, relative_cost)
-                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(), measured.prefill))
+                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(relative_cost),
+                                         measured.prefill))
                 own = contender.proposer.own
                 if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
                     result["draft_forward"] = own.measured()
@@ -460,7 +461,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         forwards = [r["draft_forward"] for r in results if "draft_forward" in r]
         if forwards:  # one drafting forward of its own (a draft model's, the heads'), against its bytes' prediction
             entry["draft_forward"] = statistics.median(forwards)
-            entry["draft_forward_by_bytes"] = contender.proposer.own_estimate()
+            entry["draft_forward_by_bytes"] = contender.proposer.own_estimate(relative_cost)
             entry["draft_forward_over_bytes"] = entry["draft_forward"] / entry["draft_forward_by_bytes"]
         firsts = [r["draft_first"] for r in results if "draft_first" in r]
         if firsts:  # a drafting step's first depth: its catch-up and the step's fixed work besides a forward

@@ -133,7 +133,8 @@ class EagleProposer(Proposer):
         gpu = target.model.device.type == "cuda"
         self.depth, self.top_k = params.depth, params.top_k
         self.nodes = params.nodes or (EAGLE_GPU_NODES if gpu else EAGLE_CPU_NODES)
-        self.own = OwnCost(params.draft_cost, self.estimate_cost())  # a head forward's cost, measured as it runs
+        # a head forward's cost, measured as it runs; each further depth's forward runs top_k rows a request
+        self.own = OwnCost(params.draft_cost, self.estimate_cost(), rows=self.top_k)
         self.eos = torch.tensor(sorted(set(target.eos_token_ids)), device=target.model.device)  # (n,): never expanded
         self.eos_ids = frozenset(target.eos_token_ids)
         self.calibration = GuessCalibration(self.depth)

@@ -98,14 +98,15 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
     return (source[0], source[1]) if source else None
 
 
-def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tuple[DraftPrice, float] | None = None,
+def _stats(m: Metrics, against: Speedup | None, same: bool | None,
+           own_cost: tuple[DraftPrice, float, int] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own_cost:
     what the proposer's plans price its own drafting at, in target forwards (as measured once it has drafted a few
-    steps: `planning.DraftPrice`), and what the bytes a forward of it reads predict (`Proposer.own_estimate`); note:
-    why the run drafted little (`metrics.drafting_note`), if it did; projected: `metrics.projected_speedup`, shown as
-    the projection it is; kept_at: the share of proposing steps that kept at least 1, 2, ... drafted tokens
-    (`metrics.depth_profile`), as serving engines report acceptance by position."""
+    steps: `planning.DraftPrice`), what the bytes a further depth's forward reads predict (`OwnCost.estimate`) and
+    the rows that forward runs; note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
+    `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that kept at
+    least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
              f"median round)", f"target forwards {m.target_forwards}"]
     if m.mean_accepted_tokens is not None:
@@ -118,10 +119,11 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None, own_cost: tup
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
     if own_cost is not None:
-        price, estimate = own_cost
+        price, estimate, rows = own_cost
+        width = f", {rows} rows on this machine's curve" if rows > 1 else ""
         parts.append(f"drafting priced at {price.first:.2f} target forwards for a step's first depth (its catch-up "
-                     f"on the tokens kept included) and {price.further:.2f} for each further one (the bytes a forward "
-                     f"reads predict {estimate:.2f})" if price.further is not None else
+                     f"on the tokens kept included) and {price.further:.2f} for each further one (the bytes its "
+                     f"forward reads predict {estimate:.2f}{width})" if price.further is not None else
                      f"the proposer's forward priced at {price.first:.2f} target forwards, once a step (the bytes it "
                      f"reads predict {estimate:.2f})")
     if same is not None:
@@ -241,10 +243,10 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     proposer = proposers[algo]
-    own_cost = proposer.own_cost() if proposer is not None else None
-    estimate = proposer.own_estimate() if proposer is not None else None
-    own = None if own_cost is None or estimate is None else (own_cost, estimate)
     costs = one_request_costs(target)
+    mine = proposer.own if proposer is not None else None
+    own_cost = mine.value(costs) if mine is not None else None
+    own = (own_cost, mine.estimate(costs), mine.rows) if mine is not None and own_cost is not None else None
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = cast(list[float] | None, depth_profile(trace).get("kept_at_least")) if metrics.drafted else None
