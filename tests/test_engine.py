@@ -32,7 +32,7 @@ from playground.decoding.proposer import Cost, Proposal
 from playground.decoding.registry import build_proposer
 from playground.decoding.self_speculative import SelfSpeculativeParams
 from playground.decoding.speculative import DraftGuesser, SpeculativeParams
-from playground.engine import Engine, ProposalCounts, Status, generate
+from playground.engine import Engine, ProposalCounts, Status, generate, warm_up
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
@@ -448,6 +448,13 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     assert Cost(lambda width: float(width), 0.01).price(eagle.own).further == pytest.approx(3 * eagle.own.prior)
     assert Cost(lambda width: float(width), 0.01, as_set=True).price(eagle.own) == DraftPrice(0.0, 0.0)
 
+    plans = wide.unmeasured
+    with wide.unrecorded():  # a warm-up's samples are dropped after it
+        wide.record(0.5, 2, 0.01, 0.4)
+        wide()
+        assert len(wide.furthers) == 4
+    assert list(wide.furthers) == [pytest.approx(0.1)] * 3 and wide.unmeasured == plans
+
     proposer = build_proposer(target, "speculative", SpeculativeParams(gamma=3))
     estimate = proposer.own_cost()
     priced = []
@@ -458,6 +465,23 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     assert all(0 <= further < seconds for _, _, further, seconds in priced)  # a CPU times the further depths apart
     assert any(depth > 1 and further > 0 for depth, _, further, _ in priced)
     assert proposer.own_cost().first == statistics.median(proposer.own.firsts) != estimate.first
+
+
+@pytest.mark.parametrize("algo", ["speculative", "eagle"])
+def test_a_warm_up_drafts_and_teaches_no_price(target, algo, monkeypatch) -> None:
+    """`warm_up` runs the proposer as set, so its own forwards pay their first calls, and leaves its measured price
+    and drafting's payoff as they were; a measured run after it learns both."""
+    proposer = build_proposer(target, algo)
+    recorded: list[int] = []
+    monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, further=None: (
+        recorded.append(depth), OwnCost.record(proposer.own, seconds, depth, one_s, further)))
+    proposer.payoff.record(False, 1.0, 1.0)  # what earlier runs taught it
+    warm_up(target, PROMPTS[1], proposer, SamplingParams(), GenerationParams(max_new_tokens=8, plan="measured"))
+    assert recorded and max(recorded) > 1  # it drafted, deeper than one
+    assert not proposer.own.firsts and not proposer.own.furthers and proposer.own.unmeasured == 0
+    assert len(proposer.payoff.plain) == 1 and not proposer.payoff.drafting
+    generate(target, PROMPTS[1], proposer, SamplingParams(), GenerationParams(max_new_tokens=8, plan="as-set"))
+    assert proposer.own.firsts
 
 
 def test_a_copy_is_grafted_onto_the_heads_tree_in_best_first_order() -> None:

@@ -225,7 +225,7 @@ def parse_algos(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..decoding import encode_prompt
-    from ..engine import one_request_costs
+    from ..engine import one_request_costs, warm_up
     from ..metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
     from ..models import load_model
     from ..models.loader import load_hf_peer, source_gguf
@@ -278,8 +278,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     warm = GenerationParams(max_new_tokens=8, plan=args.plan)
     warm_ids = encode_prompt(target, "Hello", warm)
-    for contender in (*baselines, *contenders):
-        trace_of(target, contender, "Hello", warm)
+    for contender in (*baselines, *contenders):  # its first calls paid, its proposer's prices left unlearned
+        warm_up(contender.target or target, "Hello", contender.proposer, contender.sampling, warm, contender.algo)
     if llm is not None:
         run_llama(llm, warm_ids, target, warm)
     for remote in remotes.values():

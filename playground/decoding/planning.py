@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,13 +94,12 @@ class OwnCost:
     (the engine's measured curve); until MEASURED steps measured them, `prior` (an estimate from the weights a
     one-row forward reads) for the first depth and `estimate` (the same at the `rows` a further depth's forward runs
     per request) for each further one. `per_depth` False: one forward drafts every depth (further depths cost
-    nothing). Where a
-    step's depths are not timed apart (a device that runs asynchronously), its seconds per depth price both. A median,
-    because a step that captured a CUDA graph or met a busy host is far slower than the rest. A long catch-up (a
-    prompt's, the tokens of many steps drafting rested) is the proposer's to leave out: it is paid once (`Payoff`
-    sees it). A price that stopped the drafting gets no new samples: after STALE plans priced without one the samples
-    are dropped, so a long-lived engine tries the estimate again (a price measured while the host was busy does not
-    silence a proposer for good)."""
+    nothing). Where a step's depths are not timed apart (a device that runs asynchronously), its seconds per depth
+    price both. A median, because a step that captured a CUDA graph or met a busy host is far slower than the rest.
+    A long catch-up (a prompt's, the tokens of many steps drafting rested) is the proposer's to leave out: it is paid
+    once (`Payoff` sees it). A price that stopped the drafting gets no new samples: after STALE plans priced without
+    one the samples are dropped, so a long-lived engine tries the estimate again (a price measured while the host was
+    busy does not silence a proposer for good)."""
 
     WINDOW, MEASURED, STALE = 16, 3, 256
 
@@ -132,6 +132,18 @@ class OwnCost:
         arithmetic more than on reading the weights, a forward of several rows costs more than a one-row forward of
         the same bytes, by as much as the target's does."""
         return self.prior if relative is None or self.rows == 1 else self.prior * relative(self.rows)
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """What steps inside record (a warm-up's: first calls allocate buffers and read weights never read before)
+        is dropped after: the samples and the count of plans come out as they went in."""
+        firsts, furthers, unmeasured = list(self.firsts), list(self.furthers), self.unmeasured
+        try:
+            yield
+        finally:
+            self.firsts = deque(firsts, maxlen=self.WINDOW)
+            self.furthers = deque(furthers, maxlen=self.WINDOW)
+            self.unmeasured = unmeasured
 
     def measured(self) -> float | None:
         """A drafting forward's price as its last steps measured it (whatever `fixed` says): a further depth's, or

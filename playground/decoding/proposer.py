@@ -14,9 +14,11 @@ nodes are 1 + their sum, which is what the engine's width planning reads.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -200,6 +202,18 @@ class Proposer(ABC):
     def bind(self, settings: Any, cache: KVCache) -> None:
         """A new engine (its `EngineParams` and its target's KV cache) takes this proposer: per-engine resources are
         made afresh and every request's state is dropped."""
+
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Runs inside warm the machine up (first calls allocate buffers and read weights never read before), so
+        their timings teach nothing: its own forwards' price (`own`) and drafting's payoff come out as they went
+        in. What it learns of acceptance stays, as from any run."""
+        payoff = copy.deepcopy(self._payoff)
+        try:
+            with self.own.unrecorded() if self.own is not None else nullcontext():
+                yield
+        finally:
+            self._payoff = payoff
 
     def forget(self) -> None:
         """What it learned of its proposals' acceptance goes back to its prior, so that a generation does not depend

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 from ..config import EngineParams, GenerationParams, SamplingParams
@@ -71,6 +73,16 @@ def generate(target: LoadedModel, prompt: str | list[int], proposer: Proposer | 
             next(stream)
         except StopIteration as stop:
             return stop.value
+
+
+def warm_up(target: LoadedModel, prompt: str | list[int], proposer: Proposer | None, sampling: SamplingParams,
+            generation: GenerationParams, algo: str | None = None) -> None:
+    """A short generation (`generation`'s length) that pays the first calls' costs (buffers allocated, weights read
+    for the first time) of the target and of the proposer's own forwards: as set, so that the proposer drafts
+    whatever a plan would say, and leaving its measured price and payoff as they were (`Proposer.warming_up`)."""
+    generation = replace(generation, plan="as-set")
+    with proposer.warming_up() if proposer is not None else nullcontext():
+        generate(target, prompt, proposer, sampling, generation, algo)
 
 
 def header(sampling: SamplingParams, generation: GenerationParams, proposer: Proposer | None) -> dict[str, Any]:

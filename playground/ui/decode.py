@@ -20,7 +20,7 @@ import gradio as gr
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
 from ..decoding.planning import DraftPrice
-from ..engine import generate, one_request_costs, stream_generate
+from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import (
     FLAT_CURVE,
     Metrics,
@@ -218,7 +218,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         proposers = {algo: make_proposer(target, algo, params, copies, draft_source), PLAIN: None}
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
-            generate(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
+            warm_up(target, prompt, proposers[name], sampling, replace(generation, max_new_tokens=2), name)
         streams = {name: partial(stream_generate, target, prompt, proposers[name], sampling, generation, name)
                    for name in names}
         traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status,

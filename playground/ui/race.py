@@ -15,7 +15,7 @@ import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
-from ..engine import generate, one_request_costs, stream_generate
+from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
 from ..remote import Remote, RemoteRun, endpoint_url, median_ratio, median_round
@@ -137,9 +137,8 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
                      for name in names}
         yield status("warming up (first calls allocate buffers; not measured)")
         for name in names:
-            generate(target, prompt, proposers[name], sampling,
-                     GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=offered[name].kv, plan=chosen_plan),
-                     offered[name].algo)
+            warm_up(target, prompt, proposers[name], sampling,
+                    GenerationParams(max_new_tokens=WARMUP_TOKENS, kv=offered[name].kv), offered[name].algo)
         streams: dict[str, Any] = {
             name: partial(stream_generate, target, prompt, proposers[name], sampling,
                           GenerationParams(max_new_tokens=tokens, kv=offered[name].kv, plan=chosen_plan),
