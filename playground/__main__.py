@@ -235,7 +235,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
             print(output.text, flush=True)
-            own = proposer.own_cost(relative_cost) if proposer is not None else None
+            own = proposer.own_cost() if proposer is not None else None
             print(summary_line(args.algo, metrics, trace, output.finish_reason, relative_cost, own), file=sys.stderr,
                   flush=True)
         if args.trace_out:  # after the output, which a failed write then does not take with it

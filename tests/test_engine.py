@@ -433,20 +433,18 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     for _ in range(3):
         heads.record(0.003, 4, 0.01)
     assert heads() == DraftPrice(pytest.approx(0.3), None) and heads()(4) == pytest.approx(0.3)
-    # a further depth's forward over 4 rows a request: its bytes' estimate at 4 rows of the target's curve, until
-    # measured; the first depth (one row) and a plan without a curve keep the one-row estimate
+    # a further depth's forward over 4 rows a request is compared with its bytes at 4 rows of the target's curve;
+    # the plan starts from the one-row floor, so that deeper drafting is tried and timed
     wide = OwnCost(None, 0.05, rows=4)
-    curve = {1: 1.0, 4: 1.8}.__getitem__
-    assert wide.estimate(curve) == pytest.approx(0.09) and wide.estimate() == 0.05
-    assert wide(curve) == DraftPrice(0.05, pytest.approx(0.09)) and wide() == DraftPrice(0.05, 0.05)
+    curve = {1: 1.0, 3: 1.5, 4: 1.8}.__getitem__
+    assert wide.estimate(curve) == pytest.approx(0.09) and wide() == DraftPrice(0.05, 0.05)
     for _ in range(3):
         wide.record(0.003, 2, 0.01, 0.001)
-    assert wide(curve) == DraftPrice(pytest.approx(0.2), pytest.approx(0.1))  # measured: the curve is not read
+    assert wide() == DraftPrice(pytest.approx(0.2), pytest.approx(0.1))
     eagle = build_proposer(target, "eagle", EagleParams(top_k=3))
-    assert eagle.own.rows == 3
-    assert eagle.own_estimate(lambda width: float(width)) == pytest.approx(3 * eagle.own_estimate())
-    assert Cost(lambda width: float(width), 0.01).price(eagle.own).further == pytest.approx(3 * eagle.own.prior)
-    assert Cost(lambda width: float(width), 0.01, as_set=True).price(eagle.own) == DraftPrice(0.0, 0.0)
+    assert eagle.own.rows == 3 and eagle.own_estimate(curve) == pytest.approx(1.5 * eagle.own.prior)
+    assert Cost(curve, 0.01).price(eagle.own) == DraftPrice(eagle.own.prior, eagle.own.prior)
+    assert Cost(curve, 0.01, as_set=True).price(eagle.own) == DraftPrice(0.0, 0.0)
 
     plans = wide.unmeasured
     with wide.unrecorded():  # a warm-up's samples are dropped after it

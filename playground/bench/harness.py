@@ -352,8 +352,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "flags": list(measured.flags)}
             if contender.proposer is not None:
                 result["drafting_note"] = drafting_note(trace, relative_cost)
-                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(relative_cost),
-                                         measured.prefill))
+                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(), measured.prefill))
                 own = contender.proposer.own
                 if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
                     result["draft_forward"] = own.measured()

@@ -91,15 +91,17 @@ class OwnCost:
     """What a proposer's own drafting (a draft model's forwards, the EAGLE head's, the Medusa heads' one a step) costs
     a step (`DraftPrice`): `fixed` per depth where set, else measured as the proposer runs: the medians, over its last
     WINDOW drafting steps, of the first depth's seconds and of each further depth's over the batch's one-token forward
-    (the engine's measured curve); until MEASURED steps measured them, `prior` (an estimate from the weights a
-    one-row forward reads) for the first depth and `estimate` (the same at the `rows` a further depth's forward runs
-    per request) for each further one. `per_depth` False: one forward drafts every depth (further depths cost
-    nothing). Where a step's depths are not timed apart (a device that runs asynchronously), its seconds per depth
-    price both. A median, because a step that captured a CUDA graph or met a busy host is far slower than the rest.
-    A long catch-up (a prompt's, the tokens of many steps drafting rested) is the proposer's to leave out: it is paid
-    once (`Payoff` sees it). A price that stopped the drafting gets no new samples: after STALE plans priced without
-    one the samples are dropped, so a long-lived engine tries the estimate again (a price measured while the host was
-    busy does not silence a proposer for good)."""
+    (the engine's measured curve); `prior` (an estimate from the weights a one-row forward reads) for either until
+    MEASURED steps measured it. The prior is a floor, not a forecast, where a further depth's forward runs more rows
+    a request (`rows`, EAGLE's top_k; `estimate` prices them on the target's curve): more rows never cost less, and a
+    price that starts high is never corrected, since a depth the plan does not draft is never timed. `per_depth`
+    False: one forward drafts every depth (further depths cost nothing). Where a step's depths are not timed apart
+    (a device that runs asynchronously), its seconds per depth price both. A median, because a step that captured a
+    CUDA graph or met a busy host is far slower than the rest. A long catch-up (a prompt's, the tokens of many steps
+    drafting rested) is the proposer's to leave out: it is paid once (`Payoff` sees it). A price that stopped the
+    drafting gets no new samples: after STALE plans priced without one the samples are dropped, so a long-lived
+    engine tries the estimate again (a price measured while the host was busy does not silence a proposer for
+    good)."""
 
     WINDOW, MEASURED, STALE = 16, 3, 256
 
@@ -109,29 +111,28 @@ class OwnCost:
         self.furthers: deque[float] = deque(maxlen=self.WINDOW)  # each further depth
         self.unmeasured = 0  # plans priced since the last sample
 
-    def __call__(self, relative: Callable[[int], float] | None = None) -> DraftPrice:
-        """The price for a plan on the target's curve `relative` (counted towards STALE)."""
+    def __call__(self) -> DraftPrice:
+        """The price for a plan (counted towards STALE)."""
         self.unmeasured += 1
         if self.unmeasured > self.STALE:
             self.firsts.clear()
             self.furthers.clear()
-        return self.value(relative)
+        return self.value()
 
-    def value(self, relative: Callable[[int], float] | None = None) -> DraftPrice:
-        """The price now on the target's curve `relative` (None: as if every width cost one), for a report (not
-        counted)."""
+    def value(self) -> DraftPrice:
+        """The price now, for a report (not counted)."""
         if self.fixed is not None:
             return DraftPrice(self.fixed, self.fixed if self.per_depth else None)
         first, further = _median(self.firsts), _median(self.furthers)
         return DraftPrice(self.prior if first is None else first,
-                          None if not self.per_depth else self.estimate(relative) if further is None else further)
+                          None if not self.per_depth else self.prior if further is None else further)
 
-    def estimate(self, relative: Callable[[int], float] | None = None) -> float:
-        """A further depth's forward by the weights it reads: `prior` (a one-row forward's) times what `rows` rows
-        cost over one on the target's curve `relative` (cost(1) = 1; None: one). Where the kernel's products wait on
-        arithmetic more than on reading the weights, a forward of several rows costs more than a one-row forward of
-        the same bytes, by as much as the target's does."""
-        return self.prior if relative is None or self.rows == 1 else self.prior * relative(self.rows)
+    def estimate(self, relative: Callable[[int], float]) -> float:
+        """What a further depth's forward should cost by the weights it reads, for comparing with what it measured:
+        `prior` (a one-row forward's) times what `rows` rows cost over one on the target's curve `relative` (cost(1)
+        = 1). Where the kernel's products wait on arithmetic more than on reading the weights, a forward of several
+        rows costs more than a one-row forward of the same bytes, by as much as the target's does."""
+        return self.prior * relative(self.rows)
 
     @contextmanager
     def unrecorded(self) -> Iterator[None]:

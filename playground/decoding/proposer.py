@@ -174,9 +174,9 @@ class Cost:
         return self.relative(width)
 
     def price(self, own: OwnCost) -> DraftPrice:
-        """What a proposer's own drafting costs a step by depth, in one-token target forwards: `own`'s price on this
-        curve, or nothing as set."""
-        return FREE if self.as_set else own(self.relative)
+        """What a proposer's own drafting costs a step by depth, in one-token target forwards: `own`'s price, or
+        nothing as set."""
+        return FREE if self.as_set else own()
 
 
 class Proposer(ABC):
@@ -250,13 +250,12 @@ class Proposer(ABC):
         a viewer needs to see how the proposal was made (none by default)."""
         return []
 
-    def own_cost(self, relative: Callable[[int], float] | None = None) -> DraftPrice | None:
+    def own_cost(self) -> DraftPrice | None:
         """What its own drafting (a draft model's or a head's forwards) costs a step by depth in one-token target
-        forwards, as its plans on the target's curve `relative` price it now (`OwnCost.value`); None: it runs no
-        forwards of its own."""
-        return None if self.own is None else self.own.value(relative)
+        forwards, as its plans price it now (`OwnCost.value`); None: it runs no forwards of its own."""
+        return None if self.own is None else self.own.value()
 
-    def own_estimate(self, relative: Callable[[int], float] | None = None) -> float | None:
+    def own_estimate(self, relative: Callable[[int], float]) -> float | None:
         """What a further depth's forward should cost by the weights it reads (`OwnCost.estimate`: its bytes over
         the target's, where the native kernel runs the products, at the rows it runs on the curve `relative`);
         None: it runs no forwards of its own."""

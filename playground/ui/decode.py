@@ -245,7 +245,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     proposer = proposers[algo]
     costs = one_request_costs(target)
     mine = proposer.own if proposer is not None else None
-    own_cost = mine.value(costs) if mine is not None else None
+    own_cost = mine.value() if mine is not None else None
     own = (own_cost, mine.estimate(costs), mine.rows) if mine is not None and own_cost is not None else None
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
