@@ -269,10 +269,12 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
     outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
                      max_new_tokens=24, eagle_nodes=8)
     assert "tokens per target forward" in outputs[3]
+    # the head's, as planned (the tests never time it: the one-row floor), beside its bytes' prediction at the top_k
+    # rows a further depth's forward runs
     assert re.search(r"drafting priced at \d\.\d\d target forwards for a step's first depth \(its catch-up on the "
-                     r"tokens kept included\) and \d\.\d\d for each further one \(the bytes its forward reads "
-                     r"predict \d\.\d\d, 4 rows on this machine's curve\)", outputs[3])
-    # the head's, as planned, beside its bytes' prediction at the top_k rows a further depth's forward runs
+                     r"tokens kept included\) and \d\.\d\d for each further one until one is timed \(the bytes of "
+                     r"a one-row forward: a floor, so that deeper drafting gets tried\); the bytes a further depth's "
+                     r"forward reads predict \d\.\d\d at its 4 rows on this machine's curve", outputs[3])
     trace = Trace.load(outputs[4][0])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)

@@ -19,7 +19,7 @@ import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
-from ..decoding.planning import DraftPrice
+from ..decoding.planning import DraftPrice, OwnCost
 from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import (
     FLAT_CURVE,
@@ -99,12 +99,12 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
 
 
 def _stats(m: Metrics, against: Speedup | None, same: bool | None,
-           own_cost: tuple[DraftPrice, float, int] | None = None,
+           own: tuple[OwnCost, float] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
-    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own_cost:
-    what the proposer's plans price its own drafting at, in target forwards (as measured once it has drafted a few
-    steps: `planning.DraftPrice`), what the bytes a further depth's forward reads predict (`OwnCost.estimate`) and
-    the rows that forward runs; note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
+    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own:
+    the proposer's `OwnCost`, whose price its plans use (in target forwards, as measured once it has drafted a few
+    steps: `planning.DraftPrice`), and what the bytes a further depth's forward reads predict at the rows it runs
+    (`OwnCost.estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
     `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that kept at
     least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
@@ -118,14 +118,20 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
     if kept_at:
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
-    if own_cost is not None:
-        price, estimate, rows = own_cost
-        width = f", {rows} rows on this machine's curve" if rows > 1 else ""
-        parts.append(f"drafting priced at {price.first:.2f} target forwards for a step's first depth (its catch-up "
-                     f"on the tokens kept included) and {price.further:.2f} for each further one (the bytes its "
-                     f"forward reads predict {estimate:.2f}{width})" if price.further is not None else
-                     f"the proposer's forward priced at {price.first:.2f} target forwards, once a step (the bytes it "
-                     f"reads predict {estimate:.2f})")
+    if own is not None:
+        cost, estimate = own
+        price, timed = cost.value(), cost.fixed is not None or cost.measured() is not None  # fixed: as set
+        if price.further is None:
+            parts.append(f"the proposer's forward priced at {price.first:.2f} target forwards, once a step (the bytes "
+                         f"it reads predict {estimate:.2f})")
+        else:
+            further = (f"{price.further:.2f} for each further one" if timed else
+                       f"{price.further:.2f} for each further one until one is timed (the bytes of a one-row forward: "
+                       "a floor, so that deeper drafting gets tried)")
+            width = f" at its {cost.rows} rows on this machine's curve" if cost.rows > 1 else ""
+            parts.append(f"drafting priced at {price.first:.2f} target forwards for a step's first depth (its catch-up "
+                         f"on the tokens kept included) and {further}; the bytes a further depth's forward reads "
+                         f"predict {estimate:.2f}{width}")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
@@ -246,7 +252,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     costs = one_request_costs(target)
     mine = proposer.own if proposer is not None else None
     own_cost = mine.value() if mine is not None else None
-    own = (own_cost, mine.estimate(costs), mine.rows) if mine is not None and own_cost is not None else None
+    own = (mine, mine.estimate(costs)) if mine is not None else None
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = cast(list[float] | None, depth_profile(trace).get("kept_at_least")) if metrics.drafted else None
