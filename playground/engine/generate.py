@@ -79,7 +79,9 @@ def warm_up(target: LoadedModel, prompt: str | list[int], proposer: Proposer | N
             generation: GenerationParams, algo: str | None = None) -> None:
     """A short generation (`generation`'s length) that pays the first calls' costs (buffers allocated, weights read
     for the first time) of the target and of the proposer's own forwards: as set, so that the proposer drafts
-    whatever a plan would say, and leaving its measured price and payoff as they were (`Proposer.warming_up`)."""
+    whatever a plan would say, and leaving its measured price and payoff as they were (`Proposer.warming_up`). An
+    engine that plans as set returns the proposer's acceptance to its prior (`Proposer.forget`): warm a proposer up
+    before it learns."""
     generation = replace(generation, plan="as-set")
     with proposer.warming_up() if proposer is not None else nullcontext():
         generate(target, prompt, proposer, sampling, generation, algo)
