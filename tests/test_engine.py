@@ -468,7 +468,7 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
 @pytest.mark.parametrize("algo", ["speculative", "eagle"])
 def test_a_warm_up_drafts_and_teaches_no_price(target, algo, monkeypatch) -> None:
     """`warm_up` runs the proposer as set, so its own forwards pay their first calls, and leaves its measured price
-    and drafting's payoff as they were; a measured run after it learns both."""
+    and drafting's payoff as they were; a run after it times its forwards again."""
     proposer = build_proposer(target, algo)
     recorded: list[int] = []
     monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, further=None: (
