@@ -117,7 +117,8 @@ class Speedup:
         parts = [f"a step keeps {self.tokens_per_step:.2f} tokens and costs {self.step_cost:.2f} plain steps "
                  f"(draft {self.draft:.2f}, verify {self.verify:.2f}, other {self.other:.2f})"]
         if self.kept is not None:
-            parts.append(f"{self.kept:.0%} of drafted tokens kept (over its {self.rounds} rounds)")
+            over = f" (over its {self.rounds} rounds)" if self.rounds > 1 else ""
+            parts.append(f"{self.kept:.0%} of drafted tokens kept{over}")
         if self.prefill >= 0.1:
             parts.append(f"the prompt's prefill, {self.prefill:.0%} of plain decoding's time, costs both alike")
         return "; ".join(parts)
@@ -155,6 +156,15 @@ def winner(speedups: dict[str, Speedup]) -> str:
     verdict = (f"above the rounds' spread ({noise:.0%})" if margin - 1 > noise else
                f"within the rounds' spread ({noise:.0%}): a tie on this machine")
     return f"Fastest: {best.name}, {margin:.2f}x the next ({runner_up.name}), {verdict}"
+
+
+def shown_round(traces: dict[str, list[Trace]], plain: str, name: str) -> tuple[Trace, Speedup]:
+    """The run of `name` a view replays (its median round) and its Speedup against plain decoding's run of that same
+    round: what a screen showing that run says beside it, so that none of its figures mixes rounds."""
+    runs = traces[name]
+    shown = median_run(runs)
+    i = next(k for k, run in enumerate(runs) if run is shown)
+    return shown, compare({name: [shown], plain: [traces[plain][i]]}, plain)[name]
 
 
 def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:

@@ -38,7 +38,7 @@ from .events import (
 )
 from .trace_check import trace_fields
 
-MAX_TRACE_BYTES = 64 * 1024 * 1024
+MAX_TRACE_BYTES = 8 * 1024 * 1024  # 4x the longest run's (4,096 tokens of lookahead), drawn in about a second
 PLAIN = "ar"  # the algorithm name of plain decoding, which proposes nothing
 __all__ = ["EVENT_TYPES", "PLAIN", "SCHEMA_VERSION", "AcceptEvent", "BonusEvent", "CommitEvent", "CorrectEvent",
            "DraftEvent", "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "LookaheadEvent", "MemoryEvent",
@@ -136,5 +136,8 @@ def _event_to_dict(event: Event) -> dict[str, Any]:
     return out
 
 
+_TOKEN_FIELDS = tuple(f.name for f in fields(TokenInfo))
+
+
 def _token_to_dict(token: TokenInfo) -> dict[str, Any]:
-    return {f.name: getattr(token, f.name) for f in fields(token)}
+    return {name: getattr(token, name) for name in _TOKEN_FIELDS}

@@ -17,7 +17,25 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .events import EVENT_TYPES, DraftEvent, Event, JSONScalar, LookaheadEvent, MemoryEvent, TraceError
+from .config import MAX_NEW_TOKENS_LIMIT
+from .events import (
+    EVENT_TYPES,
+    AcceptEvent,
+    BonusEvent,
+    CommitEvent,
+    CorrectEvent,
+    DraftEvent,
+    Event,
+    FinishEvent,
+    JSONScalar,
+    LookaheadEvent,
+    MemoryEvent,
+    PrefillEvent,
+    RejectEvent,
+    TokenInfo,
+    TraceError,
+    VerifyEvent,
+)
 
 _Check = Callable[[Any], Any]
 
@@ -164,6 +182,36 @@ def _span(name: str, span: list[int] | None, length: int | None = None) -> None:
         raise _Bad(f"[start, end){size} and 0 <= start <= end, got {_shown(span)}").at(name)
 
 
+def _check_token(token: TokenInfo) -> None:
+    if token.id < 0:
+        raise _Bad(f"a token id is at least 0, got {token.id}").at("id")
+    if token.position < 0:
+        raise _Bad(f"a position is at least 0, got {token.position}").at("position")
+    for name in ("p", "q"):
+        value = getattr(token, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise _Bad(f"a probability is in [0, 1], got {value}").at(name)
+
+
+_SECONDS = ("t", "wall_s", "draft_s", "verify_s", "overhead_s")
+_COUNTS = ("num_tokens", "draft_forwards", "target_forwards", "bytes_used", "bytes_reserved", "kv_bytes")
+
+
+def _check_event(event: Any) -> None:
+    """Times within [0, MAX_SECONDS], counts not negative, a uniform draw within [0, 1]."""
+    for name in _SECONDS:
+        value = getattr(event, name, None)
+        if value is not None and not 0.0 <= value <= MAX_SECONDS:
+            raise _Bad(f"engine seconds are in [0, {MAX_SECONDS:g}], got {value}").at(name)
+    for name in _COUNTS:
+        value = getattr(event, name, None)
+        if value is not None and value < 0:
+            raise _Bad(f"a count is at least 0, got {value}").at(name)
+    u = getattr(event, "u", None)
+    if u is not None and not 0.0 <= u <= 1.0:
+        raise _Bad(f"a uniform draw is in [0, 1], got {u}").at("u")
+
+
 def _check_draft(event: DraftEvent) -> None:
     _within("tokens", len(event.tokens), 0, MAX_NODES)
     for i, token in enumerate(event.tokens):  # node i + 1 follows node 0 (the last token) or a node before it
@@ -189,11 +237,15 @@ def _check_memory(event: MemoryEvent) -> None:
 
 
 MAX_INT = 2**63
-MAX_NODES = 4096  # tokens one step may propose or verify
+MAX_NODES = 1024  # tokens one step may propose (the widest proposal a proposer makes is a few hundred)
+MAX_SECONDS = 86_400.0  # engine seconds a run's times may reach: a day
+MAX_STEPS = MAX_NEW_TOKENS_LIMIT + 1  # steps of a run: the prefill's, then at least one token each
+ONCE = (PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, CommitEvent)  # event kinds a step has at most one of
 MAX_BLOCKS = 1 << 20
 _RULES: dict[type, tuple[Callable[[Any], None], ...]] = {
-    DraftEvent: (_check_draft,), LookaheadEvent: (_check_lookahead,),
-    MemoryEvent: (_check_memory,)}
+    **{cls: (_check_event,) for cls in EVENT_TYPES.values()}, TokenInfo: (_check_token,),
+    DraftEvent: (_check_event, _check_draft), LookaheadEvent: (_check_event, _check_lookahead),
+    MemoryEvent: (_check_event, _check_memory)}
 _EVENTS = {kind: _dataclass(cls, skip=frozenset({"kind"})) for kind, cls in EVENT_TYPES.items()}
 
 
@@ -238,8 +290,52 @@ def _trace_check() -> Callable[[dict[str, Any]], dict[str, Any]]:
             if not 0 <= event.step <= last:
                 raise _Bad(f"must be in [0, {last}] (a trace of {last} events), got {event.step}").at(
                     "step").at(f"[{i}]").at("events")
+        _check_steps(out["events"])
         return out
     return check
+
+
+def _check_steps(events: list[Event]) -> None:
+    """The shape of a run, so that a trace's figures are ones a run could leave: steps in order, at most MAX_STEPS of
+    them, each with at most one event of each kind in ONCE, no more accepts than its draft has nodes, at most one
+    reject and one correction or bonus; one finish. Events repeated or shuffled fail here."""
+    step, steps, finished = -1, 0, False
+    seen: set[type] = set()
+    nodes = accepts = rejects = drawn = 0
+    for i, event in enumerate(events):
+        try:
+            if event.step < step:
+                raise _Bad(f"steps run in order: step {event.step} after step {step}").at("step")
+            if event.step != step:
+                step, steps, seen = event.step, steps + 1, set()
+                nodes = accepts = rejects = drawn = 0
+                if steps > MAX_STEPS:
+                    raise _Bad(f"a run has at most {MAX_STEPS} steps").at("step")
+            kind = type(event)
+            if kind in ONCE:
+                if kind in seen:
+                    raise _Bad(f"a second {event.KIND} event in step {step}: a step has at most one").at("kind")
+                seen.add(kind)
+            if isinstance(event, DraftEvent):
+                nodes = len(event.tokens)
+            elif isinstance(event, AcceptEvent):
+                accepts += 1
+                if accepts > nodes:
+                    raise _Bad(f"step {step} accepts more tokens than its draft's {nodes}").at("kind")
+            elif isinstance(event, RejectEvent):
+                rejects += 1
+                if rejects > 1:
+                    raise _Bad(f"a second reject in step {step}: a step refuses at most one node").at("kind")
+            elif isinstance(event, (CorrectEvent, BonusEvent)):
+                drawn += 1
+                if drawn > 1:
+                    raise _Bad(f"a second correction or bonus in step {step}: a step draws one").at("kind")
+            elif isinstance(event, FinishEvent):
+                if finished:
+                    raise _Bad("a second finish event: a run finishes once").at("kind")
+                finished = True
+        except _Bad as bad:
+            raise bad.at(f"[{i}]").at("events") from None
 
 
 _TRACE = _trace_check()

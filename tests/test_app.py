@@ -332,9 +332,12 @@ def test_theory_sliders_are_set_from_the_latest_run_that_drafted() -> None:
 
     plain = {"algo": "ar", "prompt": "p", "tokens_per_s": 9.0, "token_acceptance": None, "mean_accepted": None,
              "mean_draft": None}
-    drafted = {**plain, "algo": "medusa", "token_acceptance": 0.634, "mean_draft": 3.6}
-    a, g = theory.from_run([drafted, plain])
-    assert (a["value"], g["value"]) == (0.63, 4)
+    drafted = {**plain, "algo": "prompt-lookup", "token_acceptance": 0.94, "accepted": 47, "judged": 50,
+               "acceptance_rate": 0.6, "mean_draft": 3.6}
+    a, g, note = theory.from_run([drafted, plain])
+    assert (a["value"], g["value"]) == (0.94, 4)
+    # a is about the tokens the target judged; the share of all drafted tokens kept is told apart, not taken
+    assert "the target kept 47 of the 50 drafted tokens it judged (60% of all drafted tokens" in note
     with pytest.raises(gr.Error, match="run Decode or Race with an algorithm that drafts first"):
         theory.from_run([plain])
 
@@ -578,5 +581,6 @@ def test_theory_shows_the_latest_decode_run_against_this_machines_ceiling(target
     assert decode_tab.ceiling(plain, None, costs, None) is None  # plain decoding has no ceiling of its own
     line = theory.ceiling_line([{"algo": "prompt-lookup", "ceiling": ceiling}, {"algo": "ar", "ceiling": None}])
     assert "The latest Decode run (prompt-lookup) against this machine" in line
-    assert f"come to {ceiling['predicted']:.2f}x on the measured forward-cost curve" in line
+    assert f"come to {ceiling['predicted']:.2f}x on the forward-cost curve" in line
+    assert f"The curve: {costs.provenance()}." in line
     assert theory.ceiling_line([{"algo": "ar", "ceiling": None}]) == ""

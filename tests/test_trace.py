@@ -130,11 +130,31 @@ def upload(tmp_path, text: str | bytes):
      r"events\[1\]\.step: must be in \[0, \d+\] \(a trace of \d+ events\), got 1000000000"),
     (mutate("events.1.step", 2**63), r"events\[1\]\.step: must be in \[0, \d+\]"),
     (mutate("events.1.step", -2**63), r"events\[1\]\.step: must be in \[0, \d+\]"),
+    # figures no run could leave: they once passed and drew impossible numbers
+    (mutate("events.0.tokens.0.p", 5.0), r"events\[0\]\.tokens\[0\]\.p: a probability is in \[0, 1\], got 5.0"),
+    (mutate("events.1.token.id", -3), r"events\[1\]\.token\.id: a token id is at least 0, got -3"),
+    (mutate("events.2.t", 1e308), r"events\[2\]\.t: engine seconds are in \[0, 86400\], got 1e\+308"),
+    (mutate("events.1.u", 1.5), r"events\[1\]\.u: a uniform draw is in \[0, 1\]"),
+    (mutate("events.0.draft_forwards", -1), r"events\[0\]\.draft_forwards: a count is at least 0"),
 ])
 def test_hostile_traces_are_refused_in_one_line(text: str, message: str, tmp_path) -> None:
     with pytest.raises(TraceError, match=message) as refused:
         Trace.load(upload(tmp_path, text))
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 300
+
+
+def test_repeated_or_shuffled_events_are_refused(real_trace: Trace) -> None:
+    """A valid trace's events repeated (which drew "tokens per target forward 0.27") or run backwards are not a run."""
+    data = json.loads(real_trace.to_json())
+    repeated = {**data, "events": data["events"] * 5}
+    with pytest.raises(TraceError, match=r"events\[\d+\]\.step: steps run in order: step 0 after step \d+"):
+        Trace.from_dict(repeated)
+    doubled = {**data, "events": [data["events"][0], *data["events"]]}
+    with pytest.raises(TraceError, match=r"events\[1\]\.kind: a second prefill event in step 0"):
+        Trace.from_dict(doubled)
+    last = data["events"][-1]
+    with pytest.raises(TraceError, match="a second finish event"):
+        Trace.from_dict({**data, "events": [*data["events"], last]})
 
 
 @pytest.fixture(scope="module")

@@ -157,20 +157,21 @@ def test_theory_panels_are_named_by_their_axes_so_a_phone_shows_no_overlapping_t
     assert (fig.layout.yaxis.title.text, fig.layout.yaxis2.title.text) == ("tokens per forward", "speedup vs plain")
 
 
-def test_theory_overlays_speculative_runs_against_plain_runs_of_the_same_prompt():
+def test_theory_overlays_every_algorithms_runs_with_the_speedup_measured_beside_them():
     from playground.ui.theory import measured_points
 
     history = [{"algo": "ar", "prompt": "p", "tokens_per_s": 20.0, "token_acceptance": None,
-                "mean_accepted": None, "mean_draft": None},
+                "mean_accepted": None, "mean_draft": None, "speedup": None},
                {"algo": "speculative", "prompt": "p", "tokens_per_s": 30.0, "token_acceptance": 0.6,
-                "mean_accepted": 2.1, "mean_draft": 4.0},
-               {"algo": "speculative", "prompt": "q", "tokens_per_s": 10.0, "token_acceptance": 0.2,
-                "mean_accepted": 1.2, "mean_draft": 4.0},
+                "mean_accepted": 2.1, "mean_draft": 4.0, "speedup": 1.5, "tree": False},
+               {"algo": "eagle", "prompt": "q", "tokens_per_s": 10.0, "token_acceptance": 0.2,
+                "mean_accepted": 1.2, "mean_draft": 1.0, "mean_nodes": 12.0, "speedup": 0.9, "tree": True},
                {"algo": "prompt-lookup", "prompt": "p", "tokens_per_s": 50.0, "token_acceptance": 0.5,
-                "mean_accepted": 1.5, "mean_draft": 8.0}]
+                "mean_accepted": 1.5, "mean_draft": 8.0, "speedup": None, "tree": False}]
     points = measured_points(history)
-    assert [(p.gamma, p.acceptance, p.tokens_per_forward, p.speedup) for p in points] == [
-        (4.0, 0.6, 2.1, 1.5), (4.0, 0.2, 1.2, None)]
+    # plain decoding drafts nothing; a tree's x is the nodes a step verified; no speedup is borrowed from elsewhere
+    assert [(p.gamma, p.acceptance, p.tokens_per_forward, p.speedup, p.tree) for p in points] == [
+        (4.0, 0.6, 2.1, 1.5, False), (12.0, 0.2, 1.2, 0.9, True), (8.0, 0.5, 1.5, None, False)]
 
 
 def timed_run(times: list[float], per_step: int, name: str = "x") -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -49,11 +50,54 @@ class ByWidth(ABC):
         """A decode forward over `batch` sequences of `width` tokens, relative to the same batch's one-token one."""
         return 1.0 if width == 1 else self.time(batch * width) / self.time(batch)
 
+    @abstractmethod
+    def provenance(self) -> str:
+        """Where its figures come from, in words (Markdown): when and how quietly they were measured."""
+
+
+@dataclass(frozen=True, slots=True)
+class OneRequest:
+    """What a one-request engine's decode forward costs by width, in one-token forwards, on `costs`: the figures
+    every report about a run quotes, with where they come from."""
+
+    costs: ByWidth
+
+    def __call__(self, width: int) -> float:
+        return self.costs.step_cost(1, width)
+
+    def provenance(self) -> str:
+        return self.costs.provenance()
+
+
+# a curve is "taken under load" where other processes used more than BUSY_CORES of the processors meanwhile, or where
+# its rounds disagree: the median round of a width over the fastest by more than BUSY_SPREAD (median over widths)
+BUSY_CORES, BUSY_SPREAD = 0.25, 0.15
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardCosts(ByWidth):
     tokens: tuple[int, ...]  # widths measured, ascending, the first 1
     seconds: tuple[float, ...]  # seconds of a forward over that many tokens (see `measure`), never decreasing
+    taken: str | None = None  # when it was measured (UTC, ISO 8601); None: a curve no host measured
+    others: float | None = None  # processors other processes kept busy meanwhile (None: not known on this host)
+    spread: float | None = None  # how much its rounds disagreed: median over widths of median / fastest - 1
+
+    @property
+    def busy(self) -> bool:
+        """Whether it was taken under load: other processes running meanwhile, or its rounds disagreeing."""
+        return ((self.others is not None and self.others > BUSY_CORES)
+                or (self.spread is not None and self.spread > BUSY_SPREAD))
+
+    def provenance(self) -> str:
+        """When and how quietly it was measured, in words."""
+        if self.taken is None:
+            return "not measured here (a fixed curve)"
+        when = self.taken[:16].replace("T", " ") + " UTC"
+        if not self.busy:
+            return f"measured on this machine {when}, while it was quiet"
+        why = (f"other processes kept {self.others:.1f} processors busy" if self.others is not None
+               and self.others > BUSY_CORES else f"its rounds disagreed by {self.spread:.0%}")
+        return f"measured on this machine {when} **under load** ({why}): its figures may be off"
 
     def time(self, tokens: int) -> float:
         """Seconds of a forward over `tokens` new tokens: interpolated between widths measured, extrapolated past
@@ -76,6 +120,11 @@ class LiveCosts(ByWidth):
     silence drafting for good)."""
 
     WINDOW, MEASURED, STALE = 16, 3, 512
+    # a width's live price, relative to a one-token forward's, stays at least the curve's relative price over BOUND
+    # and within [1, width]: a forward never costs less than a one-token one, nor more than its tokens run one by
+    # one; below that, the one-token samples met a busy moment the wider ones did not (and a perfect proposer would
+    # seem to gain more than the machine allows)
+    BOUND = 2.0
 
     def __init__(self, curve: ForwardCosts) -> None:
         self.curve = curve
@@ -123,10 +172,28 @@ class LiveCosts(ByWidth):
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def time(self, tokens: int) -> float:
-        """Seconds of a forward over `tokens` new tokens: the curve's, corrected."""
+        """Seconds of a forward over `tokens` new tokens: the curve's, corrected, its price relative to a one-token
+        forward's at least the curve's over BOUND and within [1, tokens]."""
         if tokens not in self.times:
-            self.times[tokens] = self.curve.time(tokens) * self.correction(tokens)
+            one = self.curve.time(1) * self.correction(1)
+            shape = self.curve.time(tokens) / self.curve.time(1)  # the curve's relative price
+            live = shape * self.correction(tokens) / self.correction(1)
+            low = max(1.0, shape / self.BOUND)
+            self.times[tokens] = one * min(max(live, low), max(low, float(tokens)))
         return self.times[tokens]
+
+    def slowdown(self) -> float:
+        """How much slower than the curve this process's one-token forwards run lately (1 before any is measured)."""
+        return self.correction(1)
+
+    def provenance(self) -> str:
+        """Where the figures come from, in words: the curve's date and load, and whether forwards corrected it."""
+        parts = [self.curve.provenance()]
+        if self.known:
+            parts.append(f"corrected by the last {self.forwards} forwards this process ran")
+            if self.slowdown() > 1 + DRIFT:
+                parts.append(f"which ran {self.slowdown():.1f}x slower than measured: the machine is busier now")
+        return "; ".join(parts)
 
 
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:
@@ -143,8 +210,10 @@ def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", r
     interleaved round by round, run as a step of an engine of up to `requests` requests runs them (the decode
     forwards `forwards` names, then the logits of every row): another process on the host only ever slows a
     forward, and the curve is cached (later processes check it with a few forwards, `_holds`), so the least disturbed
-    round is the one kept (a median keeps what a busy host imposed on most rounds)."""
+    round is the one kept (a median keeps what a busy host imposed on most rounds). The curve says when it was taken,
+    how many processors other processes kept busy meanwhile and how much its rounds disagreed (`ForwardCosts.busy`)."""
     vocab = model.config.vocab_size
+    meter = LoadMeter()
     cache = new_cache(model, CONTEXT + max(widths), GenerationParams())
     forward_tokens(model, cache, [i % vocab for i in range(CONTEXT)])
     run = make_forwards(model, cache, forwards, requests)
@@ -157,11 +226,47 @@ def measure(model: Transformer, rounds: int = ROUNDS, forwards: str = "eager", r
                 torch.cuda.synchronize()
             times[width].append(time.perf_counter() - start)
             cache.truncate(0, CONTEXT)
+    others = meter.others()
     seconds, slowest = [], 0.0
     for width in widths:  # a wider forward never costs less: noise that says so is flattened
         slowest = max(slowest, min(times[width]))
         seconds.append(slowest)
-    return ForwardCosts(widths, tuple(seconds))
+    spread = statistics.median(statistics.median(t) / min(t) - 1 for t in times.values())
+    taken = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return ForwardCosts(widths, tuple(seconds), taken, others, spread)
+
+
+class LoadMeter:
+    """How many processors other processes (and a hypervisor's other guests: steal time) kept busy since it was
+    made, from /proc/stat and this process's CPU time. None where that cannot be known: no /proc/stat (not Linux),
+    or a /proc/stat counting more processors than this process may run on (a container on a larger host)."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        """(busy seconds of every processor, this process's CPU seconds, wall seconds), or None."""
+        try:
+            with open("/proc/stat", encoding="ascii") as stat:
+                lines = stat.read().splitlines()
+            cpus = sum(line[:3] == "cpu" and line[3:4].isdigit() for line in lines)
+            if cpus != len(os.sched_getaffinity(0)):
+                return None
+            # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
+            ticks = [int(x) for x in lines[0].split()[1:9]]
+        except (OSError, ValueError, AttributeError, IndexError):
+            return None
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return busy, own.user + own.system, time.monotonic()
+
+    def others(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None or end[2] <= self.start[2]:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end))
+        return max(0.0, (busy - own) / wall)
 
 
 def machine_key(model: Transformer, forwards: str = "eager", requests: int = 1) -> str:
@@ -195,17 +300,24 @@ CHECKED, DRIFT = (1, 8), 0.25
 
 
 def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: int) -> ForwardCosts:
+    """The cached curve where it still holds and was taken while the machine was quiet; else measured (twice where
+    the first was taken under load, the quieter kept) and cached."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]))
-        if costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS) and _holds(model, costs, forwards, requests):
+        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]), data.get("taken"), data.get("others"),
+                             data.get("spread"))
+        if (costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS) and not costs.busy
+                and _holds(model, costs, forwards, requests)):
             return costs
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet, or by another version of this module: measure again
     costs = measure(model, forwards=forwards, requests=requests)
+    if costs.busy:
+        again = measure(model, forwards=forwards, requests=requests)
+        costs = min(costs, again, key=lambda c: (c.busy, c.others or 0.0, c.spread or 0.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{time.time_ns()}.tmp")  # written whole, then moved into place
-    partial.write_text(json.dumps({"tokens": costs.tokens, "seconds": costs.seconds}), encoding="utf-8")
+    partial.write_text(json.dumps(asdict(costs)), encoding="utf-8")
     partial.replace(path)
     return costs
 

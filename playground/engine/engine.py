@@ -22,7 +22,7 @@ import torch
 
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
-from ..decoding.costs import ForwardCosts, LiveCosts, forward_costs
+from ..decoding.costs import ForwardCosts, LiveCosts, OneRequest, forward_costs
 from ..decoding.planning import plan_width
 from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
 from ..kv import blocks_for
@@ -36,10 +36,10 @@ from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
 
 
-def one_request_costs(target: LoadedModel) -> Callable[[int], float]:
+def one_request_costs(target: LoadedModel) -> OneRequest:
     """What a one-request engine's decode forward costs by width on this machine, in one-token forwards (the curve
-    the engine plans on): what reports quote when they say why a run drafted little."""
-    return partial(forward_costs(target.model, forwards=target.forwards).step_cost, 1)
+    the engine plans on, with its provenance): what reports quote when they say why a run drafted little."""
+    return OneRequest(forward_costs(target.model, forwards=target.forwards))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import gradio as gr
 
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
+from ..decoding.costs import OneRequest
 from ..decoding.planning import DraftPrice, OwnCost
 from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import (
@@ -33,12 +34,12 @@ from ..metrics import (
     projected_speedup,
 )
 from ..models import ModelLoadError
-from ..speedup import ROUNDS, Speedup, compare, median_run
+from ..speedup import ROUNDS, Speedup, compare, median_run, shown_round
 from ..timeline import save_timeline
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
-from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
+from ..viz.steps import STEP_HEADERS, TokenText, branched, render_step_detail, step_rows
 from .form import (
     PLAIN_LABEL,
     Entrant,
@@ -69,6 +70,7 @@ def examples() -> list[list[str]]:
             [PLAIN_EXAMPLE, PLAIN_LABEL]]
 
 
+REPLAY_QUEUE, REPLAYS = "replay", 4  # replays and uploads drawn at once, beside the one run measured at a time
 FRAME_S = 0.08  # at most ~12 redraws a second while replaying: enough to animate, cheap to render
 PROPOSAL_S = 0.3  # how long a replayed step's proposal shows before its verdict (the replay's clock waits)
 # replay pace, as a share of the measured one
@@ -100,8 +102,12 @@ def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] 
 
 def _stats(m: Metrics, against: Speedup | None, same: bool | None,
            own: tuple[OwnCost, float] | None = None,
-           note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None) -> str:
-    """The run's headline (its speedup over plain decoding, measured in interleaved rounds) and its numbers; own:
+           note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None,
+           this_round: Speedup | None = None, costs_from: str | None = None) -> str:
+    """The run's headline (its speedup over plain decoding, measured in interleaved rounds; where the run shown
+    drafted nothing, that instead of a ratio) and its numbers, all of the round shown: this_round is its Speedup
+    against plain decoding's run of the same round (`speedup.shown_round`), whose line says where a step's time
+    went; costs_from: where the forward-cost figures come from (`LiveCosts.provenance`), shown with them; own:
     the proposer's `OwnCost`, whose price its plans use (in target forwards, as measured once it has drafted a few
     steps: `planning.DraftPrice`), and what the bytes a further depth's forward reads predict at the rows it runs
     (`OwnCost.estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
@@ -136,8 +142,16 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
         parts.append(f"*projection, not measured:* {projected:.2f}x plain decoding's steps {FLAT_CURVE}")
-    head = ("" if against is None else
-            f"### {markdown_text(against.headline(), 600)}\n{markdown_text(against.why(), 300)}\n\n")
+    if costs_from is not None and (note is not None or own is not None or projected is not None):
+        parts.append(f"forward costs {costs_from}")
+    head = ""
+    if against is not None and not m.drafted:
+        head = (f"### Nothing drafted: every step was a plain decoding step\nSo it ran at plain decoding's speed "
+                f"({against.speedup:.2f}x over {against.rounds} rounds: the same work, any gap is the machine's "
+                "noise).\n\n")
+    elif against is not None:
+        why = (this_round or against).why()
+        head = (f"### {markdown_text(against.headline(), 600)}\nThe round shown: {markdown_text(why, 300)}\n\n")
     return head + " · ".join(parts)
 
 
@@ -235,7 +249,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     if traces is None:
         yield status(STOPPED)
         return
-    trace = median_run(traces[algo])
+    trace, this_round = shown_round(traces, PLAIN, algo) if algo != PLAIN else (median_run(traces[algo]), None)
     against = compare(traces, PLAIN)[algo] if algo != PLAIN else None
     same = (trace.finished().token_ids == median_run(traces[PLAIN]).finished().token_ids if against and sampling.greedy
             else None)
@@ -246,7 +260,7 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     # ids a step detail shows beside its proposals: lookahead's window and hits, a retrieval's matched suffix
     bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
     bare |= {i for e in trace.events if isinstance(e, DraftEvent) and e.suffix for i in e.suffix}
-    state = {"trace": trace.to_dict(), "prompt_tokens": prompt_tokens, "tokenized": True,
+    state = {"trace": trace, "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     proposer = proposers[algo]
     costs = one_request_costs(target)
@@ -257,21 +271,29 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = cast(list[float] | None, depth_profile(trace).get("kept_at_least")) if metrics.drafted else None
     yield (*render(trace.events, prompt_tokens, token_text),
-           _stats(metrics, against, same, own, note, projected, kept_at), state,
+           _stats(metrics, against, same, own, note, projected, kept_at, this_round, costs.provenance()), state,
            _save(trace), gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
-           [*(history or []), history_entry(trace, metrics, ceiling(trace, against, costs, own_cost))],
+           [*(history or []), history_entry(trace, metrics, against.speedup if against else None,
+                                            ceiling(trace, against, costs, own_cost))],
            steps_figure(trace.events),
            tokens_time_figure({trace.algo: trace.events}, {trace.algo: line(Entrant(algo))}), step_rows(trace.events))
 
 
-def history_entry(trace: Trace, m: Metrics, ceiling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the Theory tab overlays from a run, and for a Decode run that drafted its `ceiling`."""
+def history_entry(trace: Trace, m: Metrics, speedup: float | None = None,
+                  ceiling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the Theory tab overlays from a run: its figures, its speedup over plain decoding measured beside it (None
+    for plain decoding), and for a Decode run that drafted its `ceiling`. tree: whether it proposed trees (a chain's
+    formula does not describe them; their x is the nodes a step verified)."""
+    tree = any(branched(e) for e in trace.events if isinstance(e, DraftEvent))
     return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
-            "token_acceptance": m.token_acceptance, "mean_accepted": m.mean_accepted_tokens,
-            "mean_draft": mean_draft_length(trace), "ceiling": ceiling}
+            "token_acceptance": m.token_acceptance, "accepted": m.accepted,
+            "judged": (m.accepted or 0) + (m.rejected or 0),
+            "acceptance_rate": m.acceptance_rate, "mean_accepted": m.mean_accepted_tokens,
+            "mean_draft": mean_draft_length(trace), "mean_nodes": depth_profile(trace).get("mean_nodes_verified"),
+            "tree": tree, "speedup": speedup, "ceiling": ceiling}
 
 
-def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float],
+def ceiling(trace: Trace, against: Speedup | None, costs: OneRequest,
             own_cost: DraftPrice | None) -> dict[str, Any] | None:
     """A measured run against what this machine allows: its speedup, what its own steps predict on the forward-cost
     curve (`metrics.priced`, diluted by the prefill as the measurement is), and a perfect proposer's best (width,
@@ -281,7 +303,7 @@ def ceiling(trace: Trace, against: Speedup | None, costs: Callable[[int], float]
         return None
     width, best = perfect(costs)
     return {"measured": against.speedup, "predicted": steps.diluted(against.prefill), "perfect_width": width,
-            "perfect": best}
+            "perfect": best, "costs_from": costs.provenance()}
 
 
 def play_measured(state: dict | None, step: Any, speed: str):
@@ -293,7 +315,7 @@ def play_measured(state: dict | None, step: Any, speed: str):
 def _replayed(state: dict | None) -> tuple[Trace, list[str], bool, TokenText]:
     if not state:
         raise gr.Error("step: run a decode or upload a trace first")
-    trace = Trace.from_dict(state["trace"])
+    trace: Trace = state["trace"]  # the run's, or an upload validated as it loaded: never read again
     tokens, tokenized = state["prompt_tokens"], state["tokenized"]
     return trace, tokens, tokenized, known_texts(trace, tokens, tokenized, state.get("texts"))
 
@@ -350,7 +372,7 @@ def load_trace(file: Any):
         raise gr.Error(f"trace file is not a valid trace: {exc}", duration=None) from exc
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
     steps = _steps(trace)
-    state = {"trace": trace.to_dict(), "prompt_tokens": tokens, "tokenized": False}
+    state = {"trace": trace, "prompt_tokens": tokens, "tokenized": False}
     return (*render(trace.events, tokens, known_texts(trace, tokens, False), tokenized=False),
             f"replayed trace of **{markdown_text(trace.algo)}** on {markdown_text(trace.model)}: " + stats, state,
             gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
@@ -418,17 +440,21 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     decoding = stoppable(run, stop, on_gpu(taking(run_decode, form)), inputs,
                          [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
                          show="pg-legend", api_name="decode", show_progress_on=[stats])
+    # replays and uploads draw a trace and run no model: their own queue, so they never wait behind a run or hold
+    # one up (`REPLAYS` at a time; a trace renders in well under a second, `trace_check`'s bounds)
     replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_visibility="private",
-                              show_progress="hidden")
-    playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden")
+                              show_progress="hidden", concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)
+    playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden",
+                                concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)
     stop.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
     # a new run ends the replay of the previous one, which would otherwise paint its old trace over the new run
     run.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
     pause.click(None, None, None, cancels=[replay, playing], api_visibility="private", queue=False)
     for button, delta in ((back, -1), (forward, 1)):
         button.click(partial(nudge, delta=delta), [state, step], [*shown, step], api_visibility="private",
-                     show_progress="hidden")
-    step.release(replay_step, [state, step], shown, api_name="replay_step")
+                     show_progress="hidden", concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)
+    step.release(replay_step, [state, step], shown, api_name="replay_step", concurrency_id=REPLAY_QUEUE,
+                 concurrency_limit=REPLAYS)
     upload.upload(load_trace, [upload],
                   [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],
-                  api_name="load_trace")
+                  api_name="load_trace", concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)

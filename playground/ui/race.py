@@ -19,7 +19,7 @@ from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import compute, drafting_note
 from ..models import ModelLoadError
 from ..remote import Remote, RemoteRun, endpoint_url, median_ratio, median_round
-from ..speedup import ROUNDS, Speedup, compare, median_run, winner
+from ..speedup import ROUNDS, Speedup, compare, median_run, shown_round, winner
 from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, RemoteLane, render_race
@@ -157,7 +157,9 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     remote_runs: list[RemoteRun] = traces.pop(REMOTE, [])  # type: ignore[arg-type]
     remote_name = f"{REMOTE}: {remote.label}" if remote is not None else REMOTE
     speedups = compare(traces, PLAIN)
-    shown = {name: median_run(runs) for name, runs in traces.items()}
+    # each lane replays its median round and says where that round's time went (`speedup.shown_round`)
+    rounds = {name: shown_round(traces, PLAIN, name) for name in traces if name != PLAIN}
+    shown = {name: rounds[name][0] if name in rounds else median_run(runs) for name, runs in traces.items()}
     # a proposing lane that drafted in no round (`Speedup.kept` None) says why instead of a speedup
     idle = {name for name in names[1:] if offered[name].algo != registry.PLAIN and speedups[name].kept is None}
     costs = one_request_costs(target)
@@ -165,7 +167,7 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     def why(name: str, trace: Trace) -> str:
         if name == PLAIN:
             return ""
-        return (drafting_note(trace, costs) or "") if name in idle else speedups[name].why()
+        return (drafting_note(trace, costs) or "") if name in idle else "the round shown: " + rounds[name][1].why()
     whys = {name: why(name, trace) for name, trace in shown.items()}
     lanes: list[Lane | RemoteLane] = [Lane(name, trace.events, whys[name]) for name, trace in shown.items()]
     remote_lane = None
@@ -197,7 +199,8 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
     yield (render_race(lanes), done, rows, checks,
            tokens_time_figure({n: tr.events for n, tr in shown.items()}, {n: line(offered[n]) for n in shown},
                               {remote_name: remote_lane.series()} if remote_lane else None),
-           [*(history or []), *(history_entry(shown[n], metrics[n]) for n in shown)])
+           [*(history or []), *(history_entry(shown[n], metrics[n], speedups[n].speedup if n != PLAIN else None)
+                                for n in shown)])
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:

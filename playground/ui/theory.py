@@ -10,8 +10,8 @@ from typing import Any
 import gradio as gr
 
 from ..config import MAX_GAMMA, ConfigError
-from ..decoding import registry
-from ..decoding.costs import forward_costs
+from ..decoding.costs import OneRequest, forward_costs
+from ..engine import one_request_costs
 from ..metrics import expected_tokens_per_step
 from ..models import ModelLoadError
 from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure, width_cost_figure
@@ -19,23 +19,31 @@ from .models import get_model, target_spec
 
 
 def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]:
-    """This session's runs of algorithms that draft chains with a draft model (the theory's case); speedup against
-    the latest plain run of the same prompt, if any."""
-    points: list[MeasuredPoint] = []
-    plain: dict[str, float] = {}
-    for run in history or []:
-        spec = registry.find(run["algo"])
-        chains = spec is not None and spec.loads_draft
-        if run["algo"] == registry.PLAIN:
-            plain[run["prompt"]] = run["tokens_per_s"]
-        elif chains and run["mean_draft"] and run["token_acceptance"] is not None:
-            base = plain.get(run["prompt"])
-            points.append(MeasuredPoint(f"run {len(points) + 1}", run["mean_draft"], run["token_acceptance"],
-                                        run["mean_accepted"], run["tokens_per_s"] / base if base else None))
-    return points
+    """This session's runs that drafted, every algorithm's (trees marked: the chain's formula does not describe
+    them), each with its speedup over the plain decoding measured beside it (its Decode rounds, its Race)."""
+    return [MeasuredPoint(f"run {i + 1} ({run['algo']})", (run.get("mean_nodes") or run["mean_draft"])
+                          if run.get("tree") else run["mean_draft"], run["token_acceptance"], run["mean_accepted"],
+                          run.get("speedup"), bool(run.get("tree")))
+            for i, run in enumerate(run for run in history or []
+                                    if run["mean_draft"] and run["token_acceptance"] is not None)]
 
 
-def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, history: list[dict[str, Any]] | None):
+CEILING_G = 16  # the draft lengths the chart draws
+
+
+def machine_curve(costs: Callable[[int], float], provenance: str) -> dict[str, Any]:
+    """What the Theory tab keeps of this machine's forward-cost curve: a forward's cost over 1..CEILING_G + 1 tokens
+    in one-token forwards, and where the figures come from."""
+    return {"cost": [costs(w) for w in range(1, CEILING_G + 2)], "from": provenance}
+
+
+def curve_v(machine: dict[str, Any]) -> float:
+    """The v of the linear model (1 + g v) that a curve's 5-token forward implies."""
+    return (machine["cost"][4] - 1) / 4
+
+
+def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, history: list[dict[str, Any]] | None,
+           machine: dict[str, Any] | None = None):
     try:
         a, c, v = float(acceptance), float(cost_ratio), float(verify_cost)
         if not 0 <= a <= 1:
@@ -52,7 +60,14 @@ def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, histo
     summary = (f"With a = {a:.2f}, g = {g}, c = {c:.2f}, v = {v:.2f}: **{expected_tokens_per_step(a, g):.2f} tokens "
                f"per target forward**, expected speedup **{expected_speedup(a, g, c, v):.2f}x** (tokens per step / "
                "(g c + 1 + g v)).")
-    return theory_figure(a, g, c, measured_points(history), v), summary + ceiling_line(history)
+    ceiling = None
+    if machine is not None:
+        cost = machine["cost"]
+        ceiling = [(k + 1) / cost[k] for k in range(1, CEILING_G + 1)]  # g drafted + the bonus, in a (g + 1) forward
+        summary += (f" On this machine's curve no proposer of {g} tokens can pass **{ceiling[g - 1]:.2f}x** (every "
+                    f"token kept, drafting free: {g + 1} tokens for a forward costing {cost[g]:.2f}). The curve: "
+                    f"{machine['from']}.")
+    return theory_figure(a, g, c, measured_points(history), v, ceiling), summary + ceiling_line(history)
 
 
 def ceiling_line(history: list[dict[str, Any]] | None) -> str:
@@ -63,21 +78,30 @@ def ceiling_line(history: list[dict[str, Any]] | None) -> str:
     c = latest["ceiling"]
     return (f"\n\nThe latest Decode run ({latest['algo']}) against this machine: measured **{c['measured']:.2f}x** "
             f"plain decoding; its own steps (the widths it verified, its proposer's forwards) come to "
-            f"{c['predicted']:.2f}x on the measured forward-cost curve, so it reached "
+            f"{c['predicted']:.2f}x on the forward-cost curve, so it reached "
             f"{c['measured'] / c['predicted']:.0%} of that; a perfect proposer, every proposed token kept, would "
             f"reach {c['perfect']:.2f}x on the decode steps verifying {c['perfect_width']} tokens a forward (a "
-            "projection from the curve, not a run).")
+            f"projection from the curve, not a run). The curve: {c.get('costs_from', 'this machine')}.")
 
 
 def from_run(history: list[dict[str, Any]] | None):
-    """The sliders a and g set from this session's latest run that drafted (Decode or Race): its acceptance of the
-    tokens the target judged and its mean draft length."""
+    """The sliders a and g set from this session's latest run that drafted (Decode or Race), with a line on what
+    was taken: a is the share of the tokens the target judged that it kept (the formula's a: each judged token kept
+    with probability a), not of all drafted tokens (a chain's tokens after a rejection are never judged)."""
     drafted = [run for run in history or [] if run["token_acceptance"] is not None and run["mean_draft"]]
     if not drafted:
         raise gr.Error("set from a run: run Decode or Race with an algorithm that drafts first")
     run = drafted[-1]
-    return gr.update(value=round(run["token_acceptance"], 2)), gr.update(value=min(max(round(run["mean_draft"]), 1),
-                                                                                   MAX_GAMMA))
+    g = min(max(round(run["mean_draft"]), 1), MAX_GAMMA)
+    note = (f"Set from the latest run that drafted ({run['algo']}): a = {run['token_acceptance']:.2f}, the target "
+            f"kept {run.get('accepted', 0)} of the {run.get('judged', 0)} drafted tokens it judged")
+    if run.get("acceptance_rate") is not None:
+        note += (f" ({run['acceptance_rate']:.0%} of all drafted tokens: those after a rejection are never judged, "
+                 "and the formula's a is about judged ones)")
+    note += f"; g = {g}, its mean draft length."
+    if run.get("tree"):
+        note += " It proposed trees, which a chain's formula describes only roughly."
+    return gr.update(value=round(run["token_acceptance"], 2)), gr.update(value=g), note
 
 
 def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr.Progress()):
@@ -105,46 +129,75 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
             first_v = v if first_v is None else first_v
             lines.append(f"- {label}: one token {1e3 * costs.time(1):.1f} ms, 5 tokens "
                          f"{costs.time(5) / costs.time(1):.2f} one-token forwards (v = {v:.3f} per extra token), "
-                         f"12 tokens {costs.time(12) / costs.time(1):.2f}")
+                         f"12 tokens {costs.time(12) / costs.time(1):.2f}; {costs.provenance()}")
     except (ConfigError, ModelLoadError) as exc:
         raise gr.Error(str(exc)) from exc
     assert first_v is not None  # float32 was measured, or the panel's model raised
+    first = next(iter(curves.values()))
+    machine = machine_curve(OneRequest(first), first.provenance())
+    if len(curves) == 2:
+        (steep, high), (flat, low) = sorted(((label, c.step_cost(1, 8)) for label, c in curves.items()),
+                                            key=lambda item: -item[1])
+        lines.append(f"Here an 8-token forward costs {high:.2f} one-token forwards on the {steep} and {low:.2f} on "
+                     f"the {flat}: the steeper a curve, the less a wide verify forward is worth.")
     lines.append(f"The slider v is set to {first_v:.3f}, this machine's.")
-    return width_cost_figure(curves), "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3))
+    return (width_cost_figure(curves), "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3)), machine)
+
+
+def machine_defaults(source: str, device: str, dtype: str, weights: str):
+    """On opening the page: this machine's curve for the panel's model as the engine plans on it (measured once, a
+    few seconds, then cached), and the slider v from it."""
+    try:
+        target = get_model(target_spec(source, device, dtype, weights))
+    except (ConfigError, ModelLoadError) as exc:
+        raise gr.Error(str(exc)) from exc
+    costs = one_request_costs(target)
+    machine = machine_curve(costs, costs.provenance())
+    return machine, gr.update(value=round(min(curve_v(machine), 1.0), 3))
 
 
 def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...],
               on_gpu: Callable[[Callable], Callable]) -> None:
     gr.Markdown("What speculation should buy: g drafted tokens, each accepted with probability a, yield "
                 "(1 - a^(g+1)) / (1 - a) tokens per target forward, for g draft forwards costing c each and one "
-                "wider verify forward. Move the sliders; diamonds are this session's speculative runs.")
+                "wider verify forward. Move the sliders; diamonds (chains) and squares (trees) are this session's "
+                "runs that drafted, the dash-dot line what this machine's forward costs allow at best.")
     with gr.Accordion("The model in full", open=False):
-        gr.Markdown("Acceptances are independent, the bonus token included. The classic model prices the verify "
-                    "forward over g + 1 tokens like a one-token one (v = 0): true where reading the weights bounds a "
-                    "step, as for a large model on a GPU. On this project's 2-core CPUs it costs 1 + g v one-token "
-                    "forwards with v = 0.01-0.04 (the benchmark's verify cost ratio). Diamonds: x is a run's mean "
-                    "draft length; its speedup needs a plain run of the same prompt.")
+        gr.Markdown("Acceptances are independent, the bonus token included; a is the share of the tokens the target "
+                    "judged that it kept. The classic model prices the verify forward over g + 1 tokens like a "
+                    "one-token one (v = 0): true where reading the weights bounds a step, as for a large model on a "
+                    "GPU. On a CPU it costs about 1 + g v one-token forwards: v starts at this machine's, from the "
+                    "forward-cost curve the engine plans on (below). A point's x is a run's mean draft length (a "
+                    "tree's: the nodes a step verified); its speedup is the one measured beside it against plain "
+                    "decoding.")
     with gr.Row():
         acceptance = gr.Slider(0, 1, value=0.7, step=0.01, label="acceptance a")
         gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="draft length g")
         cost_ratio = gr.Slider(0, 1, value=0.15, step=0.01, label="cost ratio c (draft / target forward)")
         verify_cost = gr.Slider(0, 1, value=0, step=0.005, label="verify cost v (per drafted token)")
     set_from_run = gr.Button("Set a and g from the latest run that drafted", size="sm", scale=0)
+    taken = gr.Markdown(elem_id="pg-theory-taken")
     summary = gr.Markdown(elem_id="pg-theory-summary")
     plot = gr.Plot(elem_id="pg-theory-plot", show_label=False)
-    inputs = [acceptance, gamma, cost_ratio, verify_cost, history]
+    machine = gr.State(None)  # this machine's forward-cost curve (`machine_curve`), once read
+    inputs = [acceptance, gamma, cost_ratio, verify_cost, history, machine]
     for control in (acceptance, gamma, cost_ratio, verify_cost):
         control.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
     history.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
+    source, _, device, dtype, weights = model
     app.load(update, inputs, [plot, summary], api_name="theory")
-    set_from_run.click(from_run, [history], [acceptance, gamma], api_visibility="private")
-    gr.Markdown("### What a wider forward costs here\nThe v above, measured: read as float32, the weights make a "
-                "one-token forward wait on memory, so a few more tokens ride along almost free. Read as GGUF blocks "
-                "(a fifth of the bytes), the same forward is bound by arithmetic instead: it is faster, and each "
-                "extra token costs more of it. The engine plans every step's width from these curves.")
+    # then this machine's curve and the v it implies (the model loads, the curve is read or measured once)
+    app.load(on_gpu(machine_defaults), [source, device, dtype, weights], [machine, verify_cost],
+             api_visibility="private", show_progress="hidden")
+    machine.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
+    set_from_run.click(from_run, [history], [acceptance, gamma, taken], api_visibility="private")
+    gr.Markdown("### What a wider forward costs here\nThe v above, measured for each way the weights can be read "
+                "(GGUF blocks, a fifth of float32's bytes, or float32). Where reading the weights bounds a forward, "
+                "a few more tokens ride along almost free and the curve stays flat; where arithmetic bounds it, "
+                "each extra token costs more and the curve climbs. The engine plans every step's width from the "
+                "curve of the format it reads.")
     measure = gr.Button("Measure on this machine (and set v above from it)", scale=0)
     costs_plot = gr.Plot(elem_id="pg-width-costs", show_label=False)
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
-    source, _, device, dtype, _ = model
-    measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary, verify_cost],
+    measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary, verify_cost, machine],
                   api_name="width_costs")

@@ -4,7 +4,7 @@ Colours come from the decision palette."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +65,16 @@ def tokens_time_figure(runs: dict[str, Iterable[Event]], lines: dict[str, dict[s
 
 @dataclass(frozen=True, slots=True)
 class MeasuredPoint:
-    """One speculative run: its mean draft length, measured acceptance a, tokens per target forward and
-    speedup over plain decoding (None when no plain run of the same prompt was measured)."""
+    """One run that drafted: its mean draft length (a tree's: the nodes a step verified), measured acceptance a (of
+    the tokens the target judged), tokens per target forward and speedup over plain decoding measured beside it
+    (None where it was not). tree: whether it proposed trees, which the chain's formula does not describe."""
 
     label: str
     gamma: float
     acceptance: float
     tokens_per_forward: float
     speedup: float | None = None
+    tree: bool = False
 
 
 def expected_speedup(acceptance: float, gamma: int, cost_ratio: float, verify_cost: float = 0.0) -> float:
@@ -86,9 +88,12 @@ def expected_speedup(acceptance: float, gamma: int, cost_ratio: float, verify_co
 
 
 def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
-                  measured: Iterable[MeasuredPoint] = (), verify_cost: float = 0.0) -> go.Figure:
+                  measured: Iterable[MeasuredPoint] = (), verify_cost: float = 0.0,
+                  ceiling: Sequence[float] | None = None) -> go.Figure:
     """Expected tokens per step and expected speedup against draft length, for the chosen a, c and v (and for
-    a = 0.5, 0.8 as guides); the chosen g is marked, measured runs are overlaid."""
+    a = 0.5, 0.8 as guides); the chosen g is marked, measured runs are overlaid (chains as diamonds, trees as
+    squares). ceiling[g - 1]: the most any proposer of g tokens could reach on this machine's forward-cost curve,
+    every token kept and drafting free, (g + 1) / cost(g + 1)."""
     gammas = list(range(1, 17))
     # each panel named by its y axis, not a title above it: two titles side by side overlap on a phone
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14)
@@ -107,16 +112,21 @@ def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
     fig.add_scatter(x=[gamma], y=[expected_speedup(acceptance, gamma, cost_ratio, verify_cost)], mode="markers",
                     marker={"size": 12, "symbol": "circle-open", "color": "#1f2328"}, showlegend=False,
                     row=1, col=2)
-    points = list(measured)
-    if points:
+    if ceiling is not None:
+        fig.add_scatter(x=gammas, y=list(ceiling[: len(gammas)]), name="ceiling on this machine's curve", mode="lines",
+                        line={"dash": "dashdot", "color": "#1f2328"}, row=1, col=2,
+                        hovertemplate="g = %{x}: at most %{y:.2f}x (every token kept, drafting free)<extra></extra>")
+    for tree, symbol, name in ((False, "diamond", "measured chains"), (True, "square", "measured trees")):
+        points = [p for p in measured if p.tree == tree]
+        if not points:
+            continue
+        marker = {"size": 10, "symbol": symbol, "color": STATES["corrected"].colour}
         fig.add_scatter(x=[p.gamma for p in points], y=[p.tokens_per_forward for p in points], mode="markers",
-                        name="measured (this session)", marker={"size": 10, "symbol": "diamond",
-                                                                "color": STATES["corrected"].colour},
+                        name=name + " (this session)", marker=marker, legendgroup=name,
                         text=[f"{p.label}: a = {p.acceptance:.2f}" for p in points], row=1, col=1)
         timed = [p for p in points if p.speedup is not None]
-        fig.add_scatter(x=[p.gamma for p in timed], y=[p.speedup for p in timed], mode="markers",
-                        marker={"size": 10, "symbol": "diamond", "color": STATES["corrected"].colour},
-                        text=[p.label for p in timed], showlegend=False, row=1, col=2)
+        fig.add_scatter(x=[p.gamma for p in timed], y=[p.speedup for p in timed], mode="markers", marker=marker,
+                        legendgroup=name, text=[p.label for p in timed], showlegend=False, row=1, col=2)
     fig.add_hline(y=1, line={"dash": "dot", "color": "#8c8c8c"}, row=1, col=2)
     fig.update_xaxes(title_text="draft length g")
     fig.update_yaxes(title_text="tokens per forward", row=1, col=1)

@@ -19,7 +19,7 @@ from ..trace import (
     VerifyEvent,
 )
 from .palette import token_css
-from .tokens import decision_of
+from .tokens import decision_of, judged_nodes, tree_parents
 
 STEP_HEADERS = ["step", "proposed", "accepted", "rejected", "corrected", "bonus", "generated", "committed",
                 "target tokens", "draft ms", "verify ms"]
@@ -90,16 +90,11 @@ def branched(draft: DraftEvent) -> bool:
     return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
 
 
-def parents(draft: DraftEvent) -> list[int]:
-    """Node i + 1's parent for each of a draft's tokens: its `parent`, or, where that is None (a chain), node i."""
-    return [node if token.parent is None else token.parent for node, token in enumerate(draft.tokens)]
-
-
 def draft_paths(draft: DraftEvent) -> list[list[int]]:
     """Every path a draft verifies, from the last committed token to each of its tokens, as token ids: a chain's
     prefixes, or a tree's root-to-node paths."""
     paths: list[list[int]] = [[]]
-    for token, parent in zip(draft.tokens, parents(draft)):
+    for token, parent in zip(draft.tokens, tree_parents(draft)):
         paths.append(paths[parent] + [token.id])
     return paths[1:]
 
@@ -111,19 +106,14 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool
     p the target's where it judged the node. proposing: before the verdict, every node in the drafted style."""
     undecided = "pending" if proposing else "discarded"
     children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents(draft), start=1):
+    for node, parent in enumerate(tree_parents(draft), start=1):
         children.setdefault(parent, []).append(node)
     states: dict[int, str] = {}
     judged: dict[int, float | None] = {}
-    node = 0
-    for event in decisions:  # the kept path from the root, then the refusal at its end
-        if isinstance(event, (AcceptEvent, RejectEvent)):
-            child = next((c for c in children.get(node, []) if draft.tokens[c - 1].id == event.token.id), None)
-            if child is None:
-                break
-            accepted = isinstance(event, AcceptEvent)
-            states[child], judged[child] = "accepted" if accepted else "rejected", event.token.p
-            node = child if accepted else node
+    for at, event in judged_nodes(draft, decisions):  # the kept path from the root, then the refusal at its end
+        if at is not None:
+            states[at] = "accepted" if isinstance(event, AcceptEvent) else "rejected"
+            judged[at] = event.token.p
 
     def branch(parent: int) -> str:
         items = []

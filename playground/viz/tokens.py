@@ -31,51 +31,85 @@ def decision_of(event: AcceptEvent | RejectEvent | CorrectEvent | BonusEvent, pr
     return {AcceptEvent: "accepted", RejectEvent: "rejected", CorrectEvent: "corrected"}[type(event)]
 
 
+def tree_parents(draft: DraftEvent) -> list[int]:
+    """Node i + 1's parent for each of a draft's tokens: its `parent`, or, where that is None (a chain), node i."""
+    return [node if token.parent is None else token.parent for node, token in enumerate(draft.tokens)]
+
+
+Verdict = AcceptEvent | RejectEvent
+
+
+def judged_nodes(draft: DraftEvent | None, decisions: Iterable[Event]) -> list[tuple[int | None, Verdict]]:
+    """The one reading of a step's verdicts: each accept or reject of the step, in order, with the draft node it
+    judged (1-based; None where it judged no node the draft holds). The verifier walks from the last committed token
+    (node 0) down the kept path, so a verdict judges a child of the last node kept: the first child holding its
+    token, as the engine chose it. Matching by position and token alone would be ambiguous wherever two branches
+    propose the same token at one depth."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree_parents(draft) if draft is not None else [], start=1):
+        children.setdefault(parent, []).append(node)
+    found: list[tuple[int | None, Verdict]] = []
+    kept, lost = 0, False  # the last node kept; whether the walk has left the draft (a verdict matched no node)
+    for event in decisions:
+        if not isinstance(event, (AcceptEvent, RejectEvent)):
+            continue
+        child = None if lost or draft is None else next(
+            (c for c in children.get(kept, []) if draft.tokens[c - 1].id == event.token.id), None)
+        found.append((child, event))
+        if child is None:
+            lost = True
+        elif isinstance(event, AcceptEvent):
+            kept = child
+    return found
+
+
 def token_views(events: Iterable[Event], upto_step: int | None = None, proposing: bool = False) -> list[TokenView]:
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
     proposing: as they stood between that step's proposal and its verdict (its proposal pending, "drafted").
     A proposal left undecided is shown as discarded where it stood behind a rejection (it hangs below the refused
     node); any other (a runner-up or a branch of a tree beside the kept path) lost to the token beside it and is
-    dropped from the text; the step detail shows it."""
+    dropped from the text; the step detail shows it. Linear in the events."""
     views: list[TokenView] = []
-    # (position, token id) -> proposal of the current step not yet judged
-    pending: dict[tuple[int, int], TokenView] = {}
-    nodes: list[tuple[TokenView, int]] = []  # the current step's proposal: node i + 1's view and its parent node
     proposed_steps: set[int] = set()
+    step: list[Event] = []  # the current step's events, drawn when it ends
+
+    def draw() -> None:
+        draft = next((e for e in step if isinstance(e, DraftEvent)), None)
+        nodes = [TokenView(info, "pending", draft.step) for info in draft.tokens] if draft is not None else []
+        after: list[TokenView] = []  # tokens decided beyond the draft's nodes: corrections, bonuses, strays
+        for node, event in judged_nodes(draft, step):
+            if node is None:  # a verdict on a token the draft does not hold: show it rather than drop it
+                after.append(TokenView(event.token, decision_of(event, proposed_steps), event.step, event.u))
+            else:
+                nodes[node - 1].state, nodes[node - 1].u = decision_of(event, proposed_steps), event.u
+        after += [TokenView(e.token, decision_of(e, proposed_steps), e.step) for e in step
+                  if isinstance(e, (CorrectEvent, BonusEvent))]
+        if any(isinstance(e, CommitEvent) for e in step) and draft is not None:
+            behind = [False]  # node -> whether it is a refused node or hangs below one
+            for view, parent in zip(nodes, tree_parents(draft)):
+                behind.append(view.state == "rejected" or behind[parent])
+                if view.state == "pending":
+                    view.state = "discarded" if behind[parent] else ""
+            nodes = [view for view in nodes if view.state]
+        views.extend(nodes)
+        views.extend(after)
+        step.clear()
+
     for event in events:
         if upto_step is not None and event.step > upto_step:
             break
         if proposing and event.step == upto_step and not isinstance(event, DraftEvent):
             continue  # the step's verdict has not come yet
+        if step and event.step != step[-1].step:
+            draw()
         if isinstance(event, DraftEvent):
             proposed_steps.add(event.step)
-            for index, info in enumerate(event.tokens):
-                view = TokenView(info, "pending", event.step)
-                pending[info.position, info.id] = view
-                views.append(view)
-                nodes.append((view, index if info.parent is None else info.parent))
-        elif isinstance(event, (AcceptEvent, RejectEvent)):
-            decided = (event.token.position, event.token.id)
-            judged = pending.pop(decided) if decided in pending else None
-            if judged is None:  # a decision on a token the trace never proposed: show it rather than drop it
-                judged = TokenView(event.token, "pending", event.step)
-                views.append(judged)
-            judged.state = decision_of(event, proposed_steps)
-            judged.u = event.u
-        elif isinstance(event, (CorrectEvent, BonusEvent)):
-            views.append(TokenView(event.token, decision_of(event, proposed_steps), event.step))
-        elif isinstance(event, CommitEvent):
-            behind = {0: False}  # node -> whether it is a refused node or hangs below one
-            for node, (view, parent) in enumerate(nodes, start=1):
-                behind[node] = view.state == "rejected" or behind.get(parent, False)
-                if view.state == "pending":
-                    if behind[parent]:
-                        view.state = "discarded"
-                    else:
-                        views.remove(view)
-            pending.clear()
-            nodes.clear()
+        step.append(event)
+        if isinstance(event, CommitEvent):
+            draw()
+    if step:
+        draw()
     return views
 
 
