@@ -163,7 +163,8 @@ class PreemptEvent:
 
 @dataclass(frozen=True, slots=True)
 class MemoryEvent:
-    """The paged KV pool after one serving-engine step that ran `num_tokens` tokens in `wall_s` seconds.
+    """The paged KV pool as one serving-engine step's forward held it (its proposals' rows included, before the
+    requests it finished released theirs); the step ran `num_tokens` tokens in `wall_s` seconds.
 
     owners: for each physical block, the request holding it (the lowest id when shared), -1 when free;
     shared: the blocks more than one request holds (a shared prompt prefix). bytes_used: slots holding tokens,

@@ -157,28 +157,29 @@ def test_html_in_the_prompt_is_shown_as_text(client):
 
 @pytest.mark.parametrize("prompt, changes, message", [
     ("", {}, "prompt must be a non-empty string"),
-    ("hi", {"max_new_tokens": 0}, "max_new_tokens must be an integer in [1, 4096]"),
+    ("hi", {"max_new_tokens": 0}, "max new tokens must be an integer in [1, 4096]"),
     ("hi", {"temperature": -1}, "temperature must be in [0, 100]"),
-    ("hi", {"top_p": 1.5}, "top_p"),
+    ("hi", {"top_p": 1.5}, "top-p must be"),
     ("hi", {"temperature": None}, "temperature: a number is required"),
     ("hi", {"algo": "speculative (draft model)", "speculative_gamma": 99}, "gamma"),
-    ("hi", {"algo": "speculative (draft model)", "copies_copy_ngram": 9}, "copy_ngram must be an integer in [0, 8]"),
-    ("hi", {"algo": "lookahead", "lookahead_ngram": 1}, "ngram"),
-    ("hi", {"algo": "lookahead", "lookahead_context": 0}, "context must be an integer in [1, 8]"),
-    ("hi", {"algo": "lookahead", "lookahead_guesses": 17}, "guesses must be an integer in [1, 16]"),
-    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 17}, "text_ngram must be an integer in [2, 16]"),
-    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 1}, "text_ngram must be an integer in [2, 16]"),
-    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 3.5}, "text_ngram must be a whole number"),
-    ("hi", {"prompt_lookup_max_ngram": 2.5}, "max_ngram must be a whole number"),
-    ("hi", {"prompt_lookup_num_draft": -1}, "num_draft must be an integer in [1, 16], got -1"),
+    ("hi", {"algo": "speculative (draft model)", "copies_copy_ngram": 9}, "copy n-gram must be an integer in [0, 8]"),
+    ("hi", {"algo": "lookahead", "lookahead_ngram": 1}, "n-gram N must be an integer in [2, 8]"),
+    ("hi", {"algo": "lookahead", "lookahead_context": 0}, "context K must be an integer in [1, 8]"),
+    ("hi", {"algo": "lookahead", "lookahead_guesses": 17}, "guesses G must be an integer in [1, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 17}, "text n-gram M must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 1}, "text n-gram M must be an integer in [2, 16]"),
+    ("hi", {"algo": "lookahead", "lookahead_text_ngram": 3.5}, "text n-gram M must be a whole number"),
+    ("hi", {"prompt_lookup_max_ngram": 2.5}, "max n-gram must be a whole number"),
+    ("hi", {"prompt_lookup_num_draft": -1}, "most tokens per proposal must be an integer in [1, 16], got -1"),
     ("hi", {"algo": "speculative (draft model)", "copies_copy_ngram": 3, "copies_copy_tokens": 17},
-     "copy_tokens must be an integer in [0, 16]"),
+     "copy tokens must be an integer in [0, 16]"),
     ("hi", {"model": "no/such-model-offline"}, "model"),
     ("hi", {"algo": "bogus"}, "is not in the list of choices"),
     ("hi", {"algo": "Medusa (tree)", "medusa_acceptance": "greedy (temperature 0)"}, "is not in the list of choices"),
     ("hi", {"algo": "Medusa (tree)", "medusa_tree": "dynamic", "medusa_nodes": 65},
-     "nodes must be an integer in [1, 64]"),
-    ("hi", {"algo": "Medusa (tree)", "medusa_nodes": 8}, "nodes sizes the dynamic tree only; tree 'small'"),
+     "dynamic tree nodes must be an integer in [1, 64]"),
+    ("hi", {"algo": "Medusa (tree)", "medusa_nodes": 8},
+     "dynamic tree nodes sizes the dynamic tree only; tree 'small'"),
     ("x " * 9000, {}, "prompt is"),
 ])
 def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, message):
@@ -190,8 +191,12 @@ def test_bad_input_gets_a_message_and_the_app_stays_up(client, prompt, changes, 
 
 def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
     trace_file = decode(client, "Count: one, two, three, four.", max_new_tokens=12)[4][0]
-    prompt_html, tokens_html, detail, stats, *_ = client.predict(handle_file(trace_file), api_name="/load_trace")
+    prompt_html, tokens_html, detail, stats, *_, prompt, algo = client.predict(handle_file(trace_file),
+                                                                              api_name="/load_trace")
     assert "replayed trace of **prompt\\-lookup**" in stats and "pg-tok" in tokens_html and "<b>step" in detail
+    # the headline says why there is no speedup; the form shows the prompt and algorithm the trace ran
+    assert stats.startswith("### A replayed trace: one run, so no speedup")
+    assert (prompt["value"], algo["value"]) == ("Count: one, two, three, four.", "prompt lookup")
     # a trace's text fields reach the page as literal text, never as markup the browser would act on
     hostile = json.loads(open(trace_file, encoding="utf-8").read())
     hostile.update(model="<img src=x onerror=alert(1)>", algo="[a](javascript:alert(1))")
@@ -249,7 +254,7 @@ def test_lookahead_settings_reach_the_run(client):
                         lookahead_ngram=2, lookahead_guesses=3)[4][0]
     params = json.loads(open(trace_file, encoding="utf-8").read())["params"]
     assert (params["ngram"], params["guesses"], params["text_ngram"]) == (2, 3, 2)  # M 0: N
-    with pytest.raises(Exception, match=re.escape("ngram must be an integer in [2, 8], got 0")):
+    with pytest.raises(Exception, match=re.escape("n-gram N must be an integer in [2, 8], got 0")):
         decode(client, "Count to five.", algo="lookahead", max_new_tokens=8, lookahead_ngram=0)
 
 

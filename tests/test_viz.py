@@ -3,6 +3,7 @@ lanes on their own clocks, the KV block map and memory chart, the notebooks' ste
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import replace
 
@@ -100,6 +101,8 @@ def test_legend_lists_every_state_with_its_class_and_css():
     for state in STATES.values():
         assert f'class="pg-tok pg-{state.name}"' in legend and f">{state.label}<" in legend
         assert f".pg-{state.name}{{" in legend
+        # on a touch screen nothing hovers: each meaning is also text in the list that opens below the legend
+        assert f"</span>: {html.escape(state.meaning)}</li>" in legend
 
 
 def test_prompt_source_span_is_highlighted():
@@ -260,8 +263,9 @@ def sibling_events() -> list:
 
 def test_a_sibling_that_lost_leaves_the_text_and_the_detail_names_it():
     events = sibling_events()
-    # while a step is judged its sibling is pending beside the chain; once decided, a sibling that lost is gone
-    assert states(token_views(events[:3])) == [(10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
+    # while a step is judged the text shows its best guess, the chain (the sibling is in the step detail); once
+    # decided, a sibling that lost is gone and one that won takes its place
+    assert states(token_views(events[:3])) == [(10, "generated"), (11, "pending"), (12, "pending")]
     assert states(token_views(events)) == [
         (10, "generated"), (11, "rejected"), (12, "discarded"), (13, "accepted"), (14, "bonus"),
         (15, "accepted"), (16, "accepted"), (18, "bonus")]
@@ -316,8 +320,8 @@ def test_a_step_shows_its_proposal_before_its_verdict_and_names_what_sits_beside
     step's second beat is its verdict. Beside a chain's first token sit the draft's runner-up, the heads' other
     guess, or prompt lookup's second copy."""
     events = sibling_events()
-    assert states(token_views(events, 1, proposing=True)) == [
-        (10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
+    # the text shows the chain drafted; what sits beside its first token is named in the step detail
+    assert states(token_views(events, 1, proposing=True)) == [(10, "generated"), (11, "pending"), (12, "pending")]
     proposing = render_step_detail(events, 1, {11: "a", 12: "b", 13: "c"}.get, proposing=True)
     shown = proposing.split("</style>")[-1]
     assert "being verified..." in shown and " accepted" not in shown and "committed" not in shown

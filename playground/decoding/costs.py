@@ -54,16 +54,23 @@ class ByWidth(ABC):
     def provenance(self) -> str:
         """Where its figures come from, in words (Markdown): when and how quietly they were measured."""
 
+    @abstractmethod
+    def measured(self) -> ForwardCosts:
+        """The curve as measured, before any live correction: what reports quote."""
+
 
 @dataclass(frozen=True, slots=True)
 class OneRequest:
-    """What a one-request engine's decode forward costs by width, in one-token forwards, on `costs`: the figures
-    every report about a run quotes, with where they come from."""
+    """What a one-request engine's decode forward costs by width, in one-token forwards: the figures every report
+    about a run quotes (the drafting note, the Theory tab, a run's ceiling), all read from one measured curve, with
+    where it comes from. A `LiveCosts` is quoted by its measured curve: the live corrections price the engine's
+    plan as the machine's load comes and goes, so figures read from them would differ from one minute to the next;
+    what they saw is told beside the curve instead (`LiveCosts.provenance`)."""
 
     costs: ByWidth
 
     def __call__(self, width: int) -> float:
-        return self.costs.step_cost(1, width)
+        return self.costs.measured().step_cost(1, width)
 
     def provenance(self) -> str:
         return self.costs.provenance()
@@ -87,6 +94,9 @@ class ForwardCosts(ByWidth):
         """Whether it was taken under load: other processes running meanwhile, or its rounds disagreeing."""
         return ((self.others is not None and self.others > BUSY_CORES)
                 or (self.spread is not None and self.spread > BUSY_SPREAD))
+
+    def measured(self) -> ForwardCosts:
+        return self
 
     def provenance(self) -> str:
         """When and how quietly it was measured, in words."""
@@ -182,18 +192,21 @@ class LiveCosts(ByWidth):
             self.times[tokens] = one * min(max(live, low), max(low, float(tokens)))
         return self.times[tokens]
 
+    def measured(self) -> ForwardCosts:
+        return self.curve
+
     def slowdown(self) -> float:
         """How much slower than the curve this process's one-token forwards run lately (1 before any is measured)."""
         return self.correction(1)
 
     def provenance(self) -> str:
-        """Where the figures come from, in words: the curve's date and load, and whether forwards corrected it."""
-        parts = [self.curve.provenance()]
-        if self.known:
-            parts.append(f"corrected by the last {self.forwards} forwards this process ran")
-            if self.slowdown() > 1 + DRIFT:
-                parts.append(f"which ran {self.slowdown():.1f}x slower than measured: the machine is busier now")
-        return "; ".join(parts)
+        """Where the curve's figures come from, in words: its date and load, and how this process's forwards have
+        run against it (they correct the engine's plan, never the figures quoted)."""
+        said = self.curve.provenance()
+        if self.known and self.slowdown() > 1 + DRIFT:
+            said += (f"; this process's one-token forwards have run {self.slowdown():.1f}x slower than that since: "
+                     "the machine is busier now, and the engine prices its steps as they run")
+        return said
 
 
 def flat(token_cost: float = FLAT_TOKEN_COST) -> ForwardCosts:

@@ -245,6 +245,7 @@ class Engine:
             drafted = self._propose(plan)
             proposed = self.now()
             logits, hidden = self.runner.run(plan)
+            pool = self._pool()  # as the forward held it, before the step's finished requests release theirs
             drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
             verified = self.now()
             alone = plan.decode and not plan.prefill  # a decode forward alone
@@ -256,7 +257,7 @@ class Engine:
                 batch = len(plan.decode)
                 self.payoff.record(drafted, sum(len(out.new_token_ids) for out in outputs) / batch,
                                    (self.now() - start) / self.costs.time(batch))
-            self._record_memory(plan.num_tokens, start)
+            self._record_memory(plan.num_tokens, start, pool)
         finally:
             self.busy_s = self.now()
             self._step_started = None
@@ -487,16 +488,21 @@ class Engine:
 
     # -- memory ------------------------------------------------------------------------------------------------
 
-    def _record_memory(self, num_tokens: int, start: float) -> None:
+    def _pool(self) -> dict[str, Any]:
+        """The paged pool's figures as `MemoryEvent` carries them, now."""
         memory = self.cache.memory()
         per_token = memory.bytes_per_token
         owners, shared = (self.cache.blocks.block_map() if self.record_blocks else None) or ([], [])
+        return dict(blocks_total=memory.blocks_total, blocks_used=memory.blocks_used, bytes_used=memory.bytes_used,
+                    bytes_reserved=memory.bytes_reserved,
+                    logical_bytes=sum(self.cache.length(r.id) for r in self.running) * per_token,
+                    contiguous_bytes=sum(r.max_len for r in self.running) * per_token,
+                    owners=owners, shared=shared, running=[r.id for r in self.running],
+                    waiting=[r.id for r in self.scheduler.waiting])
+
+    def _record_memory(self, num_tokens: int, start: float, pool: dict[str, Any]) -> None:
+        """A step's memory event: the pool as its forward held it (`_pool`), so that a step whose requests all
+        finished still shows what it ran on, not the empty pool it left for the next one."""
         now = self.now()
-        self.events.append(MemoryEvent(
-            step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,
-            block_size=self.params.block_size, blocks_total=memory.blocks_total, blocks_used=memory.blocks_used,
-            bytes_used=memory.bytes_used, bytes_reserved=memory.bytes_reserved,
-            logical_bytes=sum(self.cache.length(r.id) for r in self.running) * per_token,
-            contiguous_bytes=sum(r.max_len for r in self.running) * per_token,
-            owners=owners, shared=shared, running=[r.id for r in self.running],
-            waiting=[r.id for r in self.scheduler.waiting]))
+        self.events.append(MemoryEvent(step=self.step_count, t=now, num_tokens=num_tokens, wall_s=now - start,
+                                       block_size=self.params.block_size, **pool))

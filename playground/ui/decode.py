@@ -47,6 +47,7 @@ from .form import (
     Form,
     as_float,
     as_int,
+    in_labels,
     labels,
     line,
     make_proposer,
@@ -244,8 +245,9 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
         traces = yield from measured(streams, lambda name: "plain decoding" if name == PLAIN else algo_label, status,
                                      partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
-        yield status(f"not run: {markdown_text(str(exc), 300)}")  # not "loading model ..." left standing
-        raise gr.Error(str(exc), duration=None) from exc
+        message = in_labels(str(exc), labels().get(algo_label))
+        yield status(f"not run: {markdown_text(message, 300)}")  # not "loading model ..." left standing
+        raise gr.Error(message, duration=None) from exc
     if traces is None:
         yield status(STOPPED)
         return
@@ -361,7 +363,8 @@ def play(state: dict | None, step: Any, speed: str):
 
 
 def load_trace(file: Any):
-    """An uploaded trace, validated field by field (never unpickled), replayed with no model."""
+    """An uploaded trace, validated field by field (never unpickled), replayed with no model; the form's prompt and
+    algorithm set to the trace's."""
     if file is None:
         raise gr.Error("trace file: choose a .json trace exported by this app or the CLI")
     path = file if isinstance(file, str) else getattr(file, "name", str(file))
@@ -373,10 +376,15 @@ def load_trace(file: Any):
     tokens = [trace.prompt]  # with no model loaded the prompt shows as one piece
     steps = _steps(trace)
     state = {"trace": trace, "prompt_tokens": tokens, "tokenized": False}
+    # the form shows what the trace ran, so that Decode runs it again as it was (settings besides these aside)
+    label = next((label for label, name in labels().items() if name == trace.algo), None)
+    head = ("### A replayed trace: one run, so no speedup\nA speedup is measured against plain decoding in "
+            "interleaved rounds: Decode runs them.\n\n")
     return (*render(trace.events, tokens, known_texts(trace, tokens, False), tokenized=False),
-            f"replayed trace of **{markdown_text(trace.algo)}** on {markdown_text(trace.model)}: " + stats, state,
-            gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
-            steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events))
+            head + f"replayed trace of **{markdown_text(trace.algo)}** on {markdown_text(trace.model)}: " + stats,
+            state, gr.update(minimum=0, maximum=max(steps, 1), value=steps, interactive=True),
+            steps_figure(trace.events), tokens_time_figure({trace.algo: trace.events}), step_rows(trace.events),
+            gr.update(value=trace.prompt), gr.update(value=label) if label is not None else gr.update())
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable], history: gr.State) -> None:
@@ -456,5 +464,5 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
     step.release(replay_step, [state, step], shown, api_name="replay_step", concurrency_id=REPLAY_QUEUE,
                  concurrency_limit=REPLAYS)
     upload.upload(load_trace, [upload],
-                  [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table],
+                  [prompt_view, tokens_view, detail, stats, state, step, steps_plot, time_plot, table, prompt, algo],
                   api_name="load_trace", concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,10 +37,26 @@ def labels() -> dict[str, str]:
     return {PLAIN_LABEL: registry.PLAIN, **{spec.label: name for name, spec in registry.ALGORITHMS.items()}}
 
 
+# the Sampling fields' names in code -> what the form calls them
+SAMPLING_LABELS = {"max_new_tokens": "max new tokens", "temperature": "temperature", "top_k": "top-k",
+                   "top_p": "top-p", "seed": "seed"}
+
+
+def in_labels(message: str, algo: str | None = None) -> str:
+    """A settings error as a visitor reads it: the field it opens with (a parameters class names its field in code)
+    called as the form labels it, for the Sampling fields, the copy fields and algorithm `algo`'s fields."""
+    settings = [*(registry.ALGORITHMS[algo].settings if algo in registry.ALGORITHMS else ()), *COPY_SETTINGS]
+    names = {**SAMPLING_LABELS, **{s.field: s.label.split(" (")[0] for s in settings if s.label}}
+    field = re.match(r"(\w+)(?=[ :])", message)
+    if field is None or field.group(1) not in names:
+        return message
+    return names[field.group(1)] + message[field.end():]
+
+
 def as_int(name: str, value: Any) -> int:
     """Gradio numbers arrive as floats (or None): whole numbers pass, anything else is an error naming the field."""
-    if value is None or value == "":
-        raise ConfigError(f"{name}: a whole number is required")
+    if value is None or value == "":  # the browser sends an empty field, or one it cannot read (Infinity), as null
+        raise ConfigError(f"{name}: a whole number is required (the field is empty or holds no finite number)")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(f"{name} must be a whole number, got {value!r}")
     try:
@@ -53,8 +70,8 @@ def as_int(name: str, value: Any) -> int:
 
 def as_float(name: str, value: Any) -> float:
     """A Gradio number as a float; an empty field is an error naming it (ranges are the dataclasses' to check)."""
-    if value is None or value == "":
-        raise ConfigError(f"{name}: a number is required")
+    if value is None or value == "":  # the browser sends an empty field, or one it cannot read (Infinity), as null
+        raise ConfigError(f"{name}: a number is required (the field is empty or holds no finite number)")
     try:
         return float(value)
     except (TypeError, ValueError):

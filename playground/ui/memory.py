@@ -17,7 +17,7 @@ from ..metrics import memory_summary
 from ..models import ModelLoadError
 from ..trace import MemoryEvent
 from ..viz.memory import memory_figure, render_block_map, statuses_at
-from .form import Entrant, as_int, entrants, make_proposer, source_names
+from .form import Entrant, as_int, entrants, in_labels, make_proposer, source_names
 from .models import get_model, target_spec
 from .quota import QUOTA
 from .stops import STOP, STOPS, stoppable
@@ -102,7 +102,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
         for prompt, generation in work:
             engine.add_request(prompt, SamplingParams(), generation)
     except (ConfigError, ModelLoadError, ValueError) as exc:
-        raise gr.Error(str(exc), duration=None) from exc
+        raise gr.Error(in_labels(str(exc)), duration=None) from exc
     ids = list(engine.requests)
     try:
         last_frame = last_chart = 0.0

@@ -24,7 +24,7 @@ from ..trace import Trace
 from ..viz.charts import tokens_time_figure
 from ..viz.race import Lane, RemoteLane, render_race
 from .decode import AS_SET, FRAME_S, PLANS, as_plan, as_seed, history_entry, markdown_text
-from .form import Entrant, as_float, as_int, entrants, line, make_proposer
+from .form import Entrant, as_float, as_int, entrants, in_labels, line, make_proposer
 from .measure import measured, status_frame
 from .models import catalog, get_model, target_spec
 from .quota import QUOTA
@@ -149,8 +149,9 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
             streams[REMOTE] = partial(remote_stream, remote, prompt, tokens, sampling, partial(STOPS.stopped, run))
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
-        yield status(f"not run: {markdown_text(str(exc), 300)}")  # not "loading model ..." left standing
-        raise gr.Error(str(exc), duration=None) from exc
+        message = in_labels(str(exc), None)
+        yield status(f"not run: {markdown_text(message, 300)}")  # not "loading model ..." left standing
+        raise gr.Error(message, duration=None) from exc
     if traces is None:
         yield status(STOPPED)
         return

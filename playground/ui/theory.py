@@ -122,26 +122,28 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
                     lines.append(f"- GGUF blocks: not measured ({exc})")
                     continue
                 raise
-            costs = forward_costs(model.model, forwards=model.forwards)
+            live = forward_costs(model.model, forwards=model.forwards)
+            costs = live.measured()  # the curve as measured, as every report quotes it (`OneRequest`)
             label = "GGUF blocks" if weights == "gguf" else "float32"
-            curves[label] = costs
+            curves[label] = live
             v = (costs.time(5) / costs.time(1) - 1) / 4
             first_v = v if first_v is None else first_v
             lines.append(f"- {label}: one token {1e3 * costs.time(1):.1f} ms, 5 tokens "
                          f"{costs.time(5) / costs.time(1):.2f} one-token forwards (v = {v:.3f} per extra token), "
-                         f"12 tokens {costs.time(12) / costs.time(1):.2f}; {costs.provenance()}")
+                         f"12 tokens {costs.time(12) / costs.time(1):.2f}; {live.provenance()}")
     except (ConfigError, ModelLoadError) as exc:
         raise gr.Error(str(exc)) from exc
     assert first_v is not None  # float32 was measured, or the panel's model raised
     first = next(iter(curves.values()))
     machine = machine_curve(OneRequest(first), first.provenance())
     if len(curves) == 2:
-        (steep, high), (flat, low) = sorted(((label, c.step_cost(1, 8)) for label, c in curves.items()),
+        (steep, high), (flat, low) = sorted(((label, OneRequest(c)(8)) for label, c in curves.items()),
                                             key=lambda item: -item[1])
         lines.append(f"Here an 8-token forward costs {high:.2f} one-token forwards on the {steep} and {low:.2f} on "
                      f"the {flat}: the steeper a curve, the less a wide verify forward is worth.")
     lines.append(f"The slider v is set to {first_v:.3f}, this machine's.")
-    return (width_cost_figure(curves), "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3)), machine)
+    figure = width_cost_figure({label: c.measured() for label, c in curves.items()})
+    return figure, "\n".join(lines), gr.update(value=round(min(first_v, 1.0), 3)), machine
 
 
 def machine_defaults(source: str, device: str, dtype: str, weights: str):

@@ -137,7 +137,7 @@ def theory_figure(acceptance: float, gamma: int, cost_ratio: float,
 
 def width_cost_figure(curves: dict[str, Any]) -> go.Figure:
     """What a forward over T new tokens costs in one-token forwards, one line per weight format: `curves` maps a
-    label to this machine's costs (decoding/costs.py: `ForwardCosts` or `LiveCosts`), read at the widths measured."""
+    label to this machine's measured curve (decoding/costs.py: `ForwardCosts`), read at the widths measured."""
     fig = go.Figure()
     for (label, costs), colour in zip(curves.items(), (STATES["accepted"].colour, STATES["bonus"].colour,
                                                        STATES["corrected"].colour)):

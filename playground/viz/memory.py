@@ -79,7 +79,8 @@ def memory_figure(events: Iterable[Event]) -> go.Figure:
             ("contiguous reservation", [e.contiguous_bytes for e in memory], {"color": "#b34700", "dash": "dash"}),
             ("paged: blocks reserved", [e.bytes_reserved for e in memory], {"color": "#0072B2"}),
             ("paged: tokens stored", [e.bytes_used for e in memory], {"color": "#009E73"})):
-        fig.add_scatter(x=times, y=[v / 2**20 for v in values], mode="lines", line_shape="hv", name=name,
+        # a point is the pool a step's forward held, at the step's end: it held that over the step, hence "vh"
+        fig.add_scatter(x=times, y=[v / 2**20 for v in values], mode="lines", line_shape="vh", name=name,
                         line=style)
     if preempts:
         fig.add_scatter(x=[e.t for e in preempts], y=[0] * len(preempts), mode="markers", name="preemption",

@@ -67,9 +67,10 @@ def token_views(events: Iterable[Event], upto_step: int | None = None, proposing
     """The tokens as they stood after `upto_step` (all steps when None): committed ones with their decision,
     plus the proposals of a step still being verified (pending) and the rejected ones (kept, struck through).
     proposing: as they stood between that step's proposal and its verdict (its proposal pending, "drafted").
-    A proposal left undecided is shown as discarded where it stood behind a rejection (it hangs below the refused
-    node); any other (a runner-up or a branch of a tree beside the kept path) lost to the token beside it and is
-    dropped from the text; the step detail shows it. Linear in the events."""
+    A tree reads as text along its first children (its best guess at each place; a chain is all first children):
+    before the verdict that line is shown drafted; after it, the kept path, the refused node and the first-child
+    line below it (never judged, "discarded"). Every other node (a runner-up, a branch beside the kept path) is left
+    out of the text; the step detail shows it. Linear in the events."""
     views: list[TokenView] = []
     proposed_steps: set[int] = set()
     step: list[Event] = []  # the current step's events, drawn when it ends
@@ -85,12 +86,21 @@ def token_views(events: Iterable[Event], upto_step: int | None = None, proposing
                 nodes[node - 1].state, nodes[node - 1].u = decision_of(event, proposed_steps), event.u
         after += [TokenView(e.token, decision_of(e, proposed_steps), e.step) for e in step
                   if isinstance(e, (CorrectEvent, BonusEvent))]
-        if any(isinstance(e, CommitEvent) for e in step) and draft is not None:
-            behind = [False]  # node -> whether it is a refused node or hangs below one
-            for view, parent in zip(nodes, tree_parents(draft)):
-                behind.append(view.state == "rejected" or behind[parent])
-                if view.state == "pending":
-                    view.state = "discarded" if behind[parent] else ""
+        if draft is not None:
+            # a tree reads as text along first children: its best guess at each place (a chain is all of them)
+            committed = any(isinstance(e, CommitEvent) for e in step)
+            seen: set[int] = set()
+            line = [True]  # node -> on the first-child line from the last token (before the verdict)
+            behind = [False]  # node -> the refused node, or on the first-child line below it
+            for node, (view, parent) in enumerate(zip(nodes, tree_parents(draft)), start=1):
+                first = parent not in seen
+                seen.add(parent)
+                line.append(first and line[parent])
+                behind.append(view.state == "rejected" or (first and behind[parent]))
+                if view.state == "pending" and (committed and not behind[node] or not committed and not line[node]):
+                    view.state = ""  # beside the text: the step detail shows it
+                elif view.state == "pending" and committed:
+                    view.state = "discarded"
             nodes = [view for view in nodes if view.state]
         views.extend(nodes)
         views.extend(after)
@@ -149,9 +159,14 @@ def render_tokens(events: Iterable[Event], upto_step: int | None = None, proposi
 
 
 def render_legend(states: Iterable[str] = tuple(STATES)) -> str:
-    """The legend: each decision's token style beside its label, the meaning on hover."""
+    """The legend: each decision's token style beside its label, the meaning on hover and, for a touch screen
+    where nothing hovers, in a list that opens below it ("what they mean")."""
+    states = list(states)
     items = "".join(f'<span>{_span(STATES[s].label, f"pg-tok pg-{s}", STATES[s].meaning)}</span>' for s in states)
-    return f'<style>{token_css()}</style><div class="pg-legend">{items}</div>'
+    meanings = "".join(f'<li>{_span(STATES[s].label, f"pg-tok pg-{s}")}: {html.escape(STATES[s].meaning)}</li>'
+                       for s in states)
+    return (f'<style>{token_css()}</style><div class="pg-legend">{items}</div>'
+            f'<details class="pg-legend-meanings"><summary>what they mean</summary><ul>{meanings}</ul></details>')
 
 
 def render_prompt(prompt_tokens: list[str], source: tuple[int, int] | None = None) -> str:
