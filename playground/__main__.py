@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cli import OneLineParser, add_model_args, model_spec, run_cli
 from .config import (
@@ -31,6 +31,9 @@ from .config import (
 )
 from .decoding.prompt_lookup import PromptLookupParams
 from .models.loader import default_draft
+
+if TYPE_CHECKING:
+    from .decoding.costs import OneRequest
 
 ENGINE = EngineParams()
 PLAN_HELP = ("how much a step verifies: measured (what pays on this machine's measured forward costs) or as-set "
@@ -175,7 +178,7 @@ def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: P
 
 
 def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
-                 relative_cost: Callable[[int], float] | None = None,
+                 relative_cost: OneRequest | None = None,
                  own_price: Callable[[int], float] | None = None) -> str:
     """The run in one line: speed, forwards, and for an algorithm that drafted its acceptance against the theory's
     prediction; where a run drafted in few steps or none, why (`metrics.drafting_note`, priced by `relative_cost`:
@@ -190,7 +193,7 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
     gamma = mean_draft_length(trace)
     note = drafting_note(trace, relative_cost)
     if note is not None:
-        line += f"; {note}"
+        line += f"; {note}" + (f" (forward costs {relative_cost.provenance()})" if relative_cost is not None else "")
     if metrics.acceptance_rate is not None and gamma is not None and metrics.drafted:
         predicted = expected_tokens_per_step(metrics.acceptance_rate, gamma)
         line += (f"; acceptance {metrics.acceptance_rate:.2f}, tokens per target forward (bonus included) "

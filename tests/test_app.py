@@ -16,6 +16,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from playground.config import GenerationParams
+from playground.decoding.costs import OneRequest
 from playground.decoding.prompt_lookup import LOOKUP_BRANCH_TOKENS, LOOKUP_BRANCHES, PromptLookupParams
 from playground.metrics import perfect
 from playground.models import native
@@ -589,3 +590,44 @@ def test_theory_shows_the_latest_decode_run_against_this_machines_ceiling(target
     assert f"come to {ceiling['predicted']:.2f}x on the forward-cost curve" in line
     assert f"The curve: {costs.provenance()}." in line
     assert theory.ceiling_line([{"algo": "ar", "ceiling": None}]) == ""
+
+
+def test_a_run_that_drafted_nothing_is_not_headlined_by_a_ratio(target):
+    """Where the run shown drafted nothing, its headline says so instead of a bold ratio; where it drafted, the
+    ratio heads the page and the line under it is the round shown's."""
+    from playground.decoding.registry import build_proposer
+    from playground.engine import generate
+    from playground.metrics import compute
+    from playground.speedup import compare
+    from playground.ui import decode as decode_tab
+
+    generation = GenerationParams(max_new_tokens=8)
+    plain = generate(target, "Name a colour.", None, None, generation)[1]
+    # a proposer's run whose plan drafted in no step: its trace is plain decoding's steps under its name
+    idle = generate(target, "Name a colour.", None, None, generation, "prompt-lookup")[1]
+    assert compute(idle).drafted == 0
+    against = compare({"ar": [plain], "prompt-lookup": [idle]}, "ar")["prompt-lookup"]
+    stats = decode_tab._stats(compute(idle), against, True, this_round=against)
+    assert stats.startswith("### Nothing drafted: every step was a plain decoding step") and "x plain decoding (" \
+        not in stats.split("\n")[0]
+    prompt = "Repeat exactly: one two three, one two three."
+    plain = generate(target, prompt, None, None, generation)[1]
+    copied = generate(target, prompt, build_proposer(target, "prompt-lookup"), None, generation, "prompt-lookup")[1]
+    against = compare({"ar": [plain], "prompt-lookup": [copied]}, "ar")["prompt-lookup"]
+    stats = decode_tab._stats(compute(copied), against, True, this_round=against)
+    assert stats.startswith(f"### {against.speedup:.2f}x plain decoding".replace(".", "\\."))
+    assert "The round shown: a step keeps" in stats
+
+
+def test_the_theory_tab_opens_on_this_machines_curve(monkeypatch):
+    """On opening, v and the ceiling come from the curve the engine plans on, with its date and load."""
+    from playground.decoding.costs import ForwardCosts
+    from playground.ui import theory
+
+    curve = ForwardCosts((1, 5, 64), (1.0, 1.4, 6.0), "2026-12-06T19:41:07Z", 0.02, 0.03)
+    monkeypatch.setattr(theory, "one_request_costs", lambda target: OneRequest(curve))
+    machine, v = theory.machine_defaults("embedded", "cpu", "float32", "auto")
+    assert v["value"] == pytest.approx(0.1) and machine["cost"][4] == pytest.approx(1.4)
+    _, summary = theory.update(0.7, 4, 0.15, v["value"], [], machine)
+    assert "no proposer of 4 tokens can pass **3.57x**" in summary  # 5 tokens for a forward costing 1.4
+    assert "measured on this machine 2026-12-06 19:41 UTC, while it was quiet" in summary

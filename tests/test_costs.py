@@ -26,7 +26,7 @@ def test_a_curve_says_when_and_how_quietly_it_was_measured() -> None:
     quiet = ForwardCosts((1, 8), (1.0, 2.0), "2026-12-06T19:41:07Z", 0.02, 0.03)
     assert not quiet.busy and quiet.provenance() == "measured on this machine 2026-12-06 19:41 UTC, while it was quiet"
     loaded = ForwardCosts((1, 8), (1.0, 2.0), "2026-12-06T19:41:07Z", BUSY_CORES + 0.8, 0.03)
-    assert loaded.busy and "**under load** (other processes kept 1.1 processors busy)" in loaded.provenance()
+    assert loaded.busy and "under load (other processes kept 1.1 processors busy)" in loaded.provenance()
     noisy = ForwardCosts((1, 8), (1.0, 2.0), "2026-12-06T19:41:07Z", None, BUSY_SPREAD + 0.1)
     assert noisy.busy and "its rounds disagreed by 25%" in noisy.provenance()
     assert "not measured here" in ForwardCosts((1, 8), (1.0, 2.0)).provenance()

@@ -9,7 +9,7 @@ from playground.config import GenerationParams
 from playground.decoding import registry
 from playground.decoding.prompt_lookup import PromptLookupParams
 from playground.engine import generate
-from playground.speedup import compare, measure, median_interval, median_run, order, spread
+from playground.speedup import compare, measure, median_interval, median_run, order, shown_round, spread
 from playground.trace import CommitEvent, FinishEvent, Trace, VerifyEvent
 
 
@@ -81,6 +81,17 @@ def test_the_summary_median_comes_with_its_noise():
 def test_the_median_round_is_replayed():
     runs = [fake("ar", 41, 40, s) for s in (0.012, 0.010, 0.011)]
     assert median_run(runs) is runs[2]
+
+
+def test_the_round_shown_is_judged_against_plain_decodings_run_of_that_round():
+    """What a screen says beside the run it replays comes from that run's round alone, never a median over rounds:
+    its speedup against plain decoding's run of the same round."""
+    plain = [fake("ar", 41, 40, s) for s in (0.010, 0.020, 0.010)]
+    spec = [fake("speculative", 41, 20, s) for s in (0.012, 0.013, 0.030)]
+    shown, alone = shown_round({"ar": plain, "spec": spec}, "ar", "spec")
+    assert shown is spec[1]  # the median round
+    assert alone.rounds == 1 and alone.speedup == pytest.approx(0.81 / 0.27)  # that round: plain 0.81 s, it 0.27 s
+    assert compare({"ar": plain, "spec": spec}, "ar")["spec"].speedup == pytest.approx(0.41 / 0.25)  # the median
 
 
 def test_on_the_engine_every_round_is_measured_and_explained_or_flagged(target):

@@ -52,7 +52,7 @@ class ByWidth(ABC):
 
     @abstractmethod
     def provenance(self) -> str:
-        """Where its figures come from, in words (Markdown): when and how quietly they were measured."""
+        """Where its figures come from, in words: when and how quietly they were measured."""
 
     @abstractmethod
     def measured(self) -> ForwardCosts:
@@ -107,7 +107,7 @@ class ForwardCosts(ByWidth):
             return f"measured on this machine {when}, while it was quiet"
         why = (f"other processes kept {self.others:.1f} processors busy" if self.others is not None
                and self.others > BUSY_CORES else f"its rounds disagreed by {self.spread:.0%}")
-        return f"measured on this machine {when} **under load** ({why}): its figures may be off"
+        return f"measured on this machine {when} under load ({why}): its figures may be off"
 
     def time(self, tokens: int) -> float:
         """Seconds of a forward over `tokens` new tokens: interpolated between widths measured, extrapolated past

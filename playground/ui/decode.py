@@ -108,7 +108,7 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds; where the run shown
     drafted nothing, that instead of a ratio) and its numbers, all of the round shown: this_round is its Speedup
     against plain decoding's run of the same round (`speedup.shown_round`), whose line says where a step's time
-    went; costs_from: where the forward-cost figures come from (`LiveCosts.provenance`), shown with them; own:
+    went; costs_from: where the forward-cost figures come from (`OneRequest.provenance`), shown with them; own:
     the proposer's `OwnCost`, whose price its plans use (in target forwards, as measured once it has drafted a few
     steps: `planning.DraftPrice`), and what the bytes a further depth's forward reads predict at the rows it runs
     (`OwnCost.estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
@@ -449,7 +449,7 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                          [*shown, stats, state, download, step, history, steps_plot, time_plot, table],
                          show="pg-legend", api_name="decode", show_progress_on=[stats])
     # replays and uploads draw a trace and run no model: their own queue, so they never wait behind a run or hold
-    # one up (`REPLAYS` at a time; a trace renders in well under a second, `trace_check`'s bounds)
+    # one up (`REPLAYS` at a time; within `trace_check`'s bounds a trace draws in about a second at most)
     replay = decoding.success(play_measured, [state, step, speed], [*shown, step], api_visibility="private",
                               show_progress="hidden", concurrency_id=REPLAY_QUEUE, concurrency_limit=REPLAYS)
     playing = play_button.click(play, [state, step, speed], [*shown, step], api_name="play", show_progress="hidden",

@@ -97,10 +97,9 @@ def token_views(events: Iterable[Event], upto_step: int | None = None, proposing
                 seen.add(parent)
                 line.append(first and line[parent])
                 behind.append(view.state == "rejected" or (first and behind[parent]))
-                if view.state == "pending" and (committed and not behind[node] or not committed and not line[node]):
-                    view.state = ""  # beside the text: the step detail shows it
-                elif view.state == "pending" and committed:
-                    view.state = "discarded"
+                if view.state == "pending":  # not judged: in the text where it stood on its line, else left out
+                    shown = behind[node] if committed else line[node]
+                    view.state = ("discarded" if committed else "pending") if shown else ""
             nodes = [view for view in nodes if view.state]
         views.extend(nodes)
         views.extend(after)
