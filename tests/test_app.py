@@ -631,3 +631,17 @@ def test_the_theory_tab_opens_on_this_machines_curve(monkeypatch):
     _, summary = theory.update(0.7, 4, 0.15, v["value"], [], machine)
     assert "no proposer of 4 tokens can pass **3.57x**" in summary  # 5 tokens for a forward costing 1.4
     assert "measured on this machine 2026-12-06 19:41 UTC, while it was quiet" in summary
+
+
+def test_runs_share_one_queue_and_replays_have_their_own():
+    """Every event that runs a model waits in one queue, one at a time, so no two runs share the processor; drawing a
+    trace (an upload, a replay) runs in a queue of its own, so it never waits behind a run nor holds one up."""
+    from playground.ui import decode as decode_tab
+    from playground.ui.stops import RUN_QUEUE
+
+    app = build_app()
+    queues = {fn.api_name: (fn.concurrency_id, fn.concurrency_limit) for fn in app.fns.values() if fn.api_name}
+    runs = ("decode", "race", "memory", "load_model", "width_costs", "machine_defaults")
+    assert {queues[name] for name in runs} == {(RUN_QUEUE, "default")}  # the app's default limit: 1
+    replays = ("load_trace", "play", "replay_step")
+    assert {queues[name] for name in replays} == {(decode_tab.REPLAY_QUEUE, decode_tab.REPLAYS)}

@@ -89,6 +89,9 @@ def test_a_batch_of_mixed_lengths_gives_every_request_its_solo_output(target, pl
         assert event.blocks_used == sum(1 for owner in event.owners if owner >= 0)
         assert event.bytes_reserved == event.blocks_used * event.block_size * per_token
         assert event.bytes_used <= event.bytes_reserved and event.logical_bytes <= event.contiguous_bytes
+        # the pool as each step's forward held it: never empty while the step ran requests (the Memory chart once
+        # dropped to 0 MiB where a step finished every running request with others still waiting)
+        assert event.bytes_used > 0 and event.running
     check_no_leak(engine)
 
 

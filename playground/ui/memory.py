@@ -138,7 +138,7 @@ def run_memory(num_requests: Any, max_new_tokens: Any, block_size: Any, num_bloc
 
 
 def replay_step(state: dict[str, Any] | None, step: Any) -> str:
-    """The block map after any step of the last run."""
+    """The block map as any step of the last run held it."""
     if not state:
         raise gr.Error("step: serve the requests first")
     wanted = as_int("step", step)

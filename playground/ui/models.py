@@ -18,6 +18,7 @@ from ..decoding.speculative import check_compatible
 from ..models import LoadedModel, ModelLoadError, load_model, native
 from ..models.loader import HUB_ID, default_draft, draft_spec
 from ..models.vocab import proposal_rows
+from .stops import RUN_QUEUE
 
 # How the products read the weights: ModelSpec.weights, or a bitsandbytes quantisation (which reads float32 first)
 WEIGHT_CHOICES = [("auto (GGUF blocks where they run)", "auto"), ("GGUF blocks (Q4_1, Q8_0)", "gguf"),
@@ -174,5 +175,5 @@ def build_panel(access: Access, on_gpu: Callable[[Callable], Callable]
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
     button.click(on_gpu(load), [source, draft, device, dtype, weights], [status], api_name="load_model",
-                 show_progress="minimal")
+                 show_progress="minimal", concurrency_id=RUN_QUEUE)
     return source, draft, device, dtype, weights

@@ -54,6 +54,11 @@ class Stops:
 STOPS = Stops()
 
 
+# every event that runs a model (a Decode, a Race, a Memory run, a load, a measurement) waits in this one queue, one
+# at a time (the app's default limit): two runs never share the processor, so every speed shown is one run's
+RUN_QUEUE = "runs"
+
+
 def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr.Component],
               outputs: Sequence[gr.Component], show: str | None = None, **how: Any):
     """Wire a run button and its Stop: the run button stays disabled while its run lasts; `fn` gets the run's number
@@ -73,7 +78,8 @@ def stoppable(run: gr.Button, stop: gr.Button, fn: Callable, inputs: Sequence[gr
                            "shown.getBoundingClientRect().top > window.innerHeight) "
                            "shown.scrollIntoView({behavior: 'smooth', block: 'start'}); }")
     started = run.click(lambda: (gr.update(interactive=False), STOPS.start()), None, [run, number],
-                        api_visibility="private", queue=False).then(fn, [*inputs, number], outputs, **how)
+                        api_visibility="private", queue=False).then(fn, [*inputs, number], outputs,
+                                                                    concurrency_id=RUN_QUEUE, **how)
     idle = gr.update(value=STOP, interactive=True)
 
     def ended(run_number: int | None) -> tuple[dict, dict]:

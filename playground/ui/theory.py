@@ -16,6 +16,7 @@ from ..metrics import expected_tokens_per_step
 from ..models import ModelLoadError
 from ..viz.charts import MeasuredPoint, expected_speedup, theory_figure, width_cost_figure
 from .models import get_model, target_spec
+from .stops import RUN_QUEUE
 
 
 def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]:
@@ -190,7 +191,7 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
     app.load(update, inputs, [plot, summary], api_name="theory")
     # then this machine's curve and the v it implies (the model loads, the curve is read or measured once)
     app.load(on_gpu(machine_defaults), [source, device, dtype, weights], [machine, verify_cost],
-             api_visibility="private", show_progress="hidden")
+             api_visibility="private", show_progress="hidden", concurrency_id=RUN_QUEUE)
     machine.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
     set_from_run.click(from_run, [history], [acceptance, gamma, taken], api_visibility="private")
     gr.Markdown("### What a wider forward costs here\nThe v above, measured for each way the weights can be read "
@@ -202,4 +203,4 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
     costs_plot = gr.Plot(elem_id="pg-width-costs", show_label=False)
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
     measure.click(on_gpu(width_costs), [source, device, dtype], [costs_plot, costs_summary, verify_cost, machine],
-                  api_name="width_costs")
+                  api_name="width_costs", concurrency_id=RUN_QUEUE)
