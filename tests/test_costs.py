@@ -36,9 +36,6 @@ def test_the_load_meter_sees_other_processes() -> None:
     """Two processes spinning on this machine's processors for the meter's span are seen as busy processors."""
     if LoadMeter().start is None:
         pytest.skip("no /proc/stat counting this process's processors here: the load is not known")
-    quiet = LoadMeter()
-    spin(0.3)  # this process's own work is not another's
-    assert quiet.others() < BUSY_CORES + 0.2
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=spin, args=(1.5,)) for _ in range(2)]
     for worker in workers:

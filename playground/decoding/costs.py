@@ -317,8 +317,8 @@ def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: in
     the first was taken under load, the quieter kept) and cached."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]), data.get("taken"), data.get("others"),
-                             data.get("spread"))
+        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]), data["taken"], data["others"],
+                             data["spread"])
         if (costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS) and not costs.busy
                 and _holds(model, costs, forwards, requests)):
             return costs
