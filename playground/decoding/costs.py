@@ -312,22 +312,30 @@ _READ: dict[Path, LiveCosts] = {}
 CHECKED, DRIFT = (1, 8), 0.25
 
 
+def _quieter(a: ForwardCosts, b: ForwardCosts) -> ForwardCosts:
+    return min(a, b, key=lambda c: (c.busy, c.others or 0.0, c.spread or 0.0))
+
+
 def _read_or_measure(model: Transformer, path: Path, forwards: str, requests: int) -> ForwardCosts:
-    """The cached curve where it still holds and was taken while the machine was quiet; else measured (twice where
-    the first was taken under load, the quieter kept) and cached."""
+    """The cached curve where it still holds and was taken while the machine was quiet; one taken under load is
+    measured again once a process (the quieter kept, so a busy host's curve improves as quiet moments come, at one
+    measurement a process); none, or one of another version of this module, is measured (again at once where the
+    first was taken under load) and cached."""
+    cached = None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        costs = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]), data["taken"], data["others"],
-                             data["spread"])
-        if (costs.tokens == WIDTHS and len(costs.seconds) == len(WIDTHS) and not costs.busy
-                and _holds(model, costs, forwards, requests)):
-            return costs
+        cached = ForwardCosts(tuple(data["tokens"]), tuple(data["seconds"]), data["taken"], data["others"],
+                              data["spread"])
+        if cached.tokens != WIDTHS or len(cached.seconds) != len(WIDTHS) or not _holds(model, cached, forwards,
+                                                                                       requests):
+            cached = None
+        elif not cached.busy:
+            return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet, or by another version of this module: measure again
     costs = measure(model, forwards=forwards, requests=requests)
     if costs.busy:
-        again = measure(model, forwards=forwards, requests=requests)
-        costs = min(costs, again, key=lambda c: (c.busy, c.others or 0.0, c.spread or 0.0))
+        costs = _quieter(costs, cached or measure(model, forwards=forwards, requests=requests))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{time.time_ns()}.tmp")  # written whole, then moved into place
     partial.write_text(json.dumps(asdict(costs)), encoding="utf-8")
