@@ -11,7 +11,7 @@ import pytest
 
 from playground.__main__ import summary_line
 from playground.config import EngineParams, GenerationParams
-from playground.decoding.costs import ForwardCosts, LiveCosts
+from playground.decoding.costs import ForwardCosts, LiveCosts, OneRequest
 from playground.decoding.planning import DraftPrice, Payoff
 from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
@@ -67,8 +67,9 @@ def test_as_set_drafts_what_the_settings_say_where_measured_drafts_nothing(targe
         note = drafting_note(measured, lambda w: STEEP.step_cost(1, w))
         assert note.startswith("nothing drafted: the measured plan found no step where drafting pays") and (
             "a 5-token forward costs 5.0 one-token forwards" in note), note
-        line = summary_line(algo, compute(measured), measured, "length", lambda w: STEEP.step_cost(1, w))
+        line = summary_line(algo, compute(measured), measured, "length", OneRequest(STEEP))
         assert note in line and "acceptance" not in line.replace("no acceptance applies", "")
+        assert line.endswith("(forward costs not measured here (a fixed curve))")  # where its figures come from
         as_set = generate(target, prompt, proposers[algo], None,
                           GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"), costs=STEEP)[1]
         seen = drafting(as_set)
