@@ -149,7 +149,7 @@ def run_race(prompt: str, rivals: list[str] | None, max_new_tokens: Any, tempera
             streams[REMOTE] = partial(remote_stream, remote, prompt, tokens, sampling, partial(STOPS.stopped, run))
         traces = yield from measured(streams, lambda name: f"**{name}**", status, partial(STOPS.stopped, run))
     except (ConfigError, ModelLoadError, ValueError) as exc:
-        message = in_labels(str(exc), None)
+        message = in_labels(str(exc))
         yield status(f"not run: {markdown_text(message, 300)}")  # not "loading model ..." left standing
         raise gr.Error(message, duration=None) from exc
     if traces is None:

@@ -38,9 +38,10 @@ def machine_curve(costs: Callable[[int], float], provenance: str) -> dict[str, A
     return {"cost": [costs(w) for w in range(1, CEILING_G + 2)], "from": provenance}
 
 
-def curve_v(machine: dict[str, Any]) -> float:
-    """The v of the linear model (1 + g v) that a curve's 5-token forward implies."""
-    return (machine["cost"][4] - 1) / 4
+def curve_v(relative: Callable[[int], float]) -> float:
+    """The v of the linear model (1 + g v) that a curve's 5-token forward implies (`relative`: a forward's cost by
+    width in one-token forwards)."""
+    return (relative(5) - 1) / 4
 
 
 def update(acceptance: Any, gamma: Any, cost_ratio: Any, verify_cost: Any, history: list[dict[str, Any]] | None,
@@ -82,7 +83,7 @@ def ceiling_line(history: list[dict[str, Any]] | None) -> str:
             f"{c['predicted']:.2f}x on the forward-cost curve, so it reached "
             f"{c['measured'] / c['predicted']:.0%} of that; a perfect proposer, every proposed token kept, would "
             f"reach {c['perfect']:.2f}x on the decode steps verifying {c['perfect_width']} tokens a forward (a "
-            f"projection from the curve, not a run). The curve: {c.get('costs_from', 'this machine')}.")
+            f"projection from the curve, not a run). The curve: {c['costs_from']}.")
 
 
 def from_run(history: list[dict[str, Any]] | None):
@@ -127,7 +128,7 @@ def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr
             costs = live.measured()  # the curve as measured, as every report quotes it (`OneRequest`)
             label = "GGUF blocks" if weights == "gguf" else "float32"
             curves[label] = live
-            v = (costs.time(5) / costs.time(1) - 1) / 4
+            v = curve_v(OneRequest(live))
             first_v = v if first_v is None else first_v
             lines.append(f"- {label}: one token {1e3 * costs.time(1):.1f} ms, 5 tokens "
                          f"{costs.time(5) / costs.time(1):.2f} one-token forwards (v = {v:.3f} per extra token), "
@@ -156,7 +157,7 @@ def machine_defaults(source: str, device: str, dtype: str, weights: str):
         raise gr.Error(str(exc)) from exc
     costs = one_request_costs(target)
     machine = machine_curve(costs, costs.provenance())
-    return machine, gr.update(value=round(min(curve_v(machine), 1.0), 3))
+    return machine, gr.update(value=round(min(curve_v(costs), 1.0), 3))
 
 
 def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...],
