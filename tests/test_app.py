@@ -348,20 +348,21 @@ def test_theory_sliders_are_set_from_the_latest_run_that_drafted() -> None:
         theory.from_run([plain])
 
 
-def test_theory_tab_measures_a_forward_by_width_in_both_formats(client, monkeypatch):
-    """The panel's model read as its GGUF blocks and as float32: a curve each (this test's fixed curves stand in for
-    the measurement), and why a model without blocks has one curve only."""
+def test_theory_tab_measures_a_forward_by_width_in_every_format(client, monkeypatch):
+    """The panel's model read as its GGUF blocks (against 8-bit and float32 activations) and as float32: a curve
+    each (this test's fixed curves stand in for the measurement), and why a model without blocks has one only."""
     from playground.ui import theory
 
     from .conftest import TEST_COSTS
 
     monkeypatch.setattr(theory, "forward_costs", lambda model, **how: TEST_COSTS)
     plot, summary, v = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
-    assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 2
-    assert summary.startswith("- GGUF blocks: one token 1000.0 ms") and "\n- float32:" in summary
+    assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 3
+    assert summary.startswith("- GGUF blocks, 8-bit activations: one token 1000.0 ms")
+    assert "\n- GGUF blocks, float32 activations: one token" in summary and "\n- float32:" in summary
     assert v["value"] == pytest.approx((TEST_COSTS.time(5) - 1) / 4, abs=1e-3)  # the slider v, from the GGUF curve
     _, summary, _ = client.predict("embedded", "cpu", "bfloat16", api_name="/width_costs")
-    assert summary.startswith("- GGUF blocks: not measured (weights: gguf needs the CPU")
+    assert summary.startswith("- GGUF blocks, 8-bit activations: not measured (weights: gguf-int8 needs the CPU")
 
 
 def test_race_measures_each_entrant_and_every_one_matches_plain(client):
@@ -451,7 +452,7 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
     assert "proposes from 8,192 of its 49,152 tokens; tokenizer matches the target's" in summary
     assert "Matrix products and attention on the CPU: native kernels " in summary  # on, or off with the reason
-    assert "its products read Q4_1 and Q8_0 blocks (96 MB)" in summary  # the GGUF file's blocks, as stored
+    assert "its products read Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)" in summary  # the file.s blocks
     kernel = native.kernel()
     if kernel is not None and kernel.halves:  # the draft ships in float16, and its panels keep that format
         assert "KiB per token; its products read float16 (" in summary

@@ -33,10 +33,12 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert 0 < report["summary"]["fraction_of_bound"]
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
-    # the embedded model reads its GGUF blocks; the same run races plain decoding on its float32 weights
-    assert report["environment"]["weights"].startswith("Q4_1 and Q8_0 blocks")
-    assert set(report["algos"]) == {"ar-float32"}
-    assert all(row["algos"]["ar-float32"]["same_tokens_as_ar"] is True for row in report["prompts"])
+    # the embedded model reads its GGUF blocks in integers; the same run races plain decoding on the same blocks
+    # against float32 activations and on its float32 weights (other arithmetic: their tokens may differ)
+    assert report["environment"]["weights"].startswith("Q4_1 and Q8_0 blocks, 8-bit activations")
+    assert set(report["algos"]) == {"ar-gguf", "ar-float32"}
+    assert all(isinstance(row["algos"]["ar-float32"]["same_tokens_as_ar"], bool) for row in report["prompts"])
+    assert "ours on the GGUF blocks with 8-bit activations / with float32 activations" in out_md.read_text()
     assert "ours on the GGUF blocks / on the float32 weights" in out_md.read_text()
     if importlib.util.find_spec("llama_cpp") is not None:  # the optional peer, where installed
         assert row["llama_cpp"]["tokens"] >= 1 and "ours / llama.cpp" in out_md.read_text()
@@ -78,7 +80,7 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["algos"]) == {"ar-float32", "speculative", "speculative-copy", "prompt-lookup", "lookahead",
+    assert set(report["algos"]) == {"ar-gguf", "ar-float32", "speculative", "speculative-copy", "prompt-lookup", "lookahead",
                                     "medusa", "medusa-copy", "medusa-lossless", "medusa-typical", "eagle",
                                     "eagle-copy", "eagle-sampled", "rest", "rest-wide", "self-speculative"}
     for row in report["prompts"]:
@@ -196,21 +198,29 @@ def test_the_llama_cpp_peer_decodes_to_an_end_or_the_limit() -> None:
     assert llama_cpp_peer(None, 512) is None
 
 
-def test_the_kernel_suite_reads_the_products_against_the_fma_bound(tmp_path, target, monkeypatch) -> None:
+def test_the_kernel_suite_reads_the_products_and_the_forward_against_their_bounds(tmp_path, target,
+                                                                                  monkeypatch) -> None:
     from playground.bench import kernel as bench_kernel
+    from playground.models import native
 
     monkeypatch.setattr(bench_kernel, "MIN_SECONDS", 0.002)
     monkeypatch.setattr(bench_kernel, "REPEATS", 2)
+    monkeypatch.setattr(native, "read_bandwidth", lambda kernel, threads: 20e9)  # a fixed machine, for the table
     out_json, out_md = tmp_path / "k.json", tmp_path / "k.md"
     assert main(["bench", "--suite", "kernel", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     kernel = json.loads(out_json.read_text())["kernel"]
-    assert kernel["peak_gfma_per_s"] > 0 and kernel["threads"] >= 1
+    assert kernel["peak_gfma_per_s"] > 0 and kernel["integer_peak_g_per_s"] > 0 and kernel["threads"] >= 1
     products = kernel["products"]
-    # the layers' Q4_1 blocks, the output's Q8_0 rows and the largest layer product again as float32 panels
-    assert {p["format"] for p in products} == {"Q4_1", "Q8_0", "float32"}
+    # the layers' Q4_1 blocks and the output's Q8_0 rows in integers, and the largest layer product as float32
+    assert {p["format"] for p in products} == {"Q4_1 x 8-bit", "Q8_0 x 8-bit", "float32"}
+    assert {p["bound"] for p in products} == {"integer", "FMA"}
     assert {p["rows"] for p in products} == {1, 4, 8, 12, kernel["rows_per_pass"]}
     assert all(0 < p["share_of_peak"] < 1.5 and p["gfma_per_s"] > 0 for p in products)  # a bound bounds
-    assert "| 3072x576 | Q4_1 | 12 |" in out_md.read_text()
+    forward = kernel["forward"]
+    assert forward["bound_ms"] == pytest.approx(1e3 * forward["bytes"] / 20e9) and 90e6 < forward["bytes"] < 100e6
+    assert set(forward["ms"]) == {"1", "4", "8"} and all(v > 0 for v in forward["ms"].values())
+    text = out_md.read_text()
+    assert "| 3072x576 | Q4_1 x 8-bit | 12 |" in text and "bounds a forward at" in text
 
 
 def test_bench_races_a_spec_bench_file_per_category(tmp_path) -> None:

@@ -42,13 +42,14 @@ def test_generate_json_and_trace(tmp_path, target) -> None:
         assert Trace.load(tmp_path / f"trace-{i}.json").finish().token_ids == record["token_ids"]
 
 
-def test_generate_reads_either_format_with_the_same_tokens(target) -> None:
-    """--weights gguf (the default's choice for the embedded model) and float32: the same tokens."""
+def test_generate_reads_every_format(target) -> None:
+    """--weights gguf-int8 (the default's choice for the embedded model), gguf and float32 each run; the
+    float-activation blocks give float32's tokens (the 8-bit activations' quality is measured in test_gguf)."""
     runs = [cli("generate", "--prompt", "Name a colour.", "--max-new-tokens", "8", "--json", "--weights", weights)
-            for weights in ("gguf", "float32")]
+            for weights in ("gguf-int8", "gguf", "float32")]
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
-    gguf, float32 = (json.loads(run.stdout)["token_ids"] for run in runs)
-    assert gguf == float32 and len(gguf) >= 1
+    integer, gguf, float32 = (json.loads(run.stdout)["token_ids"] for run in runs)
+    assert gguf == float32 and len(gguf) >= 1 and len(integer) >= 1
 
 
 @pytest.fixture

@@ -162,24 +162,25 @@ def test_tapped_forwards_return_the_final_states_and_each_tapped_layers_input(ta
     """With taps (an EAGLE-3 head's), eager forwards (the native kernel's layers in runs between the taps) and
     static ones (layer by layer) give the same bits, the untapped forward's final states first, then the residual
     stream entering each tapped layer: what transformers returns as that layer's hidden states, the trainer's
-    input (`train.medusa.sequence_states`), to the rounding that reading the GGUF blocks (summed block by block)
-    rather than transformers' dequantised float32 weights adds over 27 layers."""
-    model, taps, e = target.model, (27, 2, 15), target.model.config.hidden_size
+    input (`train.medusa.sequence_states`), to the rounding that reading the GGUF blocks (summed block by block, on
+    float32 activations) rather than transformers' dequantised float32 weights adds over 27 layers."""
+    taps, e = (27, 2, 15), target.model.config.hidden_size
     ids, prompt = [[300, 301]], torch.arange(10, 20).unsqueeze(0)  # a decode forward after a 10-token prefix
 
-    def run(forwards_type, taps):
+    def run(model, forwards_type, taps):
         cache = paged_cache(model, 32, 4) if kv == "paged" else contiguous_cache(model, 100)
         prefill = model(prompt, torch.arange(10).unsqueeze(0), cache, [0], num_logits=0, taps=taps)[1]
         return prefill, forwards_type(model, cache, taps=taps)([0], ids, [[10, 11]])
 
-    plain = run(Forwards, ())
-    eager, static = run(Forwards, taps), run(StaticForwards, taps)
+    plain = run(target.model, Forwards, ())
+    eager, static = run(target.model, Forwards, taps), run(target.model, StaticForwards, taps)
     for untapped, tapped, laid in zip(plain, eager, static):  # the prefill's (1, 10, 4E), the decode's (1, 2, 4E)
         assert tapped.shape[-1] == 4 * e and torch.equal(tapped[..., :e], untapped) and torch.equal(tapped, laid)
     peer = load_hf_peer(target)
     with torch.inference_mode():
         expected = peer.model(input_ids=torch.cat((prompt, torch.tensor(ids)), 1), output_hidden_states=True)
-    got = torch.cat(eager, 1)  # (1, 12, 4E)
+    float_blocks = load_model(ModelSpec(device="cpu", weights="gguf"))  # the 8-bit activations move further
+    got = torch.cat(run(float_blocks.model, Forwards, taps), 1)  # (1, 12, 4E)
     for i, layer in enumerate(taps):
         torch.testing.assert_close(got[..., (i + 1) * e : (i + 2) * e], expected.hidden_states[layer],
                                    rtol=1e-3, atol=1e-3)

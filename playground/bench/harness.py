@@ -32,14 +32,17 @@ from .suite import GROUNDED, SUITE, per_category, read_prompts_file, spread
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="default", choices=["default", "serving", "kernel"],
+    parser.add_argument("--suite", default="default", choices=["default", "serving", "kernel", "quality"],
                         help="default: every algorithm per prompt against plain decoding; serving: the batching "
                              "engine with continuous vs static batching vs one request at a time; kernel: the "
-                             "native matrix products against this processor's fused multiply-add bound")
+                             "native matrix products and the one-token forward against this processor's bounds; "
+                             "quality: each way of reading a GGUF model's weights against its float32 weights "
+                             "(KL divergence, top-1 agreement, perplexity on held-out text)")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="1..4096 (default 128); serving: the longest output limit of the workload")
     parser.add_argument("--limit", type=int, default=None,
-                        help="run only N prompts of the suite, spread over its categories (one of each first)")
+                        help="run only N prompts of the suite, spread over its categories (one of each first); "
+                             "quality: only N windows of held-out text")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="the prompts to race instead of the built-in suite: JSONL rows {\"prompt\": ..., "
                              "\"category\": ...} or Spec-Bench's question.jsonl (each row's first turn, by its "
@@ -133,6 +136,7 @@ def run_of(trace: Any) -> Run:
 
 # the rows of plain decoding on float32 weights, of plain decoding with eager forwards, and of llama.cpp
 FLOAT32, EAGER, LLAMA, SAMPLED_PLAIN = "ar-float32", "ar-eager", "llama.cpp", "ar-sampled"
+FLOAT_BLOCKS = "ar-gguf"  # plain decoding on the GGUF blocks against float32 activations
 SUITE_CONTEXT = 2048  # llama.cpp's context: the suite's longest prompt and output fit
 # Under the measured plan a contender may always verify nothing, so its median speedup should not fall below this
 # beyond noise: below it while the upper end of its interval (`median_interval`) is too is a loss
@@ -239,6 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_serving(args)
     if args.suite == "kernel":
         return cmd_bench_kernel(args)
+    if args.suite == "quality":
+        return cmd_bench_quality(args)
     check_int("gamma", args.gamma, 1, MAX_GAMMA)  # refused before any model loads
     args.algos = parse_algos(args.algos)
     suite = SUITE if args.prompts is None else read_prompts_file(args.prompts)
@@ -259,9 +265,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sampled_plain = (Contender(SAMPLED_PLAIN, PLAIN, None, "plain decoding, sampled", sampling=SAMPLED)
                      if any(c.sampled for c in contenders) else None)
     baselines = [plain] if sampled_plain is None else [plain, sampled_plain]
-    if target.weights == "gguf" and not args.no_peers:  # the same model's float32 weights: what the blocks buy
+    if target.weights in ("gguf-int8", "gguf") and not args.no_peers:  # the same model's float32 weights
         contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
+    if target.weights == "gguf-int8" and not args.no_peers:  # the same blocks against float32 activations
+        contenders.insert(0, Contender(FLOAT_BLOCKS, PLAIN, None, "plain decoding on the GGUF blocks with float32 "
+                                       "activations", target=load_model(replace(target.spec, weights="gguf"))))
     if target.forwards != "eager":  # the same weights' forwards each at its own shape: what the static shapes buy
         contenders.insert(0, Contender(EAGER, PLAIN, None, "plain decoding with eager forwards",
                                        target=replace(target, forwards="eager")))
@@ -534,6 +543,44 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
         raise ConfigError(f"suite: {exc}") from None
     report = {"model": target.name, "environment": environment(target.model), "kernel": kernel}
     return write_report(args, report, markdown_kernel(report))
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from ..models import load_model, native
+    from ..models.loader import source_gguf
+    from .quality import MIN_TOKENS, held_out_text, llama_logits, markdown_quality, measure_quality, window_logits
+    from .quality import windows as token_windows
+
+    spec = model_spec(args)
+    if args.limit is not None:
+        check_int("limit", args.limit, 1, 10_000)
+    gguf_file = source_gguf(spec)
+    if gguf_file is None:
+        raise ConfigError(f"suite: quality compares the ways of reading a GGUF model's weights; {spec.source!r} is "
+                          "not one (use the embedded model or a .gguf file)")
+    reference = load_model(replace(spec, weights="float32"))
+    passages = held_out_text()
+    if not passages:
+        raise ConfigError("suite: quality reads held-out text from Python's pydoc_data, which this installation "
+                          "lacks")
+    chosen = token_windows(reference.tokenizer, passages, MIN_TOKENS)[: args.limit]
+    contenders: dict[str, Callable[[list[int]], torch.Tensor]] = {}
+    labels = {"float32": "float32 (the reference)"}
+    for weights in ("gguf-int8", "gguf"):
+        loaded = load_model(replace(spec, weights=weights))
+        contenders[weights] = partial(window_logits, loaded.model)
+        labels[weights] = native.formats_read(loaded.model)
+    llama = llama_logits(str(gguf_file))
+    if llama is not None:
+        contenders["llama.cpp"], labels["llama.cpp"] = llama, "llama.cpp on the same file"
+    rows = measure_quality(lambda ids: window_logits(reference.model, ids), contenders, chosen,
+                           lambda line: print(line, file=sys.stderr, flush=True))
+    for row in rows:
+        row["label"] = labels[row["weights"]]
+    quality = {"positions": rows[0]["positions"], "windows": len(chosen), "rows": rows,
+               "text": "the Python language reference's topics, pydoc_data", "llama_cpp": llama is not None}
+    report = {"model": reference.name, "environment": environment(reference.model), "quality": quality}
+    return write_report(args, report, markdown_quality(report))
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:

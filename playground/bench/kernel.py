@@ -1,10 +1,15 @@
-"""`python -m playground bench --suite kernel`: the native matrix products against this processor's bound.
+"""`python -m playground bench --suite kernel`: the native matrix products and the one-token forward against this
+processor's bounds.
 
-This processor's most fused multiply-adds a second (`native.fma_peak`, on the threads the products use) against what
-the kernel's products reach over 1, 4, 8 and 12 rows (and the rows one pass over a weight panel serves): the
-target's largest layer product in each format it reads (GGUF Q4_1 blocks, the Q8_0 output rows) and the same layer
-product's float32 panels. One row is bound by reading the weights, so each row also gives the bytes read a second;
-more rows reuse each weight read from memory, so the share of the FMA bound is what they are judged by.
+This processor's most multiply-adds a second on the threads the products use: float32 fused multiply-adds
+(`native.fma_peak`) for the float formats, 8-bit integer ones through the integer products' instruction
+(`native.dot_peak`) for the integer formats; against them what the kernel's products reach over 1, 4, 8 and 12 rows
+(and the rows one pass over a weight panel serves): the target's largest layer product in each format it reads
+(GGUF Q4_1 blocks, the Q8_0 output rows) and the same layer product's float32 panels. One row is bound by reading
+the weights, so each row also gives the bytes read a second; more rows reuse each weight read from memory, so the
+share of the arithmetic bound is what they are judged by. Then the whole forward: this machine's read bandwidth
+(`native.read_bandwidth`), the bytes the model's products read over it (the memory bound of a one-token forward),
+and the measured forward over 1, 4 and 8 tokens against it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from typing import Any
 
 import torch
 
+from ..decoding.costs import measure
 from ..models import native
 
 ROWS = (1, 4, 8, 12)
+FORWARD_WIDTHS = (1, 4, 8)  # tokens of the whole forwards timed against the memory bound
 MIN_SECONDS = 0.02  # each timing repeats a product until it has run this long
 REPEATS = 5  # timings of each; the fastest is kept (a slowed host only ever adds time)
 
@@ -47,6 +54,9 @@ def run_kernel(target: Any, progress: Any) -> dict[str, Any]:
     threads = torch.get_num_threads()
     peak = native.fma_peak(kernel, threads)
     progress(f"FMA bound: {peak / 1e9:.1f} GFMA/s on {threads} thread(s), {kernel.vector_width}-float vectors")
+    integer_peak = native.dot_peak(kernel, threads)
+    progress(f"integer bound: {integer_peak / 1e9:.1f} G multiply-adds/s ({kernel.dot_products})")
+    integer_codes = set(native.INTEGER_FORMATS.values())
     largest: dict[int, tuple[torch.Tensor, native.Panels]] = {}  # format -> its product that reads the most bytes
     for weight, panels in products:
         if panels.format not in largest or panels.nbytes > largest[panels.format][1].nbytes:
@@ -65,24 +75,46 @@ def run_kernel(target: Any, progress: Any) -> dict[str, Any]:
             x = torch.randn(n, panels.in_features)  # (n, in)
             seconds = product_seconds(x, panels)
             fmas = n * panels.in_features * panels.out
-            table.append({"format": name, "out": panels.out, "in": panels.in_features, "rows": n,
-                          "microseconds": 1e6 * seconds, "gfma_per_s": fmas / seconds / 1e9,
-                          "share_of_peak": fmas / seconds / peak, "gb_per_s": panels.nbytes / seconds / 1e9})
-            progress(f"{name} {panels.out}x{panels.in_features}, {n} row(s): {1e6 * seconds:.0f} us, "
-                     f"{table[-1]['gfma_per_s']:.1f} GFMA/s ({100 * table[-1]['share_of_peak']:.0f}% of the bound)")
+            integer = panels.format in integer_codes
+            table.append({"format": name + (" x 8-bit" if integer else ""), "out": panels.out,
+                          "in": panels.in_features, "rows": n, "microseconds": 1e6 * seconds,
+                          "gfma_per_s": fmas / seconds / 1e9, "bound": "integer" if integer else "FMA",
+                          "share_of_peak": fmas / seconds / (integer_peak if integer else peak),
+                          "gb_per_s": panels.nbytes / seconds / 1e9})
+            progress(f"{table[-1]['format']} {panels.out}x{panels.in_features}, {n} row(s): {1e6 * seconds:.0f} us, "
+                     f"{table[-1]['gfma_per_s']:.1f} G multiply-adds/s ({100 * table[-1]['share_of_peak']:.0f}% of "
+                     f"the {table[-1]['bound']} bound)")
+    bandwidth = native.read_bandwidth(kernel, threads)
+    read = sum(panels.nbytes for _, panels in products)
+    curve = measure(target.model, widths=FORWARD_WIDTHS)
+    forward = {"read_gb_per_s": bandwidth / 1e9, "bytes": read, "bound_ms": 1e3 * read / bandwidth,
+               "ms": {w: 1e3 * curve.time(w) for w in FORWARD_WIDTHS}}
+    progress(f"one-token forward {forward['ms'][1]:.2f} ms against the memory bound {forward['bound_ms']:.2f} ms "
+             f"({read / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): {forward['ms'][1] / forward['bound_ms']:.2f}x")
     return {"threads": threads, "vector_width": kernel.vector_width, "rows_per_pass": kernel.rows_per_pass,
-            "kernel": kernel.path.name, "peak_gfma_per_s": peak / 1e9, "products": table}
+            "kernel": kernel.path.name, "peak_gfma_per_s": peak / 1e9, "dot_products": kernel.dot_products,
+            "integer_peak_g_per_s": integer_peak / 1e9, "products": table, "forward": forward}
 
 
 def markdown_kernel(report: dict[str, Any]) -> str:
     k = report["kernel"]
+    f = k["forward"]
     lines = [f"# Kernel efficiency: {report['model']}, {report['environment']['machine']}", "",
              f"FMA bound: {k['peak_gfma_per_s']:.1f} GFMA/s on {k['threads']} thread(s) ({k['vector_width']}-float "
-             f"vectors; `native.fma_peak`). The kernel ({k['kernel']}) serves {k['rows_per_pass']} rows a pass over "
-             "each weight panel.", "",
-             "| product | format | rows | us | GFMA/s | share of the FMA bound | weights read, GB/s |",
+             f"vectors; `native.fma_peak`). Integer bound: {k['integer_peak_g_per_s']:.1f} G 8-bit multiply-adds/s "
+             f"({k['dot_products']}; `native.dot_peak`). The kernel ({k['kernel']}) serves {k['rows_per_pass']} rows "
+             "a pass over each weight panel.", "",
+             "| product | format | rows | us | G multiply-adds/s | share of its bound | weights read, GB/s |",
              "|---|---|---|---|---|---|---|"]
     for p in k["products"]:
         lines.append(f"| {p['out']}x{p['in']} | {p['format']} | {p['rows']} | {p['microseconds']:.0f} | "
-                     f"{p['gfma_per_s']:.1f} | {100 * p['share_of_peak']:.0f}% | {p['gb_per_s']:.1f} |")
+                     f"{p['gfma_per_s']:.1f} | {100 * p['share_of_peak']:.0f}% of {p.get('bound', 'FMA')} | "
+                     f"{p['gb_per_s']:.1f} |")
+    ms = {int(w): v for w, v in f["ms"].items()}
+    lines += ["", f"The whole forward ({report['environment']['weights']}): this machine reads "
+              f"{f['read_gb_per_s']:.1f} GB/s on {k['threads']} thread(s) (`native.read_bandwidth`), so reading the "
+              f"products' {f['bytes'] / 1e6:.0f} MB bounds a forward at {f['bound_ms']:.2f} ms.", "",
+              "| tokens | forward, ms | over the memory bound | over one token |", "|---|---|---|---|"]
+    for w, v in sorted(ms.items()):
+        lines.append(f"| {w} | {v:.2f} | {v / f['bound_ms']:.2f}x | {v / ms[1]:.2f}x |")
     return "\n".join(lines) + "\n"

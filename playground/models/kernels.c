@@ -85,6 +85,8 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #define FMT_BF16 2
 #define FMT_Q8_0 3
 #define FMT_Q4_1 4
+#define FMT_Q8_0_X8 5 /* the same blocks, multiplied in integers against 8-bit activations: see "Integer products" */
+#define FMT_Q4_1_X8 6
 #define QK 32 /* weights per GGUF block */
 #if VEC == 16 || (VEC == 8 && defined(__AVX2__) && defined(__F16C__))
 #define HALF_PANELS 1
@@ -93,11 +95,12 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #endif
 
 static inline int quantised(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q4_1; }
+static inline int integer(int fmt) { return fmt == FMT_Q8_0_X8 || fmt == FMT_Q4_1_X8; }
 
 /* Bytes of a panel over `in` inputs (a multiple of QK for the GGUF formats). */
 static inline long panel_bytes_of(int fmt, long in) {
-    if (fmt == FMT_Q8_0) return in / QK * (PANEL * 2 + QK * PANEL);
-    if (fmt == FMT_Q4_1) return in / QK * (PANEL * 4 + QK * PANEL / 2);
+    if (fmt == FMT_Q8_0 || fmt == FMT_Q8_0_X8) return in / QK * (PANEL * 2 + QK * PANEL);
+    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) return in / QK * (PANEL * 4 + QK * PANEL / 2);
     return in * PANEL * (fmt == FMT_F32 ? 4 : 2);
 }
 
@@ -156,30 +159,35 @@ int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 int playground_rows_per_pass(void) { return NB; }
 int playground_formats(void) {
-    return HALF_PANELS ? (1 << FMT_F32) | (1 << FMT_F16) | (1 << FMT_BF16) | (1 << FMT_Q8_0) | (1 << FMT_Q4_1)
-                       : 1 << FMT_F32;
+    const int every_build = (1 << FMT_F32) | (1 << FMT_Q8_0_X8) | (1 << FMT_Q4_1_X8);
+    return HALF_PANELS ? every_build | (1 << FMT_F16) | (1 << FMT_BF16) | (1 << FMT_Q8_0) | (1 << FMT_Q4_1)
+                       : every_build;
 }
 
 /* A GGUF matrix as the file stores it, rows (out, in / QK blocks of Q8_0's 34 or Q4_1's 20 bytes), regrouped into
- * the panels described above (zero past `out`, so padded outputs read zero scales and minimums). */
+ * the panels described above (zero past `out`, so padded outputs read zero scales and minimums), or, for the integer
+ * formats, into the layout of "Integer products" below. */
 void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t *panels) {
-    const long blocks = in / QK, size = fmt == FMT_Q4_1 ? 20 : 34, heads = fmt == FMT_Q4_1 ? 4 : 2;
+    const int q4 = fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8;
+    const long blocks = in / QK, size = q4 ? 20 : 34, heads = q4 ? 4 : 2;
     const long panel_count = (out + PANEL - 1) / PANEL, block_bytes = panel_bytes_of(fmt, in) / blocks;
     memset(panels, 0, (size_t)(panel_count * blocks * block_bytes));
     for (long r = 0; r < out; r++) {
         const long p = r / PANEL, i = r % PANEL;
         for (long b = 0; b < blocks; b++) {
             const uint8_t *src = rows + (r * blocks + b) * size;
-            uint8_t *dst = panels + (p * blocks + b) * block_bytes;
+            uint8_t *dst = panels + (p * blocks + b) * block_bytes, *quants = dst + heads * PANEL;
             memcpy(dst + i * 2, src, 2); /* d */
-            if (fmt == FMT_Q4_1) memcpy(dst + PANEL * 2 + i * 2, src + 2, 2); /* m */
+            if (q4) memcpy(dst + PANEL * 2 + i * 2, src + 2, 2); /* m */
             for (long k = 0; k < QK; k++) {
-                if (fmt == FMT_Q8_0) {
-                    dst[PANEL * 2 + k * PANEL + i] = src[2 + k];
-                } else { /* byte j of the block holds quants j (low nibble) and j + 16 (high) */
-                    uint8_t q = k < QK / 2 ? src[heads + k] & 15 : src[heads + k - QK / 2] >> 4;
-                    dst[PANEL * 4 + k * (PANEL / 2) + i % (PANEL / 2)] |= (uint8_t)(i < PANEL / 2 ? q : q << 4);
-                }
+                /* byte j of a Q4_1 block holds quants j (low nibble) and j + 16 (high) */
+                const uint8_t q = !q4 ? src[2 + k] : k < QK / 2 ? src[heads + k] & 15 : src[heads + k - QK / 2] >> 4;
+                const long group = k / 4, at = (group % 4) * PANEL * 4 + i * 4 + k % 4;
+                if (fmt == FMT_Q8_0) quants[k * PANEL + i] = q;
+                else if (fmt == FMT_Q4_1)
+                    quants[k * (PANEL / 2) + i % (PANEL / 2)] |= (uint8_t)(i < PANEL / 2 ? q : q << 4);
+                else if (fmt == FMT_Q8_0_X8) quants[group * PANEL * 4 + i * 4 + k % 4] = q;
+                else quants[at] |= (uint8_t)(group < 4 ? q : q << 4);
             }
         }
     }
@@ -309,7 +317,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
  * and 12 rows took 0.86, 0.86, 0.94, 0.93, 0.90, 0.95, 0.95, 0.88, 0.77 and 0.76 of the time (1 row 24.9 -> 21.4 ms,
  * 12 rows 40.7 -> 31.1). */
 static inline void plan(int n, int fmt, int *chunk, int *G) {
-    if (NB <= 6 && quantised(fmt)) {
+    if (NB <= 6 && (quantised(fmt) || integer(fmt))) {
         /* GGUF blocks with AVX2's 16 registers: even passes of up to NB rows over one panel, not the float formats'
          * 2-3 rows over 2 panels, which took up to 1.2x the time with the blocks summed apart (and spilled their
          * scales when every weight was widened to its float); one row as theirs, over GROUP panels, which reads
@@ -390,6 +398,251 @@ static void block_sums(const float *x, long n, long in, float *s) {
     }
 }
 
+/* ---- Integer products on 8-bit activations ----
+ * FMT_Q8_0_X8 and FMT_Q4_1_X8 hold the same GGUF blocks as FMT_Q8_0 and FMT_Q4_1; a product quantises each row of x
+ * per block of QK inputs to 8-bit integers (`quantise_rows`, as llama.cpp's Q8_0 activations) and multiplies them
+ * against the weights' quants in 32-bit integer dot products: with AVX-512 VNNI or AVX-VNNI one instruction does 4
+ * multiply-adds for each of 16 (8) outputs, against one float multiply-add per weight after widening it. A block's
+ * integer sum is exact whatever the instructions, so every build folds the same integer into the output:
+ *     y = fma(float(isum) * d, d_x, y)        then, for Q4_1,    y = fma(m, s, y)
+ * block by block in order from y = 0 (d, m the weights' scale and minimum, d_x the activations' scale, s the block's
+ * float sum of x, as `block_sums` gives it). The bits depend on one output and one row alone, and are the same on
+ * AVX-512 VNNI, AVX-512 without VNNI, AVX2 (with or without AVX-VNNI) and plain C.
+ *
+ * Panel layout, per block of QK inputs: the PANEL float16 scales d, (Q4_1) the PANEL float16 minimums m, then the
+ * quants as the dot-product instructions read them, 4 inputs of an output in one 32-bit lane: group g (inputs 4g ..
+ * 4g + 3) holds output i's 4 quants at bytes 4i .. 4i + 3 of a PANEL * 4-byte row. Q8_0: 8 such rows of signed
+ * bytes. Q4_1: 4 rows, row r holding group r in the low nibbles and group r + 4 in the high ones. */
+#if VEC == 16 && defined(__AVX512VNNI__)
+#define DOT "AVX-512 VNNI"
+#elif VEC == 16 && defined(__AVX512BW__)
+#define DOT "AVX-512BW"
+#elif VEC == 8 && defined(__AVXVNNI__)
+#define DOT "AVX-VNNI"
+#elif VEC == 8 && defined(__AVX2__) && defined(__FMA__)
+#define DOT "AVX2"
+#else
+#define DOT "plain C"
+#define DOT_PLAIN 1
+#endif
+#if VEC == 16 && defined(__AVX512VNNI__) || VEC == 8 && defined(__AVXVNNI__)
+/* The VNNI instruction reads the weights unsigned: a Q8_0 quant q goes in as q + 128 (its sign bit flipped), and
+ * 128 times the block's sum of x's quants starts the sum below zero, which makes it exact again. */
+#define DOT_OFFSET 1
+#else
+#define DOT_OFFSET 0
+#endif
+
+const char *playground_dot_products(void) { return DOT; }
+
+/* Each row of x (n, in) per block of QK inputs: q = round(x / d) (to nearest, ties to even) with d = max |x| / 127,
+ * so q is in [-127, 127] (d = 0 and q = 0 for a block of zeros); qsum the block's sum of q. Scalar IEEE operations,
+ * the same on every build. */
+static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, int32_t *qsum) {
+    for (long b = 0; b < n * in / QK; b++) {
+        const float *v = x + b * QK;
+        float top = 0.0f;
+        for (int k = 0; k < QK; k++) top = fmaxf(top, fabsf(v[k]));
+        const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t total = 0;
+        for (int k = 0; k < QK; k++) {
+            const int value = (int)nearbyintf(v[k] * inverse);
+            q[b * QK + k] = (int8_t)value;
+            total += value;
+        }
+        d[b] = scale;
+        qsum[b] = total;
+    }
+}
+
+/* acc + the dot products of 4 inputs for each of VEC outputs: w holds output l's 4 quants in lane l (unsigned
+ * bytes: Q4_1's 0..15; Q8_0's signed bytes, flipped to unsigned where DOT_OFFSET), x4 the row's 4 quants of
+ * those inputs. Exact: every product and sum fits its integer. */
+static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, int q4) {
+    (void)q4;
+#if VEC == 16 && defined(__AVX512VNNI__)
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#elif VEC == 8 && defined(__AVXVNNI__)
+    return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(x4));
+#elif VEC == 16 && defined(__AVX512BW__)
+    /* pairs summed in 16 bits: Q4_1 at most 2 * 15 * 127; Q8_0 as |w| times x with w's sign, at most 2 * 128 * 127 */
+    __m512i x = _mm512_set1_epi32(x4), pairs;
+    if (q4) pairs = _mm512_maddubs_epi16((__m512i)w, x);
+    else pairs = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w),
+                                      _mm512_mask_sub_epi8(x, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(), x));
+    return acc + (vi)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#elif !defined(DOT_PLAIN)
+    __m256i x = _mm256_set1_epi32(x4), pairs;
+    if (q4) pairs = _mm256_maddubs_epi16((__m256i)w, x);
+    else pairs = _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)w), _mm256_sign_epi8(x, (__m256i)w));
+    return acc + (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+    int8_t xs[4];
+    memcpy(xs, &x4, 4);
+    for (int l = 0; l < VEC; l++) {
+        uint8_t wb[4];
+        memcpy(wb, (const char *)&w + 4 * l, 4);
+        for (int j = 0; j < 4; j++) acc[l] += (q4 ? (int32_t)wb[j] : (int32_t)(int8_t)wb[j]) * xs[j];
+    }
+    return acc;
+#endif
+}
+
+/* a * b + c rounded once on every build (the plain-C build with the C library's fmaf). */
+static inline __attribute__((always_inline)) vf fma_once(vf a, vf b, vf c) {
+#if VEC == 16 || (VEC == 8 && defined(__FMA__))
+    return vfma(a, b, c);
+#else
+    for (int l = 0; l < VEC; l++) c[l] = fmaf(a[l], b[l], c[l]);
+    return c;
+#endif
+}
+
+/* VEC float16 values at `at`, widened exactly. */
+static inline __attribute__((always_inline)) vf widen_halves(const uint8_t *at) {
+#if HALF_PANELS
+    return load_halves(at);
+#else
+    vf r;
+    for (int l = 0; l < VEC; l++) {
+        uint16_t h;
+        memcpy(&h, at + 2 * l, 2);
+        const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023;
+        /* normal: rebias; subnormal: the mantissa times 2^-24, exact in float32; inf and NaN keep their payload */
+        float value = exponent == 0 ? (float)mantissa * 0x1p-24f
+                    : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                    : ldexpf((float)(mantissa | 1024), (int)exponent - 25);
+        uint32_t bits;
+        memcpy(&bits, &value, 4);
+        bits |= sign;
+        memcpy(&r[l], &bits, 4);
+    }
+    return r;
+#endif
+}
+
+/* One pass of rows [0, nb) over G adjacent panels in an integer format (as `panel_rows` for the others): xq (nb, in)
+ * the rows' quants, xd and xt (nb, in / QK) their scales and quant sums, sums (nb, in / QK) the float block sums of
+ * x (Q4_1). Per block: the integer sums in registers, then folded into `total`. */
+static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq, const float *xd, const int32_t *xt,
+                                                               const float *sums, long in, const void *panel,
+                                                               int fmt, float *y, long out, int nb, int G, int cols,
+                                                               uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+    const int q4 = fmt == FMT_Q4_1_X8, rows_per_block = q4 ? 4 : 8;
+    const long blocks = in / QK, panel_bytes = panel_bytes_of(fmt, in), block_bytes = panel_bytes / blocks;
+    const long quant_at = q4 ? PANEL * 4 : PANEL * 2;
+    const uintptr_t span = step * (QK / rows_per_block); /* bytes each stream fetches per row of quants */
+    float total[GROUP][NB][PANEL];
+    (void)xt;
+    for (long b = 0; b < blocks; b++) {
+        vi acc[GROUP][NB][NV];
+#pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+            for (int i = 0; i < nb; i++)
+                for (int j = 0; j < NV; j++)
+                    acc[g][i][j] = DOT_OFFSET && !q4 ? (vi){0} - 128 * xt[i * blocks + b] : (vi){0};
+        for (int r = 0; r < rows_per_block; r++) {
+            uintptr_t at = fetch + (b * QK + r * (QK / rows_per_block)) * step;
+#pragma GCC unroll 16
+            for (int g = 0; g < GROUP; g++) {
+                if (g < G) {
+                    for (uintptr_t o = 0; o < span; o += 64) __builtin_prefetch((const void *)(at + g * stride + o), 0, 2);
+                    const uint8_t *qs = (const uint8_t *)panel + g * panel_bytes + b * block_bytes + quant_at +
+                                        r * PANEL * 4;
+                    vi w[NV], high[NV];
+                    for (int j = 0; j < NV; j++) {
+                        vi raw;
+                        memcpy(&raw, qs + j * VEC * 4, sizeof(raw));
+                        if (q4) { /* each byte's two nibbles */
+                            w[j] = raw & 0x0f0f0f0f;
+                            high[j] = (raw >> 4) & 0x0f0f0f0f;
+                        } else {
+                            w[j] = DOT_OFFSET ? raw ^ (int32_t)0x80808080 : raw;
+                            high[j] = w[j];
+                        }
+                        __asm__("" : "+x"(w[j]));
+                        if (q4) __asm__("" : "+x"(high[j]));
+                    }
+#pragma GCC unroll 16
+                    for (int i = 0; i < NB; i++) {
+                        if (i < nb) {
+                            const int8_t *xb = xq + i * in + b * QK;
+                            int32_t x4, x4_high = 0;
+                            memcpy(&x4, xb + 4 * r, 4);
+                            if (q4) memcpy(&x4_high, xb + 4 * (r + 4), 4);
+                            for (int j = 0; j < NV; j++) {
+                                acc[g][i][j] = dot4(acc[g][i][j], w[j], x4, q4);
+                                if (q4) acc[g][i][j] = dot4(acc[g][i][j], high[j], x4_high, q4);
+                            }
+                        }
+                    }
+                    if (G > 1) __asm__ volatile("" ::: "memory");
+                }
+            }
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < G; g++) {
+            const uint8_t *head = (const uint8_t *)panel + g * panel_bytes + b * block_bytes;
+            vf scale[NV], low[NV];
+            for (int j = 0; j < NV; j++) {
+                scale[j] = widen_halves(head + j * VEC * 2);
+                low[j] = q4 ? widen_halves(head + PANEL * 2 + j * VEC * 2) : (vf){0};
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < nb; i++) {
+                const vf x_scale = splat(xd[i * blocks + b]);
+                const vf x_sum = q4 ? splat(sums[i * blocks + b]) : (vf){0};
+                for (int j = 0; j < NV; j++) {
+                    vf *t = (vf *)&total[g][i][j * VEC];
+                    vf v = fma_once(__builtin_convertvector(acc[g][i][j], vf) * scale[j], x_scale,
+                                    b == 0 ? (vf){0} : *t);
+                    *t = q4 ? fma_once(low[j], x_sum, v) : v;
+                }
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; g++) {
+        float *yg = y + g * PANEL;
+        const int width = g < G - 1 ? PANEL : cols;
+#pragma GCC unroll 16
+        for (int i = 0; i < nb; i++) memcpy(yg + i * out, total[g][i], (size_t)width * sizeof(float));
+    }
+}
+
+#define INTEGER_CASE(k) \
+    case k: integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
+
+/* One pass of nb rows over G panels of integer format fmt (a constant at each call): G as `rows_in` takes it. */
+static inline __attribute__((always_inline)) void integer_in(const int8_t *xq, const float *xd, const int32_t *xt,
+                                                             const float *sums, long in, const void *panel, int fmt,
+                                                             float *y, long out, int nb, int G, int cols,
+                                                             uintptr_t fetch, uintptr_t stride, uintptr_t step) {
+    if (G == GROUP && nb == 1) {
+        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
+    } else if (G == 2 && nb == 2) {
+        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
+    } else if (G == 2) {
+        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
+    } else {
+        switch (nb) {
+            INTEGER_CASE(1) INTEGER_CASE(2) INTEGER_CASE(3) INTEGER_CASE(4) INTEGER_CASE(5)
+#if NB > 6
+            INTEGER_CASE(6) INTEGER_CASE(7) INTEGER_CASE(8) INTEGER_CASE(9) INTEGER_CASE(10) INTEGER_CASE(11)
+#endif
+            default: integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
+        }
+    }
+}
+
+static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, const float *sums, long in,
+                         const void *panel, int fmt, float *y, long out, int nb, int G, int cols, uintptr_t fetch,
+                         uintptr_t stride, uintptr_t step) {
+    if (fmt == FMT_Q4_1_X8) integer_in(xq, xd, xt, sums, in, panel, FMT_Q4_1_X8, y, out, nb, G, cols, fetch, stride, step);
+    else integer_in(xq, xd, xt, sums, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step);
+}
+
 /* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
  * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
  * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
@@ -397,11 +650,21 @@ static void block_sums(const float *x, long n, long in, float *s) {
 static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
                        int nt) {
     if (n <= 0) return;
-    float *sums = NULL; /* Q4_1: every row's block sums, each thread its own copy */
-    if (fmt == FMT_Q4_1) {
-        sums = malloc((size_t)n * (in / QK) * sizeof(float));
+    float *sums = NULL, *xd = NULL; /* Q4_1: every row's block sums; integer formats: x's scales */
+    int8_t *xq = NULL;              /* integer formats: x's quants, each thread its own copy of all of these */
+    int32_t *xt = NULL;
+    const long blocks = in / QK;
+    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) {
+        sums = malloc((size_t)n * blocks * sizeof(float));
         if (sums == NULL) abort(); /* a few hundred kilobytes at most: the process is out of memory */
         block_sums(x, n, in, sums);
+    }
+    if (integer(fmt)) {
+        xq = malloc((size_t)n * in);
+        xd = malloc((size_t)n * blocks * sizeof(float));
+        xt = malloc((size_t)n * blocks * sizeof(int32_t));
+        if (xq == NULL || xd == NULL || xt == NULL) abort();
+        quantise_rows(x, n, in, xq, xd, xt);
     }
     long panels = (out + PANEL - 1) / PANEL;
     uintptr_t panel_bytes = panel_bytes_of(fmt, in), row_bytes = panel_bytes / in; /* per input, on average */
@@ -423,10 +686,21 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
         uintptr_t next = (uintptr_t)group + G * panel_bytes;
         for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
             int nb = n - i0 < chunk ? n - i0 : chunk;
-            const float *xr = x + (long)i0 * in, *sr = sums ? sums + (long)i0 * (in / QK) : NULL;
+            const float *xr = x + (long)i0 * in, *sr = sums ? sums + (long)i0 * blocks : NULL;
             float *yr = y + (long)i0 * out + p0 * PANEL;
             uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
-            if (count == G) {
+            if (integer(fmt)) {
+                const int8_t *qr = xq + (long)i0 * in;
+                const float *dr = xd + (long)i0 * blocks;
+                const int32_t *tr = xt + (long)i0 * blocks;
+                if (count == G) {
+                    integer_pass(qr, dr, tr, sr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
+                } else {
+                    for (long g = 0; g < count; g++)
+                        integer_pass(qr, dr, tr, sr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
+                                     g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
+                }
+            } else if (count == G) {
                 rows(xr, sr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
             } else { /* a thread's last panels, fewer than a group */
                 for (long g = 0; g < count; g++)
@@ -436,6 +710,9 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
         }
     }
     free(sums);
+    free(xq);
+    free(xd);
+    free(xt);
 }
 
 void playground_gemm(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int threads) {
@@ -1202,4 +1479,42 @@ float playground_fma_peak(long reps, int threads) {
                 total += acc[i][l];
     }
     return total;
+}
+
+/* ---- The integer bound ----
+ * As playground_fma_peak, for the integer products' instruction (`dot4`): `reps` times ACC independent chains of
+ * 4-input dot products of VEC 32-bit lanes each (4 * VEC multiply-adds an instruction). Returns a sum of the
+ * accumulators, so that nothing is optimised away. */
+long playground_dot_peak(long reps, int threads) {
+    long total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        vi acc[ACC], w = (vi){0} + 0x01020304;
+        int32_t x4 = 0x01010101 * (1 + omp_get_thread_num());
+        for (int i = 0; i < ACC; i++) acc[i] = (vi){0} + i;
+        for (long r = 0; r < reps; r++) {
+            for (int i = 0; i < ACC; i++) acc[i] = dot4(acc[i], w, x4, 1);
+            __asm__("" : "+r"(x4)); /* a fresh operand each round: the loop is not folded into one multiply */
+        }
+        for (int i = 0; i < ACC; i++)
+            for (int l = 0; l < VEC; l++) total += acc[i][l];
+    }
+    return total;
+}
+
+/* ---- The memory bound ----
+ * Seconds `threads` threads take to read `bytes` (a multiple of 64) once, each its contiguous share, one load a
+ * cache line: the fastest of `reps` passes. Returns through `sink` a sum of what was read, so the loads stay. */
+double playground_read_seconds(const uint8_t *buffer, long bytes, int threads, int reps, long *sink) {
+    double best = 1e30;
+    long total = 0;
+    for (int rep = 0; rep < reps; rep++) {
+        double start = omp_get_wtime();
+#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
+        for (long at = 0; at < bytes; at += 64) total += buffer[at];
+        double took = omp_get_wtime() - start;
+        if (took < best) best = took;
+    }
+    *sink = total;
+    return best;
 }

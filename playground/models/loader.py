@@ -85,7 +85,7 @@ class LoadedModel:
     folder: Path  # Hugging Face folder holding config, tokenizer and safetensors weights
     eos_token_ids: tuple[int, ...]
     spec: ModelSpec
-    weights: str = "float32"  # what the products read: "gguf" (the file's blocks) or "float32"
+    weights: str = "float32"  # what the products read: "gguf-int8", "gguf" (the file's blocks) or "float32"
     forwards: str = "eager"  # how its decode forwards run: graphs, compiled, static or eager (`models.forwards`)
 
     @property
@@ -160,9 +160,10 @@ def source_gguf(spec: ModelSpec) -> Path | None:
 def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: dict[str, torch.Tensor],
                   hf_config: Any) -> dict[str, tuple[str, torch.Tensor]] | None:
     """The GGUF blocks the model's products will read (by native weight name), or None for float32 weights:
-    `spec.weights` "gguf" needs them to run (else a one-line error), "auto" takes them where they can."""
+    `spec.weights` "gguf-int8" or "gguf" needs them to run (else a one-line error), "auto" takes them where they
+    can (integer products, which every build of the native kernel has)."""
     gguf_file = source_gguf(spec)
-    asked = spec.weights == "gguf"
+    asked = spec.weights in ("gguf", "gguf-int8")
     if spec.weights == "float32" or (gguf_file is None and not asked):
         return None
     reason = None
@@ -171,11 +172,13 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         reason = f"a GGUF source (the embedded model or a .gguf file), not {spec.source!r}"
     elif device.type != "cpu" or spec.dtype != "float32" or spec.quant is not None:
         reason = "the CPU (--device cpu), dtype float32 and no --quant"
-    elif kernel is None or not kernel.gguf:
+    elif kernel is None:
+        reason = f"the native kernel (native kernel: {native.status()})"
+    elif spec.weights == "gguf" and not kernel.gguf:
         reason = f"the native kernel with AVX2 or AVX-512 (native kernel: {native.status()})"
     if reason is not None:
         if asked:
-            raise ModelLoadError(f"weights: gguf needs {reason}; use --weights float32")
+            raise ModelLoadError(f"weights: {spec.weights} needs {reason}; use --weights float32")
         return None
     assert gguf_file is not None  # else `reason` says why not
     try:
@@ -367,13 +370,14 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     model = build_model(hf_config, tensors, TORCH_DTYPES[spec.dtype], device)
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
-    model.pack_linears(blocks)
+    integer = spec.weights != "gguf"  # "auto" and "gguf-int8": blocks are read in integers where there are any
+    model.pack_linears(blocks, integer=integer)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({first_line(exc)})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec,
-                       "gguf" if blocks else "float32", forwards)
+                       ("gguf-int8" if integer else "gguf") if blocks else "float32", forwards)
 
 
 def resolve_forwards(spec: ModelSpec, device: torch.device) -> str:

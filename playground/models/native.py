@@ -50,8 +50,11 @@ MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
 FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # GGUF block formats the kernel reads as stored (FMT_* in kernels.c): code, bytes per block of BLOCK weights
 GGUF_FORMATS = {"Q8_0": (3, 34), "Q4_1": (4, 20)}
+# the same blocks multiplied in integers against activations quantised to 8 bits (FMT_*_X8 in kernels.c)
+INTEGER_FORMATS = {"Q8_0": 5, "Q4_1": 6}
 BLOCK = 32  # weights per GGUF block (QK in kernels.c)
-FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, (code, _) in GGUF_FORMATS.items()}}
+FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, (code, _) in GGUF_FORMATS.items()},
+                **{code: kind for kind, code in INTEGER_FORMATS.items()}}
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,10 @@ class Kernel:
     # of arithmetic (6 with AVX2, 12 with AVX-512)
     rows_per_pass: int
     halves: bool  # whether panels may hold 16-bit floats (AVX2 with F16C, or AVX-512)
-    gguf: bool  # whether panels may hold GGUF Q8_0 and Q4_1 blocks (the same builds)
+    gguf: bool  # whether panels may hold GGUF Q8_0 and Q4_1 blocks against float activations (the same builds)
+    # the instructions of the integer products on 8-bit activations, which every build has: "AVX-512 VNNI",
+    # "AVX-512BW", "AVX-VNNI", "AVX2" or "plain C"
+    dot_products: str
 
     def normalises(self, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` serves this norm weight: float32 on the CPU, a whole number of vectors long."""
@@ -97,13 +103,18 @@ class Panels:
 
 
 def formats_read(model: Transformer) -> str:
-    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks (96 MB)", "float32 (538 MB)";
-    "PyTorch's products" where the native kernel runs none."""
+    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)",
+    "Q4_1 and Q8_0 blocks, float32 activations (96 MB)", "float32 (538 MB)"; "PyTorch's products" where the native
+    kernel runs none."""
     products = model.packed_products()
     if not products:
         return "PyTorch's products"
     names = sorted({FORMAT_NAMES[panels.format] for _, panels in products})
-    blocks = " blocks" if all(name in GGUF_FORMATS for name in names) else ""
+    codes = {panels.format for _, panels in products}
+    blocks = ""
+    if all(name in GGUF_FORMATS for name in names):
+        integer = codes <= set(INTEGER_FORMATS.values())
+        blocks = " blocks, 8-bit activations" if integer else " blocks, float32 activations"
     return f"{' and '.join(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
 
 
@@ -192,13 +203,20 @@ def load(path: Path) -> Kernel:
     library.playground_pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_void_p]
     library.playground_pack_blocks.restype = None
+    library.playground_dot_products.restype = ctypes.c_char_p
+    library.playground_read_seconds.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                                                ctypes.c_void_p]
+    library.playground_read_seconds.restype = ctypes.c_double
+    library.playground_dot_peak.argtypes = [ctypes.c_long, ctypes.c_int]
+    library.playground_dot_peak.restype = ctypes.c_long
     library.playground_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]
     library.playground_fma_peak.restype = ctypes.c_float
     formats = library.playground_formats()
     halves = (formats >> FORMATS[torch.float16]) & 1 == 1
     gguf = all((formats >> code) & 1 for code, _ in GGUF_FORMATS.values())
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
-                  int(library.playground_rows_per_pass()), halves, gguf)
+                  int(library.playground_rows_per_pass()), halves, gguf,
+                  library.playground_dot_products().decode())
 
 
 def default_cache_dir() -> Path:
@@ -266,11 +284,14 @@ def pack_panels(weight: torch.Tensor, kernel: Kernel, narrow: bool = True) -> Pa
     return Panels(data, out, kernel, in_features, FORMATS[data.dtype])
 
 
-def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kernel) -> Panels:
+def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kernel, integer: bool = False) -> Panels:
     """A weight of `out` rows stored as GGUF blocks, blocks (out, in / 32 * block bytes) uint8 as the file holds
     them (row-major, `kind` Q8_0 or Q4_1), regrouped per panel for `kernel` (see kernels.c): every product sums each
-    block apart, d * (sum of q * x) [+ m * (sum of x)], its bits those of one output and one row alone."""
+    block apart, d * (sum of q * x) [+ m * (sum of x)], its bits those of one output and one row alone. Where
+    `integer`, the products quantise x to 8 bits per block and sum q * q_x in integers (every build has them)."""
     code, size = GGUF_FORMATS[kind]
+    if integer:
+        code = INTEGER_FORMATS[kind]
     out, width, count = blocks.shape[0], kernel.panel_width, in_features // BLOCK
     if in_features % BLOCK or blocks.shape[1] != count * size:
         raise ValueError(f"{kind} blocks for {in_features} inputs need {count * size} bytes a row, got "
@@ -316,6 +337,34 @@ def fma_peak(kernel: Kernel, threads: int, seconds: float = 0.2) -> float:
         kernel.library.playground_fma_peak(reps, threads)
         best = max(best, reps * FMA_CHAINS * kernel.vector_width * threads / (time.perf_counter() - start))
     return best
+
+
+def dot_peak(kernel: Kernel, threads: int, seconds: float = 0.2) -> float:
+    """This processor's most 8-bit integer multiply-adds a second on `threads` threads through the integer
+    products' instruction (`playground_dot_peak`: 4 * vector width of them an instruction), the best of a few runs."""
+    reps, best = 1 << 16, 0.0
+    while True:
+        start = time.perf_counter()
+        kernel.library.playground_dot_peak(reps, threads)
+        elapsed = time.perf_counter() - start
+        best = max(best, reps * FMA_CHAINS * 4 * kernel.vector_width * threads / elapsed)
+        if elapsed >= seconds:
+            break
+        reps *= 2
+    for _ in range(2):
+        start = time.perf_counter()
+        kernel.library.playground_dot_peak(reps, threads)
+        best = max(best, reps * FMA_CHAINS * 4 * kernel.vector_width * threads / (time.perf_counter() - start))
+    return best
+
+
+def read_bandwidth(kernel: Kernel, threads: int, megabytes: int = 512) -> float:
+    """Bytes a second `threads` threads read from memory (`playground_read_seconds`: a buffer far larger than the
+    caches, one load a cache line, the fastest of 5 passes)."""
+    buffer = torch.ones(megabytes << 20, dtype=torch.uint8)  # touched, so its pages exist
+    sink = ctypes.c_long(0)
+    seconds = kernel.library.playground_read_seconds(buffer.data_ptr(), buffer.numel(), threads, 5, ctypes.byref(sink))
+    return buffer.numel() / seconds
 
 
 def row_top(kernel: Kernel, logits: torch.Tensor,

@@ -280,6 +280,7 @@ class Transformer(nn.Module):
         self.rope_scale = rope_scale
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
         self.output_blocks: tuple[str, torch.Tensor] | None = None  # its GGUF blocks if packed from them (see vocab)
+        self.integer_products = False  # whether the products read GGUF blocks against 8-bit activations
         self.native_attention = True  # False: PyTorch's attention where the kernel would serve (forward_costs.py)
         # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
         self.native_stack: native.LayerStack | None = None
@@ -376,18 +377,21 @@ class Transformer(nn.Module):
         if self.packed_output is not None:
             _serve(module, native.kernel(), lambda name, weight: pack(weight))
 
-    def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> None:
+    def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
+                     integer: bool = False) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
         those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`). A weight named
-        in `blocks` (format, GGUF blocks) is packed from its blocks where the kernel reads them (see `gguf`)."""
+        in `blocks` (format, GGUF blocks) is packed from its blocks where the kernel reads them (see `gguf`), for
+        integer products on 8-bit activations where `integer`."""
         kernel = native.kernel()
-        blocks = blocks if blocks and kernel is not None and kernel.gguf else {}
+        blocks = blocks if blocks and kernel is not None and (integer or kernel.gguf) else {}
+        self.integer_products = bool(blocks) and integer
 
         def packed(name: str, weight: torch.Tensor) -> native.Panels | torch.Tensor:
             if name in blocks:
                 assert kernel is not None  # `blocks` is empty without one
-                return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel)
+                return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel, integer)
             return pack(weight)
 
         _serve(self, kernel, packed)

@@ -62,13 +62,14 @@ def rows_of(output_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def output_rows(model: Transformer, ids: torch.Tensor) -> OutputRows:
     """The model's output rows for checked `ids`, packed where the model packs its own projection: from its GGUF
-    blocks where it was packed from them (the products' bits are float32 panels' either way)."""
+    blocks (and in the same arithmetic) where it was packed from them."""
     weight = rows_of(model.output_weight, ids)
     if weight is model.output_weight:
         packed = model.packed_output
     elif model.output_blocks is not None and isinstance(model.packed_output, native.Panels):
         kind, blocks = model.output_blocks
-        packed = native.pack_blocks(blocks[ids.cpu()], kind, weight.shape[1], model.packed_output.kernel)
+        packed = native.pack_blocks(blocks[ids.cpu()], kind, weight.shape[1], model.packed_output.kernel,
+                                    model.integer_products)
     else:
         packed = model.pack_like_own(weight)
     return OutputRows(ids.to(model.device), weight, packed)

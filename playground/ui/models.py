@@ -21,7 +21,9 @@ from ..models.vocab import proposal_rows
 from .stops import RUN_QUEUE
 
 # How the products read the weights: ModelSpec.weights, or a bitsandbytes quantisation (which reads float32 first)
-WEIGHT_CHOICES = [("auto (GGUF blocks where they run)", "auto"), ("GGUF blocks (Q4_1, Q8_0)", "gguf"),
+WEIGHT_CHOICES = [("auto (GGUF blocks, 8-bit activations, where they run)", "auto"),
+                  ("GGUF blocks (Q4_1, Q8_0), 8-bit activations", "gguf-int8"),
+                  ("GGUF blocks (Q4_1, Q8_0), float32 activations", "gguf"),
                   ("float32", "float32"), *((f"bitsandbytes {q}", q) for q in QUANTS)]
 MAX_LOADED = 3  # models kept loaded at once; the least recently used goes first
 MODELS_ENV = "PLAYGROUND_MODELS"  # public mode: hub ids the panel offers beside the embedded model (comma-separated)
@@ -171,7 +173,7 @@ def build_panel(access: Access, on_gpu: Callable[[Callable], Callable]
             device = gr.Dropdown(list(DEVICES), value="auto", label="Device")
             dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype (greedy exactness holds in float32)")
             weights = gr.Dropdown(WEIGHT_CHOICES, value="auto", label="Weights the products read (GGUF blocks: a "
-                                  "fifth of float32's bytes, each block summed apart)")
+                                  "fifth of float32's bytes; 8-bit activations: integer products)")
             button = gr.Button("Load", scale=0, min_width=100)
         status = gr.Markdown(elem_id="pg-model-status")
     button.click(on_gpu(load), [source, draft, device, dtype, weights], [status], api_name="load_model",

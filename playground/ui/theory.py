@@ -106,27 +106,32 @@ def from_run(history: list[dict[str, Any]] | None):
     return gr.update(value=round(run["token_acceptance"], 2)), gr.update(value=g), note
 
 
+# what the Theory tab measures, and its words for each
+WEIGHT_LABELS = {"gguf-int8": "GGUF blocks, 8-bit activations", "gguf": "GGUF blocks, float32 activations",
+                 "float32": "float32"}
+
+
 def width_costs(source: str, device: str, dtype: str, progress: gr.Progress = gr.Progress()):
-    """The panel's model read both ways (its GGUF blocks where it has them, and float32): each format's forward cost
-    by width on this machine (measured once, a few seconds each, then cached), and the v each implies; the slider v
-    set from the first (the format the panel's model reads by default where it has blocks)."""
+    """The panel's model read three ways (its GGUF blocks against 8-bit and against float32 activations where it has
+    blocks, and float32 weights): each one's forward cost by width on this machine (measured once, a few seconds
+    each, then cached), and the v each implies; the slider v set from the first (what the panel's model reads by
+    default where it has blocks)."""
     curves: dict[str, Any] = {}
     lines: list[str] = []
     first_v: float | None = None
     try:
-        for weights in ("gguf", "float32"):
+        for weights, label in WEIGHT_LABELS.items():
             spec = target_spec(source, device, dtype, weights)
-            progress(len(curves) / 2, desc=f"{weights}: loading, then timing forwards of 1-64 tokens")
+            progress(len(curves) / len(WEIGHT_LABELS), desc=f"{label}: loading, then timing forwards of 1-64 tokens")
             try:
                 model = get_model(spec)
             except ModelLoadError as exc:
-                if weights == "gguf":
-                    lines.append(f"- GGUF blocks: not measured ({exc})")
+                if weights != "float32":
+                    lines.append(f"- {label}: not measured ({exc})")
                     continue
                 raise
             live = forward_costs(model.model, forwards=model.forwards)
             costs = live.measured()  # the curve as measured, as every report quotes it (`OneRequest`)
-            label = "GGUF blocks" if weights == "gguf" else "float32"
             curves[label] = live
             v = curve_v(OneRequest(live))
             first_v = v if first_v is None else first_v
@@ -196,7 +201,8 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
     machine.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
     set_from_run.click(from_run, [history], [acceptance, gamma, taken], api_visibility="private")
     gr.Markdown("### What a wider forward costs here\nThe v above, measured for each way the weights can be read "
-                "(GGUF blocks, a fifth of float32's bytes, or float32). Where reading the weights bounds a forward, "
+                "(GGUF blocks, a fifth of float32's bytes, against 8-bit or float32 activations; or float32). Where "
+                "reading the weights bounds a forward, "
                 "a few more tokens ride along almost free and the curve stays flat; where arithmetic bounds it, "
                 "each extra token costs more and the curve climbs. The engine plans every step's width from the "
                 "curve of the format it reads.")
