@@ -452,7 +452,7 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     assert "KV 45.0 KiB per token" in summary  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
     assert "proposes from 8,192 of its 49,152 tokens; tokenizer matches the target's" in summary
     assert "Matrix products and attention on the CPU: native kernels " in summary  # on, or off with the reason
-    assert "its products read Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)" in summary  # the file.s blocks
+    assert "its products read Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)" in summary  # as stored
     kernel = native.kernel()
     if kernel is not None and kernel.halves:  # the draft ships in float16, and its panels keep that format
         assert "KiB per token; its products read float16 (" in summary

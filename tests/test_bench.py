@@ -80,9 +80,9 @@ def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["algos"]) == {"ar-gguf", "ar-float32", "speculative", "speculative-copy", "prompt-lookup", "lookahead",
-                                    "medusa", "medusa-copy", "medusa-lossless", "medusa-typical", "eagle",
-                                    "eagle-copy", "eagle-sampled", "rest", "rest-wide", "self-speculative"}
+    assert set(report["algos"]) == {"ar-gguf", "ar-float32", "speculative", "speculative-copy", "prompt-lookup",
+                                    "lookahead", "medusa", "medusa-copy", "medusa-lossless", "medusa-typical",
+                                    "eagle", "eagle-copy", "eagle-sampled", "rest", "rest-wide", "self-speculative"}
     for row in report["prompts"]:
         for name, result in row["algos"].items():
             # the sampled rows show what lossless and typical acceptance buy; they are not greedy
