@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from .decoding.costs import BUSY_CORES
 from .metrics import compute
 from .trace import CommitEvent, Trace
 
@@ -167,8 +168,9 @@ def shown_round(traces: dict[str, list[Trace]], plain: str, name: str) -> tuple[
     return shown, compare({name: [shown], plain: [traces[plain][i]]}, plain)[name]
 
 
-def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
-    """Every entrant's Speedup against `plain`'s traces from the same rounds (plain's own row included)."""
+def compare(traces: dict[str, list[Trace]], plain: str, others: float | None = None) -> dict[str, Speedup]:
+    """Every entrant's Speedup against `plain`'s traces from the same rounds (plain's own row included); `others`:
+    the processors other processes kept busy meanwhile, where known (`LoadMeter`), which a flag quotes."""
     base = traces[plain]
     base_speeds = [compute(trace).tokens_per_s for trace in base]
     base_step = statistics.median(StepCost.of(trace).total_s for trace in base)
@@ -186,9 +188,13 @@ def compare(traces: dict[str, list[Trace]], plain: str) -> dict[str, Speedup]:
                                 for field in ("draft_s", "verify_s", "other_s"))
         drafted, accepted = sum(x.drafted or 0 for x in metrics), sum(x.accepted or 0 for x in metrics)
         flags = []
+        why = ("" if others is None else
+               f" (other processes kept {others:.1f} processors busy meanwhile)")
         if len(base) > 1 and spread(base_speeds) > SPREAD_LIMIT:
             flags.append(f"plain decoding's speed varied {spread(base_speeds):.0%} across rounds "
-                         f"(limit {SPREAD_LIMIT:.0%}): the machine was busy, rerun")
+                         f"(limit {SPREAD_LIMIT:.0%}): the machine was busy{why}, rerun")
+        elif name == plain and others is not None and others > BUSY_CORES:
+            flags.append(f"other processes kept {others:.1f} processors busy while it ran: rerun on a quiet machine")
         if name != plain and len(runs) > 1 and spread(speeds) > SPREAD_LIMIT:
             flags.append(f"its speed varied {spread(speeds):.0%} across rounds (limit {SPREAD_LIMIT:.0%})")
         cost = draft + verify + other

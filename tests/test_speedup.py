@@ -63,6 +63,13 @@ def test_a_busy_baseline_is_flagged_by_its_spread():
               "spec": [fake("speculative", 41, 20, 0.013) for _ in range(3)]}
     assert spread([1.0, 1.35, 1.0]) == pytest.approx(0.35)
     assert any("plain decoding's speed varied" in f for f in compare(traces, "ar")["spec"].flags)
+    # where the bench measured the other processes' load meanwhile, the flag says it
+    assert any("the machine was busy (other processes kept 1.3 processors busy meanwhile)" in f
+               for f in compare(traces, "ar", others=1.3)["spec"].flags)
+    steady = {"ar": [fake("ar", 41, 40, 0.010) for _ in range(3)]}
+    assert compare(steady, "ar", others=0.1)["ar"].flags == ()
+    assert compare(steady, "ar", others=0.9)["ar"].flags == (
+        "other processes kept 0.9 processors busy while it ran: rerun on a quiet machine",)
 
 
 def test_the_summary_median_comes_with_its_noise():

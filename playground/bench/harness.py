@@ -20,6 +20,7 @@ import torch
 
 from ..cli import model_spec
 from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from ..decoding.costs import LoadMeter
 from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, find
 from ..decoding.tree import DYNAMIC_TREE
 from ..metrics import perfect, priced
@@ -313,12 +314,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
         for label, remote in remotes.items():
             entrants[label] = partial(remote.stream, prompt, args.max_new_tokens)
+        meter = LoadMeter()
         traces = measure(entrants, args.rounds)
+        others = meter.others()
         llama_runs = traces.pop(LLAMA, None)
         remote_runs = {label: traces.pop(label) for label in remotes}
-        speedups = compare(traces, plain.name)
+        speedups = compare(traces, plain.name, others)
         if sampled_plain is not None:
-            sampled_speedups = compare(traces, sampled_plain.name)
+            sampled_speedups = compare(traces, sampled_plain.name, others)
             speedups.update({c.name: sampled_speedups[c.name] for c in contenders if c.sampled})
         plain_trace = median_run(traces[plain.name])
         plain_costs.add(plain_trace)

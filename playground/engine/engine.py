@@ -29,6 +29,7 @@ from ..kv import blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
 from ..sampling import PLAIN_DRAWS, Drawn, accept, argmax_rows, draws_ahead, make_generator
+from ..threads import share
 from ..trace import Event, MemoryEvent
 from ..waits import to_device
 from .runner import Runner
@@ -237,6 +238,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, propose, verify, accept and commit one step; the outputs of every request that advanced."""
+        if self.target.model.device.type == "cpu":
+            share()  # one thread while other processes keep the processors busy (see `threads`)
         start = self.now()
         self._step_started = time.perf_counter()
         self.scheduler.step += 1
