@@ -403,11 +403,16 @@ static void block_sums(const float *x, long n, long in, float *s) {
  * per block of QK inputs to 8-bit integers (`quantise_rows`, as llama.cpp's Q8_0 activations) and multiplies them
  * against the weights' quants in 32-bit integer dot products: with AVX-512 VNNI or AVX-VNNI one instruction does 4
  * multiply-adds for each of 16 (8) outputs, against one float multiply-add per weight after widening it. A block's
- * integer sum is exact whatever the instructions, so every build folds the same integer into the output:
- *     y = fma(float(isum) * d, d_x, y)        then, for Q4_1,    y = fma(m, s, y)
- * block by block in order from y = 0 (d, m the weights' scale and minimum, d_x the activations' scale, s the block's
- * float sum of x, as `block_sums` gives it). The bits depend on one output and one row alone, and are the same on
- * AVX-512 VNNI, AVX-512 without VNNI, AVX2 (with or without AVX-VNNI) and plain C.
+ * integer sum isum = sum of q * q_x is exact whatever the instructions, so every build folds the same integers into
+ * the output, block by block in order from y = 0:
+ *     Q8_0: y = fma(float(isum) * d, d_x, y)
+ *     Q4_1: y = fma(fma(m, float(qsum), float(isum) * d), d_x, y)
+ * (d, m the weights' scale and minimum, d_x the activations' scale, qsum the block's sum of q_x). Q4_1's minimum
+ * meets the quantised activations, not x itself, as llama.cpp's Q8_1 has it: the weights d * q + m are centred near
+ * zero, so the activations' rounding errors mostly cancel across a block; summing m * x exactly instead leaves
+ * d * q, all of one sign, to carry those errors, which was four times further from float32 (the results log).
+ * The bits depend on one output and one row alone, and are the same on AVX-512 VNNI, AVX-512 without VNNI, AVX2
+ * (with or without AVX-VNNI) and plain C.
  *
  * Panel layout, per block of QK inputs: the PANEL float16 scales d, (Q4_1) the PANEL float16 minimums m, then the
  * quants as the dot-product instructions read them, 4 inputs of an output in one 32-bit lane: group g (inputs 4g ..
@@ -522,10 +527,10 @@ static inline __attribute__((always_inline)) vf widen_halves(const uint8_t *at) 
 }
 
 /* One pass of rows [0, nb) over G adjacent panels in an integer format (as `panel_rows` for the others): xq (nb, in)
- * the rows' quants, xd and xt (nb, in / QK) their scales and quant sums, sums (nb, in / QK) the float block sums of
- * x (Q4_1). Per block: the integer sums in registers, then folded into `total`. */
+ * the rows' quants, xd and xt (nb, in / QK) their scales and quant sums. Per block: the integer sums in registers,
+ * then folded into `total`. */
 static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq, const float *xd, const int32_t *xt,
-                                                               const float *sums, long in, const void *panel,
+                                                               long in, const void *panel,
                                                                int fmt, float *y, long out, int nb, int G, int cols,
                                                                uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     const int q4 = fmt == FMT_Q4_1_X8, rows_per_block = q4 ? 4 : 8;
@@ -533,7 +538,6 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
     const long quant_at = q4 ? PANEL * 4 : PANEL * 2;
     const uintptr_t span = step * (QK / rows_per_block); /* bytes each stream fetches per row of quants */
     float total[GROUP][NB][PANEL];
-    (void)xt;
     for (long b = 0; b < blocks; b++) {
         vi acc[GROUP][NB][NV];
 #pragma GCC unroll 16
@@ -592,12 +596,12 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
 #pragma GCC unroll 16
             for (int i = 0; i < nb; i++) {
                 const vf x_scale = splat(xd[i * blocks + b]);
-                const vf x_sum = q4 ? splat(sums[i * blocks + b]) : (vf){0};
+                const vf quant_sum = q4 ? splat((float)xt[i * blocks + b]) : (vf){0};
                 for (int j = 0; j < NV; j++) {
                     vf *t = (vf *)&total[g][i][j * VEC];
-                    vf v = fma_once(__builtin_convertvector(acc[g][i][j], vf) * scale[j], x_scale,
-                                    b == 0 ? (vf){0} : *t);
-                    *t = q4 ? fma_once(low[j], x_sum, v) : v;
+                    vf block = __builtin_convertvector(acc[g][i][j], vf) * scale[j];
+                    if (q4) block = fma_once(low[j], quant_sum, block);
+                    *t = fma_once(block, x_scale, b == 0 ? (vf){0} : *t);
                 }
             }
         }
@@ -612,35 +616,35 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
 }
 
 #define INTEGER_CASE(k) \
-    case k: integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
+    case k: integer_rows(xq, xd, xt, in, panel, fmt, y, out, k, 1, cols, fetch, stride, step); break;
 
 /* One pass of nb rows over G panels of integer format fmt (a constant at each call): G as `rows_in` takes it. */
 static inline __attribute__((always_inline)) void integer_in(const int8_t *xq, const float *xd, const int32_t *xt,
-                                                             const float *sums, long in, const void *panel, int fmt,
+                                                             long in, const void *panel, int fmt,
                                                              float *y, long out, int nb, int G, int cols,
                                                              uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     if (G == GROUP && nb == 1) {
-        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
+        integer_rows(xq, xd, xt, in, panel, fmt, y, out, 1, GROUP, cols, fetch, stride, step);
     } else if (G == 2 && nb == 2) {
-        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
+        integer_rows(xq, xd, xt, in, panel, fmt, y, out, 2, 2, cols, fetch, stride, step);
     } else if (G == 2) {
-        integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
+        integer_rows(xq, xd, xt, in, panel, fmt, y, out, 3, 2, cols, fetch, stride, step);
     } else {
         switch (nb) {
             INTEGER_CASE(1) INTEGER_CASE(2) INTEGER_CASE(3) INTEGER_CASE(4) INTEGER_CASE(5)
 #if NB > 6
             INTEGER_CASE(6) INTEGER_CASE(7) INTEGER_CASE(8) INTEGER_CASE(9) INTEGER_CASE(10) INTEGER_CASE(11)
 #endif
-            default: integer_rows(xq, xd, xt, sums, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
+            default: integer_rows(xq, xd, xt, in, panel, fmt, y, out, NB, 1, cols, fetch, stride, step); break;
         }
     }
 }
 
-static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, const float *sums, long in,
-                         const void *panel, int fmt, float *y, long out, int nb, int G, int cols, uintptr_t fetch,
-                         uintptr_t stride, uintptr_t step) {
-    if (fmt == FMT_Q4_1_X8) integer_in(xq, xd, xt, sums, in, panel, FMT_Q4_1_X8, y, out, nb, G, cols, fetch, stride, step);
-    else integer_in(xq, xd, xt, sums, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step);
+static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, long in, const void *panel, int fmt,
+                         float *y, long out, int nb, int G, int cols, uintptr_t fetch, uintptr_t stride,
+                         uintptr_t step) {
+    if (fmt == FMT_Q4_1_X8) integer_in(xq, xd, xt, in, panel, FMT_Q4_1_X8, y, out, nb, G, cols, fetch, stride, step);
+    else integer_in(xq, xd, xt, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step);
 }
 
 /* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
@@ -650,11 +654,11 @@ static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, c
 static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
                        int nt) {
     if (n <= 0) return;
-    float *sums = NULL, *xd = NULL; /* Q4_1: every row's block sums; integer formats: x's scales */
+    float *sums = NULL, *xd = NULL; /* FMT_Q4_1: every row's block sums; integer formats: x's scales */
     int8_t *xq = NULL;              /* integer formats: x's quants, each thread its own copy of all of these */
     int32_t *xt = NULL;
     const long blocks = in / QK;
-    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) {
+    if (fmt == FMT_Q4_1) {
         sums = malloc((size_t)n * blocks * sizeof(float));
         if (sums == NULL) abort(); /* a few hundred kilobytes at most: the process is out of memory */
         block_sums(x, n, in, sums);
@@ -694,10 +698,10 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
                 const float *dr = xd + (long)i0 * blocks;
                 const int32_t *tr = xt + (long)i0 * blocks;
                 if (count == G) {
-                    integer_pass(qr, dr, tr, sr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
+                    integer_pass(qr, dr, tr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
                 } else {
                     for (long g = 0; g < count; g++)
-                        integer_pass(qr, dr, tr, sr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
+                        integer_pass(qr, dr, tr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
                                      g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
                 }
             } else if (count == G) {
