@@ -172,8 +172,10 @@ def build_proposer(args: argparse.Namespace, target: Any, params: Any, copies: P
     draft = None
     if args.algo != PLAIN and algorithm(args.algo).loads_draft:
         print(f"Loading draft {params.draft!r}...", file=sys.stderr, flush=True)
+        # beside a target whose products are integer ones, the draft's weights join them as Q8_0 blocks
+        weights = "gguf-int8" if target.weights == "gguf-int8" and args.draft_quant is None else "auto"
         draft = load_model(ModelSpec(source=params.draft, device=args.device, dtype=args.dtype,
-                                     quant=args.draft_quant, cache_dir=args.cache_dir))
+                                     quant=args.draft_quant, cache_dir=args.cache_dir, weights=weights))
     return build_proposer(target, args.algo, params, copies, draft=draft)
 
 
@@ -208,7 +210,7 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import generate, one_request_costs
     from .metrics import compute, drafting_note
-    from .models import load_model
+    from .models import load_model, native
 
     spec = model_spec(args)
     sampling, generation = sampling_params(args)
@@ -220,6 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_writable("timeline-out", [Path(args.timeline_out)])
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
+    print(f"Its products read {native.formats_read(target.model)}.", file=sys.stderr, flush=True)
     proposer = build_proposer(args, target, params, copies)
     relative_cost = one_request_costs(target) if proposer is not None else None
     traces = []
@@ -256,7 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import listen, serve
-    from .models import load_model
+    from .models import load_model, native
 
     spec = model_spec(args)
     settings, copies = algo_params(args)
@@ -272,6 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
         target = load_model(spec)
+        print(f"Its products read {native.formats_read(target.model)}.", file=sys.stderr, flush=True)
         serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
               proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts,
               metrics_public=args.metrics_public)

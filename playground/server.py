@@ -29,7 +29,7 @@ from .decoding.base import chat_ids, check_context
 from .decoding.proposer import Proposer
 from .engine import Engine, RequestOutput
 from .kv import blocks_for
-from .models import LoadedModel
+from .models import LoadedModel, native
 from .prometheus import ServerMetrics
 from .trace import PreemptEvent
 
@@ -162,6 +162,7 @@ class EngineWorker:
         self._lock = threading.Lock()  # orders `submit` against the close, so no job is left unanswered
         self._closed = False
         self._outbox: list[tuple[Job, Reply]] = []  # replies of this round, sent once the state is updated
+        self.weights = native.formats_read(target.model)  # what the products read, in words
         self.state = self._snapshot()
 
     def submit(self, job: Job) -> None:
@@ -357,7 +358,8 @@ class EngineWorker:
         engine = self.engine
         memory = engine.cache.memory()
         rests = engine.rests()
-        return {"model": self.target.name, "running": len(engine.running), "waiting": len(engine.waiting),
+        return {"model": self.target.name, "weights": self.weights, "running": len(engine.running),
+                "waiting": len(engine.waiting),
                 "finished": self.finished, "preemptions": self.preemptions, "steps": engine.step_count,
                 "engine_s": round(engine.busy_s, 3),
                 "kv": {"block_size": self.params.block_size, "blocks_total": memory.blocks_total,

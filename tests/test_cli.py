@@ -130,6 +130,8 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     trace = Trace.load(tmp_path / "copy.json")
     assert trace.params["copy_max_ngram"] == 2 and trace.params["copy_num_draft"] == 5
+    assert trace.params["weights"].startswith("Q4_1 and Q8_0 blocks, 8-bit activations (")  # as the header says
+    assert "Its products read Q4_1 and Q8_0 blocks, 8-bit activations (" in result.stderr
     copies = [e for e in trace.events if e.KIND == "draft" and e.source]
     assert copies and all(e.source[1] - e.source[0] <= 5 for e in copies)
 

@@ -25,6 +25,7 @@ from playground.decoding.spec import Algorithm, Setting
 from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
 from playground.metrics import compute
+from playground.models import native
 from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace
 from playground.viz.steps import render_step_detail
 
@@ -128,6 +129,7 @@ def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) ->
         assert status == 200 and reply["choices"][0]["message"]["content"] == expected
         status, state = get(service, "/v1/engine")
         assert state["proposer"]["proposer"] == "bigrams" and state["proposer"]["counts"]["bigrams"]["proposed"] > 0
+        assert state["weights"] == native.formats_read(target.model)  # what the products read, in words
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])

@@ -12,7 +12,7 @@ from ..decoding.base import DecodeOutput, encode_prompt
 from ..decoding.costs import ForwardCosts, LiveCosts
 from ..decoding.proposer import Proposer
 from ..kv import blocks_for
-from ..models import LoadedModel
+from ..models import LoadedModel, native
 from ..trace import Event, Trace
 from .engine import Engine
 
@@ -40,7 +40,7 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt_ids)
     name = algo or ("ar" if proposer is None else proposer.label)
     trace = Trace(algo=name, model=target.name, prompt=text, prompt_ids=prompt_ids,
-                  params=header(sampling, generation, proposer))
+                  params=header(sampling, generation, proposer, native.formats_read(target.model)))
     output = None
     events = request.trace
     assert events is not None  # the engine records traces
@@ -87,9 +87,11 @@ def warm_up(target: LoadedModel, prompt: str | list[int], proposer: Proposer | N
         generate(target, prompt, proposer, sampling, generation, algo)
 
 
-def header(sampling: SamplingParams, generation: GenerationParams, proposer: Proposer | None) -> dict[str, Any]:
-    """The settings a trace records: sampling, length, cache, and the proposer's own."""
-    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+def header(sampling: SamplingParams, generation: GenerationParams, proposer: Proposer | None,
+           weights: str) -> dict[str, Any]:
+    """The settings a trace records: what the target's products read, sampling, length, cache, and the proposer's
+    own."""
+    return {"weights": weights, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "seed": sampling.seed, "max_new_tokens": generation.max_new_tokens, "raw": generation.raw,
             "kv": generation.kv, "block_size": generation.block_size, "plan": generation.plan,
             **(proposer.describe() if proposer else {})}

@@ -64,8 +64,10 @@ def draft_spec(source: str | None, target: LoadedModel) -> ModelSpec:
     if not source:
         raise ModelLoadError("draft: none ships for this target (a default ships only for the embedded model); pass "
                              "a model spec with the target's tokenizer")
+    # beside a target whose products are integer ones, the draft's weights join them as Q8_0 blocks
+    weights = "gguf-int8" if target.weights == "gguf-int8" else "auto"
     return ModelSpec(source=source, device=target.model.device.type, dtype=target.spec.dtype,
-                     cache_dir=target.spec.cache_dir, forwards=target.forwards)
+                     cache_dir=target.spec.cache_dir, forwards=target.forwards, weights=weights)
 
 
 def load_draft(source: str | None, target: LoadedModel) -> LoadedModel:
@@ -168,7 +170,7 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         return None
     reason = None
     kernel = native.kernel()
-    if gguf_file is None:
+    if gguf_file is None and spec.weights == "gguf":
         reason = f"a GGUF source (the embedded model or a .gguf file), not {spec.source!r}"
     elif device.type != "cpu" or spec.dtype != "float32" or spec.quant is not None:
         reason = "the CPU (--device cpu), dtype float32 and no --quant"
@@ -180,7 +182,8 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         if asked:
             raise ModelLoadError(f"weights: {spec.weights} needs {reason}; use --weights float32")
         return None
-    assert gguf_file is not None  # else `reason` says why not
+    if gguf_file is None:  # gguf-int8 on float weights: quantised to Q8_0 blocks at load (`pack_linears`)
+        return None
     try:
         if not (folder / BLOCKS_FILE).is_file():
             print(f"Copying the Q8_0/Q4_1 blocks of {gguf_file.name} into {folder} (once)...", file=sys.stderr,
@@ -371,13 +374,14 @@ def load_model(spec: ModelSpec | None = None) -> LoadedModel:
     if spec.quant is not None:
         quantize_linears(model, spec.quant, device)
     integer = spec.weights != "gguf"  # "auto" and "gguf-int8": blocks are read in integers where there are any
-    model.pack_linears(blocks, integer=integer)
+    quantise = spec.weights == "gguf-int8" and source_gguf(spec) is None  # float weights quantised to Q8_0
+    model.pack_linears(blocks, integer=integer, quantise=quantise)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model: the tokenizer in {folder} could not be loaded ({first_line(exc)})") from exc
     return LoadedModel(model, tokenizer, name, folder, eos_ids(folder, tokenizer, hf_config), spec,
-                       ("gguf-int8" if integer else "gguf") if blocks else "float32", forwards)
+                       "gguf-int8" if model.integer_products else "gguf" if blocks else "float32", forwards)
 
 
 def resolve_forwards(spec: ModelSpec, device: torch.device) -> str:

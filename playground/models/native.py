@@ -304,6 +304,16 @@ def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kerne
     return Panels(data, out, kernel, in_features, code)
 
 
+def quantise_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) float weight, in a multiple of 32, as GGUF Q8_0 blocks (out, in / 32 * 34) uint8, rounded by
+    gguf's own quantiser: how a proposer's float weights join the target's integer products."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    values = weight.detach().float().cpu().numpy()  # (out, in)
+    return torch.from_numpy(quantize(values, GGMLQuantizationType.Q8_0))  # (out, in / 32 * 34)
+
+
 def panel_linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) float32 on the CPU @ the packed weight^T (+ bias): (..., out)."""
     in_features = panels.in_features

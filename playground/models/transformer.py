@@ -367,28 +367,39 @@ class Transformer(nn.Module):
 
     def pack_like_own(self, weight: torch.Tensor) -> native.Panels | torch.Tensor | None:
         """A prepacked copy of `weight` (out, in) for a product run beside this model's own (reduced output rows,
-        Medusa blocks): packed where the model packed its weights and `weight` can be, else None."""
-        return pack(weight) if self.packed_output is not None and can_pack(weight) else None
+        Medusa blocks): packed where the model packed its weights and `weight` can be, else None; quantised to Q8_0
+        blocks for integer products where the model's products are integer ones."""
+        return self._pack_own(weight) if self.packed_output is not None and can_pack(weight) else None
 
     def serve_like_own(self, module: nn.Module) -> None:
         """Run `module` (an EAGLE head beside this model) as this model runs its own layers: where the model packed
-        its weights, `module`'s products prepacked and its norms and decoder layers in the native kernel where it
-        serves them; else unchanged."""
+        its weights, `module`'s products prepacked (as `pack_like_own` packs them) and its norms and decoder layers
+        in the native kernel where it serves them; else unchanged."""
         if self.packed_output is not None:
-            _serve(module, native.kernel(), lambda name, weight: pack(weight))
+            _serve(module, native.kernel(), lambda name, weight: self._pack_own(weight))
+
+    def _pack_own(self, weight: torch.Tensor) -> native.Panels | torch.Tensor:
+        kernel = native.kernel()
+        if self.integer_products and kernel is not None and weight.shape[1] % native.BLOCK == 0:
+            return native.pack_blocks(native.quantise_q8_0(weight), "Q8_0", weight.shape[1], kernel, integer=True)
+        return pack(weight)
 
     def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
-                     integer: bool = False) -> None:
+                     integer: bool = False, quantise: bool = False) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
         those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`). A weight named
         in `blocks` (format, GGUF blocks) is packed from its blocks where the kernel reads them (see `gguf`), for
-        integer products on 8-bit activations where `integer`."""
+        integer products on 8-bit activations where `integer`; with `quantise` (and `integer`), every other weight
+        whose inputs come in blocks of 32 is quantised to Q8_0 blocks first (a proposer beside such a target)."""
         kernel = native.kernel()
-        blocks = blocks if blocks and kernel is not None and (integer or kernel.gguf) else {}
-        self.integer_products = bool(blocks) and integer
+        blocks = dict(blocks) if blocks and kernel is not None and (integer or kernel.gguf) else {}
+        quantise = quantise and integer and kernel is not None
+        self.integer_products = integer and (bool(blocks) or quantise)
 
         def packed(name: str, weight: torch.Tensor) -> native.Panels | torch.Tensor:
+            if quantise and name not in blocks and weight.shape[1] % native.BLOCK == 0:
+                blocks[name] = ("Q8_0", native.quantise_q8_0(weight))
             if name in blocks:
                 assert kernel is not None  # `blocks` is empty without one
                 return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel, integer)
