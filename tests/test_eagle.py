@@ -367,9 +367,18 @@ def test_the_head_predicts_a_feature_for_every_position_and_masks_what_it_must_n
 
 def test_the_served_head_runs_its_layer_natively_and_gives_the_pytorch_layers_features(target, head) -> None:
     """Beside a target whose layers run in the native kernel, the head's layer does too (norms, products and its
-    attention over each node's own visible keys), and gives what the same weights give in PyTorch's ops."""
+    attention over each node's own visible keys): beside the default target on integer products, its products
+    are Q8_0 blocks against 8-bit activations; beside a target on float32 activations, it gives what the same
+    weights give in PyTorch's ops."""
+    from playground.config import ModelSpec
+    from playground.models import load_model
+
     if native.kernel() is None or target.model.native_stack is None:
         pytest.skip(f"native kernel {native.status()}")
+    assert head.head.layer.kernel is not None
+    formats = {m.packed.format for m in head.head.modules() if isinstance(getattr(m, "packed", None), native.Panels)}
+    assert formats == {native.INTEGER_FORMATS["Q8_0"]}
+    head = load_head(None, load_model(ModelSpec(device="cpu", weights="gguf")))
     assert head.head.layer.kernel is not None
     reference = EagleHead(head.head.config, head.head.taps).eval()
     reference.load_state_dict(head.head.state_dict())
