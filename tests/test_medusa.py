@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from playground.config import ConfigError, GenerationParams, SamplingParams
+from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding import encode_prompt
 from playground.decoding.base import new_cache
 from playground.decoding.costs import ForwardCosts
@@ -28,7 +28,7 @@ from playground.decoding.registry import build_proposer
 from playground.decoding.tree import COPY_PRIOR, TREES, best_first, build_tree, load_tree
 from playground.engine import generate
 from playground.metrics import compute
-from playground.models import ModelLoadError
+from playground.models import ModelLoadError, load_model
 from playground.models.medusa import load_heads, save_heads
 
 from .prompts import NEW_TOKENS, PROMPTS, assert_greedy_exact
@@ -293,8 +293,16 @@ def test_heads_read_the_token_the_hidden_state_predicted(target, heads) -> None:
     assert not any(torch.allclose(a, b, atol=1e-3) for a, b in combinations(logits, 2))
 
 
-def test_fused_blocks_propose_what_the_heads_module_does(target, heads) -> None:
+@pytest.fixture(scope="module")
+def float_target(target):
+    """The embedded model's blocks against float32 activations: PyTorch's float products agree with it to the last
+    bits (beside the default target, the heads' products run in integers on 8-bit activations)."""
+    return load_model(ModelSpec(device="cpu", weights="gguf"))
+
+
+def test_fused_blocks_propose_what_the_heads_module_does(float_target) -> None:
     """Decoding runs the heads' blocks as one stacked product: the logits the module's heads give one by one."""
+    target, heads = float_target, load_heads(None, float_target)
     torch.manual_seed(5)
     hidden, lasts = torch.randn(3, 576), [42, 1000, 7]
     embedding = target.model.embed_tokens.weight[lasts]  # (3, E)
@@ -311,7 +319,9 @@ def narrow_heads(target, heads, plain_outputs, tmp_path_factory):
     return load_heads(str(folder), target)
 
 
-def test_reduced_vocabulary_logits_are_the_full_projection_restricted(target, heads, narrow_heads) -> None:
+def test_reduced_vocabulary_logits_are_the_full_projection_restricted(float_target, narrow_heads) -> None:
+    target, heads = float_target, load_heads(None, float_target)
+    narrow_heads = load_heads(str(narrow_heads.folder), float_target)
     hidden, embedding = torch.randn(576), target.model.embed_tokens.weight[42]
     full = target.model.project(heads.heads(hidden, embedding))  # (K, V)
     narrow = narrow_heads.logits(hidden, embedding)  # (K, V')
