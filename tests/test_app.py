@@ -217,12 +217,13 @@ def test_uploaded_trace_replays_and_malformed_one_is_refused(client, tmp_path):
 
 def test_lookahead_step_detail_shows_the_window_and_pool_hits_and_replays_any_step(client):
     outputs = decode(client, "List the days of the week, one per line.", algo="lookahead", max_new_tokens=16)
-    detail, step = outputs[2], outputs[5]
+    step = outputs[5]
     assert step["maximum"] > 1
-    assert "Jacobi window" in detail and detail.count("<th>row ") == 2 and "n-grams;" in detail  # N - 1 rows
-    assert re.search(r"<sub>after [123]</sub>", detail)  # each hit says how many tokens it was found after
     _, tokens_html, first = client.predict(1, api_name="/replay_step")
+    # (the last step may have had one token left to write, and so nothing to propose: step 1 always has its window)
     assert "<b>step 1</b>" in first and "Jacobi window" in first
+    assert first.count("<th>row ") == 2 and "n-grams;" in first  # N - 1 rows
+    assert re.search(r"<sub>after [123]</sub>", first)  # each hit says how many tokens it was found after
     for later in range(2, step["maximum"] + 1):  # replayed, the window's guesses show as text, as in the live run
         assert not re.search(r">#\d+<", client.predict(later, api_name="/replay_step")[2]), later
     assert tokens_html.count('class="pg-tok ') < outputs[1].count('class="pg-tok ')
@@ -454,8 +455,8 @@ def test_model_panel_loads_with_a_summary_and_names_what_is_wrong(client, target
     assert "Matrix products and attention on the CPU: native kernels " in summary  # on, or off with the reason
     assert "its products read Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)" in summary  # as stored
     kernel = native.kernel()
-    if kernel is not None and kernel.halves:  # the draft ships in float16, and its panels keep that format
-        assert "KiB per token; its products read float16 (" in summary
+    if kernel is not None:  # the draft ships in float16; beside this target it joins the integer products
+        assert "KiB per token; its products read Q8_0 blocks, 8-bit activations (" in summary
         assert summary.count("its products read") == 2
     other = write_draft_copy(target.folder, tmp_path / "other-tokenizer", num_layers=2)
     tokenizer = json.loads((other / "tokenizer.json").read_text())

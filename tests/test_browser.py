@@ -274,7 +274,8 @@ def test_as_set_shows_proposals_drafted_and_judged_on_this_machines_costs(page, 
         verified += detail.locator(".pg-verified").count() > 0
         page.get_by_role("button", name="◀ Step").click()
     if structure == "table":  # lookahead proposes where its pools hold a guess for the text so far
-        assert proposing >= visited // 2 and shown == visited and verified >= 2, (visited, proposing, verified)
+        # every step shows its window, but the last may have one token left to write and so no window
+        assert proposing >= visited // 2 and shown >= visited - 1 and verified >= 2, (visited, proposing, verified)
     else:
         assert proposing >= visited - 2 and shown >= 2, (visited, proposing, shown)
     page.reload()  # the other tests' algorithm and state

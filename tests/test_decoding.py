@@ -63,10 +63,12 @@ def test_a_stop_string_is_found_at_the_token_the_whole_text_finds_it(target, sta
 
 
 def test_generation_stops_on_stop_string(target) -> None:
-    output, trace = generate(target, "What is the capital of France?", None, SamplingParams(),
-                             GenerationParams(max_new_tokens=60, stop=("Paris",)))
-    assert output.finish_reason == "stop" and "Paris" not in output.text
-    assert "Paris" in target.tokenizer.decode(list(output.token_ids))
+    prompt = "What is the capital of France?"
+    plain = generate(target, prompt, None, SamplingParams(), GenerationParams(max_new_tokens=60))[0].text
+    stop = plain.split()[3]  # a word the model writes a few words in, whichever answer these weights give
+    output, trace = generate(target, prompt, None, SamplingParams(), GenerationParams(max_new_tokens=60, stop=(stop,)))
+    assert output.finish_reason == "stop" and stop not in output.text and plain.startswith(output.text)
+    assert stop in target.tokenizer.decode(list(output.token_ids))
     assert trace.finish().text == output.text
 
 

@@ -18,9 +18,10 @@ def greedy_ids(model, prompt: str = "Name three planets.", tokens: int = 12) -> 
 
 
 def test_local_folder_loads_the_same_model(target) -> None:
+    """The converted folder holds the file's weights as float32: the embedded model read as float32 too."""
     local = load_model(ModelSpec(source=str(target.folder), device="cpu"))
-    assert local.name == target.folder.name
-    assert greedy_ids(local) == greedy_ids(target)
+    assert local.name == target.folder.name and local.weights == "float32"
+    assert greedy_ids(local) == greedy_ids(load_model(ModelSpec(device="cpu", weights="float32")))
 
 
 def test_gguf_file_is_converted_once_into_the_cache(tmp_path, target) -> None:
