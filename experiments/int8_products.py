@@ -50,11 +50,13 @@ def main() -> int:
     bound = read / native.read_bandwidth(kernel, threads)
     print(f"{kernel.dot_products}; weights {read / 1e6:.1f} MB; memory bound of one forward's products "
           f"{1e3 * bound:.2f} ms on {threads} threads")
-    calls = {}
+    calls, buffers = {}, []  # buffers: the tensors the calls' pointers point into, alive until the end
     for n in rows:
         xs = {inp: torch.randn(n, inp) for inp in (HIDDEN, INTER)}
+        buffers.append(xs)
         for name, panels in ways.items():
             ys = {p.out: torch.empty(n, p.out) for p in panels}
+            buffers.append(ys)
             calls[name, n] = [(xs[p.in_features].data_ptr(), n, p.in_features, p.data.data_ptr(), p.format, p.out,
                                ys[p.out].data_ptr(), threads) for p in panels]
     times: dict[tuple[str, int], float] = {}

@@ -470,16 +470,18 @@ static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, i
 #elif VEC == 8 && defined(__AVXVNNI__)
     return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(x4));
 #elif VEC == 16 && defined(__AVX512BW__)
-    /* pairs summed in 16 bits: Q4_1 at most 2 * 15 * 127; Q8_0 as |w| times x with w's sign, at most 2 * 128 * 127 */
-    __m512i x = _mm512_set1_epi32(x4), pairs;
-    if (q4) pairs = _mm512_maddubs_epi16((__m512i)w, x);
-    else pairs = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w),
-                                      _mm512_mask_sub_epi8(x, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(), x));
+    /* pairs summed in 16 bits: Q4_1 at most 2 * 15 * 127, kept in 16 bits over the whole block (`settle`); Q8_0 as
+     * |w| times x with w's sign, at most 2 * 128 * 127, widened to 32 bits at once */
+    __m512i x = _mm512_set1_epi32(x4);
+    if (q4) return (vi)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16((__m512i)w, x));
+    __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w),
+                                         _mm512_mask_sub_epi8(x, _mm512_movepi8_mask((__m512i)w),
+                                                              _mm512_setzero_si512(), x));
     return acc + (vi)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
 #elif !defined(DOT_PLAIN)
-    __m256i x = _mm256_set1_epi32(x4), pairs;
-    if (q4) pairs = _mm256_maddubs_epi16((__m256i)w, x);
-    else pairs = _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)w), _mm256_sign_epi8(x, (__m256i)w));
+    __m256i x = _mm256_set1_epi32(x4);
+    if (q4) return (vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)w, x));
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)w), _mm256_sign_epi8(x, (__m256i)w));
     return acc + (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #else
     int8_t xs[4];
@@ -491,6 +493,19 @@ static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, i
     }
     return acc;
 #endif
+}
+
+/* A block's sums as 32-bit integers, from what `dot4` accumulated over the block: on the builds without VNNI,
+ * Q4_1's sums stay in 16-bit pairs (at most 8 * 2 * 15 * 127 = 30480 over a block's 32 inputs: no overflow) and are
+ * widened here, once a block instead of once every 4 inputs. */
+static inline __attribute__((always_inline)) vi settle(vi acc, int q4) {
+    (void)q4;
+#if VEC == 16 && !defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (q4) return (vi)_mm512_madd_epi16((__m512i)acc, _mm512_set1_epi16(1));
+#elif VEC == 8 && !defined(__AVXVNNI__) && !defined(DOT_PLAIN)
+    if (q4) return (vi)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1));
+#endif
+    return acc;
 }
 
 /* a * b + c rounded once on every build (the plain-C build with the C library's fmaf). */
@@ -599,7 +614,7 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                 const vf quant_sum = q4 ? splat((float)xt[i * blocks + b]) : (vf){0};
                 for (int j = 0; j < NV; j++) {
                     vf *t = (vf *)&total[g][i][j * VEC];
-                    vf block = __builtin_convertvector(acc[g][i][j], vf) * scale[j];
+                    vf block = __builtin_convertvector(settle(acc[g][i][j], q4), vf) * scale[j];
                     if (q4) block = fma_once(low[j], quant_sum, block);
                     *t = fma_once(block, x_scale, b == 0 ? (vf){0} : *t);
                 }
