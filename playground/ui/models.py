@@ -21,9 +21,8 @@ from ..models.vocab import proposal_rows
 from .stops import RUN_QUEUE
 
 # How the products read the weights: ModelSpec.weights, or a bitsandbytes quantisation (which reads float32 first)
-WEIGHT_CHOICES = [("auto (GGUF blocks, 8-bit activations, where they run)", "auto"),
-                  ("GGUF blocks (Q4_1, Q8_0), 8-bit activations", "gguf-int8"),
-                  ("GGUF blocks (Q4_1, Q8_0), float32 activations", "gguf"),
+WEIGHT_CHOICES = [("auto: blocks, 8-bit activations", "auto"), ("GGUF blocks, 8-bit activations", "gguf-int8"),
+                  ("GGUF blocks, float32 activations", "gguf"),
                   ("float32", "float32"), *((f"bitsandbytes {q}", q) for q in QUANTS)]
 MAX_LOADED = 3  # models kept loaded at once; the least recently used goes first
 MODELS_ENV = "PLAYGROUND_MODELS"  # public mode: hub ids the panel offers beside the embedded model (comma-separated)
