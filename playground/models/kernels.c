@@ -528,7 +528,7 @@ static inline __attribute__((always_inline)) vf widen_halves(const uint8_t *at) 
         uint16_t h;
         memcpy(&h, at + 2 * l, 2);
         const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023;
-        /* normal: rebias; subnormal: the mantissa times 2^-24, exact in float32; inf and NaN keep their payload */
+        /* normal: rebias; subnormal: the mantissa times 2^-24, exact in float32; infinity and NaN as such */
         float value = exponent == 0 ? (float)mantissa * 0x1p-24f
                     : exponent == 31 ? (mantissa ? NAN : INFINITY)
                     : ldexpf((float)(mantissa | 1024), (int)exponent - 25);
@@ -566,7 +566,8 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
 #pragma GCC unroll 16
             for (int g = 0; g < GROUP; g++) {
                 if (g < G) {
-                    for (uintptr_t o = 0; o < span; o += 64) __builtin_prefetch((const void *)(at + g * stride + o), 0, 2);
+                    for (uintptr_t o = 0; o < span; o += 64)
+                        __builtin_prefetch((const void *)(at + g * stride + o), 0, 2);
                     const uint8_t *qs = (const uint8_t *)panel + g * panel_bytes + b * block_bytes + quant_at +
                                         r * PANEL * 4;
                     vi w[NV], high[NV];
@@ -1501,9 +1502,9 @@ float playground_fma_peak(long reps, int threads) {
 }
 
 /* ---- The integer bound ----
- * As playground_fma_peak, for the integer products' instruction (`dot4`): `reps` times ACC independent chains of
- * 4-input dot products of VEC 32-bit lanes each (4 * VEC multiply-adds an instruction). Returns a sum of the
- * accumulators, so that nothing is optimised away. */
+ * As playground_fma_peak, for the integer products' step (`dot4` as Q4_1 runs it): `reps` times ACC independent
+ * chains of 4-input dot products over VEC lanes each (4 * VEC multiply-adds a step: one instruction with VNNI, two
+ * without). Returns a sum of the accumulators, so that nothing is optimised away. */
 long playground_dot_peak(long reps, int threads) {
     long total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
