@@ -149,6 +149,19 @@ def integer_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, in_featu
     return torch.from_numpy(total)
 
 
+def every_row_count_gives(kernel: native.Kernel, x: torch.Tensor, panels: native.Panels, want: torch.Tensor,
+                          threads: int) -> None:
+    """On `threads` threads, the products of the first 1, 2, 3, 4, 5, 7, a pass's, a pass's + 1 and all rows of x
+    are exactly those rows of `want`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 4, 5, 7, kernel.rows_per_pass, kernel.rows_per_pass + 1, len(x)):
+            assert torch.equal(native.panel_linear(x[:rows], panels), want[:rows]), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("shape", [(576, 576), (100, 1536), (49, 64), (7, 32)], ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -163,13 +176,7 @@ def test_integer_products_give_the_bits_of_their_arithmetic(kernel, kind, shape,
     x = torch.randn(2 * kernel.rows_per_pass + 3, in_features, generator=g) * torch.logspace(-3, 2, in_features)
     x[1, :32] = 0.0
     want = integer_reference(x, blocks, kind, in_features)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for rows in (1, 2, 3, 4, 5, 7, kernel.rows_per_pass, kernel.rows_per_pass + 1, len(x)):
-            assert torch.equal(native.panel_linear(x[:rows], panels), want[:rows]), rows
-    finally:
-        torch.set_num_threads(previous)
+    every_row_count_gives(kernel, x, panels, want, threads)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
@@ -184,13 +191,7 @@ def test_block_panels_sum_each_block_apart(kernel, kind, shape, threads):
     assert panels.nbytes == -(-out // kernel.panel_width) * kernel.panel_width * in_features // 32 * SIZES[kind]
     x = torch.randn(2 * kernel.rows_per_pass + 3, in_features, generator=torch.Generator().manual_seed(threads))
     want = factored(x, blocks, kind, in_features)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for rows in (1, 2, 3, 4, 5, 7, kernel.rows_per_pass, kernel.rows_per_pass + 1, len(x)):
-            assert torch.equal(native.panel_linear(x[:rows], panels), want[:rows]), rows
-    finally:
-        torch.set_num_threads(previous)
+    every_row_count_gives(kernel, x, panels, want, threads)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])

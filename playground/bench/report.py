@@ -64,6 +64,9 @@ PLAN_WORDS = {"measured": "each step verifies what pays on this machine's measur
               "as-set": "each step verifies all its algorithm's settings ask for, whatever it costs here"}
 
 
+OTHER_ARITHMETIC = "no (other arithmetic: not required)"  # tokens that may part: 8-bit against float activations
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
@@ -82,9 +85,8 @@ def markdown(report: dict[str, Any]) -> str:
         "same tokens | llama.cpp tok/s | ours / llama.cpp |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    # the 8-bit activations are other arithmetic than transformers' float32: equal tokens are not required of them
-    integer = env.get("weights", "").startswith("Q4_1 and Q8_0 blocks, 8-bit")
-    differ = "no (8-bit activations)" if integer else "NO"
+    # the 8-bit activations are other arithmetic than float32's: equal tokens are not required of them
+    differ = OTHER_ARITHMETIC if "8-bit activations" in env.get("weights", "") else "NO"
     for row in report["prompts"]:
         hf, llama = row.get("hf"), row.get("llama_cpp")
         peer = (f"{hf['tokens_per_s']:.1f} | {row['ratio_vs_hf']:.2f}x | {'yes' if row['same_tokens'] else differ}"
@@ -104,14 +106,12 @@ def markdown(report: dict[str, Any]) -> str:
     if float_blocks:  # plain decoding on the same blocks against float32 activations, raced as a contender
         lines.append(f"- ours on the GGUF blocks with 8-bit activations / with float32 activations: median "
                      f"{1 / float_blocks['median_speedup_vs_ar']:.2f}x (goal >= 1.7x); same tokens on every prompt: "
-                     f"{'yes' if float_blocks['all_same_tokens_as_ar'] else 'no (other arithmetic: not required)'}")
+                     f"{'yes' if float_blocks['all_same_tokens_as_ar'] else OTHER_ARITHMETIC}")
     floats = s["algos"].get("ar-float32")
     if floats:  # plain decoding on the float32 weights, raced as a contender
-        same = "yes" if floats["all_same_tokens_as_ar"] else (
-            "no (other arithmetic: not required)" if integer else "NO")
         lines.append(f"- ours on the GGUF blocks / on the float32 weights: median "
                      f"{1 / floats['median_speedup_vs_ar']:.2f}x (goal >= 2.5x), same tokens on every prompt: "
-                     f"{same}")
+                     f"{'yes' if floats['all_same_tokens_as_ar'] else differ}")
     eager = s["algos"].get("ar-eager")
     if eager:  # plain decoding with eager forwards, raced as a contender
         lines.append(f"- ours with {env['forwards']} forwards / with eager forwards: median "

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -333,38 +334,31 @@ FMA_CHAINS = 12  # ACC in kernels.c
 def fma_peak(kernel: Kernel, threads: int, seconds: float = 0.2) -> float:
     """This processor's most fused multiply-adds a second on `threads` threads (`playground_fma_peak`: independent
     chains in registers, nothing read from memory), the best of a few runs of about `seconds` each."""
-    reps, best = 1 << 16, 0.0
-    while True:
-        start = time.perf_counter()
-        kernel.library.playground_fma_peak(reps, threads)
-        elapsed = time.perf_counter() - start
-        best = max(best, reps * FMA_CHAINS * kernel.vector_width * threads / elapsed)
-        if elapsed >= seconds:
-            break
-        reps *= 2
-    for _ in range(2):
-        start = time.perf_counter()
-        kernel.library.playground_fma_peak(reps, threads)
-        best = max(best, reps * FMA_CHAINS * kernel.vector_width * threads / (time.perf_counter() - start))
-    return best
+    return _peak(kernel.library.playground_fma_peak, FMA_CHAINS * kernel.vector_width, threads, seconds)
 
 
 def dot_peak(kernel: Kernel, threads: int, seconds: float = 0.2) -> float:
     """This processor's most 8-bit integer multiply-adds a second on `threads` threads through the integer
     products' instruction (`playground_dot_peak`: 4 * vector width of them an instruction), the best of a few runs."""
+    return _peak(kernel.library.playground_dot_peak, FMA_CHAINS * 4 * kernel.vector_width, threads, seconds)
+
+
+def _peak(run: Callable[[int, int], object], per_rep: int, threads: int, seconds: float) -> float:
+    """The most operations a second `run(reps, threads)` reaches (`per_rep` of them a rep on each thread): reps
+    doubled until a run takes `seconds`, then two more runs, the best kept."""
     reps, best = 1 << 16, 0.0
     while True:
         start = time.perf_counter()
-        kernel.library.playground_dot_peak(reps, threads)
+        run(reps, threads)
         elapsed = time.perf_counter() - start
-        best = max(best, reps * FMA_CHAINS * 4 * kernel.vector_width * threads / elapsed)
+        best = max(best, reps * per_rep * threads / elapsed)
         if elapsed >= seconds:
             break
         reps *= 2
     for _ in range(2):
         start = time.perf_counter()
-        kernel.library.playground_dot_peak(reps, threads)
-        best = max(best, reps * FMA_CHAINS * 4 * kernel.vector_width * threads / (time.perf_counter() - start))
+        run(reps, threads)
+        best = max(best, reps * per_rep * threads / (time.perf_counter() - start))
     return best
 
 
