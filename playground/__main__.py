@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import OneLineParser, add_model_args, model_spec, run_cli
+from .cli import OneLineParser, add_model_args, check_writable, model_spec, run_cli
 from .config import (
     MAX_GAMMA,
     MAX_NGRAM,
@@ -101,28 +101,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def trace_path(base: str, index: int, count: int) -> Path:
     path = Path(base)
     return path if count == 1 else path.with_name(f"{path.stem}-{index}{path.suffix or '.json'}")
-
-
-def check_writable(name: str, paths: list[Path]) -> None:
-    """Files can be written at `paths`: checked before a long run, not after it, by creating each (and removing it
-    again where it did not exist): a folder, a device, a file name too long or a place nothing may be created is
-    refused now."""
-    for path in paths:
-        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:79]}…"
-        if not path.parent.is_dir():
-            raise ConfigError(f"{name}: no such folder {str(path.parent)[:80]}")
-        try:
-            if path.is_dir():
-                raise ConfigError(f"{name}: {shown} is a folder; give a file name")
-            if path.exists() and not path.is_file():
-                raise ConfigError(f"{name}: {shown} is not a regular file; give a file name")
-            existed = path.exists()
-            with open(path, "ab"):
-                pass
-            if not existed:
-                path.unlink()
-        except OSError as exc:
-            raise ConfigError(f"{name}: cannot write {shown} ({exc.strerror or exc})") from None
 
 
 def save_trace(trace: Any, path: Path) -> None:
@@ -267,10 +245,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_caching,
                           plan=args.plan)
     check_int("max_waiting", args.max_waiting, 0, MAX_WAITING)
-    api_key = args.api_key or os.environ.get("PLAYGROUND_API_KEY") or None
+    api_key = api_key_of(args.api_key)
     allowed_hosts = None if args.allowed_hosts is None else tuple(h for h in args.allowed_hosts.split(",") if h.strip())
     if allowed_hosts == ():
         raise ConfigError("allowed_hosts must name at least one host (or * for any)")
+    allowed_origins = origins_of(args.allowed_origins)
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
@@ -278,10 +257,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"Its products read {native.formats_read(target.model)}.", file=sys.stderr, flush=True)
         serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
               proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts,
-              metrics_public=args.metrics_public)
+              metrics_public=args.metrics_public, allowed_origins=allowed_origins)
     finally:
         sock.close()
     return 0
+
+
+def api_key_of(given: str | None) -> str | None:
+    """The key /v1 requests must send: --api-key, else $PLAYGROUND_API_KEY, else None (no key). An empty or blank
+    key is refused, never read as "no key": a script passing an unset variable must not start an open server."""
+    name = "api-key" if given is not None else "PLAYGROUND_API_KEY"
+    key = given if given is not None else os.environ.get(name)
+    if key is not None and not key.strip():
+        raise ConfigError(f"{name} is empty: give a key, or leave it out to serve without one")
+    if key is not None and (key != key.strip() or not key.isprintable() or not key.isascii()):
+        raise ConfigError(f"{name} must be printable ASCII without spaces at its ends (a header carries it)")
+    return key
+
+
+def origins_of(given: str | None) -> tuple[str, ...] | None:
+    """--allowed-origins as the server takes it: () none (the default), None any ("*"), else the origins named."""
+    if given is None:
+        return ()
+    named = [o for o in given.split(",") if o.strip()]
+    if not named:
+        raise ConfigError("allowed-origins must name at least one origin, as scheme://host[:port] (or * for any)")
+    if "*" in (o.strip() for o in named):
+        return None
+    from .api import origin_of
+
+    try:
+        return tuple(origin_of(o) for o in named)
+    except ValueError as exc:
+        raise ConfigError(f"allowed-origins: {str(exc)[:80]!r} is not an origin; give scheme://host[:port], e.g. "
+                          "http://localhost:3000") from None
 
 
 def add_algo_args(parser: argparse.ArgumentParser) -> None:
@@ -351,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Host header names answered (e.g. myhost.example,10.0.0.5; * for any); default: "
                              "localhost, 127.0.0.1 and [::1] when --host is a loopback address (a web page that "
                              "resolves its own name to this machine is refused), else any")
+    server.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                        help="web pages that may use the server, as scheme://host[:port] (e.g. http://localhost:3000; "
+                             "* for any); they get CORS headers. Default: none, so a request a browser sends from a "
+                             "web page is refused (403)")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $PLAYGROUND_API_KEY; "
                              "unset: no key)")

@@ -12,7 +12,8 @@ stop (a string or a list of up to 4) and stream (server-sent events in OpenAI's 
 stream_options.include_usage adds a usage chunk). Fields OpenAI clients send by default (n, penalties, logprobs, ...)
 are accepted at the value that changes nothing and refused otherwise; labels (user, store, metadata, service_tier)
 change nothing. Every error is JSON, {"error": {"message", "type", "param", "code"}}, the message naming the field
-and its allowed range. Bodies must be JSON and, bound to this machine only, the Host one of its names (`guard`).
+and its allowed range. Bodies must be JSON, a web page's request must come from an allowed origin and, bound to this
+machine only, the Host must be one of its names (`guard`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
+import h11
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.background import BackgroundTask
@@ -202,6 +206,28 @@ def refusal(exc: ValidationError, model: type[Options]) -> ApiError:
     return ApiError(f"{where}: {error['msg']}, got {got[:80]}", param=param)
 
 
+def check_unicode(data: Any, where: str = "") -> None:
+    """Every string of a request body, its field names included, is valid Unicode: JSON may escape a lone surrogate,
+    which no text may hold. An ApiError names the first one's place (`messages[0].content`, `metadata`)."""
+    if isinstance(data, str):
+        try:
+            check_text(where, data)
+        except ConfigError as exc:
+            raise ApiError(str(exc), param=where.split("[", 1)[0].split(".", 1)[0]) from None
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            check_unicode(item, f"{where}[{i}]")
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(f"a field name{f' in {where}' if where else ''} is not valid Unicode (a lone "
+                               f"surrogate: {key[:40]!r})", param=where.split("[", 1)[0].split(".", 1)[0] or None
+                               ) from None
+            check_unicode(value, f"{where}.{key}" if where else key)
+
+
 def parse_job(raw: bytes, model: type[CompletionRequest | ChatRequest], model_ids: tuple[str, ...],
               replies: Mailbox) -> tuple[Job, bool]:
     """A request body as a job for the worker, and whether its stream ends with a usage chunk
@@ -215,6 +241,7 @@ def parse_job(raw: bytes, model: type[CompletionRequest | ChatRequest], model_id
         raise ApiError(f"the request body is not valid JSON ({exc})") from None
     except ValueError:  # Python reads integers of at most 4,300 digits
         raise ApiError("the request body is not valid JSON (an integer too long to read)") from None
+    check_unicode(data)
     try:
         body = model.model_validate(data)
         if body.model is not None and body.model not in model_ids:
@@ -247,27 +274,34 @@ def hosts_for(bound: str, allowed: tuple[str, ...] | None) -> tuple[str, ...] | 
 
 
 def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str, ...] | None = None,
-              metrics_public: bool = False) -> FastAPI:
+              metrics_public: bool = False, origins: tuple[str, ...] | None = ()) -> FastAPI:
     """The API over a worker whose `run` is serving on another thread. api_key: when set, /v1 requests (and /metrics,
     unless `metrics_public`) must send `Authorization: Bearer <api_key>`. hosts: the Host names it answers to (None:
-    any; see `hosts_for`).
+    any; see `hosts_for`). origins: the web pages (`scheme://host[:port]`) that may use it (None: any; see `guard`),
+    which get CORS headers so that they can read the answers.
 
-    Bodies are JSON: a POST whose Content-Type is another (a browser's form or text/plain, which any web page may
-    send without asking) is refused, and no CORS header is ever sent, so a page elsewhere cannot use the server.
+    Bodies are JSON: a POST whose Content-Type is not application/json (a browser's form, text/plain or none at all,
+    which any web page may send without asking) is refused, and so is a request from a web page whose origin is not
+    one of `origins`: no page elsewhere can use the server unless it is named.
     No route beyond `ROUTES` (no OpenAPI schema or docs page) and no redirect (`/health/` is a 404)."""
     async def guarded(request: Request) -> None:
-        guard(hosts, request)
+        guard(hosts, origins, request)
 
     app = FastAPI(title="decoding playground", docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False, dependencies=[Depends(guarded)])
+    if origins != ():
+        app.add_middleware(CORSMiddleware, allow_origins=["*"] if origins is None else list(origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     model_ids = tuple(dict.fromkeys((worker.target.name, worker.target.spec.source)))
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         worker.metrics.failed(exc.status)
-        retry = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
+        headers = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else {}
+        if exc.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+            headers["Connection"] = "close"  # rather than read the rest of a body too large to keep
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -380,18 +414,44 @@ def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str
     return app
 
 
-def guard(hosts: tuple[str, ...] | None, request: Request) -> None:
-    """Every route's first check: the Host header, then a POST's Content-Type."""
+def origin_of(text: str) -> str:
+    """An origin as browsers send it, `scheme://host[:port]` in lower case (`https://App.example/` ->
+    https://app.example); a ValueError for anything else."""
+    parts = urlsplit(text.strip().lower())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query \
+            or parts.fragment or parts.username or parts.password:
+        raise ValueError(text)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(text) from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+def guard(hosts: tuple[str, ...] | None, origins: tuple[str, ...] | None, request: Request) -> None:
+    """Every route's first check: the Host header; the Origin a browser sends with a web page's request (none from
+    a program such as curl or the openai client; `null` from a sandboxed page or a file); then a POST's
+    Content-Type, which must be JSON: a body of another type, or of none, is what a page may send without asking."""
     if hosts is not None and host_name(request.headers.get("host", "")) not in hosts:
         raise ApiError(f"Host {request.headers.get('host', '')[:80]!r} is not one this server answers to "
                        f"({', '.join(hosts)}); start it with --allowed-hosts to add a name", param="Host",
                        status=HTTPStatus.FORBIDDEN)
+    origin = request.headers.get("origin")
+    if origin is not None and origins is not None:
+        try:
+            allowed = origin_of(origin) in origins
+        except ValueError:
+            allowed = False
+        if not allowed:
+            raise ApiError(f"requests from web pages at {origin[:80]!r} are refused; start the server with "
+                           "--allowed-origins to let a page use it", param="Origin", status=HTTPStatus.FORBIDDEN)
     if request.method == "POST":
         kind = request.headers.get("content-type")
         media = (kind or "").split(";", 1)[0].strip().lower()
-        if kind is not None and media != "application/json" and not media.endswith("+json"):
-            raise ApiError(f"Content-Type must be application/json, got {kind[:80]!r}", param="Content-Type",
-                           status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
+        if media != "application/json" and not media.endswith("+json"):
+            raise ApiError(f"Content-Type must be application/json, got {'none' if kind is None else repr(kind[:80])}",
+                           param="Content-Type", status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
 
 
 def event(payload: dict[str, Any]) -> str:
@@ -473,7 +533,9 @@ class GuardedH11(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self.cycle is None or self.cycle.response_complete:  # a head is arriving
+        # a head is arriving: not the rest of a body the answer did not wait for (a refused upload), which h11 reads
+        # to its end and drops
+        if (self.cycle is None or self.cycle.response_complete) and self.conn.their_state is h11.IDLE:
             end = data.find(b"\r\n\r\n")
             self._head_bytes += len(data) if end == -1 else end
             if self._head_bytes > MAX_HEAD_BYTES:
@@ -529,13 +591,15 @@ class Service:
 
     def __init__(self, target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
                  max_waiting: int = 64, quiet: bool = False, proposer: Proposer | None = None,
-                 allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False) -> None:
+                 allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False,
+                 allowed_origins: tuple[str, ...] | None = ()) -> None:
         self.worker = EngineWorker(target, params, max_waiting, proposer)
         self.url = url_of(sock)
         self.host, self.port = sock.getsockname()[:2]
         # idle keep-alive and request heads are timed out, connections that sent nothing bounded (`GuardedH11`)
         self.http = uvicorn.Server(uvicorn.Config(
-            build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts), metrics_public), http=GuardedH11,
+            build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts), metrics_public, allowed_origins),
+            http=GuardedH11,
             timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             lifespan="off", log_level="warning" if quiet else "info", access_log=not quiet))
@@ -550,21 +614,34 @@ class Service:
         self._thread.join(SHUTDOWN_GRACE_S + 5)
 
 
+def access(api_key: str | None, metrics_public: bool, origins: tuple[str, ...] | None) -> str:
+    """Who may use the server, as its start-up banner says it."""
+    pages = ("No web page may use it." if origins == () else "Web pages anywhere may use it." if origins is None
+             else f"Web pages at {', '.join(origins)} may use it.")
+    if api_key is None:
+        return ("No API key: any program that reaches this address may use it (--api-key or $PLAYGROUND_API_KEY "
+                f"sets one). {pages}")
+    return ("Requests to /v1" + (" and /metrics" if not metrics_public else "")
+            + f" need the API key, sent as 'Authorization: Bearer KEY'. {pages}")
+
+
 def serve(target: LoadedModel, params: EngineParams, sock: socket.socket, api_key: str | None = None,
           max_waiting: int = 64, proposer: Proposer | None = None,
-          allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False) -> None:
+          allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False,
+          allowed_origins: tuple[str, ...] | None = ()) -> None:
     """Serve until SIGINT (Ctrl+C) or SIGTERM; `proposer`: what every step proposes (None: plain decoding);
-    allowed_hosts: the Host names it answers to (`hosts_for`); metrics_public: /metrics without the API key."""
+    allowed_hosts: the Host names it answers to (`hosts_for`); metrics_public: /metrics without the API key;
+    allowed_origins: the web pages that may use it (`build_app`)."""
     service = Service(target, params, sock, api_key, max_waiting, proposer=proposer, allowed_hosts=allowed_hosts,
-                      metrics_public=metrics_public)
+                      metrics_public=metrics_public, allowed_origins=allowed_origins)
     service.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: service.worker.close())
     url = service.url
+    key = " -H 'Authorization: Bearer KEY'" if api_key else ""
+    who = access(api_key, metrics_public, allowed_origins)
     print(f"Serving {target.name} at {url} (OpenAI-style: POST /v1/completions, /v1/chat/completions; GET "
-          f"/v1/models, /v1/engine, /health, /metrics (Prometheus)"
-          f"{'; a Bearer API key required on /v1' if api_key else ''}"
-          f"{' and /metrics' if api_key and not metrics_public else ''}). Try:\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+          f"/v1/models, /v1/engine, /health, /metrics (Prometheus)). {who} Try:\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d "
           """'{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'\n"""
           "Ctrl+C stops.", file=sys.stderr, flush=True)
     try:

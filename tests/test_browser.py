@@ -319,3 +319,60 @@ def test_memory_tab_draws_the_block_map(page):
     page.get_by_role("tab", name="Theory").click()
     expect(page.locator("#pg-theory-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
     shoot(page, "theory")
+
+
+PAGE = """<!doctype html><title>elsewhere</title><script>
+async function attempts(url) {
+  const body = '{"prompt": "The capital of France is", "max_tokens": 2}';
+  const sent = [];
+  for (const init of [{body: new Blob([body])}, {body: body, headers: {"Content-Type": "text/plain"}}]) {
+    try { await fetch(url, {method: "POST", mode: "no-cors", ...init}); sent.push("sent"); }
+    catch (e) { sent.push("failed"); }
+  }
+  try {
+    const reply = await fetch(url, {method: "POST", body: body, headers: {"Content-Type": "application/json"}});
+    sent.push(String(reply.status) + " " + (await reply.json()).object);
+  } catch (e) { sent.push("unreadable"); }
+  return sent;
+}
+</script>"""
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_web_page_elsewhere_cannot_use_the_server_unless_allowed(target, tmp_path, allowed):
+    """A page of another origin in Chromium posts to the server as any page may without asking: a body with no
+    type, then text/plain (no CORS preflight for either), then JSON (preflighted). Refused, all three (403), and
+    nothing generated, unless the server names the page's origin in --allowed-origins: then only JSON is served
+    and the page reads the answer."""
+    import functools
+    import http.server
+    import threading
+
+    from .test_server import get, running
+    from .test_server_hardening import PARAMS
+
+    (tmp_path / "index.html").write_text(PAGE)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{site.server_address[1]}"
+    try:
+        with running(target, PARAMS, allowed_origins=(origin,) if allowed else ()) as service, \
+                sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            tab = browser.new_page()
+            statuses = []
+            tab.on("response", lambda r: statuses.append(r.status) if "/v1/" in r.url else None)
+            tab.goto(origin + "/index.html")
+            sent = tab.evaluate("url => attempts(url)", service.url + "/v1/completions")
+            browser.close()
+            finished = get(service, "/v1/engine")[1]["finished"]
+    finally:
+        site.shutdown()
+    if allowed:
+        assert sent == ["sent", "sent", "200 text_completion"] and finished == 1, (sent, statuses)
+        assert statuses.count(415) == 2 and 200 in statuses, statuses
+    else:
+        assert sent[2] == "unreadable" and finished == 0, (sent, statuses)
+        assert statuses.count(403) >= 2 and 200 not in statuses, statuses

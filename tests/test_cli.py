@@ -7,8 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -254,6 +256,15 @@ def broken_folders(target, tmp_path_factory) -> dict[str, str]:
                          "doubled-hidden": {"hidden_size": 2 * config["hidden_size"]}}.items():
         changed = folder(name, ("model.safetensors", *tokenizer))
         (changed / "config.json").write_text(json.dumps({**config, **change}))
+    # an index naming a shard out of its folder (the target's weights), or a shard linked out of it
+    escape = folder("shard-escape", ("config.json", *tokenizer))
+    (escape / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": os.path.relpath(source / "model.safetensors", escape)}}))
+    linked = folder("shard-link", ("config.json", *tokenizer))
+    (linked / "model.safetensors").symlink_to(source / "model.safetensors")
+    remote = folder("remote-code", tokenizer)
+    (remote / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.Config"}}))
+    (remote / "evil.py").write_text("raise SystemExit('ran')\n")
     bad_generation = folder("bad-generation-config", ("config.json", "model.safetensors", *tokenizer))
     (bad_generation / "generation_config.json").write_text('{"eos_token_id": ')
     return {p.name: str(p) for p in root.iterdir()}
@@ -275,6 +286,16 @@ def broken_folders(target, tmp_path_factory) -> dict[str, str]:
     (["generate", "--prompt", "hi", "--model", "negative-vocab"], r"config.json vocab_size must be an integer in"),
     (["generate", "--prompt", "hi", "--model", "doubled-hidden"],
      r"the weights do not match config.json \(\d+ problem\(s\); first: size mismatch"),
+    (["generate", "--prompt", "hi", "--model", "shard-escape"],
+     r"names the weights file '\.\./.*', outside the folder; refused"),
+    (["generate", "--prompt", "hi", "--model", "shard-link"],
+     r"the weights file 'model.safetensors' of .*shard-link links to .*, outside the folder; refused"),
+    (["generate", "--prompt", "hi", "--model", "remote-code"],
+     r"remote-code is a 'evil' model and asks to run code of its own, which is never run here; supported: llama"),
+    (["bench", "--json", "DIR"], r"json: .* is a folder; give a file name"),
+    (["bench", "--markdown", "PROMPTS/x.md"], r"markdown: .*PROMPTS.jsonl is a file, not a folder"),
+    (["serve", "--api-key", ""], r"api-key is empty: give a key, or leave it out to serve without one"),
+    (["serve", "--allowed-origins", "evil.example"], r"allowed-origins: 'evil.example' is not an origin"),
     (["generate", "--prompt", "hi", "--model", "bad-generation-config"],
      r"generation_config.json is not a readable JSON file"),
     (["generate", "--prompt", "hi", "--cache-dir", "PROMPTS"], r"cache_dir: .* is a file; give a folder"),
@@ -295,16 +316,43 @@ def test_broken_inputs_are_one_line(argv, message, broken_folders, tmp_path, cap
     files = {"PROMPTS": b'{"prompt": "fine"}\n{"prompt": "caf\xff"}\n', "SURROGATE": b'{"prompt": "a\\ud800"}\n',
              "NESTED": b"[" * 100_000 + b"\n", "BIGINT": b'{"prompt": "a", "n": ' + b"9" * 5001 + b"}\n",
              "TWO": b'{"prompt": "one"}\n{"prompt": "two"}\n'}
-    paths = {**broken_folders, "JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md"),
+    paths = {**broken_folders, "JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md"), "DIR": str(tmp_path),
              "LONG": str(tmp_path / ("t" * 300 + ".json")), "T": str(tmp_path / "t.json")}
     for name, data in files.items():
         paths[name] = str(tmp_path / f"{name}.jsonl")
         (tmp_path / f"{name}.jsonl").write_bytes(data)
     (tmp_path / "t-1.json").mkdir()
-    assert main([paths.get(a, a) for a in argv]) == 2
+    assert main([paths.get(a, a).replace("PROMPTS/", paths["PROMPTS"] + "/") for a in argv]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert re.search(message, errors[0]), errors[0]
     if "--model" not in argv:  # refused before the model loads
         assert "Loading model" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "Tell a long story.", "--max-new-tokens", "4096"],
+    ["bench", "--limit", "1", "--no-peers", "--json", "JSON", "--markdown", "MD"],
+])
+def test_ctrl_c_ends_a_command_with_one_line(argv, tmp_path) -> None:
+    """Ctrl+C while a command works: exit code 130 and one line, never a traceback."""
+    argv = [{"JSON": str(tmp_path / "b.json"), "MD": str(tmp_path / "b.md")}.get(a, a) for a in argv]
+    process = subprocess.Popen([sys.executable, "-m", "playground", *argv], cwd=Path(__file__).resolve().parent.parent,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               # a test run started in the background inherits SIGINT ignored; a terminal's does not
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = [process.stderr.readline()]
+        while "Loading model" not in seen[-1]:
+            seen.append(process.stderr.readline())
+            assert seen[-1], "".join(seen)
+        time.sleep(2)  # inside the work: loading, warming up or decoding
+        process.send_signal(signal.SIGINT)
+        rest = process.stderr.read()
+        code = process.wait(timeout=60)
+        assert code == 130, (code, rest)
+    finally:
+        process.kill()
+    assert rest.endswith("Interrupted.\n") and "Traceback" not in rest, rest

@@ -42,7 +42,8 @@ def test_metrics_count_what_the_engine_did(target) -> None:
     """Requests through the openai client, one refused: the counts by outcome, the tokens, the latency histograms'
     counts, the KV blocks and the speculative counters equal what the engine reports in /v1/engine."""
     proposer = build_proposer(target, "prompt-lookup")
-    with running(target, EngineParams(num_blocks=128, block_size=8, max_running=2), proposer=proposer,
+    # as set, so that proposals are kept several tokens deep and every per-position counter is exercised
+    with running(target, EngineParams(num_blocks=128, block_size=8, max_running=2, plan="as-set"), proposer=proposer,
                  api_key=KEY) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
         prompts = ["Repeat this list exactly: red, green, blue, red, green, blue.", PROMPTS[0], PROMPTS[6]]
@@ -84,6 +85,7 @@ def test_metrics_count_what_the_engine_did(target) -> None:
                     for j in range(len(drafts["accepted_at"]))]
     assert per_position == drafts["accepted_at"] and sum(per_position) == drafts["accepted"]
     assert per_position == sorted(per_position, reverse=True)  # a node kept at depth j + 1 had one kept at j
+    assert len([count for count in per_position if count > 0]) >= 3, per_position  # kept at 3 positions or more
     counts = state["proposer"]["counts"]["copy"]
     assert drafts["accepted"] == counts["accepted"] and drafts["draft_tokens"] == counts["proposed"]
 

@@ -70,9 +70,12 @@ def server(target, request):
         yield service
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def post(srv: Service, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
     connection = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
-    connection.request("POST", path, raw if raw is not None else json.dumps(body))
+    connection.request("POST", path, raw if raw is not None else json.dumps(body), JSON)
     response = connection.getresponse()
     return response.status, json.loads(response.read())
 
@@ -87,7 +90,7 @@ def get(srv: Service, path: str) -> tuple[int, dict]:
 def events(srv: Service, path: str, body) -> list:
     """A streamed request's server-sent events: JSON chunks, then the string "[DONE]"."""
     connection = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
-    connection.request("POST", path, json.dumps({**body, "stream": True}))
+    connection.request("POST", path, json.dumps({**body, "stream": True}), JSON)
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
     out = []
@@ -286,7 +289,8 @@ def test_a_client_that_hangs_up_stops_its_request(server):
     finished = get(server, "/v1/engine")[1]["finished"]
     sock = socket.create_connection((server.host, server.port))
     body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s"
                  % (len(body), body))
     received = b""
     while b"data: " not in received:  # the headers come first, then the first piece of text: decoding has begun
@@ -429,7 +433,7 @@ def test_the_serve_command_answers_and_stops_on_ctrl_c(ctrl_c_raises):
         url = line.split(" at ", 1)[1].split()[0]
         host, port = url.removeprefix("http://").split(":")
         connection = http.client.HTTPConnection(host, int(port), timeout=120)
-        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 3}))
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 3}), JSON)
         response = connection.getresponse()
         assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 3
         process.send_signal(signal.SIGINT)

@@ -30,7 +30,7 @@ from playground.decoding import encode_prompt
 from playground.engine import Engine
 from playground.server import ApiError, EngineWorker, Job
 
-from .test_server import chat, events, get, post, running, solo
+from .test_server import JSON, chat, events, get, post, running, solo
 
 TOKENS = 8
 PARAMS = EngineParams(num_blocks=256, block_size=8, max_running=4)
@@ -52,9 +52,10 @@ def raw_exchange(srv, data: bytes, wait_s: float = 30) -> bytes:
     return received
 
 
-def request_bytes(path: str, body: bytes, headers: str = "") -> bytes:
+def request_bytes(path: str, body: bytes, headers: str = "", kind: str | None = "application/json") -> bytes:
+    typed = f"Content-Type: {kind}\r\n" if kind is not None else ""
     return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
-            f"{headers}\r\n".encode() + body)
+            f"{typed}{headers}\r\n".encode() + body)
 
 
 def wait_for(condition, timeout_s: float = 60) -> bool:
@@ -173,10 +174,14 @@ def test_only_json_from_this_machines_names_is_served(srv):
         b"Host: localhost", b"Host: evil.example"))
     assert evil.startswith(b"HTTP/1.1 403") and b"is not one this server answers to" in evil
     assert b"access-control" not in evil.lower()
-    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
-        reply = raw_exchange(srv, request_bytes("/v1/completions", body, f"Content-Type: {kind}\r\n"))
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        reply = raw_exchange(srv, request_bytes("/v1/completions", body, kind=kind))
         assert reply.startswith(b"HTTP/1.1 415") and b"Content-Type must be application/json" in reply, kind
-    served = raw_exchange(srv, request_bytes("/v1/completions", body, "Content-Type: application/json\r\n"))
+    for origin in ("http://evil.example", "null", "http://localhost:8000", "not an origin"):
+        reply = raw_exchange(srv, request_bytes("/v1/completions", body, f"Origin: {origin}\r\n"))
+        assert reply.startswith(b"HTTP/1.1 403") and b"requests from web pages at" in reply, origin
+        assert b"access-control" not in reply.lower()
+    served = raw_exchange(srv, request_bytes("/v1/completions", body))
     assert served.startswith(b"HTTP/1.1 200")
     for path in ("/openapi.json", "/docs", "/redoc", "/health/"):
         status, reply = get(srv, path)
@@ -205,12 +210,62 @@ def test_a_head_over_the_limit_is_a_431_however_it_arrives(srv):
         assert reply.startswith(b"HTTP/1.1 431") and b"at most 16384 bytes" in reply
 
 
+def test_a_body_too_large_is_answered_once(srv):
+    """A 10 MB upload refused by its length: one 413, then the connection closes; the rest of the body is never read
+    as a further request (it was once, and answered with a 431)."""
+    size = 10 * 2**20
+    with socket.create_connection((srv.host, srv.port), timeout=30) as sock:
+        sock.sendall(request_bytes("/v1/completions", b"").replace(b"Connection: close\r\n", b"").replace(
+            b"Content-Length: 0", f"Content-Length: {size}".encode()))  # a connection kept alive
+        chunk = b'{"prompt": "' + b"a" * 65536
+        try:
+            for _ in range(size // len(chunk)):
+                sock.sendall(chunk)
+                time.sleep(0.001)  # arriving after the answer, as over a real network
+        except OSError:
+            pass  # closed once answered
+        received = b""
+        try:
+            while data := sock.recv(65536):
+                received += data
+        except ConnectionResetError:
+            pass  # the unread rest of the upload makes the close a reset; the answer came before it
+    assert received.startswith(b"HTTP/1.1 413") and received.count(b"HTTP/1.1 ") == 1, received[:300]
+    assert post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_field_name_or_label_that_is_not_unicode_is_named(srv):
+    for body, message, param in [
+            ('{"prompt": "hi", "\\ud800": 1}', "a field name is not valid Unicode (a lone surrogate", None),
+            ('{"prompt": "hi", "metadata": {"k\\udc00": "v"}}', "a field name in metadata is not valid Unicode",
+             "metadata"),
+            ('{"prompt": "hi", "user": "a\\ud800"}', "user must be valid Unicode text", "user"),
+            ('{"prompt": "hi", "metadata": {"k": "\\udfff"}}', "metadata.k must be valid Unicode text", "metadata")]:
+        status, reply = post(srv, "/v1/completions", None, raw=body.encode())
+        assert status == 400 and reply["error"]["message"].startswith(message), (body, reply)
+        assert reply["error"]["param"] == param, (body, reply)
+
+
+def test_a_page_at_an_allowed_origin_may_use_the_server(target):
+    with running(target, PARAMS, allowed_origins=("http://app.example:3000",)) as service:
+        connection = http.client.HTTPConnection(service.host, service.port, timeout=120)
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                           {**JSON, "Origin": "http://app.example:3000"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("access-control-allow-origin") == \
+            "http://app.example:3000"
+        response.read()
+        connection.request("POST", "/v1/completions", "{}", {**JSON, "Origin": "http://app.example:3001"})
+        assert connection.getresponse().status == 403
+
+
 def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(srv, caplog):
     uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not reach the root's handlers
     uvicorn_log.addHandler(caplog.handler)
     try:
         with socket.create_connection((srv.host, srv.port)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
             time.sleep(0.3)
         time.sleep(0.5)
         assert get(srv, "/health")[0] == 200
@@ -250,7 +305,8 @@ def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
             sock.close()
     with socket.create_connection((srv.host, srv.port), timeout=10) as sock:  # a body that never ends
         sent = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\"")
         reply = b""
         while b"}}" not in reply and (chunk := sock.recv(65536)):  # the head and the JSON body may come apart
             reply += chunk
@@ -278,7 +334,7 @@ def test_the_waiting_queue_is_bounded(target):
                                        json.dumps({"prompt": "1, 2,", "max_tokens": 1000, "stream": True}).encode()))
         assert wait_for(lambda: service.worker.held == 2)
         connection = http.client.HTTPConnection(service.host, service.port, timeout=30)
-        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}), JSON)
         response = connection.getresponse()
         assert response.status == 503 and response.getheader("Retry-After") == "1"
         assert "holds 2 requests, its most" in json.loads(response.read())["error"]["message"]

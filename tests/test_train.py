@@ -206,6 +206,17 @@ def test_bad_training_arguments_are_refused(capsys) -> None:
     assert "templates_per_wide_topic must be an integer in [1, 48], got 0" in capsys.readouterr().err
 
 
+def test_an_output_folder_that_cannot_be_one_is_refused_before_any_work(tmp_path, capsys) -> None:
+    """A file where the folder should be, or a folder under a file: one line at once, not minutes later."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    for command in ("draft", "medusa", "eagle", "ngrams", "layerskip"):
+        for out, message in ((taken, "is a file, not a folder"), (taken / "sub", "taken is a file, not a folder")):
+            assert main([command, "--out", str(out)]) == 2, command
+            err = capsys.readouterr().err  # one line, nothing before it: no model loaded, no corpus generated
+            assert err.startswith("error: out: ") and message in err and len(err.splitlines()) == 1, err
+
+
 def test_extra_templates_are_a_seeded_sample_per_topic_after_every_base_prompt() -> None:
     base = training_prompts()
     assert len(base) == len(TEMPLATES) * len(TRAIN_TOPICS)

@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..cli import model_spec
-from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, SamplingParams, check_int
+from ..cli import check_writable, model_spec
+from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..decoding.costs import LoadMeter
 from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, find
 from ..decoding.tree import DYNAMIC_TREE
@@ -182,7 +183,6 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
     (`spec.Variant`); and the draft model, where an algorithm runs one."""
     from dataclasses import fields
 
-    from ..config import ModelSpec
     from ..decoding.prompt_lookup import LOOKUP_TOKENS, PromptLookupParams
     from ..decoding.registry import build_proposer
     from ..models import load_model
@@ -228,6 +228,12 @@ def parse_algos(text: str) -> tuple[str, ...]:
     return names
 
 
+def loading(spec: ModelSpec) -> ModelSpec:
+    """`spec`, once the user has been told it loads."""
+    print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
+    return spec
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..decoding import encode_prompt
     from ..engine import one_request_costs, warm_up
@@ -240,6 +246,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     stem = "bench" if args.suite == "default" else args.suite
     args.json = args.json or f"bench_results/{stem}.json"
     args.markdown = args.markdown or f"bench_results/{stem}.md"
+    check_writable("json", [Path(args.json)], create_folders=True)  # before minutes of work, not after
+    check_writable("markdown", [Path(args.markdown)], create_folders=True)
     if args.suite == "serving":
         return cmd_bench_serving(args)
     if args.suite == "kernel":
@@ -258,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chosen = spread(args.limit, [suite[i] for i in indices])
         indices = [indices[i] for i in chosen]
     remotes = connect(args)  # refused, or unreachable, before any model loads
-    target = load_model(model_spec(args))
+    target = load_model(loading(model_spec(args)))
     generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender(PLAIN, PLAIN, None, "plain decoding")
     contenders, draft = build_contenders(args, target)
@@ -288,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     warm = GenerationParams(max_new_tokens=8, plan=args.plan)
     warm_ids = encode_prompt(target, "Hello", warm)
+    print(f"Warming up {len(baselines) + len(contenders)} contenders...", file=sys.stderr, flush=True)
     for contender in (*baselines, *contenders):  # its first calls paid, its proposer's prices left unlearned
         warm_up(contender.target or target, "Hello", contender.proposer, contender.sampling, warm, contender.algo)
     if llm is not None:
@@ -539,7 +548,7 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
     from ..models import load_model
     from .kernel import markdown_kernel, run_kernel
 
-    target = load_model(model_spec(args))
+    target = load_model(loading(model_spec(args)))
     try:
         kernel = run_kernel(target, lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
@@ -561,7 +570,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     if gguf_file is None:
         raise ConfigError(f"suite: quality compares the ways of reading a GGUF model's weights; {spec.source!r} is "
                           "not one (use the embedded model or a .gguf file)")
-    reference = load_model(replace(spec, weights="float32"))
+    reference = load_model(loading(replace(spec, weights="float32")))
     passages = held_out_text()
     if not passages:
         raise ConfigError("suite: quality reads held-out text from Python's pydoc_data, which this installation "
@@ -593,7 +602,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
 
     check_int("requests", args.requests, 1, 256)
     EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running)
-    target = load_model(model_spec(args))
+    target = load_model(loading(model_spec(args)))
     serving = run_serving(target, args.requests, args.max_new_tokens, args.max_running, args.block_size,
                           args.num_blocks, lambda line: print(line, file=sys.stderr, flush=True))
     report = {"model": target.name, "environment": environment(target.model), "serving": serving}

@@ -254,13 +254,37 @@ def read_hf_config(folder: Path) -> Any:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"model: {folder / 'config.json'} must hold a JSON object")
     check_sizes(raw, required=False)  # before transformers divides by them
+    if raw.get("model_type") not in SUPPORTED_ARCHITECTURES:  # before transformers offers to run the folder's code
+        custom = " and asks to run code of its own, which is never run here" if "auto_map" in raw else ""
+        kind = f"is a {str(raw['model_type'])[:40]!r} model" if "model_type" in raw else "names no model_type"
+        raise UnsupportedModelError(f"model: {folder} {kind}{custom}; "
+                                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     try:
-        hf_config = AutoConfig.from_pretrained(folder)  # trust_remote_code stays off: custom code is never run
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # a folder's own code is never run
     except (ValueError, KeyError, OSError) as exc:
-        raise UnsupportedModelError(f"model: {folder} is not a supported architecture ({exc}); supported: "
+        reason = " ".join(str(exc).split())[:200]  # transformers' messages run over several lines
+        raise UnsupportedModelError(f"model: {folder} is not a supported architecture ({reason}); supported: "
                                     f"{', '.join(SUPPORTED_ARCHITECTURES)}") from exc
     TransformerConfig.from_hf(hf_config)  # refuse an unsupported architecture before reading any weights
     return hf_config
+
+
+def check_inside(folder: Path, file: Path) -> None:
+    """A weights file a model folder names lies inside that folder, its symlinks followed: an index naming
+    `../../x.safetensors`, an absolute path, or a link out of the folder is refused. A hub download's files are
+    links into its repo's `blobs` folder beside `snapshots`, which is inside the download too."""
+    home = folder.resolve()
+    roots = [home]
+    if home.parent.name == "snapshots":  # the hub's cache: <repo>/snapshots/<revision>/<file> -> <repo>/blobs/<hash>
+        roots.append(home.parent.parent / "blobs")
+    name = file.relative_to(folder).as_posix() if file.is_relative_to(folder) else str(file)
+    shown = name if len(name) <= 80 else f"{name[:79]}…"
+    if file.is_absolute() and not file.is_relative_to(folder) or ".." in Path(name).parts:
+        raise ModelLoadError(f"model: {folder} names the weights file {shown!r}, outside the folder; refused")
+    real = file.resolve()
+    if not any(real.is_relative_to(root) for root in roots):
+        raise ModelLoadError(f"model: the weights file {shown!r} of {folder} links to {str(real)[:80]}, outside the "
+                             "folder; refused")
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -277,6 +301,8 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model: {folder} has no .safetensors weights (pickled checkpoints are never loaded)")
+    for file in files:
+        check_inside(folder, file)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:

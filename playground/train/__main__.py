@@ -5,10 +5,22 @@ self-speculative decoding."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from ..cli import OneLineParser, run_cli
+from ..cli import OneLineParser, check_folder, run_cli
 from . import datastore, draft, eagle, layerskip, medusa, ngrams
+
+
+def writing_out(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run`, once its --out folder is known to be one it can write in: before minutes of work, not after."""
+    def checked(args: argparse.Namespace) -> int:
+        if getattr(args, "out", None) is not None:
+            check_folder("out", Path(args.out))
+        return run(args)
+    return checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,23 +28,23 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     draft_parser = commands.add_parser("draft", help="distil a draft model for speculative decoding")
     draft.add_args(draft_parser)
-    draft_parser.set_defaults(func=draft.main)
+    draft_parser.set_defaults(func=writing_out(draft.main))
     medusa_parser = commands.add_parser("medusa", help="self-distil Medusa heads for a frozen target")
     medusa.add_args(medusa_parser)
-    medusa_parser.set_defaults(func=medusa.main)
+    medusa_parser.set_defaults(func=writing_out(medusa.main))
     eagle_parser = commands.add_parser("eagle", help="self-distil an EAGLE head for a frozen target")
     eagle.add_args(eagle_parser)
-    eagle_parser.set_defaults(func=eagle.main)
+    eagle_parser.set_defaults(func=writing_out(eagle.main))
     ngrams_parser = commands.add_parser("ngrams", help="write the target's answers for lookahead's corpus pool")
     ngrams.add_args(ngrams_parser)
-    ngrams_parser.set_defaults(func=ngrams.main)
+    ngrams_parser.set_defaults(func=writing_out(ngrams.main))
     datastore_parser = commands.add_parser("datastore", help="build the REST datastore of a text or JSONL file")
     datastore.add_args(datastore_parser)
-    datastore_parser.set_defaults(func=datastore.main)
+    datastore_parser.set_defaults(func=writing_out(datastore.main))
     layerskip_parser = commands.add_parser("layerskip", help="search the layers a target drafts with for "
                                                             "self-speculative decoding")
     layerskip.add_args(layerskip_parser)
-    layerskip_parser.set_defaults(func=layerskip.main)
+    layerskip_parser.set_defaults(func=writing_out(layerskip.main))
     return run_cli(parser, argv)
 
 
