@@ -165,20 +165,21 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
     a forward's cost by width in one-token forwards on this machine) instead of an acceptance; and, labelled as a
     projection, what the same steps would give where a forward over a few tokens costs about one (`own_price`: the
     proposer's own forwards a step by their number, as priced here)."""
-    from .metrics import FLAT_CURVE, drafting_note, expected_tokens_per_step, mean_draft_length, projected_speedup
+    from .metrics import FLAT_CURVE, chain_prediction, drafting_note, projected_speedup
 
     line = (f"[{algo}] {metrics.tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} tok/s, first "
             f"token after {metrics.ttft_s or 0:.3f} s, {metrics.target_forwards} target forwards, "
             f"finish: {finish_reason}, plan {trace.params.get('plan', 'measured')}")
-    gamma = mean_draft_length(trace)
     note = drafting_note(trace, relative_cost)
     if note is not None:
         line += f"; {note}" + (f" (forward costs {relative_cost.provenance()})" if relative_cost is not None else "")
-    if metrics.acceptance_rate is not None and gamma is not None and metrics.drafted:
-        predicted = expected_tokens_per_step(metrics.acceptance_rate, gamma)
-        line += (f"; acceptance {metrics.acceptance_rate:.2f}, tokens per target forward (bonus included) "
-                 f"{metrics.mean_accepted_tokens:.2f} measured vs {predicted:.2f} predicted by "
-                 f"(1 - a^(g+1)) / (1 - a) at mean g = {gamma:.1f}")
+    if metrics.token_acceptance is not None and metrics.drafted:
+        line += (f"; acceptance rate a = {metrics.token_acceptance:.2f} ({metrics.accepted} of the "
+                 f"{(metrics.accepted or 0) + (metrics.rejected or 0)} drafted tokens the target judged); "
+                 f"{metrics.mean_accepted_tokens:.2f} tokens per target forward (bonus included)")
+        prediction = chain_prediction(trace)
+        line += (f" against {prediction.tokens:.2f} predicted by (1 - a^(g+1)) / (1 - a) at g = {prediction.g}"
+                 if prediction is not None else " (it drafted trees: the formula for one chain does not apply)")
     projected = projected_speedup(trace, own_price) if metrics.drafted else None
     if projected is not None:
         line += f"; projection, not measured: {projected:.2f}x plain decoding's steps {FLAT_CURVE}"

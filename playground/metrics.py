@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .config import MAX_GAMMA
 from .trace import (
     PLAIN,
     AcceptEvent,
@@ -91,6 +93,40 @@ def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
     if acceptance == 1:
         return gamma + 1
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def branched(draft: DraftEvent) -> bool:
+    """Whether a draft is a tree beyond one chain with runners-up beside its first token (which `is_sibling` tells):
+    a drafted token with two followers, or two first tokens that both have followers. Parents are node numbers (0:
+    the last committed token, i: tokens[i - 1]; None: the token before), in the draft's best-first order, so a
+    runner-up may sit between a chain's tokens."""
+    parents = [i if t.parent is None else t.parent for i, t in enumerate(draft.tokens)]
+    followed = Counter(parents)
+    firsts = [i + 1 for i, p in enumerate(parents) if p == 0]
+    return any(n > 1 for node, n in followed.items() if node > 0) or sum(followed[f] > 0 for f in firsts) > 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPrediction:
+    """What the chain formula predicts for a run, with the figures it takes, as the CLI, the bench and the Theory
+    tab all show it: a, the share of judged drafted tokens the target accepted (to two decimals, as shown); g, the
+    mean number of tokens a drafting step drafted (rounded to a whole number, as the formula's g is); tokens, the
+    tokens per target forward, bonus included, (1 - a^(g+1)) / (1 - a) at those two."""
+
+    a: float
+    g: int
+    tokens: float
+
+
+def chain_prediction(trace: Trace) -> ChainPrediction | None:
+    """The chain formula's prediction for a run (`ChainPrediction`); None where the target judged no drafted token,
+    or where a step proposed a tree, which the formula for one chain does not describe."""
+    metrics, drafts = compute(trace), [e for e in trace.events if isinstance(e, DraftEvent)]
+    if metrics.token_acceptance is None or not drafts or any(branched(e) for e in drafts):
+        return None
+    a = round(metrics.token_acceptance, 2)
+    g = min(max(round(mean_draft_length(trace) or 1), 1), MAX_GAMMA)
+    return ChainPrediction(a, g, expected_tokens_per_step(a, g))
 
 
 def drafted_count(event: DraftEvent) -> int:

@@ -255,3 +255,27 @@ def test_guessers_carry_what_they_learned_only_on_live_measured_costs(target, pr
     learned = medusa.calibration
     generate(target, PROMPTS[2], medusa, None, generation, costs=STEEP)
     assert medusa.calibration is not learned
+
+
+@pytest.mark.parametrize("algo", ["speculative", "prompt-lookup", "eagle"])
+def test_the_cli_predicts_what_the_theory_tab_predicts_for_the_same_run(target, proposers, algo) -> None:
+    """One a (accepted / judged), one g, one formula: the CLI's summary line and the Theory tab set from the same
+    run give the same tokens per forward; a run that drafted trees gets no chain prediction from the CLI."""
+    import re
+
+    from playground.ui import theory
+    from playground.ui.decode import history_entry
+
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set")
+    _, trace = generate(target, PROMPTS[6], proposers[algo], generation=generation)
+    line = summary_line(algo, compute(trace), trace, "length")
+    a, g, _ = theory.from_run([history_entry(trace, compute(trace))])
+    judged = re.search(r"acceptance rate a = (\d\.\d\d) \(", line)
+    assert judged is not None and float(judged.group(1)) == a["value"], line
+    said = re.search(r"against (\d+\.\d\d) predicted by \(1 - a\^\(g\+1\)\) / \(1 - a\) at g = (\d+)", line)
+    if algo == "eagle":  # EAGLE drafts trees
+        assert said is None and "it drafted trees: the formula for one chain does not apply" in line, line
+        return
+    assert said is not None and int(said.group(2)) == g["value"], line
+    _, summary = theory.update(a["value"], g["value"], 0.0, 0.0, None)
+    assert f"**{said.group(1)} tokens per target forward**" in summary, (line, summary)

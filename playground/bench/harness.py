@@ -237,7 +237,7 @@ def loading(spec: ModelSpec) -> ModelSpec:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..decoding import encode_prompt
     from ..engine import one_request_costs, warm_up
-    from ..metrics import compute, depth_profile, drafting_note, expected_tokens_per_step, mean_draft_length
+    from ..metrics import chain_prediction, compute, depth_profile, drafting_note
     from ..models import load_model
     from ..models.loader import load_hf_peer, source_gguf
 
@@ -382,9 +382,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for each in traces[contender.name]:
                 costs[contender.name].add(each)
             result.update(depth_profile(trace))
-            if contender.drafts:  # a draft model's chain: the chain formula applies
-                result["predicted_tokens_per_forward"] = expected_tokens_per_step(
-                    metrics.token_acceptance or 0.0, mean_draft_length(trace) or 0.0)
+            prediction = chain_prediction(trace)  # a chain's formula, where the run drafted chains
+            if prediction is not None:
+                result["predicted_tokens_per_forward"] = prediction.tokens
             progress += f", {contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")
             if hf_model is not None and contender.peer_kwargs is not None:
                 peer = peer_runs.get(contender.peer_kwargs,

@@ -184,14 +184,15 @@ def markdown_endpoint(label: str, summary: dict[str, Any], rows: list[dict[str, 
 def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
     peer = info.get("peer")
     lines = ["", f"## {name} ({info['setting']})", "",
-             "| # | category | tok/s | speedup vs ours plain | acceptance (accepted / drafted; per judged) | "
+             "| # | category | tok/s | speedup vs ours plain | acceptance rate a (accepted / judged; accepted / "
+             "drafted) | "
              "tokens per target forward | step cost: draft + verify + other (plain steps) | same tokens as plain |"
              + (f" {peer} tok/s | ours / {peer} |" if peer else "") + " check |",
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "") + "---|"]
     for i, row in enumerate(rows):
         r = row["algos"][name]
         acceptance = ("-" if r["acceptance_rate"] is None else
-                      f"{r['acceptance_rate']:.2f}; {r['token_acceptance'] or 0:.2f}")
+                      f"{r['token_acceptance'] or 0:.2f}; {r['acceptance_rate']:.2f}")
         forward = f"{r['mean_accepted_tokens']:.2f}"
         if "predicted_tokens_per_forward" in r:
             forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"

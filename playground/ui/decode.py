@@ -25,6 +25,7 @@ from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import (
     FLAT_CURVE,
     Metrics,
+    branched,
     compute,
     depth_profile,
     drafting_note,
@@ -39,7 +40,7 @@ from ..timeline import save_timeline
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
-from ..viz.steps import STEP_HEADERS, TokenText, branched, render_step_detail, step_rows
+from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .form import (
     PLAIN_LABEL,
     Entrant,
@@ -120,8 +121,10 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
         parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
     if note is not None:
         parts.append(markdown_text(note, 400))
-    if m.acceptance_rate is not None:
-        parts.append(f"acceptance {m.accepted}/{m.drafted} = {m.acceptance_rate:.2f}")
+    if m.token_acceptance is not None:
+        judged = (m.accepted or 0) + (m.rejected or 0)
+        parts.append(f"acceptance rate a = {m.token_acceptance:.2f}: the target accepted {m.accepted} of the {judged} "
+                     f"drafted tokens it judged ({m.drafted} drafted)")
     if kept_at:
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterable
 
+from ..metrics import branched
 from ..trace import (
     AcceptEvent,
     BonusEvent,
@@ -82,12 +83,6 @@ def texts_of(draft: DraftEvent) -> TokenText:
     """Token id -> text as the draft event recorded it (an id it does not hold shows as #id)."""
     texts = {t.id: t.text for t in draft.tokens}
     return lambda token: texts.get(token, f"#{token}")
-
-
-def branched(draft: DraftEvent) -> bool:
-    """Whether a draft is a tree beyond a chain with runners-up beside its first token (which `is_sibling` tells):
-    some token follows one other than the token before it, and not the last committed token."""
-    return any(t.parent not in (None, i, 0) for i, t in enumerate(draft.tokens))
 
 
 def draft_paths(draft: DraftEvent) -> list[list[int]]:
