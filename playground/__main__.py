@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from .decoding.costs import OneRequest
 
 ENGINE = EngineParams()
-PLAN_HELP = ("how much a step verifies: measured (what pays on this machine's measured forward costs) or as-set "
-             "(exactly what the algorithm's settings say, however slow that is here)")
+PLAN_HELP = ("how much a step drafts and verifies: measured (only guesses that should save time, judged on this "
+             "machine's measured costs) or as-set (all the algorithm's settings ask for, however slow that is here)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -319,10 +319,10 @@ def add_algo_args(parser: argparse.ArgumentParser) -> None:
         if spec.loads_draft:
             add(options, "--draft-quant", (spec.name,), choices=QUANTS, help="bitsandbytes quantization of the draft")
     grafting = tuple(name for name, spec in ALGORITHMS.items() if spec.grafts)
-    copy = parser.add_argument_group(f"prompt copies grafted onto the tree (--algo {', '.join(grafting)})")
+    copy = parser.add_argument_group(f"prompt copies added to the tree (--algo {', '.join(grafting)})")
     add(copy, "--copy-ngram", grafting, type=int, help=f"1..{MAX_NGRAM} (default: off): each step may also propose a "
-                                                       "copy of earlier text matching the last 1..N tokens, grafted "
-                                                       "onto the algorithm's tree")
+                                                       "copy of earlier text matching the last 1..N tokens, added "
+                                                       "to the algorithm's tree")
     add(copy, "--copy-tokens", grafting, type=int, help=f"most tokens a copy proposes, 1..{MAX_GAMMA} (default: as "
                                                         "prompt lookup's --num-draft)")
     parser.set_defaults(algo_options=owners)

@@ -187,8 +187,8 @@ class EngineParams:
     prefix_caching: share the KV blocks of identical prompt prefixes between requests.
     kv: "paged", or "contiguous": one request at a time (max_running 1) in a row of num_blocks x block_size slots
     reserved whole (no gathering of slots at every layer).
-    plan: how much a step verifies (`PLANS`): "measured" (what pays on this machine) or "as-set" (all its proposer's
-    settings ask for).
+    plan: how much a step verifies (`PLANS`): "measured" (only guesses that should save time on this machine) or
+    "as-set" (all its proposer's settings ask for).
     What each step proposes is the engine's proposer's to say (`decoding.registry.build_proposer`), not these.
     """
 

@@ -245,30 +245,30 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
         return None
     measured = trace.params.get("plan", "measured") == "measured"
     width = seen.width or NOMINAL_WIDTH
-    price = (f"here a {width}-token forward costs {relative_cost(width):.1f} one-token forwards, so a step must keep "
-             f"{relative_cost(width):.1f} tokens to break even" if relative_cost is not None else "")
+    price = (f"here a forward over {width} tokens costs {relative_cost(width):.1f} one-token forwards, so a step "
+             f"must keep {relative_cost(width):.1f} tokens to break even" if relative_cost is not None else "")
     rested_steps = trace.params.get("rested_steps")
     rested_steps = rested_steps if isinstance(rested_steps, int) else 0
     if seen.drafting_steps == 0:
         if not measured:
-            return "nothing drafted: the algorithm found no proposal in any step, so no acceptance applies"
+            return "nothing drafted: the algorithm found no guess in any step, so there is no acceptance rate"
         if rested_steps:
-            return (f"nothing drafted: drafting rested in {rested_steps} of {seen.steps} steps, as the drafting "
-                    "steps before (an earlier run's too) committed fewer tokens a second than plain ones (the "
-                    f"proposer's own forwards included){'; ' + price if price else ''}, so no acceptance applies; "
-                    "--plan as-set verifies the settings as they are")
-        return (f"nothing drafted: the measured plan found no step where drafting pays on this machine"
-                f"{' (' + price + ')' if price else ''}, so no acceptance applies; --plan as-set verifies the "
-                "settings as they are")
+            return (f"nothing drafted: drafting was paused in {rested_steps} of {seen.steps} steps, because the "
+                    "drafting steps before (an earlier run's too) added fewer tokens a second than plain steps (the "
+                    f"proposer's own forwards counted){'; ' + price if price else ''}. So there is no acceptance "
+                    "rate. --plan as-set drafts in every step")
+        return (f"nothing drafted: under the measured plan no step was expected to save time on this machine"
+                f"{' (' + price + ')' if price else ''}. So there is no acceptance rate. --plan as-set drafts in "
+                "every step")
     if not measured:
         return (f"drafting in {seen.drafting_steps} of {seen.steps} steps: the algorithm found a proposal only "
                 "there")
     kept = f"this run's drafting steps kept {seen.kept:.1f}"
-    rested = (f"; drafting rested in {rested_steps} steps, its steps committing fewer tokens a second than plain "
-              "ones (the proposer's own forwards included)" if rested_steps else "")
-    return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: the measured plan verifies only what "
-            f"pays on this machine ({price + '; ' if price else ''}{kept}{rested}); --plan as-set verifies the "
-            "settings as they are")
+    rested = (f"; drafting was paused in {rested_steps} steps, because drafting steps added fewer tokens a second "
+              "than plain steps (the proposer's own forwards counted)" if rested_steps else "")
+    return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: under the measured plan a step verifies "
+            f"guesses only where they should save time on this machine ({price + '; ' if price else ''}{kept}"
+            f"{rested}). --plan as-set drafts in every step")
 
 
 # a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this

@@ -275,12 +275,12 @@ def test_eagle_step_detail_draws_the_heads_tree(client, target):
     outputs = decode(client, "Describe how a bicycle works in a short paragraph.", algo="EAGLE (tree)",
                      max_new_tokens=24, eagle_nodes=8)
     assert "tokens per target forward" in outputs[3]
-    # the head's, as planned (the tests never time it: the one-row floor), beside its bytes' prediction at the top_k
-    # rows a further depth's forward runs
-    assert re.search(r"drafting priced at \d\.\d\d target forwards for a step's first depth \(its catch-up on the "
-                     r"tokens kept included\) and \d\.\d\d for each further one until one is timed \(the bytes of "
-                     r"a one-row forward: a floor, so that deeper drafting gets tried\); the bytes a further depth's "
-                     r"forward reads predict \d\.\d\d at its 4 rows on this machine's curve", outputs[3])
+    # the head's cost as planned (the tests never time it: its bytes' estimate), beside the estimate at the top_k rows
+    # a further token's forward runs
+    assert re.search(r"drafting costs \d\.\d\d target forwards for a step's first token \(with reading the tokens "
+                     r"just kept\) and \d\.\d\d for each further token, an estimate from its bytes until one is "
+                     r"timed; the bytes a further token's forward reads would say \d\.\d\d at its 4 rows on this "
+                     r"machine's curve", outputs[3])
     trace = Trace.load(outputs[4][0])
     assert trace.params["nodes"] == 8
     # a tree beyond a chain with runners-up (the engine trims some steps' trees to one)
@@ -295,8 +295,8 @@ def test_medusa_step_detail_tells_the_candidates(client, target):
     detail, stats = outputs[2], outputs[3]
     assert "proposed" in detail and "tokens per target forward" in stats
     # the heads run one forward a step, whatever the depth: one price
-    assert re.search(r"the proposer's forward priced at \d\.\d\d target forwards, once a step \(the bytes it reads "
-                     r"predict \d\.\d\d\)", stats)
+    assert re.search(r"the proposer's forward costs \d\.\d\d target forwards, once a step \(its bytes alone would "
+                     r"say \d\.\d\d\)", stats)
     # replay reads token texts from the trace alone; the small tree is one chain with a runner-up beside its first
     # token, told in a line (EAGLE's trees are drawn: above)
     drafts = [e for e in Trace.load(outputs[4][0]).events if isinstance(e, DraftEvent)]

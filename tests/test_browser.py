@@ -249,7 +249,7 @@ def test_uploaded_trace_replays(page, tmp_path):
                                              ("lookahead", "table")])
 def test_as_set_shows_proposals_drafted_and_judged_on_this_machines_costs(page, monkeypatch, algo, structure):
     """With the forward costs this machine measures (not the tests' fixed curve), the Decode tab's default plan
-    ("as set") verifies what the algorithm proposes, whatever the CPU's price of a wide forward: the replay shows
+    ("as-set") verifies what the algorithm proposes, whatever the CPU's price of a wide forward: the replay shows
     drafted tokens kept, and the step detail a proposal in most steps with its structure: Medusa's and EAGLE's
     trees (beyond a chain with runners-up), lookahead's Jacobi window every step and a verified n-gram in some."""
     from playground.decoding import costs

@@ -55,3 +55,51 @@ def test_each_results_entry_is_dated_with_its_command_and_table() -> None:
         heading, _, body = entry.partition("\n")
         assert DATE.search(heading), heading
         assert "`" in body and "|" in body, heading  # a command and a table
+
+
+# words only the code defined, once used in texts people read; the field's words replace them (docs/glossary.md)
+PRIVATE = re.compile(r"\b(what pays|pays for|it pays|drafting pays|priced|rests|rested|payoff|further depth|catch-up|"
+                     r"one-row floor|summed apart|grafted|grafts|dear|side rows|bytes' prediction|seed for seed|"
+                     r"as set)\b", re.IGNORECASE)
+# the dated log keeps each entry's words as written; the architecture guide names the code's own concepts
+FOR_THE_CODE = {ROOT / "docs" / "results.md", ROOT / "docs" / "architecture.md"}
+
+
+def prose(text: str) -> str:
+    """Markdown without its code: fenced blocks and `inline code` (a class or field may keep its name)."""
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def test_texts_people_read_use_the_fields_words() -> None:
+    import json
+
+    from playground.__main__ import build_parser
+
+    found = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in PAGES if page not in FOR_THE_CODE
+             for m in PRIVATE.finditer(prose(page.read_text()))]
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(notebook.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                found += [f"{notebook.name}: {m.group(0)}" for m in PRIVATE.finditer(prose("".join(cell["source"])))]
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices  # every subcommand's --help
+    for name, command in commands.items():
+        found += [f"--help of {name}: {m.group(0)}" for m in PRIVATE.finditer(command.format_help())]
+    assert not found, found
+
+
+def test_readme_sentences_are_short() -> None:
+    """Under 40 words each: prose only (no tables, headings, images or code), a bullet or a paragraph split at the end
+    of each sentence."""
+    text = re.sub(r"^---.*?---\n", "", (ROOT / "README.md").read_text(), flags=re.S)
+    blocks, block = [], []
+    for line in prose(text).splitlines():
+        item = re.match(r"(- |\d+\. )", line)
+        if not line.strip() or line.startswith(("|", "#", "![")) or item:
+            blocks.append(" ".join(block))
+            block = [line[item.end():]] if item else []
+        else:
+            block.append(line.strip())
+    blocks.append(" ".join(block))
+    long = [s for b in blocks for s in re.split(r"(?<=[.!?;])\s+(?=[A-Z*\[(])", b) if len(s.split()) >= 40]
+    assert not long, long

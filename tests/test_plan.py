@@ -65,10 +65,10 @@ def test_as_set_drafts_what_the_settings_say_where_measured_drafts_nothing(targe
                             costs=STEEP)[1]
         assert drafting(measured).drafting_steps == 0 and compute(measured).drafted == 0, algo
         note = drafting_note(measured, lambda w: STEEP.step_cost(1, w))
-        assert note.startswith("nothing drafted: the measured plan found no step where drafting pays") and (
-            "a 5-token forward costs 5.0 one-token forwards" in note), note
+        assert note.startswith("nothing drafted: under the measured plan no step was expected to save time") and (
+            "a forward over 5 tokens costs 5.0 one-token forwards" in note), note
         line = summary_line(algo, compute(measured), measured, "length", OneRequest(STEEP))
-        assert note in line and "acceptance" not in line.replace("no acceptance applies", "")
+        assert note in line and "acceptance" not in line.replace("there is no acceptance rate", "")
         assert line.endswith("(forward costs not measured here (a fixed curve))")  # where its figures come from
         as_set = generate(target, prompt, proposers[algo], None,
                           GenerationParams(max_new_tokens=NEW_TOKENS, plan="as-set"), costs=STEEP)[1]
@@ -229,13 +229,13 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     steps = [e for e in trace.events if isinstance(e, VerifyEvent)]
     resting = min(rest_left, len(steps))
     assert trace.params["rested_steps"] >= resting and all(e.num_tokens == 1 for e in steps[:resting])
-    assert "drafting rested in" in drafting_note(trace, STEEP_COST)
+    assert "drafting was paused in" in drafting_note(trace, STEEP_COST)
     engine = Engine(target, EngineParams(max_running=1, plan="as-set"), proposer=Slow(), costs=live)
     engine.add_request(prompt, None, generation)
     engine.run_all()
     assert engine.payoff is None and engine.counts["slow"].steps >= new - 3
     trace = generate(target, prompt, Slow(), None, generation, costs=live)[1]
-    assert trace.params["rests"] >= 1 and "drafting rested" in drafting_note(trace, STEEP_COST)
+    assert trace.params["rests"] >= 1 and "drafting was paused" in drafting_note(trace, STEEP_COST)
     assert Trace.from_json(trace.to_json()).params["rests"] == trace.params["rests"]
 
 

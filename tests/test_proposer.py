@@ -263,7 +263,7 @@ def test_a_registered_algorithm_appears_on_every_surface(registered, target, pla
         client = Client(app.local_url, verbose=False)
         values = [2 if key == "bigrams.longest" else value for key, value in fields.items()]
         prompt = PROMPTS[0]
-        outputs = client.predict(prompt, BIGRAMS.label, NEW_TOKENS, 0.0, 0, 1.0, None, "contiguous", "as set",
+        outputs = client.predict(prompt, BIGRAMS.label, NEW_TOKENS, 0.0, 0, 1.0, None, "contiguous", "as-set",
                                  *values, "embedded", "", "cpu", "float32", "auto", api_name="/decode")
         trace = Trace.load(outputs[4][0])  # the trace, then its timeline
         assert trace.algo == "bigrams" and trace.params["longest"] == 2
@@ -271,7 +271,7 @@ def test_a_registered_algorithm_appears_on_every_surface(registered, target, pla
         assert "same tokens as plain decoding: yes" in outputs[3]
         page = json.dumps(client.config)  # the layout the browser draws: its choice, its field and its example
         assert all(text in page for text in (BIGRAMS.label, "longest chain (1..8)", BIGRAMS.example))
-        _, status, table, *_ = client.predict(prompt, [BIGRAMS.label], 8, 0.0, 0, "as set", "embedded", "", "cpu",
+        _, status, table, *_ = client.predict(prompt, [BIGRAMS.label], 8, 0.0, 0, "as-set", "embedded", "", "cpu",
                                               "float32", "auto", api_name="/race")
         assert [row[0] for row in (table["data"] if isinstance(table, dict) else table)] == ["plain", BIGRAMS.label]
     finally:

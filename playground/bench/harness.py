@@ -65,8 +65,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="Medusa candidate tree: dynamic (default), chain, small, medium, wide or a JSON file "
                              "of top-k paths")
     parser.add_argument("--plan", default="measured", choices=PLANS,
-                        help="how much the algorithms' steps verify: measured (default; what pays on this machine) or "
-                             "as-set (exactly what their settings say)")
+                        help="how much the algorithms' steps draft and verify: measured (default; only guesses that "
+                             "should save time on this machine) or as-set (all their settings ask for)")
     names = ",".join(ALGORITHMS)
     parser.add_argument("--algos", default=names,
                         help=f"comma-separated algorithms to race against plain decoding (default {names})")

@@ -60,7 +60,7 @@ class Costs:
         return out
 
 
-PLAN_WORDS = {"measured": "each step verifies what pays on this machine's measured forward costs",
+PLAN_WORDS = {"measured": "each step verifies only guesses that should save time on this machine's measured costs",
               "as-set": "each step verifies all its algorithm's settings ask for, whatever it costs here"}
 
 
@@ -142,11 +142,11 @@ def markdown(report: dict[str, Any]) -> str:
                   "than one token (their median width: verify tokens) over a plain decode forward's; draft cost ratio "
                   "the same for one draft forward. Draft forward is what one forward of the proposer's own (a draft "
                   "model's, the heads') cost in one-token target forwards as its plan measured it (the median over its "
-                  "last drafting steps, per prompt: each depth after a step's first, or the heads' one forward a "
+                  "last drafting steps, per prompt: each token after a step's first, or the heads' one forward a "
                   "step), by bytes what the weights it reads predict (their bytes over the target's, at the rows the "
                   "forward runs a request on this machine's curve: EAGLE's head top_k); draft first "
-                  "what a drafting step's first depth cost, with its catch-up on the tokens the proposer has not read "
-                  "and the step's fixed work around its forwards. `check` flags a speedup the measurement cannot "
+                  "is what a drafting step's first token cost, with reading the tokens kept since the proposer's last "
+                  "step and the step's fixed work around its forwards. `check` flags a speedup the measurement cannot "
                   "explain (playground/speedup.py): rerun before quoting it. The predicted speedup is what a run's own "
                   "decode steps (the widths it verified, its proposer's forwards at their measured price) come to on "
                   "this machine's forward-cost curve, diluted by the prefill as the measured one is; its share "

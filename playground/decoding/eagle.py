@@ -457,7 +457,7 @@ ALGORITHM = Algorithm(
     "eagle", "EAGLE (tree)", "EAGLE decoding (--algo eagle)", EagleParams, EagleProposer,
     (Setting("head", "folder of a head trained by `python -m playground.train eagle` (default: the head shipped for "
                      "the embedded model)", flag="--eagle-head", kind=str),
-     Setting("depth", f"deepest drafted token, 1..{MAX_GAMMA}; each step drafts as deep as pays",
+     Setting("depth", f"deepest drafted token, 1..{MAX_GAMMA}; under the measured plan a step may draft less deep",
              flag="--eagle-depth"),
      Setting("top_k", "nodes expanded per depth and children per node, 1..16", flag="--eagle-top-k"),
      Setting("nodes", f"most nodes of the tree, 1..{MAX_DYNAMIC_NODES} (default {EAGLE_CPU_NODES}, "

@@ -216,7 +216,7 @@ ALGORITHM = Algorithm(
                        "shipped for the embedded model, else the first half", flag="--draft-layers",
              label="drafting layers (empty = the shipped choice)", kind=str, auto=True,
              note="a count of leading layers (12: an early exit) or layers and ranges (0-9,14)"),
-     Setting("gamma", f"most drafted tokens per step, 1..{MAX_GAMMA}; each step drafts as deep as the chain's "
-                      "acceptance so far pays for", flag="--self-gamma", label="gamma (most drafted tokens, 1..16)")),
+     Setting("gamma", f"most drafted tokens per step, 1..{MAX_GAMMA}; under the measured plan a step may draft "
+                      "fewer", flag="--self-gamma", label="gamma (most drafted tokens, 1..16)")),
     sources={"self": ("Target's own layers", "drafted")}, colour="#882255",
     example="Write a Python function that returns the n-th Fibonacci number.", short="self-spec")

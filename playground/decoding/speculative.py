@@ -240,8 +240,8 @@ ALGORITHM = Algorithm(
     DraftGuesser,
     (Setting("draft", "draft model spec (same tokenizer as the target); default for the embedded model: the draft "
                       "trained by `python -m playground.train draft`", kind=str),
-     Setting("gamma", f"most draft tokens per step, 1..{MAX_GAMMA}; each step drafts as deep as the chain's "
-                      "acceptance so far pays for", label="gamma (most draft tokens, 1..16)"),
+     Setting("gamma", f"most draft tokens per step, 1..{MAX_GAMMA}; under the measured plan a step may draft fewer",
+             label="gamma (most draft tokens, 1..16)"),
      Setting("sample", "when sampling, draw the chain from the draft's distributions and judge it by the lossless "
                        "rule for them: more accepted, same distribution, but a seed no longer gives plain decoding's "
                        "text (default: the draft's greedy chain, seeded outputs unchanged)", flag="--sample-draft",

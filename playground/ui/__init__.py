@@ -14,6 +14,7 @@ from ..viz import token_css
 from . import decode, memory, models, quota, race, theory
 
 STYLESHEET = Path(__file__).resolve().parent.parent.parent / "assets" / "style.css"
+GLOSSARY = Path(__file__).resolve().parent.parent.parent / "docs" / "glossary.md"  # shown in the app, as written
 CONCURRENCY = 1  # runs share the CPU; one at a time keeps every measured speed honest
 CACHE_CLEANUP_S = 3600
 
@@ -26,8 +27,12 @@ def build_app(on_gpu: Callable[[Callable], Callable] | None = None, public: bool
     quota.QUOTA.limit = quota.TOKENS_PER_HOUR if models.catalog.access.public else None
     # uploads and exported traces are temporary files: each is deleted an hour after it was made
     with gr.Blocks(title="Decoding playground", delete_cache=(CACHE_CLEANUP_S, CACHE_CLEANUP_S)) as app:
-        gr.Markdown("# Decoding playground\nWatch how each decoding algorithm drafts, accepts and rejects tokens, "
+        gr.Markdown("# Decoding playground\nA model adds one token per forward. Speculative decoding *drafts* a few "
+                    "tokens cheaply, then the model *verifies* them all in one forward and keeps those it agrees "
+                    "with, so one forward can add several tokens. Watch each algorithm draft, accept and reject, "
                     "and what it buys in speed. Speeds are engine time only; drawing the page is never counted.")
+        with gr.Accordion("The words used here", open=False):
+            gr.Markdown(GLOSSARY.read_text(encoding="utf-8").split("\n", 1)[1])
         # (source, draft, device, dtype, weights), inputs of every run
         wrap = on_gpu or (lambda fn: fn)
         model = models.build_panel(models.catalog.access, wrap)

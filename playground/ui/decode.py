@@ -61,8 +61,8 @@ from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 
 PLAIN = registry.PLAIN
-AS_SET = "as set"
-PLANS = {AS_SET: "as-set", "measured": "measured"}  # the Plan control's choices -> `config.PLANS`
+AS_SET = "as-set"
+PLANS = {AS_SET: "as-set", "measured": "measured"}  # the Plan control's choices -> `config.PLANS`, the CLI's words
 PLAIN_EXAMPLE = "Explain in two sentences why the sky is blue."
 
 
@@ -89,7 +89,7 @@ def as_seed(value: Any) -> int | None:
 
 
 def as_plan(choice: Any) -> str:
-    """The Plan control's choice ("as set", "measured") as `config.PLANS` names it; any other is an error."""
+    """The Plan control's choice ("as-set", "measured") as `config.PLANS` names it; any other is an error."""
     if choice not in PLANS:
         raise ConfigError(f"plan must be one of {', '.join(PLANS)}, got {choice!r}")
     return PLANS[choice]
@@ -132,16 +132,15 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
         cost, estimate = own
         price, timed = cost.value(), cost.fixed is not None or cost.measured() is not None  # fixed: as set
         if price.further is None:
-            parts.append(f"the proposer's forward priced at {price.first:.2f} target forwards, once a step (the bytes "
-                         f"it reads predict {estimate:.2f})")
+            parts.append(f"the proposer's forward costs {price.first:.2f} target forwards, once a step (its bytes "
+                         f"alone would say {estimate:.2f})")
         else:
-            further = (f"{price.further:.2f} for each further one" if timed else
-                       f"{price.further:.2f} for each further one until one is timed (the bytes of a one-row forward: "
-                       "a floor, so that deeper drafting gets tried)")
+            further = (f"{price.further:.2f} for each further token" if timed else
+                       f"{price.further:.2f} for each further token, an estimate from its bytes until one is timed")
             width = f" at its {cost.rows} rows on this machine's curve" if cost.rows > 1 else ""
-            parts.append(f"drafting priced at {price.first:.2f} target forwards for a step's first depth (its catch-up "
-                         f"on the tokens kept included) and {further}; the bytes a further depth's forward reads "
-                         f"predict {estimate:.2f}{width}")
+            parts.append(f"drafting costs {price.first:.2f} target forwards for a step's first token (with reading "
+                         f"the tokens just kept) and {further}; the bytes a further token's forward reads would say "
+                         f"{estimate:.2f}{width}")
     if same is not None:
         parts.append("same tokens as plain decoding: " + ("yes" if same else "**NO**"))
     if projected is not None:
@@ -401,8 +400,9 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 kv = gr.Radio(["contiguous", "paged"], value="contiguous", label="KV cache")
             algo.change(form.visibility, [algo], list(form.groups.values()), api_visibility="private", queue=False)
             plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
-                            info="as set: verify all the settings ask for, to see the algorithm work; measured: only "
-                                 "what pays on this machine (may switch drafting off)")
+                            info="as-set: every step drafts and verifies all the settings ask for, so you see the "
+                                 "algorithm work. measured: a step verifies only what should save time on this "
+                                 "machine's measured costs, so drafting may stop.")
             with gr.Accordion("Sampling", open=False):
                 max_new_tokens = gr.Number(64, label="max new tokens (1..4096)", step=1)
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy, ..100)")

@@ -231,8 +231,8 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
                 temperature = gr.Number(0.0, label="temperature (0 or below 1e-5 = greedy)")
                 seed = gr.Number(0, label="seed (-1 = random)", step=1)
             plan = gr.Radio(list(PLANS), value=AS_SET, label="Plan",
-                            info="as set: every lane verifies all its settings ask for; measured: only what pays "
-                                 "on this machine")
+                            info="as-set: every lane drafts and verifies all its settings ask for. measured: a "
+                                 "step verifies only what should save time on this machine's measured costs.")
             with gr.Row():
                 run = gr.Button("Race", variant="primary", scale=3)
                 stop = gr.Button(STOP, variant="stop", scale=1)
