@@ -196,6 +196,14 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     page.get_by_label("annotated").check()
     expect(page.locator("#pg-generated .pg-tokens")).to_be_visible()
     expect(page.locator("#pg-generated .pg-clean")).to_be_hidden()
+    # the annotated text reads as text: earlier steps' refused guesses are out of the line until asked for
+    past = page.locator("#pg-generated .pg-past")
+    if past.count():
+        expect(past.first).to_be_hidden()
+        page.get_by_label("+ refused guesses").check()
+        expect(past.first).to_be_visible()
+        page.get_by_label("annotated").check()
+        expect(past.first).to_be_hidden()
     for plot in ("#pg-steps-plot", "#pg-time-plot"):  # the run's charts are drawn, not left as placeholders
         expect(page.locator(f"{plot} .js-plotly-plot")).to_be_visible(timeout=30_000)
     # the player: play from the start (slowly, so the pause lands mid-run), pause, a step back shows fewer tokens,

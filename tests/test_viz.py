@@ -77,6 +77,17 @@ def test_replaying_a_step_shows_the_tokens_as_they_stood():
     assert states(token_views(events[:3])) == [(10, "generated"), (11, "pending"), (12, "pending"), (13, "pending")]
 
 
+def test_the_annotated_text_keeps_earlier_steps_refused_guesses_out_of_the_line():
+    """Step 1's refused and never-judged guesses stay in view while step 1 is the latest, and leave the line (a
+    `pg-past` class, shown only under `pg-show-guesses`) once later steps have come."""
+    events = speculative_events()
+    past = re.compile(r'class="pg-tok pg-(\w+) pg-past"')
+    assert past.findall(render_tokens(events, upto_step=1)) == []
+    assert past.findall(render_tokens(events)) == ["rejected", "discarded"]
+    page = render_tokens(events)
+    assert ".pg-past { display: none; }" in page and ".pg-show-guesses .pg-past { display: inline; }" in page
+
+
 def test_html_escapes_token_text_and_hover():
     evil = "<script>alert(1)</script>\"'&"
     events = [DraftEvent(step=1, t=0.0, tokens=[tok(1, 0, evil)], wall_s=0.0, draft_forwards=1),

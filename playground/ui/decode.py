@@ -61,6 +61,7 @@ from .quota import QUOTA
 from .stops import STOP, STOPPED, STOPS, stoppable
 
 PLAIN = registry.PLAIN
+VIEWS = ["annotated", "+ refused guesses", "clean text"]  # the Generated panel's views (`render_tokens`)
 AS_SET = "as-set"
 PLANS = {AS_SET: "as-set", "measured": "measured"}  # the Plan control's choices -> `config.PLANS`, the CLI's words
 PLAIN_EXAMPLE = "Explain in two sentences why the sky is blue."
@@ -412,19 +413,21 @@ def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Call
             with gr.Row():
                 run = gr.Button("Decode", variant="primary", scale=3)
                 stop = gr.Button(STOP, variant="stop", scale=1)
-            gr.Examples(picks, [prompt, algo], label="Examples: each shows one algorithm at its best")
+            # whether it then beats plain decoding on this machine, the run's headline says
+            gr.Examples(picks, [prompt, algo], label="Examples: one per algorithm, on a prompt that suits it")
         with gr.Column(scale=3, min_width=300):
             with gr.Row(equal_height=True):
                 gr.HTML(render_legend(), elem_id="pg-legend")
-                view = gr.Radio(["annotated", "clean text"], value="annotated", show_label=False, min_width=160,
-                                elem_id="pg-view", scale=0)
+                # the text with each token's verdict; with the guesses earlier steps refused too; the text alone
+                view = gr.Radio(VIEWS, value=VIEWS[0], show_label=False, min_width=330, elem_id="pg-view", scale=0)
             prompt_view = gr.HTML(label="Prompt (as the model sees it)", show_label=True, container=True,
                                   elem_id="pg-prompt")
             tokens_view = gr.HTML(label="Generated", show_label=True, container=True, elem_id="pg-generated")
             # in the browser only: the panel holds both views (`render_tokens`), the class picks one
             view.change(None, [view], None, api_visibility="private",
-                        js="(v) => document.querySelector('#pg-generated')"
-                        ".classList.toggle('pg-show-clean', v === 'clean text')")
+                        js="(v) => { const panel = document.querySelector('#pg-generated'); "
+                        f"panel.classList.toggle('pg-show-clean', v === '{VIEWS[2]}'); "
+                        f"panel.classList.toggle('pg-show-guesses', v === '{VIEWS[1]}'); }}")
             step = gr.Slider(0, 1, value=0, step=1, label="Replay step", interactive=False, elem_id="pg-step")
             with gr.Row(elem_id="pg-player"):
                 play_button = gr.Button("▶ Play", size="sm", min_width=70)

@@ -146,14 +146,22 @@ def _span(text: str, classes: str, title: str | None = None) -> str:
 COMMITTED = ("generated", "accepted", "corrected", "bonus")  # the states of tokens that are part of the text
 
 
+GUESSES = ("rejected", "discarded")  # guesses that are not part of the text
+
+
 def render_tokens(events: Iterable[Event], upto_step: int | None = None, proposing: bool = False) -> str:
     """The generated text as coloured token spans (HTML), and beside them, hidden unless a `pg-show-clean` class
-    above shows it instead, the text alone: the committed tokens as the output has them. proposing: see
-    `token_views`."""
+    above shows it instead, the text alone: the committed tokens as the output has them. The guesses earlier steps
+    refused or never judged stay out of the line, so that it reads as text, unless a `pg-show-guesses` class above
+    shows them; the latest step's stay in view. proposing: see `token_views`."""
     views = token_views(events, upto_step, proposing)
-    spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}", hover_text(v)) for v in views)
+    latest = max((v.step for v in views), default=0)
+    spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}" + (" pg-past" if v.state in GUESSES and
+                                                                     v.step < latest else ""), hover_text(v))
+                    for v in views)
     clean = html.escape("".join(v.token.text for v in views if v.state in COMMITTED))
-    return (f'<style>{token_css()} .pg-clean {{ display: none; white-space: pre-wrap; }}</style>'
+    return (f'<style>{token_css()} .pg-clean {{ display: none; white-space: pre-wrap; }} .pg-past {{ display: none; }}'
+            f' .pg-show-guesses .pg-past {{ display: inline; }}</style>'
             f'<div class="pg-tokens">{spans}</div><div class="pg-clean">{clean}</div>')
 
 
