@@ -129,7 +129,7 @@ def algo_params(args: argparse.Namespace) -> tuple[Any, PromptLookupParams | Non
         check_int("copy_ngram", args.copy_ngram, 1, MAX_NGRAM)
         copies = PromptLookupParams(max_ngram=args.copy_ngram, num_draft=args.copy_tokens, branches=1)
     elif "copy_tokens" in given:
-        raise ConfigError("copy-tokens sizes the copies --copy-ngram grafts: add --copy-ngram")
+        raise ConfigError("copy-tokens sizes the copies --copy-ngram adds: add --copy-ngram")
     if args.algo == PLAIN:
         return None, None
     spec = algorithm(args.algo)

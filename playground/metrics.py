@@ -253,9 +253,9 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
         if not measured:
             return "nothing drafted: the algorithm found no guess in any step, so there is no acceptance rate"
         if rested_steps:
-            return (f"nothing drafted: drafting was paused in {rested_steps} of {seen.steps} steps, because the "
-                    "drafting steps before (an earlier run's too) added fewer tokens a second than plain steps (the "
-                    f"proposer's own forwards counted){'; ' + price if price else ''}. So there is no acceptance "
+            return (f"nothing drafted: drafting was paused in {rested_steps} of {seen.steps} steps. The drafting "
+                    "steps before (an earlier run's too) added fewer tokens a second than plain steps, the "
+                    f"proposer's own forwards counted{'; ' + price if price else ''}. So there is no acceptance "
                     "rate. --plan as-set drafts in every step")
         return (f"nothing drafted: under the measured plan no step was expected to save time on this machine"
                 f"{' (' + price + ')' if price else ''}. So there is no acceptance rate. --plan as-set drafts in "

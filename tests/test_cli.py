@@ -88,7 +88,7 @@ def unsupported_folder(tmp_path):
     (["--prompt", "hi", "--algo", "lookahead", "--copy-ngram", "2"],
      r"copy-ngram: a setting of --algo medusa or speculative or eagle, not lookahead"),
     (["--prompt", "hi", "--algo", "medusa", "--copy-ngram", "-1"], r"copy_ngram must be an integer in \[1, 8\]"),
-    (["--prompt", "hi", "--algo", "medusa", "--copy-tokens", "4"], "copy-tokens sizes the copies --copy-ngram grafts"),
+    (["--prompt", "hi", "--algo", "medusa", "--copy-tokens", "4"], "copy-tokens sizes the copies --copy-ngram adds"),
     (["--prompt", "hi", "--gamma", "3"], "gamma: a setting of --algo speculative, not ar"),
     (["--prompt", "hi", "--algo", "medusa", "--no-prompt-pool"], "no-prompt-pool: a setting of --algo lookahead, "
                                                                   "not medusa"),

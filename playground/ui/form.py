@@ -25,7 +25,7 @@ from .models import get_draft
 PLAIN_LABEL = "plain (autoregressive)"
 COPIES = "copies"  # the group of the copy fields, shown for the algorithms that graft copies
 COPY_SETTINGS = (
-    Setting("copy_ngram", "graft copies of earlier text matching the last 1..N tokens onto the tree",
+    Setting("copy_ngram", "add copies of earlier text matching the last 1..N tokens to the tree",
             label=f"copy n-gram (0 = off, 1..{MAX_NGRAM})"),
     Setting("copy_tokens", "most tokens a copy proposes (auto: as prompt lookup's)",
             label=f"copy tokens (0 = auto, 1..{MAX_GAMMA})", auto=True),

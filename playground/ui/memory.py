@@ -149,8 +149,8 @@ def replay_step(state: dict[str, Any] | None, step: Any) -> str:
 
 
 def build_tab(model: tuple[gr.Component, ...], on_gpu: Callable[[Callable], Callable]) -> None:
-    gr.Markdown("Several requests at once on the **paged KV cache**: each holds blocks of a shared pool, requests "
-                "with the same prompt prefix share its blocks, and when the pool runs out the newest request is "
+    gr.Markdown("Several requests at once on the **paged KV cache**. Each holds blocks of a shared pool. Requests "
+                "with the same prompt prefix share its blocks. When the pool runs out, the newest request is "
                 "**preempted** and recomputed later. The chart sets the pool against a contiguous cache that "
                 "reserves prompt + max new tokens per request. Greedy; engine time only; any proposals in the batch "
                 "leave the tokens unchanged. The same engine serves HTTP: `python -m playground serve`.")

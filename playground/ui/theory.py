@@ -167,10 +167,10 @@ def machine_defaults(source: str, device: str, dtype: str, weights: str):
 
 def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...],
               on_gpu: Callable[[Callable], Callable]) -> None:
-    gr.Markdown("What speculation should buy: g drafted tokens, each accepted with probability a, yield "
-                "(1 - a^(g+1)) / (1 - a) tokens per target forward, for g draft forwards costing c each and one "
-                "wider verify forward. Move the sliders; diamonds (chains) and squares (trees) are this session's "
-                "runs that drafted, the dash-dot line what this machine's forward costs allow at best.")
+    gr.Markdown("What speculation should buy. If each of g drafted tokens is accepted with probability a, a target "
+                "forward adds (1 - a^(g+1)) / (1 - a) tokens. The price: g draft forwards costing c each, and one "
+                "wider verify forward. Move the sliders. Diamonds (chains) and squares (trees) are this session's "
+                "runs that drafted; the dash-dot line is the best this machine's forward costs allow.")
     with gr.Accordion("The model in full", open=False):
         gr.Markdown("Acceptances are independent, the bonus token included; a is the share of the tokens the target "
                     "judged that it kept. The classic model prices the verify forward over g + 1 tokens like a "
@@ -200,12 +200,11 @@ def build_tab(app: gr.Blocks, history: gr.State, model: tuple[gr.Component, ...]
              api_visibility="private", show_progress="hidden", concurrency_id=RUN_QUEUE)
     machine.change(update, inputs, [plot, summary], api_visibility="private", show_progress="hidden")
     set_from_run.click(from_run, [history], [acceptance, gamma, taken], api_visibility="private")
-    gr.Markdown("### What a wider forward costs here\nThe v above, measured for each way the weights can be read "
-                "(GGUF blocks, a fifth of float32's bytes, against 8-bit or float32 activations; or float32). Where "
-                "reading the weights bounds a forward, "
-                "a few more tokens ride along almost free and the curve stays flat; where arithmetic bounds it, "
-                "each extra token costs more and the curve climbs. The engine plans every step's width from the "
-                "curve of the format it reads.")
+    gr.Markdown("### What a wider forward costs here\nThe v above, measured for each way the weights can be read: "
+                "GGUF blocks (a fifth of float32's bytes) against 8-bit or float32 activations, or float32. Where "
+                "reading the weights sets a forward's time, a few more tokens come almost free and the curve stays "
+                "flat. Where arithmetic sets it, each extra token costs more and the curve climbs. The engine "
+                "plans every step's width from the curve of the format it reads.")
     measure = gr.Button("Measure on this machine (and set v above from it)", scale=0)
     costs_plot = gr.Plot(elem_id="pg-width-costs", show_label=False)
     costs_summary = gr.Markdown(elem_id="pg-width-costs-summary")
