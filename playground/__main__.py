@@ -173,8 +173,8 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
     note = drafting_note(trace, relative_cost)
     if note is not None:
         line += f"; {note}" + (f" (forward costs {relative_cost.provenance()})" if relative_cost is not None else "")
-    if metrics.token_acceptance is not None and metrics.drafted:
-        line += (f"; acceptance rate a = {metrics.token_acceptance:.2f} ({metrics.accepted} of the "
+    if metrics.acceptance_rate is not None and metrics.drafted:
+        line += (f"; acceptance rate a = {metrics.acceptance_rate:.2f} ({metrics.accepted} of the "
                  f"{(metrics.accepted or 0) + (metrics.rejected or 0)} drafted tokens the target judged); "
                  f"{metrics.mean_accepted_tokens:.2f} tokens per target forward (bonus included)")
         prediction = chain_prediction(trace)
@@ -214,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt": prompt, "text": output.text, "token_ids": list(output.token_ids),
                 "metrics": {key: getattr(metrics, key) for key in (
                     "tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens",
-                    "acceptance_rate", "kv_bytes")},
+                    "acceptance_rate", "kept_of_drafted", "kv_bytes")},
                 "plan": generation.plan, "drafting_note": drafting_note(trace, relative_cost),
             }
             print(json.dumps(record, ensure_ascii=False), flush=True)

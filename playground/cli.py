@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -107,5 +108,6 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the one line stays the last: a second Ctrl+C adds nothing
         print("Interrupted.", file=sys.stderr)
         return 130

@@ -33,8 +33,8 @@ class Metrics:
     mean_accepted_tokens: tokens committed per verifying target forward, bonus/corrected token included;
     drafted, accepted, rejected: tokens proposed, how many proposals the target accepted, and how many it
     rejected (a speculative step's sibling, another guess beside a drafted token, is not another drafted token);
-    acceptance_rate: accepted / drafted (proposals after a rejection count as drafted, never judged);
-    token_acceptance: accepted / (accepted + rejected), the probability that a proposal the target judged was
+    kept_of_drafted: accepted / drafted (proposals after a rejection count as drafted, never judged);
+    acceptance_rate: accepted / (accepted + rejected), the probability that a proposal the target judged was
     accepted: the a of the theory formula (1 - a^(g+1)) / (1 - a).
     These six are None for algorithms that propose nothing."""
 
@@ -47,8 +47,8 @@ class Metrics:
     drafted: int | None
     accepted: int | None
     rejected: int | None
+    kept_of_drafted: float | None
     acceptance_rate: float | None
-    token_acceptance: float | None
     kv_bytes: int | None
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -79,8 +79,8 @@ def compute(trace: Trace) -> Metrics:
         drafted=drafted if proposes else None,
         accepted=accepted if proposes else None,
         rejected=rejected if proposes else None,
-        acceptance_rate=accepted / drafted if drafted else None,
-        token_acceptance=accepted / (accepted + rejected) if accepted + rejected else None,
+        kept_of_drafted=accepted / drafted if drafted else None,
+        acceptance_rate=accepted / (accepted + rejected) if accepted + rejected else None,
         kv_bytes=kv_bytes,
     )
 
@@ -122,9 +122,9 @@ def chain_prediction(trace: Trace) -> ChainPrediction | None:
     """The chain formula's prediction for a run (`ChainPrediction`); None where the target judged no drafted token,
     or where a step proposed a tree, which the formula for one chain does not describe."""
     metrics, drafts = compute(trace), [e for e in trace.events if isinstance(e, DraftEvent)]
-    if metrics.token_acceptance is None or not drafts or any(branched(e) for e in drafts):
+    if metrics.acceptance_rate is None or not drafts or any(branched(e) for e in drafts):
         return None
-    a = round(metrics.token_acceptance, 2)
+    a = round(metrics.acceptance_rate, 2)
     g = min(max(round(mean_draft_length(trace) or 1), 1), MAX_GAMMA)
     return ChainPrediction(a, g, expected_tokens_per_step(a, g))
 

@@ -342,10 +342,10 @@ def test_theory_sliders_are_set_from_the_latest_run_that_drafted() -> None:
 
     from playground.ui import theory
 
-    plain = {"algo": "ar", "prompt": "p", "tokens_per_s": 9.0, "token_acceptance": None, "mean_accepted": None,
+    plain = {"algo": "ar", "prompt": "p", "tokens_per_s": 9.0, "acceptance_rate": None, "mean_accepted": None,
              "mean_draft": None}
-    drafted = {**plain, "algo": "prompt-lookup", "token_acceptance": 0.94, "accepted": 47, "judged": 50,
-               "acceptance_rate": 0.6, "mean_draft": 3.6}
+    drafted = {**plain, "algo": "prompt-lookup", "acceptance_rate": 0.94, "accepted": 47, "judged": 50,
+               "kept_of_drafted": 0.6, "mean_draft": 3.6}
     a, g, note = theory.from_run([drafted, plain])
     assert (a["value"], g["value"]) == (0.94, 4)
     # a is about the tokens the target judged; the share of all drafted tokens kept is told apart, not taken

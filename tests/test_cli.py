@@ -19,7 +19,7 @@ from playground.__main__ import main
 from playground.trace import Trace
 
 METRIC_KEYS = {"tokens_per_s", "wall_s", "ttft_s", "target_forwards", "mean_accepted_tokens", "acceptance_rate",
-               "kv_bytes"}
+               "kept_of_drafted", "kv_bytes"}
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -174,13 +174,13 @@ def test_theory_panels_are_named_by_their_axes_so_a_phone_shows_no_overlapping_t
 def test_theory_overlays_every_algorithms_runs_with_the_speedup_measured_beside_them():
     from playground.ui.theory import measured_points
 
-    history = [{"algo": "ar", "prompt": "p", "tokens_per_s": 20.0, "token_acceptance": None,
+    history = [{"algo": "ar", "prompt": "p", "tokens_per_s": 20.0, "acceptance_rate": None,
                 "mean_accepted": None, "mean_draft": None, "speedup": None},
-               {"algo": "speculative", "prompt": "p", "tokens_per_s": 30.0, "token_acceptance": 0.6,
+               {"algo": "speculative", "prompt": "p", "tokens_per_s": 30.0, "acceptance_rate": 0.6,
                 "mean_accepted": 2.1, "mean_draft": 4.0, "speedup": 1.5, "tree": False},
-               {"algo": "eagle", "prompt": "q", "tokens_per_s": 10.0, "token_acceptance": 0.2,
+               {"algo": "eagle", "prompt": "q", "tokens_per_s": 10.0, "acceptance_rate": 0.2,
                 "mean_accepted": 1.2, "mean_draft": 1.0, "mean_nodes": 12.0, "speedup": 0.9, "tree": True},
-               {"algo": "prompt-lookup", "prompt": "p", "tokens_per_s": 50.0, "token_acceptance": 0.5,
+               {"algo": "prompt-lookup", "prompt": "p", "tokens_per_s": 50.0, "acceptance_rate": 0.5,
                 "mean_accepted": 1.5, "mean_draft": 8.0, "speedup": None, "tree": False}]
     points = measured_points(history)
     # plain decoding drafts nothing; a tree's x is the nodes a step verified; no speedup is borrowed from elsewhere

@@ -364,8 +364,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 **run_stats(fast), "speedup_vs_ar": measured.speedup, "round_speedups": list(measured.ratios),
                 "same_tokens_as_ar": None if contender.sampled else all(
                     run_of(t).token_ids == ours.token_ids for t in traces[contender.name]),
+                "kept_of_drafted": metrics.kept_of_drafted,
                 "acceptance_rate": metrics.acceptance_rate,
-                "token_acceptance": metrics.token_acceptance,
                 # tokens per target forward: 1 where nothing was drafted (plain decoding on float32 weights)
                 "mean_accepted_tokens": 1.0 if metrics.mean_accepted_tokens is None else metrics.mean_accepted_tokens,
                 "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
@@ -486,9 +486,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         firsts = [r["draft_first"] for r in results if "draft_first" in r]
         if firsts:  # a drafting step's first depth: its catch-up and the step's fixed work besides a forward
             entry["draft_first"] = statistics.median(firsts)
-        judged = [r["token_acceptance"] for r in results if r["token_acceptance"] is not None]
+        judged = [r["acceptance_rate"] for r in results if r["acceptance_rate"] is not None]
         if judged:
-            entry["mean_token_acceptance"] = statistics.mean(judged)
+            entry["mean_acceptance_rate"] = statistics.mean(judged)
         summary["algos"][name] = entry
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if plain_forward_s:

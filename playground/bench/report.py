@@ -191,8 +191,8 @@ def markdown_algo(name: str, info: dict[str, Any], rows: list[dict[str, Any]], s
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "") + "---|"]
     for i, row in enumerate(rows):
         r = row["algos"][name]
-        acceptance = ("-" if r["acceptance_rate"] is None else
-                      f"{r['token_acceptance'] or 0:.2f}; {r['acceptance_rate']:.2f}")
+        acceptance = ("-" if r["kept_of_drafted"] is None else
+                      f"{r['acceptance_rate'] or 0:.2f}; {r['kept_of_drafted']:.2f}")
         forward = f"{r['mean_accepted_tokens']:.2f}"
         if "predicted_tokens_per_forward" in r:
             forward += f" (theory {r['predicted_tokens_per_forward']:.2f})"

@@ -122,9 +122,9 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
         parts.append(f"tokens per target forward {m.mean_accepted_tokens:.2f} (correction/bonus included)")
     if note is not None:
         parts.append(markdown_text(note, 400))
-    if m.token_acceptance is not None:
+    if m.acceptance_rate is not None:
         judged = (m.accepted or 0) + (m.rejected or 0)
-        parts.append(f"acceptance rate a = {m.token_acceptance:.2f}: the target accepted {m.accepted} of the {judged} "
+        parts.append(f"acceptance rate a = {m.acceptance_rate:.2f}: the target accepted {m.accepted} of the {judged} "
                      f"drafted tokens it judged ({m.drafted} drafted)")
     if kept_at:
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
@@ -291,9 +291,9 @@ def history_entry(trace: Trace, m: Metrics, speedup: float | None = None,
     formula does not describe them; their x is the nodes a step verified)."""
     tree = any(branched(e) for e in trace.events if isinstance(e, DraftEvent))
     return {"algo": trace.algo, "prompt": trace.prompt, "tokens_per_s": m.tokens_per_s,
-            "token_acceptance": m.token_acceptance, "accepted": m.accepted,
+            "acceptance_rate": m.acceptance_rate, "accepted": m.accepted,
             "judged": (m.accepted or 0) + (m.rejected or 0),
-            "acceptance_rate": m.acceptance_rate, "mean_accepted": m.mean_accepted_tokens,
+            "kept_of_drafted": m.kept_of_drafted, "mean_accepted": m.mean_accepted_tokens,
             "mean_draft": mean_draft_length(trace), "mean_nodes": depth_profile(trace).get("mean_nodes_verified"),
             "tree": tree, "speedup": speedup, "ceiling": ceiling}
 

@@ -23,10 +23,10 @@ def measured_points(history: list[dict[str, Any]] | None) -> list[MeasuredPoint]
     """This session's runs that drafted, every algorithm's (trees marked: the chain's formula does not describe
     them), each with its speedup over the plain decoding measured beside it (its Decode rounds, its Race)."""
     return [MeasuredPoint(f"run {i + 1} ({run['algo']})", (run.get("mean_nodes") or run["mean_draft"])
-                          if run.get("tree") else run["mean_draft"], run["token_acceptance"], run["mean_accepted"],
+                          if run.get("tree") else run["mean_draft"], run["acceptance_rate"], run["mean_accepted"],
                           run.get("speedup"), bool(run.get("tree")))
             for i, run in enumerate(run for run in history or []
-                                    if run["mean_draft"] and run["token_acceptance"] is not None)]
+                                    if run["mean_draft"] and run["acceptance_rate"] is not None)]
 
 
 CEILING_G = 16  # the draft lengths the chart draws
@@ -90,20 +90,20 @@ def from_run(history: list[dict[str, Any]] | None):
     """The sliders a and g set from this session's latest run that drafted (Decode or Race), with a line on what
     was taken: a is the share of the tokens the target judged that it kept (the formula's a: each judged token kept
     with probability a), not of all drafted tokens (a chain's tokens after a rejection are never judged)."""
-    drafted = [run for run in history or [] if run["token_acceptance"] is not None and run["mean_draft"]]
+    drafted = [run for run in history or [] if run["acceptance_rate"] is not None and run["mean_draft"]]
     if not drafted:
         raise gr.Error("set from a run: run Decode or Race with an algorithm that drafts first")
     run = drafted[-1]
     g = min(max(round(run["mean_draft"]), 1), MAX_GAMMA)
-    note = (f"Set from the latest run that drafted ({run['algo']}): a = {run['token_acceptance']:.2f}, the target "
+    note = (f"Set from the latest run that drafted ({run['algo']}): a = {run['acceptance_rate']:.2f}, the target "
             f"kept {run.get('accepted', 0)} of the {run.get('judged', 0)} drafted tokens it judged")
-    if run.get("acceptance_rate") is not None:
-        note += (f" ({run['acceptance_rate']:.0%} of all drafted tokens: those after a rejection are never judged, "
+    if run.get("kept_of_drafted") is not None:
+        note += (f" ({run['kept_of_drafted']:.0%} of all drafted tokens: those after a rejection are never judged, "
                  "and the formula's a is about judged ones)")
     note += f"; g = {g}, its mean draft length."
     if run.get("tree"):
         note += " It proposed trees, which a chain's formula describes only roughly."
-    return gr.update(value=round(run["token_acceptance"], 2)), gr.update(value=g), note
+    return gr.update(value=round(run["acceptance_rate"], 2)), gr.update(value=g), note
 
 
 # what the Theory tab measures, and its words for each
