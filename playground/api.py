@@ -298,10 +298,8 @@ def build_app(worker: EngineWorker, api_key: str | None = None, hosts: tuple[str
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         worker.metrics.failed(exc.status)
-        headers = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else {}
-        if exc.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
-            headers["Connection"] = "close"  # rather than read the rest of a body too large to keep
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        retry = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

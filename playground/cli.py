@@ -108,6 +108,6 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the one line stays the last: a second Ctrl+C adds nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C while the process ends adds no traceback
         print("Interrupted.", file=sys.stderr)
         return 130

@@ -347,7 +347,7 @@ async function attempts(url) {
 
 
 @pytest.mark.parametrize("allowed", [False, True])
-def test_a_web_page_elsewhere_cannot_use_the_server_unless_allowed(target, tmp_path, allowed):
+def test_a_web_page_elsewhere_cannot_use_the_server_unless_allowed(page, target, tmp_path, allowed):
     """A page of another origin in Chromium posts to the server as any page may without asking: a body with no
     type, then text/plain (no CORS preflight for either), then JSON (preflighted). Refused, all three (403), and
     nothing generated, unless the server names the page's origin in --allowed-origins: then only JSON is served
@@ -366,15 +366,13 @@ def test_a_web_page_elsewhere_cannot_use_the_server_unless_allowed(target, tmp_p
     threading.Thread(target=site.serve_forever, daemon=True).start()
     origin = f"http://127.0.0.1:{site.server_address[1]}"
     try:
-        with running(target, PARAMS, allowed_origins=(origin,) if allowed else ()) as service, \
-                sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            tab = browser.new_page()
+        with running(target, PARAMS, allowed_origins=(origin,) if allowed else ()) as service:
+            tab = page.context.new_page()  # a tab of the module's Chromium, beside the app's
             statuses = []
             tab.on("response", lambda r: statuses.append(r.status) if "/v1/" in r.url else None)
             tab.goto(origin + "/index.html")
             sent = tab.evaluate("url => attempts(url)", service.url + "/v1/completions")
-            browser.close()
+            tab.close()
             finished = get(service, "/v1/engine")[1]["finished"]
     finally:
         site.shutdown()
