@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
@@ -100,14 +101,35 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, run the chosen command, and turn user errors into one line and exit code 2, Ctrl+C into one line and
-    exit code 130."""
+    exit code 130. A library that turns Ctrl+C's KeyboardInterrupt into another error (torch, loading weights, does)
+    still ends in that one line: the interrupt is noted as it arrives."""
     args = parser.parse_args(argv)
+    interrupted = False
+
+    def interrupt(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    # only where Python's own handler is in place: not where the process was started with Ctrl+C ignored
+    listening = (threading.current_thread() is threading.main_thread()
+                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if listening:
+        signal.signal(signal.SIGINT, interrupt)
     try:
         return args.func(args)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if not interrupted:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C while the process ends adds no traceback
-        print("Interrupted.", file=sys.stderr)
-        return 130
+        pass
+    except Exception:
+        if not interrupted:
+            raise
+    finally:
+        if listening and not interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C while the process ends adds no traceback
+    print("Interrupted.", file=sys.stderr)
+    return 130

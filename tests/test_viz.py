@@ -123,6 +123,26 @@ def test_prompt_source_span_is_highlighted():
     assert "pg-source" not in render_prompt(["a", "b"], source=(5, 7)).split("</style>")[1]
 
 
+def test_a_tree_being_verified_is_drawn_under_the_text():
+    """The replay's first beat of a step that proposed a tree: the Generated panel draws the tree under the text
+    (its first-child line is the text), every node drafted; a chain's beat, or the verdict's, draws none there."""
+    from playground.ui.decode import render
+
+    def node(token_id: int, position: int, parent: int) -> TokenInfo:
+        return replace(tok(token_id, position), parent=parent)
+
+    tree = DraftEvent(step=1, t=0.0, wall_s=0.0, draft_forwards=0, tokens=[
+        node(11, 4, 0), node(12, 4, 0), node(13, 5, 1), node(14, 5, 1), node(15, 6, 3)])
+    events = [BonusEvent(step=0, t=0.0, token=tok(10, 3)), commit(0), tree,
+              AcceptEvent(step=1, t=0.0, token=tok(11, 4)), RejectEvent(step=1, t=0.0, token=tok(13, 5)),
+              CorrectEvent(step=1, t=0.0, token=tok(16, 5)), commit(1)]
+    _, drafting, _ = render(events, ["p"], lambda i: f"t{i}", 1, proposing=True)
+    assert "Proposal tree (5 nodes, being verified" in drafting
+    assert drafting.count('class="pg-tok pg-pending"') == 3 + 5  # the first-child line in the text, and the tree
+    assert "Proposal tree" not in render(events, ["p"], lambda i: f"t{i}", 1)[1]
+    assert "Proposal tree" not in render(speculative_events(), ["p"], lambda i: f"t{i}", 1, proposing=True)[1]
+
+
 def test_a_tree_shows_its_kept_path_and_what_stood_behind_the_refusal_not_the_other_branches():
     """Nodes 1 (a) and 2 (b) follow the last token; 3 (c) and 4 (d) follow a, 5 (e) follows c. The target keeps a,
     refuses c, so e stood behind the refusal (discarded); b and d were branches beside the kept path (dropped)."""
