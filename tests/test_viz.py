@@ -58,6 +58,19 @@ def speculative_events() -> list:
     ]
 
 
+def tree_events() -> list:
+    """Step 1 proposes a tree: nodes 1 (a) and 2 (b) follow the last token, 3 (c) and 4 (d) follow a, 5 (e) follows
+    c. The target keeps a and refuses c, correcting it."""
+    def node(token_id: int, position: int, parent: int) -> TokenInfo:
+        return replace(tok(token_id, position), parent=parent)
+
+    tree = DraftEvent(step=1, t=0.0, wall_s=0.0, draft_forwards=0, tokens=[
+        node(11, 4, 0), node(12, 4, 0), node(13, 5, 1), node(14, 5, 1), node(15, 6, 3)])
+    return [BonusEvent(step=0, t=0.0, token=tok(10, 3)), commit(0), tree,
+            AcceptEvent(step=1, t=0.0, token=tok(11, 4)), RejectEvent(step=1, t=0.0, token=tok(13, 5)),
+            CorrectEvent(step=1, t=0.0, token=tok(16, 5)), commit(1)]
+
+
 def states(views) -> list[tuple[int, str]]:
     return [(v.token.id, v.state) for v in views]
 
@@ -128,14 +141,7 @@ def test_a_tree_being_verified_is_drawn_under_the_text():
     (its first-child line is the text), every node drafted; a chain's beat, or the verdict's, draws none there."""
     from playground.ui.decode import render
 
-    def node(token_id: int, position: int, parent: int) -> TokenInfo:
-        return replace(tok(token_id, position), parent=parent)
-
-    tree = DraftEvent(step=1, t=0.0, wall_s=0.0, draft_forwards=0, tokens=[
-        node(11, 4, 0), node(12, 4, 0), node(13, 5, 1), node(14, 5, 1), node(15, 6, 3)])
-    events = [BonusEvent(step=0, t=0.0, token=tok(10, 3)), commit(0), tree,
-              AcceptEvent(step=1, t=0.0, token=tok(11, 4)), RejectEvent(step=1, t=0.0, token=tok(13, 5)),
-              CorrectEvent(step=1, t=0.0, token=tok(16, 5)), commit(1)]
+    events = tree_events()
     _, drafting, _ = render(events, ["p"], lambda i: f"t{i}", 1, proposing=True)
     assert "Proposal tree (5 nodes, being verified" in drafting
     assert drafting.count('class="pg-tok pg-pending"') == 3 + 5  # the first-child line in the text, and the tree
@@ -146,14 +152,7 @@ def test_a_tree_being_verified_is_drawn_under_the_text():
 def test_a_tree_shows_its_kept_path_and_what_stood_behind_the_refusal_not_the_other_branches():
     """Nodes 1 (a) and 2 (b) follow the last token; 3 (c) and 4 (d) follow a, 5 (e) follows c. The target keeps a,
     refuses c, so e stood behind the refusal (discarded); b and d were branches beside the kept path (dropped)."""
-    def node(token_id: int, position: int, parent: int) -> TokenInfo:
-        return replace(tok(token_id, position), parent=parent)
-
-    draft = DraftEvent(step=1, t=0.0, wall_s=0.0, draft_forwards=0, tokens=[
-        node(11, 4, 0), node(12, 4, 0), node(13, 5, 1), node(14, 5, 1), node(15, 6, 3)])
-    events = [BonusEvent(step=0, t=0.0, token=tok(10, 3)), commit(0), draft,
-              AcceptEvent(step=1, t=0.0, token=tok(11, 4)), RejectEvent(step=1, t=0.0, token=tok(13, 5)),
-              CorrectEvent(step=1, t=0.0, token=tok(16, 5)), commit(1)]
+    events = tree_events()
     assert states(token_views(events)) == [(10, "generated"), (11, "accepted"), (13, "rejected"), (15, "discarded"),
                                            (16, "corrected")]
 
