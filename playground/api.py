@@ -209,11 +209,12 @@ def refusal(exc: ValidationError, model: type[Options]) -> ApiError:
 def check_unicode(data: Any, where: str = "") -> None:
     """Every string of a request body, its field names included, is valid Unicode: JSON may escape a lone surrogate,
     which no text may hold. An ApiError names the first one's place (`messages[0].content`, `metadata`)."""
+    field = where.split("[", 1)[0].split(".", 1)[0]  # the top-level field a place is in
     if isinstance(data, str):
         try:
             check_text(where, data)
         except ConfigError as exc:
-            raise ApiError(str(exc), param=where.split("[", 1)[0].split(".", 1)[0]) from None
+            raise ApiError(str(exc), param=field) from None
     elif isinstance(data, list):
         for i, item in enumerate(data):
             check_unicode(item, f"{where}[{i}]")
@@ -223,8 +224,7 @@ def check_unicode(data: Any, where: str = "") -> None:
                 key.encode("utf-8")
             except UnicodeEncodeError:
                 raise ApiError(f"a field name{f' in {where}' if where else ''} is not valid Unicode (a lone "
-                               f"surrogate: {key[:40]!r})", param=where.split("[", 1)[0].split(".", 1)[0] or None
-                               ) from None
+                               f"surrogate: {key[:40]!r})", param=field or None) from None
             check_unicode(value, f"{where}.{key}" if where else key)
 
 
