@@ -136,17 +136,21 @@ def test_prompt_source_span_is_highlighted():
     assert "pg-source" not in render_prompt(["a", "b"], source=(5, 7)).split("</style>")[1]
 
 
-def test_a_tree_being_verified_is_drawn_under_the_text():
-    """The replay's first beat of a step that proposed a tree: the Generated panel draws the tree under the text
-    (its first-child line is the text), every node drafted; a chain's beat, or the verdict's, draws none there."""
-    from playground.ui.decode import render
+def test_a_tree_being_verified_is_drawn_where_the_text_ends():
+    """The replay's first beat of a step that proposed a tree: the text ends in the tree, one branch a line, each
+    starting under the token it branches from (blank copies of the tokens above it), every node drafted once; a
+    chain's beat, or the verdict's, is text alone."""
+    from playground.viz.tokens import branch_lines
 
     events = tree_events()
-    _, drafting, _ = render(events, ["p"], lambda i: f"t{i}", 1, proposing=True)
-    assert "Proposal tree (5 nodes, being verified" in drafting
-    assert drafting.count('class="pg-tok pg-pending"') == 3 + 5  # the first-child line in the text, and the tree
-    assert "Proposal tree" not in render(events, ["p"], lambda i: f"t{i}", 1)[1]
-    assert "Proposal tree" not in render(speculative_events(), ["p"], lambda i: f"t{i}", 1, proposing=True)[1]
+    assert branch_lines(events[2]) == [([], [1, 3, 5]), ([], [2]), ([1], [4])]
+    drafting = render_tokens(events, 1, proposing=True).split("</style>")[-1]
+    lines = drafting.split('<span class="pg-branch">')[1:]
+    shown = [re.findall(r'class="pg-tok pg-(\w+)"[^>]*>([^<]*)<', line) for line in lines]
+    assert shown == [[("pending", "t11"), ("pending", "t13"), ("pending", "t15")], [("pending", "t12")],
+                     [("blank", "t11"), ("pending", "t14")]]
+    assert "pg-branches" not in render_tokens(events, 1).split("</style>")[-1]
+    assert "pg-branches" not in render_tokens(speculative_events(), 1, proposing=True).split("</style>")[-1]
 
 
 def test_a_tree_shows_its_kept_path_and_what_stood_behind_the_refusal_not_the_other_branches():

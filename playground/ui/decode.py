@@ -40,7 +40,7 @@ from ..timeline import save_timeline
 from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
-from ..viz.steps import STEP_HEADERS, TokenText, detail_css, render_draft_tree, render_step_detail, step_rows
+from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
 from .form import (
     PLAIN_LABEL,
     Entrant,
@@ -166,15 +166,10 @@ def _steps(trace: Trace) -> int:
 def render(events: list[Event], prompt_tokens: list[str], token_text: TokenText, upto_step: int | None = None,
            tokenized: bool = True, proposing: bool = False) -> tuple[str, str, str]:
     """(prompt HTML with the lookup source highlighted, generated tokens HTML, step detail HTML) as of a step; with
-    `proposing`, between its proposal and its verdict, when a tree's proposal is also drawn under the text, where
-    the eye already is (the text shows its first-child line only). An untokenized prompt (a replayed trace, no
-    tokenizer) has no token positions to highlight."""
+    `proposing`, between its proposal and its verdict (a tree is drawn at the text's end, where the eye already is).
+    An untokenized prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
     source = _source_span(events, upto_step) if tokenized else None
     tokens = render_tokens(events, upto_step, proposing)
-    draft = next((e for e in events if isinstance(e, DraftEvent) and e.step == upto_step), None) if proposing else None
-    if draft is not None and branched(draft):
-        tokens += (f"<style>{detail_css()}</style><div class='pg-detail pg-drafting'>"
-                   f"{render_draft_tree(draft, [], proposing=True)}</div>")
     return (render_prompt(prompt_tokens, source), tokens, render_step_detail(events, upto_step, token_text, proposing))
 
 

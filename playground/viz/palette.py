@@ -46,6 +46,10 @@ def token_css() -> str:
              ".pg-tok{padding:1px 1px;border-radius:3px;}",
              ".pg-prompt{color:#57606a;}",
              f".pg-source{{background:{SOURCE_HIGHLIGHT};color:#1f2328;outline:1px solid #b8a800;}}",
+             # a tree being verified: a block at the text's end, one branch a line (`tokens.render_branches`)
+             ".pg-branches{display:inline-block;vertical-align:top;white-space:pre;line-height:1.5;}",
+             ".pg-branch{display:block;}.pg-branch:first-child{line-height:1.9;}.pg-blank{visibility:hidden;}",
+             ".pg-more{color:#6e6e6e;font-size:0.8rem;font-family:system-ui,sans-serif;}",
              ".pg-legend{display:flex;flex-wrap:wrap;gap:0.4rem 1rem;font-size:0.85rem;margin:0.3rem 0;}"]
     for state in STATES.values():
         rules.append(f".pg-{state.name}{{color:{state.colour};background:{state.background};{state.cue}}}")

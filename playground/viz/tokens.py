@@ -149,12 +149,64 @@ COMMITTED = ("generated", "accepted", "corrected", "bonus")  # the states of tok
 GUESSES = ("rejected", "discarded")  # guesses that are not part of the text
 
 
+def branch_lines(draft: DraftEvent) -> list[tuple[list[int], list[int]]]:
+    """A proposal tree as lines of text, one per leaf, best first: (the nodes it shares with the lines above, drawn
+    as blank space so that it starts under its parent; its own nodes: where it branches off, then first children
+    down to the leaf). A chain is one line."""
+    parents = tree_parents(draft)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents, start=1):
+        children.setdefault(parent, []).append(node)
+    lines = []
+    for node, parent in enumerate(parents, start=1):
+        if node > 1 and children[parent][0] == node:
+            continue  # a first child continues its parent's line
+        shared = []
+        while parent:
+            shared.insert(0, parent)
+            parent = parents[parent - 1]
+        own = [node]
+        while own[-1] in children:
+            own.append(children[own[-1]][0])
+        lines.append((shared, own))
+    return lines
+
+
+MAX_BRANCH_LINES = 6  # of a tree drawn in the text; the step detail below draws all of it
+
+
+def render_branches(draft: DraftEvent) -> str:
+    """A tree being verified, drawn where the text ends: its best line in the text, each other branch on a line
+    below, starting under the token it branches from (a block that keeps its left edge at the text's end)."""
+    def text(node: int) -> str:
+        return draft.tokens[node - 1].text.replace("\n", "↵")
+
+    def token(node: int) -> str:
+        q = draft.tokens[node - 1].q
+        return _span(text(node), "pg-tok pg-pending", None if q is None else f"drafted · q {q:.2f}")
+    lines = branch_lines(draft)
+    rows = [f'<span class="pg-branch">{"".join(_span(text(n), "pg-tok pg-blank") for n in shared)}'
+            f'{"".join(token(n) for n in own)}</span>' for shared, own in lines[:MAX_BRANCH_LINES]]
+    if len(lines) > MAX_BRANCH_LINES:
+        more = len(lines) - MAX_BRANCH_LINES
+        rows.append(f'<span class="pg-branch pg-more">+ {more} more branch{"es" if more > 1 else ""}: see the step '
+                    f'detail</span>')
+    return f'<span class="pg-branches">{"".join(rows)}</span>'
+
+
 def render_tokens(events: Iterable[Event], upto_step: int | None = None, proposing: bool = False) -> str:
     """The generated text as coloured token spans (HTML), and beside them, hidden unless a `pg-show-clean` class
     above shows it instead, the text alone: the committed tokens as the output has them. The guesses earlier steps
     refused or never judged stay out of the line, so that it reads as text, unless a `pg-show-guesses` class above
-    shows them; the latest step's stay in view. proposing: see `token_views`."""
+    shows them; the latest step's stay in view. proposing: see `token_views`; a proposal with branches is drawn as
+    they branch (`render_branches`). The panel stays scrolled to the text's end, where the latest step is."""
+    events = list(events)
     views = token_views(events, upto_step, proposing)
+    draft = next((e for e in events if isinstance(e, DraftEvent) and e.step == upto_step), None) if proposing else None
+    tail = ""
+    if draft is not None and len(branch_lines(draft)) > 1:
+        views = [v for v in views if v.state != "pending"]
+        tail = render_branches(draft)
     latest = max((v.step for v in views), default=0)
     spans = "".join(_span(v.token.text, f"pg-tok pg-{v.state}" + (" pg-past" if v.state in GUESSES and
                                                                      v.step < latest else ""), hover_text(v))
@@ -162,7 +214,8 @@ def render_tokens(events: Iterable[Event], upto_step: int | None = None, proposi
     clean = html.escape("".join(v.token.text for v in views if v.state in COMMITTED))
     return (f'<style>{token_css()} .pg-clean {{ display: none; white-space: pre-wrap; }} .pg-past {{ display: none; }}'
             f' .pg-show-guesses .pg-past {{ display: inline; }}</style>'
-            f'<div class="pg-tokens">{spans}</div><div class="pg-clean">{clean}</div>')
+            f'<div class="pg-scroll"><div><div class="pg-tokens">{spans}{tail}</div>'
+            f'<div class="pg-clean">{clean}</div></div></div>')
 
 
 def render_legend(states: Iterable[str] = tuple(STATES)) -> str:
