@@ -1,7 +1,7 @@
-"""`python -m playground.train draft|medusa|eagle|ngrams|datastore|layerskip [options]`: train a draft model for
-speculative decoding, Medusa heads or an EAGLE head for a target, write the target's answers whose n-grams seed
-lookahead decoding's pool, build a REST datastore, or search the layers a target drafts with for
-self-speculative decoding."""
+"""`python -m playground.train corpus|draft|medusa|eagle|ngrams|datastore|layerskip [options]`: write the target's
+answers that proposers learn from, train a draft model for speculative decoding, Medusa heads or an EAGLE head for a
+target, write the target's answers whose n-grams seed lookahead decoding's pool, build a REST datastore, or search
+the layers a target drafts with for self-speculative decoding."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..cli import OneLineParser, check_folder, run_cli
-from . import datastore, draft, eagle, layerskip, medusa, ngrams
+from . import corpus, datastore, draft, eagle, layerskip, medusa, ngrams
 
 
 def writing_out(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -26,6 +26,10 @@ def writing_out(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m playground.train", description="Train small helper models.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    corpus_parser = commands.add_parser("corpus", help="write the target's answers to many varied prompts, in "
+                                                       "shards that a rerun resumes")
+    corpus.add_args(corpus_parser)
+    corpus_parser.set_defaults(func=writing_out(corpus.main))
     draft_parser = commands.add_parser("draft", help="distil a draft model for speculative decoding")
     draft.add_args(draft_parser)
     draft_parser.set_defaults(func=writing_out(draft.main))

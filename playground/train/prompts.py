@@ -77,16 +77,19 @@ def _first_sentence(text: str) -> str:
 
 
 def grounded_prompt(index: int, prompt: str, answer: str) -> str | None:
-    """The second-stage prompt built on first-stage answer `index` (None when it gets none): code answers get a
-    code-editing task, others cycle through the passage templates."""
-    if index % GROUNDED_EVERY != 1:
-        return None
+    """The second-stage prompt built on first-stage answer `index` (None when it gets none): see `grounded_task`."""
+    return grounded_task(index // GROUNDED_EVERY, prompt, answer) if index % GROUNDED_EVERY == 1 else None
+
+
+def grounded_task(turn: int, prompt: str, answer: str) -> str | None:
+    """A task on an answer's text (None when too short): code answers get a code-editing task, others a passage
+    task, each list taken in turn by `turn`."""
     text = _passage(answer)
     if len(text) < 40:
         return None
     if "```" in answer or "Python function" in prompt:
-        return CODE_TEMPLATES[(index // GROUNDED_EVERY) % len(CODE_TEMPLATES)].format(text=text)
-    template = PASSAGE_TEMPLATES[(index // GROUNDED_EVERY) % len(PASSAGE_TEMPLATES)]
+        return CODE_TEMPLATES[turn % len(CODE_TEMPLATES)].format(text=text)
+    template = PASSAGE_TEMPLATES[turn % len(PASSAGE_TEMPLATES)]
     return template.format(text=text, sentence=_first_sentence(text).replace("\n", " "))
 
 
@@ -94,7 +97,12 @@ def maths_prompt(index: int) -> str | None:
     """An arithmetic word problem for prompt index `index` (None for most indices), numbers seeded by the index."""
     if index % MATHS_EVERY != 3:
         return None
-    rng = random.Random(index)
+    return word_problem(index, index // MATHS_EVERY)
+
+
+def word_problem(seed: int, kind: int) -> str:
+    """Word problem type `kind` (any integer: taken modulo the types) with its numbers seeded by `seed`."""
+    rng = random.Random(seed)
     a, b, n = rng.randint(2, 12), rng.randint(2, 40), rng.randint(2, 15)
     item = rng.choice(("notebook", "apple", "ticket", "candle", "stamp", "marble"))
     name = rng.choice(("Maria", "Tom", "Aisha", "Kenji", "Lucas", "Priya"))
@@ -107,7 +115,7 @@ def maths_prompt(index: int) -> str | None:
         f"What is {b}% of {a * 50}? Show your working.",
         f"A rectangle is {a} m wide and {b} m long. What are its area and its perimeter? Show each step.",
     )
-    return problems[(index // MATHS_EVERY) % len(problems)]
+    return problems[kind % len(problems)]
 
 
 def second_stage_prompts(prompts: list[str], answers: list[str]) -> list[str]:

@@ -1,0 +1,276 @@
+"""`python -m playground.train corpus`: the target's own answers at scale, the data every proposer learns from.
+
+The prompts are written here, never taken from the benchmark, the notebooks or Spec-Bench: task templates, format
+templates (JSON, tables, letters, lists) and code tasks in eight languages, crossed with several hundred topics,
+plus seeded arithmetic problems. A second turn builds on each shard's answers: a summary, a rewrite or a
+translation of an answer (input-grounded tasks, whose answers copy from a long prompt), or a follow-up question in
+the same conversation (multi-turn). Half the prompts are answered greedily, half sampled (temperature 0.7, a seed per
+prompt), by the batched engine on the model's own weights (the GGUF blocks' integer products by default).
+
+The corpus is a folder of shards, each a safetensors file of token ids written once and never rewritten, so a run
+that stops resumes where it left off. A prompt's group (its topic, its code task, its problem) decides whether it is
+held out, so no held-out answer shares a topic with a training one: the held-out shards measure what a proposer
+learned, not what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import WEIGHTS, ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams, check_int
+from ..decoding.base import chat_ids
+from . import log
+from .prompts import (
+    EXTRA_TEMPLATES,
+    HELD_OUT_TOPICS,
+    TABLES,
+    TEMPLATES,
+    TRAIN_TOPICS,
+    WIDE_TOPICS,
+    grounded_task,
+    word_problem,
+)
+
+KINDS = ("task", "format", "code", "maths", "grounded", "follow-up")
+HELD_OUT_EVERY = 25  # one group in this many is held out (and every held-out topic of the older trainers)
+MATHS_PROBLEMS = 4000  # seeded word problems drawn for the stream (those that repeat, once)
+SAMPLED_TEMPERATURE = 0.7
+SECOND_TURN_EVERY = 2  # every other first-stage answer gets a second turn: grounded, then follow-up, alternately
+FORMAT = "1"  # the shard layout; a folder made with another is refused
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A first-stage prompt: what kind of task it is and the group (topic, code task, problem) that decides its
+    split."""
+
+    kind: str
+    group: str
+    text: str
+
+
+def _stable(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def held_out(group: str) -> bool:
+    return group in HELD_OUT_TOPICS or _stable(group) % HELD_OUT_EVERY == 0
+
+
+def asks(seed: int) -> tuple[list[Ask], list[Ask]]:
+    """Every first-stage prompt, shuffled by `seed`: (training, held out)."""
+    topics = TRAIN_TOPICS + WIDE_TOPICS + HELD_OUT_TOPICS
+    items = [Ask("task", topic, t.format(topic=topic)) for topic in topics for t in TEMPLATES + EXTRA_TEMPLATES]
+    items += [Ask("format", topic, t.format(topic=topic)) for topic in topics for t in TABLES["format_templates"]]
+    items += [Ask("code", task, t.format(language=language, task=task)) for task in TABLES["code_tasks"]
+              for language in TABLES["code_languages"] for t in TABLES["code_templates_first"]]
+    problems = dict.fromkeys(word_problem(1000 + i, i) for i in range(MATHS_PROBLEMS))  # a few repeat: once each
+    items += [Ask("maths", problem, problem) for problem in problems]
+    generator = torch.Generator().manual_seed(seed)
+    items = [items[i] for i in torch.randperm(len(items), generator=generator).tolist()]
+    return [a for a in items if not held_out(a.group)], [a for a in items if held_out(a.group)]
+
+
+def sampling_for(text: str, seed: int) -> SamplingParams:
+    """Greedy for half the prompts, sampled for the other half with a seed of the prompt's own: the same answers on
+    a rerun."""
+    key = _stable(f"{seed}\0{text}")
+    return SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=key) if key % 2 else SamplingParams()
+
+
+def second_turn(index: int, ask: Ask, answer: str, follow_ups: list[str]) -> tuple[str, list[dict[str, str]]] | None:
+    """The second-stage conversation built on first-stage answer `index` (None for most): a grounded task on the
+    answer's text, or the same conversation with a follow-up question."""
+    if index % SECOND_TURN_EVERY or not answer.strip():
+        return None
+    if (index // SECOND_TURN_EVERY) % 2 == 0:
+        grounded = grounded_task(index // (2 * SECOND_TURN_EVERY), ask.text, answer)
+        return ("grounded", [{"role": "user", "content": grounded}]) if grounded is not None else None
+    follow_up = follow_ups[_stable(ask.text) % len(follow_ups)]
+    return "follow-up", [{"role": "user", "content": ask.text}, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": follow_up}]
+
+
+class Writer:
+    """Answers prompts with the batched engine and writes each shard."""
+
+    def __init__(self, target: Any, args: argparse.Namespace) -> None:
+        from ..engine.engine import Engine
+
+        self.target, self.args = target, args
+        self.generation = GenerationParams(max_new_tokens=args.answer_tokens)
+        blocks = args.batch * (2 * args.answer_tokens + 1024) // 8 + 64  # a long grounded prompt and its answer each
+        self.engine = Engine(target, EngineParams(max_running=args.batch, num_blocks=blocks, max_batch_tokens=1024))
+
+    def answer(self, conversations: list[list[dict[str, str]]], keys: list[str]) -> list[tuple[int, list[int]] | None]:
+        """Each conversation's (prompt length, prompt ids followed by the answer's), None where the prompt and its
+        longest answer would not fit; `keys` seed the sampled answers."""
+        limit = min(self.target.model.config.max_position_embeddings - self.args.answer_tokens, 1024)
+        requests: dict[int, int] = {}
+        prompts: list[list[int]] = []
+        for i, (messages, key) in enumerate(zip(conversations, keys)):
+            if self.target.chat:
+                ids = chat_ids(self.target.tokenizer, messages)
+            else:
+                ids = list(self.target.tokenizer("\n\n".join(m["content"] for m in messages)).input_ids)
+            prompts.append(ids)
+            if len(ids) <= limit:
+                requests[self.engine.add_request(ids, sampling_for(key, self.args.seed), self.generation)] = i
+        found: list[tuple[int, list[int]] | None] = [None] * len(conversations)
+        for rid, output in self.engine.run_all().items():
+            i = requests[rid]
+            found[i] = (len(prompts[i]), prompts[i] + list(output.token_ids))
+            self.engine.forget(rid)
+        return found
+
+    def shard(self, items: list[Ask]) -> dict[str, torch.Tensor]:
+        """The sequences of one shard: its prompts' answers, then the second turns built on them."""
+        first = self.answer([[{"role": "user", "content": a.text}] for a in items], [a.text for a in items])
+        turns = []
+        for i, (ask, done) in enumerate(zip(items, first)):
+            text = "" if done is None else self.target.tokenizer.decode(done[1][done[0]:], skip_special_tokens=True)
+            turn = second_turn(i, ask, text, TABLES["follow_ups"])
+            if turn is not None:
+                turns.append(turn)
+        second = self.answer([m for _, m in turns], [m[-1]["content"] + m[0]["content"] for _, m in turns])
+        kinds = [a.kind for a in items] + [k for k, _ in turns]
+        rows = [(done, kind) for done, kind in zip(first + second, kinds) if done is not None]
+        small = self.target.model.config.vocab_size <= 1 << 16  # ids fit 16 bits: half the bytes on disk
+        return {"tokens": torch.tensor([t for (_, seq), _ in rows for t in seq], dtype=torch.int32).to(
+                    torch.uint16 if small else torch.int32),
+                "lengths": torch.tensor([len(seq) for (_, seq), _ in rows], dtype=torch.int32),
+                "answer_starts": torch.tensor([start for (start, _), _ in rows], dtype=torch.int32),
+                "kinds": torch.tensor([KINDS.index(kind) for _, kind in rows], dtype=torch.int8)}
+
+
+def answer_tokens(shard: dict[str, torch.Tensor]) -> int:
+    return int((shard["lengths"] - shard["answer_starts"]).sum())
+
+
+def settings(args: argparse.Namespace) -> dict[str, str]:
+    """What decides a corpus's shards: a folder holds one corpus, made with one set of these."""
+    return {"format": FORMAT, "model": args.model, "weights": args.weights, "answer_tokens": str(args.answer_tokens),
+            "shard_prompts": str(args.shard_prompts), "seed": str(args.seed), "kinds": ",".join(KINDS)}
+
+
+def stored_settings(path: Path) -> dict[str, str]:
+    with safe_open(str(path), "pt") as handle:
+        meta = dict(handle.metadata() or {})
+    return {k: v for k, v in meta.items() if k not in ("generation_s", "answer_tokens_written")}
+
+
+def shard_path(out: Path, split: str, index: int) -> Path:
+    return out / f"{split}-{index:05d}.safetensors"
+
+
+def written(out: Path, split: str) -> list[Path]:
+    return sorted(out.glob(f"{split}-*.safetensors"))
+
+
+def plan(train: int, held: int) -> list[tuple[str, int]]:
+    """The order shards are written in: training shards until `--tokens`, a held-out shard after every
+    HELD_OUT_EVERY of them (so a corpus cut short still has its held-out share), as far as the prompts go."""
+    order = []
+    for index in range(train):
+        order.append(("train", index))
+        if index % HELD_OUT_EVERY == 0 and index // HELD_OUT_EVERY < held:
+            order.append(("held-out", index // HELD_OUT_EVERY))
+    return order
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded", help="target model spec (default: embedded)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="auto",
+                        help="how the target's matrix products read its weights (default auto: a GGUF file's blocks "
+                             "in integer products where this CPU can)")
+    parser.add_argument("--out", default="corpus", help="the corpus folder (default: corpus); a rerun resumes it")
+    parser.add_argument("--tokens", type=int, default=5_000_000,
+                        help="answer tokens in the training shards to stop at, 1000..100000000 (default 5000000)")
+    parser.add_argument("--answer-tokens", type=int, default=384, help="most tokens per answer, 8..1024 (default 384)")
+    parser.add_argument("--shard-prompts", type=int, default=256,
+                        help="first-stage prompts per shard, 8..4096 (default 256)")
+    parser.add_argument("--batch", type=int, default=32, help="requests the engine decodes together, 1..256 "
+                                                              "(default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffles the prompts and seeds the sampled answers")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..models import load_model
+
+    check_int("tokens", args.tokens, 1000, 100_000_000)
+    check_int("answer_tokens", args.answer_tokens, 8, 1024)
+    check_int("shard_prompts", args.shard_prompts, 8, 4096)
+    check_int("batch", args.batch, 1, 256)
+    check_int("seed", args.seed, 0, 2**31 - 1)
+    out = Path(args.out)
+    wanted = settings(args)
+    for path in written(out, "train") + written(out, "held-out"):
+        if (stored := stored_settings(path)) != wanted:
+            raise ConfigError(f"out: {path} was made with {stored}, not {wanted}; pass another --out")
+    train, held = asks(args.seed)
+    size = args.shard_prompts
+    order = plan(-(-len(train) // size), -(-len(held) // size))
+    done = sum(answer_tokens_of(p) for p in written(out, "train"))
+    log("corpus", f"{len(train)} training and {len(held)} held-out prompts, {size} a shard; {done} of {args.tokens} "
+                  f"answer tokens already written in {out}")
+    if done >= args.tokens:
+        return report(out, args)
+    target = load_model(ModelSpec(source=args.model, weights=args.weights))
+    writer = Writer(target, args)
+    out.mkdir(parents=True, exist_ok=True)
+    start, made = time.perf_counter(), 0
+    for split, index in order:
+        path = shard_path(out, split, index)
+        if path.exists():
+            continue
+        if split == "train" and done >= args.tokens:
+            break
+        items = (train if split == "train" else held)[index * size : (index + 1) * size]
+        begun = time.perf_counter()
+        shard = writer.shard(items)
+        seconds = time.perf_counter() - begun
+        count = answer_tokens(shard)
+        partial = path.with_suffix(".partial")
+        save_file(shard, str(partial), metadata={**wanted, "generation_s": f"{seconds:.1f}",
+                                                 "answer_tokens_written": str(count)})
+        partial.rename(path)  # whole or absent: a run stopped mid-shard redoes that shard only
+        made += count
+        if split == "train":
+            done += count
+        rate = made / (time.perf_counter() - start)
+        left = max(args.tokens - done, 0) / rate / 60
+        log("corpus", f"{path.name}: {len(shard['lengths'])} answers, {count} tokens in {seconds:.0f} s "
+                      f"({count / seconds:.0f} tokens/s); {done}/{args.tokens} training tokens, "
+                      f"about {left:.0f} min left")
+    return report(out, args)
+
+
+def answer_tokens_of(path: Path) -> int:
+    with safe_open(str(path), "pt") as handle:
+        return int((handle.metadata() or {})["answer_tokens_written"])
+
+
+def report(out: Path, args: argparse.Namespace) -> int:
+    """corpus.json: what the folder holds, per split, with the time its shards took."""
+    summary: dict[str, Any] = {"settings": settings(args)}
+    for split in ("train", "held-out"):
+        paths = written(out, split)
+        seconds = 0.0
+        for path in paths:
+            with safe_open(str(path), "pt") as handle:
+                seconds += float((handle.metadata() or {})["generation_s"])
+        summary[split] = {"shards": len(paths), "answer_tokens": sum(answer_tokens_of(p) for p in paths),
+                          "generation_s": round(seconds, 1)}
+    (out / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log("corpus", json.dumps(summary))
+    return 0

@@ -1,0 +1,118 @@
+"""The corpus at scale (`python -m playground.train corpus`): its prompts, its split and its resumable shards."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from argparse import Namespace
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from playground.bench.suite import SUITE
+from playground.config import ConfigError
+from playground.train import corpus
+from playground.train.__main__ import main as train_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def notebook_strings() -> set[str]:
+    """Every string literal of 20 characters or more in the notebooks' code cells: their prompts among them."""
+    found = set()
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+            found |= {node.value for node in ast.walk(ast.parse(source))
+                      if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= 20}
+    return found
+
+
+def test_the_prompts_are_many_varied_new_and_split_by_group() -> None:
+    train, held = corpus.asks(0)
+    assert len(train) > 25_000 and 0.02 < len(held) / (len(train) + len(held)) < 0.08
+    assert set(Counter(a.kind for a in train)) == set(Counter(a.kind for a in held)) == {"task", "format", "code",
+                                                                                           "maths"}
+    assert not {a.group for a in train} & {a.group for a in held}  # no held-out topic, task or problem is trained on
+    assert corpus.asks(0) == (train, held) and corpus.asks(1)[0] != train  # the seed alone decides the order
+    texts = {a.text for a in train + held}
+    assert len(texts) == len(train) + len(held)
+    # never the benchmark's prompts, nor the notebooks'
+    avoid = {p for _, p in SUITE} | notebook_strings()
+    assert len(avoid) > len(SUITE)
+    assert not texts & avoid
+    assert not [p for p in avoid if any(p in t for t in texts) and len(p) > 40]
+
+
+def test_half_the_answers_are_sampled_each_with_a_seed_of_its_own() -> None:
+    texts = [a.text for a in corpus.asks(0)[0][:2000]]
+    sampled = [corpus.sampling_for(t, 0) for t in texts]
+    share = sum(not s.greedy for s in sampled) / len(sampled)
+    assert 0.45 < share < 0.55
+    assert len({s.seed for s in sampled if not s.greedy}) > 0.99 * sum(not s.greedy for s in sampled)
+    assert [corpus.sampling_for(t, 0) for t in texts] == sampled
+
+
+def test_a_second_turn_grounds_a_task_in_an_answer_or_follows_up_on_it() -> None:
+    ask = corpus.Ask("task", "owls", "Write a short paragraph about owls.")
+    answer = "Owls hunt at night. They have very good hearing and can turn their heads far around."
+    turns = [corpus.second_turn(i, ask, answer, ["Make it shorter."]) for i in range(8)]
+    assert [t and t[0] for t in turns] == [
+        "grounded", None, "follow-up", None, "grounded", None, "follow-up", None]
+    assert "Owls hunt at night." in turns[0][1][0]["content"] and len(turns[0][1]) == 1
+    assert [m["role"] for m in turns[2][1]] == ["user", "assistant", "user"]
+    assert turns[2][1][1]["content"] == answer and turns[2][1][2]["content"] == "Make it shorter."
+    assert corpus.second_turn(0, ask, "  ", ["Make it shorter."]) is None
+
+
+def run(out: Path, **changes) -> None:
+    args = Namespace(model="embedded", weights="auto", out=str(out), tokens=1000, answer_tokens=8, shard_prompts=8,
+                     batch=8, seed=0)
+    for key, value in changes.items():
+        setattr(args, key, value)
+    corpus.main(args)
+
+
+def test_shards_are_written_once_resumed_and_refused_when_made_otherwise(tmp_path, capsys) -> None:
+    out = tmp_path / "corpus"
+    run(out, tokens=1000)
+    names = sorted(p.name for p in out.glob("*.safetensors"))
+    assert names[0] == "held-out-00000.safetensors" and names[1:] == [f"train-{i:05d}.safetensors"
+                                                                        for i in range(len(names) - 1)]
+    summary = json.loads((out / "corpus.json").read_text())
+    assert summary["train"]["answer_tokens"] >= 1000 and summary["held-out"]["shards"] == 1
+    shard = load_file(str(out / names[1]))
+    lengths, starts = shard["lengths"].long(), shard["answer_starts"].long()
+    assert int(lengths.sum()) == len(shard["tokens"]) and bool((starts < lengths).all())
+    kinds = [corpus.KINDS[k] for k in shard["kinds"].tolist()]
+    assert kinds.count("grounded") + kinds.count("follow-up") > 0  # second turns follow the first answers
+    err = capsys.readouterr().err
+    assert re.search(r"train-00000\.safetensors: \d+ answers, \d+ tokens in \d+ s \(\d+ tokens/s\); \d+/1000 "
+                     r"training tokens, about \d+ min left", err)
+    # a rerun writes nothing; a shard lost is written again with the same tokens (seeded sampling included)
+    def tensors() -> dict[str, list[list[int]]]:
+        return {p.name: [t.tolist() for t in load_file(str(p)).values()] for p in out.glob("*.safetensors")}
+    before = tensors()
+    run(out, tokens=1000)
+    assert "already written" in capsys.readouterr().err
+    (out / names[1]).unlink()
+    run(out, tokens=1000)
+    assert tensors() == before
+    # asking for more continues after the last shard
+    run(out, tokens=summary["train"]["answer_tokens"] + 1)
+    assert len(list(out.glob("train-*.safetensors"))) == len(names)
+    with pytest.raises(ConfigError, match=r"^out: .*train-00000.safetensors was made with .*pass another --out"):
+        run(out, answer_tokens=16)
+
+
+def test_bad_corpus_arguments_are_one_line(tmp_path, capsys) -> None:
+    for flag, value in (("--tokens", "10"), ("--answer-tokens", "2000"), ("--batch", "0"), ("--shard-prompts", "1")):
+        assert train_main(["corpus", "--out", str(tmp_path / "c"), flag, value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag[2:].replace("-", "_") in err
