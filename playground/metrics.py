@@ -263,12 +263,13 @@ def drafting_note(trace: Trace, relative_cost: Callable[[int], float] | None) ->
     if not measured:
         return (f"drafting in {seen.drafting_steps} of {seen.steps} steps: the algorithm found a proposal only "
                 "there")
-    kept = f"this run's drafting steps kept {seen.kept:.1f}"
-    rested = (f"; drafting was paused in {rested_steps} steps, because drafting steps added fewer tokens a second "
-              "than plain steps (the proposer's own forwards counted)" if rested_steps else "")
-    return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps: under the measured plan a step verifies "
-            f"guesses only where they should save time on this machine ({price + '; ' if price else ''}{kept}"
-            f"{rested}). --plan as-set drafts in every step")
+    kept = f"This run's drafting steps kept {seen.kept:.1f}."
+    rested = (f" Drafting was paused in {rested_steps} steps, because drafting steps added fewer tokens a second "
+              "than plain steps (the proposer's own forwards counted)." if rested_steps else "")
+    here = price[:1].upper() + price[1:] + ". " if price else ""
+    return (f"drafting in only {seen.drafting_steps} of {seen.steps} steps. Under the measured plan a step verifies "
+            f"guesses only where they should save time on this machine. {here}{kept}{rested} --plan as-set drafts in "
+            "every step")
 
 
 # a forward over a few tokens at about one token's cost (where verifying is nearly free): each further token adds this

@@ -229,13 +229,13 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     steps = [e for e in trace.events if isinstance(e, VerifyEvent)]
     resting = min(rest_left, len(steps))
     assert trace.params["rested_steps"] >= resting and all(e.num_tokens == 1 for e in steps[:resting])
-    assert "drafting was paused in" in drafting_note(trace, STEEP_COST)
+    assert "Drafting was paused in" in drafting_note(trace, STEEP_COST)
     engine = Engine(target, EngineParams(max_running=1, plan="as-set"), proposer=Slow(), costs=live)
     engine.add_request(prompt, None, generation)
     engine.run_all()
     assert engine.payoff is None and engine.counts["slow"].steps >= new - 3
     trace = generate(target, prompt, Slow(), None, generation, costs=live)[1]
-    assert trace.params["rests"] >= 1 and "drafting was paused" in drafting_note(trace, STEEP_COST)
+    assert trace.params["rests"] >= 1 and "Drafting was paused" in drafting_note(trace, STEEP_COST)
     assert Trace.from_json(trace.to_json()).params["rests"] == trace.params["rests"]
 
 

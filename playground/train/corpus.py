@@ -110,7 +110,8 @@ class Writer:
         self.target, self.args = target, args
         self.generation = GenerationParams(max_new_tokens=args.answer_tokens)
         blocks = args.batch * (2 * args.answer_tokens + 1024) // 8 + 64  # a long grounded prompt and its answer each
-        self.engine = Engine(target, EngineParams(max_running=args.batch, num_blocks=blocks, max_batch_tokens=1024))
+        self.engine = Engine(target, EngineParams(max_running=args.batch, num_blocks=blocks, max_batch_tokens=1024),
+                             record_blocks=False)
 
     def answer(self, conversations: list[list[dict[str, str]]], keys: list[str]) -> list[tuple[int, list[int]] | None]:
         """Each conversation's (prompt length, prompt ids followed by the answer's), None where the prompt and its
@@ -131,6 +132,7 @@ class Writer:
             i = requests[rid]
             found[i] = (len(prompts[i]), prompts[i] + list(output.token_ids))
             self.engine.forget(rid)
+        self.engine.take_events()  # each step's memory record: not kept over millions of tokens
         return found
 
     def shard(self, items: list[Ask]) -> dict[str, torch.Tensor]:
