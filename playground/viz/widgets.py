@@ -52,14 +52,12 @@ def step_player(render: Callable[[int], str], first: int, last: int, label: str 
     return Player([widgets.HBox([play, slider]), view])
 
 
-def check(name: str, answer: float | None, expected: float, rel: float = 0.02) -> bool:
-    """An exercise's numeric answer against the value the notebook computed: ✓ within `rel`, else which way it is
-    off (the value itself stays hidden, in the solution below the exercises); None: not answered yet."""
+def check(name: str, answer: float | None, expected: float, rel: float = 0.02) -> None:
+    """Print an exercise's numeric answer against the value the notebook computed: ✓ within `rel`, else which way it
+    is off (the value itself stays hidden, in the solution below the exercises); None: not answered yet."""
     if answer is None:
         print(f"· {name}: not answered yet (set it above and rerun the cell)")
-        return False
-    if abs(answer - expected) <= rel * abs(expected):
+    elif abs(answer - expected) <= rel * abs(expected):
         print(f"✓ {name}: {answer:,}")
-        return True
-    print(f"✗ {name}: {answer:,} is too {'high' if answer > expected else 'low'}; the solution below shows the way")
-    return False
+    else:
+        print(f"✗ {name}: {answer:,} is too {'high' if answer > expected else 'low'}; the solution below shows the way")
