@@ -177,9 +177,14 @@ def test_decode_shows_coloured_tokens_and_the_legend(page):
     # the accepted colour really reaches the page (the stylesheet is applied, not just the class names)
     colour = page.locator("#pg-generated .pg-accepted").first.evaluate("e => getComputedStyle(e).color")
     assert colour == "rgb(0, 122, 90)"
-    # a long answer scrolls inside its panel instead of spilling over the stats line below it
+    # a long answer scrolls inside its panel instead of spilling over the stats line below it, held at its end, where
+    # the latest step is
     generated = page.locator("#pg-generated")
-    assert generated.evaluate("e => getComputedStyle(e).overflowY") == "auto"
+    scroller = generated.locator(".pg-scroll")
+    assert scroller.evaluate("e => getComputedStyle(e).overflowY") == "auto"
+    box = scroller.bounding_box()
+    end = generated.locator(".pg-tokens .pg-tok:not(.pg-past)").last.bounding_box()
+    assert box["y"] <= end["y"] and end["y"] + end["height"] <= box["y"] + box["height"] + 1, (box, end)
     assert generated.bounding_box()["y"] + generated.bounding_box()["height"] <= page.locator(
         "#pg-stats").bounding_box()["y"]
     # above the fold at 1440x900: the text, the headline and the player (the templated prompt scrolls in its box)
