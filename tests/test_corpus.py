@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from playground.bench.suite import SUITE
@@ -116,3 +117,33 @@ def test_bad_corpus_arguments_are_one_line(tmp_path, capsys) -> None:
         assert train_main(["corpus", "--out", str(tmp_path / "c"), flag, value]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag[2:].replace("-", "_") in err
+
+
+def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(tmp_path, target, capsys) -> None:
+    """`eagle --corpus-dir`: the shards' sequences, features from the forward the engine runs (no corpus written
+    here), and a report that names the folder instead of prompt options it did not use."""
+    from playground.models.eagle import load_head
+    from playground.train.eagle import PROMPT_OPTIONS
+    from playground.train.medusa import engine_states
+
+    folder = tmp_path / "corpus"
+    run(folder, tokens=1000)
+    train_corpus, seconds = corpus.read(folder, "train", tokens=200)
+    assert 200 <= train_corpus.answer_tokens() < 400 and seconds > 0  # whole shards, in order, until the budget
+    held, _ = corpus.read(folder, "held-out")
+    assert not {tuple(s) for s in held.sequences} & {tuple(s) for s in train_corpus.sequences}
+    # the features are the target model's own final-norm states: its forward over a sequence, position by position
+    states = engine_states(target, train_corpus, keep=torch.float32)
+    assert [len(s) for s in states] == [len(s) for s in train_corpus.sequences]
+    out = tmp_path / "head"
+    assert train_main(["eagle", "--corpus-dir", str(folder), "--corpus-tokens", "200", "--epochs", "1", "--batch",
+                       "4", "--head-vocab", "300", "--eval-prompts", "1", "--out", str(out)]) == 0
+    assert "hidden states: " in capsys.readouterr().err
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["corpus_dir"] == str(folder) and report["train_answer_tokens"] == train_corpus.answer_tokens()
+    assert report["features"] == "the target's own forward" and not set(PROMPT_OPTIONS) & set(report)
+    assert report["train_prompts"] == len(train_corpus.sequences) and report["held_out_tokens_per_target_forward"] >= 1
+    assert len(load_head(str(out), target).vocab_ids) == 300
+    assert train_main(["eagle", "--corpus-dir", str(tmp_path / "none"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "corpus_dir: " in err and "holds no train shards" in err

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ..config import WEIGHTS, ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..decoding.base import chat_ids
 from . import log
+from .draft import TOP_K, Corpus
 from .prompts import (
     EXTRA_TEMPLATES,
     HELD_OUT_TOPICS,
@@ -47,6 +48,7 @@ MATHS_PROBLEMS = 4000  # seeded word problems drawn for the stream (those that r
 SAMPLED_TEMPERATURE = 0.7
 SECOND_TURN_EVERY = 2  # every other first-stage answer gets a second turn: grounded, then follow-up, alternately
 FORMAT = "1"  # the shard layout; a folder made with another is refused
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"  # the repository's own, grown run by run
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +197,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=WEIGHTS, default="auto",
                         help="how the target's matrix products read its weights (default auto: a GGUF file's blocks "
                              "in integer products where this CPU can)")
-    parser.add_argument("--out", default="corpus", help="the corpus folder (default: corpus); a rerun resumes it")
+    parser.add_argument("--out", default=str(CORPUS), help="the corpus folder (default: data/corpus, kept in the "
+                                                           "repository so that a later run resumes it)")
     parser.add_argument("--tokens", type=int, default=5_000_000,
                         help="answer tokens in the training shards to stop at, 1000..100000000 (default 5000000)")
     parser.add_argument("--answer-tokens", type=int, default=384, help="most tokens per answer, 8..1024 (default 384)")
@@ -255,6 +258,32 @@ def main(args: argparse.Namespace) -> int:
                       f"({count / seconds:.0f} tokens/s); {done}/{args.tokens} training tokens, "
                       f"about {left:.0f} min left")
     return report(out, args)
+
+
+def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple[Corpus, float]:
+    """A corpus folder's `split` as a trainer's Corpus, shard by shard in order until it holds `tokens` answer tokens
+    (None: every shard), and the seconds its shards took to write. The corpus keeps token ids only: a trainer that
+    needs the target's distributions computes them from the sequences."""
+    paths = written(folder, split)
+    if not paths:
+        raise ConfigError(f"corpus_dir: {folder} holds no {split} shards; write them with python -m playground.train "
+                          "corpus")
+    sequences: list[list[int]] = []
+    starts: list[int] = []
+    seconds = 0.0
+    for path in paths:
+        if tokens is not None and sum(len(s) - a for s, a in zip(sequences, starts)) >= tokens:
+            break
+        shard = load_file(str(path))
+        ids, first = shard["tokens"].to(torch.int64).tolist(), 0
+        for length, start in zip(shard["lengths"].tolist(), shard["answer_starts"].tolist()):
+            sequences.append(ids[first : first + length])
+            starts.append(start)
+            first += length
+        with safe_open(str(path), "pt") as handle:
+            seconds += float((handle.metadata() or {})["generation_s"])
+    none = torch.zeros(0, TOP_K, dtype=torch.int64)
+    return Corpus(sequences, starts, none, none.float()), seconds
 
 
 def answer_tokens_of(path: Path) -> int:

@@ -97,6 +97,29 @@ def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, ke
     return states
 
 
+def engine_states(target: Any, corpus: Corpus, keep: torch.dtype = torch.bfloat16,
+                  taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Each corpus sequence's final-norm hidden states (T_i, E), with `taps` the inputs of those layers after them,
+    (T_i, (1 + len(taps)) E), from the target's own forward: the one the engine runs (on a GGUF file, its blocks in
+    integer products), so a head learns the features it reads when it drafts. One sequence a forward (its rows
+    already fill the products); as `keep`, in corpus order."""
+    from ..config import GenerationParams
+    from ..decoding.base import new_cache
+
+    model, states, start = target.model, [], time.perf_counter()
+    with torch.inference_mode():
+        for i, sequence in enumerate(corpus.sequences):
+            cache = new_cache(model, len(sequence), GenerationParams())
+            ids = torch.tensor([sequence], device=model.device)  # (1, T)
+            positions = torch.arange(len(sequence), device=model.device).unsqueeze(0)  # (1, T)
+            _, hidden = model(ids, positions, cache, (0,), num_logits=0, taps=taps)  # (1, T, (1 + taps) E)
+            states.append(hidden[0].to("cpu", keep))
+            if i % 500 == 0 or i + 1 == len(corpus.sequences):
+                log("corpus", f"hidden states: {i + 1}/{len(corpus.sequences)} sequences "
+                              f"({time.perf_counter() - start:.0f} s)")
+    return states
+
+
 def hidden_states(target: Any, corpus: Corpus, dtype: str) -> tuple[torch.Tensor, list[int]]:
     """Final-norm hidden states (N, E), float32, at every position that predicts an answer token, in corpus order
     (sequence by sequence, position answer_start - 1 onwards), and each sequence's count of such positions."""
