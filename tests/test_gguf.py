@@ -297,10 +297,13 @@ def test_every_algorithm_on_blocks_emits_plain_decoding(kernel, target, plain_ou
 
 def test_the_blocks_are_kept_beside_the_converted_weights(target):
     """Written once into the cached folder, then read from there by every later load."""
+    from playground.models.gguf import census_of
+
     kept = target.folder / BLOCKS_FILE
     written = kept.stat().st_mtime_ns
     assert load_model(ModelSpec(device="cpu", weights="gguf")).weights == "gguf"
     assert kept.stat().st_mtime_ns == written
+    assert census_of(target.folder) == {"Q4_1": 210, "Q8_0": 1}  # with the file's matrices by format
 
 
 def test_blocks_that_are_not_the_weights_are_refused(target, tmp_path):
@@ -403,3 +406,35 @@ def test_every_build_gives_the_integer_products_the_same_bits(kernel, tmp_path):
                 for other in built:
                     got = native.panel_linear(x, native.pack_blocks(blocks, kind, in_features, other, integer=True))
                     assert torch.equal(got, want), (other.dot_products, kind, rows)
+
+
+def test_a_file_in_another_block_format_says_what_runs_as_float32(target, tmp_path, capsys):
+    """The embedded model re-quantised to Q4_0 by gguf's quantiser: every matrix within a Q4_0 step of the source's,
+    the metadata copied. Loaded, it says in one line which matrices the kernel does not read and runs them as float32
+    (no internal error, no claim of blocks it lacks); asking for blocks names what the file stores."""
+    import gguf
+
+    from playground.models.gguf import census_of
+    from playground.models.loader import embedded_gguf
+    from playground.models.requantise import requantise
+
+    path = tmp_path / "q4_0.gguf"
+    assert requantise(embedded_gguf(), path, "Q4_0") == {"F32": 61, "Q4_0": 211}
+    source, made = gguf.GGUFReader(embedded_gguf()), gguf.GGUFReader(path)
+    template = "tokenizer.chat_template"
+    assert made.get_field(template).contents() == source.get_field(template).contents()
+    before, after = source.tensors[2], made.tensors[2]  # blk.0.ffn_down.weight, Q4_1 then Q4_0
+    old = dequantize(np.asarray(before.data), before.tensor_type)  # (rows, columns)
+    new = dequantize(np.asarray(after.data), after.tensor_type)
+    step = np.abs(old).reshape(old.shape[0], -1, 32).max(-1, keepdims=True) / 8  # a Q4_0 block's quantisation step
+    assert after.tensor_type.name == "Q4_0" and np.all(np.abs(new - old).reshape(step.shape[0], -1, 32) <= step)
+    spec = ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache"))
+    loaded = load_model(spec)
+    err = capsys.readouterr().err
+    assert loaded.weights == "float32" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
+    assert ("weights: q4_0.gguf stores 211 Q4_0 matrices, a format the native kernel does not read yet; they run as "
+            "float32 weights dequantised from them") in err
+    assert census_of(loaded.folder) == {"Q4_0": 211}  # the file's matrices, noted beside the blocks (none here)
+    with pytest.raises(ModelLoadError, match=r"^weights: q4_0.gguf holds no Q8_0 or Q4_1 matrix \(it stores 211 "
+                                             r"Q4_0\); use --weights float32$"):
+        load_model(ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache"), weights="gguf-int8"))

@@ -9,18 +9,21 @@ the blocks dequantise to that weight value for value. `load_blocks` reads them b
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint import layer_products
 from .native import GGUF_FORMATS
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
+CENSUS = "matrices by format"  # the blocks file's metadata entry: the GGUF file's matrices, "Q4_1:210,Q8_0:1"
+FLOAT_FORMATS = ("F32", "F16", "BF16")  # matrices a file stores unquantised: float32 weights lose nothing
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
 
 
@@ -39,7 +42,8 @@ def _row_orders(rows: int, hf_config: Any) -> list[np.ndarray]:
 
 def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tensor], hf_config: Any) -> int:
     """Write `folder`/BLOCKS_FILE with the blocks of every float32 Hugging Face weight in `weights` that the file
-    holds as Q8_0 or Q4_1; returns how many. Raises BlocksError where a matrix's blocks are not that weight."""
+    holds as Q8_0 or Q4_1, and the file's census of matrices by format (`census`); returns how many blocks. Raises
+    BlocksError where a matrix's blocks are not that weight."""
     import gguf
     from gguf.quants import dequantize
 
@@ -56,9 +60,13 @@ def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tenso
         raise BlocksError(f"weights: could not read the blocks of {gguf_file} ({exc})") from exc
     blocks: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
+    matrices: Counter[str] = Counter()
     for name, weight in weights.items():
         tensor = stored.get(names.get_name(name, try_suffixes=(".weight",)) or "")
-        if weight.dim() != 2 or tensor is None or tensor.tensor_type.name not in GGUF_FORMATS:
+        if weight.dim() != 2 or tensor is None:
+            continue
+        matrices[tensor.tensor_type.name] += 1
+        if tensor.tensor_type.name not in GGUF_FORMATS:
             continue
         raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)  # (out, in / 32 * block bytes)
         for order in _row_orders(weight.shape[0], hf_config):
@@ -71,7 +79,8 @@ def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tenso
             raise BlocksError(f"weights: the {tensor.tensor_type.name} blocks of {tensor.name} in {gguf_file.name} do "
                               f"not dequantise to {name} in any row order tried; use --weights float32")
     partial = folder / f".{BLOCKS_FILE}.{os.getpid()}"
-    save_file(blocks, partial, metadata=formats)
+    census = ",".join(f"{fmt}:{count}" for fmt, count in sorted(matrices.items()))
+    save_file(blocks, partial, metadata={**formats, CENSUS: census})  # never empty: safetensors needs one entry
     os.replace(partial, folder / BLOCKS_FILE)  # another process never reads half a file
     return len(blocks)
 
@@ -81,6 +90,25 @@ def load_blocks(folder: Path) -> Blocks:
     with safe_open(folder / BLOCKS_FILE, framework="pt") as f:
         formats = f.metadata() or {}
         return {name: (formats[name], f.get_tensor(name)) for name in f.keys()}
+
+
+def census_of(folder: Path) -> Counter[str] | None:
+    """The GGUF file's matrices counted by format, as `save_blocks` noted them; None where the blocks file is missing
+    or older than the note (write it again)."""
+    try:
+        with safe_open(folder / BLOCKS_FILE, framework="pt") as f:
+            note = (f.metadata() or {}).get(CENSUS)
+    except (OSError, SafetensorError):
+        return None
+    if note is None:
+        return None
+    return Counter({fmt: int(count) for fmt, count in (part.split(":") for part in note.split(",") if part)})
+
+
+def unread(census: Counter[str]) -> str | None:
+    """The file's matrices the native kernel does not read as stored, as words ("211 Q4_0"), or None."""
+    others = sorted((fmt, n) for fmt, n in census.items() if fmt not in GGUF_FORMATS and fmt not in FLOAT_FORMATS)
+    return ", ".join(f"{n} {fmt}" for fmt, n in others) or None
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:

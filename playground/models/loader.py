@@ -15,6 +15,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ..paths import default_cache_root
 from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
-from .gguf import BLOCKS_FILE, BlocksError, load_blocks, native_blocks, save_blocks
+from .gguf import BlocksError, census_of, load_blocks, native_blocks, save_blocks, unread
 from .transformer import (
     SUPPORTED_ARCHITECTURES,
     Transformer,
@@ -185,10 +186,12 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
     if gguf_file is None:  # gguf-int8 on float weights: quantised to Q8_0 blocks at load (`pack_linears`)
         return None
     try:
-        if not (folder / BLOCKS_FILE).is_file():
-            print(f"Copying the Q8_0/Q4_1 blocks of {gguf_file.name} into {folder} (once)...", file=sys.stderr,
-                  flush=True)
+        census = census_of(folder)
+        if census is None:  # never copied, or by a version that noted no census
+            print(f"Copying the blocks the native kernel reads from {gguf_file.name} into {folder} (once)...",
+                  file=sys.stderr, flush=True)
             save_blocks(gguf_file, folder, tensors, hf_config)
+            census = census_of(folder) or Counter()
         blocks = native_blocks(load_blocks(folder), int(hf_config.num_hidden_layers))
     except (BlocksError, OSError, SafetensorError) as exc:
         message = str(exc) if isinstance(exc, BlocksError) else f"weights: {exc}"
@@ -196,8 +199,14 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
             raise ModelLoadError(message) from exc
         print(f"{message}; reading the float32 weights instead", file=sys.stderr, flush=True)
         return None
+    others = unread(census)  # matrices in a block format the kernel does not read, as words ("211 Q4_0")
     if asked and not blocks:
-        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix; use --weights float32")
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix"
+                             f"{f' (it stores {others})' if others else ''}; use --weights float32")
+    if others is not None:
+        print(f"weights: {gguf_file.name} stores {others} matrices, a format the native kernel does not read yet; "
+              "they run as float32 weights dequantised from them, 4-8x the bytes a step would read",
+              file=sys.stderr, flush=True)
     return blocks or None
 
 

@@ -161,7 +161,7 @@ def branch_lines(draft: DraftEvent) -> list[tuple[list[int], list[int]]]:
     for node, parent in enumerate(parents, start=1):
         if node > 1 and children[parent][0] == node:
             continue  # a first child continues its parent's line
-        shared = []
+        shared: list[int] = []
         while parent:
             shared.insert(0, parent)
             parent = parents[parent - 1]
