@@ -123,8 +123,6 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
     """`eagle --corpus-dir`: the shards' sequences, features from the forward the engine runs (no corpus written
     here), and a report that names the folder instead of prompt options it did not use."""
     from playground.models.eagle import load_head
-    from playground.train.eagle import PROMPT_OPTIONS
-    from playground.train.medusa import engine_states
 
     folder = tmp_path / "corpus"
     run(folder, tokens=1000)
@@ -132,18 +130,34 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
     assert 200 <= train_corpus.answer_tokens() < 400 and seconds > 0  # whole shards, in order, until the budget
     held, _ = corpus.read(folder, "held-out")
     assert not {tuple(s) for s in held.sequences} & {tuple(s) for s in train_corpus.sequences}
-    # the features are the target model's own final-norm states: its forward over a sequence, position by position
-    states = engine_states(target, train_corpus, keep=torch.float32)
+    # the features are the target model's own final-norm states; its soft labels, the top-k at each answer position
+    states, labelled = corpus.target_pass(target, train_corpus, labels=True, keep=torch.float32)
     assert [len(s) for s in states] == [len(s) for s in train_corpus.sequences]
+    assert labelled.topk_ids.shape == (train_corpus.answer_tokens(), 16) and corpus.target_pass(
+        target, train_corpus)[1].topk_ids.shape[0] == 0  # labels only when asked
+    # teacher-forced, the target's argmax at an answer position is the greedy answer's next token where it was greedy
+    first = labelled.topk_ids[:, 0].tolist()
+    answers = [t for s, a in zip(train_corpus.sequences, train_corpus.answer_starts) for t in s[a:]]
+    assert sum(f == t for f, t in zip(first, answers)) > 0.6 * len(answers)
     out = tmp_path / "head"
     assert train_main(["eagle", "--corpus-dir", str(folder), "--corpus-tokens", "200", "--epochs", "1", "--batch",
                        "4", "--head-vocab", "300", "--eval-prompts", "1", "--out", str(out)]) == 0
-    assert "hidden states: " in capsys.readouterr().err
+    assert "the target's forward: " in capsys.readouterr().err
     report = json.loads((out / "train_report.json").read_text())
     assert report["corpus_dir"] == str(folder) and report["train_answer_tokens"] == train_corpus.answer_tokens()
-    assert report["features"] == "the target's own forward" and not set(PROMPT_OPTIONS) & set(report)
+    assert report["targets_forward"] == "the engine's own" and "first_stage_prompts" not in report
     assert report["train_prompts"] == len(train_corpus.sequences) and report["held_out_tokens_per_target_forward"] >= 1
     assert len(load_head(str(out), target).vocab_ids) == 300
-    assert train_main(["eagle", "--corpus-dir", str(tmp_path / "none"), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "corpus_dir: " in err and "holds no train shards" in err
+    # the Medusa heads and the draft learn from the same folder, with the soft labels of that one pass
+    for kind, extra in (("medusa", ["--heads", "2", "--batch", "64"]),
+                        ("draft", ["--hidden", "32", "--layers", "1", "--eval-prompts", "1"])):
+        folder_out = tmp_path / kind
+        assert train_main([kind, "--corpus-dir", str(folder), "--corpus-tokens", "200", "--epochs", "1",
+                           "--answer-tokens", "8", "--out", str(folder_out), *extra]) == 0, capsys.readouterr().err
+        report = json.loads((folder_out / "train_report.json").read_text())
+        assert report["corpus_dir"] == str(folder) and report["train_prompts"] == len(train_corpus.sequences)
+        capsys.readouterr()
+    for kind in ("eagle", "medusa", "draft"):  # a folder without shards: one line, before any model loads
+        assert train_main([kind, "--corpus-dir", str(tmp_path / "none"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "corpus_dir: " in err and "holds no train shards" in err and "Loading" not in err

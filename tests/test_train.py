@@ -288,7 +288,7 @@ def test_a_cached_corpus_is_refused_for_other_prompts_of_the_same_number(tmp_pat
     made = Corpus([[1, 5]], [1], torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2))
     monkeypatch.setattr(draft_module, "two_stage_corpus", lambda *args: made)
     args = SimpleNamespace(model="embedded", answer_tokens=8, corpus=str(tmp_path / "c.safetensors"),
-                           generate_batch=4)
+                           generate_batch=4, corpus_dir=None)
     assert load_or_generate_corpus(None, ["a", "b"], args, "float32")[0] is made
     assert load_or_generate_corpus(None, ["a", "b"], args, "float32")[0].sequences == [[1, 5]]  # reused
     with pytest.raises(ConfigError, match="prompts_sha256"):

@@ -286,6 +286,41 @@ def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple
     return Corpus(sequences, starts, none, none.float()), seconds
 
 
+def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels: bool = False,
+                keep: torch.dtype = torch.bfloat16) -> tuple[list[torch.Tensor], Corpus]:
+    """One teacher-forced pass of the target's own forward over every sequence: the forward the engine runs (on a
+    GGUF file, its blocks in integer products), so a proposer learns what it reads beside that target. One sequence
+    a forward: its rows already fill the products.
+
+    Returns each sequence's final-norm hidden states (T_i, E) as `keep`, with `taps` the inputs of those layers
+    after them, (T_i, (1 + len(taps)) E); and the corpus, with `labels` its soft labels filled in: the target's
+    top-TOP_K log-probabilities at every position that predicts an answer token, in corpus order."""
+    from ..config import GenerationParams
+    from ..decoding.base import new_cache
+
+    model, states, start = target.model, [], time.perf_counter()
+    top_ids, top_logprobs = [], []
+    with torch.inference_mode():
+        for i, (sequence, answer) in enumerate(zip(corpus.sequences, corpus.answer_starts)):
+            cache = new_cache(model, len(sequence), GenerationParams())
+            ids = torch.tensor([sequence], device=model.device)  # (1, T)
+            positions = torch.arange(len(sequence), device=model.device).unsqueeze(0)  # (1, T)
+            # the positions answer - 1 .. T - 2 predict the answer's tokens; the last one predicts past the end
+            scored = len(sequence) - answer + 1 if labels else 0
+            logits, hidden = model(ids, positions, cache, (0,), num_logits=scored, taps=taps)  # (1, n, V), (1, T, E')
+            states.append(hidden[0].to("cpu", keep))
+            if labels:
+                top = torch.topk(logits[0, :-1].float().log_softmax(-1), TOP_K)  # (T - answer, K)
+                top_ids.append(top.indices.cpu())
+                top_logprobs.append(top.values.cpu())
+            if i % 500 == 0 or i + 1 == len(corpus.sequences):
+                log("corpus", f"the target's forward: {i + 1}/{len(corpus.sequences)} sequences "
+                              f"({time.perf_counter() - start:.0f} s)")
+    if labels:
+        corpus = Corpus(corpus.sequences, corpus.answer_starts, torch.cat(top_ids), torch.cat(top_logprobs))
+    return states, corpus
+
+
 def answer_tokens_of(path: Path) -> int:
     with safe_open(str(path), "pt") as handle:
         return int((handle.metadata() or {})["answer_tokens_written"])

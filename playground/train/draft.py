@@ -85,6 +85,12 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topic
                              "differ slightly)")
     parser.add_argument("--corpus", default=None,
                         help="safetensors file caching the target's answers: reused when it exists, else written")
+    parser.add_argument("--corpus-dir", default=None,
+                        help="train on a corpus folder of `python -m playground.train corpus` instead of writing a "
+                             "corpus here: what the target computes at its positions then comes from its own "
+                             "forward, as the engine runs it (the prompt options above and --corpus are not used)")
+    parser.add_argument("--corpus-tokens", type=int, default=None,
+                        help="with --corpus-dir, its first shards up to this many answer tokens (default: all)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -362,7 +368,13 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
                             dtype: str) -> tuple[Corpus, float]:
     """The corpus from `--corpus` when that file exists and was made with the same settings, else a fresh one
     written by the target in `dtype` (saved there when `--corpus` is given), so training variants can reuse one
-    generation run. Also returns the seconds its generation took (then or now)."""
+    generation run. Also returns the seconds its generation took (then or now). With `--corpus-dir`, that folder's
+    training shards instead, with the target's soft labels from its own forward (`corpus.target_pass`)."""
+    if args.corpus_dir is not None:
+        from .corpus import read, target_pass
+
+        corpus, seconds = read(Path(args.corpus_dir), "train", args.corpus_tokens)
+        return target_pass(target, corpus, labels=True)[1], seconds
     # the digest tells apart prompt sets of one size (another seed, --limit, or wide-topic split)
     digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]
     settings = {"model": args.model, "prompts": str(len(prompts)), "prompts_sha256": digest,
@@ -394,6 +406,14 @@ def training_setup(args: argparse.Namespace) -> list[str]:
     check_int("extra_templates", args.extra_templates, 0, len(EXTRA_TEMPLATES))
     check_int("wide_topics", args.wide_topics, 0, len(WIDE_TOPICS))
     check_int("templates_per_wide_topic", args.templates_per_wide_topic, 1, len(TEMPLATES) + len(EXTRA_TEMPLATES))
+    if args.corpus_tokens is not None:
+        check_int("corpus_tokens", args.corpus_tokens, 1, 10**9)
+    if args.corpus_dir is not None:  # a folder without shards is refused before any model loads
+        from .corpus import written
+
+        if not written(Path(args.corpus_dir), "train"):
+            raise ConfigError(f"corpus_dir: {args.corpus_dir} holds no train shards; write them with python -m "
+                              "playground.train corpus")
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
     prompts = training_prompts(args.extra_templates, args.seed, args.wide_topics, args.templates_per_wide_topic)
@@ -406,7 +426,13 @@ def training_setup(args: argparse.Namespace) -> list[str]:
 
 def run_report(args: argparse.Namespace, prompts: list[str], corpus: Corpus, generation_s: float,
                start: float) -> dict[str, Any]:
-    """The report entries both trainers share: the corpus, the common options and the time taken."""
+    """The report entries every trainer shares: the corpus, the common options and the time taken. A corpus folder
+    names itself instead of the prompt options that did not make it."""
+    if args.corpus_dir is not None:
+        return {"train_prompts": len(corpus.sequences), "corpus_dir": args.corpus_dir,
+                "train_answer_tokens": corpus.answer_tokens(), "targets_forward": "the engine's own",
+                "epochs": args.epochs, "lr": args.lr, "weights_dtype": args.weights_dtype, "seed": args.seed,
+                "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start}
     return {"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),
             "extra_templates_per_topic": args.extra_templates, "wide_topics": args.wide_topics,
             "templates_per_wide_topic": args.templates_per_wide_topic, "dtype": args.dtype, "epochs": args.epochs,

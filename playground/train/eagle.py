@@ -39,6 +39,7 @@ from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
 from . import log
 from .corpus import read as read_corpus
+from .corpus import target_pass
 from .draft import (
     Corpus,
     add_corpus_args,
@@ -48,12 +49,10 @@ from .draft import (
     run_report,
     training_setup,
 )
-from .medusa import engine_states, sequence_states
+from .medusa import sequence_states
 from .prompts import held_out_prompts
 
 EVAL_TOKENS = 64  # tokens each held-out prompt is answered with in the report
-# the report's entries about the prompts a trainer writes its corpus from, which a corpus folder's run does not use
-PROMPT_OPTIONS = ("first_stage_prompts", "extra_templates_per_topic", "wide_topics", "templates_per_wide_topic")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -84,12 +83,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_corpus_args(parser, "precision of the target writing the corpus and computing the features, and of the "
                             "head's products in training (default bfloat16; the report drafts in float32)",
                     wide_topics=0, generate_batch=64)
-    parser.add_argument("--corpus-dir", default=None,
-                        help="train on a corpus folder of `python -m playground.train corpus` instead of writing a "
-                             "corpus here; the features then come from the target's own forward, as the engine runs "
-                             "it (the prompt and --corpus options above are not used)")
-    parser.add_argument("--corpus-tokens", type=int, default=None,
-                        help="with --corpus-dir, its first shards up to this many answer tokens (default: all)")
 
 
 def batches(lengths: list[int], size: int, generator: torch.Generator) -> list[list[int]]:
@@ -265,11 +258,7 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(f"{name} must be in [0, {most}], got {value}")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"device must be cpu or cuda (with a CUDA GPU present), got {args.device!r}")
-    if args.corpus_tokens is not None:
-        check_int("corpus_tokens", args.corpus_tokens, 1, 10**9)
     prompts = training_setup(args)  # checks the options every trainer shares and seeds torch
-    if args.corpus_dir is not None:  # read before the model loads: a wrong folder is refused at once
-        corpus, generation_s = read_corpus(Path(args.corpus_dir), "train", args.corpus_tokens)
     target = load_model(ModelSpec(source=args.model, device=args.device))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
     for layer in args.taps:
@@ -279,9 +268,10 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device,
                                  taps=tuple(args.taps))
-    else:
+    else:  # the features from the forward the head drafts beside
+        corpus, generation_s = read_corpus(Path(args.corpus_dir), "train", args.corpus_tokens)
         start = time.perf_counter()
-        states = engine_states(target, corpus, taps=tuple(args.taps))
+        states = target_pass(target, corpus, taps=tuple(args.taps))[0]
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
     log("eagle", f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head "
@@ -293,12 +283,7 @@ def main(args: argparse.Namespace) -> int:
     save_head(head, out, target, TORCH_DTYPES[args.weights_dtype], vocab_ids)
     evaluation_target = target if args.device == "cpu" else load_model(ModelSpec(source=args.model, device="cpu"))
     report = evaluate(evaluation_target, out, held_out_prompts()[: args.eval_prompts])
-    shared = run_report(args, prompts, corpus, generation_s, start)
-    if args.corpus_dir is not None:  # the corpus came from its folder: no prompt option made it
-        shared = {key: value for key, value in shared.items() if key not in PROMPT_OPTIONS}
-        shared.update({"corpus_dir": args.corpus_dir, "train_answer_tokens": corpus.answer_tokens(),
-                       "features": "the target's own forward"})
-    report.update({**shared,
+    report.update({**run_report(args, prompts, corpus, generation_s, start),
                    "train_positions": sum(len(s) for s in corpus.sequences), "batch": args.batch,
                    "noise": args.noise, "unroll": args.unroll, "token_weight": args.token_weight, "taps": args.taps,
                    "head_vocab": args.head_vocab, "device": args.device,

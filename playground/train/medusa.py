@@ -30,6 +30,8 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from . import log
+from .corpus import read as read_corpus
+from .corpus import target_pass
 from .draft import (
     TOP_K,
     Corpus,
@@ -97,36 +99,18 @@ def sequence_states(target: Any, corpus: Corpus, dtype: str, batch: int = 32, ke
     return states
 
 
-def engine_states(target: Any, corpus: Corpus, keep: torch.dtype = torch.bfloat16,
-                  taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """Each corpus sequence's final-norm hidden states (T_i, E), with `taps` the inputs of those layers after them,
-    (T_i, (1 + len(taps)) E), from the target's own forward: the one the engine runs (on a GGUF file, its blocks in
-    integer products), so a head learns the features it reads when it drafts. One sequence a forward (its rows
-    already fill the products); as `keep`, in corpus order."""
-    from ..config import GenerationParams
-    from ..decoding.base import new_cache
-
-    model, states, start = target.model, [], time.perf_counter()
-    with torch.inference_mode():
-        for i, sequence in enumerate(corpus.sequences):
-            cache = new_cache(model, len(sequence), GenerationParams())
-            ids = torch.tensor([sequence], device=model.device)  # (1, T)
-            positions = torch.arange(len(sequence), device=model.device).unsqueeze(0)  # (1, T)
-            _, hidden = model(ids, positions, cache, (0,), num_logits=0, taps=taps)  # (1, T, (1 + taps) E)
-            states.append(hidden[0].to("cpu", keep))
-            if i % 500 == 0 or i + 1 == len(corpus.sequences):
-                log("corpus", f"hidden states: {i + 1}/{len(corpus.sequences)} sequences "
-                              f"({time.perf_counter() - start:.0f} s)")
-    return states
-
-
 def hidden_states(target: Any, corpus: Corpus, dtype: str) -> tuple[torch.Tensor, list[int]]:
     """Final-norm hidden states (N, E), float32, at every position that predicts an answer token, in corpus order
     (sequence by sequence, position answer_start - 1 onwards), and each sequence's count of such positions."""
-    states = sequence_states(target, corpus, dtype)
+    return at_answers(sequence_states(target, corpus, dtype), corpus)
+
+
+def at_answers(states: list[torch.Tensor], corpus: Corpus) -> tuple[torch.Tensor, list[int]]:
+    """Of each sequence's states (T_i, E), those at the positions that predict an answer token, (N, E) float32 in
+    corpus order, and each sequence's count of them."""
     # the position before each answer token predicts it
     answers = [s[a - 1 : len(seq) - 1] for s, a, seq in zip(states, corpus.answer_starts, corpus.sequences)]
-    return torch.cat(answers), [len(s) - a for s, a in zip(corpus.sequences, corpus.answer_starts)]
+    return torch.cat(answers).float(), [len(s) - a for s, a in zip(corpus.sequences, corpus.answer_starts)]
 
 
 def head_examples(counts: list[int], head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,9 +198,15 @@ def main(args: argparse.Namespace) -> int:
     prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
-    corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
-    start = time.perf_counter()
-    states, counts = hidden_states(target, corpus, args.dtype)
+    if args.corpus_dir is None:
+        corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
+        start = time.perf_counter()
+        states, counts = hidden_states(target, corpus, args.dtype)
+    else:  # one pass of the forward the heads propose beside: the states and the soft labels
+        corpus, generation_s = read_corpus(Path(args.corpus_dir), "train", args.corpus_tokens)
+        start = time.perf_counter()
+        every, corpus = target_pass(target, corpus, labels=True, keep=torch.float32)
+        states, counts = at_answers(every, corpus)
     log("medusa", f"{len(states)} answer positions; training {args.heads} heads")
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     covered = vocabulary_share(vocab_ids, answer_ids(corpus), target.model.config.vocab_size)
