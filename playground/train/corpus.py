@@ -167,10 +167,14 @@ def settings(args: argparse.Namespace) -> dict[str, str]:
             "shard_prompts": str(args.shard_prompts), "seed": str(args.seed), "kinds": ",".join(KINDS)}
 
 
-def stored_settings(path: Path) -> dict[str, str]:
+def noted(path: Path) -> dict[str, str]:
+    """A shard's metadata: the settings that made it (`settings`), its answer tokens and the seconds it took."""
     with safe_open(str(path), "pt") as handle:
-        meta = dict(handle.metadata() or {})
-    return {k: v for k, v in meta.items() if k not in ("generation_s", "answer_tokens_written")}
+        return dict(handle.metadata() or {})
+
+
+def stored_settings(path: Path) -> dict[str, str]:
+    return {k: v for k, v in noted(path).items() if k not in ("generation_s", "answer_tokens_written")}
 
 
 def shard_path(out: Path, split: str, index: int) -> Path:
@@ -270,9 +274,9 @@ def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple
                           "corpus")
     sequences: list[list[int]] = []
     starts: list[int] = []
-    seconds = 0.0
+    seconds, held = 0.0, 0
     for path in paths:
-        if tokens is not None and sum(len(s) - a for s, a in zip(sequences, starts)) >= tokens:
+        if tokens is not None and held >= tokens:
             break
         shard = load_file(str(path))
         ids, first = shard["tokens"].to(torch.int64).tolist(), 0
@@ -280,8 +284,8 @@ def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple
             sequences.append(ids[first : first + length])
             starts.append(start)
             first += length
-        with safe_open(str(path), "pt") as handle:
-            seconds += float((handle.metadata() or {})["generation_s"])
+        held += answer_tokens(shard)
+        seconds += float(noted(path)["generation_s"])
     none = torch.zeros(0, TOP_K, dtype=torch.int64)
     return Corpus(sequences, starts, none, none.float()), seconds
 
@@ -295,7 +299,6 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
     Returns each sequence's final-norm hidden states (T_i, E) as `keep`, with `taps` the inputs of those layers
     after them, (T_i, (1 + len(taps)) E); and the corpus, with `labels` its soft labels filled in: the target's
     top-TOP_K log-probabilities at every position that predicts an answer token, in corpus order."""
-    from ..config import GenerationParams
     from ..decoding.base import new_cache
 
     model, states, start = target.model, [], time.perf_counter()
@@ -322,8 +325,7 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
 
 
 def answer_tokens_of(path: Path) -> int:
-    with safe_open(str(path), "pt") as handle:
-        return int((handle.metadata() or {})["answer_tokens_written"])
+    return int(noted(path)["answer_tokens_written"])
 
 
 def report(out: Path, args: argparse.Namespace) -> int:
@@ -331,12 +333,8 @@ def report(out: Path, args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {"settings": settings(args)}
     for split in ("train", "held-out"):
         paths = written(out, split)
-        seconds = 0.0
-        for path in paths:
-            with safe_open(str(path), "pt") as handle:
-                seconds += float((handle.metadata() or {})["generation_s"])
         summary[split] = {"shards": len(paths), "answer_tokens": sum(answer_tokens_of(p) for p in paths),
-                          "generation_s": round(seconds, 1)}
+                          "generation_s": round(sum(float(noted(p)["generation_s"]) for p in paths), 1)}
     (out / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
     log("corpus", json.dumps(summary))
     return 0
