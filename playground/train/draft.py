@@ -369,12 +369,12 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
     """The corpus from `--corpus` when that file exists and was made with the same settings, else a fresh one
     written by the target in `dtype` (saved there when `--corpus` is given), so training variants can reuse one
     generation run. Also returns the seconds its generation took (then or now). With `--corpus-dir`, that folder's
-    training shards instead, with the target's soft labels from its own forward (`corpus.target_pass`)."""
+    training shards instead, without soft labels: the trainer takes them from the target's own forward
+    (`corpus.target_pass`)."""
     if args.corpus_dir is not None:
-        from .corpus import read, target_pass
+        from .corpus import read
 
-        corpus, seconds = read(Path(args.corpus_dir), "train", args.corpus_tokens)
-        return target_pass(target, corpus, labels=True)[1], seconds
+        return read(Path(args.corpus_dir), "train", args.corpus_tokens)
     # the digest tells apart prompt sets of one size (another seed, --limit, or wide-topic split)
     digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]
     settings = {"model": args.model, "prompts": str(len(prompts)), "prompts_sha256": digest,
@@ -454,6 +454,10 @@ def main(args: argparse.Namespace) -> int:
     check_int("proposal_vocab", args.proposal_vocab, 1, vocab_size)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     start = time.perf_counter()
+    if args.corpus_dir is not None:  # the soft labels, from one pass of the target's own forward
+        from .corpus import target_pass
+
+        corpus = target_pass(target, corpus, labels=True)[1]
     vocab_ids = frequent_vocabulary(corpus, args.proposal_vocab, vocab_size)
     model = train(target, corpus, vocab_ids, args)
     out = Path(args.out)

@@ -38,7 +38,6 @@ from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
 from . import log
-from .corpus import read as read_corpus
 from .corpus import target_pass
 from .draft import (
     Corpus,
@@ -263,14 +262,12 @@ def main(args: argparse.Namespace) -> int:
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
     for layer in args.taps:
         check_int("taps", layer, 0, target.model.config.num_layers - 1)
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
+    start = time.perf_counter()
     if args.corpus_dir is None:
-        corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
-        start = time.perf_counter()
         states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device,
                                  taps=tuple(args.taps))
     else:  # the features from the forward the head drafts beside
-        corpus, generation_s = read_corpus(Path(args.corpus_dir), "train", args.corpus_tokens)
-        start = time.perf_counter()
         states = target_pass(target, corpus, taps=tuple(args.taps))[0]
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)

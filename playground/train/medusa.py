@@ -30,7 +30,6 @@ from ..models.loader import TORCH_DTYPES
 from ..models.medusa import EMBEDDED_MEDUSA, MedusaHeads, save_heads
 from ..models.vocab import rows_of
 from . import log
-from .corpus import read as read_corpus
 from .corpus import target_pass
 from .draft import (
     TOP_K,
@@ -198,13 +197,11 @@ def main(args: argparse.Namespace) -> int:
     prompts = training_setup(args)
     target = load_model(ModelSpec(source=args.model, device="cpu"))
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
+    corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
+    start = time.perf_counter()
     if args.corpus_dir is None:
-        corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
-        start = time.perf_counter()
         states, counts = hidden_states(target, corpus, args.dtype)
     else:  # one pass of the forward the heads propose beside: the states and the soft labels
-        corpus, generation_s = read_corpus(Path(args.corpus_dir), "train", args.corpus_tokens)
-        start = time.perf_counter()
         every, corpus = target_pass(target, corpus, labels=True, keep=torch.float32)
         states, counts = at_answers(every, corpus)
     log("medusa", f"{len(states)} answer positions; training {args.heads} heads")
