@@ -7,6 +7,8 @@ and every way of asking for blocks that cannot work says why in one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -416,10 +418,16 @@ def test_a_file_in_another_block_format_says_what_runs_as_float32(target, tmp_pa
 
     from playground.models.gguf import census_of
     from playground.models.loader import embedded_gguf
+    from playground.models.requantise import main as requantise_main
     from playground.models.requantise import requantise
 
     path = tmp_path / "q4_0.gguf"
     assert requantise(embedded_gguf(), path, "Q4_0") == {"F32": 61, "Q4_0": 211}
+    for source, message in ((tmp_path / "none.gguf", "is not a file"), (path.parent, "is not a file"),
+                            (Path(__file__), "could not be read as a GGUF file")):
+        assert requantise_main([str(source), str(tmp_path / "out.gguf"), "--format", "Q8_0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: source: ") and message in err and len(err.splitlines()) == 1
     source, made = gguf.GGUFReader(embedded_gguf()), gguf.GGUFReader(path)
     template = "tokenizer.chat_template"
     assert made.get_field(template).contents() == source.get_field(template).contents()

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli import OneLineParser, check_writable, run_cli
+from ..config import ConfigError
+
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 FLOATS = ("F32", "F16", "BF16")  # tensors copied as they are
 
@@ -53,15 +56,25 @@ def requantise(source: Path, out: Path, fmt: str) -> Counter[str]:
     return written
 
 
+def run(args: argparse.Namespace) -> int:
+    if not args.source.is_file():
+        raise ConfigError(f"source: {args.source} is not a file")
+    check_writable("out", [args.out])
+    try:
+        written = requantise(args.source, args.out, args.format)
+    except (ValueError, OSError) as exc:  # not a GGUF file, or one gguf cannot read
+        raise ConfigError(f"source: {args.source} could not be read as a GGUF file ({exc})") from exc
+    print(f"{args.out}: " + ", ".join(f"{count} {fmt}" for fmt, count in sorted(written.items())), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m playground.models.requantise", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m playground.models.requantise", description=__doc__.split("\n")[0])
     parser.add_argument("source", type=Path, help="a .gguf file")
     parser.add_argument("out", type=Path, help="the .gguf file to write")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the block format of its matrices")
-    args = parser.parse_args(argv)
-    written = requantise(args.source, args.out, args.format)
-    print(f"{args.out}: " + ", ".join(f"{count} {fmt}" for fmt, count in sorted(written.items())), file=sys.stderr)
-    return 0
+    parser.set_defaults(func=run)
+    return run_cli(parser, argv)
 
 
 if __name__ == "__main__":
