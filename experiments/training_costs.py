@@ -1,6 +1,7 @@
 """Where an EAGLE head's training time goes on this machine, measured on a few sequences of a corpus shard: the
-target's forward that gives the features (transformers in bfloat16, as the trainer runs it; and the engine's own
-forward on the model's GGUF blocks, one sequence a forward), and the head's optimiser steps at unroll 1 and 2; each as positions a second, and the hours one pass over a corpus of N positions
+target's forward that gives the features (transformers in bfloat16, as the trainer runs it by default; and the
+engine's own forward on the model's GGUF blocks, one sequence a forward, as `--corpus-dir` runs it), and the head's
+optimiser steps at unroll 1 and 2. Each as positions a second, and the hours one pass over a corpus of N positions
 would take at that rate.
 
     python experiments/training_costs.py [--shard data/corpus/train-00000.safetensors] [--sequences 64]
