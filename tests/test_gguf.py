@@ -440,9 +440,55 @@ def test_a_file_in_another_block_format_says_what_runs_as_float32(target, tmp_pa
     loaded = load_model(spec)
     err = capsys.readouterr().err
     assert loaded.weights == "float32" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
-    assert ("weights: q4_0.gguf stores 211 Q4_0 matrices, a format the native kernel does not read yet; they run as "
+    assert ("weights: q4_0.gguf stores 211 Q4_0 matrices, which the native kernel does not read yet; they run as "
             "float32 weights dequantised from them") in err
     assert census_of(loaded.folder) == {"Q4_0": 211}  # the file's matrices, noted beside the blocks (none here)
     with pytest.raises(ModelLoadError, match=r"^weights: q4_0.gguf holds no Q8_0 or Q4_1 matrix \(it stores 211 "
                                              r"Q4_0\); use --weights float32$"):
         load_model(ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache"), weights="gguf-int8"))
+
+
+@pytest.mark.parametrize("fmt, levels, block", [("Q4_K", 15, 32), ("Q5_K", 31, 32), ("Q6_K", 63, 16)])
+def test_the_k_quant_blocks_are_the_formats_own(fmt, levels, block):
+    """`kquants` writes blocks that gguf's dequantiser reads back within one quantisation step of every weight, at
+    its own place (a block, a scale or a bit out of place would be far off), and a block of zeros as zeros."""
+    from playground.models.kquants import BYTES, quantise
+
+    rng = np.random.default_rng(0)
+    x = (0.05 * rng.standard_normal((6, 512))).astype(np.float32)
+    x[0, :256] += 0.03  # a super-block of positive weights: its minimum is zero
+    x[1, 256:] = 0.0
+    x[2, :32] *= 40  # one sub-block far wider than the rest
+    blocks = quantise(x, fmt)
+    assert blocks.shape == (6, 2 * BYTES[fmt]) and blocks.dtype == np.uint8
+    y = dequantize(blocks, GGMLQuantizationType[fmt])  # (6, 512)
+    parts = x.reshape(6, 256 // block * 2, block)  # (rows, sub-blocks, weights)
+    span = parts.max(-1) - np.minimum(parts.min(-1), 0) if fmt != "Q6_K" else 2 * np.abs(parts).max(-1)
+    step = span / levels  # (rows, sub-blocks): the step its own quants need
+    # a sub-block's step is its super-block's d times a whole scale (6 bits, Q6_K's 7): up to one d coarser, and a
+    # little more where the minimum and the float16 scales round up; a weight out of place would be off by far more
+    d = step.reshape(6, 2, -1).max(-1, keepdims=True) / (127 if fmt == "Q6_K" else 63)  # (rows, 2, 1)
+    coarsest = (step.reshape(6, 2, -1) + d).reshape(step.shape)[..., None]  # (rows, sub-blocks, 1)
+    assert np.all(np.abs(y - x).reshape(parts.shape) <= 0.6 * coarsest + 1e-6)
+    assert np.all(y[1, 256:] == 0)
+    with pytest.raises(ValueError, match=f"{fmt} needs rows of a multiple of 256 weights, not 576"):
+        quantise(np.zeros((1, 576), np.float32), fmt)
+
+
+def test_a_q4_k_m_file_mixes_formats_as_llama_cpps_quantiser_does(tmp_path):
+    """Q6_K for the attention values and MLP down products of llama.cpp's chosen layers and for the tied output rows,
+    Q4_K elsewhere; rows of 576 weights (no multiple of 256) fall back as llama.cpp's do (Q4_K to Q5_0, Q6_K to
+    Q8_0)."""
+    import gguf
+
+    from playground.models.loader import embedded_gguf
+    from playground.models.requantise import more_bits, requantise
+
+    assert [layer for layer in range(30) if more_bits(layer, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28,
+                                                                      29]
+    path = tmp_path / "q4_k_m.gguf"
+    assert requantise(embedded_gguf(), path, "Q4_K_M") == {"F32": 61, "Q5_0": 166, "Q8_0": 15, "Q4_K": 16, "Q6_K": 14}
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert kinds["blk.0.ffn_down.weight"] == "Q6_K" and kinds["blk.3.ffn_down.weight"] == "Q4_K"
+    assert kinds["blk.0.attn_v.weight"] == "Q8_0" and kinds["blk.3.attn_v.weight"] == "Q5_0"
+    assert kinds["token_embd.weight"] == "Q8_0"

@@ -106,9 +106,10 @@ def census_of(folder: Path) -> Counter[str] | None:
 
 
 def unread(census: Counter[str]) -> str | None:
-    """The file's matrices the native kernel does not read as stored, as words ("211 Q4_0"), or None."""
-    others = sorted((fmt, n) for fmt, n in census.items() if fmt not in GGUF_FORMATS and fmt not in FLOAT_FORMATS)
-    return ", ".join(f"{n} {fmt}" for fmt, n in others) or None
+    """The file's matrices the native kernel does not read as stored, as words ("16 Q4_K, 166 Q5_0 and 14 Q6_K"), or
+    None."""
+    others = [f"{n} {fmt}" for fmt, n in sorted(census.items()) if fmt not in GGUF_FORMATS and fmt not in FLOAT_FORMATS]
+    return " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others) or None
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:

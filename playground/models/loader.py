@@ -204,7 +204,7 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix"
                              f"{f' (it stores {others})' if others else ''}; use --weights float32")
     if others is not None:
-        print(f"weights: {gguf_file.name} stores {others} matrices, a format the native kernel does not read yet; "
+        print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "
               "they run as float32 weights dequantised from them, 4-8x the bytes a step would read",
               file=sys.stderr, flush=True)
     return blocks or None
