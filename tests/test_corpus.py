@@ -161,3 +161,44 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
         assert train_main([kind, "--corpus-dir", str(tmp_path / "none"), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert "corpus_dir: " in err and "holds no train shards" in err and "Loading" not in err
+
+
+def test_an_eagle_run_stopped_after_an_epoch_resumes_to_the_same_head(tmp_path, target, monkeypatch) -> None:
+    """The trainer saves its state after every epoch (safetensors, never pickled); a run stopped there and started
+    again ends with the head a run never stopped ends with, bit for bit. Another run's checkpoint is refused."""
+    from argparse import Namespace as Args
+
+    from playground.models.eagle import EagleHead, head_config
+    from playground.models.vocab import rows_of
+    from playground.train import eagle
+
+    run(tmp_path / "corpus", tokens=1000)
+    data, _ = corpus.read(tmp_path / "corpus", "train", tokens=120)
+    states, _ = corpus.target_pass(target, data)
+    output = rows_of(target.model.output_weight.detach().float(), torch.arange(300))  # (300, E)
+    args = Args(device="cpu", seed=0, batch=4, epochs=2, lr=1e-3, dtype="bfloat16", noise=0.1, unroll=2,
+                token_weight=0.5, taps=[], head_vocab=300)
+
+    def trained(checkpoint, stop_after: int | None = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        head = EagleHead(head_config(target.model), ())
+        save = eagle.save_checkpoint
+
+        def stopping(path, *state_and_epochs):
+            save(path, *state_and_epochs)
+            if state_and_epochs[4] == stop_after:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(eagle, "save_checkpoint", stopping)
+        eagle.train(target, head, data, states, output, args, checkpoint)
+        return {name: value.clone() for name, value in head.state_dict().items()}
+
+    whole = trained(None)
+    checkpoint = tmp_path / "head" / eagle.CHECKPOINT
+    checkpoint.parent.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        trained(checkpoint, stop_after=1)
+    resumed = trained(checkpoint)
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+    args.lr = 2e-3
+    with pytest.raises(ConfigError, match="is the checkpoint of another run"):
+        trained(checkpoint)

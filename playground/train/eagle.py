@@ -22,6 +22,7 @@ Everything is seeded; the run is reproducible up to floating-point reduction ord
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..decoding.eagle import EagleParams
@@ -170,8 +173,59 @@ def losses(head: EagleHead, regression: float, tokens: float) -> str:
     return f"tokens {tokens:.3f}" if head.taps else f"regression {regression:.4f}, tokens {tokens:.3f}"
 
 
+CHECKPOINT = "checkpoint.safetensors"  # in --out while a run is under way: the state after its last whole epoch
+
+
+def run_settings(args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]:
+    """What decides a run's steps: a checkpoint resumes only the run that wrote it."""
+    shape = hashlib.sha256(json.dumps([corpus.answer_starts, [len(s) for s in corpus.sequences]]).encode())
+    return {"corpus": shape.hexdigest()[:16], **{key: getattr(args, key) for key in (
+        "epochs", "lr", "batch", "seed", "noise", "unroll", "token_weight", "taps", "head_vocab", "dtype", "device")}}
+
+
+def save_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, schedule: Any,
+                    generator: torch.Generator, epochs: int, settings: dict[str, Any]) -> None:
+    """The run's state after `epochs` whole epochs, as safetensors (never pickled): the head's weights, AdamW's moments,
+    the generator that shuffles and noises; the schedule, the optimiser's settings and the run's in the metadata."""
+    state = optimizer.state_dict()
+    tensors = {f"head.{name}": value.detach().cpu().contiguous() for name, value in head.state_dict().items()}
+    tensors |= {f"optimizer.{index}.{key}": value.cpu() for index, moments in state["state"].items()
+                for key, value in moments.items()}
+    tensors["generator"] = generator.get_state()
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata={
+        "epochs": str(epochs), "settings": json.dumps(settings), "groups": json.dumps(state["param_groups"]),
+        "schedule": json.dumps(schedule.state_dict())})
+    partial.replace(path)  # whole or absent
+
+
+def load_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, schedule: Any,
+                    generator: torch.Generator, settings: dict[str, Any]) -> int:
+    """The whole epochs a checkpoint holds, its state put back in place; 0 where there is none."""
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata() or {}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if json.loads(meta["settings"]) != json.loads(json.dumps(settings)):
+        raise ConfigError(f"out: {path} is the checkpoint of another run ({meta['settings']}); delete it to start "
+                          "afresh")
+    head.load_state_dict({name[5:]: value for name, value in tensors.items() if name.startswith("head.")})
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".")
+            moments.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": moments, "param_groups": json.loads(meta["groups"])})
+    schedule.load_state_dict(json.loads(meta["schedule"]))
+    generator.set_state(tensors["generator"])
+    return int(meta["epochs"])
+
+
 def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tensor], output: torch.Tensor,
-          args: argparse.Namespace) -> None:
+          args: argparse.Namespace, checkpoint: Path | None = None) -> None:
+    """Train the head; with `checkpoint`, save the run's state there after every epoch and resume from it where a
+    stopped run of the same settings left one."""
     device = torch.device(args.device)
     pad = target.eos_token_ids[0]
     generator = torch.Generator().manual_seed(args.seed)
@@ -183,8 +237,12 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
     low = TORCH_DTYPES[args.dtype]
     autocast = torch.autocast(device.type, dtype=low) if low != torch.float32 else nullcontext()
     head.train()
-    step, start = 0, time.perf_counter()
-    for epoch in range(args.epochs):
+    settings = run_settings(args, corpus)
+    done = load_checkpoint(checkpoint, head, optimizer, schedule, generator, settings) if checkpoint else 0
+    if done:
+        log("eagle", f"resuming from {checkpoint} after epoch {done}/{args.epochs}")
+    step, start = done * steps_per_epoch, time.perf_counter()
+    for epoch in range(done, args.epochs):
         sums = [0.0, 0.0]
         for group in batches([len(s) for s in corpus_ids], args.batch, generator):
             width = max(len(corpus_ids[i]) for i in group)
@@ -211,6 +269,8 @@ def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tenso
                     f" ({time.perf_counter() - start:.0f} s)")
         log("eagle", f"epoch {epoch + 1}/{args.epochs}: {losses(head, *(s / steps_per_epoch for s in sums))} "
             f"({time.perf_counter() - start:.0f} s)")
+        if checkpoint is not None:
+            save_checkpoint(checkpoint, head, optimizer, schedule, generator, epoch + 1, settings)
     head.eval()
 
 
@@ -275,9 +335,11 @@ def main(args: argparse.Namespace) -> int:
                  f"scores {len(vocab_ids)} tokens")
     head = EagleHead(head_config(target.model), tuple(args.taps)).to(args.device)
     target.model.requires_grad_(False)
-    train(target, head, corpus, states, output, args)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train(target, head, corpus, states, output, args, out / CHECKPOINT)
     save_head(head, out, target, TORCH_DTYPES[args.weights_dtype], vocab_ids)
+    (out / CHECKPOINT).unlink()  # the run is whole: a rerun starts afresh
     evaluation_target = target if args.device == "cpu" else load_model(ModelSpec(source=args.model, device="cpu"))
     report = evaluate(evaluation_target, out, held_out_prompts()[: args.eval_prompts])
     report.update({**run_report(args, prompts, corpus, generation_s, start),
