@@ -21,10 +21,10 @@ import numpy as np
 from ..cli import OneLineParser, check_writable, run_cli
 from ..config import ConfigError
 from . import kquants
+from .gguf import FLOAT_FORMATS
 from .kquants import QK_K
 
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
-FLOATS = ("F32", "F16", "BF16")  # tensors copied as they are
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # for rows that are no multiple of 256 weights
 FILE_TYPES = {"Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}  # the file type a file of one K-quant is called
 MORE_BITS = re.compile(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight$")
@@ -68,7 +68,7 @@ def requantise(source: Path, out: Path, fmt: str) -> Counter[str]:
     layers = int(count.contents()) if count is not None else 0
     written: Counter[str] = Counter()
     for tensor in reader.tensors:
-        if tensor.tensor_type.name in FLOATS:
+        if tensor.tensor_type.name in FLOAT_FORMATS:  # copied as they are
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
             written[tensor.tensor_type.name] += 1
             continue

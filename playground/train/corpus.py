@@ -185,6 +185,15 @@ def written(out: Path, split: str) -> list[Path]:
     return sorted(out.glob(f"{split}-*.safetensors"))
 
 
+def shards(folder: Path, split: str) -> list[Path]:
+    """The `split` shards a trainer's `--corpus-dir` holds; a folder with none is refused in one line."""
+    paths = written(folder, split)
+    if not paths:
+        raise ConfigError(f"corpus_dir: {folder} holds no {split} shards; write them with python -m playground.train "
+                          "corpus")
+    return paths
+
+
 def plan(train: int, held: int) -> list[tuple[str, int]]:
     """The order shards are written in: training shards until `--tokens`, a held-out shard after every
     HELD_OUT_EVERY of them (so a corpus cut short still has its held-out share), as far as the prompts go."""
@@ -268,10 +277,7 @@ def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple
     """A corpus folder's `split` as a trainer's Corpus, shard by shard in order until it holds `tokens` answer tokens
     (None: every shard), and the seconds its shards took to write. The corpus keeps token ids only: a trainer that
     needs the target's distributions computes them from the sequences."""
-    paths = written(folder, split)
-    if not paths:
-        raise ConfigError(f"corpus_dir: {folder} holds no {split} shards; write them with python -m playground.train "
-                          "corpus")
+    paths = shards(folder, split)
     sequences: list[list[int]] = []
     starts: list[int] = []
     seconds, held = 0.0, 0

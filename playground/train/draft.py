@@ -409,11 +409,9 @@ def training_setup(args: argparse.Namespace) -> list[str]:
     if args.corpus_tokens is not None:
         check_int("corpus_tokens", args.corpus_tokens, 1, 10**9)
     if args.corpus_dir is not None:  # a folder without shards is refused before any model loads
-        from .corpus import written
+        from .corpus import shards
 
-        if not written(Path(args.corpus_dir), "train"):
-            raise ConfigError(f"corpus_dir: {args.corpus_dir} holds no train shards; write them with python -m "
-                              "playground.train corpus")
+        shards(Path(args.corpus_dir), "train")
     if not 0 < args.lr <= 0.1:
         raise ConfigError(f"lr must be in (0, 0.1], got {args.lr}")
     prompts = training_prompts(args.extra_templates, args.seed, args.wide_topics, args.templates_per_wide_topic)
