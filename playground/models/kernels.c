@@ -447,7 +447,10 @@ static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, 
     for (long b = 0; b < n * in / QK; b++) {
         const float *v = x + b * QK;
         float top = 0.0f;
-        for (int k = 0; k < QK; k++) top = fmaxf(top, fabsf(v[k]));
+        for (int k = 0; k < QK; k++) { /* fmaxf's NaN rule without its call into libm: a NaN never replaces top */
+            const float a = fabsf(v[k]);
+            top = a > top ? a : top;
+        }
         const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
         int32_t total = 0;
         for (int k = 0; k < QK; k++) {
