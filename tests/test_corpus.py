@@ -119,9 +119,11 @@ def test_bad_corpus_arguments_are_one_line(tmp_path, capsys) -> None:
         assert len(err.splitlines()) == 1 and flag[2:].replace("-", "_") in err
 
 
-def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(tmp_path, target, capsys) -> None:
+def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(tmp_path, target, capsys,
+                                                                               monkeypatch) -> None:
     """`eagle --corpus-dir`: the shards' sequences, features from the forward the engine runs (no corpus written
-    here), and a report that names the folder instead of prompt options it did not use."""
+    here), and a report that names the folder instead of prompt options it did not use. Features kept in files
+    (`--features`) are the same rows, read back by a later pass instead of running the target again."""
     from playground.models.eagle import load_head
 
     folder = tmp_path / "corpus"
@@ -136,6 +138,23 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
     assert labelled.topk_ids.shape == (train_corpus.answer_tokens(), 16) and corpus.target_pass(
         target, train_corpus)[1].topk_ids.shape[0] == 0  # labels only when asked
     # teacher-forced, the target's argmax at an answer position is the greedy answer's next token where it was greedy
+    monkeypatch.setattr(corpus, "FEATURE_ROWS", 64)  # several files
+    store = tmp_path / "features"
+    stored = corpus.target_pass(target, train_corpus, keep=torch.float32, store=store)[0]
+    assert len(list(store.glob("features-*.safetensors"))) > 1 and len(stored) == len(states)
+    assert all(torch.equal(a, b) for a, b in zip(stored, states))
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("the target ran again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(target.model, "forward", not_again)
+        again = corpus.target_pass(target, train_corpus, keep=torch.float32, store=store)[0]
+        assert all(torch.equal(a, b) for a, b in zip(again, states))
+        with pytest.raises(AssertionError, match="ran again"):  # other taps: other features
+            corpus.target_pass(target, train_corpus, taps=(3,), keep=torch.float32, store=store)
+    assert train_main(["eagle", "--features", str(store), "--out", str(tmp_path / "x")]) == 2
+    assert "features: keeping the target's features in files needs --corpus-dir" in capsys.readouterr().err
     first = labelled.topk_ids[:, 0].tolist()
     answers = [t for s, a in zip(train_corpus.sequences, train_corpus.answer_starts) for t in s[a:]]
     assert sum(f == t for f, t in zip(first, answers)) > 0.6 * len(answers)

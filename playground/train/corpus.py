@@ -16,12 +16,14 @@ learned, not what it saw.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from safetensors import safe_open
@@ -296,19 +298,92 @@ def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple
     return Corpus(sequences, starts, none, none.float()), seconds
 
 
+FEATURES = "features.json"  # in a features folder: what its files hold, and where each sequence's rows are
+FEATURE_ROWS = 1 << 18  # most positions a features file holds (1.2 GB at 4 x 576 bfloat16 columns)
+
+
+class StoredStates(Sequence[torch.Tensor]):
+    """Each sequence's states (T_i, F) as `target_pass` returns them, read from the files it wrote into a folder.
+    The files are memory-mapped, so the system keeps in memory what fits: a corpus's features may exceed it."""
+
+    def __init__(self, folder: Path, files: list[str], spans: list[tuple[int, int, int]]) -> None:
+        self.handles = [safe_open(str(folder / name), "pt") for name in files]
+        self.spans = spans  # per sequence: (file, first row, rows)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        file, first, rows = self.spans[i]
+        return self.handles[file].get_slice("states")[first : first + rows]  # (T_i, F)
+
+
+def features_key(target: Any, corpus: Corpus, taps: tuple[int, ...], keep: torch.dtype) -> str:
+    """What decides a pass's features: the model and its weights, the taps, the dtype kept and every token."""
+    digest = hashlib.sha256(json.dumps([target.name, target.spec.weights, list(taps), str(keep),
+                                        corpus.answer_starts]).encode())
+    for sequence in corpus.sequences:
+        digest.update(torch.tensor(sequence, dtype=torch.int32).numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:24]
+
+
+def stored_states(folder: Path, key: str) -> StoredStates | None:
+    """The features a pass with this key wrote into `folder` before, or None."""
+    try:
+        index = json.loads((folder / FEATURES).read_text())
+    except (OSError, ValueError):
+        return None
+    if index.get("key") != key or not all((folder / name).is_file() for name in index["files"]):
+        return None
+    return StoredStates(folder, index["files"], [tuple(span) for span in index["spans"]])
+
+
 def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels: bool = False,
-                keep: torch.dtype = torch.bfloat16) -> tuple[list[torch.Tensor], Corpus]:
+                keep: torch.dtype = torch.bfloat16,
+                store: Path | None = None) -> tuple[Sequence[torch.Tensor], Corpus]:
     """One teacher-forced pass of the target's own forward over every sequence: the forward the engine runs (on a
     GGUF file, its blocks in integer products), so a proposer learns what it reads beside that target. One sequence
     a forward: its rows already fill the products.
 
     Returns each sequence's final-norm hidden states (T_i, E) as `keep`, with `taps` the inputs of those layers
     after them, (T_i, (1 + len(taps)) E); and the corpus, with `labels` its soft labels filled in: the target's
-    top-TOP_K log-probabilities at every position that predicts an answer token, in corpus order."""
+    top-TOP_K log-probabilities at every position that predicts an answer token, in corpus order. With `store`, the
+    states go to files in that folder instead of memory (`StoredStates`), and a later pass with the same model,
+    taps and corpus and no labels reads them back instead of running the target again."""
     from ..decoding.base import new_cache
 
-    model, states, start = target.model, [], time.perf_counter()
+    key = features_key(target, corpus, taps, keep) if store is not None else ""
+    if store is not None and not labels and (found := stored_states(store, key)) is not None:
+        log("corpus", f"the target's features for these {len(corpus.sequences)} sequences, from {store}")
+        return found, corpus
+    model, start = target.model, time.perf_counter()
+    states: list[torch.Tensor] = []
     top_ids, top_logprobs = [], []
+    files: list[str] = []
+    spans: list[tuple[int, int, int]] = []
+    buffered = 0  # rows in `states` not yet in a file
+
+    def flush() -> None:
+        nonlocal buffered
+        assert store is not None
+        name = f"features-{len(files):05d}.safetensors"
+        save_file({"states": torch.cat(states)}, str(store / name))
+        files.append(name)
+        states.clear()
+        buffered = 0
+
+    if store is not None:
+        store.mkdir(parents=True, exist_ok=True)
+        (store / FEATURES).unlink(missing_ok=True)  # the folder's old index no longer holds
     with torch.inference_mode():
         for i, (sequence, answer) in enumerate(zip(corpus.sequences, corpus.answer_starts)):
             cache = new_cache(model, len(sequence), GenerationParams())
@@ -318,6 +393,11 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
             scored = len(sequence) - answer + 1 if labels else 0
             logits, hidden = model(ids, positions, cache, (0,), num_logits=scored, taps=taps)  # (1, n, V), (1, T, E')
             states.append(hidden[0].to("cpu", keep))
+            if store is not None:
+                spans.append((len(files), buffered, len(sequence)))
+                buffered += len(sequence)
+                if buffered >= FEATURE_ROWS:
+                    flush()
             if labels:
                 top = torch.topk(logits[0, :-1].float().log_softmax(-1), TOP_K)  # (T - answer, K)
                 top_ids.append(top.indices.cpu())
@@ -327,7 +407,12 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
                               f"({time.perf_counter() - start:.0f} s)")
     if labels:
         corpus = Corpus(corpus.sequences, corpus.answer_starts, torch.cat(top_ids), torch.cat(top_logprobs))
-    return states, corpus
+    if store is None:
+        return states, corpus
+    if states:
+        flush()
+    (store / FEATURES).write_text(json.dumps({"key": key, "files": files, "spans": spans}))
+    return StoredStates(store, files, spans), corpus
 
 
 def answer_tokens_of(path: Path) -> int:

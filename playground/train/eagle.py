@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--taps", type=int, nargs="*", default=[], metavar="LAYER",
                         help="target layers whose inputs the head reads instead of the final-norm features, as "
                              "EAGLE-3 reads a low, a middle and a high one (e.g. 2 15 27 of 30; default: none)")
+    parser.add_argument("--features", default=None, metavar="DIR",
+                        help="with --corpus-dir: keep the target's features in files in DIR, not in memory (they may "
+                             "exceed it: 2 bytes per position and column, 4 x 576 columns with three taps), and "
+                             "read them back when a stopped run starts again (default: in memory)")
     parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
                         "(default) or cuda")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -222,7 +227,7 @@ def load_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimize
     return int(meta["epochs"])
 
 
-def train(target: Any, head: EagleHead, corpus: Corpus, states: list[torch.Tensor], output: torch.Tensor,
+def train(target: Any, head: EagleHead, corpus: Corpus, states: Sequence[torch.Tensor], output: torch.Tensor,
           args: argparse.Namespace, checkpoint: Path | None = None) -> None:
     """Train the head; with `checkpoint`, save the run's state there after every epoch and resume from it where a
     stopped run of the same settings left one."""
@@ -315,6 +320,8 @@ def main(args: argparse.Namespace) -> int:
     for name, value, most in (("noise", args.noise, 1), ("token_weight", args.token_weight, 10)):
         if not 0 <= value <= most:
             raise ConfigError(f"{name} must be in [0, {most}], got {value}")
+    if args.features is not None and args.corpus_dir is None:
+        raise ConfigError("features: keeping the target's features in files needs --corpus-dir")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"device must be cpu or cuda (with a CUDA GPU present), got {args.device!r}")
     prompts = training_setup(args)  # checks the options every trainer shares and seeds torch
@@ -328,7 +335,8 @@ def main(args: argparse.Namespace) -> int:
         states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device,
                                  taps=tuple(args.taps))
     else:  # the features from the forward the head drafts beside
-        states = target_pass(target, corpus, taps=tuple(args.taps))[0]
+        store = Path(args.features) if args.features is not None else None
+        states = target_pass(target, corpus, taps=tuple(args.taps), store=store)[0]
     vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
     log("eagle", f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head "
