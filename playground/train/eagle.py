@@ -331,6 +331,7 @@ def main(args: argparse.Namespace) -> int:
         check_int("taps", layer, 0, target.model.config.num_layers - 1)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     start = time.perf_counter()
+    states: Sequence[torch.Tensor]
     if args.corpus_dir is None:
         states = sequence_states(target, corpus, args.dtype, keep=torch.bfloat16, device=args.device,
                                  taps=tuple(args.taps))

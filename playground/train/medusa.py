@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def hidden_states(target: Any, corpus: Corpus, dtype: str) -> tuple[torch.Tensor
     return at_answers(sequence_states(target, corpus, dtype), corpus)
 
 
-def at_answers(states: list[torch.Tensor], corpus: Corpus) -> tuple[torch.Tensor, list[int]]:
+def at_answers(states: Sequence[torch.Tensor], corpus: Corpus) -> tuple[torch.Tensor, list[int]]:
     """Of each sequence's states (T_i, E), those at the positions that predict an answer token, (N, E) float32 in
     corpus order, and each sequence's count of them."""
     # the position before each answer token predicts it
