@@ -169,8 +169,8 @@ def render(events: list[Event], prompt_tokens: list[str], token_text: TokenText,
     `proposing`, between its proposal and its verdict (a tree is drawn at the text's end, where the eye already is).
     An untokenized prompt (a replayed trace, no tokenizer) has no token positions to highlight."""
     source = _source_span(events, upto_step) if tokenized else None
-    tokens = render_tokens(events, upto_step, proposing)
-    return (render_prompt(prompt_tokens, source), tokens, render_step_detail(events, upto_step, token_text, proposing))
+    return (render_prompt(prompt_tokens, source), render_tokens(events, upto_step, proposing),
+            render_step_detail(events, upto_step, token_text, proposing))
 
 
 def known_texts(trace: Trace, prompt_tokens: list[str], tokenized: bool,
