@@ -1,7 +1,7 @@
 """What a trained early exit could draft, measured before one is built (issue 105). Self-speculation drafts with 29 of
-the embedded target's 30 layers, because an early exit's own guess rarely matches the target's (through the final
-norm and head, the first 10 layers agree on about 5% of tokens, the first 20 on 18%). LayerSkip trains the model to
-exit early; here only a small exit head is trained, the target left as it is: the residual stream entering layer
+the embedded target's 30 layers, because an early exit's own guess (the stream through the final norm and head)
+rarely matches the target's. LayerSkip trains the model to exit early; here only a small exit head is trained, the
+target left as it is: the residual stream entering layer
 L, through a residual MLP (E -> 2E -> E), the target's final norm and its output rows, learns the target's top-16
 distribution at every answer position of the corpus (`python -m playground.train corpus`).
 
