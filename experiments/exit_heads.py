@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,6 +55,34 @@ class Exit(nn.Module):
         return h + self.down(F.silu(self.up(self.norm(h))))
 
 
+def scored_rows(model, tokens: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `vocab` tokens most frequent in `tokens`, ascending (V',); where each token id sits among them (V,), -1
+    for the others; and the target's output rows for them (V', E) in float32."""
+    ids = torch.bincount(tokens.flatten(), minlength=model.config.vocab_size).argsort(descending=True)
+    ids = ids[:vocab].sort().values
+    where = torch.full((model.config.vocab_size,), -1, dtype=torch.int64)
+    where[ids] = torch.arange(len(ids))
+    return ids, where, model.output_weight.float()[ids]
+
+
+def fit(module: nn.Module, count: int, loss: Callable[[torch.Tensor], torch.Tensor], epochs: int, lr: float,
+        batch: int) -> float:
+    """Train `module` over `count` positions, `epochs` passes in shuffled batches (AdamW, a one-cycle schedule),
+    `loss(pick)` the loss of the positions `pick`; the seconds it took."""
+    optimiser = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+    steps = epochs * ((count + batch - 1) // batch)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, lr, total_steps=steps, pct_start=0.05)
+    began = time.perf_counter()
+    for _ in range(epochs):
+        order = torch.randperm(count)
+        for i in range(0, count, batch):
+            optimiser.zero_grad()
+            loss(order[i : i + batch]).backward()
+            optimiser.step()
+            schedule.step()
+    return time.perf_counter() - began
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default=str(CORPUS))
@@ -78,11 +107,7 @@ def main() -> int:
     x_train, x_held = positions(train_states, train), positions(held_states, held)  # (N, (1 + L) E)
     del train_states, held_states
     # the exit's vocabulary: the target's most frequent top tokens on the training positions
-    ids = torch.bincount(train.topk_ids[:, 0], minlength=model.config.vocab_size).argsort(descending=True)
-    ids = ids[: args.vocab].sort().values  # (V',)
-    where = torch.full((model.config.vocab_size,), -1, dtype=torch.int64)
-    where[ids] = torch.arange(len(ids))
-    rows = model.output_weight.float()[ids]  # (V', E)
+    ids, where, rows = scored_rows(model, train.topk_ids[:, 0], args.vocab)  # (V',), (V,), (V', E)
     norm = model.norm
     for p in norm.parameters():
         p.requires_grad_(False)
@@ -115,25 +140,17 @@ def main() -> int:
 
         raw = agree(None)
         exit_ = Exit(width)
-        optimiser = torch.optim.AdamW(exit_.parameters(), lr=args.lr, weight_decay=0.0)
-        steps = args.epochs * ((len(h_train) + args.batch - 1) // args.batch)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=steps, pct_start=0.05)
-        began = time.perf_counter()
-        for _ in range(args.epochs):
-            order = torch.randperm(len(h_train))
-            for i in range(0, len(order), args.batch):
-                pick = order[i : i + args.batch]
-                logits = norm(exit_(h_train[pick])) @ rows.T  # (B, V')
-                loss = -(p_train[pick] * logits.log_softmax(-1).gather(1, at_train[pick])).sum(-1).mean()
-                optimiser.zero_grad()
-                loss.backward()
-                optimiser.step()
-                schedule.step()
+
+        def loss(pick: torch.Tensor) -> torch.Tensor:
+            logits = norm(exit_(h_train[pick])) @ rows.T  # (B, V')
+            return -(p_train[pick] * logits.log_softmax(-1).gather(1, at_train[pick])).sum(-1).mean()
+
+        seconds = fit(exit_, len(h_train), loss, args.epochs, args.lr, args.batch)
         trained = agree(exit_)
         adapter = sum(p.numel() for p in exit_.parameters()) * 1.0625  # as Q8_0 blocks
         cost = (layer * layer_bytes + head_bytes + adapter) / whole
         best = max(((1 - trained ** (g + 1)) / (1 - trained) / (1 + g * cost), g) for g in range(1, 9))
-        print(f"| {layer} of {count} | {100 * raw:.1f}% | {100 * trained:.1f}% ({time.perf_counter() - began:.0f} s "
+        print(f"| {layer} of {count} | {100 * raw:.1f}% | {100 * trained:.1f}% ({seconds:.0f} s "
               f"training) | {cost:.2f} | {best[0]:.2f}x at {best[1]} drafted |", flush=True)
     return 0
 

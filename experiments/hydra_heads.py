@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from exit_heads import fit, scored_rows  # noqa: E402  (this folder: the script's own)
 from torch import nn  # noqa: E402
 
 from playground.config import ModelSpec  # noqa: E402
@@ -87,36 +88,25 @@ def main() -> int:
     print(f"features: {time.perf_counter() - started:.0f} s; positions {len(h_train)} to train, {len(h_held)} held out",
           flush=True)
     embed = model.embed_tokens.weight.float()  # (V, E)
-    ids = torch.bincount(x_train.flatten(), minlength=model.config.vocab_size).argsort(descending=True)
-    ids = ids[: args.vocab].sort().values  # (V',) the tokens the heads score
-    where = torch.full((model.config.vocab_size,), -1, dtype=torch.int64)
-    where[ids] = torch.arange(len(ids))
-    rows = model.output_weight.float()[ids]  # (V', E)
+    ids, where, rows = scored_rows(model, x_train, args.vocab)  # (V',), (V,), (V', E)
     norm = model.norm
     for p in norm.parameters():
         p.requires_grad_(False)
     results = {}
     for name, sequential in (("Medusa (all at once)", False), ("Hydra (each sees the guess before)", True)):
         heads = Heads(width, args.heads, sequential)
-        optimiser = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
-        steps = args.epochs * ((len(h_train) + args.batch - 1) // args.batch)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=steps, pct_start=0.05)
-        began = time.perf_counter()
-        for _ in range(args.epochs):
-            order = torch.randperm(len(h_train))
-            for i in range(0, len(order), args.batch):
-                pick = order[i : i + args.batch]
-                h, x = h_train[pick], x_train[pick]  # (B, E), (B, K + 1)
-                loss = torch.zeros(())
-                for k in range(args.heads):
-                    scores = norm(heads.state(k, h, embed[x[:, 0]], embed[x[:, k]])) @ rows.T  # (B, V')
-                    wanted = where[x[:, k + 1]]  # (B,) -1 outside the scored tokens
-                    keep = wanted >= 0
-                    loss = loss + F.cross_entropy(scores[keep], wanted[keep])
-                optimiser.zero_grad()
-                loss.backward()
-                optimiser.step()
-                schedule.step()
+
+        def loss(pick: torch.Tensor) -> torch.Tensor:
+            h, x = h_train[pick], x_train[pick]  # (B, E), (B, K + 1)
+            total = torch.zeros(())
+            for k in range(args.heads):
+                scores = norm(heads.state(k, h, embed[x[:, 0]], embed[x[:, k]])) @ rows.T  # (B, V')
+                wanted = where[x[:, k + 1]]  # (B,) -1 outside the scored tokens
+                keep = wanted >= 0
+                total = total + F.cross_entropy(scores[keep], wanted[keep])
+            return total
+
+        seconds = fit(heads, len(h_train), loss, args.epochs, args.lr, args.batch)
         with torch.no_grad():
             right = torch.ones(len(h_held), dtype=torch.bool)  # every guess so far right (chained)
             guessed = x_held[:, 0]  # the token before head 0's: the next token, always known
@@ -129,7 +119,7 @@ def main() -> int:
                 right &= own == x_held[:, k + 1]
                 chained.append(float(right.float().mean()))
                 guessed = own
-        results[name] = (forced, sum(chained), time.perf_counter() - began)
+        results[name] = (forced, sum(chained), seconds)
     print(f"| heads | {' | '.join(f'head {k + 1} (t+{k + 2})' for k in range(args.heads))} | tokens a step, one "
           "chain | training |")
     print("|---|" + "---|" * args.heads + "---|---|")
