@@ -137,7 +137,6 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
     assert [len(s) for s in states] == [len(s) for s in train_corpus.sequences]
     assert labelled.topk_ids.shape == (train_corpus.answer_tokens(), 16) and corpus.target_pass(
         target, train_corpus)[1].topk_ids.shape[0] == 0  # labels only when asked
-    # teacher-forced, the target's argmax at an answer position is the greedy answer's next token where it was greedy
     monkeypatch.setattr(corpus, "FEATURE_ROWS", 64)  # several files
     store = tmp_path / "features"
     stored = corpus.target_pass(target, train_corpus, keep=torch.float32, store=store)[0]
@@ -155,6 +154,7 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
             corpus.target_pass(target, train_corpus, taps=(3,), keep=torch.float32, store=store)
     assert train_main(["eagle", "--features", str(store), "--out", str(tmp_path / "x")]) == 2
     assert "features: keeping the target's features in files needs --corpus-dir" in capsys.readouterr().err
+    # teacher-forced, the target's argmax at an answer position is the greedy answer's next token where it was greedy
     first = labelled.topk_ids[:, 0].tolist()
     answers = [t for s, a in zip(train_corpus.sequences, train_corpus.answer_starts) for t in s[a:]]
     assert sum(f == t for f, t in zip(first, answers)) > 0.6 * len(answers)
