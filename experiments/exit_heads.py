@@ -31,13 +31,9 @@ from torch import nn  # noqa: E402
 from playground.config import ModelSpec  # noqa: E402
 from playground.models import load_model  # noqa: E402
 from playground.train.corpus import read, target_pass  # noqa: E402
+from playground.train.medusa import at_answers  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus"
-
-
-def positions(states: list[torch.Tensor], corpus) -> torch.Tensor:
-    """The rows of each sequence's states (T_i, F) that predict its answer tokens, in corpus order: (N, F)."""
-    return torch.cat([s[a - 1 : len(q) - 1] for s, q, a in zip(states, corpus.sequences, corpus.answer_starts)])
 
 
 class Exit(nn.Module):
@@ -104,7 +100,7 @@ def main() -> int:
     train_states, train = target_pass(target, train, layers, labels=True)
     held_states, held = target_pass(target, held, layers, labels=True)
     print(f"features: {time.perf_counter() - start:.0f} s", flush=True)
-    x_train, x_held = positions(train_states, train), positions(held_states, held)  # (N, (1 + L) E)
+    x_train, x_held = at_answers(train_states, train)[0], at_answers(held_states, held)[0]  # (N, (1 + L) E)
     del train_states, held_states
     # the exit's vocabulary: the target's most frequent top tokens on the training positions
     ids, where, rows = scored_rows(model, train.topk_ids[:, 0], args.vocab)  # (V',), (V,), (V', E)
