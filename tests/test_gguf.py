@@ -30,6 +30,7 @@ from .prompts import PROMPTS
 from .test_native import forwards
 
 SIZES = {"Q8_0": 34, "Q4_1": 20}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,76 @@ def integer_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, in_featu
     return torch.from_numpy(total)
 
 
+def random_k_blocks(kind: str, out: int, in_features: int, seed: int) -> torch.Tensor:
+    """(out, in / 256 * super-block bytes) uint8 of a K-quant format: every scale, minimum and quant byte random (any
+    byte is a valid one), the float16 factors over a wide range, zero and subnormal included."""
+    g = torch.Generator().manual_seed(seed)
+    count = out * in_features // 256
+    raw = torch.randint(0, 256, (count, native.BLOCKS[kind][1]), generator=g, dtype=torch.uint8)
+    spread = torch.logspace(-7, 0, count)[torch.randperm(count, generator=g), None]  # (count, 1)
+    factors = torch.randn(count, 2, generator=g) * spread  # (count, 2): d, dmin
+    factors[::13] = 0.0
+    factors[4::19, 0] = 2.0 ** -20  # subnormal in float16
+    halves = factors.half().view(torch.uint8).view(count, 4)
+    if kind == "Q6_K":
+        raw[:, 208:] = halves[:, :2]  # d, at the end
+    else:
+        raw[:, :4] = halves
+    return raw.reshape(out, -1)
+
+
+def k_parts(blocks: torch.Tensor, kind: str, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A K-quant matrix per block of 32 inputs, decoded from the format's definition: quants q (out, blocks, 32)
+    int64, scales (out, blocks, 2) float32 (one for each 16 inputs: Q4_K's and Q5_K's twice the same), minimums
+    (out, blocks) float32 (Q6_K: zero, its offset apart), so that w = scale * q + minimum (Q6_K: scale * (q - 32))."""
+    raw = blocks.numpy().reshape(blocks.shape[0], in_features // 256, native.BLOCKS[kind][1])  # (out, supers, bytes)
+    out, supers = raw.shape[:2]
+    if kind == "Q6_K":
+        d = raw[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, supers)
+        sc = raw[..., 192:208].copy().view(np.int8).astype(np.float32)  # (out, supers, 16)
+        w = np.arange(256)
+        h, u = w // 128, w % 128
+        low = raw[..., 64 * h + u % 64]  # (out, supers, 256)
+        nibble = np.where(u < 64, low & 15, low >> 4)
+        top = (raw[..., 128 + 32 * h + u % 32] >> (2 * (u // 32))) & 3
+        q = (nibble | top << 4).astype(np.int64).reshape(out, supers * 8, 32)
+        scales = (d[..., None] * sc).reshape(out, supers * 8, 2)
+        return q, scales, np.zeros((out, supers * 8), np.float32)
+    d, dmin = (raw[..., i:i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    s = raw[..., 4:16].astype(np.int64)  # (out, supers, 12)
+    sc = np.concatenate([s[..., :4] & 63, (s[..., 8:] & 15) | (s[..., :4] >> 6) << 4], -1)  # (out, supers, 8)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:] >> 4) | (s[..., 4:8] >> 6) << 4], -1)
+    qs = raw[..., 16:144] if kind == "Q4_K" else raw[..., 48:176]  # (out, supers, 128)
+    pairs = qs.reshape(out, supers, 4, 32)  # blocks 2j and 2j + 1 share 32 bytes
+    q = np.stack([pairs & 15, pairs >> 4], 3).reshape(out, supers, 8, 32).astype(np.int64)
+    if kind == "Q5_K":
+        q |= ((raw[..., None, 16:48] >> np.arange(8)[:, None]) & 1).astype(np.int64) << 4
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(out, supers * 8)
+    return (q.reshape(out, supers * 8, 32), np.repeat(scales[..., None], 2, -1),
+            -(dmin[..., None] * m.astype(np.float32)).reshape(out, supers * 8))
+
+
+def k_integer_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
+    """x (n, in) @ a K-quant weight^T as the integer products compute it: x quantised per block of 32; Q4_K and Q5_K
+    folded per block as Q4_1 with scale d * sc and minimum -(dmin * m); Q6_K per 16 inputs as Q8_0, the integer sum
+    of q * q_x - 32 * (sum of q_x) times d * sc, under the block's d_x. (n, out)"""
+    q, scales, mins = k_parts(blocks, kind, in_features)
+    xq, xd = quantised_rows(x.numpy())
+    total = np.zeros((len(x), blocks.shape[0]), np.float32)
+    for b in range(in_features // 32):
+        if kind == "Q6_K":
+            for h in (slice(0, 16), slice(16, 32)):
+                exact = np.einsum("nk,ok->no", xq[:, b, h], q[:, b, h]) - 32 * xq[:, b, h].sum(-1)[:, None]
+                part = (exact.astype(np.float32) * scales[None, :, b, h.start // 16]).astype(np.float32)
+                total = fma_once(part, xd[:, b, None], total)
+            continue
+        exact = np.einsum("nk,ok->no", xq[:, b], q[:, b])  # (n, out) int64
+        block = (exact.astype(np.float32) * scales[None, :, b, 0]).astype(np.float32)
+        block = fma_once(mins[None, :, b], xq[:, b].sum(-1).astype(np.float32)[:, None], block)
+        total = fma_once(block, xd[:, b, None], total)
+    return torch.from_numpy(total)
+
+
 def every_row_count_gives(kernel: native.Kernel, x: torch.Tensor, panels: native.Panels, want: torch.Tensor,
                           threads: int) -> None:
     """On `threads` threads, the products of the first 1, 2, 3, 4, 5, 7, a pass's, a pass's + 1 and all rows of x
@@ -179,6 +250,47 @@ def test_integer_products_give_the_bits_of_their_arithmetic(kernel, kind, shape,
     x[1, :32] = 0.0
     want = integer_reference(x, blocks, kind, in_features)
     every_row_count_gives(kernel, x, panels, want, threads)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_k_quants_decoded_are_ggufs_weights(kind):
+    """The reference's reading of each K-quant format (scale * q + minimum per block of 32) is gguf's dequantised
+    weight, random bytes throughout: the reference the products are held to reads the format as llama.cpp does."""
+    blocks = random_k_blocks(kind, 5, 512, seed=3)
+    q, scales, mins = k_parts(blocks, kind, 512)
+    if kind == "Q6_K":
+        ours = np.repeat(scales.astype(np.float64), 16, -1) * (q - 32)  # (out, blocks, 32)
+    else:
+        ours = scales[..., :1].astype(np.float64) * q + mins[..., None]
+    theirs = dequantize(blocks.numpy(), GGMLQuantizationType[kind]).reshape(ours.shape).astype(np.float64)
+    assert np.allclose(ours, theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("shape", [(100, 1536), (49, 256), (7, 512)], ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_k_quant_products_give_the_bits_of_their_arithmetic(kernel, kind, shape, threads):
+    """The K-quants read at their bytes: every row count, output size and thread split gives the bits of the
+    correctly rounded reference, a row's alone; a block of zeros and inputs far apart in size included."""
+    out, in_features = shape
+    blocks = random_k_blocks(kind, out, in_features, seed=out + threads)
+    panels = native.pack_blocks(blocks, kind, in_features, kernel, integer=True)
+    assert panels.format == native.INTEGER_FORMATS[kind]
+    bits = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}[kind]  # a weight's bits in the panels
+    assert panels.nbytes == -(-out // kernel.panel_width) * kernel.panel_width * in_features * bits / 8
+    g = torch.Generator().manual_seed(threads)
+    x = torch.randn(2 * kernel.rows_per_pass + 3, in_features, generator=g) * torch.logspace(-3, 2, in_features)
+    x[1, :32] = 0.0
+    want = k_integer_reference(x, blocks, kind, in_features)
+    every_row_count_gives(kernel, x, panels, want, threads)
+
+
+def test_k_quant_blocks_run_in_integer_products_only(kernel):
+    blocks = random_k_blocks("Q4_K", 4, 256, seed=0)
+    with pytest.raises(ValueError, match="^Q4_K blocks run only in integer products on 8-bit activations$"):
+        native.pack_blocks(blocks, "Q4_K", 256, kernel)
+    with pytest.raises(ValueError, match=r"^Q4_K blocks for 512 inputs need 288 bytes a row, got \(4, 144\)$"):
+        native.pack_blocks(blocks, "Q4_K", 512, kernel, integer=True)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
@@ -223,8 +335,7 @@ def test_the_embedded_model_reads_its_blocks(kernel, target, float_blocks, float
     assert (target.weights, float_blocks.weights, float32.weights) == ("gguf-int8", "gguf", "float32")
     assert native.formats_read(target.model).startswith("Q4_1 and Q8_0 blocks, 8-bit activations (")
     assert native.formats_read(float_blocks.model).startswith("Q4_1 and Q8_0 blocks, float32 activations (")
-    for loaded, formats in ((target, native.INTEGER_FORMATS), (float_blocks, {k: c for k, (c, _) in
-                                                                               native.GGUF_FORMATS.items()})):
+    for loaded, formats in ((target, native.INTEGER_FORMATS), (float_blocks, native.GGUF_FORMATS)):
         assert loaded.model.packed_output.format == formats["Q8_0"]
         assert set(loaded.model.native_stack.formats) == {formats["Q4_1"]}
     read = sum(p.nbytes for _, p in target.model.packed_products())
@@ -264,7 +375,7 @@ def test_some_output_rows_are_packed_from_the_blocks(kernel, target, float_block
     ids = torch.tensor([0, 2, 7, 100, 4000, 31000, 49151])
     hidden = torch.randn(3, target.model.config.hidden_size, generator=torch.Generator().manual_seed(0))  # (3, E)
     wide = output_rows(float32.model, ids)
-    for loaded, code in ((target, native.INTEGER_FORMATS["Q8_0"]), (float_blocks, native.GGUF_FORMATS["Q8_0"][0])):
+    for loaded, code in ((target, native.INTEGER_FORMATS["Q8_0"]), (float_blocks, native.GGUF_FORMATS["Q8_0"])):
         rows = output_rows(loaded.model, ids)
         assert rows.packed.format == code and rows.packed.nbytes < wide.packed.nbytes / 3
         assert torch.equal(rows.logits(hidden), native.panel_linear(hidden, loaded.model.packed_output)[:, ids])
@@ -398,9 +509,9 @@ def test_every_build_gives_the_integer_products_the_same_bits(kernel, tmp_path):
         assert other.dot_products == name
         built.append(other)
     assert any(k.dot_products == "plain C" for k in built)
-    for kind in ("Q8_0", "Q4_1"):
-        for out, in_features in ((100, 1536), (49, 64)):
-            blocks = random_blocks(kind, out, in_features, seed=out)
+    for kind in ("Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+        for out, in_features in ((100, 1536), (49, 256)):
+            blocks = (random_k_blocks if kind in K_QUANTS else random_blocks)(kind, out, in_features, seed=out)
             own = native.pack_blocks(blocks, kind, in_features, kernel, integer=True)
             for rows in (1, 2, 3, 5, 7, 13):
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))

@@ -1,5 +1,5 @@
-"""A GGUF file's Q8_0 and Q4_1 matrices as the file stores them, and its Q4_0 and Q5_0 ones as Q4_1 and Q8_0 blocks
-of the same weights, for the native kernel's block panels (kernels.c).
+"""A GGUF file's Q8_0, Q4_1, Q4_K, Q5_K and Q6_K matrices as the file stores them, and its Q4_0 and Q5_0 ones as Q4_1
+and Q8_0 blocks of the same weights, for the native kernel's block panels (kernels.c).
 
 `save_blocks` copies each such matrix's raw blocks into the converted folder (`BLOCKS_FILE`, safetensors of uint8),
 in the row order of the float32 weight transformers dequantised from the same file (llama.cpp stores q and k with
@@ -20,11 +20,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint import layer_products
-from .native import GGUF_FORMATS
+from .native import BLOCKS, GGUF_FORMATS
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 CENSUS = "matrices by format"  # the blocks file's metadata entry: the GGUF file's matrices, "Q4_1:210,Q8_0:1"
-VERSION = "2"  # of what a blocks file holds (2: Q4_0 and Q5_0 read as Q4_1 and Q8_0); another is written again
+VERSION = "3"  # of what a blocks file holds (2: Q4_0 and Q5_0 read as Q4_1 and Q8_0; 3: the K-quants); another is
+# written again
 FLOAT_FORMATS = ("F32", "F16", "BF16")  # matrices a file stores unquantised: float32 weights lose nothing
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
 
@@ -44,7 +45,7 @@ def _row_orders(rows: int, hf_config: Any) -> list[np.ndarray]:
 
 def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tensor], hf_config: Any) -> int:
     """Write `folder`/BLOCKS_FILE with the blocks of every float32 Hugging Face weight in `weights` that the file
-    holds as Q8_0 or Q4_1, and the file's census of matrices by format (`census`); returns how many blocks. Raises
+    holds in a format the kernel reads (`BLOCKS`, `READ_AS`), and the file's census of matrices by format (`census`); returns how many blocks. Raises
     BlocksError where a matrix's blocks are not that weight."""
     import gguf
     from gguf.quants import dequantize
@@ -69,7 +70,7 @@ def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tenso
             continue
         kind = tensor.tensor_type.name
         matrices[kind] += 1
-        if kind not in GGUF_FORMATS and kind not in READ_AS:
+        if kind not in BLOCKS and kind not in READ_AS:
             continue
         raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)  # (out, in / 32 * block bytes)
         for order in _row_orders(weight.shape[0], hf_config):
@@ -135,17 +136,23 @@ def census_of(folder: Path) -> Counter[str] | None:
     return Counter({fmt: int(count) for fmt, count in (part.split(":") for part in note.split(",") if part)})
 
 
-def unread(census: Counter[str]) -> str | None:
-    """The file's matrices the native kernel does not read as stored, as words ("16 Q4_K, 166 Q5_0 and 14 Q6_K"), or
-    None."""
+def read_formats(integer: bool) -> set[str]:
+    """The block formats the native kernel reads, in integer products on 8-bit activations or against float32 ones,
+    those it reads through another (`READ_AS`) included."""
+    return {fmt for fmt in (*BLOCKS, *READ_AS) if integer or READ_AS.get(fmt, fmt) in GGUF_FORMATS}
+
+
+def unread(census: Counter[str], integer: bool = True) -> str | None:
+    """The file's matrices the native kernel does not read as stored (in integer products where `integer`, else
+    against float32 activations), as words ("16 Q4_K and 14 Q6_K"), or None."""
     return _words([f"{n} {fmt}" for fmt, n in sorted(census.items())
-                   if fmt not in GGUF_FORMATS and fmt not in READ_AS and fmt not in FLOAT_FORMATS])
+                   if fmt not in read_formats(integer) and fmt not in FLOAT_FORMATS])
 
 
 def widened(census: Counter[str]) -> str | None:
     """The file's matrices the kernel reads through another format (`READ_AS`), as words, or None: "211 Q4_0 matrices
     as Q4_1 (20 bytes a block of 32 instead of 18)"."""
-    return _words([f"{census[fmt]} {fmt} matrices as {kind} ({GGUF_FORMATS[kind][1]} bytes a block of 32 instead of "
+    return _words([f"{census[fmt]} {fmt} matrices as {kind} ({BLOCKS[kind][1]} bytes a block of 32 instead of "
                    f"{STORED_BYTES[fmt]})" for fmt, kind in READ_AS.items() if census.get(fmt)])
 
 

@@ -87,7 +87,11 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #define FMT_Q4_1 4
 #define FMT_Q8_0_X8 5 /* the same blocks, multiplied in integers against 8-bit activations: see "Integer products" */
 #define FMT_Q4_1_X8 6
+#define FMT_Q4_K_X8 7 /* llama.cpp's K-quant blocks, integer products only: see "Integer products" */
+#define FMT_Q5_K_X8 8
+#define FMT_Q6_K_X8 9
 #define QK 32 /* weights per GGUF block */
+#define QK_K 256 /* weights per K-quant super-block */
 #if VEC == 16 || (VEC == 8 && defined(__AVX2__) && defined(__F16C__))
 #define HALF_PANELS 1
 #else
@@ -95,14 +99,39 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #endif
 
 static inline int quantised(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q4_1; }
-static inline int integer(int fmt) { return fmt == FMT_Q8_0_X8 || fmt == FMT_Q4_1_X8; }
+static inline int kquant(int fmt) { return fmt == FMT_Q4_K_X8 || fmt == FMT_Q5_K_X8 || fmt == FMT_Q6_K_X8; }
+static inline int integer(int fmt) { return fmt == FMT_Q8_0_X8 || fmt == FMT_Q4_1_X8 || kquant(fmt); }
 
-/* Bytes of a panel over `in` inputs (a multiple of QK for the GGUF formats). */
+/* Bytes of one block of QK inputs in a GGUF panel (for the K-quants, besides their super-block's header). */
+static inline long block_bytes_of(int fmt) {
+    if (fmt == FMT_Q8_0 || fmt == FMT_Q8_0_X8) return PANEL * 2 + QK * PANEL;
+    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) return PANEL * 4 + QK * PANEL / 2;
+    return PANEL * 2 + QK * PANEL / 2 + (fmt == FMT_Q5_K_X8 ? PANEL * 4 : fmt == FMT_Q6_K_X8 ? PANEL * 8 : 0);
+}
+
+/* Bytes of a K-quant super-block's header in a panel: the PANEL float16 d (and dmin, but for Q6_K). */
+static inline long header_bytes_of(int fmt) { return fmt == FMT_Q6_K_X8 ? PANEL * 2 : kquant(fmt) ? PANEL * 4 : 0; }
+
+/* Bytes of a panel over `in` inputs (a multiple of QK for the GGUF formats, of QK_K for the K-quants). */
 static inline long panel_bytes_of(int fmt, long in) {
-    if (fmt == FMT_Q8_0 || fmt == FMT_Q8_0_X8) return in / QK * (PANEL * 2 + QK * PANEL);
-    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) return in / QK * (PANEL * 4 + QK * PANEL / 2);
+    if (kquant(fmt)) return in / QK_K * (header_bytes_of(fmt) + QK_K / QK * block_bytes_of(fmt));
+    if (fmt >= FMT_Q8_0) return in / QK * block_bytes_of(fmt);
     return in * PANEL * (fmt == FMT_F32 ? 4 : 2);
 }
+
+/* Block b (of QK inputs) of a panel in GGUF format fmt, and its super-block's header (K-quants). */
+static inline const uint8_t *block_at(const void *panel, int fmt, long b) {
+    if (!kquant(fmt)) return (const uint8_t *)panel + b * block_bytes_of(fmt);
+    const long per = QK_K / QK;
+    return (const uint8_t *)panel + b / per * (header_bytes_of(fmt) + per * block_bytes_of(fmt)) +
+           header_bytes_of(fmt) + b % per * block_bytes_of(fmt);
+}
+static inline const uint8_t *header_at(const void *panel, int fmt, long b) {
+    const long per = QK_K / QK;
+    return (const uint8_t *)panel + b / per * (header_bytes_of(fmt) + per * block_bytes_of(fmt));
+}
+
+long playground_panel_bytes(int fmt, int in) { return panel_bytes_of(fmt, in); }
 
 /* The vector of weights at element `index` of a panel in format fmt (a compile-time constant at every call). */
 static inline __attribute__((always_inline)) vf load_weights(const void *panel, long index, int fmt) {
@@ -159,7 +188,8 @@ int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 int playground_rows_per_pass(void) { return NB; }
 int playground_formats(void) {
-    const int every_build = (1 << FMT_F32) | (1 << FMT_Q8_0_X8) | (1 << FMT_Q4_1_X8);
+    const int every_build = (1 << FMT_F32) | (1 << FMT_Q8_0_X8) | (1 << FMT_Q4_1_X8) | (1 << FMT_Q4_K_X8) |
+                            (1 << FMT_Q5_K_X8) | (1 << FMT_Q6_K_X8);
     return HALF_PANELS ? every_build | (1 << FMT_F16) | (1 << FMT_BF16) | (1 << FMT_Q8_0) | (1 << FMT_Q4_1)
                        : every_build;
 }
@@ -167,7 +197,79 @@ int playground_formats(void) {
 /* A GGUF matrix as the file stores it, rows (out, in / QK blocks of Q8_0's 34 or Q4_1's 20 bytes), regrouped into
  * the panels described above (zero past `out`, so padded outputs read zero scales and minimums), or, for the integer
  * formats, into the layout of "Integer products" below. */
+/* Quant k (0..31) of output i of a block into the integer formats' quant rows at `quants` (see "Integer products"):
+ * nibble formats as 4 rows of PANEL * 4 bytes, row r holding inputs 4r .. 4r + 3 in its low nibbles and 16 + 4r ..
+ * 16 + 4r + 3 in its high ones; above 4 bits (Q5_K, Q6_K), bit plane words of output i at `plane` + 4i (Q6_K's
+ * second word at `plane` + PANEL * 4), input 4g + c's fifth bit at bit 8c + g (Q5_K), its two top bits at bit
+ * 8c + 2 (g % 4) of the first word (g < 4) or the second (Q6_K). */
+static void put_quant(uint8_t *quants, uint8_t *plane, int fmt, long i, long k, unsigned q) {
+    const long group = k / 4, c = k % 4, at = (group % 4) * PANEL * 4 + i * 4 + c;
+    quants[at] |= (uint8_t)(group < 4 ? q & 15 : (q & 15) << 4);
+    uint32_t word, bits = 0;
+    if (fmt == FMT_Q5_K_X8) bits = (uint32_t)(q >> 4 & 1) << (8 * c + group);
+    if (fmt == FMT_Q6_K_X8) bits = (uint32_t)(q >> 4 & 3) << (8 * c + 2 * (group % 4));
+    if (fmt == FMT_Q6_K_X8 && group >= 4) plane += PANEL * 4;
+    if (bits == 0) return;
+    memcpy(&word, plane + i * 4, 4);
+    word |= bits;
+    memcpy(plane + i * 4, &word, 4);
+}
+
+/* K-quant super-blocks as the file stores them (rows (out, in / QK_K super-blocks of 144, 176 or 210 bytes)) into
+ * the panels: per super-block its header (PANEL float16 d, then for Q4_K and Q5_K PANEL float16 dmin), then 8 blocks
+ * of QK inputs, each its PANEL 6-bit scales and PANEL 6-bit minimums as bytes (Q6_K: the PANEL signed 8-bit scales of
+ * its first 16 inputs, then of its last 16), its quant rows and bit planes (`put_quant`). */
+static void pack_k_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t *panels) {
+    const long supers = in / QK_K, size = fmt == FMT_Q4_K_X8 ? 144 : fmt == FMT_Q5_K_X8 ? 176 : 210;
+    const long panel_count = (out + PANEL - 1) / PANEL;
+    memset(panels, 0, (size_t)(panel_count * panel_bytes_of(fmt, in)));
+    for (long r = 0; r < out; r++) {
+        const long p = r / PANEL, i = r % PANEL;
+        uint8_t *panel = panels + p * panel_bytes_of(fmt, in);
+        for (long s = 0; s < supers; s++) {
+            const uint8_t *src = rows + (r * supers + s) * size;
+            uint8_t *head = (uint8_t *)header_at(panel, fmt, s * (QK_K / QK));
+            if (fmt == FMT_Q6_K_X8) {
+                memcpy(head + i * 2, src + 208, 2); /* d */
+            } else {
+                memcpy(head + i * 2, src, 2);                 /* d */
+                memcpy(head + PANEL * 2 + i * 2, src + 2, 2); /* dmin */
+            }
+            for (long j = 0; j < QK_K / QK; j++) {
+                uint8_t *dst = (uint8_t *)block_at(panel, fmt, s * (QK_K / QK) + j);
+                uint8_t *quants = dst + PANEL * 2, *plane = quants + QK * PANEL / 2;
+                if (fmt == FMT_Q6_K_X8) {
+                    dst[i] = src[192 + 2 * j];
+                    dst[PANEL + i] = src[192 + 2 * j + 1];
+                } else { /* llama.cpp's 12 bytes of 6-bit scales and minimums */
+                    const uint8_t *sm = src + 4;
+                    dst[i] = j < 4 ? sm[j] & 63 : (uint8_t)((sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4);
+                    dst[PANEL + i] = j < 4 ? sm[j + 4] & 63 : (uint8_t)((sm[j + 4] >> 4) | (sm[j] >> 6) << 4);
+                }
+                for (long k = 0; k < QK; k++) {
+                    const long w = j * QK + k; /* the weight's place in its super-block */
+                    unsigned q;
+                    if (fmt == FMT_Q6_K_X8) { /* per half of 128: low nibbles by w % 64, top pairs by w % 32 */
+                        const long h = w / 128, u = w % 128;
+                        const uint8_t low = src[64 * h + u % 64], top = src[128 + 32 * h + u % 32];
+                        q = (u < 64 ? low & 15u : (unsigned)low >> 4) | ((top >> (2 * (u / 32))) & 3u) << 4;
+                    } else { /* nibbles: blocks 2m and 2m + 1 share 32 bytes; Q5_K's fifth bits, bit j of byte k */
+                        const uint8_t *qs = src + (fmt == FMT_Q5_K_X8 ? 48 : 16) + 32 * (j / 2);
+                        q = j % 2 ? (unsigned)qs[k] >> 4 : qs[k] & 15u;
+                        if (fmt == FMT_Q5_K_X8) q |= ((src[16 + k] >> j) & 1u) << 4;
+                    }
+                    put_quant(quants, plane, fmt, i, k, q);
+                }
+            }
+        }
+    }
+}
+
 void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t *panels) {
+    if (kquant(fmt)) {
+        pack_k_blocks(rows, out, in, fmt, panels);
+        return;
+    }
     const int q4 = fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8;
     const long blocks = in / QK, size = q4 ? 20 : 34, heads = q4 ? 4 : 2;
     const long panel_count = (out + PANEL - 1) / PANEL, block_bytes = panel_bytes_of(fmt, in) / blocks;
@@ -411,13 +513,22 @@ static void block_sums(const float *x, long n, long in, float *s) {
  * meets the quantised activations, not x itself, as llama.cpp's Q8_1 has it: the weights d * q + m are centred near
  * zero, so the activations' rounding errors mostly cancel across a block; summing m * x exactly instead leaves
  * d * q, all of one sign, to carry those errors, which was four times further from float32 (the results log).
+ * The K-quants (llama.cpp's Q4_K, Q5_K, Q6_K) fold the same way per block of 32 inputs, their scales formed as the
+ * format defines them: Q4_K and Q5_K (w = d * sc * q - dmin * m, q of 4 or 5 bits) as Q4_1 with d * sc and
+ * -(dmin * m); Q6_K (w = d * sc * (q - 32), q of 6 bits, a scale per 16 inputs) as Q8_0 once per 16 inputs, with
+ * d * sc and isum = sum of q * q_x - 32 * (those inputs' sum of q_x), both halves under the block's d_x. Each such
+ * scale, a float16 times an integer of at most 8 bits, is exact in float32, so the K-quants' panels keep the file's
+ * integer scales and their float16 factors, not a float per block.
  * The bits depend on one output and one row alone, and are the same on AVX-512 VNNI, AVX-512 without VNNI, AVX2
  * (with or without AVX-VNNI) and plain C.
  *
  * Panel layout, per block of QK inputs: the PANEL float16 scales d, (Q4_1) the PANEL float16 minimums m, then the
  * quants as the dot-product instructions read them, 4 inputs of an output in one 32-bit lane: group g (inputs 4g ..
  * 4g + 3) holds output i's 4 quants at bytes 4i .. 4i + 3 of a PANEL * 4-byte row. Q8_0: 8 such rows of signed
- * bytes. Q4_1: 4 rows, row r holding group r in the low nibbles and group r + 4 in the high ones. */
+ * bytes. Q4_1: 4 rows, row r holding group r in the low nibbles and group r + 4 in the high ones. The K-quants: per
+ * super-block of QK_K inputs a header of float16 factors, then 8 blocks of their integer scales, 4 rows of nibbles
+ * as Q4_1's and the quants' bits above 4 (see `pack_k_blocks`): 4.6 bits a weight for Q4_K (the file's 4.5), 5.6 for
+ * Q5_K (5.5), 6.6 for Q6_K (6.6). */
 #if VEC == 16 && defined(__AVX512VNNI__)
 #define DOT "AVX-512 VNNI"
 #elif VEC == 16 && defined(__AVX512BW__)
@@ -441,7 +552,7 @@ static void block_sums(const float *x, long n, long in, float *s) {
 const char *playground_dot_products(void) { return DOT; }
 
 /* Each row of x (n, in) per block of QK inputs: q = round(x / d) (to nearest, ties to even) with d = max |x| / 127,
- * so q is in [-127, 127] (d = 0 and q = 0 for a block of zeros); qsum the block's sum of q. Scalar IEEE operations,
+ * so q is in [-127, 127] (d = 0 and q = 0 for a block of zeros); qsum the sums of q over each half block (16 inputs). Scalar IEEE operations,
  * the same on every build. */
 static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, int32_t *qsum) {
     for (long b = 0; b < n * in / QK; b++) {
@@ -452,39 +563,49 @@ static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, 
             top = a > top ? a : top;
         }
         const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t total = 0;
+        int32_t total[2] = {0, 0};
         for (int k = 0; k < QK; k++) {
             const int value = (int)nearbyintf(v[k] * inverse);
             q[b * QK + k] = (int8_t)value;
-            total += value;
+            total[k / 16] += value;
         }
         d[b] = scale;
-        qsum[b] = total;
+        qsum[2 * b] = total[0];
+        qsum[2 * b + 1] = total[1];
     }
 }
 
+/* How `dot4` reads a weight's quants: signed bytes (Q8_0), unsigned nibbles (Q4_1, Q4_K: 16-bit pair sums stay in 16
+ * bits over a block without VNNI, see `settle`), or unsigned 5 or 6 bits (Q5_K, Q6_K: pair sums up to 2 * 63 * 127,
+ * widened at once). */
+#define SIGNED 0
+#define NIBBLES 1
+#define WIDE 2
+
 /* acc + the dot products of 4 inputs for each of VEC outputs: w holds output l's 4 quants in lane l (unsigned
- * bytes: Q4_1's 0..15; Q8_0's signed bytes, flipped to unsigned where DOT_OFFSET), x4 the row's 4 quants of
+ * bytes, but for SIGNED: Q8_0's signed bytes, flipped to unsigned where DOT_OFFSET), x4 the row's 4 quants of
  * those inputs. Exact: every product and sum fits its integer. */
-static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, int q4) {
-    (void)q4;
+static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, int kind) {
+    (void)kind;
 #if VEC == 16 && defined(__AVX512VNNI__)
     return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
 #elif VEC == 8 && defined(__AVXVNNI__)
     return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(x4));
 #elif VEC == 16 && defined(__AVX512BW__)
-    /* pairs summed in 16 bits: Q4_1 at most 2 * 15 * 127, kept in 16 bits over the whole block (`settle`); Q8_0 as
-     * |w| times x with w's sign, at most 2 * 128 * 127, widened to 32 bits at once */
+    /* pairs summed in 16 bits: nibbles at most 2 * 15 * 127, kept in 16 bits over the whole block (`settle`); the
+     * others widened to 32 bits at once, Q8_0 as |w| times x with w's sign, at most 2 * 128 * 127 */
     __m512i x = _mm512_set1_epi32(x4);
-    if (q4) return (vi)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16((__m512i)w, x));
-    __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w),
+    if (kind == NIBBLES) return (vi)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16((__m512i)w, x));
+    __m512i pairs = kind == WIDE ? _mm512_maddubs_epi16((__m512i)w, x)
+                  : _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w),
                                          _mm512_mask_sub_epi8(x, _mm512_movepi8_mask((__m512i)w),
                                                               _mm512_setzero_si512(), x));
     return acc + (vi)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
 #elif !defined(DOT_PLAIN)
     __m256i x = _mm256_set1_epi32(x4);
-    if (q4) return (vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)w, x));
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)w), _mm256_sign_epi8(x, (__m256i)w));
+    if (kind == NIBBLES) return (vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)w, x));
+    __m256i pairs = kind == WIDE ? _mm256_maddubs_epi16((__m256i)w, x)
+                  : _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)w), _mm256_sign_epi8(x, (__m256i)w));
     return acc + (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #else
     int8_t xs[4];
@@ -492,21 +613,21 @@ static inline __attribute__((always_inline)) vi dot4(vi acc, vi w, int32_t x4, i
     for (int l = 0; l < VEC; l++) {
         uint8_t wb[4];
         memcpy(wb, (const char *)&w + 4 * l, 4);
-        for (int j = 0; j < 4; j++) acc[l] += (q4 ? (int32_t)wb[j] : (int32_t)(int8_t)wb[j]) * xs[j];
+        for (int j = 0; j < 4; j++) acc[l] += (kind != SIGNED ? (int32_t)wb[j] : (int32_t)(int8_t)wb[j]) * xs[j];
     }
     return acc;
 #endif
 }
 
 /* A block's sums as 32-bit integers, from what `dot4` accumulated over the block: on the builds without VNNI,
- * Q4_1's sums stay in 16-bit pairs (at most 8 * 2 * 15 * 127 = 30480 over a block's 32 inputs: no overflow) and are
- * widened here, once a block instead of once every 4 inputs. */
-static inline __attribute__((always_inline)) vi settle(vi acc, int q4) {
-    (void)q4;
+ * nibbles' sums stay in 16-bit pairs (at most 8 * 2 * 15 * 127 = 30480 over a block's 32 inputs: no overflow) and
+ * are widened here, once a block instead of once every 4 inputs. */
+static inline __attribute__((always_inline)) vi settle(vi acc, int kind) {
+    (void)kind;
 #if VEC == 16 && !defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (q4) return (vi)_mm512_madd_epi16((__m512i)acc, _mm512_set1_epi16(1));
+    if (kind == NIBBLES) return (vi)_mm512_madd_epi16((__m512i)acc, _mm512_set1_epi16(1));
 #elif VEC == 8 && !defined(__AVXVNNI__) && !defined(DOT_PLAIN)
-    if (q4) return (vi)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1));
+    if (kind == NIBBLES) return (vi)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1));
 #endif
     return acc;
 }
@@ -544,83 +665,124 @@ static inline __attribute__((always_inline)) vf widen_halves(const uint8_t *at) 
 #endif
 }
 
+/* VEC bytes at `at` as floats (exactly): unsigned, or signed where `is_signed`. */
+static inline __attribute__((always_inline)) vf bytes_as_floats(const uint8_t *at, int is_signed) {
+    vi v;
+    for (int l = 0; l < VEC; l++) v[l] = is_signed ? (int32_t)(int8_t)at[l] : (int32_t)at[l];
+    return __builtin_convertvector(v, vf);
+}
+
+typedef uint32_t vu __attribute__((vector_size(VEC * 4), aligned(4)));
+
 /* One pass of rows [0, nb) over G adjacent panels in an integer format (as `panel_rows` for the others): xq (nb, in)
- * the rows' quants, xd and xt (nb, in / QK) their scales and quant sums. Per block: the integer sums in registers,
- * then folded into `total`. */
+ * the rows' quants, xd (nb, in / QK) their scales, xt (nb, in / 16) their sums over each 16 inputs. Per block (Q6_K:
+ * per half block, its scales' span): the integer sums in registers, then folded into `total`. */
 static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq, const float *xd, const int32_t *xt,
                                                                long in, const void *panel,
                                                                int fmt, float *y, long out, int nb, int G, int cols,
                                                                uintptr_t fetch, uintptr_t stride, uintptr_t step) {
-    const int q4 = fmt == FMT_Q4_1_X8, rows_per_block = q4 ? 4 : 8;
-    const long blocks = in / QK, panel_bytes = panel_bytes_of(fmt, in), block_bytes = panel_bytes / blocks;
-    const long quant_at = q4 ? PANEL * 4 : PANEL * 2;
+    const int nibbles = fmt != FMT_Q8_0_X8, rows_per_block = nibbles ? 4 : 8, halves = fmt == FMT_Q6_K_X8;
+    const int kind = !nibbles ? SIGNED : fmt == FMT_Q5_K_X8 || halves ? WIDE : NIBBLES;
+    const int mins = fmt == FMT_Q4_1_X8 || fmt == FMT_Q4_K_X8 || fmt == FMT_Q5_K_X8;
+    const long blocks = in / QK, panel_bytes = panel_bytes_of(fmt, in);
+    const long quant_at = fmt == FMT_Q4_1_X8 ? PANEL * 4 : PANEL * 2, plane_at = quant_at + QK * PANEL / 2;
     const uintptr_t span = step * (QK / rows_per_block); /* bytes each stream fetches per row of quants */
     float total[GROUP][NB][PANEL];
     for (long b = 0; b < blocks; b++) {
-        vi acc[GROUP][NB][NV];
+        for (int h = 0; h < 1 + halves; h++) { /* Q6_K: the block's first 16 inputs, then its last 16 */
+            vi acc[GROUP][NB][NV];
 #pragma GCC unroll 16
-        for (int g = 0; g < G; g++)
+            for (int g = 0; g < G; g++)
 #pragma GCC unroll 16
-            for (int i = 0; i < nb; i++)
-                for (int j = 0; j < NV; j++)
-                    acc[g][i][j] = DOT_OFFSET && !q4 ? (vi){0} - 128 * xt[i * blocks + b] : (vi){0};
-        for (int r = 0; r < rows_per_block; r++) {
-            uintptr_t at = fetch + (b * QK + r * (QK / rows_per_block)) * step;
+                for (int i = 0; i < nb; i++) {
+                    /* quants read offset by a constant: the sum starts that constant times the quant sum below
+                     * zero (Q8_0 flipped to unsigned under VNNI: 128; Q6_K's q - 32: 32) */
+                    const int32_t *sums = xt + i * 2 * blocks + 2 * b;
+                    const int32_t start = halves ? -32 * sums[h]
+                                        : DOT_OFFSET && !nibbles ? -128 * (sums[0] + sums[1]) : 0;
+                    for (int j = 0; j < NV; j++) acc[g][i][j] = (vi){0} + start;
+                }
+            for (int r = 0; r < rows_per_block; r++) {
+                uintptr_t at = fetch + (b * QK + r * (QK / rows_per_block)) * step;
 #pragma GCC unroll 16
-            for (int g = 0; g < GROUP; g++) {
-                if (g < G) {
-                    for (uintptr_t o = 0; o < span; o += 64)
-                        __builtin_prefetch((const void *)(at + g * stride + o), 0, 2);
-                    const uint8_t *qs = (const uint8_t *)panel + g * panel_bytes + b * block_bytes + quant_at +
-                                        r * PANEL * 4;
-                    vi w[NV], high[NV];
-                    for (int j = 0; j < NV; j++) {
-                        vi raw;
-                        memcpy(&raw, qs + j * VEC * 4, sizeof(raw));
-                        if (q4) { /* each byte's two nibbles */
-                            w[j] = raw & 0x0f0f0f0f;
-                            high[j] = (raw >> 4) & 0x0f0f0f0f;
-                        } else {
-                            w[j] = DOT_OFFSET ? raw ^ (int32_t)0x80808080 : raw;
-                            high[j] = w[j];
+                for (int g = 0; g < GROUP; g++) {
+                    if (g < G) {
+                        if (h == 0)
+                            for (uintptr_t o = 0; o < span; o += 64)
+                                __builtin_prefetch((const void *)(at + g * stride + o), 0, 2);
+                        const uint8_t *blk = block_at((const uint8_t *)panel + g * panel_bytes, fmt, b);
+                        const uint8_t *qs = blk + quant_at + r * PANEL * 4, *plane = blk + plane_at;
+                        vi w[NV], high[NV];
+                        for (int j = 0; j < NV; j++) {
+                            vu raw, top;
+                            memcpy(&raw, qs + j * VEC * 4, sizeof(raw));
+                            if (!nibbles) {
+                                w[j] = (vi)(DOT_OFFSET ? raw ^ 0x80808080u : raw);
+                                high[j] = w[j];
+                            } else if (halves) { /* Q6_K: this half's nibbles and its top two bits, at bits 4-5 */
+                                memcpy(&top, plane + h * PANEL * 4 + j * VEC * 4, sizeof(top));
+                                top = r < 2 ? top << (4 - 2 * r) : top >> (2 * r - 4);
+                                w[j] = (vi)(((h ? raw >> 4 : raw) & 0x0f0f0f0fu) | (top & 0x30303030u));
+                                high[j] = w[j];
+                            } else { /* each byte's two nibbles; Q5_K: their fifth bits at bit 4 */
+                                vu low_bits = raw & 0x0f0f0f0fu, high_bits = (raw >> 4) & 0x0f0f0f0fu;
+                                if (fmt == FMT_Q5_K_X8) {
+                                    memcpy(&top, plane + j * VEC * 4, sizeof(top));
+                                    low_bits |= (top << (4 - r)) & 0x10101010u;
+                                    high_bits |= (top >> r) & 0x10101010u;
+                                }
+                                w[j] = (vi)low_bits;
+                                high[j] = (vi)high_bits;
+                            }
+                            __asm__("" : "+x"(w[j]));
+                            if (nibbles && !halves) __asm__("" : "+x"(high[j]));
                         }
-                        __asm__("" : "+x"(w[j]));
-                        if (q4) __asm__("" : "+x"(high[j]));
-                    }
 #pragma GCC unroll 16
-                    for (int i = 0; i < NB; i++) {
-                        if (i < nb) {
-                            const int8_t *xb = xq + i * in + b * QK;
-                            int32_t x4, x4_high = 0;
-                            memcpy(&x4, xb + 4 * r, 4);
-                            if (q4) memcpy(&x4_high, xb + 4 * (r + 4), 4);
-                            for (int j = 0; j < NV; j++) {
-                                acc[g][i][j] = dot4(acc[g][i][j], w[j], x4, q4);
-                                if (q4) acc[g][i][j] = dot4(acc[g][i][j], high[j], x4_high, q4);
+                        for (int i = 0; i < NB; i++) {
+                            if (i < nb) {
+                                const int8_t *xb = xq + i * in + b * QK;
+                                int32_t x4, x4_high = 0;
+                                memcpy(&x4, xb + 4 * (r + 4 * h), 4);
+                                if (nibbles && !halves) memcpy(&x4_high, xb + 4 * (r + 4), 4);
+                                for (int j = 0; j < NV; j++) {
+                                    acc[g][i][j] = dot4(acc[g][i][j], w[j], x4, kind);
+                                    if (nibbles && !halves) acc[g][i][j] = dot4(acc[g][i][j], high[j], x4_high, kind);
+                                }
                             }
                         }
+                        if (G > 1) __asm__ volatile("" ::: "memory");
                     }
-                    if (G > 1) __asm__ volatile("" ::: "memory");
                 }
             }
-        }
+            /* the fold: Q8_0 and Q6_K y = fma(float(isum) * d, d_x, y); with a minimum
+             * y = fma(fma(m, float(qsum), float(isum) * d), d_x, y); the K-quants' d = d * sc and m = -(dmin * m)
+             * (exact in float32: a float16 times a 6- or 8-bit integer) */
 #pragma GCC unroll 16
-        for (int g = 0; g < G; g++) {
-            const uint8_t *head = (const uint8_t *)panel + g * panel_bytes + b * block_bytes;
-            vf scale[NV], low[NV];
-            for (int j = 0; j < NV; j++) {
-                scale[j] = widen_halves(head + j * VEC * 2);
-                low[j] = q4 ? widen_halves(head + PANEL * 2 + j * VEC * 2) : (vf){0};
-            }
-#pragma GCC unroll 16
-            for (int i = 0; i < nb; i++) {
-                const vf x_scale = splat(xd[i * blocks + b]);
-                const vf quant_sum = q4 ? splat((float)xt[i * blocks + b]) : (vf){0};
+            for (int g = 0; g < G; g++) {
+                const uint8_t *blk = block_at((const uint8_t *)panel + g * panel_bytes, fmt, b);
+                const uint8_t *head = header_at((const uint8_t *)panel + g * panel_bytes, fmt, b);
+                vf scale[NV], low[NV];
                 for (int j = 0; j < NV; j++) {
-                    vf *t = (vf *)&total[g][i][j * VEC];
-                    vf block = __builtin_convertvector(settle(acc[g][i][j], q4), vf) * scale[j];
-                    if (q4) block = fma_once(low[j], quant_sum, block);
-                    *t = fma_once(block, x_scale, b == 0 ? (vf){0} : *t);
+                    if (kquant(fmt)) {
+                        scale[j] = widen_halves(head + j * VEC * 2) * bytes_as_floats(blk + h * PANEL + j * VEC, halves);
+                        low[j] = halves ? (vf){0}
+                               : -widen_halves(head + PANEL * 2 + j * VEC * 2) * bytes_as_floats(blk + PANEL + j * VEC, 0);
+                    } else {
+                        scale[j] = widen_halves(blk + j * VEC * 2);
+                        low[j] = mins ? widen_halves(blk + PANEL * 2 + j * VEC * 2) : (vf){0};
+                    }
+                }
+#pragma GCC unroll 16
+                for (int i = 0; i < nb; i++) {
+                    const vf x_scale = splat(xd[i * blocks + b]);
+                    const int32_t *sums = xt + i * 2 * blocks + 2 * b;
+                    const vf quant_sum = mins ? splat((float)(sums[0] + sums[1])) : (vf){0};
+                    for (int j = 0; j < NV; j++) {
+                        vf *t = (vf *)&total[g][i][j * VEC];
+                        vf block = __builtin_convertvector(settle(acc[g][i][j], kind), vf) * scale[j];
+                        if (mins) block = fma_once(low[j], quant_sum, block);
+                        *t = fma_once(block, x_scale, b == 0 && h == 0 ? (vf){0} : *t);
+                    }
                 }
             }
         }
@@ -662,8 +824,13 @@ static inline __attribute__((always_inline)) void integer_in(const int8_t *xq, c
 static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, long in, const void *panel, int fmt,
                          float *y, long out, int nb, int G, int cols, uintptr_t fetch, uintptr_t stride,
                          uintptr_t step) {
-    if (fmt == FMT_Q4_1_X8) integer_in(xq, xd, xt, in, panel, FMT_Q4_1_X8, y, out, nb, G, cols, fetch, stride, step);
-    else integer_in(xq, xd, xt, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step);
+    switch (fmt) {
+    case FMT_Q4_1_X8: integer_in(xq, xd, xt, in, panel, FMT_Q4_1_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q4_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q4_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q5_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q5_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q6_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q6_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    default: integer_in(xq, xd, xt, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    }
 }
 
 /* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
@@ -685,7 +852,7 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
     if (integer(fmt)) {
         xq = malloc((size_t)n * in);
         xd = malloc((size_t)n * blocks * sizeof(float));
-        xt = malloc((size_t)n * blocks * sizeof(int32_t));
+        xt = malloc((size_t)n * blocks * 2 * sizeof(int32_t));
         if (xq == NULL || xd == NULL || xt == NULL) abort();
         quantise_rows(x, n, in, xq, xd, xt);
     }
@@ -715,7 +882,7 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
             if (integer(fmt)) {
                 const int8_t *qr = xq + (long)i0 * in;
                 const float *dr = xd + (long)i0 * blocks;
-                const int32_t *tr = xt + (long)i0 * blocks;
+                const int32_t *tr = xt + (long)i0 * blocks * 2;
                 if (count == G) {
                     integer_pass(qr, dr, tr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
                 } else {

@@ -30,7 +30,7 @@ from ..paths import default_cache_root
 from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
-from .gguf import BlocksError, census_of, load_blocks, native_blocks, save_blocks, unread, widened
+from .gguf import BlocksError, census_of, load_blocks, native_blocks, read_formats, save_blocks, unread, widened
 from .transformer import (
     SUPPORTED_ARCHITECTURES,
     Transformer,
@@ -200,15 +200,24 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
             raise ModelLoadError(message) from exc
         print(f"{message}; reading the float32 weights instead", file=sys.stderr, flush=True)
         return None
-    others = unread(census)  # matrices in a block format the kernel does not read, as words ("211 Q4_0")
+    integer = spec.weights != "gguf"
+    if not integer:  # float32 activations: the K-quants run in integer products only
+        blocks = {name: kept for name, kept in blocks.items() if kept[0] in native.GGUF_FORMATS}
+    others = unread(census)  # matrices in a block format the kernel does not read, as words ("14 IQ4_XS")
     if asked and not blocks:
-        raise ModelLoadError(f"weights: {gguf_file.name} holds no Q8_0, Q4_1, Q4_0 or Q5_0 matrix"
-                             f"{f' (it stores {others})' if others else ''}; use --weights float32")
+        stored = unread(census, integer)
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no {' or '.join(sorted(read_formats(integer)))} "
+                             f"matrix{f' (it stores {stored})' if stored else ''}; use --weights float32")
     wider = widened(census)
     if wider is not None and blocks:
         print(f"weights: the native kernel reads {gguf_file.name}'s {wider}: the same weights", file=sys.stderr,
               flush=True)
-    if others is not None:
+    only = None if integer else unread(census, integer=False)
+    if only is not None and only != others:
+        print(f"weights: {gguf_file.name} stores {only} matrices; with --weights gguf the native kernel reads only "
+              f"{', '.join(sorted(read_formats(False)))} (--weights auto reads more, in integer products); the others "
+              "run as float32 weights dequantised from them", file=sys.stderr, flush=True)
+    elif others is not None:
         print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "
               "they run as float32 weights dequantised from them, 4-8x the bytes a step would read",
               file=sys.stderr, flush=True)

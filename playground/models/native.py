@@ -49,12 +49,14 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 MAX_HEAD_VECTORS = 16  # MAX_ND in kernels.c
 # Panel formats, FMT_* in kernels.c: a weight every value of which is exactly a 16-bit float packs in that format.
 FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# GGUF block formats the kernel reads as stored (FMT_* in kernels.c): code, bytes per block of BLOCK weights
-GGUF_FORMATS = {"Q8_0": (3, 34), "Q4_1": (4, 20)}
-# the same blocks multiplied in integers against activations quantised to 8 bits (FMT_*_X8 in kernels.c)
-INTEGER_FORMATS = {"Q8_0": 5, "Q4_1": 6}
-BLOCK = 32  # weights per GGUF block (QK in kernels.c)
-FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, (code, _) in GGUF_FORMATS.items()},
+# GGUF block formats the kernel reads as stored against float32 activations (FMT_* in kernels.c): their codes
+GGUF_FORMATS = {"Q8_0": 3, "Q4_1": 4}
+# GGUF block formats multiplied in integers against activations quantised to 8 bits (FMT_*_X8 in kernels.c)
+INTEGER_FORMATS = {"Q8_0": 5, "Q4_1": 6, "Q4_K": 7, "Q5_K": 8, "Q6_K": 9}
+# weights and bytes of a block of each (the K-quants' super-blocks)
+BLOCKS = {"Q8_0": (32, 34), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+BLOCK = 32  # weights per GGUF block (QK in kernels.c): a proposer's inputs come in multiples of it
+FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, code in GGUF_FORMATS.items()},
                 **{code: kind for kind, code in INTEGER_FORMATS.items()}}
 
 
@@ -88,8 +90,8 @@ class Kernel:
 class Panels:
     """A (out, in) CPU weight packed for `Kernel`, panel p holding output rows [p * W, (p + 1) * W), zero past `out`.
     Float formats: data (ceil(out / W), in, W), each panel transposed; float32, or float16 or bfloat16 where every
-    weight is exactly one (see `pack_panels`). GGUF formats: data (ceil(out / W), in / 32, block bytes) uint8, the
-    file's blocks regrouped per panel (see `pack_blocks` and kernels.c)."""
+    weight is exactly one (see `pack_panels`). GGUF formats: data (ceil(out / W), panel bytes) uint8, the file's
+    blocks regrouped per panel (see `pack_blocks` and kernels.c)."""
 
     data: torch.Tensor
     out: int
@@ -113,7 +115,7 @@ def formats_read(model: Transformer) -> str:
     names = sorted({FORMAT_NAMES[panels.format] for _, panels in products})
     codes = {panels.format for _, panels in products}
     blocks = ""
-    if all(name in GGUF_FORMATS for name in names):
+    if all(name in BLOCKS for name in names):
         integer = codes <= set(INTEGER_FORMATS.values())
         blocks = " blocks, 8-bit activations" if integer else " blocks, float32 activations"
     return f"{' and '.join(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
@@ -204,6 +206,8 @@ def load(path: Path) -> Kernel:
     library.playground_pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_void_p]
     library.playground_pack_blocks.restype = None
+    library.playground_panel_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.playground_panel_bytes.restype = ctypes.c_long
     library.playground_dot_products.restype = ctypes.c_char_p
     library.playground_read_seconds.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                                 ctypes.c_void_p]
@@ -214,7 +218,7 @@ def load(path: Path) -> Kernel:
     library.playground_fma_peak.restype = ctypes.c_float
     formats = library.playground_formats()
     halves = (formats >> FORMATS[torch.float16]) & 1 == 1
-    gguf = all((formats >> code) & 1 for code, _ in GGUF_FORMATS.values())
+    gguf = all((formats >> code) & 1 for code in GGUF_FORMATS.values())
     return Kernel(library, int(library.playground_panel_width()), path, int(library.playground_vector_width()),
                   int(library.playground_rows_per_pass()), halves, gguf,
                   library.playground_dot_products().decode())
@@ -286,20 +290,21 @@ def pack_panels(weight: torch.Tensor, kernel: Kernel, narrow: bool = True) -> Pa
 
 
 def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kernel, integer: bool = False) -> Panels:
-    """A weight of `out` rows stored as GGUF blocks, blocks (out, in / 32 * block bytes) uint8 as the file holds
-    them (row-major, `kind` Q8_0 or Q4_1), regrouped per panel for `kernel` (see kernels.c): every product sums each
-    block apart, d * (sum of q * x) [+ m * (sum of x)], its bits those of one output and one row alone. Where
-    `integer`, the products quantise x to 8 bits per block and sum q * q_x in integers (every build has them)."""
-    code, size = GGUF_FORMATS[kind]
-    if integer:
-        code = INTEGER_FORMATS[kind]
-    out, width, count = blocks.shape[0], kernel.panel_width, in_features // BLOCK
-    if in_features % BLOCK or blocks.shape[1] != count * size:
+    """A weight of `out` rows stored as GGUF blocks, blocks (out, in / block weights * block bytes) uint8 as the file
+    holds them (row-major, `kind` one of `BLOCKS`), regrouped per panel for `kernel` (see kernels.c): every product
+    sums each block apart, its bits those of one output and one row alone. Where `integer`, the products quantise x
+    to 8 bits per block of 32 and sum q * q_x in integers (every build has them); else x stays float32 (Q8_0 and Q4_1
+    only, `GGUF_FORMATS`)."""
+    codes = INTEGER_FORMATS if integer else GGUF_FORMATS
+    if kind not in codes:
+        raise ValueError(f"{kind} blocks run only in integer products on 8-bit activations")
+    code, (per, size) = codes[kind], BLOCKS[kind]
+    out, width, count = blocks.shape[0], kernel.panel_width, in_features // per
+    if in_features % per or blocks.shape[1] != count * size:
         raise ValueError(f"{kind} blocks for {in_features} inputs need {count * size} bytes a row, got "
                          f"{tuple(blocks.shape)}")
-    # per block: W float16 scales (and W minimums), then 32 inputs' quants: W bytes, or W / 2 of two nibbles
-    block_bytes = (width * 4 + BLOCK * width // 2) if kind == "Q4_1" else (width * 2 + BLOCK * width)
-    data = torch.empty(-(-out // width), count, block_bytes, dtype=torch.uint8)  # (P, nb, block bytes)
+    panel_bytes = int(kernel.library.playground_panel_bytes(code, in_features))
+    data = torch.empty(-(-out // width), panel_bytes, dtype=torch.uint8)  # (P, panel bytes)
     rows = blocks.contiguous()
     kernel.library.playground_pack_blocks(rows.data_ptr(), out, in_features, code, data.data_ptr())
     return Panels(data, out, kernel, in_features, code)
