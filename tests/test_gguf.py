@@ -15,11 +15,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from playground.config import ConfigError, GenerationParams, ModelSpec, SamplingParams
+from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding.costs import machine_key
 from playground.decoding.registry import build_proposer
 from playground.decoding.tree import ancestor_mask
-from playground.engine import generate
+from playground.engine import Engine, generate
 from playground.kv import ContiguousKVCache
 from playground.models import ModelLoadError, load_model, native
 from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks
@@ -539,10 +539,10 @@ def test_q4_0_and_q5_0_blocks_are_read_as_q4_1_and_q8_0_blocks_of_the_same_weigh
 def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_it_does_not(
         target, tmp_path, capsys):
     """The embedded model re-quantised to llama.cpp's Q4_K_M mix (its metadata copied): its Q5_0 matrices run as
-    Q8_0 blocks of the same weights, its K-quant ones as float32, each said in one line (no internal error, no claim
-    of blocks it lacks), and every algorithm still gives plain decoding's tokens on it. A file whose matrices are all
-    in a format the kernel does not read refuses blocks asked for, naming what it stores. Bad input to the
-    re-quantiser is one line."""
+    Q8_0 blocks of the same weights, said in one line (no internal error, no claim of blocks it lacks), its K-quant
+    ones at their bytes, and the algorithms give plain decoding's tokens on it, in batches of 1, 4 and 20 too. A file
+    whose matrices are all in a format the kernel does not read refuses blocks asked for, naming what it stores. Bad
+    input to the re-quantiser is one line."""
     import gguf
 
     from playground.models.gguf import census_of
@@ -566,17 +566,26 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     assert mixed.weights == "gguf-int8" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
     assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
             "instead of 22): the same weights") in err
-    assert ("weights: q4_k_m.gguf stores 16 Q4_K and 14 Q6_K matrices, which the native kernel does not read yet; "
-            "they run as float32 weights dequantised from them") in err
+    assert "does not read" not in err and "dequantised" not in err
     assert census_of(mixed.folder) == {"Q5_0": 166, "Q8_0": 15, "Q4_K": 16, "Q6_K": 14}
+    down = {mixed.model.native_stack.formats[4 * layer + 3] for layer in range(30)}  # the MLP's down products
+    assert down == {native.INTEGER_FORMATS["Q4_K"], native.INTEGER_FORMATS["Q6_K"]}
+    assert native.formats_read(mixed.model).startswith("Q4_K, Q6_K and Q8_0 blocks, 8-bit activations (")
     generation = GenerationParams(max_new_tokens=12)
     prompt = "Repeat exactly: red green blue, red green blue, red green blue."
     plain = generate(mixed, prompt, None, SamplingParams(), generation)[0].token_ids
     for algo in ("prompt-lookup", "lookahead"):  # the proposers that need nothing trained for this file
         assert generate(mixed, prompt, build_proposer(mixed, algo), SamplingParams(), generation)[0].token_ids == plain
+    prompts = [prompt, *PROMPTS[:7]]
+    alone = {p: generate(mixed, p, None, SamplingParams(), generation)[0].token_ids for p in prompts}
+    for max_running in (1, 4, 20):  # the paged cache, rows of several requests and widths in one forward
+        engine = Engine(mixed, EngineParams(max_running=max_running), proposer=build_proposer(mixed, "prompt-lookup"))
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        assert {ids[rid]: out.token_ids for rid, out in outputs.items()} == alone, max_running
     requantise(embedded_gguf(), tmp_path / "q5_1.gguf", "Q5_1")
-    with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q8_0, Q4_1, Q4_0 or Q5_0 matrix \(it "
-                                             r"stores 211 Q5_1\); use --weights float32$"):
+    with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K or "
+                                             r"Q8_0 matrix \(it stores 211 Q5_1\); use --weights float32$"):
         load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf-int8"))
 
 

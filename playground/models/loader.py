@@ -206,8 +206,9 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
     others = unread(census)  # matrices in a block format the kernel does not read, as words ("14 IQ4_XS")
     if asked and not blocks:
         stored = unread(census, integer)
-        raise ModelLoadError(f"weights: {gguf_file.name} holds no {' or '.join(sorted(read_formats(integer)))} "
-                             f"matrix{f' (it stores {stored})' if stored else ''}; use --weights float32")
+        kinds = sorted(read_formats(integer))
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no {', '.join(kinds[:-1])} or {kinds[-1]} matrix"
+                             f"{f' (it stores {stored})' if stored else ''}; use --weights float32")
     wider = widened(census)
     if wider is not None and blocks:
         print(f"weights: the native kernel reads {gguf_file.name}'s {wider}: the same weights", file=sys.stderr,
@@ -215,7 +216,7 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
     only = None if integer else unread(census, integer=False)
     if only is not None and only != others:
         print(f"weights: {gguf_file.name} stores {only} matrices; with --weights gguf the native kernel reads only "
-              f"{', '.join(sorted(read_formats(False)))} (--weights auto reads more, in integer products); the others "
+              f"{', '.join(sorted(read_formats(False)))} (--weights auto reads more, in integer products); the rest "
               "run as float32 weights dequantised from them", file=sys.stderr, flush=True)
     elif others is not None:
         print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "

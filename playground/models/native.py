@@ -118,7 +118,8 @@ def formats_read(model: Transformer) -> str:
     if all(name in BLOCKS for name in names):
         integer = codes <= set(INTEGER_FORMATS.values())
         blocks = " blocks, 8-bit activations" if integer else " blocks, float32 activations"
-    return f"{' and '.join(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
+    listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)  # "a, b and c"
+    return f"{listed}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
 
 
 def cpu_signature() -> str:
