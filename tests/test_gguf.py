@@ -7,6 +7,7 @@ and every way of asking for blocks that cannot work says why in one line."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +23,16 @@ from playground.decoding.tree import ancestor_mask
 from playground.engine import Engine, generate
 from playground.kv import ContiguousKVCache
 from playground.models import ModelLoadError, load_model, native
-from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks
+from playground.models.gguf import BLOCKS_FILE, BlocksError, save_blocks, unread
 from playground.models.loader import load_weights, read_hf_config
 from playground.models.vocab import output_rows
 
 from .prompts import PROMPTS
 from .test_native import forwards
 
-SIZES = {"Q8_0": 34, "Q4_1": 20}
+SIZES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q5_1": 24}
+MINIMUMS = ("Q4_1", "Q5_1")  # formats of 32 weights whose blocks carry a minimum
+OFFSETS = {"Q4_0": 8, "Q5_0": 16}  # formats read as q - offset
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -62,7 +65,7 @@ def random_blocks(kind: str, out: int, in_features: int, seed: int) -> torch.Ten
     scales[::17] = 0.0
     scales[5::23] = 2.0 ** -20  # subnormal in float16
     halves = [scales.half().view(torch.uint8).view(count, 2)]
-    if kind == "Q4_1":
+    if kind in MINIMUMS:
         halves.append((torch.randn(count, generator=g) * 0.3).half().view(torch.uint8).view(count, 2))
     quants = torch.randint(0, 256, (count, SIZES[kind] - 2 * len(halves)), generator=g, dtype=torch.uint8)
     return torch.cat([*halves, quants], 1).reshape(out, -1)
@@ -128,25 +131,36 @@ def quantised_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint((runs * inverse[..., None]).astype(np.float32)).astype(np.int64), scale
 
 
-def integer_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
-    """x (n, in) @ the blocks' weight^T as the integer products compute it: x quantised per block, each block's
-    integer sum of q * q_x exact, then total = fma(float(sum) * d, d_x, total), for Q4_1 with fma(m, the block's sum
-    of q_x, float(sum) * d) in place of float(sum) * d, from total = 0 block by block. (n, out)"""
+def block_parts(blocks: torch.Tensor, kind: str, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A matrix of blocks of 32 decoded from the format's definition: quants q (out, blocks, 32) int64, Q4_0's and
+    Q5_0's offset (8, 16) taken off, scales d and minimums m (out, blocks) float32 (m read for Q4_1 and Q5_1), so
+    that w = d * q (+ m)."""
     out, count = blocks.shape[0], in_features // 32
     raw = blocks.numpy().reshape(out, count, SIZES[kind])  # (out, blocks, bytes)
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, blocks)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, blocks): Q4_1 and Q5_1's
     if kind == "Q8_0":
-        q = raw[..., 2:].view(np.int8).astype(np.int64)  # (out, blocks, 32)
-    else:
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = raw[..., 4:]  # (out, blocks, 16)
-        q = np.concatenate([nibbles & 15, nibbles >> 4], -1).astype(np.int64)
+        return raw[..., 2:].view(np.int8).astype(np.int64), d, m  # (out, blocks, 32)
+    nibbles = raw[..., -16:]  # (out, blocks, 16)
+    q = np.concatenate([nibbles & 15, nibbles >> 4], -1).astype(np.int64)
+    if kind in ("Q5_0", "Q5_1"):  # the fifth bits: bit k of the 4 bytes before the nibbles
+        fifth = raw[..., -20:-16].copy().view("<u4")  # (out, blocks, 1)
+        q |= ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+    return q - OFFSETS.get(kind, 0), d, m
+
+
+def integer_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
+    """x (n, in) @ the blocks' weight^T as the integer products compute it: x quantised per block, each block's
+    integer sum of (q - offset) * q_x exact (Q4_0's offset 8, Q5_0's 16), then total = fma(float(sum) * d, d_x,
+    total), for Q4_1 and Q5_1 with fma(m, the block's sum of q_x, float(sum) * d) in place of float(sum) * d, from
+    total = 0 block by block. (n, out)"""
+    q, d, m = block_parts(blocks, kind, in_features)
     xq, xd = quantised_rows(x.numpy())
-    total = np.zeros((len(x), out), np.float32)
-    for b in range(count):
+    total = np.zeros((len(x), blocks.shape[0]), np.float32)
+    for b in range(in_features // 32):
         exact = np.einsum("nk,ok->no", xq[:, b], q[:, b])  # (n, out) int64
         block = (exact.astype(np.float32) * d[None, :, b]).astype(np.float32)  # (n, out)
-        if kind == "Q4_1":
+        if kind in MINIMUMS:
             block = fma_once(m[None, :, b], xq[:, b].sum(-1).astype(np.float32)[:, None], block)
         total = fma_once(block, xd[:, b, None], total)
     return torch.from_numpy(total)
@@ -235,7 +249,7 @@ def every_row_count_gives(kernel: native.Kernel, x: torch.Tensor, panels: native
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("shape", [(576, 576), (100, 1536), (49, 64), (7, 32)], ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_integer_products_give_the_bits_of_their_arithmetic(kernel, kind, shape, threads):
@@ -252,10 +266,18 @@ def test_integer_products_give_the_bits_of_their_arithmetic(kernel, kind, shape,
     every_row_count_gives(kernel, x, panels, want, threads)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
-def test_the_k_quants_decoded_are_ggufs_weights(kind):
-    """The reference's reading of each K-quant format (scale * q + minimum per block of 32) is gguf's dequantised
-    weight, random bytes throughout: the reference the products are held to reads the format as llama.cpp does."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_references_read_the_formats_as_gguf_does(kind):
+    """The references' reading of each format (d * q + m per block of 32, the K-quants' scale * q + minimum) is
+    gguf's dequantised weight, random bytes throughout: the references the products are held to read the formats as
+    llama.cpp does."""
+    if kind not in K_QUANTS:
+        blocks = random_blocks(kind, 5, 512, seed=3)
+        q, d, m = block_parts(blocks, kind, 512)
+        ours = d[..., None].astype(np.float64) * q + (m[..., None] if kind in MINIMUMS else 0)
+        theirs = dequantize(blocks.numpy(), GGMLQuantizationType[kind]).reshape(ours.shape).astype(np.float64)
+        assert np.allclose(ours, theirs, rtol=1e-6, atol=0)
+        return
     blocks = random_k_blocks(kind, 5, 512, seed=3)
     q, scales, mins = k_parts(blocks, kind, 512)
     if kind == "Q6_K":
@@ -283,6 +305,24 @@ def test_k_quant_products_give_the_bits_of_their_arithmetic(kernel, kind, shape,
     x[1, :32] = 0.0
     want = k_integer_reference(x, blocks, kind, in_features)
     every_row_count_gives(kernel, x, panels, want, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_product_of_parts_in_different_formats_gives_each_parts_own_bits(kernel, threads):
+    """q, k and v (or gate and up) stored in different formats run as one product of parts: each part's columns are
+    its own product's bits, for every row count; parts of one format are packed as one."""
+    kinds = [("Q4_K", 70), ("Q6_K", 33), ("Q8_0", 64)]
+    parts = [((random_k_blocks if kind in K_QUANTS else random_blocks)(kind, out, 512, seed=out), kind)
+             for kind, out in kinds]
+    product = native.pack_parts([(kind, blocks) for blocks, kind in parts], 512, kernel, integer=True)
+    alone = [native.pack_blocks(blocks, kind, 512, kernel, integer=True) for blocks, kind in parts]
+    assert product.format == native.PARTS and product.out == 167 and product.pieces == tuple(product.parts)
+    assert product.nbytes == sum(p.nbytes for p in alone)
+    x = torch.randn(kernel.rows_per_pass + 2, 512, generator=torch.Generator().manual_seed(threads))
+    want = torch.cat([native.panel_linear(x, p) for p in alone], 1)  # (n, 167)
+    every_row_count_gives(kernel, x, product, want, threads)
+    same = native.pack_parts([("Q8_0", parts[2][0]), ("Q8_0", parts[2][0])], 512, kernel, integer=True)
+    assert same.format == native.INTEGER_FORMATS["Q8_0"] and same.out == 128
 
 
 def test_k_quant_blocks_run_in_integer_products_only(kernel):
@@ -509,7 +549,7 @@ def test_every_build_gives_the_integer_products_the_same_bits(kernel, tmp_path):
         assert other.dot_products == name
         built.append(other)
     assert any(k.dot_products == "plain C" for k in built)
-    for kind in ("Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+    for kind in native.INTEGER_FORMATS:
         for out, in_features in ((100, 1536), (49, 256)):
             blocks = (random_k_blocks if kind in K_QUANTS else random_blocks)(kind, out, in_features, seed=out)
             own = native.pack_blocks(blocks, kind, in_features, kernel, integer=True)
@@ -538,10 +578,10 @@ def test_q4_0_and_q5_0_blocks_are_read_as_q4_1_and_q8_0_blocks_of_the_same_weigh
 
 def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_it_does_not(
         target, tmp_path, capsys):
-    """The embedded model re-quantised to llama.cpp's Q4_K_M mix (its metadata copied): its Q5_0 matrices run as
-    Q8_0 blocks of the same weights, said in one line (no internal error, no claim of blocks it lacks), its K-quant
-    ones at their bytes, and the algorithms give plain decoding's tokens on it, in batches of 1, 4 and 20 too. A file
-    whose matrices are all in a format the kernel does not read refuses blocks asked for, naming what it stores. Bad
+    """The embedded model re-quantised to llama.cpp's Q4_K_M mix (its metadata copied): in integer products every
+    matrix runs at its bytes; against float32 activations its Q5_0 ones run as Q8_0 blocks of the same weights and its
+    K-quants as float32, each said in one line (no internal error, no claim of blocks it lacks); the algorithms give plain decoding's tokens on it, in batches of 1, 4 and 20 too. A file
+    whose matrices are all in a format a path does not read refuses it when asked for, naming what it stores. Bad
     input to the re-quantiser is one line."""
     import gguf
 
@@ -564,13 +604,18 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     mixed = load_model(ModelSpec(source=str(path), device="cpu", cache_dir=cache))
     err = capsys.readouterr().err
     assert mixed.weights == "gguf-int8" and "Error" not in err and "Q8_0/Q4_1 blocks of" not in err
-    assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
-            "instead of 22): the same weights") in err
-    assert "does not read" not in err and "dequantised" not in err
+    assert "does not read" not in err and "dequantised" not in err and "the same weights" not in err
     assert census_of(mixed.folder) == {"Q5_0": 166, "Q8_0": 15, "Q4_K": 16, "Q6_K": 14}
     down = {mixed.model.native_stack.formats[4 * layer + 3] for layer in range(30)}  # the MLP's down products
     assert down == {native.INTEGER_FORMATS["Q4_K"], native.INTEGER_FORMATS["Q6_K"]}
-    assert native.formats_read(mixed.model).startswith("Q4_K, Q6_K and Q8_0 blocks, 8-bit activations (")
+    assert native.formats_read(mixed.model).startswith("Q4_K, Q5_0, Q6_K and Q8_0 blocks, 8-bit activations (")
+    floats = load_model(ModelSpec(source=str(path), device="cpu", cache_dir=cache, weights="gguf"))
+    err = capsys.readouterr().err
+    assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
+            "instead of 22): the same weights") in err
+    assert ("weights: q4_k_m.gguf stores 16 Q4_K and 14 Q6_K matrices; with --weights gguf the native kernel reads "
+            "only Q4_0, Q4_1, Q5_0, Q8_0 (--weights auto reads more, in integer products)") in err
+    assert native.formats_read(floats.model).startswith("Q8_0 and float32 (")
     generation = GenerationParams(max_new_tokens=12)
     prompt = "Repeat exactly: red green blue, red green blue, red green blue."
     plain = generate(mixed, prompt, None, SamplingParams(), generation)[0].token_ids
@@ -584,9 +629,12 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
         outputs = engine.run_all()
         assert {ids[rid]: out.token_ids for rid, out in outputs.items()} == alone, max_running
     requantise(embedded_gguf(), tmp_path / "q5_1.gguf", "Q5_1")
-    with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K or "
-                                             r"Q8_0 matrix \(it stores 211 Q5_1\); use --weights float32$"):
-        load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf-int8"))
+    assert native.formats_read(load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu",
+                                                    cache_dir=cache)).model).startswith("Q5_1 blocks, 8-bit")
+    with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q4_0, Q4_1, Q5_0 or Q8_0 matrix \(it "
+                                             r"stores 211 Q5_1\); use --weights float32$"):
+        load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf"))
+    assert unread(Counter({"Q3_K": 5, "Q8_0": 2, "F32": 3})) == "5 Q3_K"  # a format no path reads
 
 
 @pytest.mark.parametrize("fmt, levels, block", [("Q4_K", 15, 32), ("Q5_K", 31, 32), ("Q6_K", 63, 16)])

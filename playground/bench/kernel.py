@@ -70,12 +70,12 @@ def run_kernel(target: Any, progress: Any) -> dict[str, Any]:
     rows = sorted({*ROWS, kernel.rows_per_pass})
     table: list[dict[str, Any]] = []
     for weight, panels in chosen:
-        name = native.FORMAT_NAMES[panels.format]
+        name = " + ".join(native.FORMAT_NAMES[piece.format] for piece in panels.pieces)
         for n in rows:
             x = torch.randn(n, panels.in_features)  # (n, in)
             seconds = product_seconds(x, panels)
             fmas = n * panels.in_features * panels.out
-            integer = panels.format in integer_codes
+            integer = all(piece.format in integer_codes for piece in panels.pieces)
             table.append({"format": name + (" x 8-bit" if integer else ""), "out": panels.out,
                           "in": panels.in_features, "rows": n, "microseconds": 1e6 * seconds,
                           "gfma_per_s": fmas / seconds / 1e9, "bound": "integer" if integer else "FMA",

@@ -1,5 +1,6 @@
-"""A GGUF file's Q8_0, Q4_1, Q4_K, Q5_K and Q6_K matrices as the file stores them, and its Q4_0 and Q5_0 ones as Q4_1
-and Q8_0 blocks of the same weights, for the native kernel's block panels (kernels.c).
+"""A GGUF file's matrices in the block formats the native kernel reads (`native.BLOCKS`: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K) as the file stores them, for its block panels (kernels.c). Against float32 activations it
+reads Q8_0 and Q4_1 only, and Q4_0 and Q5_0 through them (`as_read`: the same weights in a few more bytes).
 
 `save_blocks` copies each such matrix's raw blocks into the converted folder (`BLOCKS_FILE`, safetensors of uint8),
 in the row order of the float32 weight transformers dequantised from the same file (llama.cpp stores q and k with
@@ -24,10 +25,10 @@ from .native import BLOCKS, GGUF_FORMATS
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 CENSUS = "matrices by format"  # the blocks file's metadata entry: the GGUF file's matrices, "Q4_1:210,Q8_0:1"
-VERSION = "3"  # of what a blocks file holds (2: Q4_0 and Q5_0 read as Q4_1 and Q8_0; 3: the K-quants); another is
-# written again
+VERSION = "3"  # of what a blocks file holds (3: every format as stored); another is written again
 FLOAT_FORMATS = ("F32", "F16", "BF16")  # matrices a file stores unquantised: float32 weights lose nothing
 Blocks = Mapping[str, tuple[str, torch.Tensor]]  # weight name -> (format, (out, bytes) uint8 blocks)
+Parts = list[tuple[str, torch.Tensor]]  # a product's blocks in parts (q, k, v), each (format, (out, bytes) uint8)
 
 
 class BlocksError(ValueError):
@@ -45,8 +46,8 @@ def _row_orders(rows: int, hf_config: Any) -> list[np.ndarray]:
 
 def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tensor], hf_config: Any) -> int:
     """Write `folder`/BLOCKS_FILE with the blocks of every float32 Hugging Face weight in `weights` that the file
-    holds in a format the kernel reads (`BLOCKS`, `READ_AS`), and the file's census of matrices by format (`census`); returns how many blocks. Raises
-    BlocksError where a matrix's blocks are not that weight."""
+    holds in a format the kernel reads (`BLOCKS`), and the file's census of matrices by format (`census`); returns
+    how many blocks. Raises BlocksError where a matrix's blocks are not that weight."""
     import gguf
     from gguf.quants import dequantize
 
@@ -70,15 +71,14 @@ def save_blocks(gguf_file: Path, folder: Path, weights: Mapping[str, torch.Tenso
             continue
         kind = tensor.tensor_type.name
         matrices[kind] += 1
-        if kind not in BLOCKS and kind not in READ_AS:
+        if kind not in BLOCKS:
             continue
         raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)  # (out, in / 32 * block bytes)
         for order in _row_orders(weight.shape[0], hf_config):
             values = dequantize(raw[order], tensor.tensor_type).reshape(weight.shape)
             if np.array_equal(values, weight.numpy()):
-                kept = WIDEN[kind](raw[order]) if kind in READ_AS else raw[order]  # the same weights, as read
-                blocks[name] = torch.from_numpy(np.ascontiguousarray(kept))
-                formats[name] = READ_AS.get(kind, kind)
+                blocks[name] = torch.from_numpy(np.ascontiguousarray(raw[order]))
+                formats[name] = kind
                 break
         else:
             raise BlocksError(f"weights: the {tensor.tensor_type.name} blocks of {tensor.name} in {gguf_file.name} do "
@@ -109,10 +109,10 @@ def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([blocks[:, :2], q.astype(np.int8).view(np.uint8)], axis=1).reshape(len(raw), -1)
 
 
-# formats the kernel reads through another one that holds the same weights exactly, in a few more bytes
+# formats the kernel reads against float32 activations through another that holds the same weights exactly, in a
+# few more bytes
 READ_AS = {"Q4_0": "Q4_1", "Q5_0": "Q8_0"}
 WIDEN = {"Q4_0": q4_0_as_q4_1, "Q5_0": q5_0_as_q8_0}
-STORED_BYTES = {"Q4_0": 18, "Q5_0": 22}  # a block of 32 weights, as the file stores it
 
 
 def load_blocks(folder: Path) -> Blocks:
@@ -139,7 +139,16 @@ def census_of(folder: Path) -> Counter[str] | None:
 def read_formats(integer: bool) -> set[str]:
     """The block formats the native kernel reads, in integer products on 8-bit activations or against float32 ones,
     those it reads through another (`READ_AS`) included."""
-    return {fmt for fmt in (*BLOCKS, *READ_AS) if integer or READ_AS.get(fmt, fmt) in GGUF_FORMATS}
+    return set(BLOCKS) if integer else {fmt for fmt in BLOCKS if READ_AS.get(fmt, fmt) in GGUF_FORMATS}
+
+
+def as_read(blocks: Blocks, integer: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """`blocks` as the kernel reads them: all as stored in integer products; against float32 activations the Q8_0
+    and Q4_1 ones, and the Q4_0 and Q5_0 ones as Q4_1 and Q8_0 blocks of the same weights (`READ_AS`)."""
+    if integer:
+        return dict(blocks)
+    return {name: (READ_AS.get(kind, kind), torch.from_numpy(WIDEN[kind](raw.numpy())) if kind in READ_AS else raw)
+            for name, (kind, raw) in blocks.items() if READ_AS.get(kind, kind) in GGUF_FORMATS}
 
 
 def unread(census: Counter[str], integer: bool = True) -> str | None:
@@ -150,10 +159,10 @@ def unread(census: Counter[str], integer: bool = True) -> str | None:
 
 
 def widened(census: Counter[str]) -> str | None:
-    """The file's matrices the kernel reads through another format (`READ_AS`), as words, or None: "211 Q4_0 matrices
-    as Q4_1 (20 bytes a block of 32 instead of 18)"."""
+    """The file's matrices the kernel reads through another format against float32 activations (`READ_AS`), as
+    words, or None: "211 Q4_0 matrices as Q4_1 (20 bytes a block of 32 instead of 18)"."""
     return _words([f"{census[fmt]} {fmt} matrices as {kind} ({BLOCKS[kind][1]} bytes a block of 32 instead of "
-                   f"{STORED_BYTES[fmt]})" for fmt, kind in READ_AS.items() if census.get(fmt)])
+                   f"{BLOCKS[fmt][1]})" for fmt, kind in READ_AS.items() if census.get(fmt)])
 
 
 def _words(parts: list[str]) -> str | None:
@@ -161,15 +170,15 @@ def _words(parts: list[str]) -> str | None:
     return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts) or None
 
 
-def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """The blocks by this project's weight names (`checkpoint.layer_products`): q, k, v stacked as qkv and
-    gate, up as gate/up where all parts share one format; a product with any part missing keeps float32."""
-    out: dict[str, tuple[str, torch.Tensor]] = {}
+def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, Parts]:
+    """The blocks by this project's weight names (`checkpoint.layer_products`): q, k, v as the parts of qkv, gate and
+    up as those of gate/up, each in its own format (`native.pack_parts`); a product with any part missing keeps
+    float32."""
+    out: dict[str, Parts] = {}
 
     def put(name: str, parts: list[str]) -> None:
-        found = [blocks[part] for part in parts if part in blocks]
-        if len(found) == len(parts) and len({f[0] for f in found}) == 1:
-            out[name] = (found[0][0], torch.cat([f[1] for f in found]))  # rows stacked: (out, bytes)
+        if all(part in blocks for part in parts):
+            out[name] = [blocks[part] for part in parts]
 
     put("embed_tokens.weight", ["model.embed_tokens.weight"])
     put("lm_head.weight", ["lm_head.weight"])

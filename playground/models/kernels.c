@@ -90,6 +90,10 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 #define FMT_Q4_K_X8 7 /* llama.cpp's K-quant blocks, integer products only: see "Integer products" */
 #define FMT_Q5_K_X8 8
 #define FMT_Q6_K_X8 9
+#define FMT_Q4_0_X8 10 /* llama.cpp's other block formats of 32 weights, integer products only */
+#define FMT_Q5_0_X8 11
+#define FMT_Q5_1_X8 12
+#define FMT_PARTS 13 /* a product of parts in different formats: see `struct parts` */
 #define QK 32 /* weights per GGUF block */
 #define QK_K 256 /* weights per K-quant super-block */
 #if VEC == 16 || (VEC == 8 && defined(__AVX2__) && defined(__F16C__))
@@ -100,13 +104,19 @@ static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
 
 static inline int quantised(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q4_1; }
 static inline int kquant(int fmt) { return fmt == FMT_Q4_K_X8 || fmt == FMT_Q5_K_X8 || fmt == FMT_Q6_K_X8; }
-static inline int integer(int fmt) { return fmt == FMT_Q8_0_X8 || fmt == FMT_Q4_1_X8 || kquant(fmt); }
+static inline int integer(int fmt) { return fmt >= FMT_Q8_0_X8 && fmt <= FMT_Q5_1_X8; }
+/* Integer formats whose quants have a fifth bit (in a bit plane), and whose blocks carry a minimum. */
+static inline int five_bits(int fmt) { return fmt == FMT_Q5_0_X8 || fmt == FMT_Q5_1_X8 || fmt == FMT_Q5_K_X8; }
+static inline int has_minimum(int fmt) {
+    return fmt == FMT_Q4_1_X8 || fmt == FMT_Q5_1_X8 || fmt == FMT_Q4_K_X8 || fmt == FMT_Q5_K_X8;
+}
 
 /* Bytes of one block of QK inputs in a GGUF panel (for the K-quants, besides their super-block's header). */
 static inline long block_bytes_of(int fmt) {
     if (fmt == FMT_Q8_0 || fmt == FMT_Q8_0_X8) return PANEL * 2 + QK * PANEL;
-    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8) return PANEL * 4 + QK * PANEL / 2;
-    return PANEL * 2 + QK * PANEL / 2 + (fmt == FMT_Q5_K_X8 ? PANEL * 4 : fmt == FMT_Q6_K_X8 ? PANEL * 8 : 0);
+    /* scales (Q4_1, Q5_1: and minimums; the K-quants: their integer scales), nibbles, bit planes */
+    const long scales = fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8 || fmt == FMT_Q5_1_X8 ? PANEL * 4 : PANEL * 2;
+    return scales + QK * PANEL / 2 + (five_bits(fmt) ? PANEL * 4 : fmt == FMT_Q6_K_X8 ? PANEL * 8 : 0);
 }
 
 /* Bytes of a K-quant super-block's header in a panel: the PANEL float16 d (and dmin, but for Q6_K). */
@@ -188,8 +198,8 @@ int playground_panel_width(void) { return PANEL; }
 int playground_vector_width(void) { return VEC; }
 int playground_rows_per_pass(void) { return NB; }
 int playground_formats(void) {
-    const int every_build = (1 << FMT_F32) | (1 << FMT_Q8_0_X8) | (1 << FMT_Q4_1_X8) | (1 << FMT_Q4_K_X8) |
-                            (1 << FMT_Q5_K_X8) | (1 << FMT_Q6_K_X8);
+    int every_build = 1 << FMT_F32;
+    for (int fmt = FMT_Q8_0_X8; fmt <= FMT_PARTS; fmt++) every_build |= 1 << fmt;
     return HALF_PANELS ? every_build | (1 << FMT_F16) | (1 << FMT_BF16) | (1 << FMT_Q8_0) | (1 << FMT_Q4_1)
                        : every_build;
 }
@@ -206,7 +216,7 @@ static void put_quant(uint8_t *quants, uint8_t *plane, int fmt, long i, long k, 
     const long group = k / 4, c = k % 4, at = (group % 4) * PANEL * 4 + i * 4 + c;
     quants[at] |= (uint8_t)(group < 4 ? q & 15 : (q & 15) << 4);
     uint32_t word, bits = 0;
-    if (fmt == FMT_Q5_K_X8) bits = (uint32_t)(q >> 4 & 1) << (8 * c + group);
+    if (five_bits(fmt)) bits = (uint32_t)(q >> 4 & 1) << (8 * c + group);
     if (fmt == FMT_Q6_K_X8) bits = (uint32_t)(q >> 4 & 3) << (8 * c + 2 * (group % 4));
     if (fmt == FMT_Q6_K_X8 && group >= 4) plane += PANEL * 4;
     if (bits == 0) return;
@@ -270,26 +280,29 @@ void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8
         pack_k_blocks(rows, out, in, fmt, panels);
         return;
     }
-    const int q4 = fmt == FMT_Q4_1 || fmt == FMT_Q4_1_X8;
-    const long blocks = in / QK, size = q4 ? 20 : 34, heads = q4 ? 4 : 2;
-    const long panel_count = (out + PANEL - 1) / PANEL, block_bytes = panel_bytes_of(fmt, in) / blocks;
+    /* a file's block of 32: float16 d, (Q4_1, Q5_1) float16 m, (Q5_0, Q5_1) 4 bytes of fifth bits (bit k: quant
+     * k's), then the quants: Q8_0's 32 signed bytes, or 16 bytes of nibbles (byte j: quant j low, j + 16 high) */
+    const int q8 = fmt == FMT_Q8_0 || fmt == FMT_Q8_0_X8, minimum = fmt == FMT_Q4_1 || has_minimum(fmt);
+    const long heads = minimum ? 4 : 2, high = five_bits(fmt) ? 4 : 0, size = heads + high + (q8 ? QK : QK / 2);
+    const long blocks = in / QK, block_bytes = block_bytes_of(fmt), panel_count = (out + PANEL - 1) / PANEL;
     memset(panels, 0, (size_t)(panel_count * blocks * block_bytes));
     for (long r = 0; r < out; r++) {
         const long p = r / PANEL, i = r % PANEL;
         for (long b = 0; b < blocks; b++) {
-            const uint8_t *src = rows + (r * blocks + b) * size;
+            const uint8_t *src = rows + (r * blocks + b) * size, *qs = src + heads + high;
             uint8_t *dst = panels + (p * blocks + b) * block_bytes, *quants = dst + heads * PANEL;
             memcpy(dst + i * 2, src, 2); /* d */
-            if (q4) memcpy(dst + PANEL * 2 + i * 2, src + 2, 2); /* m */
+            if (minimum) memcpy(dst + PANEL * 2 + i * 2, src + 2, 2); /* m */
+            uint32_t fifth = 0;
+            if (high) memcpy(&fifth, src + heads, 4);
             for (long k = 0; k < QK; k++) {
-                /* byte j of a Q4_1 block holds quants j (low nibble) and j + 16 (high) */
-                const uint8_t q = !q4 ? src[2 + k] : k < QK / 2 ? src[heads + k] & 15 : src[heads + k - QK / 2] >> 4;
-                const long group = k / 4, at = (group % 4) * PANEL * 4 + i * 4 + k % 4;
-                if (fmt == FMT_Q8_0) quants[k * PANEL + i] = q;
+                const unsigned q = q8 ? qs[k] : (k < QK / 2 ? qs[k] & 15u : (unsigned)qs[k - QK / 2] >> 4) |
+                                                    (fifth >> k & 1u) << 4;
+                if (fmt == FMT_Q8_0) quants[k * PANEL + i] = (uint8_t)q;
                 else if (fmt == FMT_Q4_1)
                     quants[k * (PANEL / 2) + i % (PANEL / 2)] |= (uint8_t)(i < PANEL / 2 ? q : q << 4);
-                else if (fmt == FMT_Q8_0_X8) quants[group * PANEL * 4 + i * 4 + k % 4] = q;
-                else quants[at] |= (uint8_t)(group < 4 ? q : q << 4);
+                else if (fmt == FMT_Q8_0_X8) quants[k / 4 * PANEL * 4 + i * 4 + k % 4] = (uint8_t)q;
+                else put_quant(quants, quants + QK * PANEL / 2, fmt, i, k, q);
             }
         }
     }
@@ -682,10 +695,13 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                                                                int fmt, float *y, long out, int nb, int G, int cols,
                                                                uintptr_t fetch, uintptr_t stride, uintptr_t step) {
     const int nibbles = fmt != FMT_Q8_0_X8, rows_per_block = nibbles ? 4 : 8, halves = fmt == FMT_Q6_K_X8;
-    const int kind = !nibbles ? SIGNED : fmt == FMT_Q5_K_X8 || halves ? WIDE : NIBBLES;
-    const int mins = fmt == FMT_Q4_1_X8 || fmt == FMT_Q4_K_X8 || fmt == FMT_Q5_K_X8;
+    const int kind = !nibbles ? SIGNED : five_bits(fmt) || halves ? WIDE : NIBBLES, mins = has_minimum(fmt);
+    /* quants read offset by a constant (Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32; Q8_0 flipped to unsigned
+     * under VNNI: + 128): the sum is that constant times the quants' sum of x short, added back at the fold */
+    const int offset = fmt == FMT_Q4_0_X8 ? 8 : fmt == FMT_Q5_0_X8 ? 16 : halves ? 32 : DOT_OFFSET && !nibbles ? 128 : 0;
     const long blocks = in / QK, panel_bytes = panel_bytes_of(fmt, in);
-    const long quant_at = fmt == FMT_Q4_1_X8 ? PANEL * 4 : PANEL * 2, plane_at = quant_at + QK * PANEL / 2;
+    const long quant_at = fmt == FMT_Q4_1_X8 || fmt == FMT_Q5_1_X8 ? PANEL * 4 : PANEL * 2; /* past the scales */
+    const long plane_at = quant_at + QK * PANEL / 2;
     const uintptr_t span = step * (QK / rows_per_block); /* bytes each stream fetches per row of quants */
     float total[GROUP][NB][PANEL];
     for (long b = 0; b < blocks; b++) {
@@ -694,14 +710,8 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
 #pragma GCC unroll 16
             for (int g = 0; g < G; g++)
 #pragma GCC unroll 16
-                for (int i = 0; i < nb; i++) {
-                    /* quants read offset by a constant: the sum starts that constant times the quant sum below
-                     * zero (Q8_0 flipped to unsigned under VNNI: 128; Q6_K's q - 32: 32) */
-                    const int32_t *sums = xt + i * 2 * blocks + 2 * b;
-                    const int32_t start = halves ? -32 * sums[h]
-                                        : DOT_OFFSET && !nibbles ? -128 * (sums[0] + sums[1]) : 0;
-                    for (int j = 0; j < NV; j++) acc[g][i][j] = (vi){0} + start;
-                }
+                for (int i = 0; i < nb; i++)
+                    for (int j = 0; j < NV; j++) acc[g][i][j] = (vi){0};
             for (int r = 0; r < rows_per_block; r++) {
                 uintptr_t at = fetch + (b * QK + r * (QK / rows_per_block)) * step;
 #pragma GCC unroll 16
@@ -726,7 +736,7 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                                 high[j] = w[j];
                             } else { /* each byte's two nibbles; Q5_K: their fifth bits at bit 4 */
                                 vu low_bits = raw & 0x0f0f0f0fu, high_bits = (raw >> 4) & 0x0f0f0f0fu;
-                                if (fmt == FMT_Q5_K_X8) {
+                                if (five_bits(fmt)) {
                                     memcpy(&top, plane + j * VEC * 4, sizeof(top));
                                     low_bits |= (top << (4 - r)) & 0x10101010u;
                                     high_bits |= (top >> r) & 0x10101010u;
@@ -754,7 +764,7 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                     }
                 }
             }
-            /* the fold: Q8_0 and Q6_K y = fma(float(isum) * d, d_x, y); with a minimum
+            /* the fold: Q8_0, Q4_0, Q5_0 and Q6_K y = fma(float(isum) * d, d_x, y); with a minimum
              * y = fma(fma(m, float(qsum), float(isum) * d), d_x, y); the K-quants' d = d * sc and m = -(dmin * m)
              * (exact in float32: a float16 times a 6- or 8-bit integer) */
 #pragma GCC unroll 16
@@ -775,11 +785,12 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
 #pragma GCC unroll 16
                 for (int i = 0; i < nb; i++) {
                     const vf x_scale = splat(xd[i * blocks + b]);
-                    const int32_t *sums = xt + i * 2 * blocks + 2 * b;
-                    const vf quant_sum = mins ? splat((float)(sums[0] + sums[1])) : (vf){0};
+                    const int32_t *sums = xt + i * 2 * blocks + 2 * b, quants = halves ? sums[h] : sums[0] + sums[1];
+                    const vf quant_sum = mins ? splat((float)quants) : (vf){0};
                     for (int j = 0; j < NV; j++) {
                         vf *t = (vf *)&total[g][i][j * VEC];
-                        vf block = __builtin_convertvector(settle(acc[g][i][j], kind), vf) * scale[j];
+                        const vi isum = settle(acc[g][i][j], kind) - offset * quants;
+                        vf block = __builtin_convertvector(isum, vf) * scale[j];
                         if (mins) block = fma_once(low[j], quant_sum, block);
                         *t = fma_once(block, x_scale, b == 0 && h == 0 ? (vf){0} : *t);
                     }
@@ -829,16 +840,19 @@ static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, l
     case FMT_Q4_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q4_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
     case FMT_Q5_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q5_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
     case FMT_Q6_K_X8: integer_in(xq, xd, xt, in, panel, FMT_Q6_K_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q4_0_X8: integer_in(xq, xd, xt, in, panel, FMT_Q4_0_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q5_0_X8: integer_in(xq, xd, xt, in, panel, FMT_Q5_0_X8, y, out, nb, G, cols, fetch, stride, step); break;
+    case FMT_Q5_1_X8: integer_in(xq, xd, xt, in, panel, FMT_Q5_1_X8, y, out, nb, G, cols, fetch, stride, step); break;
     default: integer_in(xq, xd, xt, in, panel, FMT_Q8_0_X8, y, out, nb, G, cols, fetch, stride, step); break;
     }
 }
 
-/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
- * contiguous; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
+/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) row-major and contiguous, y (n, out)
+ * rows ldy floats apart; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
  * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
  * next group (see `plan`). */
-static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
-                       int nt) {
+static void gemm_part(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, long ldy, int t,
+                      int nt) {
     if (n <= 0) return;
     float *sums = NULL, *xd = NULL; /* FMT_Q4_1: every row's block sums; integer formats: x's scales */
     int8_t *xq = NULL;              /* integer formats: x's quants, each thread its own copy of all of these */
@@ -877,24 +891,24 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
         for (int i0 = 0, pass = 0; i0 < n; i0 += chunk, pass++) {
             int nb = n - i0 < chunk ? n - i0 : chunk;
             const float *xr = x + (long)i0 * in, *sr = sums ? sums + (long)i0 * blocks : NULL;
-            float *yr = y + (long)i0 * out + p0 * PANEL;
+            float *yr = y + (long)i0 * ldy + p0 * PANEL;
             uintptr_t fetch = passes == 1 ? (uintptr_t)group + PREFETCH * row_bytes : next + pass * share;
             if (integer(fmt)) {
                 const int8_t *qr = xq + (long)i0 * in;
                 const float *dr = xd + (long)i0 * blocks;
                 const int32_t *tr = xt + (long)i0 * blocks * 2;
                 if (count == G) {
-                    integer_pass(qr, dr, tr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
+                    integer_pass(qr, dr, tr, in, group, fmt, yr, ldy, nb, G, cols, fetch, stride, step);
                 } else {
                     for (long g = 0; g < count; g++)
-                        integer_pass(qr, dr, tr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
+                        integer_pass(qr, dr, tr, in, group + g * panel_bytes, fmt, yr + g * PANEL, ldy, nb, 1,
                                      g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
                 }
             } else if (count == G) {
-                rows(xr, sr, in, group, fmt, yr, out, nb, G, cols, fetch, stride, step);
+                rows(xr, sr, in, group, fmt, yr, ldy, nb, G, cols, fetch, stride, step);
             } else { /* a thread's last panels, fewer than a group */
                 for (long g = 0; g < count; g++)
-                    rows(xr, sr, in, group + g * panel_bytes, fmt, yr + g * PANEL, out, nb, 1,
+                    rows(xr, sr, in, group + g * panel_bytes, fmt, yr + g * PANEL, ldy, nb, 1,
                          g == count - 1 ? cols : PANEL, fetch + g * stride, stride, step);
             }
         }
@@ -903,6 +917,29 @@ static void gemm_share(const float *x, int n, int in, const void *packed, int fm
     free(xq);
     free(xd);
     free(xt);
+}
+
+/* A product whose output rows come in parts stored in different formats (a GGUF file's q, k and v, or gate and up,
+ * each in its own): each part its own panels in its own format, writing its own columns of y. */
+#define MAX_PARTS 4
+struct parts {
+    int32_t count;
+    int32_t formats[MAX_PARTS];
+    int32_t outs[MAX_PARTS];
+    const void *data[MAX_PARTS];
+};
+
+/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) and y (n, out) row-major and
+ * contiguous; packed in format fmt (`gemm_part`), or for FMT_PARTS a `struct parts`. */
+static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
+                       int nt) {
+    if (fmt != FMT_PARTS) {
+        gemm_part(x, n, in, packed, fmt, out, y, out, t, nt);
+        return;
+    }
+    const struct parts *p = packed;
+    for (int i = 0, column = 0; i < p->count; column += p->outs[i], i++)
+        gemm_part(x, n, in, p->data[i], p->formats[i], p->outs[i], y + column, out, t, nt);
 }
 
 void playground_gemm(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int threads) {

@@ -30,7 +30,8 @@ from ..paths import default_cache_root
 from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
-from .gguf import BlocksError, census_of, load_blocks, native_blocks, read_formats, save_blocks, unread, widened
+from .gguf import (BlocksError, Parts, as_read, census_of, load_blocks, native_blocks, read_formats, save_blocks,
+                   unread, widened)
 from .transformer import (
     SUPPORTED_ARCHITECTURES,
     Transformer,
@@ -162,7 +163,7 @@ def source_gguf(spec: ModelSpec) -> Path | None:
 
 
 def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: dict[str, torch.Tensor],
-                  hf_config: Any) -> dict[str, tuple[str, torch.Tensor]] | None:
+                  hf_config: Any) -> dict[str, Parts] | None:
     """The GGUF blocks the model's products will read (by native weight name), or None for float32 weights:
     `spec.weights` "gguf-int8" or "gguf" needs them to run (else a one-line error), "auto" takes them where they
     can (integer products, which every build of the native kernel has)."""
@@ -186,6 +187,7 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
         return None
     if gguf_file is None:  # gguf-int8 on float weights: quantised to Q8_0 blocks at load (`pack_linears`)
         return None
+    integer = spec.weights != "gguf"  # integer products on 8-bit activations, else float32 activations
     try:
         census = census_of(folder)
         if census is None:  # never copied, or by a version that noted no census
@@ -193,23 +195,20 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
                   file=sys.stderr, flush=True)
             save_blocks(gguf_file, folder, tensors, hf_config)
             census = census_of(folder) or Counter()
-        blocks = native_blocks(load_blocks(folder), int(hf_config.num_hidden_layers))
+        blocks = native_blocks(as_read(load_blocks(folder), integer), int(hf_config.num_hidden_layers))
     except (BlocksError, OSError, SafetensorError) as exc:
         message = str(exc) if isinstance(exc, BlocksError) else f"weights: {exc}"
         if asked:
             raise ModelLoadError(message) from exc
         print(f"{message}; reading the float32 weights instead", file=sys.stderr, flush=True)
         return None
-    integer = spec.weights != "gguf"
-    if not integer:  # float32 activations: the K-quants run in integer products only
-        blocks = {name: kept for name, kept in blocks.items() if kept[0] in native.GGUF_FORMATS}
     others = unread(census)  # matrices in a block format the kernel does not read, as words ("14 IQ4_XS")
     if asked and not blocks:
         stored = unread(census, integer)
         kinds = sorted(read_formats(integer))
         raise ModelLoadError(f"weights: {gguf_file.name} holds no {', '.join(kinds[:-1])} or {kinds[-1]} matrix"
                              f"{f' (it stores {stored})' if stored else ''}; use --weights float32")
-    wider = widened(census)
+    wider = None if integer else widened(census)
     if wider is not None and blocks:
         print(f"weights: the native kernel reads {gguf_file.name}'s {wider}: the same weights", file=sys.stderr,
               flush=True)

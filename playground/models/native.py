@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,12 +52,22 @@ FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # GGUF block formats the kernel reads as stored against float32 activations (FMT_* in kernels.c): their codes
 GGUF_FORMATS = {"Q8_0": 3, "Q4_1": 4}
 # GGUF block formats multiplied in integers against activations quantised to 8 bits (FMT_*_X8 in kernels.c)
-INTEGER_FORMATS = {"Q8_0": 5, "Q4_1": 6, "Q4_K": 7, "Q5_K": 8, "Q6_K": 9}
+INTEGER_FORMATS = {"Q8_0": 5, "Q4_1": 6, "Q4_K": 7, "Q5_K": 8, "Q6_K": 9, "Q4_0": 10, "Q5_0": 11, "Q5_1": 12}
+PARTS = 13  # FMT_PARTS in kernels.c: a product whose output rows come in parts of different formats
+MAX_PARTS = 4
 # weights and bytes of a block of each (the K-quants' super-blocks)
-BLOCKS = {"Q8_0": (32, 34), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+BLOCKS = {"Q8_0": (32, 34), "Q4_1": (32, 20), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 BLOCK = 32  # weights per GGUF block (QK in kernels.c): a proposer's inputs come in multiples of it
 FORMAT_NAMES = {0: "float32", 1: "float16", 2: "bfloat16", **{code: kind for kind, code in GGUF_FORMATS.items()},
-                **{code: kind for kind, code in INTEGER_FORMATS.items()}}
+                **{code: kind for kind, code in INTEGER_FORMATS.items()}, PARTS: "parts"}
+
+
+class _Parts(ctypes.Structure):
+    """kernels.c's `struct parts`."""
+
+    _fields_ = [("count", ctypes.c_int32), ("formats", ctypes.c_int32 * MAX_PARTS),
+                ("outs", ctypes.c_int32 * MAX_PARTS), ("data", ctypes.c_void_p * MAX_PARTS)]
 
 
 @dataclass(frozen=True)
@@ -98,11 +108,18 @@ class Panels:
     kernel: Kernel
     in_features: int
     format: int  # the format code kernels.c reads the panels in
+    # format PARTS: data holds kernels.c's `struct parts`, pointing into these, each its own rows in order
+    parts: tuple[Panels, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[Panels, ...]:
+        """The panels of one format each that a product reads: the parts, or these panels."""
+        return self.parts or (self,)
 
     @property
     def nbytes(self) -> int:
         """Bytes a product reads from these panels (padding rows included)."""
-        return self.data.numel() * self.data.element_size()
+        return sum(p.data.numel() * p.data.element_size() for p in self.pieces)
 
 
 def formats_read(model: Transformer) -> str:
@@ -112,8 +129,8 @@ def formats_read(model: Transformer) -> str:
     products = model.packed_products()
     if not products:
         return "PyTorch's products"
-    names = sorted({FORMAT_NAMES[panels.format] for _, panels in products})
-    codes = {panels.format for _, panels in products}
+    names = sorted({FORMAT_NAMES[piece.format] for _, panels in products for piece in panels.pieces})
+    codes = {piece.format for _, panels in products for piece in panels.pieces}
     blocks = ""
     if all(name in BLOCKS for name in names):
         integer = codes <= set(INTEGER_FORMATS.values())
@@ -311,6 +328,23 @@ def pack_blocks(blocks: torch.Tensor, kind: str, in_features: int, kernel: Kerne
     return Panels(data, out, kernel, in_features, code)
 
 
+def pack_parts(parts: Sequence[tuple[str, torch.Tensor]], in_features: int, kernel: Kernel,
+               integer: bool = False) -> Panels:
+    """A weight whose rows come in parts (format, blocks) (q, k and v, or gate and up), packed as one product: one
+    set of panels where every part is in one format, else each part packed apart (`pack_blocks`) and read as one
+    product of parts, each part's outputs in its own columns."""
+    if len({kind for kind, _ in parts}) == 1:
+        return pack_blocks(torch.cat([blocks for _, blocks in parts]), parts[0][0], in_features, kernel, integer)
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"a product of {len(parts)} parts in different formats: at most {MAX_PARTS}")
+    pieces = tuple(pack_blocks(blocks, kind, in_features, kernel, integer) for kind, blocks in parts)
+    described = _Parts(len(pieces), (ctypes.c_int32 * MAX_PARTS)(*[p.format for p in pieces]),
+                       (ctypes.c_int32 * MAX_PARTS)(*[p.out for p in pieces]),
+                       (ctypes.c_void_p * MAX_PARTS)(*[p.data.data_ptr() for p in pieces]))
+    data = torch.frombuffer(bytearray(bytes(described)), dtype=torch.uint8)  # the struct's bytes
+    return Panels(data, sum(p.out for p in pieces), kernel, in_features, PARTS, pieces)
+
+
 def quantise_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """A (out, in) float weight, in a multiple of 32, as GGUF Q8_0 blocks (out, in / 32 * 34) uint8, rounded by
     gguf's own quantiser: how a proposer's float weights join the target's integer products."""
@@ -497,7 +531,8 @@ def layer_stack(kernel: Kernel, weights: list[tuple[torch.Tensor, Panels, torch.
                 heads: int, kv_heads: int, head_dim: int, eps: float) -> LayerStack:
     """The stack for per-layer (input norm weight, qkv, qkv bias, o, post-attention norm weight, gate/up, down), every
     product packed for `kernel` and every norm one it serves."""
-    keep = tuple(t.data if isinstance(t, Panels) else t for layer in weights for t in layer if t is not None)
+    keep = tuple(kept for layer in weights for t in layer if t is not None
+                 for kept in ((t.data, *(p.data for p in t.parts)) if isinstance(t, Panels) else (t,)))
     flat = [None if t is None else (t.data if isinstance(t, Panels) else t).data_ptr()
             for layer in weights for t in layer]
     pointers = (ctypes.c_void_p * len(flat))(*flat)

@@ -279,7 +279,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
         self.rope_scale = rope_scale
         self.packed_output: native.Panels | torch.Tensor | None = None  # output projection, see pack_linears
-        self.output_blocks: tuple[str, torch.Tensor] | None = None  # its GGUF blocks if packed from them (see vocab)
+        # its GGUF blocks (format, (V, bytes) uint8) if packed from them (see vocab)
+        self.output_blocks: tuple[str, torch.Tensor] | None = None
         self.integer_products = False  # whether the products read GGUF blocks against 8-bit activations
         self.native_attention = True  # False: PyTorch's attention where the kernel would serve (forward_costs.py)
         # every layer's weights for one native call per forward (see pack_linears); None runs layer by layer
@@ -384,12 +385,12 @@ class Transformer(nn.Module):
             return native.pack_blocks(native.quantise_q8_0(weight), "Q8_0", weight.shape[1], kernel, integer=True)
         return pack(weight)
 
-    def pack_linears(self, blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
+    def pack_linears(self, blocks: Mapping[str, list[tuple[str, torch.Tensor]]] | None = None,
                      integer: bool = False, quantise: bool = False) -> None:
         """Prepack every float32 CPU weight of a matrix product (see `pack`) and hand the native kernel to the
         norms it serves; the model must stay on its device and keep its weights afterwards. Costs a second copy of
         those weights in memory (half of one for weights exactly 16-bit, see `native.pack_panels`). A weight named
-        in `blocks` (format, GGUF blocks) is packed from its blocks where the kernel reads them (see `gguf`), for
+        in `blocks` (its rows' parts, each (format, GGUF blocks)) is packed from them (`native.pack_parts`), for
         integer products on 8-bit activations where `integer`; with `quantise` (and `integer`), every other weight
         whose inputs come in blocks of 32 is quantised to Q8_0 blocks first (a proposer beside such a target)."""
         kernel = native.kernel()
@@ -399,10 +400,10 @@ class Transformer(nn.Module):
 
         def packed(name: str, weight: torch.Tensor) -> native.Panels | torch.Tensor:
             if quantise and name not in blocks and weight.shape[1] % native.BLOCK == 0:
-                blocks[name] = ("Q8_0", native.quantise_q8_0(weight))
+                blocks[name] = [("Q8_0", native.quantise_q8_0(weight))]
             if name in blocks:
                 assert kernel is not None  # `blocks` is empty without one
-                return native.pack_blocks(blocks[name][1], blocks[name][0], weight.shape[1], kernel, integer)
+                return native.pack_parts(blocks[name], weight.shape[1], kernel, integer)
             return pack(weight)
 
         _serve(self, kernel, packed)
@@ -416,7 +417,8 @@ class Transformer(nn.Module):
         if can_pack(self.output_weight):
             self.packed_output = (self.lm_head.packed if self.lm_head is not None
                                   else packed("embed_tokens.weight", self.output_weight))
-            self.output_blocks = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+            output = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+            self.output_blocks = output[0] if output else None  # one part: the output rows are one matrix
 
     def forward(
         self,
