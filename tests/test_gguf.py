@@ -579,10 +579,11 @@ def test_q4_0_and_q5_0_blocks_are_read_as_q4_1_and_q8_0_blocks_of_the_same_weigh
 def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_it_does_not(
         target, tmp_path, capsys):
     """The embedded model re-quantised to llama.cpp's Q4_K_M mix (its metadata copied): in integer products every
-    matrix runs at its bytes; against float32 activations its Q5_0 ones run as Q8_0 blocks of the same weights and its
-    K-quants as float32, each said in one line (no internal error, no claim of blocks it lacks); the algorithms give plain decoding's tokens on it, in batches of 1, 4 and 20 too. A file
-    whose matrices are all in a format a path does not read refuses it when asked for, naming what it stores. Bad
-    input to the re-quantiser is one line."""
+    matrix runs at its bytes (q, k and v in two formats as one product of parts); against float32 activations its
+    Q5_0 ones run as Q8_0 blocks of the same weights and its K-quants as float32, each said in one line (no internal
+    error, no claim of blocks it lacks). The algorithms give plain decoding's tokens on it, in batches of 1, 4 and
+    20 too. A file whose matrices are all in a format a path does not read refuses it when asked for, naming what
+    it stores. Bad input to the re-quantiser is one line."""
     import gguf
 
     from playground.models.gguf import census_of

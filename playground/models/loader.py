@@ -30,8 +30,18 @@ from ..paths import default_cache_root
 from . import native
 from .checkpoint import hf_state_to_native
 from .forwards import captures
-from .gguf import (BlocksError, Parts, as_read, census_of, load_blocks, native_blocks, read_formats, save_blocks,
-                   unread, widened)
+from .gguf import (
+    BlocksError,
+    Parts,
+    as_read,
+    census_of,
+    load_blocks,
+    native_blocks,
+    read_formats,
+    save_blocks,
+    unread,
+    widened,
+)
 from .transformer import (
     SUPPORTED_ARCHITECTURES,
     Transformer,
