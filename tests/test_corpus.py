@@ -123,7 +123,8 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
                                                                                monkeypatch) -> None:
     """`eagle --corpus-dir`: the shards' sequences, features from the forward the engine runs (no corpus written
     here), and a report that names the folder instead of prompt options it did not use. Features kept in files
-    (`--features`) are the same rows, read back by a later pass instead of running the target again."""
+    (`--features`) are the same rows, read back by a later pass instead of running the target again; a pass stopped
+    part way goes on where its files end."""
     from playground.models.eagle import load_head
 
     folder = tmp_path / "corpus"
@@ -152,6 +153,27 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
         assert all(torch.equal(a, b) for a, b in zip(again, states))
         with pytest.raises(AssertionError, match="ran again"):  # other taps: other features
             corpus.target_pass(target, train_corpus, taps=(3,), keep=torch.float32, store=store)
+    # a pass stopped part way (here: its target fails at the 7th sequence) goes on after its last file
+    forward, calls, stop = target.model.forward, [], [7]
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) in stop:
+            raise RuntimeError("stopped")
+        return forward(*args, **kwargs)
+
+    stopped = tmp_path / "stopped"
+    with monkeypatch.context() as patch:
+        patch.setattr(target.model, "forward", failing)
+        with pytest.raises(RuntimeError, match="stopped"):
+            corpus.target_pass(target, train_corpus, keep=torch.float32, store=stopped)
+        kept = len(json.loads((stopped / corpus.FEATURES).read_text())["spans"])
+        assert 0 < kept <= 6  # the sequences in its files: those after them are run again
+        calls.clear()
+        stop.clear()
+        resumed = corpus.target_pass(target, train_corpus, keep=torch.float32, store=stopped)[0]
+    assert len(calls) == len(train_corpus.sequences) - kept
+    assert all(torch.equal(a, b) for a, b in zip(resumed, states)) and len(resumed) == len(states)
     assert train_main(["eagle", "--features", str(store), "--out", str(tmp_path / "x")]) == 2
     assert "features: keeping the target's features in files needs --corpus-dir" in capsys.readouterr().err
     # teacher-forced, the target's argmax at an answer position is the greedy answer's next token where it was greedy

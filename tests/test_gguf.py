@@ -615,7 +615,7 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
             "instead of 22): the same weights") in err
     assert ("weights: q4_k_m.gguf stores 16 Q4_K and 14 Q6_K matrices; with --weights gguf the native kernel reads "
-            "only Q4_0, Q4_1, Q5_0, Q8_0 (--weights auto reads more, in integer products)") in err
+            "only Q4_0, Q4_1, Q5_0 and Q8_0 (--weights auto reads more, in integer products)") in err
     assert native.formats_read(floats.model).startswith("Q8_0 and float32 (")
     generation = GenerationParams(max_new_tokens=12)
     prompt = "Repeat exactly: red green blue, red green blue, red green blue."

@@ -224,8 +224,9 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
               flush=True)
     only = None if integer else unread(census, integer=False)
     if only is not None and only != others:
+        kinds = sorted(read_formats(False))
         print(f"weights: {gguf_file.name} stores {only} matrices; with --weights gguf the native kernel reads only "
-              f"{', '.join(sorted(read_formats(False)))} (--weights auto reads more, in integer products); the rest "
+              f"{', '.join(kinds[:-1])} and {kinds[-1]} (--weights auto reads more, in integer products); the rest "
               "run as float32 weights dequantised from them", file=sys.stderr, flush=True)
     elif others is not None:
         print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "

@@ -336,13 +336,22 @@ def features_key(target: Any, corpus: Corpus, taps: tuple[int, ...], keep: torch
     return digest.hexdigest()[:24]
 
 
-def stored_states(folder: Path, key: str) -> StoredStates | None:
-    """The features a pass with this key wrote into `folder` before, or None."""
+def stored_index(folder: Path, key: str) -> dict[str, Any] | None:
+    """What a pass with this key wrote into `folder` before: its files, the spans of the sequences they hold and
+    whether it finished (an interrupted pass resumes after its last file); None where nothing of it is there."""
     try:
         index = json.loads((folder / FEATURES).read_text())
     except (OSError, ValueError):
         return None
     if index.get("key") != key or not all((folder / name).is_file() for name in index["files"]):
+        return None
+    return dict(index)
+
+
+def stored_states(folder: Path, key: str) -> StoredStates | None:
+    """The features a finished pass with this key wrote into `folder` before, or None."""
+    index = stored_index(folder, key)
+    if index is None or not index.get("complete", True):
         return None
     return StoredStates(folder, index["files"], [tuple(span) for span in index["spans"]])
 
@@ -358,7 +367,8 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
     after them, (T_i, (1 + len(taps)) E); and the corpus, with `labels` its soft labels filled in: the target's
     top-TOP_K log-probabilities at every position that predicts an answer token, in corpus order. With `store`, the
     states go to files in that folder instead of memory (`StoredStates`), and a later pass with the same model,
-    taps and corpus and no labels reads them back instead of running the target again."""
+    taps and corpus and no labels reads them back instead of running the target again; a pass that was stopped
+    goes on after the last file it wrote."""
     from ..decoding.base import new_cache
 
     key = features_key(target, corpus, taps, keep) if store is not None else ""
@@ -381,11 +391,24 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
         states.clear()
         buffered = 0
 
+    def note(complete: bool) -> None:  # the index, after every file: what a later pass reads or resumes from
+        assert store is not None
+        (store / FEATURES).write_text(json.dumps({"key": key, "files": files, "spans": spans, "complete": complete}))
+
+    done = 0  # sequences already in files
     if store is not None:
         store.mkdir(parents=True, exist_ok=True)
-        (store / FEATURES).unlink(missing_ok=True)  # the folder's old index no longer holds
+        begun = None if labels else stored_index(store, key)
+        if begun is not None:  # an earlier pass with this key stopped after writing these
+            files, spans = list(begun["files"]), [tuple(span) for span in begun["spans"]]
+            done = len(spans)
+            log("corpus", f"the target's features: going on after {done} sequences already in {store}")
+        else:
+            (store / FEATURES).unlink(missing_ok=True)  # the folder's old index no longer holds
     with torch.inference_mode():
         for i, (sequence, answer) in enumerate(zip(corpus.sequences, corpus.answer_starts)):
+            if i < done:
+                continue
             cache = new_cache(model, len(sequence), GenerationParams())
             ids = torch.tensor([sequence], device=model.device)  # (1, T)
             positions = torch.arange(len(sequence), device=model.device).unsqueeze(0)  # (1, T)
@@ -398,6 +421,7 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
                 buffered += len(sequence)
                 if buffered >= FEATURE_ROWS:
                     flush()
+                    note(complete=False)
             if labels:
                 top = torch.topk(logits[0, :-1].float().log_softmax(-1), TOP_K)  # (T - answer, K)
                 top_ids.append(top.indices.cpu())
@@ -411,7 +435,7 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
         return states, corpus
     if states:
         flush()
-    (store / FEATURES).write_text(json.dumps({"key": key, "files": files, "spans": spans}))
+    note(complete=True)
     return StoredStates(store, files, spans), corpus
 
 
