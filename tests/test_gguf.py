@@ -638,6 +638,41 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     assert unread(Counter({"Q3_K": 5, "Q8_0": 2, "F32": 3})) == "5 Q3_K"  # a format no path reads
 
 
+def test_a_file_of_every_format_runs_each_at_its_bytes_and_as_plain_decoding_does(target, tmp_path, monkeypatch):
+    """The embedded model with its matrices spread over all eight formats the kernel reads, layer by layer and
+    product by product (so q, k and v, and gate and up, mostly differ: products of parts), runs every matrix at its
+    bytes; prompt lookup in batches of 1, 4 and 20 on the paged cache gives each request its plain decoding alone."""
+    from playground.models import requantise as requantise_module
+    from playground.models.gguf import census_of
+    from playground.models.loader import embedded_gguf
+
+    kinds = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+    products = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+    def spread(name: str, columns: int, fmt: str, layers: int) -> str:
+        parts = name.split(".")  # blk.N.PRODUCT.weight
+        kind = kinds[(int(parts[1]) + products.index(parts[2])) % 8] if parts[0] == "blk" else "Q8_0"
+        return requantise_module.FALLBACK.get(kind, kind) if columns % 256 and kind in K_QUANTS else kind
+
+    monkeypatch.setattr(requantise_module, "chosen", spread)
+    path = tmp_path / "every.gguf"
+    written = requantise_module.requantise(embedded_gguf(), path, "Q8_0")
+    assert set(written) == {"F32", *kinds}
+    every = load_model(ModelSpec(source=str(path), device="cpu", cache_dir=str(tmp_path / "cache")))
+    assert set(census_of(every.folder)) == set(kinds)  # the matrices (the norms are not)
+    read = {piece.format for _, panels in every.model.packed_products() for piece in panels.pieces}
+    assert read == {native.INTEGER_FORMATS[kind] for kind in kinds}  # nothing dequantised to float32
+    assert native.PARTS in {panels.format for _, panels in every.model.packed_products()}
+    generation = GenerationParams(max_new_tokens=12)
+    prompts = PROMPTS[:8]
+    alone = {p: generate(every, p, None, SamplingParams(), generation)[0].token_ids for p in prompts}
+    for max_running in (1, 4, 20):
+        engine = Engine(every, EngineParams(max_running=max_running), proposer=build_proposer(every, "prompt-lookup"))
+        ids = {engine.add_request(p, generation=generation): p for p in prompts}
+        outputs = engine.run_all()
+        assert {ids[rid]: out.token_ids for rid, out in outputs.items()} == alone, max_running
+
+
 @pytest.mark.parametrize("fmt, levels, block", [("Q4_K", 15, 32), ("Q5_K", 31, 32), ("Q6_K", 63, 16)])
 def test_the_k_quant_blocks_are_the_formats_own(fmt, levels, block):
     """`kquants` writes blocks that gguf's dequantiser reads back within one quantisation step of every weight, at
