@@ -7,6 +7,7 @@ and every way of asking for blocks that cannot work says why in one line."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from playground.__main__ import main
 from playground.config import ConfigError, EngineParams, GenerationParams, ModelSpec, SamplingParams
 from playground.decoding.costs import machine_key
 from playground.decoding.registry import build_proposer
@@ -635,6 +637,13 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q4_0, Q4_1, Q5_0 or Q8_0 matrix \(it "
                                              r"stores 211 Q5_1\); use --weights float32$"):
         load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf"))
+    # the quality suite on it: the float-activation row left out, in one line, the rest measured
+    report = tmp_path / "quality.json"
+    assert main(["bench", "--suite", "quality", "--model", str(tmp_path / "q5_1.gguf"), "--limit", "1",
+                 "--cache-dir", cache, "--json", str(report)]) == 0
+    assert "holds no Q4_0, Q4_1, Q5_0 or Q8_0 matrix" in capsys.readouterr().err
+    rows = json.loads(report.read_text())["quality"]["rows"]
+    assert [row["weights"] for row in rows if row["weights"] != "llama.cpp"] == ["float32", "gguf-int8"]
     assert unread(Counter({"Q3_K": 5, "Q8_0": 2, "F32": 3})) == "5 Q3_K"  # a format no path reads
 
 

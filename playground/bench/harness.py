@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from ..speedup import ROUNDS, compare, measure, median_interval, median_run
 from .peers import PeerRuns, Run, endpoint_stats, llama_cpp_peer, run_hf, run_llama, run_stats
 from .report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
 from .suite import GROUNDED, SUITE, per_category, read_prompts_file, spread
+
+if TYPE_CHECKING:
+    from ..models import LoadedModel
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +231,18 @@ def parse_algos(text: str) -> tuple[str, ...]:
     return names
 
 
+def float_activation_peer(spec: ModelSpec) -> LoadedModel | None:
+    """The model's GGUF blocks against float32 activations, or None (said in one line) where its file holds no
+    matrix those products read (they read Q8_0 and Q4_1, and Q4_0 and Q5_0 through them)."""
+    from ..models import ModelLoadError, load_model
+
+    try:
+        return load_model(replace(spec, weights="gguf"))
+    except ModelLoadError as exc:
+        print(f"{exc}: the float-activation blocks are left out", file=sys.stderr, flush=True)
+        return None
+
+
 def loading(spec: ModelSpec) -> ModelSpec:
     """`spec`, once the user has been told it loads."""
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
@@ -277,9 +292,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if target.weights in ("gguf-int8", "gguf") and not args.no_peers:  # the same model's float32 weights
         contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
-    if target.weights == "gguf-int8" and not args.no_peers:  # the same blocks against float32 activations
+    floats = float_activation_peer(target.spec) if target.weights == "gguf-int8" and not args.no_peers else None
+    if floats is not None:  # the same blocks against float32 activations
         contenders.insert(0, Contender(FLOAT_BLOCKS, PLAIN, None, "plain decoding on the GGUF blocks with float32 "
-                                       "activations", target=load_model(replace(target.spec, weights="gguf"))))
+                                       "activations", target=floats))
     if target.forwards != "eager":  # the same weights' forwards each at its own shape: what the static shapes buy
         contenders.insert(0, Contender(EAGER, PLAIN, None, "plain decoding with eager forwards",
                                        target=replace(target, forwards="eager")))
@@ -578,10 +594,11 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     chosen = token_windows(reference.tokenizer, passages, MIN_TOKENS)[: args.limit]
     contenders: dict[str, Callable[[list[int]], torch.Tensor]] = {}
     labels = {"float32": "float32 (the reference)"}
-    for weights in ("gguf-int8", "gguf"):
-        loaded = load_model(replace(spec, weights=weights))
-        contenders[weights] = partial(window_logits, loaded.model)
-        labels[weights] = native.formats_read(loaded.model)
+    for weights, loaded in (("gguf-int8", load_model(replace(spec, weights="gguf-int8"))),
+                            ("gguf", float_activation_peer(spec))):
+        if loaded is not None:
+            contenders[weights] = partial(window_logits, loaded.model)
+            labels[weights] = native.formats_read(loaded.model)
     llama = llama_logits(str(gguf_file))
     if llama is not None:
         contenders["llama.cpp"], labels["llama.cpp"] = llama, "llama.cpp on the same file"
