@@ -239,7 +239,8 @@ def float_activation_peer(spec: ModelSpec) -> LoadedModel | None:
     try:
         return load_model(replace(spec, weights="gguf"))
     except ModelLoadError as exc:
-        print(f"{exc}: the float-activation blocks are left out", file=sys.stderr, flush=True)
+        reason = str(exc).removeprefix("weights: ").removesuffix("; use --weights float32")
+        print(f"bench: no row for the blocks against float32 activations: {reason}", file=sys.stderr, flush=True)
         return None
 
 
