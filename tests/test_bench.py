@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from collections import Counter
 
 import pytest
@@ -205,6 +206,7 @@ def test_the_kernel_suite_reads_the_products_and_the_forward_against_their_bound
 
     monkeypatch.setattr(bench_kernel, "MIN_SECONDS", 0.002)
     monkeypatch.setattr(bench_kernel, "REPEATS", 2)
+    monkeypatch.setattr(bench_kernel, "PAIRED_ROUNDS", 2)
     monkeypatch.setattr(native, "read_bandwidth", lambda kernel, threads: 20e9)  # a fixed machine, for the table
     out_json, out_md = tmp_path / "k.json", tmp_path / "k.md"
     assert main(["bench", "--suite", "kernel", "--json", str(out_json), "--markdown", str(out_md)]) == 0
@@ -219,8 +221,12 @@ def test_the_kernel_suite_reads_the_products_and_the_forward_against_their_bound
     forward = kernel["forward"]
     assert forward["bound_ms"] == pytest.approx(1e3 * forward["bytes"] / 20e9) and 90e6 < forward["bytes"] < 100e6
     assert set(forward["ms"]) == {"1", "4", "8"} and all(v > 0 for v in forward["ms"].values())
+    paired = forward["paired"]  # each one-token forward against the bandwidth of its own round (fixed here)
+    assert len(paired["ratios"]) == 2 and paired["read_gb_per_s"] == [20.0, 20.0]
+    assert paired["median"] == pytest.approx(statistics.median(paired["ratios"])) and min(paired["ratios"]) > 0
     text = out_md.read_text()
     assert "| 3072x576 | Q4_1 x 8-bit | 12 |" in text and "bounds a forward at" in text
+    assert "the bound of its own moment (median" in text
 
 
 def test_bench_races_a_spec_bench_file_per_category(tmp_path) -> None:
