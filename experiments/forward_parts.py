@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "this checkout": lambda source: source,
-    "products return at once": lambda source: source.replace(
-        "                      int nt) {\n    if (n <= 0) return;", "                      int nt) {\n    if (1) return;"),
+    "products return at once": lambda source: source.replace("int nt) {\n    if (n <= 0) return;",
+                                                             "int nt) {\n    if (1) return;"),
     "no barriers (wrong results)": lambda source: source.replace("#pragma omp barrier", ""),
 }
 
