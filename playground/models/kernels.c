@@ -204,13 +204,10 @@ int playground_formats(void) {
                        : every_build;
 }
 
-/* A GGUF matrix as the file stores it, rows (out, in / QK blocks of Q8_0's 34 or Q4_1's 20 bytes), regrouped into
- * the panels described above (zero past `out`, so padded outputs read zero scales and minimums), or, for the integer
- * formats, into the layout of "Integer products" below. */
 /* Quant k (0..31) of output i of a block into the integer formats' quant rows at `quants` (see "Integer products"):
  * nibble formats as 4 rows of PANEL * 4 bytes, row r holding inputs 4r .. 4r + 3 in its low nibbles and 16 + 4r ..
- * 16 + 4r + 3 in its high ones; above 4 bits (Q5_K, Q6_K), bit plane words of output i at `plane` + 4i (Q6_K's
- * second word at `plane` + PANEL * 4), input 4g + c's fifth bit at bit 8c + g (Q5_K), its two top bits at bit
+ * 16 + 4r + 3 in its high ones; above 4 bits, bit plane words of output i at `plane` + 4i (Q6_K's second word at
+ * `plane` + PANEL * 4): input 4g + c's fifth bit at bit 8c + g (Q5_0, Q5_1, Q5_K), its two top bits at bit
  * 8c + 2 (g % 4) of the first word (g < 4) or the second (Q6_K). */
 static void put_quant(uint8_t *quants, uint8_t *plane, int fmt, long i, long k, unsigned q) {
     const long group = k / 4, c = k % 4, at = (group % 4) * PANEL * 4 + i * 4 + c;
@@ -275,6 +272,9 @@ static void pack_k_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t
     }
 }
 
+/* A GGUF matrix as the file stores it, rows (out, in / QK blocks, or in / QK_K super-blocks), regrouped into the
+ * panels described above (zero past `out`, so padded outputs read zero scales and minimums), or, for the integer
+ * formats, into the layout of "Integer products" below. */
 void playground_pack_blocks(const uint8_t *rows, int out, int in, int fmt, uint8_t *panels) {
     if (kquant(fmt)) {
         pack_k_blocks(rows, out, in, fmt, panels);
@@ -514,10 +514,11 @@ static void block_sums(const float *x, long n, long in, float *s) {
 }
 
 /* ---- Integer products on 8-bit activations ----
- * FMT_Q8_0_X8 and FMT_Q4_1_X8 hold the same GGUF blocks as FMT_Q8_0 and FMT_Q4_1; a product quantises each row of x
- * per block of QK inputs to 8-bit integers (`quantise_rows`, as llama.cpp's Q8_0 activations) and multiplies them
- * against the weights' quants in 32-bit integer dot products: with AVX-512 VNNI or AVX-VNNI one instruction does 4
- * multiply-adds for each of 16 (8) outputs, against one float multiply-add per weight after widening it. A block's
+ * FMT_Q8_0_X8 and FMT_Q4_1_X8 hold the same GGUF blocks as FMT_Q8_0 and FMT_Q4_1 (the other FMT_*_X8 those of their
+ * formats, in integer products only); a product quantises each row of x per block of QK inputs to 8-bit integers
+ * (`quantise_rows`, as llama.cpp's Q8_0 activations) and multiplies them against the weights' quants in 32-bit
+ * integer dot products: with AVX-512 VNNI or AVX-VNNI one instruction does 4 multiply-adds for each of 16 (8)
+ * outputs, against one float multiply-add per weight after widening it. A block's
  * integer sum isum = sum of q * q_x is exact whatever the instructions, so every build folds the same integers into
  * the output, block by block in order from y = 0:
  *     Q8_0: y = fma(float(isum) * d, d_x, y)
@@ -526,6 +527,8 @@ static void block_sums(const float *x, long n, long in, float *s) {
  * meets the quantised activations, not x itself, as llama.cpp's Q8_1 has it: the weights d * q + m are centred near
  * zero, so the activations' rounding errors mostly cancel across a block; summing m * x exactly instead leaves
  * d * q, all of one sign, to carry those errors, which was four times further from float32 (the results log).
+ * Q4_0 and Q5_0 (w = d * (q - 8), d * (q - 16)) fold as Q8_0, the offset times the block's sum of q_x taken off
+ * isum in integers; Q5_1 as Q4_1; the fifth bits of Q5_0, Q5_1 and Q5_K sit in a bit plane beside the nibbles.
  * The K-quants (llama.cpp's Q4_K, Q5_K, Q6_K) fold the same way per block of 32 inputs, their scales formed as the
  * format defines them: Q4_K and Q5_K (w = d * sc * q - dmin * m, q of 4 or 5 bits) as Q4_1 with d * sc and
  * -(dmin * m); Q6_K (w = d * sc * (q - 32), q of 6 bits, a scale per 16 inputs) as Q8_0 once per 16 inputs, with
@@ -565,8 +568,8 @@ static void block_sums(const float *x, long n, long in, float *s) {
 const char *playground_dot_products(void) { return DOT; }
 
 /* Each row of x (n, in) per block of QK inputs: q = round(x / d) (to nearest, ties to even) with d = max |x| / 127,
- * so q is in [-127, 127] (d = 0 and q = 0 for a block of zeros); qsum the sums of q over each half block (16 inputs). Scalar IEEE operations,
- * the same on every build. */
+ * so q is in [-127, 127] (d = 0 and q = 0 for a block of zeros); qsum the sums of q over each 16 inputs. Scalar
+ * IEEE operations, the same on every build. */
 static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, int32_t *qsum) {
     for (long b = 0; b < n * in / QK; b++) {
         const float *v = x + b * QK;
@@ -588,9 +591,9 @@ static void quantise_rows(const float *x, long n, long in, int8_t *q, float *d, 
     }
 }
 
-/* How `dot4` reads a weight's quants: signed bytes (Q8_0), unsigned nibbles (Q4_1, Q4_K: 16-bit pair sums stay in 16
- * bits over a block without VNNI, see `settle`), or unsigned 5 or 6 bits (Q5_K, Q6_K: pair sums up to 2 * 63 * 127,
- * widened at once). */
+/* How `dot4` reads a weight's quants: signed bytes (Q8_0), unsigned nibbles (Q4_0, Q4_1, Q4_K: 16-bit pair sums stay
+ * in 16 bits over a block without VNNI, see `settle`), or unsigned 5 or 6 bits (Q5_0, Q5_1, Q5_K, Q6_K: pair sums up
+ * to 2 * 63 * 127, widened at once). */
 #define SIGNED 0
 #define NIBBLES 1
 #define WIDE 2
@@ -698,7 +701,11 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
     const int kind = !nibbles ? SIGNED : five_bits(fmt) || halves ? WIDE : NIBBLES, mins = has_minimum(fmt);
     /* quants read offset by a constant (Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32; Q8_0 flipped to unsigned
      * under VNNI: + 128): the sum is that constant times the quants' sum of x short, added back at the fold */
-    const int offset = fmt == FMT_Q4_0_X8 ? 8 : fmt == FMT_Q5_0_X8 ? 16 : halves ? 32 : DOT_OFFSET && !nibbles ? 128 : 0;
+    const int offset = fmt == FMT_Q4_0_X8   ? 8
+                     : fmt == FMT_Q5_0_X8   ? 16
+                     : halves               ? 32
+                     : DOT_OFFSET && !nibbles ? 128
+                                              : 0;
     const long blocks = in / QK, panel_bytes = panel_bytes_of(fmt, in);
     const long quant_at = fmt == FMT_Q4_1_X8 || fmt == FMT_Q5_1_X8 ? PANEL * 4 : PANEL * 2; /* past the scales */
     const long plane_at = quant_at + QK * PANEL / 2;
@@ -756,7 +763,8 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                                 if (nibbles && !halves) memcpy(&x4_high, xb + 4 * (r + 4), 4);
                                 for (int j = 0; j < NV; j++) {
                                     acc[g][i][j] = dot4(acc[g][i][j], w[j], x4, kind);
-                                    if (nibbles && !halves) acc[g][i][j] = dot4(acc[g][i][j], high[j], x4_high, kind);
+                                    if (nibbles && !halves)
+                                        acc[g][i][j] = dot4(acc[g][i][j], high[j], x4_high, kind);
                                 }
                             }
                         }
@@ -774,9 +782,11 @@ static inline __attribute__((always_inline)) void integer_rows(const int8_t *xq,
                 vf scale[NV], low[NV];
                 for (int j = 0; j < NV; j++) {
                     if (kquant(fmt)) {
-                        scale[j] = widen_halves(head + j * VEC * 2) * bytes_as_floats(blk + h * PANEL + j * VEC, halves);
+                        const vf d = widen_halves(head + j * VEC * 2);
+                        scale[j] = d * bytes_as_floats(blk + h * PANEL + j * VEC, halves);
                         low[j] = halves ? (vf){0}
-                               : -widen_halves(head + PANEL * 2 + j * VEC * 2) * bytes_as_floats(blk + PANEL + j * VEC, 0);
+                                        : -widen_halves(head + PANEL * 2 + j * VEC * 2) *
+                                              bytes_as_floats(blk + PANEL + j * VEC, 0);
                     } else {
                         scale[j] = widen_halves(blk + j * VEC * 2);
                         low[j] = mins ? widen_halves(blk + PANEL * 2 + j * VEC * 2) : (vf){0};
@@ -848,9 +858,9 @@ static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, l
 }
 
 /* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) row-major and contiguous, y (n, out)
- * rows ldy floats apart; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it streams its
- * own part of the weights once, a group of G panels at a time, with every pass of rows over the group before the
- * next group (see `plan`). */
+ * rows ldy floats apart; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it
+ * streams its own part of the weights once, a group of G panels at a time, with every pass of rows over the group
+ * before the next group (see `plan`). */
 static void gemm_part(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, long ldy, int t,
                       int nt) {
     if (n <= 0) return;
