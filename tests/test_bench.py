@@ -30,8 +30,12 @@ def test_bench_writes_report(tmp_path, target) -> None:
     assert "| 2 | code |" in out_md.read_text()
     row = report["prompts"][0]
     assert row["ar"]["tokens"] >= 1 and row["hf"]["tokens"] >= 1 and isinstance(row["same_tokens"], bool)
-    assert report["bandwidth"]["copy_gb_per_s"] > 0 and report["bandwidth"]["bound_tokens_per_s"] > 0
+    bandwidth = report["bandwidth"]  # measured before each prompt: the bound at its median
+    assert bandwidth["copy_gb_per_s"] > 0 and bandwidth["bound_tokens_per_s"] > 0
+    low, high = bandwidth["copy_gb_per_s_range"]
+    assert 0 < low <= bandwidth["copy_gb_per_s"] <= high
     assert 0 < report["summary"]["fraction_of_bound"]
+    assert "measured before each prompt" in out_md.read_text()
     assert report["summary"]["median_ratio_vs_hf"] > 0
     assert "memory-bandwidth bound" in out_md.read_text()
     # the embedded model reads its GGUF blocks in integers; the same run races plain decoding on the same blocks
