@@ -857,29 +857,50 @@ static void integer_pass(const int8_t *xq, const float *xd, const int32_t *xt, l
     }
 }
 
-/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) row-major and contiguous, y (n, out)
- * rows ldy floats apart; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it
+/* x (n, in) as the products that read it need it, each thread its own copy: FMT_Q4_1's block sums of every row
+ * (`block_sums`), or the integer formats' quants, scales and sums over each 16 inputs (`quantise_rows`); NULL where
+ * no product reads them. */
+struct prepared {
+    float *sums, *xd;
+    int8_t *xq;
+    int32_t *xt;
+};
+
+static struct prepared prepare(const float *x, int n, int in, int sums, int quants) {
+    const long blocks = in / QK;
+    struct prepared p = {NULL, NULL, NULL, NULL};
+    if (sums) {
+        p.sums = malloc((size_t)n * blocks * sizeof(float));
+        if (p.sums == NULL) abort(); /* a few hundred kilobytes at most: the process is out of memory */
+        block_sums(x, n, in, p.sums);
+    }
+    if (quants) {
+        p.xq = malloc((size_t)n * in);
+        p.xd = malloc((size_t)n * blocks * sizeof(float));
+        p.xt = malloc((size_t)n * blocks * 2 * sizeof(int32_t));
+        if (p.xq == NULL || p.xd == NULL || p.xt == NULL) abort();
+        quantise_rows(x, n, in, p.xq, p.xd, p.xt);
+    }
+    return p;
+}
+
+static void release(struct prepared *p) {
+    free(p->sums);
+    free(p->xq);
+    free(p->xd);
+    free(p->xt);
+}
+
+/* Thread t of nt's share of y = x @ W^T, inside a parallel region: x (n, in) row-major and contiguous (`pre` its
+ * prepared forms), y (n, out) rows ldy floats apart; packed (ceil(out / PANEL), in, PANEL). Each thread takes a contiguous run of panels, so it
  * streams its own part of the weights once, a group of G panels at a time, with every pass of rows over the group
  * before the next group (see `plan`). */
-static void gemm_part(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, long ldy, int t,
-                      int nt) {
-    if (n <= 0) return;
-    float *sums = NULL, *xd = NULL; /* FMT_Q4_1: every row's block sums; integer formats: x's scales */
-    int8_t *xq = NULL;              /* integer formats: x's quants, each thread its own copy of all of these */
-    int32_t *xt = NULL;
+static void gemm_part(const float *x, const struct prepared *pre, int n, int in, const void *packed, int fmt, int out,
+                      float *y, long ldy, int t, int nt) {
+    const float *sums = pre->sums, *xd = pre->xd;
+    const int8_t *xq = pre->xq;
+    const int32_t *xt = pre->xt;
     const long blocks = in / QK;
-    if (fmt == FMT_Q4_1) {
-        sums = malloc((size_t)n * blocks * sizeof(float));
-        if (sums == NULL) abort(); /* a few hundred kilobytes at most: the process is out of memory */
-        block_sums(x, n, in, sums);
-    }
-    if (integer(fmt)) {
-        xq = malloc((size_t)n * in);
-        xd = malloc((size_t)n * blocks * sizeof(float));
-        xt = malloc((size_t)n * blocks * 2 * sizeof(int32_t));
-        if (xq == NULL || xd == NULL || xt == NULL) abort();
-        quantise_rows(x, n, in, xq, xd, xt);
-    }
     long panels = (out + PANEL - 1) / PANEL;
     uintptr_t panel_bytes = panel_bytes_of(fmt, in), row_bytes = panel_bytes / in; /* per input, on average */
     int chunk, G;
@@ -923,10 +944,6 @@ static void gemm_part(const float *x, int n, int in, const void *packed, int fmt
             }
         }
     }
-    free(sums);
-    free(xq);
-    free(xd);
-    free(xt);
 }
 
 /* A product whose output rows come in parts stored in different formats (a GGUF file's q, k and v, or gate and up,
@@ -943,13 +960,17 @@ struct parts {
  * contiguous; packed in format fmt (`gemm_part`), or for FMT_PARTS a `struct parts`. */
 static void gemm_share(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int t,
                        int nt) {
-    if (fmt != FMT_PARTS) {
-        gemm_part(x, n, in, packed, fmt, out, y, out, t, nt);
-        return;
+    if (n <= 0) return;
+    const struct parts whole = {1, {fmt}, {out}, {packed}}, *p = fmt == FMT_PARTS ? packed : &whole;
+    int sums = 0, quants = 0; /* x prepared once for every part */
+    for (int i = 0; i < p->count; i++) {
+        sums |= p->formats[i] == FMT_Q4_1;
+        quants |= integer(p->formats[i]);
     }
-    const struct parts *p = packed;
+    struct prepared pre = prepare(x, n, in, sums, quants);
     for (int i = 0, column = 0; i < p->count; column += p->outs[i], i++)
-        gemm_part(x, n, in, p->data[i], p->formats[i], p->outs[i], y + column, out, t, nt);
+        gemm_part(x, &pre, n, in, p->data[i], p->formats[i], p->outs[i], y + column, out, t, nt);
+    release(&pre);
 }
 
 void playground_gemm(const float *x, int n, int in, const void *packed, int fmt, int out, float *y, int threads) {
