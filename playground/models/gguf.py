@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint import layer_products
-from .native import BLOCKS, GGUF_FORMATS
+from .native import BLOCKS, GGUF_FORMATS, words
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 CENSUS = "matrices by format"  # the blocks file's metadata entry: the GGUF file's matrices, "Q4_1:210,Q8_0:1"
@@ -154,20 +154,16 @@ def as_read(blocks: Blocks, integer: bool) -> dict[str, tuple[str, torch.Tensor]
 def unread(census: Counter[str], integer: bool = True) -> str | None:
     """The file's matrices the native kernel does not read as stored (in integer products where `integer`, else
     against float32 activations), as words ("16 Q4_K and 14 Q6_K"), or None."""
-    return _words([f"{n} {fmt}" for fmt, n in sorted(census.items())
-                   if fmt not in read_formats(integer) and fmt not in FLOAT_FORMATS])
+    read = read_formats(integer)
+    return words([f"{n} {fmt}" for fmt, n in sorted(census.items())
+                  if fmt not in read and fmt not in FLOAT_FORMATS]) or None
 
 
 def widened(census: Counter[str]) -> str | None:
     """The file's matrices the kernel reads through another format against float32 activations (`READ_AS`), as
     words, or None: "211 Q4_0 matrices as Q4_1 (20 bytes a block of 32 instead of 18)"."""
-    return _words([f"{census[fmt]} {fmt} matrices as {kind} ({BLOCKS[kind][1]} bytes a block of 32 instead of "
-                   f"{BLOCKS[fmt][1]})" for fmt, kind in READ_AS.items() if census.get(fmt)])
-
-
-def _words(parts: list[str]) -> str | None:
-    """"a", "a and b", "a, b and c"; None for none."""
-    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts) or None
+    return words([f"{census[fmt]} {fmt} matrices as {kind} ({BLOCKS[kind][1]} bytes a block of 32 instead of "
+                  f"{BLOCKS[fmt][1]})" for fmt, kind in READ_AS.items() if census.get(fmt)]) or None
 
 
 def native_blocks(blocks: Blocks, num_layers: int) -> dict[str, Parts]:

@@ -215,8 +215,8 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
     others = unread(census)  # matrices in a block format the kernel does not read, as words ("14 IQ4_XS")
     if asked and not blocks:
         stored = unread(census, integer)
-        kinds = sorted(read_formats(integer))
-        raise ModelLoadError(f"weights: {gguf_file.name} holds no {', '.join(kinds[:-1])} or {kinds[-1]} matrix"
+        kinds = native.words(sorted(read_formats(integer)), "or")
+        raise ModelLoadError(f"weights: {gguf_file.name} holds no {kinds} matrix"
                              f"{f' (it stores {stored})' if stored else ''}; use --weights float32")
     wider = None if integer else widened(census)
     if wider is not None and blocks:
@@ -224,9 +224,8 @@ def weight_blocks(spec: ModelSpec, folder: Path, device: torch.device, tensors: 
               flush=True)
     only = None if integer else unread(census, integer=False)
     if only is not None and only != others:
-        kinds = sorted(read_formats(False))
         print(f"weights: {gguf_file.name} stores {only} matrices; with --weights gguf the native kernel reads only "
-              f"{', '.join(kinds[:-1])} and {kinds[-1]} (--weights auto reads more, in integer products); the rest "
+              f"{native.words(sorted(read_formats(False)))} (--weights auto reads more, in integer products); the rest "
               "run as float32 weights dequantised from them", file=sys.stderr, flush=True)
     elif others is not None:
         print(f"weights: {gguf_file.name} stores {others} matrices, which the native kernel does not read yet; "

@@ -135,8 +135,12 @@ def formats_read(model: Transformer) -> str:
     if all(name in BLOCKS for name in names):
         integer = codes <= set(INTEGER_FORMATS.values())
         blocks = " blocks, 8-bit activations" if integer else " blocks, float32 activations"
-    listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)  # "a, b and c"
-    return f"{listed}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
+    return f"{words(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
+
+
+def words(parts: Sequence[str], last: str = "and") -> str:
+    """"a", "a and b", "a, b and c" (`last` the word before the last part); "" for none."""
+    return f" {last} ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
 
 
 def cpu_signature() -> str:

@@ -382,17 +382,16 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
     spans: list[tuple[int, int, int]] = []
     buffered = 0  # rows in `states` not yet in a file
 
-    def flush() -> None:
+    def flush(complete: bool = False) -> None:
+        """The buffered states (if any) into a file, then the index: what a later pass reads or resumes from."""
         nonlocal buffered
         assert store is not None
-        name = f"features-{len(files):05d}.safetensors"
-        save_file({"states": torch.cat(states)}, str(store / name))
-        files.append(name)
-        states.clear()
-        buffered = 0
-
-    def note(complete: bool) -> None:  # the index, after every file: what a later pass reads or resumes from
-        assert store is not None
+        if states:
+            name = f"features-{len(files):05d}.safetensors"
+            save_file({"states": torch.cat(states)}, str(store / name))
+            files.append(name)
+            states.clear()
+            buffered = 0
         (store / FEATURES).write_text(json.dumps({"key": key, "files": files, "spans": spans, "complete": complete}))
 
     done = 0  # sequences already in files
@@ -421,7 +420,6 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
                 buffered += len(sequence)
                 if buffered >= FEATURE_ROWS:
                     flush()
-                    note(complete=False)
             if labels:
                 top = torch.topk(logits[0, :-1].float().log_softmax(-1), TOP_K)  # (T - answer, K)
                 top_ids.append(top.indices.cpu())
@@ -433,9 +431,7 @@ def target_pass(target: Any, corpus: Corpus, taps: tuple[int, ...] = (), labels:
         corpus = Corpus(corpus.sequences, corpus.answer_starts, torch.cat(top_ids), torch.cat(top_logprobs))
     if store is None:
         return states, corpus
-    if states:
-        flush()
-    note(complete=True)
+    flush(complete=True)
     return StoredStates(store, files, spans), corpus
 
 
