@@ -3,9 +3,11 @@
 layer of width 64, random weights), through the static-shape forwards and with the step's draws made ahead as off
 the CPU, so that the Python of scheduling, drawing, committing and tracing is what is timed.
 
-    python experiments/host_work.py [--batch 1] [--tokens 300] [--rounds 7] [--no-trace]
+    python experiments/host_work.py [--batch 1] [--tokens 300] [--rounds 7] [--no-trace] [--algo lookahead]
 
-Prints the median over rounds of a decode step's time, of its forward (`Runner.run`) and of the rest.
+Prints the median over rounds of a decode step's time, of its forward (`Runner.run`) and of the rest. With --algo
+(prompt-lookup or lookahead, whose proposers need no model of their own) each step proposes as set, every width
+costing one forward, so that its proposing, walking and tracing are timed too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from playground.config import EngineParams, GenerationParams, ModelSpec, SamplingParams  # noqa: E402
+from playground.decoding.costs import ForwardCosts  # noqa: E402
+from playground.decoding.lookahead import LookaheadParams  # noqa: E402
+from playground.decoding.prompt_lookup import PromptLookupParams  # noqa: E402
+from playground.decoding.proposer import Proposer  # noqa: E402
+from playground.decoding.registry import build_proposer  # noqa: E402
 from playground.engine.engine import Engine  # noqa: E402
 from playground.kv import blocks_for  # noqa: E402
 from playground.models import LoadedModel, load_model  # noqa: E402
@@ -45,13 +52,23 @@ def tiny_target() -> LoadedModel:
     return dataclasses.replace(target, model=model, forwards="static")
 
 
-def step_times(target: LoadedModel, batch: int, tokens: int, trace: bool) -> tuple[float, float]:
+def proposer_of(target: LoadedModel, algo: str | None) -> Proposer | None:
+    """None (plain decoding), prompt lookup or lookahead (its pools from the prompt and the text alone)."""
+    if algo is None:
+        return None
+    params = {"prompt-lookup": PromptLookupParams(), "lookahead": LookaheadParams(corpus_pool=False)}[algo]
+    return build_proposer(target, algo, params)
+
+
+def step_times(target: LoadedModel, batch: int, tokens: int, trace: bool,
+               algo: str | None = None) -> tuple[float, float]:
     """Seconds per decode step, and of its forward, for `batch` requests of `tokens` new tokens each (the prefill
     steps left out)."""
-    prompts = [list(range(5 + i, 5 + i + PROMPT_TOKENS)) for i in range(batch)]
-    params = EngineParams(max_running=batch, kv="paged" if batch > 1 else "contiguous",
-                          num_blocks=batch * blocks_for(PROMPT_TOKENS + tokens, EngineParams().block_size))
-    engine = Engine(target, params, record_blocks=False, trace=trace)
+    prompts = [list(range(5 + i, 5 + i + PROMPT_TOKENS)) * 2 for i in range(batch)]  # a text that repeats
+    params = EngineParams(max_running=batch, kv="paged" if batch > 1 else "contiguous", plan="as-set",
+                          num_blocks=batch * blocks_for(2 * PROMPT_TOKENS + tokens + 64, EngineParams().block_size))
+    engine = Engine(target, params, record_blocks=False, trace=trace, proposer=proposer_of(target, algo),
+                    costs=ForwardCosts((1, 2), (1.0, 1.0)))
     engine.draws_ahead = True  # as off the CPU: one transfer of every draw a step
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(), GenerationParams(max_new_tokens=tokens))
@@ -81,15 +98,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=300, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-trace", action="store_true", help="no trace events (as the server runs)")
+    parser.add_argument("--algo", choices=["prompt-lookup", "lookahead"], default=None,
+                        help="a proposer with no model of its own, proposing as set (default: plain decoding)")
     args = parser.parse_args()
     target = tiny_target()
-    step_times(target, args.batch, 8, not args.no_trace)  # warm-up
-    rounds = [step_times(target, args.batch, args.tokens, not args.no_trace) for _ in range(args.rounds)]
+    step_times(target, args.batch, 8, not args.no_trace, args.algo)  # warm-up
+    rounds = [step_times(target, args.batch, args.tokens, not args.no_trace, args.algo) for _ in range(args.rounds)]
     step = statistics.median(s for s, _ in rounds)
     forward = statistics.median(f for _, f in rounds)
     beside = statistics.median(s - f for s, f in rounds)
-    print(f"batch {args.batch}, {'no trace' if args.no_trace else 'traced'}: a step {1e3 * step:.3f} ms, its forward "
-          f"{1e3 * forward:.3f} ms, beside it {1e3 * beside:.3f} ms (medians of {args.rounds} rounds)")
+    shown = f"{args.algo or 'plain'}, batch {args.batch}, {'no trace' if args.no_trace else 'traced'}"
+    print(f"{shown}: a step {1e3 * step:.3f} ms, its forward {1e3 * forward:.3f} ms, beside it {1e3 * beside:.3f} ms "
+          f"(medians of {args.rounds} rounds)")
     return 0
 
 

@@ -189,7 +189,7 @@ def summary_line(algo: str, metrics: Any, trace: Any, finish_reason: str,
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import generate, one_request_costs
     from .metrics import compute, drafting_note
-    from .models import load_model, native
+    from .models import load_model
 
     spec = model_spec(args)
     sampling, generation = sampling_params(args)
@@ -201,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_writable("timeline-out", [Path(args.timeline_out)])
     print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
     target = load_model(spec)
-    print(f"Its products read {native.formats_read(target.model)}.", file=sys.stderr, flush=True)
+    print(f"Its products read {target.model.formats_read()}.", file=sys.stderr, flush=True)
     proposer = build_proposer(args, target, params, copies)
     relative_cost = one_request_costs(target) if proposer is not None else None
     traces = []
@@ -238,7 +238,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import listen, serve
-    from .models import load_model, native
+    from .models import load_model
 
     spec = model_spec(args)
     settings, copies = algo_params(args)
@@ -255,7 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"Loading model {spec.source!r}...", file=sys.stderr, flush=True)
         target = load_model(spec)
-        print(f"Its products read {native.formats_read(target.model)}.", file=sys.stderr, flush=True)
+        print(f"Its products read {target.model.formats_read()}.", file=sys.stderr, flush=True)
         serve(target, params, sock, api_key=api_key, max_waiting=args.max_waiting,
               proposer=build_proposer(args, target, settings, copies), allowed_hosts=allowed_hosts,
               metrics_public=args.metrics_public, allowed_origins=allowed_origins)

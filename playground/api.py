@@ -27,7 +27,9 @@ import socket
 import sys
 import threading
 import time
+import typing
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any, Literal
@@ -482,88 +484,146 @@ async def read_body(request: Request) -> bytes:
 # -- uvicorn ----------------------------------------------------------------------------------------------------------
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with what it lacks against clients that hold connections without using them:
-    - a deadline for each request's head (a client that opens a connection and sends its request slowly, or never,
-      is dropped after HEAD_TIMEOUT_S), and a bound on its size (MAX_HEAD_BYTES: a 431), however it arrives;
-    - at most MAX_FRESH connections that have sent no request yet: a new one closes the oldest of them, so sockets
-      opened and left idle can never lock real clients out; past MAX_CONNECTIONS in all, a new one gets a 503;
-    - OpenAI's JSON error, with Retry-After on a 503, where uvicorn answers in plain text;
+class Guarded(asyncio.Protocol):
+    """uvicorn's HTTP/1.1 protocol with what it lacks against clients that hold connections without using them, in
+    front of it: uvicorn builds this class as it builds any protocol class its configuration names (`http=`), and it
+    builds uvicorn's own `H11Protocol` with the same arguments, passed on unread, then hands it the bytes. It reads
+    nothing of uvicorn's state: it frames the bytes itself, each request with an `h11` parser of its own (a head,
+    then the body its head announces), and so knows where a head begins and ends. It adds:
+    - a deadline for each request's head, from its first byte (the connection's first from its opening; a client
+      that sends its head slowly, or never, is dropped after HEAD_TIMEOUT_S), and a bound on its size
+      (MAX_HEAD_BYTES: a 431), however it arrives; uvicorn's own keep-alive timeout closes a connection idle
+      between requests;
+    - at most MAX_FRESH connections a server that have sent no whole head yet: a new one closes the oldest of them,
+      so sockets opened and left idle can never lock real clients out; past MAX_CONNECTIONS in all, a new one gets a
+      503;
+    - OpenAI's JSON error for HTTP it cannot read (a 400), where uvicorn answers in plain text;
     - TCP_NODELAY, without which every request on a kept-alive connection waits about 40 ms.
     Requests in flight are bounded by the worker (`max_waiting`), not by counting connections."""
 
-    _head_timer: asyncio.TimerHandle | None = None
-    _fresh = True  # no request yet on this connection
-    _opened = 0.0
-    _head_bytes = 0
+    def __init__(self, **arguments: Any) -> None:
+        self.inner = H11Protocol(**arguments)
+        self.peers = _OPEN.setdefault(arguments["server_state"], {})  # this server's connections, oldest first
+        self.transport: asyncio.Transport | None = None
+        self.parser = self._parser()  # frames the current request
+        self.fresh = True  # no whole head yet on this connection
+        self.in_head = True  # the bytes arriving are a head's
+        self.head_bytes = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.passing = False  # uvicorn's protocol has the connection
 
-    def send_400_response(self, msg: str) -> None:
-        self._answer(HTTPStatus.BAD_REQUEST, f"the request is not valid HTTP ({msg})")
+    @staticmethod
+    def _parser() -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
 
-    def _answer(self, status: HTTPStatus, message: str) -> None:
-        """An error as the connection's last words: JSON, then close."""
-        error = ApiError(message, status=status, kind="server_error" if status >= 500 else "invalid_request_error")
-        body = json.dumps(error.body()).encode()
-        # written out whole: the connection's h11 state may be mid-request, or before any, and refuse a response
-        retry = "retry-after: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
-        head = (f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n{retry}\r\n")
-        self.transport.write(head.encode() + body)
-        self.transport.close()
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = typing.cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # a response goes out in two writes (head, body): with Nagle's algorithm on, the body waits for the
             # client's delayed ACK of the head, about 40 ms on every request of a kept-alive connection
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._opened = self.loop.time()
-        if len(self.connections) > MAX_CONNECTIONS:
+        if len(self.peers) >= MAX_CONNECTIONS:
             self._answer(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds {MAX_CONNECTIONS} connections, its "
                                                          "most; retry shortly")
             return
-        fresh = [c for c in self.connections if isinstance(c, GuardedH11) and c is not self and c._fresh]
-        if len(fresh) >= MAX_FRESH:  # the one idle longest makes room
-            oldest = min(fresh, key=lambda c: c._opened)
-            oldest._fresh = False  # closing: it counts no more
-            oldest.transport.close()
+        fresh = [peer for peer in self.peers if peer.fresh]
+        if len(fresh) >= MAX_FRESH:  # the one idle longest (the first opened) makes room
+            fresh[0].fresh = False  # closing: it counts no more
+            fresh[0].close()
+        self.peers[self] = None
         self._arm()
+        self.passing = True
+        self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        # a head is arriving: not the rest of a body the answer did not wait for (a refused upload), which h11 reads
-        # to its end and drops
-        if (self.cycle is None or self.cycle.response_complete) and self.conn.their_state is h11.IDLE:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.parser.their_state in (h11.MUST_CLOSE, h11.CLOSED):  # no request follows: uvicorn's to judge
+            self.inner.data_received(data)
+            return
+        if not self.in_head and self.parser.their_state is h11.DONE:  # the next request's head begins
+            self.parser, self.in_head = self._parser(), True
+            self._arm()
+        if self.in_head:
             end = data.find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end == -1 else end
-            if self._head_bytes > MAX_HEAD_BYTES:
+            self.head_bytes += len(data) if end == -1 else end
+            if self.head_bytes > MAX_HEAD_BYTES:
                 self._answer(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                              f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes")
                 return
-            if end != -1:
-                self._head_bytes = 0
-        super().data_received(data)
-        if self.cycle is not None:
-            self._fresh = False
+        try:
+            self._frame(data)
+        except h11.RemoteProtocolError as exc:
+            self._answer(HTTPStatus.BAD_REQUEST, f"the request is not valid HTTP ({exc})")
+            return
+        self.inner.data_received(data)
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
+    def _frame(self, data: bytes) -> None:
+        """Feed the bytes to this request's parser (and what follows its end to the next one's): a whole head
+        stops its deadline."""
+        self.parser.receive_data(data)
+        while True:
+            event = self.parser.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                if event is h11.PAUSED and self.parser.trailing_data[0]:  # a pipelined request: the next one's
+                    rest = self.parser.trailing_data[0]
+                    self.parser, self.in_head, self.head_bytes = self._parser(), True, 0
+                    self._arm()
+                    self.parser.receive_data(rest)
+                    continue
+                return
+            if isinstance(event, h11.Request):
+                self.fresh = self.in_head = False
+                self.head_bytes = 0
+                if self.timer is not None:
+                    self.timer.cancel()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.peers.pop(self, None)
+        if self.passing:
+            self.inner.connection_lost(exc)
+
+    def eof_received(self) -> None:
+        if self.passing:
+            self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _answer(self, status: HTTPStatus, message: str) -> None:
+        """An error as the connection's last words: JSON, then close."""
+        assert self.transport is not None
+        error = ApiError(message, status=status, kind="server_error" if status >= 500 else "invalid_request_error")
+        body = json.dumps(error.body()).encode()
+        # written out whole, whatever a response uvicorn's protocol may have begun
+        retry = "retry-after: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
+        head = (f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n{retry}\r\n")
+        self.transport.write(head.encode() + body)
+        self.close()
 
     def _arm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._expire)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self._expire)
 
     def _expire(self) -> None:
-        waiting_for_head = self.cycle is None or self.cycle.response_complete
-        if waiting_for_head and not self.transport.is_closing():
-            self.transport.close()
+        if self.in_head:
+            self.close()
+
+
+# each server's open connections (`Guarded`), by uvicorn's state object of that server, used as a key alone
+_OPEN: weakref.WeakKeyDictionary[Any, dict[Guarded, None]] = weakref.WeakKeyDictionary()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -594,10 +654,10 @@ class Service:
         self.worker = EngineWorker(target, params, max_waiting, proposer)
         self.url = url_of(sock)
         self.host, self.port = sock.getsockname()[:2]
-        # idle keep-alive and request heads are timed out, connections that sent nothing bounded (`GuardedH11`)
+        # idle keep-alive and request heads are timed out, connections that sent nothing bounded (`Guarded`)
         self.http = uvicorn.Server(uvicorn.Config(
             build_app(self.worker, api_key, hosts_for(self.host, allowed_hosts), metrics_public, allowed_origins),
-            http=GuardedH11,
+            http=Guarded,
             timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             lifespan="off", log_level="warning" if quiet else "info", access_log=not quiet))

@@ -1,4 +1,4 @@
-"""The trace's events (schema v1): what every decoder and the engine record as they run, as frozen dataclasses.
+"""The trace's events (schema v2): what every decoder and the engine record as they run, as frozen dataclasses.
 
 `playground.trace` turns them into JSON and back; `playground.trace_check` validates a loaded file.
 """
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Union
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+JSONObject = dict[str, Any]  # a JSON object; a note's own fields are checked by its kind (`playground.notes`)
 
 
 class TraceError(ValueError):
@@ -42,12 +43,10 @@ class PrefillEvent:
 
 @dataclass(frozen=True, slots=True)
 class DraftEvent:
-    """Proposed tokens. For proposals copied from earlier text (prompt lookup): source is the [start, end)
-    positions, in prompt + generated tokens, of the copied tokens, and ngram the length of the match that
-    ends at `start` (the last `ngram` tokens so far equal the `ngram` tokens before `start`). For proposals
-    retrieved from a datastore (REST): suffix is the trailing tokens matched there and hits how often they occur.
-    For a target drafting with its own layers (self-speculation): draft_layers is how many of them each of its
-    draft forwards ran."""
+    """Proposed tokens (none where a step ran only what its note says, as a lookahead window without candidates).
+    note: what the algorithm says of them beyond their tokens, one JSON object {"kind": ..., ...} whose kind defines
+    its fields and how the step detail shows it (`playground.notes`): where a copy came from, a datastore's match,
+    the layers a draft ran, a Jacobi window."""
 
     KIND: ClassVar[str] = "draft"
     step: int
@@ -55,11 +54,11 @@ class DraftEvent:
     tokens: list[TokenInfo]
     wall_s: float
     draft_forwards: int  # forwards of a model of the proposer's own (a draft, a head) it took
-    source: list[int] | None = None
-    ngram: int | None = None
-    suffix: list[int] | None = None
-    hits: int | None = None
-    draft_layers: int | None = None
+    note: JSONObject | None = None
+
+    def noted(self, kind: str) -> JSONObject | None:
+        """Its note where the note is of that kind (a copy's "copied", REST's "retrieved", ...), else None."""
+        return self.note if self.note is not None and self.note.get("kind") == kind else None
 
     def is_sibling(self, index: int) -> bool:
         """Whether tokens[index] is another guess for the first proposed position beside an earlier one (parent 0,
@@ -67,20 +66,6 @@ class DraftEvent:
         proposed for a position of its own (parent None: the chain's next token; or a node that follows another).
         The one rule for metrics, text and detail."""
         return index > 0 and self.tokens[index].parent == 0
-
-
-@dataclass(frozen=True, slots=True)
-class LookaheadEvent:
-    """A lookahead step before its forward: the Jacobi window (N - 1 rows of W token ids, oldest row first),
-    the number of n-grams in the pools, and the pools' candidates for the last tokens (its hits)."""
-
-    KIND: ClassVar[str] = "lookahead"
-    step: int
-    t: float
-    window: list[list[int]]
-    pool_size: int
-    candidates: list[list[int]]
-    keys: list[int] | None = None  # per candidate, how many trailing tokens it was keyed by (None: 1 each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +200,7 @@ class FinishEvent:
     wall_s: float
 
 
-Event = Union[PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, AcceptEvent, RejectEvent,
+Event = Union[PrefillEvent, DraftEvent, VerifyEvent, AcceptEvent, RejectEvent,
               CorrectEvent, BonusEvent, KVAllocEvent, KVFreeEvent, PreemptEvent, MemoryEvent, CommitEvent, FinishEvent]
 EVENT_TYPES: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(Event)}
 JSONScalar = Union[str, int, float, bool, None]

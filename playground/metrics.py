@@ -121,7 +121,7 @@ class ChainPrediction:
 def chain_prediction(trace: Trace) -> ChainPrediction | None:
     """The chain formula's prediction for a run (`ChainPrediction`); None where the target judged no drafted token,
     or where a step proposed a tree, which the formula for one chain does not describe."""
-    metrics, drafts = compute(trace), [e for e in trace.events if isinstance(e, DraftEvent)]
+    metrics, drafts = compute(trace), [e for e in trace.events if isinstance(e, DraftEvent) and e.tokens]
     if metrics.acceptance_rate is None or not drafts or any(branched(e) for e in drafts):
         return None
     a = round(metrics.acceptance_rate, 2)
@@ -137,7 +137,7 @@ def drafted_count(event: DraftEvent) -> int:
 
 
 def mean_draft_length(trace: Trace) -> float | None:
-    drafts = [drafted_count(e) for e in trace.events if isinstance(e, DraftEvent)]
+    drafts = [drafted_count(e) for e in trace.events if isinstance(e, DraftEvent) and e.tokens]
     return sum(drafts) / len(drafts) if drafts else None
 
 
@@ -308,7 +308,7 @@ def priced(trace: Trace, relative_cost: Callable[[int], float],
     one (a `planning.DraftPrice`; None: nothing; at least one forward a step that proposed, as the Medusa heads run
     once a step). None for a run with no decode step."""
     widths = {e.step: e.num_tokens for e in trace.events if isinstance(e, VerifyEvent)}
-    forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent)}
+    forwards = {e.step: max(e.draft_forwards, 1) for e in trace.events if isinstance(e, DraftEvent) and e.tokens}
     committed = sum(e.num_tokens for e in trace.events if isinstance(e, CommitEvent) and e.step in widths)
     if not widths or not committed:
         return None

@@ -144,7 +144,7 @@ class Drawn:
     probs: list[float]
     states: tuple[torch.Tensor, ...] = ()
     nodes: Sequence[float] = ()  # the probability of each proposed node under its parent's row, as a trace shows it
-    side: Sequence[int] = ()  # the argmax of each side row read
+    probed: Sequence[int] = ()  # the greedy token after each probe (`Proposal.probes`)
 
     def rewind(self, generator: torch.Generator, draws: int) -> None:
         """Leave the generator where a walk that drew `draws` rows one by one would have left it."""

@@ -29,7 +29,7 @@ from .decoding.base import chat_ids, check_context
 from .decoding.proposer import Proposer
 from .engine import Engine, RequestOutput
 from .kv import blocks_for
-from .models import LoadedModel, native
+from .models import LoadedModel
 from .prometheus import ServerMetrics
 from .trace import PreemptEvent
 
@@ -162,7 +162,7 @@ class EngineWorker:
         self._lock = threading.Lock()  # orders `submit` against the close, so no job is left unanswered
         self._closed = False
         self._outbox: list[tuple[Job, Reply]] = []  # replies of this round, sent once the state is updated
-        self.weights = native.formats_read(target.model)  # what the products read, in words
+        self.weights = target.model.formats_read()  # what the products read, in words
         self.state = self._snapshot()
 
     def submit(self, job: Job) -> None:

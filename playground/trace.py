@@ -27,7 +27,6 @@ from .events import (
     JSONScalar,
     KVAllocEvent,
     KVFreeEvent,
-    LookaheadEvent,
     MemoryEvent,
     PreemptEvent,
     PrefillEvent,
@@ -41,7 +40,7 @@ from .trace_check import trace_fields
 MAX_TRACE_BYTES = 8 * 1024 * 1024  # 4x the longest run's (4,096 tokens of lookahead), drawn in about a second
 PLAIN = "ar"  # the algorithm name of plain decoding, which proposes nothing
 __all__ = ["EVENT_TYPES", "PLAIN", "SCHEMA_VERSION", "AcceptEvent", "BonusEvent", "CommitEvent", "CorrectEvent",
-           "DraftEvent", "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "LookaheadEvent", "MemoryEvent",
+           "DraftEvent", "Event", "FinishEvent", "KVAllocEvent", "KVFreeEvent", "MemoryEvent",
            "PrefillEvent", "PreemptEvent", "RejectEvent", "TokenInfo", "Trace", "TraceError", "VerifyEvent"]
 
 
@@ -93,8 +92,11 @@ class Trace:
         if not isinstance(data, dict):
             raise TraceError(f"trace: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise TraceError(f"schema_version: this build reads version {SCHEMA_VERSION}, the file has {version!r}")
+        if version == 1:
+            data = _from_v1(data)
+        elif version != SCHEMA_VERSION:
+            raise TraceError(f"schema_version: this build reads versions 1 and {SCHEMA_VERSION}, the file has "
+                             f"{version!r}")
         return cls(**trace_fields(data))
 
     @classmethod
@@ -122,6 +124,50 @@ class Trace:
         if path.stat().st_size > MAX_TRACE_BYTES:
             raise TraceError(f"trace: {path} is larger than {MAX_TRACE_BYTES // 2**20} MiB")
         return cls.from_json(path.read_bytes())
+
+
+_V1_NOTES = {"source": ("copied", {"source": "source", "ngram": "ngram"}),
+             "suffix": ("retrieved", {"suffix": "suffix", "hits": "hits"}),
+             "draft_layers": ("layers", {"draft_layers": "layers"})}
+
+
+def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 trace as version 2 holds it (checked afterwards like any): a draft event's prompt lookup, REST
+    and self-speculation fields become its note, and a lookahead event becomes the note of its step's draft event
+    (one with no tokens where the step proposed none)."""
+    events: list[Any] = []
+    window: dict[str, Any] | None = None  # the last lookahead event, until its step's draft takes it
+    given = data.get("events")
+    for event in given if isinstance(given, list) else []:
+        if not isinstance(event, dict):
+            events.append(event)
+            continue
+        if window is not None and (event.get("kind") != "draft" or event.get("step") != window["step"]):
+            events.append(_window_draft(window))
+            window = None
+        if event.get("kind") == "lookahead":
+            note = {"kind": "jacobi", **{k: v for k, v in event.items() if k not in ("kind", "step", "t")}}
+            window = {"step": event.get("step"), "t": event.get("t"), "note": note}
+            continue
+        if event.get("kind") == "draft":
+            event = dict(event)
+            for key, (kind, names) in _V1_NOTES.items():
+                if event.get(key) is not None:
+                    event["note"] = {"kind": kind, **{new: event.get(old) for old, new in names.items()}}
+            for old in ("source", "ngram", "suffix", "hits", "draft_layers"):
+                event.pop(old, None)
+            if window is not None:
+                event["note"], window = window["note"], None
+        events.append(event)
+    if window is not None:
+        events.append(_window_draft(window))
+    return {**data, "schema_version": SCHEMA_VERSION, "events": events}
+
+
+def _window_draft(window: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 lookahead event of a step that proposed no candidates, as its version 2 draft event."""
+    return {"kind": "draft", "step": window["step"], "t": window["t"], "tokens": [], "wall_s": 0.0,
+            "draft_forwards": 0, "note": window["note"]}
 
 
 def _event_to_dict(event: Event) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 Each schema type is turned once into a check: a function from a parsed JSON value to the value the dataclass holds,
 raising TraceError on the first problem with the path of the field. A dataclass's check calls its fields' checks
 positionally, then the class's consistency rules (_RULES), so that a loaded trace is one the viewers can draw:
-integers within 64 bits, finite floats, proposal trees whose parents come before their children,
-spans that are spans, a block map with one owner per block, steps numbered within the trace's events. Paths are
+integers within 64 bits, finite floats, proposal trees whose parents come before their children, notes as their
+kinds define them (`notes`), a block map with one owner per block, steps numbered within the trace's events. Paths are
 put together only on failure.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
+from . import notes
 from .config import MAX_NEW_TOKENS_LIMIT
 from .events import (
     EVENT_TYPES,
@@ -27,8 +28,8 @@ from .events import (
     DraftEvent,
     Event,
     FinishEvent,
+    JSONObject,
     JSONScalar,
-    LookaheadEvent,
     MemoryEvent,
     PrefillEvent,
     RejectEvent,
@@ -115,6 +116,8 @@ def _compile(annotation: Any) -> _Check:
         return simple[annotation]
     if annotation is JSONScalar:
         return _scalar
+    if annotation == JSONObject:
+        return _note
     if dataclasses.is_dataclass(annotation):
         return _dataclass(typing.cast(type, annotation))
     args = typing.get_args(annotation)
@@ -173,15 +176,6 @@ def _within(name: str, value: int, lo: int, hi: int) -> None:
         raise _Bad(f"must be in [{lo}, {hi}], got {value}").at(name)
 
 
-def _span(name: str, span: list[int] | None, length: int | None = None) -> None:
-    """A [start, end) span of positions; `length`: the number of tokens it must hold."""
-    if span is None:
-        return
-    if len(span) != 2 or not 0 <= span[0] <= span[1] or (length is not None and span[1] - span[0] != length):
-        size = "" if length is None else f" with end - start = {length} copied nodes"
-        raise _Bad(f"[start, end){size} and 0 <= start <= end, got {_shown(span)}").at(name)
-
-
 def _check_token(token: TokenInfo) -> None:
     if token.id < 0:
         raise _Bad(f"a token id is at least 0, got {token.id}").at("id")
@@ -217,14 +211,42 @@ def _check_draft(event: DraftEvent) -> None:
     for i, token in enumerate(event.tokens):  # node i + 1 follows node 0 (the last token) or a node before it
         if token.parent is not None and not 0 <= token.parent <= i:
             raise _Bad(f"must be a node in [0, {i}] or null, got {token.parent}").at("parent").at(f"[{i}]").at("tokens")
-    _span("source", event.source)
 
 
-def _check_lookahead(event: LookaheadEvent) -> None:
-    _within("window", len(event.window), 0, MAX_NODES)
-    _within("candidates", len(event.candidates), 0, MAX_NODES)
-    if event.keys is not None and len(event.keys) != len(event.candidates):
-        raise _Bad(f"one entry per candidate ({len(event.candidates)}), got {len(event.keys)}").at("keys")
+def _json(value: Any, depth: int) -> None:
+    """A note's value of a kind not registered: scalars, and lists of them nested at most `depth` deep."""
+    if type(value) is list and depth > 0:
+        _within("items", len(value), 0, MAX_NODES)
+        for i, item in enumerate(value):
+            _field(lambda v: _json(v, depth - 1), item, f"[{i}]")
+    else:
+        _scalar(value)
+
+
+def _note(value: Any) -> dict[str, Any]:
+    """A proposal's note: an object with a kind; a registered kind's fields as its dataclass says, then its own
+    check; another kind's as JSON values, bounded."""
+    if type(value) is not dict:
+        raise _Bad(f"expected an object, got {_shown(value)}")
+    kind = value.get("kind")
+    if type(kind) is not str:
+        raise _Bad(f"a note names its kind, a string; got {_shown(kind)}").at("kind")
+    _within("fields", len(value), 1, MAX_NOTE_FIELDS)
+    registered = notes.known(kind)
+    if registered is None:
+        for name, item in value.items():
+            _field(lambda v: _json(v, 2), item, str(name)[:40])
+        return value
+    check = _NOTES.get(registered)
+    if check is None:
+        check = _NOTES[registered] = _dataclass(registered, skip=frozenset({"kind"}))
+    made = check(value)
+    try:
+        made.check()
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        raise _Bad(reason).at(field) from None
+    return value
 
 
 def _check_memory(event: MemoryEvent) -> None:
@@ -237,16 +259,18 @@ def _check_memory(event: MemoryEvent) -> None:
 
 
 MAX_INT = 2**63
+MAX_NOTE_FIELDS = 16  # fields of a proposal's note, its kind included
 MAX_NODES = 1024  # tokens one step may propose (the widest proposal a proposer makes is a few hundred)
 MAX_SECONDS = 86_400.0  # engine seconds a run's times may reach: a day
 MAX_STEPS = MAX_NEW_TOKENS_LIMIT + 1  # steps of a run: the prefill's, then at least one token each
-ONCE = (PrefillEvent, DraftEvent, LookaheadEvent, VerifyEvent, CommitEvent)  # event kinds a step has at most one of
+ONCE = (PrefillEvent, DraftEvent, VerifyEvent, CommitEvent)  # event kinds a step has at most one of
 MAX_BLOCKS = 1 << 20
 _RULES: dict[type, tuple[Callable[[Any], None], ...]] = {
     **{cls: (_check_event,) for cls in EVENT_TYPES.values()}, TokenInfo: (_check_token,),
-    DraftEvent: (_check_event, _check_draft), LookaheadEvent: (_check_event, _check_lookahead),
+    DraftEvent: (_check_event, _check_draft),
     MemoryEvent: (_check_event, _check_memory)}
 _EVENTS = {kind: _dataclass(cls, skip=frozenset({"kind"})) for kind, cls in EVENT_TYPES.items()}
+_NOTES: dict[type, _Check] = {}  # each registered kind of note's check, made when first met
 
 
 def _event(value: Any) -> Event:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from playground.config import GenerationParams, ModelSpec, SamplingParams
-from playground.decoding.costs import ForwardCosts
-from playground.decoding.planning import OwnCost
-from playground.engine import engine as engine_module
+from playground.decoding.costs import ForwardCosts, pinned
 from playground.engine import generate
 from playground.models import LoadedModel, load_model
 
@@ -33,12 +30,17 @@ TEST_COSTS = ForwardCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.03, 1.1, 1.22, 1.6, 
 
 @pytest.fixture(scope="session", autouse=True)
 def fixed_forward_costs() -> Iterator[None]:
-    """For the whole session, so that engines made by module fixtures (the server's) plan on it too; a test of the
-    measuring itself patches over it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "forward_costs", lambda model, cache_root=None, **how: TEST_COSTS)
-        # proposers price their own forwards at their estimates, never at what they measured on a busy test machine
-        patch.setattr(OwnCost, "MEASURED", math.inf)
+    """For the whole session, so that engines made by module fixtures (the server's) plan on it too, their
+    proposers' own forwards priced at their estimates (a curve given: `engine.planner`); a test of the measuring
+    itself unpins it (`costs.pinned(None)`)."""
+    with pinned(TEST_COSTS):
+        yield
+
+
+@pytest.fixture
+def unpinned() -> Iterator[None]:
+    """This machine's measured costs, for a test of the measuring itself."""
+    with pinned(None):
         yield
 
 

@@ -354,14 +354,11 @@ def test_theory_sliders_are_set_from_the_latest_run_that_drafted() -> None:
         theory.from_run([plain])
 
 
-def test_theory_tab_measures_a_forward_by_width_in_every_format(client, monkeypatch):
+def test_theory_tab_measures_a_forward_by_width_in_every_format(client):
     """The panel's model read as its GGUF blocks (against 8-bit and float32 activations) and as float32: a curve
-    each (this test's fixed curves stand in for the measurement), and why a model without blocks has one only."""
-    from playground.ui import theory
-
+    each (the tests' pinned curve stands in for the measurement), and why a model without blocks has one only."""
     from .conftest import TEST_COSTS
 
-    monkeypatch.setattr(theory, "forward_costs", lambda model, **how: TEST_COSTS)
     plot, summary, v = client.predict("embedded", "cpu", "float32", api_name="/width_costs")
     assert plot is not None and summary.count("5 tokens 1.13 one-token forwards") == 3
     assert summary.startswith("- GGUF blocks, 8-bit activations: one token 1000.0 ms")

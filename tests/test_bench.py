@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import statistics
@@ -10,10 +11,11 @@ from collections import Counter
 import pytest
 
 from playground.__main__ import main
+from playground.bench.harness import add_bench_args, check_options, chosen_prompts, contender_summary
 from playground.bench.report import Costs, goals
 from playground.bench.suite import SUITE, spread
+from playground.config import ConfigError
 from playground.decoding.medusa import dynamic_nodes
-from playground.decoding.planning import OwnCost
 from playground.decoding.registry import ALGORITHMS, build_proposer
 
 from .conftest import TEST_COSTS
@@ -80,7 +82,6 @@ def test_bench_rejects_bad_limit(capsys) -> None:
 
 def test_bench_races_every_algorithm_with_its_transformers_peer(tmp_path, target, monkeypatch) -> None:
     out_json = tmp_path / "s.json"
-    monkeypatch.setattr(OwnCost, "MEASURED", 3)  # the proposers' own forwards measured, as the bench reports them
     # chat, code and the grounded code-editing prompt (the third of the spread): prompt lookup has text to copy
     assert main(["bench", "--limit", "3", "--max-new-tokens", "6", "--device", "cpu", "--draft", "embedded",
                  "--gamma", "2", "--rounds", "1", "--json", str(out_json), "--markdown", str(tmp_path / "s.md")]) == 0
@@ -259,3 +260,60 @@ def test_bench_races_a_spec_bench_file_per_category(tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": []}\n')
     assert main(["bench", "--prompts", str(bad)]) == 2
+
+
+def bench_args(**changes) -> argparse.Namespace:
+    """The bench's options at their defaults, as its parser gives them, with `changes`."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args([])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_the_bench_checks_its_options_and_chooses_its_prompts_before_any_model_loads(tmp_path) -> None:
+    """`check_options` sets the output files' defaults by suite and refuses a bad option in one line; and
+    `chosen_prompts` takes the whole suite, --per-category's first of each category, then --limit spread."""
+    args = bench_args(suite="kernel", json=str(tmp_path / "k.json"), markdown=str(tmp_path / "k.md"))
+    check_options(args)
+    assert args.algos == ",".join(ALGORITHMS)  # the default suite's options are not the kernel suite's concern
+    args = bench_args(json=None, markdown=None, algos="prompt-lookup, rest")
+    check_options(args)
+    assert (args.json, args.markdown, args.algos) == ("bench_results/bench.json", "bench_results/bench.md",
+                                                      ("prompt-lookup", "rest"))
+    with pytest.raises(ConfigError, match=r"max_new_tokens must be an integer in \[1, 4096\], got 0"):
+        check_options(bench_args(max_new_tokens=0))
+    suite, indices = chosen_prompts(bench_args())
+    assert suite == SUITE and indices == list(range(len(SUITE)))
+    assert chosen_prompts(bench_args(limit=3))[1] == spread(3)
+    firsts = chosen_prompts(bench_args(per_category=1))[1]
+    assert [SUITE[i][0] for i in firsts] == list(dict.fromkeys(category for category, _ in SUITE))
+    assert chosen_prompts(bench_args(per_category=1, limit=2))[1] == [firsts[i] for i in spread(2, [SUITE[i]
+                                                                                                  for i in firsts])]
+    with pytest.raises(ConfigError, match=r"limit must be an integer in \[1, 8\], got 9"):
+        chosen_prompts(bench_args(per_category=1, limit=9))
+
+
+def test_a_contenders_summary_is_its_prompts_medians() -> None:
+    """`contender_summary` on made-up rows: the median speedup inside its interval, the verdict of the measured
+    plan, grounded against open-ended prompts, each category's figures, and the mean acceptance where judged."""
+    def result(speedup: float, accepted: float, rate: float | None) -> dict:
+        return {"speedup_vs_ar": speedup, "round_speedups": [speedup, speedup], "same_tokens_as_ar": True,
+                "mean_accepted_tokens": accepted, "acceptance_rate": rate, "step_cost": 1.0, "flags": []}
+    rows = [{"index": i, "category": category, "algos": {"x": result(speedup, accepted, rate)}}
+            for i, (category, speedup, accepted, rate) in enumerate([
+                ("chat", 0.9, 1.2, 0.2), ("code editing", 1.5, 2.0, 0.6), ("chat", 1.1, 1.4, None)])]
+    entry = contender_summary("x", rows, "measured")
+    low, high = entry["median_speedup_vs_ar_interval"]
+    assert entry["median_speedup_vs_ar"] == 1.1 and low <= 1.1 <= high and entry["never_loses"].startswith("yes")
+    assert entry["all_same_tokens_as_ar"] is True and entry["median_tokens_per_target_forward"] == 1.4
+    assert (entry["median_speedup_vs_ar_grounded"], entry["median_speedup_vs_ar_open"]) == pytest.approx((1.5, 1.0))
+    assert entry["by_category"]["chat"] == pytest.approx({"prompts": 2, "median_speedup": 1.0,
+                                                         "mean_accepted_tokens": 1.3})
+    assert entry["mean_acceptance_rate"] == pytest.approx(0.4) and entry["flagged_prompts"] == 0
+    assert "never_loses" not in contender_summary("x", rows, "as-set")
+    for row in rows:
+        row["algos"]["x"] |= {"same_tokens_as_ar": None, "round_speedups": [0.5, 0.6], "speedup_vs_ar": 0.55}
+    losing = contender_summary("x", rows, "measured")
+    assert losing["all_same_tokens_as_ar"] is None and losing["never_loses"].startswith("NO")

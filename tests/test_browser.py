@@ -260,15 +260,11 @@ def test_uploaded_trace_replays(page, tmp_path):
 
 @pytest.mark.parametrize("algo, structure", [("Medusa (tree)", ".pg-tree"), ("EAGLE (tree)", ".pg-tree"),
                                              ("lookahead", "table")])
-def test_as_set_shows_proposals_drafted_and_judged_on_this_machines_costs(page, monkeypatch, algo, structure):
+def test_as_set_shows_proposals_drafted_and_judged_on_this_machines_costs(page, unpinned, algo, structure):
     """With the forward costs this machine measures (not the tests' fixed curve), the Decode tab's default plan
     ("as-set") verifies what the algorithm proposes, whatever the CPU's price of a wide forward: the replay shows
     drafted tokens kept, and the step detail a proposal in most steps with its structure: Medusa's and EAGLE's
     trees (beyond a chain with runners-up), lookahead's Jacobi window every step and a verified n-gram in some."""
-    from playground.decoding import costs
-    from playground.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "forward_costs", costs.forward_costs)
     page.reload()  # no earlier run's stats on the page
     expect(page.locator("#pg-legend")).to_contain_text("accepted", timeout=30_000)
     page.get_by_label(algo, exact=True).first.check()

@@ -134,8 +134,8 @@ def test_speculative_json_reports_acceptance(target, tmp_path) -> None:
     assert trace.params["copy_max_ngram"] == 2 and trace.params["copy_num_draft"] == 5
     assert trace.params["weights"].startswith("Q4_1 and Q8_0 blocks, 8-bit activations (")  # as the header says
     assert "Its products read Q4_1 and Q8_0 blocks, 8-bit activations (" in result.stderr
-    copies = [e for e in trace.events if e.KIND == "draft" and e.source]
-    assert copies and all(e.source[1] - e.source[0] <= 5 for e in copies)
+    copies = [e.noted("copied") for e in trace.events if e.KIND == "draft" and e.noted("copied")]
+    assert copies and all(c["source"][1] - c["source"][0] <= 5 for c in copies)
 
 
 def test_draft_free_algorithms_medusa_and_eagle_with_copies_match_plain_and_trace_proposals(target, tmp_path) -> None:
@@ -151,20 +151,20 @@ def test_draft_free_algorithms_medusa_and_eagle_with_copies_match_plain_and_trac
     assert outputs["prompt-lookup"]["token_ids"] == outputs["ar"]["token_ids"]
     assert outputs["prompt-lookup"]["metrics"]["mean_accepted_tokens"] > 1.0
     trace = Trace.load(tmp_path / "prompt-lookup.json")
-    assert trace.params["max_ngram"] == 3 and any(e.KIND == "draft" and e.source for e in trace.events)
+    assert trace.params["max_ngram"] == 3 and any(e.KIND == "draft" and e.noted("copied") for e in trace.events)
     assert outputs["lookahead"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "lookahead.json")
     assert trace.params["window"] == 1 and trace.params["output_pool"] and trace.params["text_ngram"] == 4
-    assert any(e.KIND == "lookahead" and e.candidates for e in trace.events)
+    assert any(e.KIND == "draft" and e.noted("jacobi") and e.note["candidates"] for e in trace.events)
     assert outputs["medusa"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "medusa.json")
     assert trace.params["copy_max_ngram"] == 2 and trace.params["copy_num_draft"] == 5
-    assert any(e.KIND == "draft" and e.source for e in trace.events)  # copies were grafted onto trees
+    assert any(e.KIND == "draft" and e.noted("copied") for e in trace.events)  # copies were grafted onto trees
     assert outputs["eagle"]["token_ids"] == outputs["ar"]["token_ids"]
     trace = Trace.load(tmp_path / "eagle.json")
     assert trace.params["top_k"] == 2 and trace.params["nodes"] == 6 and trace.params["copy_max_ngram"] == 2
     assert all(len(e.tokens) <= 6 for e in trace.events if e.KIND == "draft")
-    assert any(e.KIND == "draft" and e.source for e in trace.events)
+    assert any(e.KIND == "draft" and e.noted("copied") for e in trace.events)
 
 
 def test_serving_benchmark_reports_every_mode(tmp_path, target) -> None:

@@ -44,7 +44,7 @@ def test_the_load_meter_sees_other_processes() -> None:
     assert seen is not None and seen > BUSY_CORES
 
 
-def test_a_busy_curve_is_measured_again_and_the_quieter_kept(tmp_path, monkeypatch) -> None:
+def test_a_busy_curve_is_measured_again_and_the_quieter_kept(tmp_path, monkeypatch, unpinned) -> None:
     """A curve taken under load is measured once more at once and the quieter one cached; a cached curve marked
     busy is measured again once by a later process, which keeps the quieter."""
     taken = []

@@ -128,3 +128,12 @@ def test_every_text_the_app_and_the_cli_build_uses_the_fields_words_in_short_sen
     long = [f"{p.name}:{line}: {s[:60]}" for p, line, text in collected for s in app_texts.sentences(text)
             if len(s.split()) >= 40]
     assert not private and not long, (private, long)
+
+
+def test_the_architecture_guide_lists_every_module_once() -> None:
+    """Its "Every module" list holds each of the package's modules (package `__init__` files aside) exactly once, and
+    nothing that is not a module."""
+    guide = (ROOT / "docs" / "architecture.md").read_text()
+    listed = re.findall(r"`(playground/[\w/]+\.py)`", guide.split("## Every module", 1)[1].split("\n## ", 1)[0])
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "playground").rglob("*.py") if p.name != "__init__.py")
+    assert sorted(listed) == modules, (sorted(set(modules) - set(listed)), sorted(set(listed) - set(modules)))

@@ -104,7 +104,7 @@ def test_greedy_exact_with_copies_grafted_on_both_caches(target, head, plain_out
         assert output.token_ids == plain_outputs[prompt], prompt
         drafts = [e for e in trace.events if isinstance(e, DraftEvent)]
         assert all(len(e.tokens) <= proposer.nodes for e in drafts)
-        copied += sum(e.source is not None for e in drafts)  # a step whose tree holds a copy
+        copied += sum(e.noted("copied") is not None for e in drafts)  # a step whose tree holds a copy
     assert copied > 0
 
 

@@ -33,6 +33,7 @@ from playground.decoding.registry import build_proposer
 from playground.decoding.self_speculative import SelfSpeculativeParams
 from playground.decoding.speculative import DraftGuesser, SpeculativeParams
 from playground.engine import Engine, ProposalCounts, Status, generate, warm_up
+from playground.engine.planner import kept
 from playground.models import LoadedModel
 from playground.models.loader import ModelLoadError, build_model
 from playground.models.medusa import FusedBlocks, LoadedHeads, MedusaHeads
@@ -407,7 +408,6 @@ def test_a_proposers_own_forwards_are_priced_as_measured(target, monkeypatch) ->
     recent ones (a step's first depth, catch-up included, and each further depth, in the batch's one-token
     forwards), which a step that captured a graph cannot move, dropped after STALE plans without a new one; the
     engine's steps record them, and its plans read them."""
-    monkeypatch.setattr(OwnCost, "MEASURED", 3)  # as outside the tests
     own = OwnCost(0.2, 0.05)
     own.record(1.0, 2, 0.01, 0.4)
     assert own() == DraftPrice(0.2, 0.2) and own()(3) == pytest.approx(0.6)  # fixed, per depth
@@ -476,11 +476,11 @@ def test_a_warm_up_drafts_and_teaches_no_price(target, algo, monkeypatch) -> Non
     recorded: list[int] = []
     monkeypatch.setattr(proposer.own, "record", lambda seconds, depth, one_s, further=None: (
         recorded.append(depth), OwnCost.record(proposer.own, seconds, depth, one_s, further)))
-    proposer.payoff.record(False, 1.0, 1.0)  # what earlier runs taught it
+    kept(proposer).record(False, 1.0, 1.0)  # what earlier runs taught the planner of its drafting
     warm_up(target, PROMPTS[1], proposer, SamplingParams(), GenerationParams(max_new_tokens=8, plan="measured"))
     assert recorded and max(recorded) > 1  # it drafted, deeper than one
     assert not proposer.own.firsts and not proposer.own.furthers and proposer.own.unmeasured == 0
-    assert len(proposer.payoff.plain) == 1 and not proposer.payoff.drafting
+    assert len(kept(proposer).plain) == 1 and not kept(proposer).drafting
     generate(target, PROMPTS[1], proposer, SamplingParams(), GenerationParams(max_new_tokens=8, plan="as-set"))
     assert proposer.own.firsts
 
@@ -818,7 +818,7 @@ def test_sampled_draft_chains_are_judged_losslessly() -> None:
         assert total_variation(own[place], plain[place]) > 0.15, place
 
 
-def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypatch) -> None:
+def test_forward_costs_are_measured_once_and_priced_by_tokens(tmp_path, monkeypatch, unpinned) -> None:
     """A forward's cost by width is measured on this machine once per model and read from the cache after (once
     per process), checked by a few forwards against this host (measured again where it drifted: another machine of
     the same kind shared the cache); a decode step of width W over a batch of B costs time(B W) / time(B),

@@ -375,8 +375,8 @@ def test_the_embedded_model_reads_its_blocks(kernel, target, float_blocks, float
     96 MB instead of 538; either way of reading them gives the same bits with the stack in one call and layer by
     layer; the float-activation blocks give the float32 model's logits to within a thousandth of their spread."""
     assert (target.weights, float_blocks.weights, float32.weights) == ("gguf-int8", "gguf", "float32")
-    assert native.formats_read(target.model).startswith("Q4_1 and Q8_0 blocks, 8-bit activations (")
-    assert native.formats_read(float_blocks.model).startswith("Q4_1 and Q8_0 blocks, float32 activations (")
+    assert target.model.formats_read().startswith("Q4_1 and Q8_0 blocks, 8-bit activations (")
+    assert float_blocks.model.formats_read().startswith("Q4_1 and Q8_0 blocks, float32 activations (")
     for loaded, formats in ((target, native.INTEGER_FORMATS), (float_blocks, native.GGUF_FORMATS)):
         assert loaded.model.packed_output.format == formats["Q8_0"]
         assert set(loaded.model.native_stack.formats) == {formats["Q4_1"]}
@@ -611,14 +611,14 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
     assert census_of(mixed.folder) == {"Q5_0": 166, "Q8_0": 15, "Q4_K": 16, "Q6_K": 14}
     down = {mixed.model.native_stack.formats[4 * layer + 3] for layer in range(30)}  # the MLP's down products
     assert down == {native.INTEGER_FORMATS["Q4_K"], native.INTEGER_FORMATS["Q6_K"]}
-    assert native.formats_read(mixed.model).startswith("Q4_K, Q5_0, Q6_K and Q8_0 blocks, 8-bit activations (")
+    assert mixed.model.formats_read().startswith("Q4_K, Q5_0, Q6_K and Q8_0 blocks, 8-bit activations (")
     floats = load_model(ModelSpec(source=str(path), device="cpu", cache_dir=cache, weights="gguf"))
     err = capsys.readouterr().err
     assert ("weights: the native kernel reads q4_k_m.gguf's 166 Q5_0 matrices as Q8_0 (34 bytes a block of 32 "
             "instead of 22): the same weights") in err
     assert ("weights: q4_k_m.gguf stores 16 Q4_K and 14 Q6_K matrices; with --weights gguf the native kernel reads "
             "only Q4_0, Q4_1, Q5_0 and Q8_0 (--weights auto reads more, in integer products)") in err
-    assert native.formats_read(floats.model).startswith("Q8_0 and float32 (")
+    assert floats.model.formats_read().startswith("Q8_0 and float32 (")
     generation = GenerationParams(max_new_tokens=12)
     prompt = "Repeat exactly: red green blue, red green blue, red green blue."
     plain = generate(mixed, prompt, None, SamplingParams(), generation)[0].token_ids
@@ -632,8 +632,8 @@ def test_a_file_of_other_block_formats_runs_what_the_kernel_reads_and_says_what_
         outputs = engine.run_all()
         assert {ids[rid]: out.token_ids for rid, out in outputs.items()} == alone, max_running
     requantise(embedded_gguf(), tmp_path / "q5_1.gguf", "Q5_1")
-    assert native.formats_read(load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu",
-                                                    cache_dir=cache)).model).startswith("Q5_1 blocks, 8-bit")
+    q5_1 = load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache))
+    assert q5_1.model.formats_read().startswith("Q5_1 blocks, 8-bit")
     with pytest.raises(ModelLoadError, match=r"^weights: q5_1.gguf holds no Q4_0, Q4_1, Q5_0 or Q8_0 matrix \(it "
                                              r"stores 211 Q5_1\); use --weights float32$"):
         load_model(ModelSpec(source=str(tmp_path / "q5_1.gguf"), device="cpu", cache_dir=cache, weights="gguf"))

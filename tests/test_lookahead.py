@@ -6,9 +6,10 @@ import pytest
 
 from playground.config import ConfigError, GenerationParams, SamplingParams
 from playground.decoding.costs import ForwardCosts
-from playground.decoding.lookahead import LookaheadParams, LookaheadProposer, jacobi_block
+from playground.decoding.lookahead import LookaheadParams, LookaheadProposer, jacobi_tree
 from playground.decoding.pools import NGramPool, TextPools, frequent_ngrams
-from playground.decoding.proposer import merge_chains
+from playground.decoding.proposer import Proposal, merge_chains
+from playground.decoding.tree import ancestor_mask
 from playground.engine import generate
 from playground.models import ModelLoadError
 from playground.models.answers import EMBEDDED_ANSWERS, save_answers
@@ -124,11 +125,20 @@ def test_text_pools_let_a_longer_guess_replace_one_it_starts() -> None:
 def test_jacobi_block_and_candidate_tree_on_small_cases() -> None:
     """The engine's pieces of a lookahead row, checked by hand: the window of N = 3, W = 2 row by row, and three
     candidates of which two start alike."""
-    tokens, positions, mask = jacobi_block([[10, 11], [20, 21]])
-    assert tokens == [10, 11, 20, 21] and positions == [1, 2, 2, 3]
-    sees = {i: [j for j in range(4) if mask[i, j]] for i in range(4)}
+    tokens, parents = jacobi_tree([[10, 11], [20, 21]], 1)  # the window right after the last token, row 1 on
+    window = Proposal(tokens, parents, ["lookahead"] * 4, [0.0] * 4, [None] * 4, probes=4)
+    assert tokens == [10, 11, 20, 21] and window.depths()[1:] == [1, 2, 2, 3]  # positions after the last token
+    mask = ancestor_mask([-1, *parents])
+    sees = {i: [j for j in range(4) if mask[i + 1, j + 1]] for i in range(4)}
     # row 0 up to the column, then the column's rows below row 0 (x, the last token, is seen by all)
-    assert sees == {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}
+    assert sees == {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]} and mask[1:, 0].all()
+    # after two candidates, the window's rows start at row 3; cut to one candidate, they move up a row
+    behind = Proposal([5, 6, *tokens], [0, 1, *jacobi_tree([[10, 11], [20, 21]], 3)[1]], ["lookahead"] * 6,
+                      [0.5, 0.25, 0.0, 0.0, 0.0, 0.0], [None] * 6, probes=4)
+    assert behind.parents[2:] == [0, 3, 3, 4] and behind.expected() == [1.0, 1.5, 1.75]
+    cut = behind.first(1)
+    assert cut.tokens == [5, *tokens] and cut.parents == [0, 0, 2, 2, 3] and cut.probes == 4
+    assert cut.verified().tokens == [5] and behind.verified().parents == [0, 1]
     tokens, parents, source = merge_chains([(5, 6, 7), (5, 8), (9,)])
     # rows: 1 = 5, 2 = 6, 3 = 7 (candidate 0); 4 = 8 under 5 (candidate 1 shares 5); 5 = 9 under the last token
     assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 1, 0] and source == [0, 0, 0, 1, 2]
@@ -158,15 +168,15 @@ def test_trace_shows_window_pool_and_the_verified_candidate(target) -> None:
     params = LookaheadParams(window=3, ngram=3, guesses=2)
     output, trace = generate(target, "Count from one to twenty, separated by commas.",
                              LookaheadProposer(target, params), SamplingParams(), GenerationParams(max_new_tokens=30))
-    steps = [e for e in trace.events if e.KIND == "lookahead"]
-    assert steps and all(len(e.window) == 2 and all(len(r) == 3 for r in e.window) for e in steps)
-    assert all(len(e.candidates) <= 2 for e in steps) and steps[-1].pool_size > steps[0].pool_size
-    assert all(len(e.keys) == len(e.candidates) and all(1 <= k <= params.context for k in e.keys) for e in steps)
-    assert any(k > 1 for e in steps for k in e.keys)  # the counting repeats its own longer phrases
-    for event in trace.events:
-        if event.KIND == "draft":  # the verified tree is made of the step's hits
-            hit = next(e for e in steps if e.step == event.step)
-            assert {t.id for t in event.tokens} <= {token for c in hit.candidates for token in c}
+    drafts = [e for e in trace.events if e.KIND == "draft"]
+    steps = [e.noted("jacobi") for e in drafts]
+    assert steps and all(len(e["window"]) == 2 and all(len(r) == 3 for r in e["window"]) for e in steps)
+    assert all(len(e["candidates"]) <= 2 for e in steps) and steps[-1]["pool_size"] > steps[0]["pool_size"]
+    assert all(len(e["keys"]) == len(e["candidates"]) and all(1 <= k <= params.context for k in e["keys"])
+               for e in steps)
+    assert any(k > 1 for e in steps for k in e["keys"])  # the counting repeats its own longer phrases
+    for event, hit in zip(drafts, steps):  # the verified tree is made of the step's hits
+        assert {t.id for t in event.tokens} <= {token for c in hit["candidates"] for token in c}
     assert sum(e.num_tokens for e in trace.events if e.KIND == "commit") == len(output.token_ids)
 
 
@@ -211,8 +221,8 @@ def test_corpus_pool_seeds_the_pool_with_the_targets_habitual_phrases(target, tm
     assert proposer.describe()["corpus"] == corpus.name  # a trace names no local folder
     assert [len(seeds) for seeds in proposer.seeds.pools] == [len(phrase) - 2, len(phrase) - 3, len(phrase) - 4]
     prompt = "Suggest a short plan for a relaxing Sunday afternoon at home."
-    output, trace = generate(target, prompt, proposer, SamplingParams(), generation)
-    assert next(e for e in trace.events if e.KIND == "lookahead").pool_size == 3 * len(phrase) - 9
+    output, trace = generate(target, prompt, proposer, SamplingParams(), generation, costs=FREE)  # a window runs
+    assert next(e for e in trace.events if e.KIND == "draft").noted("jacobi")["pool_size"] == 3 * len(phrase) - 9
     assert output.token_ids == generate(target, prompt, None, SamplingParams(), generation)[0].token_ids
     # by default the embedded target's shipped answers seed the pool; switched off, nothing does
     assert LookaheadProposer(target).corpus == str(EMBEDDED_ANSWERS)
@@ -266,4 +276,4 @@ def test_no_forward_is_wider_than_the_window_and_guesses(target) -> None:
             params.ngram, params.guesses, params.text_n)
         widest = max(e.num_tokens for e in trace.events if e.KIND == "verify")
         assert widest <= 1 + (params.ngram - 1) + params.guesses * (params.text_n - 1)
-        assert all(len(e.window) == params.ngram - 1 for e in trace.events if e.KIND == "lookahead")
+        assert all(len(e.note["window"]) == params.ngram - 1 for e in trace.events if e.KIND == "draft")

@@ -192,7 +192,7 @@ def test_greedy_with_copies_equals_plain_decoding(target, heads, plain_outputs, 
                       **options)
     assert_greedy_exact(target, proposer, plain_outputs)
     generation = GenerationParams(max_new_tokens=NEW_TOKENS)
-    grafted = sum(bool(e.source) for prompt in PROMPTS[:6]
+    grafted = sum(bool(e.noted("copied")) for prompt in PROMPTS[:6]
                   for e in generate(target, prompt, proposer, SamplingParams(), generation)[1].events
                   if e.KIND == "draft")
     assert grafted > 0  # copies really were grafted onto trees
@@ -366,8 +366,8 @@ def test_the_heads_run_only_where_their_price_pays(target, plain_outputs) -> Non
     prompt, generation = PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS)
 
     def guessed(trace) -> int:  # steps whose proposal holds a token beyond the copy it may carry
-        return sum(e.source is None or len(e.tokens) > e.source[1] - e.source[0]
-                   for e in trace.events if e.KIND == "draft")
+        copies = [(e, e.noted("copied")) for e in trace.events if e.KIND == "draft"]
+        return sum(c is None or len(e.tokens) > c["source"][1] - c["source"][0] for e, c in copies)
     for copies in (None, COPIES):
         proposer = build_proposer(target, "medusa", MedusaParams(), copies)
         heads = proposer.inner if copies else proposer

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -17,6 +18,7 @@ from playground.decoding.proposer import Proposal, Proposer
 from playground.decoding.registry import build_proposer
 from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
+from playground.engine.planner import KEPT, Planner, StepRecord, kept
 from playground.metrics import FLAT_TOKEN_COST, compute, drafting, drafting_note, perfect, priced, projected_speedup
 from playground.speedup import Speedup, winner
 from playground.trace import DraftEvent, Trace, VerifyEvent
@@ -191,7 +193,7 @@ def test_a_proposer_that_keeps_declining_is_asked_less_often(target, proposers) 
             patch.setattr(medusa, "propose", lambda requests, rooms, cost: asked.append(1) or {})
             output, trace = generate(target, PROMPTS[1], medusa, None, generation, costs=live)
     finally:
-        medusa._payoff = None  # the next test's engines judge it afresh
+        KEPT.pop(medusa, None)  # the next test's engines judge it afresh
     steps = sum(isinstance(e, VerifyEvent) for e in trace.events)
     assert output.token_ids == generate(target, PROMPTS[1], None, None, generation)[0].token_ids
     assert Payoff.DECLINED <= len(asked) < steps // 2
@@ -229,8 +231,8 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     engine.add_request(prompt, None, generation)
     outputs = engine.run_all()
     assert outputs[0].token_ids == generate(target, prompt, None, None, generation)[0].token_ids
-    assert engine.payoff.rests >= 1 and engine.counts["slow"].steps < new // 2
-    rest_left = slow.payoff.left
+    assert engine.planner.payoff.rests >= 1 and engine.counts["slow"].steps < new // 2
+    rest_left = kept(slow).left
     assert rest_left > 0  # the run ended in a rest
     output, trace = generate(target, prompt, slow, None, generation, costs=live)
     assert output.token_ids == outputs[0].token_ids
@@ -241,7 +243,7 @@ def test_the_measured_plan_stops_drafting_that_does_not_pay(target) -> None:
     engine = Engine(target, EngineParams(max_running=1, plan="as-set"), proposer=Slow(), costs=live)
     engine.add_request(prompt, None, generation)
     engine.run_all()
-    assert engine.payoff is None and engine.counts["slow"].steps >= new - 3
+    assert engine.planner.payoff is None and engine.counts["slow"].steps >= new - 3
     trace = generate(target, prompt, Slow(), None, generation, costs=live)[1]
     assert trace.params["rests"] >= 1 and "drafting was paused in" in paused_note(trace)
     assert Trace.from_json(trace.to_json()).params["rests"] == trace.params["rests"]
@@ -287,3 +289,35 @@ def test_the_cli_predicts_what_the_theory_tab_predicts_for_the_same_run(target, 
     assert said is not None and int(said.group(2)) == g["value"], line
     _, summary = theory.update(a["value"], g["value"], 0.0, 0.0, None)
     assert f"**{said.group(1)} tokens per target forward**" in summary, (line, summary)
+
+
+def test_the_planner_reads_each_step_after_it_and_keeps_only_what_it_documents(target, proposers) -> None:
+    """The planner starts from a documented state and learns from the steps' records alone: on live costs under the
+    measured plan a decode forward corrects the costs at its width and the step is judged (the judgement kept per
+    proposer, for its next engine); as set, or on a curve given, nothing is judged, the proposer's acceptance goes
+    back to its prior and its own forwards are priced at their estimate, whatever it measured."""
+    medusa = proposers["medusa"]
+    KEPT.pop(medusa, None)  # what earlier tests' engines judged of it
+    live = LiveCosts(ForwardCosts((1, 64), (1.0, 1.0)))
+    planner = Planner(live, False, medusa)
+    assert planner.payoff is kept(medusa) and planner.asks() and planner.rests() == (0, 0)
+    for _ in range(LiveCosts.MEASURED):
+        planner.observe(StepRecord(True, True, True, 3, 1, forward_s=2.0, step_s=2.5, committed=2))
+    assert live.time(3) == pytest.approx(2.0) and len(kept(medusa).drafting) == LiveCosts.MEASURED
+    planner.observe(StepRecord(True, True, False, 40, 1, forward_s=9.0, step_s=9.0, committed=1))  # a prefill in it
+    assert live.time(3) == pytest.approx(2.0) and len(kept(medusa).drafting) == LiveCosts.MEASURED
+    assert Planner(live, False, medusa).payoff is kept(medusa)  # the next engine's planner: the same judgement
+    medusa.own.firsts.clear()
+    medusa.own.firsts.extend([50.0] * 3)  # a busy host made its forwards look dear
+    cost = Planner(live, False, medusa).cost(1, math.inf)
+    assert cost.measured and cost.price(medusa.own).first == 50.0
+    KEPT.pop(medusa)
+    for costs, as_set in ((live, True), (ForwardCosts((1, 64), (1.0, 1.0)), False)):
+        calibration = medusa.calibration
+        planner = Planner(costs, as_set, medusa)
+        assert planner.payoff is None and planner.rests() is None and medusa.calibration is not calibration
+        assert medusa not in KEPT and planner.asks()
+        cost = planner.cost(1, 8)
+        assert cost(9) == math.inf and cost.price(medusa.own) == (DraftPrice(0.0, 0.0) if as_set else
+                                                                   medusa.own.estimated())
+    medusa.own.firsts.clear()

@@ -168,12 +168,12 @@ def test_trace_points_at_the_copied_span(target) -> None:
                              GenerationParams(max_new_tokens=20))
     sequence = trace.prompt_ids + list(output.token_ids)
     drafts = [e for e in trace.events if e.KIND == "draft"]
-    assert drafts and any(e.source[0] < len(trace.prompt_ids) for e in drafts)
+    assert drafts and any(e.note["source"][0] < len(trace.prompt_ids) for e in drafts)
     for event in drafts:
-        start, end = event.source
+        (start, end), ngram = event.noted("copied")["source"], event.note["ngram"]
         assert [t.id for t in event.tokens] == sequence[start:end]  # the proposal is a copy of that span
         here = event.tokens[0].position  # the proposal continues text that ends with the matched n-gram
-        assert sequence[here - event.ngram : here] == sequence[start - event.ngram : start]
+        assert sequence[here - ngram : here] == sequence[start - ngram : start]
     metrics = compute(trace)
     assert metrics.mean_accepted_tokens > 1.5  # copying a repeated sentence is what prompt lookup is for
 

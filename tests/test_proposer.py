@@ -1,13 +1,15 @@
 """A new algorithm is one proposer and its spec: one defined here, in a test alone, runs through the engine's batch
 and the server with no other file changed, keeps greedy and seeded outputs those of plain decoding, and once
-registered appears with its setting on the command line, in the app's Decode and Race tabs and in the bench."""
+registered appears with its setting on the command line, in the app's Decode and Race tabs and in the bench, and its
+own note in the trace, checked as it loads and said in the step detail."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import pytest
 
@@ -19,14 +21,14 @@ from playground.decoding.costs import ForwardCosts
 from playground.decoding.lookahead import LookaheadParams
 from playground.decoding.medusa import MedusaParams
 from playground.decoding.prompt_lookup import PromptLookupParams
-from playground.decoding.proposer import Proposal, Proposer
+from playground.decoding.proposer import Note, Proposal, Proposer
 from playground.decoding.registry import ALGORITHMS
 from playground.decoding.spec import Algorithm, Setting
 from playground.decoding.speculative import SpeculativeParams
 from playground.engine import Engine, generate
 from playground.metrics import compute
-from playground.models import native
-from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, LookaheadEvent, Trace
+from playground.notes import NoteKind, Said
+from playground.trace import AcceptEvent, BonusEvent, CommitEvent, CorrectEvent, DraftEvent, Trace, TraceError
 from playground.viz.steps import render_step_detail
 
 from .prompts import NEW_TOKENS, PROMPTS
@@ -40,6 +42,24 @@ class BigramParams:
 
     def __post_init__(self) -> None:
         check_int("longest", self.longest, 1, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Followed(Note, NoteKind):
+    """The trace's note of a bigram chain: how many bigrams the request's table held when it was proposed."""
+
+    KIND: ClassVar[str] = "bigrams"
+    table: int
+
+    def shown(self) -> Followed:
+        return self
+
+    def check(self) -> None:
+        if self.table < 1:
+            raise ValueError(f"table: at least one bigram, got {self.table}")
+
+    def say(self, draft, text) -> Said:
+        return Said(origin=f" followed through a table of {self.table} bigrams")
 
 
 class Bigrams(Proposer):
@@ -72,7 +92,7 @@ class Bigrams(Proposer):
                 token = table[token]
                 chain.append(token)
             if chain:
-                proposals[request.id] = Proposal.chain(chain, self.label, 0.9)
+                proposals[request.id] = replace(Proposal.chain(chain, self.label, 0.9), note=Followed(len(table)))
         return proposals
 
     def observe(self, request, proposal, outcome) -> None:
@@ -85,7 +105,8 @@ class Bigrams(Proposer):
 
 BIGRAMS = Algorithm("bigrams", "bigram chains (a test's)", "bigram chains (--algo bigrams)", BigramParams, Bigrams,
                     (Setting("longest", "most tokens a chain proposes, 1..8", label="longest chain (1..8)"),),
-                    sources={"bigrams": ("Bigrams", "chained")}, example="Repeat: red green blue, red green blue.")
+                    sources={"bigrams": ("Bigrams", "chained")}, example="Repeat: red green blue, red green blue.",
+                    notes=(Followed,))
 
 
 @pytest.fixture
@@ -119,6 +140,28 @@ def test_a_proposer_defined_in_a_test_runs_in_the_engine_batch(target, plain_out
     assert sampled[0] == sampled[1] and engine.counts["bigrams"].accepted > 0
 
 
+def test_a_proposer_defined_in_a_test_notes_its_proposals_in_the_trace(registered, target) -> None:
+    """Its note goes into its draft events, survives the JSON round trip, is checked by its own rule as a trace
+    loads, and is said in the step detail; unregistered, a trace holding it still loads and shows its fields."""
+    _, trace = generate(target, BIGRAMS.example, Bigrams(), generation=GenerationParams(max_new_tokens=16),
+                        algo="bigrams")
+    drafts = [e for e in trace.events if isinstance(e, DraftEvent) and e.noted("bigrams")]
+    assert drafts and all(e.note["table"] > 0 for e in drafts)
+    assert Trace.from_json(trace.to_json()) == trace
+    assert " followed through a table of " in render_step_detail(trace.events, drafts[0].step)
+    data = json.loads(trace.to_json())
+    at = next(i for i, e in enumerate(data["events"]) if e["kind"] == "draft")
+    data["events"][at]["note"]["table"] = 0
+    with pytest.raises(TraceError, match=re.escape(f"events[{at}].note.table: at least one bigram, got 0")):
+        Trace.from_dict(data)
+    registry.unregister(BIGRAMS.name)
+    try:
+        loaded = Trace.from_json(trace.to_json())
+        assert "a note of kind bigrams: table " in render_step_detail(loaded.events, drafts[0].step)
+    finally:
+        registry.register(BIGRAMS)
+
+
 def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) -> None:
     """The server takes the proposer as it is and reports what it proposed."""
     with running(target, EngineParams(max_running=4), proposer=Bigrams()) as service:
@@ -129,7 +172,7 @@ def test_a_proposer_defined_in_a_test_serves_over_http(target, plain_outputs) ->
         assert status == 200 and reply["choices"][0]["message"]["content"] == expected
         status, state = get(service, "/v1/engine")
         assert state["proposer"]["proposer"] == "bigrams" and state["proposer"]["counts"]["bigrams"]["proposed"] > 0
-        assert state["weights"] == native.formats_read(target.model)  # what the products read, in words
+        assert state["weights"] == target.model.formats_read()  # what the products read, in words
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])
@@ -208,14 +251,14 @@ def test_typical_acceptance_and_sampled_chains_run_when_sampling(target) -> None
     assert len(output.token_ids) > 0 and compute(trace).drafted > 0
 
 
-def test_a_proposer_adds_its_own_trace_events(target) -> None:
-    """Lookahead's window, pool size and candidates go into the engine's trace before each step's draft, and the
-    step detail draws them."""
+def test_a_proposer_notes_its_own_trace_fields(target) -> None:
+    """Lookahead's window, pool size and candidates go into each step's draft event as its note, and the step detail
+    draws them."""
     proposer = ALGORITHMS["lookahead"].proposer(target, LookaheadParams())
     _, trace = generate(target, PROMPTS[0], proposer, generation=GenerationParams(max_new_tokens=12),
                         algo="lookahead")
-    windows = [e for e in trace.events if isinstance(e, LookaheadEvent)]
-    assert windows and all(e.step >= 1 and e.pool_size > 0 and len(e.window) >= 1 for e in windows)
+    windows = [e for e in trace.events if isinstance(e, DraftEvent) and e.noted("jacobi")]
+    assert windows and all(e.step >= 1 and e.note["pool_size"] > 0 and len(e.note["window"]) >= 1 for e in windows)
     assert "Jacobi window" in render_step_detail(trace.events, windows[-1].step)
     assert Trace.from_json(trace.to_json()).events == trace.events
 

@@ -83,10 +83,11 @@ def test_a_datastore_from_a_users_file_drafts_its_phrases(target, tmp_path, monk
     output, trace = generate(target, prompt, proposer, None, generation, algo="rest")
     assert output.token_ids == plain.token_ids
     drafts = [e for e in Trace.from_json(trace.to_json()).events if isinstance(e, DraftEvent) and e.tokens]
-    assert drafts and all(e.suffix and e.hits for e in drafts)
+    assert drafts and all(e.noted("retrieved")["suffix"] and e.note["hits"] for e in drafts)
     assert compute(trace).accepted >= 8  # the sentence is in the datastore: most of it is drafted and kept
     html = render_step_detail(trace.events, drafts[-1].step)
-    assert "retrieved after the last" in html and f"({drafts[-1].hits} hit" in html and "in the datastore" in html
+    hits = drafts[-1].note["hits"]
+    assert "retrieved after the last" in html and f"({hits} hit" in html and "in the datastore" in html
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "paged"])

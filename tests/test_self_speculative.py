@@ -88,7 +88,7 @@ def test_self_speculation_keeps_every_exactness_prompt_greedy_exact(target, plai
         accepted += sum(1 for e in trace.events if isinstance(e, AcceptEvent))
         drafted += sum(len(e.tokens) for e in drafts)
     assert 0 < accepted < drafted
-    assert all(e.draft_layers == len(proposer.layers) for e in drafts)
+    assert all(e.noted("layers")["layers"] == len(proposer.layers) for e in drafts)
 
 
 def test_the_step_detail_names_the_drafting_layers(target) -> None:

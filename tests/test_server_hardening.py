@@ -155,7 +155,7 @@ def test_idle_connections_cannot_lock_clients_out(srv, monkeypatch):
                     idlers[i] = socket.create_connection((srv.host, srv.port), timeout=10)
             assert get(srv, "/health") == (200, {"status": "ok"})
             assert post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
-        open_now = sum(1 for c in srv.http.server_state.connections if c._fresh)
+        open_now = sum(1 for c in api._OPEN[srv.http.server_state] if c.fresh)
         assert open_now <= 8
         monkeypatch.setattr(api, "MAX_CONNECTIONS", 1)  # the idle ones are open: a new one is past it
         refused = raw_exchange(srv, b"")
@@ -309,6 +309,27 @@ def test_a_client_that_never_finishes_its_request_is_dropped(srv, monkeypatch):
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
     assert waited < api.BODY_TIMEOUT_S + 2, waited  # at the deadline, not seconds after it
     assert get(srv, "/health")[0] == 200
+
+
+def test_a_kept_alive_connection_has_a_deadline_for_each_head_and_none_for_an_answer(srv, monkeypatch):
+    """The guard in front of uvicorn's protocol reads nothing of uvicorn's state: a head's deadline runs from its
+    first byte, so a long answer is never cut while the client waits, and a second request whose head trickles is
+    dropped at its deadline."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    assert not issubclass(api.Guarded, H11Protocol)
+    monkeypatch.setattr(api, "HEAD_TIMEOUT_S", 0.2)
+    body = json.dumps({"prompt": "Count from one to a hundred.", "max_tokens": 160}).encode()
+    with socket.create_connection((srv.host, srv.port), timeout=30) as sock:
+        sent = time.monotonic()
+        sock.sendall(request_bytes("/v1/completions", body).replace(b"Connection: close\r\n", b""))
+        reply = b""
+        while b'"usage"' not in reply and (chunk := sock.recv(65536)):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and time.monotonic() - sent > api.HEAD_TIMEOUT_S  # answered whole
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # a second head that never ends
+        started = time.monotonic()
+        assert sock.recv(1024) == b"" and time.monotonic() - started < api.HEAD_TIMEOUT_S + 2
 
 
 def test_a_non_streaming_client_that_hangs_up_stops_its_request(srv):

@@ -65,11 +65,11 @@ def test_copies_grafted_on_make_proposals_where_the_draft_is_wrong(target, weak_
     proposer = drafting(target, weak_draft, PromptLookupParams(max_ngram=3, num_draft=8, branches=1), gamma=4)
     output, trace = generate(target, "Summarise the library rules below as a bulleted list.\n\n" + PASSAGE_LIBRARY,
                              proposer, SamplingParams(), GenerationParams(max_new_tokens=48))
-    copied = [e for e in trace.events if e.KIND == "draft" and e.source]
+    copied = [e for e in trace.events if e.KIND == "draft" and e.noted("copied")]
     assert len(copied) > 5 and compute(trace).mean_accepted_tokens > 1.5
     sequence = trace.prompt_ids + list(output.token_ids)
     for event in copied:  # the copy's span starts among the tree's nodes (the node budget may cut its end)
-        assert sequence[event.source[0]] in {t.id for t in event.tokens}
+        assert sequence[event.note["source"][0]] in {t.id for t in event.tokens}
 
 
 def test_trace_records_every_decision(target, noisy_draft) -> None:

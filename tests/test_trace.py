@@ -1,4 +1,5 @@
-"""Trace schema v1: exact JSON round trip, and malformed files refused with the offending field named."""
+"""Trace schema v2: exact JSON round trip, malformed files refused with the offending field named, and version 1 files
+read as version 2."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from playground.config import GenerationParams, SamplingParams
 from playground.engine import generate
 from playground.metrics import compute, drafted_count
 from playground.trace import SCHEMA_VERSION, AcceptEvent, DraftEvent, FinishEvent, TokenInfo, Trace, TraceError
+from playground.viz.steps import render_step_detail
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,8 @@ def upload(tmp_path, text: str | bytes):
 
 @pytest.mark.parametrize("text, message", [
     # each of these once escaped the validator as an IndexError, RecursionError, ValueError or OverflowError
-    (mutate("events.0.source", [4]), r"events\[0\]\.source: \[start, end\) and 0 <= start <= end, got \[4\]"),
+    (mutate("events.0.note", {"kind": "copied", "source": [4], "ngram": 1}),
+     r"events\[0\]\.note\.source: \[start, end\) with 0 <= start <= end, got \[4\]"),
     ('{"schema_version": 1, "events": ' + "[" * 200_000 + "]" * 200_000 + "}", "not valid JSON"),
     (mutate("prompt_ids", [1, 0]).replace("[1, 0]", "[1, " + "9" * 5001 + "]"), "not valid JSON"),
     (mutate("events.0.wall_s", 10**400), r"events\[0\]\.wall_s: expected a finite number, got 1000"),
@@ -221,3 +224,31 @@ def test_fuzzed_traces_load_and_replay_or_are_refused_in_one_line(real_traces, d
     for step in sorted({0, slider["maximum"], *(e.step for e in loaded.events)}):
         decode.replay_step(state, step)
     compute(loaded)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("algo, kind", [("lookahead", "jacobi"), ("prompt-lookup", "copied"), ("rest", "retrieved"),
+                                        ("self-speculative", "layers")])
+def test_a_version_1_trace_still_replays(algo: str, kind: str) -> None:
+    """Traces written before notes (schema 1, each kept as the engine wrote it then): their algorithm's fields and
+    lookahead's own events become notes of the draft events (a window without candidates, a draft of no tokens),
+    every decision and metric as it was, and they are written again as version 2."""
+    data = json.loads((DATA / f"trace-v1-{algo}.json").read_text())
+    assert data["schema_version"] == 1
+    trace = Trace.from_dict(data)
+    drafts = [e for e in trace.events if isinstance(e, DraftEvent)]
+    windows = sum(e["kind"] == "lookahead" for e in data["events"])
+    assert len(drafts) == max(windows, sum(e["kind"] == "draft" for e in data["events"]))
+    assert all(e.noted(kind) for e in drafts) and any(e.tokens for e in drafts)
+    assert [e.KIND for e in trace.events if e.KIND != "draft"] == [
+        e["kind"] for e in data["events"] if e["kind"] not in ("draft", "lookahead")]
+    assert compute(trace).tokens == len(data["events"][-1]["token_ids"])
+    shown = {"jacobi": "Jacobi window", "copied": "copied from positions", "retrieved": "retrieved after the last",
+             "layers": "of the target's own layers"}[kind]
+    assert shown in render_step_detail(trace.events, next(e.step for e in drafts if e.tokens))
+    again = json.loads(trace.to_json())
+    assert again["schema_version"] == SCHEMA_VERSION == 2 and Trace.from_dict(again) == trace
+    if algo == "lookahead":
+        assert any(not e.tokens for e in drafts)  # a step whose window found no candidate

@@ -99,9 +99,9 @@ def test_the_views_draw_what_the_walk_kept_for_any_tree(plan) -> None:
             new.append(token)
             probs.append(p)
         proposal = Proposal(tokens, parents, ["test"] * len(tokens), [0.5] * len(tokens), [None] * len(tokens))
-        outcome = Outcome(new, walk, probs, False, torch.zeros(1, 1), None)
+        outcome = Outcome(new, walk, probs, False, torch.zeros(1, 1))
         times = StepTimes(clock, clock + 0.1, clock + 0.2)
-        events += tracer.step(request, proposal, outcome, logits, times, clock + 0.3, memory, lambda *_: [])
+        events += tracer.step(request, proposal, 1 + len(tokens), outcome, logits, times, clock + 0.3, memory)
         clock += 1.0
         output += new
         request.num_computed += len(walk)

@@ -19,7 +19,6 @@ from playground.trace import (
     CorrectEvent,
     DraftEvent,
     FinishEvent,
-    LookaheadEvent,
     MemoryEvent,
     PreemptEvent,
     RejectEvent,
@@ -308,25 +307,25 @@ def test_a_sibling_that_lost_leaves_the_text_and_the_detail_names_it():
 
 
 def test_lookahead_detail_draws_the_window_and_outlines_the_verified_hit():
-    events = [LookaheadEvent(step=1, t=0.0, window=[[1, 2, 3], [4, 5, 6]], pool_size=7, candidates=[[8, 9], [8, 7]]),
-              DraftEvent(step=1, t=0.0, tokens=[tok(8, 3), tok(7, 4)], wall_s=0.0, draft_forwards=0)]
+    window = {"kind": "jacobi", "window": [[1, 2, 3], [4, 5, 6]], "pool_size": 7, "candidates": [[8, 9], [8, 7]]}
+    events = [DraftEvent(step=1, t=0.0, tokens=[tok(8, 3), tok(7, 4)], wall_s=0.0, draft_forwards=0, note=window)]
     detail = render_step_detail(events, 1)
     assert detail.count("<th>row ") == 2 and detail.count("<td>") == 6 and "<td>#5</td>" in detail
     assert "pool: 7 n-grams; 2 hit(s)" in detail and detail.count("pg-ngram pg-verified") == 1
     # as set, every hit is verified at once, as a tree: each hit is one of its root-to-leaf paths, and outlined
     root = replace(tok(8, 3), parent=0)
     tree = [root, replace(tok(9, 4), parent=1), root, replace(tok(7, 4), parent=3)]
-    both = render_step_detail([events[0], replace(events[1], tokens=tree)], 1)
+    both = render_step_detail([replace(events[0], tokens=tree)], 1)
     assert both.count("pg-ngram pg-verified") == 2 and "the verified ones outlined" in both
-    nothing = render_step_detail(events[:1], 1)
+    nothing = render_step_detail([replace(events[0], tokens=[])], 1)
     assert "pg-ngram pg-verified" not in nothing and "none verified this step" in nothing
 
 
 def test_a_copy_highlights_its_source_until_a_proposal_without_one():
-    copy = DraftEvent(step=1, t=0.0, tokens=[tok(5, 3), tok(8, 4)], wall_s=0.0, draft_forwards=0, source=[2, 4],
-                      ngram=3)
+    copy = DraftEvent(step=1, t=0.0, tokens=[tok(5, 3), tok(8, 4)], wall_s=0.0, draft_forwards=0,
+                      note={"kind": "copied", "source": [2, 4], "ngram": 3})
     assert _source_span([copy], 1) == (2, 4)
-    guessed = replace(copy, step=2, source=None, ngram=None)
+    guessed = replace(copy, step=2, note=None)
     assert _source_span([copy, guessed], 2) is None and _source_span([copy, guessed], 1) == (2, 4)
     assert "copied from positions 2..3 after a 3-token match" in render_step_detail([copy], 1)
 
@@ -362,5 +361,6 @@ def test_a_step_shows_its_proposal_before_its_verdict_and_names_what_sits_beside
     assert "1 accepted, 1 rejected" in render_step_detail(events, 1, {11: "a", 12: "b", 13: "c"}.get)
     heads = [replace(e, draft_forwards=0) if isinstance(e, DraftEvent) else e for e in events]
     assert "beside its first token runner-up" in render_step_detail(heads, 1)
-    copies = [replace(e, source=[0, 2], ngram=1) if isinstance(e, DraftEvent) else e for e in heads]
+    copies = [replace(e, note={"kind": "copied", "source": [0, 2], "ngram": 1}) if isinstance(e, DraftEvent) else e
+              for e in heads]
     assert "beside its first token a second copy" in render_step_detail(copies, 1)

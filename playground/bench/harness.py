@@ -11,29 +11,44 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..cli import check_writable, model_spec
-from ..config import MAX_GAMMA, PLANS, ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
-from ..decoding.costs import LoadMeter
-from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, find
+from ..config import (
+    MAX_GAMMA,
+    PLANS,
+    ConfigError,
+    EngineParams,
+    GenerationParams,
+    ModelSpec,
+    SamplingParams,
+    check_int,
+)
+from ..decoding import encode_prompt
+from ..decoding.costs import LoadMeter, OneRequest
+from ..decoding.prompt_lookup import LOOKUP_TOKENS, CopyProposer, PromptLookupParams
+from ..decoding.registry import ALGORITHMS, PLAIN, algorithm, build_proposer, find
 from ..decoding.tree import DYNAMIC_TREE
-from ..metrics import perfect, priced
+from ..engine import generate, one_request_costs, warm_up
+from ..metrics import chain_prediction, compute, depth_profile, drafting_note, perfect, priced
+from ..models import LoadedModel, ModelLoadError, load_model
+from ..models.loader import default_draft, load_hf_peer, source_gguf
 from ..models.transformer import Transformer
 from ..remote import Remote, endpoint_urls
-from ..speedup import ROUNDS, compare, measure, median_interval, median_run
+from ..speedup import ROUNDS, Speedup, compare, measure, median_interval, median_run
+from .kernel import markdown_kernel, run_kernel
 from .peers import PeerRuns, Run, endpoint_stats, llama_cpp_peer, run_hf, run_llama, run_stats
+from .quality import MIN_TOKENS, held_out_text, llama_logits, markdown_quality, measure_quality, window_logits
+from .quality import windows as token_windows
 from .report import REACHED, Costs, add_copy_bounds, environment, markdown, write_report
+from .serving import markdown_serving, run_serving
 from .suite import GROUNDED, SUITE, per_category, read_prompts_file, spread
-
-if TYPE_CHECKING:
-    from ..models import LoadedModel
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -125,16 +140,12 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
 def trace_of(target: Any, contender: Contender, prompt: str, generation: GenerationParams) -> Any:
     """One generation on our engine (on the contender's own target where it has one): its trace."""
-    from ..engine import generate
-
     return generate(contender.target or target, prompt, contender.proposer, contender.sampling, generation,
                     contender.algo)[1]
 
 
 def run_of(trace: Any) -> Run:
     """A trace's run as the report counts it."""
-    from ..metrics import compute
-
     ids = trace.finished().token_ids
     return Run(len(ids), compute(trace).wall_s, tuple(ids))
 
@@ -184,13 +195,6 @@ def build_contenders(args: argparse.Namespace, target: Any) -> tuple[list[Conten
     """The algorithms to race against plain decoding, each with its defaults (and --gamma and --tree where its
     parameters have those fields), with prompt lookup's copies grafted where it grafts, and its variants
     (`spec.Variant`); and the draft model, where an algorithm runs one."""
-    from dataclasses import fields
-
-    from ..decoding.prompt_lookup import LOOKUP_TOKENS, PromptLookupParams
-    from ..decoding.registry import build_proposer
-    from ..models import load_model
-    from ..models.loader import default_draft
-
     contenders, draft = [], None
     copies = PromptLookupParams(num_draft=LOOKUP_TOKENS, branches=1)  # the copying variants graft one span
     for name in args.algos:
@@ -234,8 +238,6 @@ def parse_algos(text: str) -> tuple[str, ...]:
 def float_activation_peer(spec: ModelSpec) -> LoadedModel | None:
     """The model's GGUF blocks against float32 activations, or None (said in one line) where its file holds no
     matrix those products read (they read Q8_0 and Q4_1, and Q4_0 and Q5_0 through them)."""
-    from ..models import ModelLoadError, load_model
-
     try:
         return load_model(replace(spec, weights="gguf"))
     except ModelLoadError as exc:
@@ -251,12 +253,29 @@ def loading(spec: ModelSpec) -> ModelSpec:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..decoding import encode_prompt
-    from ..engine import one_request_costs, warm_up
-    from ..metrics import chain_prediction, compute, depth_profile, drafting_note
-    from ..models import load_model
-    from ..models.loader import load_hf_peer, source_gguf
+    """`python -m playground bench`: the options checked, then the suite asked for; the default suite in its phases:
+    the prompts chosen, the contenders planned, warmed up, raced prompt by prompt, summarised and reported."""
+    check_options(args)
+    if args.suite != "default":
+        return SUITES[args.suite](args)
+    suite, indices = chosen_prompts(args)
+    remotes = connect(args)  # refused, or unreachable, before any model loads
+    bench = plan_bench(args, remotes)
+    warm(bench, args.plan)
+    tally = Tally(contenders={c.name: Costs() for c in bench.contenders})
+    for run, index in enumerate(indices):
+        category, prompt = suite[index]
+        tally.bandwidths.append(copy_bandwidth(bench.target.model.device))  # a shared host's bandwidth drifts
+        row, progress = race_prompt(bench, args, index, category, prompt, tally)
+        tally.rows.append(row)
+        print(f"[{run + 1}/{len(indices)}] {category}: {progress} tok/s", file=sys.stderr, flush=True)
+    report = summarise(bench, args, tally)
+    return write_report(args, report, markdown(report))
 
+
+def check_options(args: argparse.Namespace) -> None:
+    """The options every suite shares, checked (and the output files' defaults set) before any model loads; the
+    default suite's too."""
     check_int("max_new_tokens", args.max_new_tokens, 1, 4096)
     check_int("rounds", args.rounds, 1, 10)
     stem = "bench" if args.suite == "default" else args.suite
@@ -264,14 +283,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.markdown = args.markdown or f"bench_results/{stem}.md"
     check_writable("json", [Path(args.json)], create_folders=True)  # before minutes of work, not after
     check_writable("markdown", [Path(args.markdown)], create_folders=True)
-    if args.suite == "serving":
-        return cmd_bench_serving(args)
-    if args.suite == "kernel":
-        return cmd_bench_kernel(args)
-    if args.suite == "quality":
-        return cmd_bench_quality(args)
-    check_int("gamma", args.gamma, 1, MAX_GAMMA)  # refused before any model loads
-    args.algos = parse_algos(args.algos)
+    if args.suite == "default":
+        check_int("gamma", args.gamma, 1, MAX_GAMMA)
+        args.algos = parse_algos(args.algos) if isinstance(args.algos, str) else args.algos
+
+
+def chosen_prompts(args: argparse.Namespace) -> tuple[Sequence[tuple[str, str]], list[int]]:
+    """The suite (the built-in one, or --prompts's file) and the indices of its prompts to race: --per-category's
+    first of each category, then --limit of them spread over the categories."""
     suite = SUITE if args.prompts is None else read_prompts_file(args.prompts)
     indices = list(range(len(suite)))
     if args.per_category is not None:
@@ -281,154 +300,206 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_int("limit", args.limit, 1, len(indices))
         chosen = spread(args.limit, [suite[i] for i in indices])
         indices = [indices[i] for i in chosen]
-    remotes = connect(args)  # refused, or unreachable, before any model loads
+    return suite, indices
+
+
+@dataclass
+class Bench:
+    """Everything the default suite races on each prompt: the target, plain decoding (and plain decoding sampled,
+    where a contender samples), the contenders, the peers (transformers, llama.cpp, remote endpoints; None or empty
+    where absent) and the forward costs the engine plans on."""
+
+    target: LoadedModel
+    generation: GenerationParams
+    baselines: list[Contender]
+    contenders: list[Contender]
+    hf_model: Any
+    llm: Any
+    remotes: dict[str, Remote]
+    relative_cost: OneRequest
+
+    @property
+    def plain(self) -> Contender:
+        return self.baselines[0]
+
+    @property
+    def sampled_plain(self) -> Contender | None:
+        return self.baselines[1] if len(self.baselines) > 1 else None
+
+
+@dataclass
+class Tally:
+    """What the rounds leave for the summary: a row per prompt, the copy bandwidth measured before each, the step
+    costs of plain decoding's runs and each contender's, and each prompt's ids with plain decoding's tokens."""
+
+    contenders: dict[str, Costs]
+    plain: Costs = field(default_factory=Costs)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    bandwidths: list[float] = field(default_factory=list)
+    plain_outputs: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+
+def plan_bench(args: argparse.Namespace, remotes: dict[str, Remote]) -> Bench:
+    """The target loaded, the contenders built (`build_contenders`), plain decoding's other rows (float32 weights,
+    the blocks against float32 activations, eager forwards) and the peers, unless --no-peers."""
     target = load_model(loading(model_spec(args)))
-    generation = GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan)
     plain = Contender(PLAIN, PLAIN, None, "plain decoding")
     contenders, draft = build_contenders(args, target)
     # a sampled variant races plain decoding sampled alike: drawing from a softmax costs plain decoding too
-    sampled_plain = (Contender(SAMPLED_PLAIN, PLAIN, None, "plain decoding, sampled", sampling=SAMPLED)
-                     if any(c.sampled for c in contenders) else None)
-    baselines = [plain] if sampled_plain is None else [plain, sampled_plain]
-    if target.weights in ("gguf-int8", "gguf") and not args.no_peers:  # the same model's float32 weights
+    sampled = [Contender(SAMPLED_PLAIN, PLAIN, None, "plain decoding, sampled", sampling=SAMPLED)
+               if any(c.sampled for c in contenders) else None]
+    peers = not args.no_peers
+    if target.weights in ("gguf-int8", "gguf") and peers:  # the same model's float32 weights
         contenders.insert(0, Contender(FLOAT32, PLAIN, None, "plain decoding on the dequantised float32 weights",
                                        target=load_model(replace(target.spec, weights="float32"))))
-    floats = float_activation_peer(target.spec) if target.weights == "gguf-int8" and not args.no_peers else None
+    floats = float_activation_peer(target.spec) if target.weights == "gguf-int8" and peers else None
     if floats is not None:  # the same blocks against float32 activations
         contenders.insert(0, Contender(FLOAT_BLOCKS, PLAIN, None, "plain decoding on the GGUF blocks with float32 "
                                        "activations", target=floats))
     if target.forwards != "eager":  # the same weights' forwards each at its own shape: what the static shapes buy
         contenders.insert(0, Contender(EAGER, PLAIN, None, "plain decoding with eager forwards",
                                        target=replace(target, forwards="eager")))
-    hf_model = None if args.no_peers else load_hf_peer(target)
-    llm = None if args.no_peers else llama_cpp_peer(source_gguf(target.spec),
-                                                    max(SUITE_CONTEXT, 512 + args.max_new_tokens))
+    hf_model = load_hf_peer(target) if peers else None
+    llm = llama_cpp_peer(source_gguf(target.spec), max(SUITE_CONTEXT, 512 + args.max_new_tokens)) if peers else None
     if hf_model is not None and draft is not None:
         assistant = load_hf_peer(draft)
         for contender in contenders:
             if contender.peer_kwargs is not None and contender.drafts:
                 contender.peer_kwargs["assistant_model"] = assistant
-    device = target.model.device
-    relative_cost = one_request_costs(target)  # what the engine plans on: quoted where a run drafted little
+    return Bench(target, GenerationParams(max_new_tokens=args.max_new_tokens, plan=args.plan),
+                 [plain, *[s for s in sampled if s is not None]], contenders, hf_model, llm, remotes,
+                 one_request_costs(target))  # the curve the engine plans on: quoted where a run drafted little
 
-    warm = GenerationParams(max_new_tokens=8, plan=args.plan)
-    warm_ids = encode_prompt(target, "Hello", warm)
-    print(f"Warming up {len(baselines) + len(contenders)} contenders...", file=sys.stderr, flush=True)
-    for contender in (*baselines, *contenders):  # its first calls paid, its proposer's prices left unlearned
+
+def warm(bench: Bench, plan: str) -> None:
+    """Every contender and peer run once on a short prompt: its first calls paid, its proposer's prices left
+    unlearned."""
+    warm = GenerationParams(max_new_tokens=8, plan=plan)
+    target, warm_ids = bench.target, encode_prompt(bench.target, "Hello", warm)
+    print(f"Warming up {len(bench.baselines) + len(bench.contenders)} contenders...", file=sys.stderr, flush=True)
+    for contender in (*bench.baselines, *bench.contenders):
         warm_up(contender.target or target, "Hello", contender.proposer, contender.sampling, warm, contender.algo)
-    if llm is not None:
-        run_llama(llm, warm_ids, target, warm)
-    for remote in remotes.values():
+    if bench.llm is not None:
+        run_llama(bench.llm, warm_ids, target, warm)
+    for remote in bench.remotes.values():
         remote.stream("Hello", warm.max_new_tokens)
-    if hf_model is not None:
-        run_hf(hf_model, warm_ids, target, warm)
-        for contender in contenders:
+    if bench.hf_model is not None:
+        run_hf(bench.hf_model, warm_ids, target, warm)
+        for contender in bench.contenders:
             if contender.peer_kwargs is not None:
-                run_hf(hf_model, warm_ids, target, warm, **contender.peer_kwargs)
+                run_hf(bench.hf_model, warm_ids, target, warm, **contender.peer_kwargs)
 
-    bandwidths: list[float] = []  # before each prompt's rounds: a shared host's bandwidth drifts between minutes
-    rows: list[dict[str, Any]] = []
-    plain_costs, costs = Costs(), {contender.name: Costs() for contender in contenders}
-    plain_outputs: list[tuple[list[int], list[int]]] = []  # per prompt: its ids and plain decoding's tokens
-    for run, index in enumerate(indices):
-        category, prompt = suite[index]
-        prompt_ids = encode_prompt(target, prompt, generation)
-        peer_runs = PeerRuns()
-        # plain decoding and every contender interleaved over --rounds rounds; each row shows its median round
-        entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (*baselines, *contenders)}
-        if llm is not None:
-            entrants[LLAMA] = partial(run_llama, llm, prompt_ids, target, generation)
-        for label, remote in remotes.items():
-            entrants[label] = partial(remote.stream, prompt, args.max_new_tokens)
-        bandwidths.append(copy_bandwidth(device))
-        meter = LoadMeter()
-        traces = measure(entrants, args.rounds)
-        others = meter.others()
-        llama_runs = traces.pop(LLAMA, None)
-        remote_runs = {label: traces.pop(label) for label in remotes}
-        speedups = compare(traces, plain.name, others)
-        if sampled_plain is not None:
-            sampled_speedups = compare(traces, sampled_plain.name, others)
-            speedups.update({c.name: sampled_speedups[c.name] for c in contenders if c.sampled})
-        plain_trace = median_run(traces[plain.name])
-        plain_costs.add(plain_trace)
-        ours = run_of(plain_trace)
-        row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt,
-                               "prompt_tokens": len(prompt_ids), "ar": run_stats(ours), "algos": {},
-                               "ar_spread": speedups[plain.name].spread}
-        plain_outputs.append((prompt_ids, list(ours.token_ids)))
-        progress = f"[{run + 1}/{len(indices)}] {category}: ours {ours.tokens_per_s:.1f} tok/s"
-        if sampled_plain is not None:  # what the sampled variants are measured against
-            row["ar_sampled"] = run_stats(run_of(median_run(traces[sampled_plain.name])))
-        if llama_runs is not None:
-            row["llama_cpp"] = run_stats(sorted(llama_runs, key=lambda r: r.tokens_per_s)[len(llama_runs) // 2])
-            row["ratio_vs_llama_cpp"] = statistics.median(
-                run_of(t).tokens_per_s / r.tokens_per_s for t, r in zip(traces[plain.name], llama_runs))
-            progress += f", llama.cpp {row['llama_cpp']['tokens_per_s']:.1f}"
-        if remotes:
-            plain_runs = [run_of(t) for t in traces[plain.name]]
-            row["endpoints"] = {label: endpoint_stats(runs, plain_runs) for label, runs in remote_runs.items()}
-            progress += "".join(f", {label} {e['tokens_per_s']:.1f} (remote)" for label, e in row["endpoints"].items())
-        if hf_model is not None:
-            peer = run_hf(hf_model, prompt_ids, target, generation)
-            row["hf"] = run_stats(peer)
-            row["ratio_vs_hf"] = ours.tokens_per_s / peer.tokens_per_s
-            row["same_tokens"] = ours.token_ids == peer.token_ids
-            progress += f", transformers {peer.tokens_per_s:.1f}"
-        for contender in contenders:
-            trace, measured = median_run(traces[contender.name]), speedups[contender.name]
-            fast, metrics = run_of(trace), compute(trace)
-            result: dict[str, Any] = {
-                **run_stats(fast), "speedup_vs_ar": measured.speedup, "round_speedups": list(measured.ratios),
-                "same_tokens_as_ar": None if contender.sampled else all(
-                    run_of(t).token_ids == ours.token_ids for t in traces[contender.name]),
-                "kept_of_drafted": metrics.kept_of_drafted,
-                "acceptance_rate": metrics.acceptance_rate,
-                # tokens per target forward: 1 where nothing was drafted (plain decoding on float32 weights)
-                "mean_accepted_tokens": 1.0 if metrics.mean_accepted_tokens is None else metrics.mean_accepted_tokens,
-                "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
-                "step_split": {"draft": measured.draft, "verify": measured.verify, "other": measured.other},
-                "flags": list(measured.flags)}
-            if contender.proposer is not None:
-                result["drafting_note"] = drafting_note(trace, relative_cost)
-                result.update(predicted(trace, relative_cost, contender.proposer.own_cost(), measured.prefill))
-                own = contender.proposer.own
-                if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
-                    result["draft_forward"] = own.measured()
-                if own is not None and own.per_depth and own.measured_first() is not None:
-                    result["draft_first"] = own.measured_first()  # a step's first depth, its catch-up included
-            for each in traces[contender.name]:
-                costs[contender.name].add(each)
-            result.update(depth_profile(trace))
-            prediction = chain_prediction(trace)  # a chain's formula, where the run drafted chains
-            if prediction is not None:
-                result["predicted_tokens_per_forward"] = prediction.tokens
-            progress += f", {contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")
-            if hf_model is not None and contender.peer_kwargs is not None:
-                peer = peer_runs.get(contender.peer_kwargs,
-                                     lambda: run_hf(hf_model, prompt_ids, target, generation, **contender.peer_kwargs))
-                result["peer"] = run_stats(peer)
-                result["ratio_vs_peer"] = fast.tokens_per_s / peer.tokens_per_s
-                progress += f" (transformers {contender.peer} {peer.tokens_per_s:.1f})"
-            row["algos"][contender.name] = result
-        rows.append(row)
-        print(progress + " tok/s", file=sys.stderr, flush=True)
 
+def race_prompt(bench: Bench, args: argparse.Namespace, index: int, category: str, prompt: str,
+                tally: Tally) -> tuple[dict[str, Any], str]:
+    """One prompt: plain decoding, every contender and the peers interleaved over --rounds rounds (each row shows
+    its median round); its row of the report and its progress line."""
+    target, generation = bench.target, bench.generation
+    prompt_ids = encode_prompt(target, prompt, generation)
+    entrants = {c.name: partial(trace_of, target, c, prompt, generation) for c in (*bench.baselines,
+                                                                                  *bench.contenders)}
+    if bench.llm is not None:
+        entrants[LLAMA] = partial(run_llama, bench.llm, prompt_ids, target, generation)
+    for label, remote in bench.remotes.items():
+        entrants[label] = partial(remote.stream, prompt, args.max_new_tokens)
+    meter = LoadMeter()
+    traces = measure(entrants, args.rounds)
+    others = meter.others()
+    llama_runs = traces.pop(LLAMA, None)
+    remote_runs = {label: traces.pop(label) for label in bench.remotes}
+    speedups = compare(traces, bench.plain.name, others)
+    if bench.sampled_plain is not None:
+        sampled_speedups = compare(traces, bench.sampled_plain.name, others)
+        speedups.update({c.name: sampled_speedups[c.name] for c in bench.contenders if c.sampled})
+    plain_trace = median_run(traces[bench.plain.name])
+    tally.plain.add(plain_trace)
+    ours = run_of(plain_trace)
+    row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
+                           "ar": run_stats(ours), "algos": {}, "ar_spread": speedups[bench.plain.name].spread}
+    tally.plain_outputs.append((prompt_ids, list(ours.token_ids)))
+    progress = f"ours {ours.tokens_per_s:.1f}"
+    if bench.sampled_plain is not None:  # what the sampled variants are measured against
+        row["ar_sampled"] = run_stats(run_of(median_run(traces[bench.sampled_plain.name])))
+    if llama_runs is not None:
+        row["llama_cpp"] = run_stats(sorted(llama_runs, key=lambda r: r.tokens_per_s)[len(llama_runs) // 2])
+        row["ratio_vs_llama_cpp"] = statistics.median(
+            run_of(t).tokens_per_s / r.tokens_per_s for t, r in zip(traces[bench.plain.name], llama_runs))
+        progress += f", llama.cpp {row['llama_cpp']['tokens_per_s']:.1f}"
+    if bench.remotes:
+        plain_runs = [run_of(t) for t in traces[bench.plain.name]]
+        row["endpoints"] = {label: endpoint_stats(runs, plain_runs) for label, runs in remote_runs.items()}
+        progress += "".join(f", {label} {e['tokens_per_s']:.1f} (remote)" for label, e in row["endpoints"].items())
+    if bench.hf_model is not None:
+        peer = run_hf(bench.hf_model, prompt_ids, target, generation)
+        row["hf"] = run_stats(peer)
+        row["ratio_vs_hf"] = ours.tokens_per_s / peer.tokens_per_s
+        row["same_tokens"] = ours.token_ids == peer.token_ids
+        progress += f", transformers {peer.tokens_per_s:.1f}"
+    peer_runs = PeerRuns()
+    for contender in bench.contenders:
+        for each in traces[contender.name]:
+            tally.contenders[contender.name].add(each)
+        result, said = contender_result(bench, contender, traces[contender.name], speedups[contender.name], ours)
+        if bench.hf_model is not None and contender.peer_kwargs is not None:
+            kwargs = contender.peer_kwargs
+            peer = peer_runs.get(kwargs, lambda: run_hf(bench.hf_model, prompt_ids, target, generation, **kwargs))
+            result["peer"] = run_stats(peer)
+            result["ratio_vs_peer"] = result["tokens_per_s"] / peer.tokens_per_s
+            said += f" (transformers {contender.peer} {peer.tokens_per_s:.1f})"
+        row["algos"][contender.name] = result
+        progress += f", {said}"
+    return row, progress
+
+
+def contender_result(bench: Bench, contender: Contender, traces: list[Any], measured: Speedup,
+                     ours: Run) -> tuple[dict[str, Any], str]:
+    """A contender's figures on one prompt, from its median round (`traces`: its rounds), against plain decoding's
+    run `ours`; and its part of the progress line."""
+    trace = median_run(traces)
+    fast, metrics = run_of(trace), compute(trace)
+    result: dict[str, Any] = {
+        **run_stats(fast), "speedup_vs_ar": measured.speedup, "round_speedups": list(measured.ratios),
+        "same_tokens_as_ar": None if contender.sampled else all(
+            run_of(t).token_ids == ours.token_ids for t in traces),
+        "kept_of_drafted": metrics.kept_of_drafted,
+        "acceptance_rate": metrics.acceptance_rate,
+        # tokens per target forward: 1 where nothing was drafted (plain decoding on float32 weights)
+        "mean_accepted_tokens": 1.0 if metrics.mean_accepted_tokens is None else metrics.mean_accepted_tokens,
+        "target_forwards": metrics.target_forwards, "step_cost": measured.step_cost,
+        "step_split": {"draft": measured.draft, "verify": measured.verify, "other": measured.other},
+        "flags": list(measured.flags)}
+    if contender.proposer is not None:
+        result["drafting_note"] = drafting_note(trace, bench.relative_cost)
+        result.update(predicted(trace, bench.relative_cost, contender.proposer.own_cost(), measured.prefill))
+        own = contender.proposer.own
+        if own is not None and own.measured() is not None:  # a drafting forward, as its last steps ran
+            result["draft_forward"] = own.measured()
+        if own is not None and own.per_depth and own.measured_first() is not None:
+            result["draft_first"] = own.measured_first()  # a step's first depth, its catch-up included
+    result.update(depth_profile(trace))
+    prediction = chain_prediction(trace)  # a chain's formula, where the run drafted chains
+    if prediction is not None:
+        result["predicted_tokens_per_forward"] = prediction.tokens
+    return result, f"{contender.name} {fast.tokens_per_s:.1f}" + (" (flagged)" if measured.flags else "")
+
+
+def summarise(bench: Bench, args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
+    """The report: each prompt's plain decoding against the bandwidth bound measured just before it, the peers'
+    medians, the perfect proposer on this machine's curve, and each contender's summary (`contender_summary`)."""
+    rows, bandwidths, target = tally.rows, tally.bandwidths, bench.target
     per_token = weight_bytes_per_token(target.model)
     bandwidth = statistics.median(bandwidths)
-    bound = bandwidth / per_token
-    ar_median = statistics.median(r["ar"]["tokens_per_s"] for r in rows)
-    # each prompt's plain decoding against the bound of the bandwidth measured just before it
     fraction = statistics.median(r["ar"]["tokens_per_s"] * per_token / b for r, b in zip(rows, bandwidths))
-    summary: dict[str, Any] = {"ar_median_tokens_per_s": ar_median, "fraction_of_bound": fraction, "algos": {}}
-    if hf_model is not None:
+    summary: dict[str, Any] = {"ar_median_tokens_per_s": statistics.median(r["ar"]["tokens_per_s"] for r in rows),
+                               "fraction_of_bound": fraction, "algos": {}}
+    if bench.hf_model is not None:
         summary["hf_median_tokens_per_s"] = statistics.median(r["hf"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_hf"] = statistics.median(r["ratio_vs_hf"] for r in rows)
         summary["all_same_tokens"] = all(r["same_tokens"] for r in rows)
-    if llm is not None:
+    if bench.llm is not None:
         summary["llama_cpp_median_tokens_per_s"] = statistics.median(r["llama_cpp"]["tokens_per_s"] for r in rows)
         summary["median_ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-    for label, remote in remotes.items():
+    for label, remote in bench.remotes.items():
         ran = [r["endpoints"][label] for r in rows]
         firsts = [e["first_token_s"] for e in ran if e["first_token_s"] is not None]  # None: no text came
         summary.setdefault("endpoints", {})[label] = {
@@ -437,86 +508,90 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "median_ratio_vs_ar": statistics.median(e["ratio_vs_ar"] for e in ran),
             "median_first_token_s": statistics.median(firsts) if firsts else None,
             "counted": sorted({e["counted"] for e in ran})}
-    width, best = perfect(relative_cost)
+    width, best = perfect(bench.relative_cost)
     summary["perfect_proposer"] = {"width": width, "speedup": best}
     report: dict[str, Any] = {
-        "model": target.name,
-        "max_new_tokens": args.max_new_tokens,
-        "rounds": args.rounds,
-        "plan": args.plan,
+        "model": target.name, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "plan": args.plan,
         "environment": {**environment(target.model), "forwards": target.forwards},
         "bandwidth": {"copy_gb_per_s": bandwidth / 1e9, "weight_mb_per_token": per_token / 1e6,
-                      "bound_tokens_per_s": bound, "copy_gb_per_s_range": [min(bandwidths) / 1e9,
-                                                                            max(bandwidths) / 1e9]},
-        "summary": summary,
-        "algos": {},
-        "prompts": rows,
-    }
+                      "bound_tokens_per_s": bandwidth / per_token,
+                      "copy_gb_per_s_range": [min(bandwidths) / 1e9, max(bandwidths) / 1e9]},
+        "summary": summary, "algos": {}, "prompts": rows}
     # one plain decode forward, the unit every cost below is given in
-    plain_forward_s = statistics.median(wall for _, wall in plain_costs.verify) if plain_costs.verify else 0.0
-    for contender in contenders:
-        name = contender.name
-        results = [r["algos"][name] for r in rows]
-        low, high = median_interval([tuple(r["round_speedups"]) for r in results])
-        entry: dict[str, Any] = {
-            "median_speedup_vs_ar": statistics.median(r["speedup_vs_ar"] for r in results),
-            "median_speedup_vs_ar_interval": [low, high],
-            "all_same_tokens_as_ar": None if contender.sampled else all(r["same_tokens_as_ar"] for r in results),
-            "median_tokens_per_target_forward": statistics.median(r["mean_accepted_tokens"] for r in results)}
-        if args.plan == "measured":
-            entry["never_loses"] = (f"yes (the interval reaches {high:.2f}x, >= {NEVER_BELOW}x)" if high >= NEVER_BELOW
-                                    else f"NO (the interval ends at {high:.2f}x, below {NEVER_BELOW}x)")
-        # the prompts whose answers draw on their input (what copies and retrieval feed on), and the others
-        grounded = [r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] in GROUNDED]
-        open_ended = [r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] not in GROUNDED]
-        if grounded and open_ended:
-            entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
-            entry["median_speedup_vs_ar_open"] = statistics.median(open_ended)
-        categories = sorted({r["category"] for r in rows})
-        if len(categories) > 1:  # as Spec-Bench tabulates: each category's speedup and mean accepted tokens
-            entry["by_category"] = {c: {
-                "prompts": sum(r["category"] == c for r in rows),
-                "median_speedup": statistics.median(r["algos"][name]["speedup_vs_ar"] for r in rows
-                                                    if r["category"] == c),
-                "mean_accepted_tokens": statistics.mean(r["algos"][name]["mean_accepted_tokens"] for r in rows
-                                                        if r["category"] == c)} for c in categories}
-        if all("ratio_vs_peer" in r for r in results):
-            entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
-        entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)
-        entry["flagged_prompts"] = sum(bool(r["flags"]) for r in results)
-        notes = [(row["index"], row["algos"][name]["drafting_note"]) for row in rows
-                 if row["algos"][name].get("drafting_note")]
-        if notes:  # the plan trimmed, or nothing was proposed: why, with this machine's figures
-            entry["drafting"] = (f"little on {len(notes)} of {len(results)} prompts (prompt {notes[0][0]}: "
-                                 f"{notes[0][1]})")
-        oracle = [r["oracle_tokens_per_forward"] for r in results if "oracle_tokens_per_forward" in r]
-        if oracle:  # what the same trees would commit were their deepest path right: the ceiling of their size
-            entry["median_oracle_tokens_per_forward"] = statistics.median(oracle)
-            entry["median_nodes_verified"] = statistics.median(r["mean_nodes_verified"] for r in results
-                                                               if "mean_nodes_verified" in r)
-            deepest = max(len(r["kept_at_least"]) for r in results if "kept_at_least" in r)
-            entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
-                                                      for r in results) for d in range(deepest)]
-        entry.update(reached(results))
-        forwards = [r["draft_forward"] for r in results if "draft_forward" in r]
+    plain_forward_s = statistics.median(wall for _, wall in tally.plain.verify) if tally.plain.verify else 0.0
+    for contender in bench.contenders:
+        entry = contender_summary(contender.name, rows, args.plan)
+        forwards = [r["algos"][contender.name]["draft_forward"] for r in rows
+                    if "draft_forward" in r["algos"][contender.name]]
         if forwards:  # one drafting forward of its own (a draft model's, the heads'), against its bytes' prediction
-            entry["draft_forward"] = statistics.median(forwards)
-            entry["draft_forward_by_bytes"] = contender.proposer.own_estimate(relative_cost)
+            entry["draft_forward_by_bytes"] = contender.proposer.own_estimate(bench.relative_cost)
             entry["draft_forward_over_bytes"] = entry["draft_forward"] / entry["draft_forward_by_bytes"]
-        firsts = [r["draft_first"] for r in results if "draft_first" in r]
-        if firsts:  # a drafting step's first depth: its catch-up and the step's fixed work besides a forward
-            entry["draft_first"] = statistics.median(firsts)
-        judged = [r["acceptance_rate"] for r in results if r["acceptance_rate"] is not None]
-        if judged:
-            entry["mean_acceptance_rate"] = statistics.mean(judged)
-        summary["algos"][name] = entry
+        summary["algos"][contender.name] = entry
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
         if plain_forward_s:
-            info.update(costs[name].ratios(plain_forward_s))
-        if name == "prompt-lookup" and "verify_cost_ratio" in info:
-            add_copy_bounds(contender.proposer.lookup, rows, plain_outputs, entry, info["verify_cost_ratio"])
-        report["algos"][name] = info
-    return write_report(args, report, markdown(report))
+            info.update(tally.contenders[contender.name].ratios(plain_forward_s))
+        if isinstance(contender.proposer, CopyProposer) and "verify_cost_ratio" in info:  # what copies could reach
+            add_copy_bounds(contender.proposer.lookup, rows, tally.plain_outputs, entry, info["verify_cost_ratio"])
+        report["algos"][contender.name] = info
+    return report
+
+
+def contender_summary(name: str, rows: list[dict[str, Any]], plan: str) -> dict[str, Any]:
+    """A contender's figures over the prompts (its results in each row's "algos"): the median speedup and its
+    interval, whether it never loses (under the measured plan), grounded against open-ended prompts, each category
+    as Spec-Bench tabulates, why it drafted little, its trees' ceiling and depths, what its steps predicted and its
+    own forwards."""
+    results = [r["algos"][name] for r in rows]
+    low, high = median_interval([tuple(r["round_speedups"]) for r in results])
+    entry: dict[str, Any] = {
+        "median_speedup_vs_ar": statistics.median(r["speedup_vs_ar"] for r in results),
+        "median_speedup_vs_ar_interval": [low, high],
+        "all_same_tokens_as_ar": None if results[0]["same_tokens_as_ar"] is None else all(
+            r["same_tokens_as_ar"] for r in results),
+        "median_tokens_per_target_forward": statistics.median(r["mean_accepted_tokens"] for r in results)}
+    if plan == "measured":
+        entry["never_loses"] = (f"yes (the interval reaches {high:.2f}x, >= {NEVER_BELOW}x)" if high >= NEVER_BELOW
+                                else f"NO (the interval ends at {high:.2f}x, below {NEVER_BELOW}x)")
+    # the prompts whose answers draw on their input (what copies and retrieval feed on), and the others
+    grounded = [r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] in GROUNDED]
+    open_ended = [r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] not in GROUNDED]
+    if grounded and open_ended:
+        entry["median_speedup_vs_ar_grounded"] = statistics.median(grounded)
+        entry["median_speedup_vs_ar_open"] = statistics.median(open_ended)
+    categories = sorted({r["category"] for r in rows})
+    if len(categories) > 1:  # as Spec-Bench tabulates: each category's speedup and mean accepted tokens
+        entry["by_category"] = {c: {
+            "prompts": sum(r["category"] == c for r in rows),
+            "median_speedup": statistics.median(r["algos"][name]["speedup_vs_ar"] for r in rows if r["category"] == c),
+            "mean_accepted_tokens": statistics.mean(r["algos"][name]["mean_accepted_tokens"] for r in rows
+                                                    if r["category"] == c)} for c in categories}
+    if all("ratio_vs_peer" in r for r in results):
+        entry["median_ratio_vs_peer"] = statistics.median(r["ratio_vs_peer"] for r in results)
+    entry["median_step_cost"] = statistics.median(r["step_cost"] for r in results)
+    entry["flagged_prompts"] = sum(bool(r["flags"]) for r in results)
+    notes = [(row["index"], row["algos"][name]["drafting_note"]) for row in rows
+             if row["algos"][name].get("drafting_note")]
+    if notes:  # the plan trimmed, or nothing was proposed: why, with this machine's figures
+        entry["drafting"] = f"little on {len(notes)} of {len(results)} prompts (prompt {notes[0][0]}: {notes[0][1]})"
+    oracle = [r["oracle_tokens_per_forward"] for r in results if "oracle_tokens_per_forward" in r]
+    if oracle:  # what the same trees would commit were their deepest path right: the ceiling of their size
+        entry["median_oracle_tokens_per_forward"] = statistics.median(oracle)
+        entry["median_nodes_verified"] = statistics.median(r["mean_nodes_verified"] for r in results
+                                                           if "mean_nodes_verified" in r)
+        deepest = max(len(r["kept_at_least"]) for r in results if "kept_at_least" in r)
+        entry["kept_at_least"] = [statistics.mean((r.get("kept_at_least", []) + [0.0] * deepest)[d]
+                                                  for r in results) for d in range(deepest)]
+    entry.update(reached(results))
+    forwards = [r["draft_forward"] for r in results if "draft_forward" in r]
+    if forwards:
+        entry["draft_forward"] = statistics.median(forwards)
+    firsts = [r["draft_first"] for r in results if "draft_first" in r]
+    if firsts:  # a drafting step's first depth: its catch-up and the step's fixed work besides a forward
+        entry["draft_first"] = statistics.median(firsts)
+    judged = [r["acceptance_rate"] for r in results if r["acceptance_rate"] is not None]
+    if judged:
+        entry["mean_acceptance_rate"] = statistics.mean(judged)
+    return entry
 
 
 def predicted(trace: Any, relative_cost: Any, own_price: Callable[[int], float] | None,
@@ -565,9 +640,6 @@ def connect(args: argparse.Namespace) -> dict[str, Remote]:
 
 
 def cmd_bench_kernel(args: argparse.Namespace) -> int:
-    from ..models import load_model
-    from .kernel import markdown_kernel, run_kernel
-
     target = load_model(loading(model_spec(args)))
     try:
         kernel = run_kernel(target, lambda line: print(line, file=sys.stderr, flush=True))
@@ -578,11 +650,6 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from ..models import load_model, native
-    from ..models.loader import source_gguf
-    from .quality import MIN_TOKENS, held_out_text, llama_logits, markdown_quality, measure_quality, window_logits
-    from .quality import windows as token_windows
-
     spec = model_spec(args)
     if args.limit is not None:
         check_int("limit", args.limit, 1, 10_000)
@@ -602,7 +669,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
                             ("gguf", float_activation_peer(spec))):
         if loaded is not None:
             contenders[weights] = partial(window_logits, loaded.model)
-            labels[weights] = native.formats_read(loaded.model)
+            labels[weights] = loaded.model.formats_read()
     llama = llama_logits(str(gguf_file))
     if llama is not None:
         contenders["llama.cpp"], labels["llama.cpp"] = llama, "llama.cpp on the same file"
@@ -617,10 +684,6 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> int:
-    from ..config import EngineParams
-    from ..models import load_model
-    from .serving import markdown_serving, run_serving
-
     check_int("requests", args.requests, 1, 256)
     EngineParams(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running)
     target = load_model(loading(model_spec(args)))
@@ -628,3 +691,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
                           args.num_blocks, lambda line: print(line, file=sys.stderr, flush=True))
     report = {"model": target.name, "environment": environment(target.model), "serving": serving}
     return write_report(args, report, markdown_serving(report))
+
+
+SUITES: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serving": cmd_bench_serving, "kernel": cmd_bench_kernel, "quality": cmd_bench_quality}

@@ -278,4 +278,4 @@ def environment(model: Any) -> dict[str, Any]:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {cpu_model() or platform.processor() or platform.system()}",
             "native_kernel": native.status() if model.device.type == "cpu" else "not used (not a CPU)",
-            "weights": native.formats_read(model)}
+            "weights": model.formats_read()}

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
+from ..notes import NoteKind, Said, TokenText
 from .proposer import Note
 
 
@@ -19,11 +20,35 @@ class Lookup:
 
 
 @dataclass(frozen=True, slots=True)
+class CopiedNote(NoteKind):
+    """The trace's note of a copy: the [start, end) positions, in prompt and generated tokens, of the tokens copied,
+    and the length of the match that ends at start (the last `ngram` tokens so far equal the `ngram` before it)."""
+
+    KIND: ClassVar[str] = "copied"
+    source: list[int]
+    ngram: int
+
+    def check(self) -> None:
+        if len(self.source) != 2 or not 0 <= self.source[0] <= self.source[1]:
+            raise ValueError(f"source: [start, end) with 0 <= start <= end, got {self.source}")
+        if self.ngram < 1:
+            raise ValueError(f"ngram: a match of at least 1 token, got {self.ngram}")
+
+    def say(self, draft: Any, text: TokenText) -> Said:
+        start, end = self.source
+        return Said(origin=f" copied from positions {start}..{end - 1} after a {self.ngram}-token match",
+                    beside=("a second copy", "{n} more copies"))
+
+    def span(self) -> tuple[int, int]:
+        return self.source[0], self.source[1]
+
+
+@dataclass(frozen=True, slots=True)
 class Copied(Note):
-    """Where a proposal's copied nodes come from, for the trace: the [start, end) positions of their source in the
-    text so far and the length of the match that ends at start. In a chain (`chain`) the nodes are the source's
-    tokens in order, so the proposal's first n nodes come from its first n positions. base: the note of the tree
-    the copy was grafted onto."""
+    """Where a proposal's copied nodes come from, for the trace (`CopiedNote`): the [start, end) positions of their
+    source in the text so far and the length of the match that ends at start. In a chain (`chain`) the nodes are
+    the source's tokens in order, so the proposal's first n nodes come from its first n positions. base: the note
+    of the tree the copy was grafted onto."""
 
     start: int
     end: int
@@ -31,9 +56,11 @@ class Copied(Note):
     chain: bool = False
     base: Note | None = None
 
-    def fields(self) -> dict[str, Any]:
-        base = self.base.fields() if self.base is not None else {}
-        return {**base, "source": [self.start, self.end], "ngram": self.ngram}
+    def drafted(self) -> int:
+        return self.base.drafted() if self.base is not None else 0
+
+    def shown(self) -> CopiedNote:
+        return CopiedNote([self.start, self.end], self.ngram)
 
     def first(self, n: int) -> Copied:
         base = self.base.first(n) if self.base is not None else None

@@ -19,6 +19,8 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -297,10 +299,13 @@ def machine_key(model: Transformer, forwards: str = "eager", requests: int = 1) 
 
 
 def forward_costs(model: Transformer, cache_root: Path | None = None, forwards: str = "eager",
-                  requests: int = 1) -> LiveCosts:
+                  requests: int = 1) -> LiveCosts | ForwardCosts:
     """This machine's costs for the model's decode forwards run the way `forwards` names in an engine of up to
     `requests` requests (`models.forwards.make_forwards`): the curve read from the cache (once per process), else
-    measured (a few seconds) and cached, as one `LiveCosts` per process that every engine's forwards correct."""
+    measured (a few seconds) and cached, as one `LiveCosts` per process that every engine's forwards correct; inside
+    `pinned`, the curve pinned instead."""
+    if _PINNED and _PINNED[-1] is not None:
+        return _PINNED[-1]
     path = (cache_root or default_cache_root()) / "forward-costs" / f"{machine_key(model, forwards, requests)}.json"
     if path not in _READ:
         _READ[path] = LiveCosts(_read_or_measure(model, path, forwards, requests))
@@ -308,6 +313,19 @@ def forward_costs(model: Transformer, cache_root: Path | None = None, forwards: 
 
 
 _READ: dict[Path, LiveCosts] = {}
+_PINNED: list[ForwardCosts | None] = []
+
+
+@contextmanager
+def pinned(curve: ForwardCosts | None) -> Iterator[None]:
+    """Every engine made inside plans on `curve` where it would plan on this machine's costs (`forward_costs`): a
+    curve given, so its plans are alike whatever the host does and whatever ran before (`engine.planner`), as the
+    tests and reproducible experiments want; None: this machine's costs again, inside an outer pin."""
+    _PINNED.append(curve)
+    try:
+        yield
+    finally:
+        _PINNED.pop()
 # a cached curve is checked at these widths (a few forwards) and measured again where any is off by more than DRIFT
 CHECKED, DRIFT = (1, 8), 0.25
 

@@ -100,9 +100,6 @@ class _WithCopies(Proposer):
         self.inner.observe(request, proposal, outcome)
         self.copies.observe(request, proposal, outcome)
 
-    def trace_events(self, request: RequestView, step: int, t: float) -> list[Any]:
-        return self.inner.trace_events(request, step, t)
-
     def describe(self) -> dict[str, Any]:
         copies = {f"copy_{name}": value for name, value in self.copies.describe().items() if name != "proposer"}
         return {**self.inner.describe(), **copies}

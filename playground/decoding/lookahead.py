@@ -2,8 +2,9 @@
 
 Each step's forward holds, for each request, three branches kept apart by the attention mask:
 - the last committed token x;
-- the lookahead branch (side rows): a window of N - 1 rows by W columns of guessed tokens. Token (row l, column i)
-  sits at position P + 1 + i + l and sees x, row 0 up to column i and rows 1..l of column i: a consecutive text.
+- the lookahead branch: a window of N - 1 rows by W columns of guessed tokens, the proposal's probes (never kept:
+  `Proposal.probes`). Token (row l, column i) sits at position P + 1 + i + l and sees x, row 0 up to column i and
+  rows 1..l of column i: a consecutive text, so the window is a tree (`jacobi_tree`).
   The target's argmax after the last row gives a new row; each column read top to bottom plus its new token is an
   n-gram for the pool, and the window slides up one row;
 - the verification branch: up to G n-grams from the pools that start with x, merged into a tree. Besides the
@@ -22,17 +23,16 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, ClassVar
 
 from ..config import ConfigError, check_int
 from ..kv import KVCache
 from ..models import LoadedModel
-from ..trace import LookaheadEvent
+from ..notes import NoteKind, Said, TokenText, ngram_html, token_html
+from ..viz.steps import draft_paths
 from .planning import NgramAcceptance
 from .pools import TextPools, seed_pools, start_pools
-from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, SideRows, candidates
+from .proposer import Cost, Note, Outcome, Proposal, Proposer, RequestView, candidates
 from .spec import Algorithm, Setting
 
 
@@ -81,20 +81,16 @@ class LookaheadParams:
         return self.ngram if self.text_ngram is None else self.text_ngram
 
 
-def jacobi_block(window: list[list[int]]) -> tuple[list[int], list[int], torch.Tensor]:
-    """The Jacobi window's tokens (rows l = 0..N-2 of W columns, row by row), their positions as offsets from the
-    last committed token x, and who sees whom among them, (T, T) bool: token (l, i) sits at 1 + i + l and sees row 0
-    up to column i and rows 1..l of column i, a consecutive text after x (which every one of them also sees)."""
-    rows, width = len(window), len(window[0])
+def jacobi_tree(window: list[list[int]], first: int) -> tuple[list[int], list[int]]:
+    """The Jacobi window as a tree of probes after the last committed token x: its tokens (rows l = 0..N-2 of W
+    columns, row by row) and each one's parent row, the window's first token at row `first`. Row 0 is a chain from x
+    and each column hangs below its row-0 token, so token (l, i) sits at depth 1 + i + l and sees x, row 0 up to
+    column i and rows 1..l of column i: a consecutive text after x, as lookahead's mask has it."""
+    width = len(window[0])
     tokens = [token for row in window for token in row]
-    positions = [1 + i + r for r in range(rows) for i in range(width)]
-    mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)  # (T, T)
-    for r in range(rows):
-        for i in range(width):
-            me = r * width + i
-            mask[me, : i + 1] = True  # row 0 up to this column
-            mask[me, [k * width + i for k in range(1, r + 1)]] = True  # rows 1..l of this column, itself included
-    return tokens, positions, mask
+    parents = [(0 if i == 0 else first + i - 1) if r == 0 else first + (r - 1) * width + i
+               for r in range(len(window)) for i in range(width)]
+    return tokens, parents
 
 
 def first_window(prompt_ids: list[int], params: LookaheadParams, seed: int | None) -> list[list[int]]:
@@ -112,6 +108,46 @@ def slide(window: list[list[int]], new_row: list[int], pools: TextPools) -> list
     return window[1:] + [new_row]
 
 
+@dataclass(frozen=True, slots=True)
+class Jacobi(Note, NoteKind):
+    """A lookahead step as the trace shows it (its own note): the Jacobi window it ran (N - 1 rows of W token ids,
+    oldest row first), the number of n-grams in the pools, and the pools' candidates for the last tokens (its hits),
+    each found after its last `keys` tokens."""
+
+    KIND: ClassVar[str] = "jacobi"
+    window: list[list[int]]
+    pool_size: int
+    candidates: list[list[int]]
+    keys: list[int] | None = None  # per candidate, how many trailing tokens it was keyed by (None: 1 each)
+
+    def shown(self) -> Jacobi:
+        return self
+
+    def check(self) -> None:
+        if self.keys is not None and len(self.keys) != len(self.candidates):
+            raise ValueError(f"keys: one entry per candidate ({len(self.candidates)}), got {len(self.keys)}")
+        if self.pool_size < 0:
+            raise ValueError(f"pool_size: a count is at least 0, got {self.pool_size}")
+
+    def say(self, draft: Any, text: TokenText) -> Said:
+        """The window (oldest row first) and the pool's candidates for the last token, the verified ones outlined."""
+        rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{token_html(i, text)}</td>' for i in row)}</tr>"
+                       for r, row in enumerate(self.window))
+        verified = draft_paths(draft)  # as set, every hit; measured, those that pay
+        outlined = ("" if not self.candidates else " (the verified ones outlined)" if verified else
+                    " (none verified this step: the plan did not pay for a wider forward)")
+        keys = self.keys or [1] * len(self.candidates)
+        hits = "".join(f"{ngram_html(c, text, 'pg-verified' if c in verified else '')}<sub>after {k}</sub>"
+                       for c, k in zip(self.candidates, keys))
+        return Said(block=f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
+                          f"n-gram for the pool):</div><table>{rows}</table>"
+                          f"<div>pool: {self.pool_size} n-grams; {len(self.candidates)} hit(s), each found after "
+                          f"the last k tokens{outlined}: {hits or '-'}</div>")
+
+    def ids(self) -> list[int]:
+        return [i for row in (*self.window, *self.candidates) for i in row]
+
+
 @dataclass
 class _Sequence:
     """A request's lookahead state: its pools, Jacobi window, acceptance per key length and the key each node of
@@ -122,12 +158,11 @@ class _Sequence:
     pooled: int  # leading tokens whose n-grams are in the pools
     accepted: NgramAcceptance
     keys: list[int] = field(default_factory=list)
-    shown: LookaheadEvent | None = None  # its last proposal as the trace shows it (step and time filled in later)
 
 
 class LookaheadProposer(Proposer):
     """Lookahead in the engine: each decoding request's candidates from its own pools, merged into a tree, with its
-    Jacobi window run beside them as side rows whose argmaxes are its next window row."""
+    Jacobi window run after them as probes, the target's greedy tokens after whose last row are its next row."""
 
     label = "lookahead"
 
@@ -161,33 +196,29 @@ class LookaheadProposer(Proposer):
             if self.lookahead.output_pool:  # the answer's own phrases are likely to come back
                 state.pools.add_text(request.tokens[: request.num_computed], state.pooled)
                 state.pooled = request.num_computed
-            block, offsets, mask = jacobi_block(state.window)
             found, keys = state.pools.candidates(request.tokens)
-            state.shown = LookaheadEvent(step=0, t=0.0, window=[list(row) for row in state.window],
-                                         pool_size=len(state.pools), candidates=[list(c[:room]) for c in found],
-                                         keys=list(keys))
+            shown = Jacobi([list(row) for row in state.window], len(state.pools), [list(c[:room]) for c in found],
+                           list(keys))
             proposal, source = candidates([c[:room] for c in found], [state.accepted.acceptance(k) for k in keys],
                                           self.label)
             state.keys = [keys[c] for c in source]
-            proposals[request.id] = replace(proposal, side=SideRows(block, offsets, mask, len(state.window[-1])))
+            probes, parents = jacobi_tree(state.window, len(proposal.tokens) + 1)
+            proposals[request.id] = replace(
+                proposal, tokens=proposal.tokens + probes, parents=proposal.parents + parents,
+                sources=proposal.sources + [self.label] * len(probes), reach=proposal.reach + [0.0] * len(probes),
+                probs=proposal.probs + [None] * len(probes), probes=len(probes), note=shown)
         return proposals
 
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         state = self.states[request.id]
         if proposal is None:
             return
-        path = outcome.path
-        if proposal.tokens:  # the candidate the kept path follows (where none was kept, the first)
+        path, candidates = outcome.path, proposal.verified()
+        if candidates.tokens:  # the candidate the kept path follows (where none was kept, the first)
             end = path[-1] if path else 0
             key = state.keys[path[0] - 1 if path else 0]
-            state.accepted.record(key, len(path), len(path) + (end in proposal.parents))
-        assert outcome.side is not None  # every proposal runs the window beside it
-        state.window = slide(state.window, outcome.side, state.pools)
-
-    def trace_events(self, request: RequestView, step: int, t: float) -> list[LookaheadEvent]:
-        """The window, the pools' size and the candidates the request's last proposal was made from."""
-        shown, self.states[request.id].shown = self.states[request.id].shown, None
-        return [] if shown is None else [replace(shown, step=step, t=t)]
+            state.accepted.record(key, len(path), len(path) + (end in candidates.parents))
+        state.window = slide(state.window, outcome.probed[-len(state.window[-1]) :], state.pools)  # its last row
 
     def describe(self) -> dict[str, Any]:
         la = self.lookahead
@@ -215,5 +246,5 @@ ALGORITHM = Algorithm(
              label="pool: the target's habitual phrases", kind=bool, switch=False),
      Setting("corpus", "answers file (`python -m playground.train ngrams`) whose most frequent n-grams seed the pool "
                        "(default: the one shipped for the embedded model)", kind=str)),
-    sources={"lookahead": ("Lookahead", "candidate")}, colour="#009e73",
+    sources={"lookahead": ("Lookahead", "candidate")}, notes=(Jacobi,), colour="#009e73",
     example="List the days of the week, one per line.")

@@ -119,6 +119,12 @@ class OwnCost:
             self.furthers.clear()
         return self.value()
 
+    def estimated(self) -> DraftPrice:
+        """The price before any measurement: `fixed` where set, else the prior for every depth."""
+        if self.fixed is not None:
+            return DraftPrice(self.fixed, self.fixed if self.per_depth else None)
+        return DraftPrice(self.prior, self.prior if self.per_depth else None)
+
     def value(self) -> DraftPrice:
         """The price now, for a report (not counted)."""
         if self.fixed is not None:

@@ -18,7 +18,7 @@ from typing import Any, cast
 from ..config import MAX_GAMMA, MAX_NGRAM, check_int
 from ..kv import KVCache
 from ..models import LoadedModel
-from .copies import Copied, Lookup, find_continuations
+from .copies import Copied, CopiedNote, Lookup, find_continuations
 from .planning import NgramAcceptance, plan_width, widest_paying
 from .proposer import Cost, Outcome, Proposal, Proposer, RequestView, candidates
 from .spec import Algorithm, Setting
@@ -157,6 +157,6 @@ ALGORITHM = Algorithm(
              label="most tokens per proposal (0 = auto, 1..16)", auto=True),
      Setting("branches", "distinct copies (of different earlier occurrences) verified together in one forward, "
                          f"merged into a tree, 1..{MAX_BRANCHES}")),
-    sources={"copy": ("Prompt lookup", "copied")}, colour="#e69f00",
+    sources={"copy": ("Prompt lookup", "copied")}, notes=(CopiedNote,), colour="#e69f00",
     example="Summarise in one sentence: The city council voted on Tuesday to extend the bike lane on Main Street "
             "by two miles. The council said the extension will be finished next spring.", peer=_lookup_peer)

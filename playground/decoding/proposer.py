@@ -9,12 +9,12 @@ Candidates are a token tree (`Proposal`): node i follows the node in row parents
 token, row i + 1: node i), each parent before its children, so that any leading part is a tree too and the engine
 can cut a proposal to the width it pays for. Each node carries the chance it is reached (`reach`, from the
 proposer's running acceptance or calibrated probabilities): the expected tokens a step commits with the first k
-nodes are 1 + their sum, which is what the engine's width planning reads.
+nodes are 1 + their sum, which is what the engine's width planning reads. A proposal may end with probes: nodes run
+in the same forward for the target's greedy token after them alone, never kept (lookahead's Jacobi window).
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -24,33 +24,25 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..notes import NoteKind
 from ..sampling import PLAIN_DRAWS, Rule
-from .planning import DraftPrice, OwnCost, Payoff
+from .planning import DraftPrice, OwnCost
 
 if TYPE_CHECKING:
     from ..kv import KVCache
 
 
-@dataclass(frozen=True, slots=True)
-class SideRows:
-    """Rows run beside a proposal in the same forward and never verified, whose logits go back to the proposer
-    (lookahead's Jacobi window). offsets: each row's position after the last token; mask (S, S): who sees whom
-    among them (each also sees the last token, and nothing of the proposal); read: the last `read` rows' logits
-    are handed back."""
-
-    tokens: list[int]
-    offsets: list[int]
-    mask: torch.Tensor
-    read: int
-
-
 class Note(ABC):
-    """What a proposer tells the trace about a proposal beyond its tokens: further fields of its draft event
-    (`events.DraftEvent`). The engine passes it on unread."""
+    """What a proposer tells the trace about a proposal beyond its tokens: the forwards of a model of its own it took
+    and its note (`notes.NoteKind`), the draft event's `draft_forwards` and `note`. The engine passes it on unread."""
+
+    def drafted(self) -> int:
+        """Forwards of a model of the proposer's own (a draft model, a head) the proposal took."""
+        return 0
 
     @abstractmethod
-    def fields(self) -> dict[str, Any]:
-        """The draft event's fields this note fills."""
+    def shown(self) -> NoteKind | None:
+        """The draft event's note (None: none)."""
 
     def first(self, n: int) -> Note:
         """The note of the proposal's first n nodes (`Proposal.first`)."""
@@ -63,8 +55,11 @@ class Drafted(Note):
 
     forwards: int
 
-    def fields(self) -> dict[str, Any]:
-        return {"draft_forwards": self.forwards}
+    def drafted(self) -> int:
+        return self.forwards
+
+    def shown(self) -> NoteKind | None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,16 +68,17 @@ class Proposal:
     proposer whose node i is (the trace and the engine's counts read it); reach[i]: the chance node i is kept;
     probs[i]: the proposer's own probability of token i (None where it has none, as a copy's). rule: how the tokens
     are judged where a request samples (`sampling.Rule`: plain decoding's draws for one-hot proposals, the lossless
-    rule for a chain sampled from distributions q, Medusa's typical acceptance). side: rows run beside it and never
-    verified (lookahead's window). note: what the proposer tells the trace about it (the draft event's further
-    fields), opaque to the engine."""
+    rule for a chain sampled from distributions q, Medusa's typical acceptance). probes: the last `probes` nodes are
+    run for the target's greedy token after each (`Outcome.probed`) and nothing else: never kept, never counted as
+    proposed, their parents the last token or other probes (lookahead's Jacobi window). note: what the proposer tells
+    the trace about it (the draft event's further fields), opaque to the engine."""
 
     tokens: list[int]
     parents: list[int]
     sources: list[str]
     reach: list[float]
     probs: list[float | None] = field(default_factory=list)
-    side: SideRows | None = None
+    probes: int = 0
     rule: Rule = PLAIN_DRAWS
     note: Note | None = None
 
@@ -92,14 +88,38 @@ class Proposal:
         return cls(tokens, list(range(len(tokens))), [source] * len(tokens),
                    [rate ** (i + 1) for i in range(len(tokens))], [None] * len(tokens))
 
+    @property
+    def candidates(self) -> int:
+        """Its nodes that may be kept: all but the probes."""
+        return len(self.tokens) - self.probes
+
     def first(self, n: int) -> Proposal:
-        return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
-                       reach=self.reach[:n], probs=self.probs[:n], rule=self.rule.first(n),
-                       note=self.note.first(n) if self.note is not None else None)
+        """Its first n candidates (the probes kept whole, their rows renumbered)."""
+        note = self.note.first(n) if self.note is not None else None
+        if not self.probes:
+            return replace(self, tokens=self.tokens[:n], parents=self.parents[:n], sources=self.sources[:n],
+                           reach=self.reach[:n], probs=self.probs[:n], rule=self.rule.first(n), note=note)
+        k = self.candidates
+        n = min(n, k)
+        keep = [*range(n), *range(k, len(self.tokens))]
+        parents = self.parents[:n] + [p - (k - n) if p > k else p for p in self.parents[k:]]
+        return replace(self, tokens=[self.tokens[i] for i in keep], parents=parents,
+                       sources=[self.sources[i] for i in keep], reach=[self.reach[i] for i in keep],
+                       probs=[self.probs[i] for i in keep], rule=self.rule.first(n), note=note)
+
+    def verified(self) -> Proposal:
+        """The candidates alone: what the walk may keep, the trace shows and the engine counts."""
+        if not self.probes:
+            return self
+        k = self.candidates
+        return replace(self, tokens=self.tokens[:k], parents=self.parents[:k], sources=self.sources[:k],
+                       reach=self.reach[:k], probs=self.probs[:k], probes=0)
 
     def trace_fields(self) -> dict[str, Any]:
-        """The draft event's fields its note fills (without one: no forwards of the proposer's own)."""
-        return {"draft_forwards": 0, **(self.note.fields() if self.note is not None else {})}
+        """The draft event's fields its note fills (without one: no forwards of the proposer's own, no note)."""
+        shown = self.note.shown() if self.note is not None else None
+        return {"draft_forwards": self.note.drafted() if self.note is not None else 0,
+                "note": shown.to_json() if shown is not None else None}
 
     def children(self) -> list[list[int]]:
         """Each row's children rows, best first."""
@@ -119,8 +139,9 @@ class Proposal:
         return depths
 
     def expected(self) -> list[float]:
-        """The tokens a step is expected to commit with the first k nodes verified, k = 0..n: 1 + their reach."""
-        return list(itertools.accumulate(self.reach, initial=1.0))
+        """The tokens a step is expected to commit with its first k candidates verified, k = 0..n: 1 + their
+        reach."""
+        return list(itertools.accumulate(self.reach[: self.candidates], initial=1.0))
 
 
 class RequestView(Protocol):
@@ -140,15 +161,15 @@ class RequestView(Protocol):
 class Outcome:
     """What the verifier kept of one request's step: the tokens drawn (`new`, the last a correction or bonus), the
     rows they were drawn from (`walk`: row 0, then the kept nodes' rows) and their probabilities (`probs`, as the
-    trace shows them), whether the request finished, the final hidden states (R, E) of its verified rows (with the
-    proposer's tapped layers' inputs after them) and the argmax of each of its side rows read."""
+    trace shows them), whether the request finished, the final hidden states (R, E) of its rows (with the proposer's
+    tapped layers' inputs after them) and the target's greedy token after each of its probes (`Proposal.probes`)."""
 
     new: list[int]
     walk: list[int]
     probs: list[float]
     done: bool
     hidden: torch.Tensor
-    side: list[int] | None
+    probed: list[int] = field(default_factory=list)
 
     @property
     def path(self) -> list[int]:
@@ -164,19 +185,22 @@ class Cost:
     """What the step's decode forward costs by width, relative to the same batch's one-token forward (cost(1) = 1),
     and that one-token forward's seconds on this machine (`one_s`), against which a proposer prices its own work.
     Under the "as-set" plan (`as_set`) every width a forward can take costs one and a proposer's own forwards
-    nothing, so every plan verifies all its settings ask for; `one_s` still times the proposer's forwards."""
+    nothing, so every plan verifies all its settings ask for; `one_s` still times the proposer's forwards. measured:
+    a proposer's own forwards are priced as they were measured (on this machine's live costs), else at their
+    estimates (on a curve given, which plans alike whatever the host does)."""
 
     relative: Callable[[int], float]
     one_s: float
     as_set: bool = False
+    measured: bool = True
 
     def __call__(self, width: int) -> float:
         return self.relative(width)
 
     def price(self, own: OwnCost) -> DraftPrice:
-        """What a proposer's own drafting costs a step by depth, in one-token target forwards: `own`'s price, or
-        nothing as set."""
-        return FREE if self.as_set else own()
+        """What a proposer's own drafting costs a step by depth, in one-token target forwards: `own`'s price (as
+        measured, or its estimate), or nothing as set."""
+        return FREE if self.as_set else own() if self.measured else own.estimated()
 
 
 class Proposer(ABC):
@@ -187,17 +211,6 @@ class Proposer(ABC):
     # (`prefilled`, `Outcome.hidden`) is then ((1 + len(taps)) E) wide, the final state first (`Transformer.forward`)
     taps: tuple[int, ...] = ()
     own: OwnCost | None = None  # the price of its own drafting forwards, where it runs any
-    _payoff: Payoff | None = None
-
-    @property
-    def payoff(self) -> Payoff:
-        """Whether its drafting pays, judged from the steps as they run (`planning.Payoff`), by engines on this
-        machine's live costs under the measured plan. Kept from one engine to the next, as what it learned of its
-        acceptance and its own price is: a new run (the app's, the bench's next prompt) rests where the last ones
-        found that drafting did not pay, rather than paying to find it out again."""
-        if self._payoff is None:
-            self._payoff = Payoff()
-        return self._payoff
 
     def bind(self, settings: Any, cache: KVCache) -> None:
         """A new engine (its `EngineParams` and its target's KV cache) takes this proposer: per-engine resources are
@@ -206,20 +219,16 @@ class Proposer(ABC):
     @contextmanager
     def warming_up(self) -> Iterator[None]:
         """Runs inside warm the machine up (first calls allocate buffers and read weights never read before), so
-        their timings teach nothing: its own forwards' price (`own`) and drafting's payoff come out as they went
-        in. What it learns of acceptance stays, as from any run."""
-        payoff = copy.deepcopy(self._payoff)
-        try:
-            with self.own.unrecorded() if self.own is not None else nullcontext():
-                yield
-        finally:
-            self._payoff = payoff
+        their timings teach nothing: its own forwards' price (`own`) comes out as it went in. What it learns of
+        acceptance stays, as from any run."""
+        with self.own.unrecorded() if self.own is not None else nullcontext():
+            yield
 
     def forget(self) -> None:
         """What it learned of its proposals' acceptance goes back to its prior, so that a generation does not depend
-        on those before it. A new engine calls it after `bind`, except where it plans on this machine's live costs
+        on those before it. A new engine's planner calls it, except where it plans on this machine's live costs
         under the measured plan: there what was learned prices the first steps of the next run too (and the plan
-        depends on the host's timing anyway)."""
+        depends on the host's timing anyway; `engine.planner`)."""
 
     def start(self, request: RequestView) -> None:
         """A request was added."""
@@ -245,14 +254,10 @@ class Proposer(ABC):
     def observe(self, request: RequestView, proposal: Proposal | None, outcome: Outcome) -> None:
         """What the verifier kept of the request's step (proposal None: it ran plain, or this was its prefill)."""
 
-    def trace_events(self, request: RequestView, step: int, t: float) -> list[Any]:
-        """Trace events of its own for the request's step `step` (engine time t), recorded before its draft: what
-        a viewer needs to see how the proposal was made (none by default)."""
-        return []
-
     def own_cost(self) -> DraftPrice | None:
         """What its own drafting (a draft model's or a head's forwards) costs a step by depth in one-token target
-        forwards, as its plans price it now (`OwnCost.value`); None: it runs no forwards of its own."""
+        forwards, as measured so far (`OwnCost.value`: what its plans price it at on this machine's live costs; on a
+        curve given they price its estimate, `Cost.price`); None: it runs no forwards of its own."""
         return None if self.own is None else self.own.value()
 
     def own_estimate(self, relative: Callable[[int], float]) -> float | None:

@@ -8,6 +8,8 @@ from typing import Any, cast
 
 from ..config import ConfigError
 from ..models import LoadedModel
+from ..notes import register as register_notes
+from ..notes import unregister as unregister_notes
 from ..trace import PLAIN
 from . import eagle, lookahead, medusa, prompt_lookup, rest, self_speculative, speculative
 from .grafted import Grafted, GraftedTree
@@ -26,6 +28,8 @@ ALGORITHMS: dict[str, Algorithm] = {spec.name: spec for spec in (
     rest.ALGORITHM,
     self_speculative.ALGORITHM,
 )}
+for _spec in ALGORITHMS.values():
+    register_notes(*_spec.notes)
 
 
 def register(spec: Algorithm) -> None:
@@ -33,11 +37,12 @@ def register(spec: Algorithm) -> None:
     if spec.name == PLAIN or spec.name in ALGORITHMS:
         raise ConfigError(f"algorithm {spec.name!r} is already registered")
     ALGORITHMS[spec.name] = spec
+    register_notes(*spec.notes)
 
 
 def unregister(name: str) -> None:
     """Remove an algorithm `register` added."""
-    del ALGORITHMS[name]
+    unregister_notes(*ALGORITHMS.pop(name).notes)
 
 
 def algorithms() -> list[str]:

@@ -25,13 +25,14 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..config import MAX_DYNAMIC_NODES, MAX_GAMMA, ConfigError, check_int
 from ..models import LoadedModel, Transformer
 from ..models.answers import default_answers, read_answers
+from ..notes import NoteKind, Said, TokenText, ngram_html
 from ..paths import default_cache_root
 from .guesses import GuessCalibration
 from .planning import widest_paying
@@ -337,15 +338,30 @@ def print_progress(message: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Retrieved(Note):
-    """What a retrieval proposal came from, for the trace: the trailing tokens matched in the datastore and how many
-    times they occur there."""
+class Retrieved(Note, NoteKind):
+    """What a retrieval proposal came from, for the trace (its own note): the trailing tokens matched in the
+    datastore and how many times they occur there."""
 
+    KIND: ClassVar[str] = "retrieved"
     suffix: list[int]
     hits: int
 
-    def fields(self) -> dict[str, Any]:
-        return {"suffix": self.suffix, "hits": self.hits}
+    def shown(self) -> Retrieved:
+        return self
+
+    def check(self) -> None:
+        if not self.suffix:
+            raise ValueError("suffix: the tokens matched, at least one")
+        if self.hits < 1:
+            raise ValueError(f"hits: a match found at least once, got {self.hits}")
+
+    def say(self, draft: Any, text: TokenText) -> Said:
+        hits = f"{self.hits} hit" + ("" if self.hits == 1 else "s")
+        return Said(origin=f" retrieved after the last {len(self.suffix)} token(s) {ngram_html(self.suffix, text)} "
+                           f"({hits} in the datastore)")
+
+    def ids(self) -> list[int]:
+        return list(self.suffix)
 
 
 class RestProposer(Proposer):
@@ -422,6 +438,6 @@ ALGORITHM = Algorithm(
                       f"1..{MAX_DYNAMIC_NODES}", flag="--rest-nodes", label=f"trie nodes (1..{MAX_DYNAMIC_NODES})"),
      Setting("depth", f"most tokens a retrieved continuation runs ahead, 1..{MAX_GAMMA}", flag="--rest-depth",
              label=f"trie depth (1..{MAX_GAMMA})")),
-    sources={"rest": ("Retrieval (REST)", "retrieved")}, colour="#56b4e9",
+    sources={"rest": ("Retrieval (REST)", "retrieved")}, notes=(Retrieved,), colour="#56b4e9",
     example="Explain what photosynthesis is and why it matters.", ships=default_answers,
     variants=(Variant("wide", {"nodes": 24}, note="(a wider trie)"),), short="REST")

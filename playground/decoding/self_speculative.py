@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,6 +28,7 @@ from ..models import LoadedModel
 from ..models.linear import product_bytes, weights_read
 from ..models.transformer import Transformer
 from ..models.vocab import PROPOSAL_VOCAB, OutputRows, vocabulary_rows
+from ..notes import NoteKind, Said, TokenText
 from ..waits import to_device
 from .guesses import ChainDrafter, Guesses, read_places
 from .planning import OwnCost, weights_estimate
@@ -128,13 +129,28 @@ def drafting_layers(target: LoadedModel, layers: str | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class Layers(NoteKind):
+    """The trace's note of a draft by the target's own layers: how many of them each drafting forward ran."""
+
+    KIND: ClassVar[str] = "layers"
+    layers: int
+
+    def check(self) -> None:
+        if self.layers < 1:
+            raise ValueError(f"layers: at least 1 drafting layer, got {self.layers}")
+
+    def say(self, draft: Any, text: TokenText) -> Said:
+        return Said(origin=f" by {draft.draft_forwards} draft forward(s) of {self.layers} of the target's own layers")
+
+
+@dataclass(frozen=True, slots=True)
 class SkipDrafted(Drafted):
     """A proposal drafted by `forwards` forwards of `layers` of the target's layers."""
 
     layers: int = 0
 
-    def fields(self) -> dict[str, Any]:
-        return {"draft_forwards": self.forwards, "draft_layers": self.layers}
+    def shown(self) -> Layers:
+        return Layers(self.layers)
 
 
 class LayerSkipGuesser(ChainDrafter):
@@ -218,5 +234,5 @@ ALGORITHM = Algorithm(
              note="a count of leading layers (12: an early exit) or layers and ranges (0-9,14)"),
      Setting("gamma", f"most drafted tokens per step, 1..{MAX_GAMMA}; under the measured plan a step may draft "
                       "fewer", flag="--self-gamma", label="gamma (most drafted tokens, 1..16)")),
-    sources={"self": ("Target's own layers", "drafted")}, colour="#882255",
+    sources={"self": ("Target's own layers", "drafted")}, notes=(Layers,), colour="#882255",
     example="Write a Python function that returns the n-th Fibonacci number.", short="self-spec")

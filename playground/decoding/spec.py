@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from ..notes import NoteKind
 from .proposer import Proposer
 
 
@@ -63,7 +64,8 @@ class Algorithm:
     copies graft onto its trees; sources: the trace source labels of its proposals -> (who proposes, what its
     tokens are called); colour: its line in charts; example: a prompt that shows it at its best; peer: (its
     proposer) -> (the transformers feature doing the same, its generate() arguments), None where none does;
-    variants: more benchmark rows; short: how the serving suite's modes name it."""
+    variants: more benchmark rows; short: how the serving suite's modes name it; notes: the kinds of note its
+    proposals carry in the trace (`playground.notes`), which the registry registers."""
 
     name: str
     label: str
@@ -78,6 +80,7 @@ class Algorithm:
     ships: Callable[[str], str | None] | None = None
     grafts: bool = False
     peer: Callable[[Any], tuple[str, dict[str, Any]]] | None = None
+    notes: tuple[type[NoteKind], ...] = ()
     variants: tuple[Variant, ...] = ()
     short: str = ""
 

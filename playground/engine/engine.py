@@ -3,19 +3,19 @@ algorithm is its proposer.
 
 `add_request` queues a prompt with its own sampling settings; every `step()` reads schedule (`scheduler.py`) ->
 propose (the proposer's token trees, trimmed to the one width that commits the most expected tokens per unit of this
-machine's measured forward cost) -> verify (`runner.py`, one forward) -> accept (`sampling.accept`: each token drawn
-as plain decoding draws it, so greedy and seeded outputs are plain decoding's whatever the batch and the proposer)
--> commit (the kept path's KV stays, the rest is dropped). Every step leaves a `MemoryEvent` in `events`; with
-`trace`, each request also records its own trace (`tracing.py`). docs/architecture.md has the whole picture.
+machine's measured forward cost, as the planner prices it) -> verify (`runner.py`, one forward) -> accept
+(`sampling.accept`: each token drawn as plain decoding draws it, so greedy and seeded outputs are plain decoding's
+whatever the batch and the proposer) -> commit (the kept path's KV stays, the rest is dropped). The planner
+(`planner.py`) reads each step's record after it. Every step leaves a `MemoryEvent` in `events`; with `trace`, each
+request also records its own trace (`tracing.py`). docs/architecture.md has the whole picture.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -23,8 +23,7 @@ import torch
 from ..config import ConfigError, EngineParams, GenerationParams, SamplingParams
 from ..decoding.base import DecodeOutput, Stopper, encode_prompt, engine_cache
 from ..decoding.costs import ForwardCosts, LiveCosts, OneRequest, forward_costs
-from ..decoding.planning import plan_width
-from ..decoding.proposer import Cost, Outcome, Proposal, Proposer
+from ..decoding.proposer import Outcome, Proposal, Proposer
 from ..kv import blocks_for
 from ..models import LoadedModel
 from ..models.forwards import make_forwards
@@ -32,6 +31,7 @@ from ..sampling import PLAIN_DRAWS, Drawn, accept, argmax_rows, draws_ahead, mak
 from ..threads import share
 from ..trace import Event, MemoryEvent
 from ..waits import to_device
+from .planner import Planner, StepRecord
 from .runner import Runner
 from .scheduler import Request, Scheduler, Status, StepPlan
 from .tracing import StepTimes, Tracer
@@ -57,18 +57,18 @@ class RequestOutput:
 
 class _Ahead(NamedTuple):
     """One group's draws made ahead on the device, before the step's one transfer: the requests (all the greedy ones,
-    or one sampled one), their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,), the side
-    rows' argmax (S,), and the generator's states (`Drawn`)."""
+    or one sampled one), their rows' tokens (N,) and probabilities (N,), their nodes' probabilities (C,), the probes'
+    argmax (S,), and the generator's states (`Drawn`)."""
 
     requests: list[Request]
     tokens: torch.Tensor
     probs: torch.Tensor
     nodes: torch.Tensor
-    side: torch.Tensor
+    probed: torch.Tensor
     states: tuple[torch.Tensor, ...]
 
     def pieces(self) -> tuple[torch.Tensor, ...]:
-        return self.tokens, self.probs, self.nodes, self.side
+        return self.tokens, self.probs, self.nodes, self.probed
 
 
 @dataclass
@@ -103,7 +103,8 @@ class Engine:
         it is bound to this engine, dropping any state it held for another. `trace`: every request records its
         trace events (`Request.trace`), as `generate` does. `costs`: what forwards cost by width, which only a
         proposer's steps read (None: this machine's, measured once per machine and cached, corrected by the decode
-        forwards every engine of the process runs: `LiveCosts`; a `ForwardCosts` given is kept as it is)."""
+        forwards every engine of the process runs: `LiveCosts`; a `ForwardCosts` given is kept as it is). Its
+        planner (`planner.Planner`) decides how much each step verifies and reads each step's record after it."""
         self.target = target
         self.params = params or EngineParams()
         self.proposer = proposer
@@ -129,23 +130,12 @@ class Engine:
         if costs is None and self.proposer is not None:
             costs = forward_costs(target.model, forwards=target.forwards, requests=self.params.max_running)
         self.costs: ForwardCosts | LiveCosts | None = costs
-        # on this machine's live costs, measured, drafting is judged by what its steps commit a second and the
-        # proposer keeps what it learned in earlier engines, that judgement included (a curve given, as tests pin
-        # one, plans the same whatever the host's timing and the runs before)
-        live = isinstance(costs, LiveCosts) and self.params.plan == "measured"
-        self.payoff = self.proposer.payoff if live and self.proposer is not None else None
-        # the payoff's counts when this engine took it: `rests` counts from there
-        self._payoff_from = (self.payoff.rests, self.payoff.rested) if self.payoff is not None else (0, 0)
-        if self.proposer is not None and not live:
-            self.proposer.forget()
+        self.planner = Planner(costs, self.params.plan == "as-set", proposer) if costs is not None else None
 
     def rests(self) -> tuple[int, int] | None:
-        """Under the measured plan on live costs, how often drafting rested in this engine, its steps committing fewer
-        tokens a second than plain ones (`planning.Payoff`), and how many steps it rested (a rest begun in an
-        earlier engine included); None where drafting is not judged so."""
-        if self.payoff is None:
-            return None
-        return self.payoff.rests - self._payoff_from[0], self.payoff.rested - self._payoff_from[1]
+        """How often drafting rested in this engine and for how many steps (`Planner.rests`); None where it is not
+        judged."""
+        return self.planner.rests() if self.planner is not None else None
 
     @property
     def running(self) -> list[Request]:
@@ -244,23 +234,16 @@ class Engine:
         self._step_started = time.perf_counter()
         self.scheduler.step += 1
         try:
-            plan = self.scheduler.schedule()
-            drafted = self._propose(plan)
+            plan = self.scheduler.schedule()  # schedule
+            asked, drafted = self._propose(plan)  # propose
             proposed = self.now()
-            logits, hidden = self.runner.run(plan)
+            logits, hidden = self.runner.run(plan)  # verify: one forward for every request
             pool = self._pool()  # as the forward held it, before the step's finished requests release theirs
             drawn = self._draws(plan, logits)  # off the CPU, the step's wait for the device
             verified = self.now()
-            alone = plan.decode and not plan.prefill  # a decode forward alone
-            if isinstance(self.costs, LiveCosts) and alone:
-                self.costs.record(plan.num_tokens, verified - proposed)
-            outputs = self._accept(plan, logits, hidden, drawn, StepTimes(start, proposed, verified))
-            # per request, in the batch's one-token forwards: any batch compares
-            if self.payoff is not None and self.costs is not None and alone:
-                batch = len(plan.decode)
-                self.payoff.record(drafted, sum(len(out.new_token_ids) for out in outputs) / batch,
-                                   (self.now() - start) / self.costs.time(batch))
-            self._record_memory(plan.num_tokens, start, pool)
+            times = StepTimes(start, proposed, verified)
+            outputs = self._accept(plan, logits, hidden, drawn, times)  # accept, then commit, request by request
+            self._record(plan, asked, drafted, times, outputs, pool)  # what the planner and the memory view read
         finally:
             self.busy_s = self.now()
             self._step_started = None
@@ -282,33 +265,34 @@ class Engine:
                 outputs[out.id] = out.output
         return outputs
 
-    def _propose(self, plan: StepPlan) -> bool:
-        """The proposer's candidates for each decoding request, and the decode rows' width that pays most; whether it
-        proposed anything (whatever of it the width keeps: a proposal made was paid for)."""
-        if self.proposer is None or not plan.decode or (self.payoff is not None and self.payoff.resting()):
-            return False
-        batch, costs = len(plan.decode), self.costs
-        assert costs is not None  # a proposer's engine prices its steps
-        widest = self.runner.forwards.max_width or math.inf
-        as_set = self.params.plan == "as-set"
+    def _record(self, plan: StepPlan, asked: bool, drafted: bool, times: StepTimes, outputs: list[RequestOutput],
+                pool: dict[str, Any]) -> None:
+        """After the step: its record to the planner (what it teaches the next steps' plans) and its memory event."""
+        if self.planner is not None:
+            self.planner.observe(StepRecord(
+                asked, drafted, bool(plan.decode) and not plan.prefill, plan.num_tokens, len(plan.decode),
+                times.verified - times.proposed, self.now() - times.start,
+                sum(len(out.new_token_ids) for out in outputs)))
+        self._record_memory(plan.num_tokens, times.start, pool)
 
-        def relative(width: int) -> float:  # wider than the forwards keep a token's bits: never worth it
-            if width > widest:
-                return math.inf
-            return 1.0 if as_set else costs.step_cost(batch, width)
-        cost = Cost(relative, costs.time(batch), as_set)
+    def _propose(self, plan: StepPlan) -> tuple[bool, bool]:
+        """The proposer's candidates for each decoding request, and the decode rows' width that pays most (as its
+        planner prices forwards); whether the proposer was asked, and whether it proposed anything (whatever of it
+        the width keeps: a proposal made was paid for)."""
+        planner = self.planner
+        if self.proposer is None or not plan.decode or planner is None or not planner.asks():
+            return False, False
+        cost = planner.cost(len(plan.decode), self.runner.forwards.max_width or math.inf)
         plan.proposals = self.proposer.propose(plan.decode, [r.room() for r in plan.decode], cost)
-        extra = max((len(p.side.tokens) for p in plan.proposals.values() if p.side is not None), default=0)
+        extra = max((p.probes for p in plan.proposals.values()), default=0)  # run whatever the width
         gains = [plan.proposals[r.id].expected() if r.id in plan.proposals else [1.0] for r in plan.decode]
-        width = plan_width(gains, lambda w: cost(w + extra) if w > 1 else 1.0)
-        proposed = any(p.tokens or p.side is not None for p in plan.proposals.values())
-        if self.payoff is not None and self.proposer.own is not None:  # nothing proposed: its forwards priced out
-            self.payoff.declined(proposed)
-        self.scheduler.fit(plan, width, extra)
-        sources = {s for p in plan.proposals.values() for s in p.sources}
+        proposed = any(p.tokens for p in plan.proposals.values())
+        # probes run with no candidate too where they cost nothing more (as set): lookahead's window moves on
+        self.scheduler.fit(plan, planner.width(gains, extra, cost), extra, probes_alone=cost(1 + extra) <= 1.0)
+        sources = {s for p in plan.proposals.values() for s in p.sources[: p.candidates]}
         for source in sources:
             self.counts.setdefault(source, ProposalCounts()).steps += 1
-        return proposed
+        return True, proposed
 
     def _accept(self, plan: StepPlan, logits: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor],
                 drawn: dict[int, Drawn], times: StepTimes) -> list[RequestOutput]:
@@ -357,13 +341,13 @@ class Engine:
             if r.sampling.greedy or proposal is not None and not proposal.rule.plain:  # drawn as its rule goes
                 continue
             depths = [0]
-            for parent in proposal.parents if proposal is not None else []:  # node i + 1 follows row parents[i]
+            for parent in proposal.verified().parents if proposal is not None else []:  # node i + 1: row parents[i]
                 depths.append(depths[parent] + 1)
             rows = logits[r.id]
             token, prob, nodes, states = draws_ahead(rows[: len(depths)], r.sampling, r.generator, depths,
                                                      self._cells([r], proposals, logits))
-            side = rows[len(depths) :].argmax(-1) if len(rows) > len(depths) else token[:0]  # (S,)
-            parts.append(_Ahead([r], token, prob, nodes, side, states))
+            probed = rows[len(depths) :].argmax(-1) if len(rows) > len(depths) else token[:0]  # (S,)
+            parts.append(_Ahead([r], token, prob, nodes, probed, states))
         if not parts:
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -372,19 +356,19 @@ class Engine:
         values = torch.cat([piece.double() for part in parts for piece in part.pieces() if len(piece)]).tolist()
         drawn, at = {}, 0
         for part in parts:
-            split = []  # tokens, probabilities, nodes' probabilities, side rows' argmax, read back
+            split = []  # tokens, probabilities, nodes' probabilities, probes' argmax, read back
             for piece in part.pieces():
                 split.append(values[at : at + len(piece)])
                 at += len(piece)
-            got_tokens, got_probs, got_nodes, got_side = split
+            got_tokens, got_probs, got_nodes, got_probed = split
             row = node = 0
             for r in part.requests:
                 proposal = proposals.get(r.id)
-                k = len(proposal.tokens) if proposal is not None else 0
+                k = proposal.candidates if proposal is not None else 0
                 count = len(logits[r.id]) if r.sampling.greedy else len(got_tokens)
                 mine = [int(t) for t in got_tokens[row : row + count]]
                 drawn[r.id] = Drawn(mine, got_probs[row : row + count], part.states, got_nodes[node : node + k],
-                                    mine[1 + k :] if r.sampling.greedy else [int(t) for t in got_side])
+                                    mine[1 + k :] if r.sampling.greedy else [int(t) for t in got_probed])
                 row, node = row + count, node + k
         return drawn
 
@@ -396,8 +380,9 @@ class Engine:
         for r in group:
             proposal = proposals.get(r.id)
             if proposal is not None:
-                rows += [offset + parent for parent in proposal.parents]
-                tokens += proposal.tokens
+                verified = proposal.verified()
+                rows += [offset + parent for parent in verified.parents]
+                tokens += verified.tokens
             offset += len(logits[r.id])
         return to_device([rows, tokens], self.target.model.device) if rows else None
 
@@ -405,19 +390,22 @@ class Engine:
                  times: StepTimes, drawn: Drawn | None = None) -> RequestOutput:
         """One request's end of the step, in its phases: accept (its new tokens drawn along the proposal), the
         proposer told what was kept, commit (the kept path's KV), then its trace and output."""
-        outcome, read = self._judge(request, proposal, logits, hidden, drawn)
-        if proposal is not None:
-            self._count(proposal, outcome.path)
+        verified = proposal.verified() if proposal is not None else None  # its candidates, without its probes
+        outcome, read = self._judge(request, verified, proposal.probes if proposal else 0, logits, hidden, drawn)
+        if verified is not None:
+            self._count(verified, outcome.path)
         if self.proposer is not None:
             self.proposer.observe(request, proposal, outcome)
-        self._commit(request, proposal, outcome)
-        return self._report(request, proposal, outcome, read, times, drawn)
+        self._commit(request, verified, outcome)
+        width = 1 + len(proposal.tokens) if proposal is not None else 1
+        return self._report(request, verified, width, outcome, read, times, drawn)
 
-    def _judge(self, request: Request, proposal: Proposal | None, logits: torch.Tensor, hidden: torch.Tensor,
-               drawn: Drawn | None) -> tuple[Outcome, torch.Tensor]:
+    def _judge(self, request: Request, proposal: Proposal | None, probes: int, logits: torch.Tensor,
+               hidden: torch.Tensor, drawn: Drawn | None) -> tuple[Outcome, torch.Tensor]:
         """Accept: the request's new tokens drawn from its rows of the step's logits as the proposal's rule judges
-        them (or read from the draws made beforehand: `drawn`), up to a stop; the outcome and the rows read."""
-        tokens, parents = (proposal.tokens, proposal.parents) if proposal else ([], [])
+        them (or read from the draws made beforehand: `drawn`), up to a stop; `proposal` its candidates, the
+        `probes` rows after them read for their greedy tokens; the outcome and the rows read."""
+        tokens, parents = (proposal.tokens, proposal.parents) if proposal is not None else ([], [])
         read = logits[: 1 + len(tokens)]
         new, walk, probs, done = [], [], [], False
         rule = proposal.rule if proposal else PLAIN_DRAWS
@@ -430,10 +418,10 @@ class Engine:
                 break
         if drawn is not None:
             drawn.rewind(request.generator, len(new))
-        side = None
-        if proposal is not None and proposal.side is not None:  # the argmax of each side row read
-            side = list(drawn.side) if drawn is not None else argmax_rows(logits[1 + len(tokens) :])
-        return Outcome(new, walk, probs, done, hidden, side), read
+        probed = []
+        if probes:  # the greedy token after each probe
+            probed = list(drawn.probed) if drawn is not None else argmax_rows(logits[1 + len(tokens) :])
+        return Outcome(new, walk, probs, done, hidden, probed), read
 
     def _commit(self, request: Request, proposal: Proposal | None, outcome: Outcome) -> None:
         """Commit: the kept path's keys and values move next to the last token, the rest of the step's rows go (a
@@ -445,15 +433,14 @@ class Engine:
         if self.cache.length(request.id) > request.num_computed + len(outcome.path):
             self.cache.truncate(request.id, request.num_computed + len(outcome.path))  # a row's padding
 
-    def _report(self, request: Request, proposal: Proposal | None, outcome: Outcome, read: torch.Tensor,
-                times: StepTimes, drawn: Drawn | None) -> RequestOutput:
-        """The step's trace events and output of a request; a finished one is released, another moves on."""
+    def _report(self, request: Request, proposal: Proposal | None, width: int, outcome: Outcome,
+                read: torch.Tensor, times: StepTimes, drawn: Drawn | None) -> RequestOutput:
+        """The step's trace events (its proposal's candidates, its forward `width` rows, probes included) and output
+        of a request; a finished one is released, another moves on."""
         now = self.now()
         if request.trace is not None and self.tracer is not None:
-            own: Callable[[int, float], list[Any]] = (partial(self.proposer.trace_events, request)
-                                                      if self.proposer is not None else lambda *_: [])
-            request.trace += self.tracer.step(request, proposal, outcome, read, times, now, self.cache.memory(),
-                                              own, drawn)
+            request.trace += self.tracer.step(request, proposal, width, outcome, read, times, now,
+                                              self.cache.memory(), drawn)
         if request.first_token_t is None:
             request.first_token_t = now
         else:
@@ -468,6 +455,7 @@ class Engine:
         return RequestOutput(request.id, outcome.new, False)
 
     def _count(self, proposal: Proposal, path: list[int]) -> None:
+        """The counts of a proposal's candidates verified and kept."""
         for source in proposal.sources:
             self.counts[source].proposed += 1
         for row in path:

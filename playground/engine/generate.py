@@ -12,7 +12,7 @@ from ..decoding.base import DecodeOutput, encode_prompt
 from ..decoding.costs import ForwardCosts, LiveCosts
 from ..decoding.proposer import Proposer
 from ..kv import blocks_for
-from ..models import LoadedModel, native
+from ..models import LoadedModel
 from ..trace import Event, Trace
 from .engine import Engine
 
@@ -40,7 +40,7 @@ def stream_generate(target: LoadedModel, prompt: str | list[int], proposer: Prop
     text = prompt if isinstance(prompt, str) else target.tokenizer.decode(prompt_ids)
     name = algo or ("ar" if proposer is None else proposer.label)
     trace = Trace(algo=name, model=target.name, prompt=text, prompt_ids=prompt_ids,
-                  params=header(sampling, generation, proposer, native.formats_read(target.model)))
+                  params=header(sampling, generation, proposer, target.model.formats_read()))
     output = None
     events = request.trace
     assert events is not None  # the engine records traces
@@ -79,9 +79,9 @@ def warm_up(target: LoadedModel, prompt: str | list[int], proposer: Proposer | N
             generation: GenerationParams, algo: str | None = None) -> None:
     """A short generation (`generation`'s length) that pays the first calls' costs (buffers allocated, weights read
     for the first time) of the target and of the proposer's own forwards: as set, so that the proposer drafts
-    whatever a plan would say, and leaving its measured price and payoff as they were (`Proposer.warming_up`). An
-    engine that plans as set returns the proposer's acceptance to its prior (`Proposer.forget`): warm a proposer up
-    before it learns."""
+    whatever a plan would say, and leaving its measured price as it was (`Proposer.warming_up`); as set, it judges
+    nothing of whether drafting pays (`planner`). An engine that plans as set returns the proposer's acceptance to
+    its prior (`Proposer.forget`): warm a proposer up before it learns."""
     generation = replace(generation, plan="as-set")
     with proposer.warming_up() if proposer is not None else nullcontext():
         generate(target, prompt, proposer, sampling, generation, algo)

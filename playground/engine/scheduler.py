@@ -72,7 +72,7 @@ class Request:
 class StepPlan:
     decode: list[Request] = field(default_factory=list)  # one token each (and its proposal), run as one batch
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
-    width: int = 1  # tokens per decode row: the last token, then proposals (and side rows) padded to one length
+    width: int = 1  # tokens per decode row: the last token, then proposals (their probes last) padded to one length
     proposals: dict[int, Proposal] = field(default_factory=dict)  # request id -> at most width - 1 tokens
 
     @property
@@ -154,19 +154,24 @@ class Scheduler:
         else:
             plan.prefill.append((request, n))
 
-    def fit(self, plan: StepPlan, width: int, extra: int) -> None:
-        """Narrows the decode rows (the last token and width - 1 proposed tokens, then `extra` side rows: none at
-        width 1) to the token budget and the blocks the step leaves free, and trims the proposals to them."""
+    def fit(self, plan: StepPlan, width: int, extra: int, probes_alone: bool = False) -> None:
+        """Narrows the decode rows (the last token and width - 1 proposed candidates, then `extra` probes: none at
+        width 1 unless `probes_alone`, where they cost nothing more) to the token budget and the blocks the step
+        leaves free, and trims the proposals to them."""
         batch = len(plan.decode)
         budget = self.params.max_batch_tokens - plan.num_tokens
         decode_blocks = sum(self.blocks.blocks_needed(r.id, 1) for r in plan.decode)
         free = self.blocks.num_free - decode_blocks - sum(self.blocks.blocks_needed(r.id, n)
                                                           for r, n in plan.prefill)
-        while width > 1 and (batch * (width - 1 + extra) > budget or sum(
-                self.blocks.blocks_needed(r.id, width + extra) for r in plan.decode) - decode_blocks > free):
+
+        def fits(rows: int) -> bool:  # each decode row `rows` tokens wide
+            return batch * (rows - 1) <= budget and sum(
+                self.blocks.blocks_needed(r.id, rows) for r in plan.decode) - decode_blocks <= free
+        while width > 1 and not fits(width + extra):
             width -= 1
-        plan.width = width + extra if width > 1 else 1
-        plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if width > 1}
+        runs = width > 1 or (probes_alone and extra > 0 and fits(1 + extra))
+        plan.width = width + extra if runs else 1
+        plan.proposals = {i: proposal.first(width - 1) for i, proposal in plan.proposals.items() if runs}
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue, to be recomputed."""

@@ -9,7 +9,6 @@ and verifying time of a step is the whole batch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +55,11 @@ class Tracer:
             text = self.texts[token] = self.tokenizer.decode([token])
         return TokenInfo(id=token, text=text, position=position, p=p, q=q, parent=parent)
 
-    def step(self, request: Request, proposal: Proposal | None, outcome: Outcome, logits: torch.Tensor,
-             times: StepTimes, now: float, memory: KVMemory, own: Callable[[int, float], list[Event]],
-             drawn: Drawn | None = None) -> list[Event]:
-        """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n nodes;
-        `memory`: the cache's after the step; `own(step, t)`: the proposer's own events for it, recorded before the
-        draft; `drawn`: the step's draws made beforehand, if they were."""
+    def step(self, request: Request, proposal: Proposal | None, width: int, outcome: Outcome, logits: torch.Tensor,
+             times: StepTimes, now: float, memory: KVMemory, drawn: Drawn | None = None) -> list[Event]:
+        """The events of the step that drew `outcome` from logits (1 + n, V) at the last token and the n candidates
+        of its `proposal` (its forward ran `width` rows, probes included); `memory`: the cache's after the step;
+        `drawn`: the step's draws made beforehand, if they were."""
         base = request.num_computed - 1  # the last token's position
         prefill = request.first_token_t is None
         step = 0 if prefill else request.decode_steps + 1
@@ -85,15 +83,14 @@ class Tracer:
                        KVAllocEvent(step=0, t=times.verified, seq=request.id, num_tokens=len(request.prompt_ids),
                                     bytes_used=memory.bytes_used, bytes_reserved=memory.bytes_reserved)]
         else:
-            events += own(step, times.proposed)
-            if proposal.tokens:
+            drafted = proposal.trace_fields()
+            if proposal.tokens or drafted["note"] is not None:  # a note alone: what the step ran without tokens
                 chain = proposal.is_chain()
                 events.append(DraftEvent(
-                    step=step, t=times.proposed, wall_s=times.proposed - times.start, **proposal.trace_fields(),
+                    step=step, t=times.proposed, wall_s=times.proposed - times.start, **drafted,
                     tokens=[self.info(token, base + depths[i + 1], q=proposal.probs[i],
                                       parent=None if chain else proposal.parents[i])
                             for i, token in enumerate(proposal.tokens)]))
-            width = 1 + len(proposal.tokens) + (len(proposal.side.tokens) if proposal.side else 0)
             events.append(VerifyEvent(step=step, t=times.verified, num_tokens=width,
                                       wall_s=times.verified - times.proposed, target_forwards=1))
         for i, (row, token) in enumerate(zip(outcome.walk, outcome.new)):

@@ -31,14 +31,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..paths import default_cache_root
-
-if TYPE_CHECKING:
-    from .transformer import Transformer
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SWITCH_ENV = "PLAYGROUND_NATIVE"  # "0" keeps PyTorch's kernels
@@ -122,20 +118,19 @@ class Panels:
         return sum(p.data.numel() * p.data.element_size() for p in self.pieces)
 
 
-def formats_read(model: Transformer) -> str:
-    """What the model's matrix products read, for reports: e.g. "Q4_1 and Q8_0 blocks, 8-bit activations (96 MB)",
-    "Q4_1 and Q8_0 blocks, float32 activations (96 MB)", "float32 (538 MB)"; "PyTorch's products" where the native
-    kernel runs none."""
-    products = model.packed_products()
+def formats_read(products: Sequence[Panels]) -> str:
+    """What a model's matrix products (their panels) read, for reports: e.g. "Q4_1 and Q8_0 blocks, 8-bit
+    activations (96 MB)", "Q4_1 and Q8_0 blocks, float32 activations (96 MB)", "float32 (538 MB)"; "PyTorch's
+    products" where the native kernel runs none."""
     if not products:
         return "PyTorch's products"
-    names = sorted({FORMAT_NAMES[piece.format] for _, panels in products for piece in panels.pieces})
-    codes = {piece.format for _, panels in products for piece in panels.pieces}
+    names = sorted({FORMAT_NAMES[piece.format] for panels in products for piece in panels.pieces})
+    codes = {piece.format for panels in products for piece in panels.pieces}
     blocks = ""
     if all(name in BLOCKS for name in names):
         integer = codes <= set(INTEGER_FORMATS.values())
         blocks = " blocks, 8-bit activations" if integer else " blocks, float32 activations"
-    return f"{words(names)}{blocks} ({sum(p.nbytes for _, p in products) / 1e6:.0f} MB)"
+    return f"{words(names)}{blocks} ({sum(p.nbytes for p in products) / 1e6:.0f} MB)"
 
 
 def words(parts: Sequence[str], last: str = "and") -> str:

@@ -322,6 +322,10 @@ class Transformer(nn.Module):
             pairs.append((self.output_weight, self.packed_output))
         return pairs
 
+    def formats_read(self) -> str:
+        """What its matrix products read, in words (`native.formats_read`)."""
+        return native.formats_read([panels for _, panels in self.packed_products()])
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see `apply_rope`), each (B, T, 1, D) to broadcast over heads."""
         freqs = positions.unsqueeze(-1).float() * cast(torch.Tensor, self.inv_freq)  # (B, T, D/2)

@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import gradio as gr
 
+from .. import notes
 from ..config import ConfigError, GenerationParams, SamplingParams
 from ..decoding import registry
-from ..decoding.costs import OneRequest
+from ..decoding.costs import LiveCosts, OneRequest
 from ..decoding.planning import DraftPrice, OwnCost
 from ..engine import one_request_costs, stream_generate, warm_up
 from ..metrics import (
@@ -35,12 +36,13 @@ from ..metrics import (
     projected_speedup,
 )
 from ..models import ModelLoadError
+from ..notes import TokenText
 from ..speedup import ROUNDS, Speedup, compare, median_run, shown_round
 from ..timeline import save_timeline
-from ..trace import DraftEvent, Event, LookaheadEvent, TokenInfo, Trace, TraceError
+from ..trace import DraftEvent, Event, TokenInfo, Trace, TraceError
 from ..viz import render_legend, render_prompt, render_tokens
 from ..viz.charts import steps_figure, tokens_time_figure
-from ..viz.steps import STEP_HEADERS, TokenText, render_step_detail, step_rows
+from ..viz.steps import STEP_HEADERS, render_step_detail, step_rows
 from .form import (
     PLAIN_LABEL,
     Entrant,
@@ -97,14 +99,16 @@ def as_plan(choice: Any) -> str:
 
 
 def _source_span(events: list[Event], upto_step: int | None) -> tuple[int, int] | None:
-    """The copied source of the latest proposal up to a step; none when that proposal came from a model alone."""
-    proposals = [e for e in events if isinstance(e, DraftEvent) and (upto_step is None or e.step <= upto_step)]
-    source = proposals[-1].source if proposals else None
-    return (source[0], source[1]) if source else None
+    """The earlier text the latest proposal up to a step came from, as its note says (a copy's source); none when
+    that proposal came from a model alone."""
+    proposals = [e for e in events if isinstance(e, DraftEvent) and e.tokens and (upto_step is None or
+                                                                                 e.step <= upto_step)]
+    note = notes.read(proposals[-1].note) if proposals and proposals[-1].note else None
+    return note.span() if note is not None else None
 
 
 def _stats(m: Metrics, against: Speedup | None, same: bool | None,
-           own: tuple[OwnCost, float] | None = None,
+           own: tuple[OwnCost, float, bool] | None = None,
            note: str | None = None, projected: float | None = None, kept_at: list[float] | None = None,
            this_round: Speedup | None = None, costs_from: str | None = None) -> str:
     """The run's headline (its speedup over plain decoding, measured in interleaved rounds; where the run shown
@@ -112,8 +116,9 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
     against plain decoding's run of the same round (`speedup.shown_round`), whose line says where a step's time
     went; costs_from: where the forward-cost figures come from (`OneRequest.provenance`), shown with them; own:
     the proposer's `OwnCost`, whose price its plans use (in target forwards, as measured once it has drafted a few
-    steps: `planning.DraftPrice`), and what the bytes a further depth's forward reads predict at the rows it runs
-    (`OwnCost.estimate`); note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
+    steps, on this machine's live costs; its estimate on a curve given: `planning.DraftPrice`), what the bytes a
+    further depth's forward reads predict at the rows it runs (`OwnCost.estimate`), and whether the costs were
+    live; note: why the run drafted little (`metrics.drafting_note`), if it did; projected:
     `metrics.projected_speedup`, shown as the projection it is; kept_at: the share of proposing steps that kept at
     least 1, 2, ... drafted tokens (`metrics.depth_profile`), as serving engines report acceptance by position."""
     parts = [f"**{m.tokens} tokens** in {m.wall_s:.2f} s = **{m.tokens_per_s:.1f} tok/s** (engine time of the "
@@ -130,8 +135,9 @@ def _stats(m: Metrics, against: Speedup | None, same: bool | None,
         parts.append("steps that kept at least 1, 2, ... drafted tokens: "
                      + ", ".join(f"{share:.0%}" for share in kept_at[:8]))
     if own is not None:
-        cost, estimate = own
-        price, timed = cost.value(), cost.fixed is not None or cost.measured() is not None  # fixed: as set
+        cost, estimate, live = own
+        price = cost.value() if live else cost.estimated()
+        timed = cost.fixed is not None or (live and cost.measured() is not None)  # fixed: as set
         if price.further is None:
             parts.append(f"the proposer's forward costs {price.first:.2f} target forwards, once a step (its bytes "
                          f"alone would say {estimate:.2f})")
@@ -262,16 +268,17 @@ def run_decode(prompt: str, algo_label: str, max_new_tokens: Any, temperature: A
     prompt_tokens = [token_text(i) for i in trace.prompt_ids]
     steps = _steps(trace)
     metrics = compute(trace)
-    # ids a step detail shows beside its proposals: lookahead's window and hits, a retrieval's matched suffix
-    bare = {i for e in trace.events if isinstance(e, LookaheadEvent) for row in (*e.window, *e.candidates) for i in row}
-    bare |= {i for e in trace.events if isinstance(e, DraftEvent) and e.suffix for i in e.suffix}
+    # ids a step detail shows beside its proposals, as their notes say: lookahead's window and hits, a retrieval's
+    # matched suffix
+    bare = notes.shown_ids([e.note for e in trace.events if isinstance(e, DraftEvent) and e.note])
     state = {"trace": trace, "prompt_tokens": prompt_tokens, "tokenized": True,
              "texts": {str(i): token_text(i) for i in bare}}
     proposer = proposers[algo]
     costs = one_request_costs(target)
     mine = proposer.own if proposer is not None else None
-    own_cost = mine.value() if mine is not None else None
-    own = (mine, mine.estimate(costs)) if mine is not None else None
+    live = isinstance(costs.costs, LiveCosts)  # on a curve given its plans priced its own forwards at their estimate
+    own_cost = (mine.value() if live else mine.estimated()) if mine is not None else None
+    own = (mine, mine.estimate(costs), live) if mine is not None else None
     note = drafting_note(trace, costs) if proposers[algo] is not None else None
     projected = projected_speedup(trace, own_cost) if metrics.drafted else None
     kept_at = cast(list[float] | None, depth_profile(trace).get("kept_at_least")) if metrics.drafted else None
@@ -348,7 +355,7 @@ def play(state: dict | None, step: Any, speed: str):
     ends = [0.0] * (_steps(trace) + 1)  # engine time at which each step ended
     for event in trace.events:
         ends[event.step] = max(ends[event.step], event.t)
-    proposed = {e.step for e in trace.events if isinstance(e, DraftEvent)}
+    proposed = {e.step for e in trace.events if isinstance(e, DraftEvent) and e.tokens}
     first = as_int("step", step)
     first = 0 if first >= len(ends) - 1 else first
     start, shown = time.perf_counter(), -1

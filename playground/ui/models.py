@@ -119,7 +119,7 @@ def describe(model: LoadedModel) -> str:
     element = next(model.model.parameters()).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
     quant = f", {model.spec.quant}" if model.spec.quant else ""
-    reads = (f"; its products read {native.formats_read(model.model)}" if model.model.device.type == "cpu"
+    reads = (f"; its products read {model.model.formats_read()}" if model.model.device.type == "cpu"
              and not model.spec.quant else "")
     return (f"**{model.name}**: {cfg.model_type}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters, "
             f"{model.spec.dtype}{quant} on {model.model.device}; KV {kv_per_token / 1024:.1f} KiB per token{reads}")

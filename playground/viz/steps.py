@@ -1,13 +1,15 @@
 """Per-step views of a trace: the decision counts of every step (the bar chart and the step table share them),
-the step table, and the detail of one step: what was proposed and from where (draft model, copied span,
-lookahead's Jacobi window and pool hits, a proposal tree)."""
+the step table, and the detail of one step: what was proposed, what its algorithm's note says of it (a copied
+span, a datastore's match, a Jacobi window: `playground.notes`), and a proposal tree."""
 
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import replace
 
 from ..metrics import branched
+from ..notes import TokenText, ngram_html, said
 from ..trace import (
     AcceptEvent,
     BonusEvent,
@@ -15,7 +17,6 @@ from ..trace import (
     CorrectEvent,
     DraftEvent,
     Event,
-    LookaheadEvent,
     RejectEvent,
     VerifyEvent,
 )
@@ -24,7 +25,6 @@ from .tokens import decision_of, judged_nodes, tree_parents
 
 STEP_HEADERS = ["step", "proposed", "accepted", "rejected", "corrected", "bonus", "generated", "committed",
                 "target tokens", "draft ms", "verify ms"]
-TokenText = Callable[[int], str]  # token id -> its text, when a tokenizer is at hand
 
 
 def step_counts(events: Iterable[Event]) -> dict[int, dict[str, int]]:
@@ -34,7 +34,7 @@ def step_counts(events: Iterable[Event]) -> dict[int, dict[str, int]]:
     for event in events:
         if event.step == 0:
             continue
-        if isinstance(event, DraftEvent):
+        if isinstance(event, DraftEvent) and event.tokens:
             proposed.add(event.step)
             step = counts.setdefault(event.step, {})
             step["proposed"] = step.get("proposed", 0) + len(event.tokens)
@@ -56,15 +56,6 @@ def step_rows(events: Iterable[Event]) -> list[list[int | float]]:
         rows.append([commit.step, *(c.get(k, 0) for k in STEP_HEADERS[1:7]), commit.num_tokens,
                      verified.get(commit.step, 0), round(1000 * commit.draft_s, 2), round(1000 * commit.verify_s, 2)])
     return rows
-
-
-def _text(token_id: int, token_text: TokenText | None) -> str:
-    return html.escape(repr(token_text(token_id))[1:-1] if token_text else f"#{token_id}")
-
-
-def _ngram(ids: Iterable[int], token_text: TokenText | None, cls: str = "") -> str:
-    cells = "".join(f'<span class="pg-cell">{_text(i, token_text)}</span>' for i in ids)
-    return f'<span class="pg-ngram {cls}">{cells}</span>'
 
 
 def detail_css() -> str:
@@ -126,70 +117,48 @@ def render_draft_tree(draft: DraftEvent, decisions: list[Event], proposing: bool
             f"probability):</div><div class='pg-tree'><span class='pg-tok'>last token</span>{branch(0)}</div>")
 
 
-def _origin(draft: DraftEvent, token_text: TokenText | None) -> str:
-    """Where a step's proposal came from, as its draft event says: a copied span, a datastore's match, forwards."""
-    if draft.source:
-        return f" copied from positions {draft.source[0]}..{draft.source[1] - 1} after a {draft.ngram}-token match"
-    if draft.suffix:
-        hits = f"{draft.hits} hit" + ("" if draft.hits == 1 else "s")
-        return (f" retrieved after the last {len(draft.suffix)} token(s) {_ngram(draft.suffix, token_text)} "
-                f"({hits} in the datastore)")
-    if draft.draft_forwards:
-        layers = f" of {draft.draft_layers} of the target's own layers" if draft.draft_layers else ""
-        return f" by {draft.draft_forwards} draft forward(s){layers}"
-    return ""
-
-
 def render_step_detail(events: Iterable[Event], step: int | None = None, token_text: TokenText | None = None,
                        proposing: bool = False) -> str:
-    """What one step (the last when None) proposed and how it went; for lookahead, the Jacobi window (oldest row
-    first) and the pool's candidates for the last token, the verified ones outlined. Token ids are shown as text
-    when a tokenizer's `token_text` is given (a replayed trace without a model shows ids). proposing: the step
-    before its verdict (what it proposed, being verified)."""
+    """What one step (the last when None) proposed, what its algorithm's note says of it (`notes.said`) and how it
+    went. Token ids are shown as text when a tokenizer's `token_text` is given (a replayed trace without a model
+    shows ids). proposing: the step before its verdict (what it proposed, being verified)."""
     events = list(events)
     if step is None:
         step = max((e.step for e in events), default=0)
-    mine = [e for e in events if e.step == step and (not proposing or isinstance(e, (DraftEvent, LookaheadEvent)))]
+    mine = [e for e in events if e.step == step and (not proposing or isinstance(e, DraftEvent))]
     parts = [f"<style>{token_css()}{detail_css()}</style><div class='pg-detail'><b>step {step}</b>: "]
     draft = next((e for e in mine if isinstance(e, DraftEvent)), None)
     commit = next((e for e in mine if isinstance(e, CommitEvent)), None)
     verdicts = sum(isinstance(e, AcceptEvent) for e in mine), sum(isinstance(e, RejectEvent) for e in mine)
-    if draft is None:
+    note = None
+    if draft is None or not draft.tokens:
         parts.append("nothing proposed")
-    else:
+    if draft is not None:
         if token_text is None:  # a trace carries each proposed token's text: show it rather than ids
             token_text = texts_of(draft)
-        origin = _origin(draft, token_text)
+        note = said(draft, token_text)
+        if not note.origin and draft.draft_forwards:
+            note = replace(note, origin=f" by {draft.draft_forwards} draft forward(s)")
+    if draft is not None and draft.tokens:
+        assert note is not None and token_text is not None
         verdict = "being verified..." if proposing else f"{verdicts[0]} accepted, {verdicts[1]} rejected"
         if branched(draft):
-            parts.append(f"proposed a tree of {len(draft.tokens)} tokens{origin}; {verdict}")
+            parts.append(f"proposed a tree of {len(draft.tokens)} tokens{note.origin}; {verdict}")
         else:
             chain = [t.id for i, t in enumerate(draft.tokens) if not draft.is_sibling(i)]
             siblings = [t.id for i, t in enumerate(draft.tokens) if draft.is_sibling(i)]
-            if draft.source:  # prompt lookup's further copies, each starting where the first does
-                label = "a second copy" if len(siblings) == 1 else f"{len(siblings)} more copies"
+            if note.beside is not None:  # the note names them (prompt lookup's further copies)
+                label = note.beside[0] if len(siblings) == 1 else note.beside[1].format(n=len(siblings))
             else:  # a draft model's runner-up, or the heads' other guesses for that place
                 label = ("the draft's " if draft.draft_forwards else "") + (
                     "runner-up" if len(siblings) == 1 else "runners-up")
-            beside = f"; beside its first token {label} {_ngram(siblings, token_text)}" if siblings else ""
-            parts.append(f"proposed {_ngram(chain, token_text)}{origin}{beside}; {verdict}")
+            beside = f"; beside its first token {label} {ngram_html(siblings, token_text)}" if siblings else ""
+            parts.append(f"proposed {ngram_html(chain, token_text)}{note.origin}{beside}; {verdict}")
     if commit is not None:
         parts.append(f"; {commit.num_tokens} token(s) committed (draft {1000 * commit.draft_s:.1f} ms, "
                      f"verify {1000 * commit.verify_s:.1f} ms)")
-    look = next((e for e in mine if isinstance(e, LookaheadEvent)), None)
-    if look is not None:
-        rows = "".join(f"<tr><th>row {r + 1}</th>{''.join(f'<td>{_text(i, token_text)}</td>' for i in row)}</tr>"
-                       for r, row in enumerate(look.window))
-        verified = draft_paths(draft) if draft else []  # as set, every hit; measured, those that pay
-        outlined = ("" if not look.candidates else " (the verified ones outlined)" if verified else
-                    " (none verified this step: the plan did not pay for a wider forward)")
-        keys = look.keys or [1] * len(look.candidates)
-        hits = "".join(f"{_ngram(c, token_text, 'pg-verified' if c in verified else '')}<sub>after {k}</sub>"
-                       for c, k in zip(look.candidates, keys))
-        parts.append(f"<div>Jacobi window (oldest row first; each column's tokens plus the newest guess make an "
-                     f"n-gram for the pool):</div><table>{rows}</table>"
-                     f"<div>pool: {look.pool_size} n-grams; {len(look.candidates)} hit(s), each found after the "
-                     f"last k tokens{outlined}: {hits or '-'}</div>")
+    if note is not None:
+        parts.append(note.block)
     if draft is not None and branched(draft):
         parts.append(render_draft_tree(draft, mine, proposing))
     parts.append("</div>")

@@ -112,7 +112,7 @@ def token_views(events: Iterable[Event], upto_step: int | None = None, proposing
             continue  # the step's verdict has not come yet
         if step and event.step != step[-1].step:
             draw()
-        if isinstance(event, DraftEvent):
+        if isinstance(event, DraftEvent) and event.tokens:
             proposed_steps.add(event.step)
         step.append(event)
         if isinstance(event, CommitEvent):
