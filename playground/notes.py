@@ -22,8 +22,8 @@ TokenText = Callable[[int], str]  # a token id's text, as a tokenizer decodes it
 @dataclass(frozen=True, slots=True)
 class Said:
     """What the step detail shows of a note. origin: a phrase after the proposed tokens, where they came from;
-    beside: what the tokens beside the first are called, as (one, several), (several with a count in {n}); block:
-    HTML shown below the step's line."""
+    beside: what the tokens beside the first are called, (for one, for several with {n} their count); block: HTML
+    shown below the step's line. Token text in either is escaped (`token_html`, `ngram_html`)."""
 
     origin: str = ""
     beside: tuple[str, str] | None = None
@@ -40,8 +40,9 @@ class NoteKind:
         """Ranges the field types do not say: a ValueError whose message starts with the field's name."""
 
     def say(self, draft: Any, text: TokenText) -> Said:
-        """What the step detail shows of this note on `draft` (the step's `DraftEvent`)."""
-        return Said(origin=" (" + ", ".join(f"{key} {value}" for key, value in self.fields().items()) + ")")
+        """What the step detail shows of this note on `draft` (the step's `DraftEvent`): by default its fields."""
+        shown = ", ".join(f"{html.escape(key)} {html.escape(str(value))}" for key, value in self.fields().items())
+        return Said(origin=f" ({shown})")
 
     def ids(self) -> list[int]:
         """The token ids the step detail shows beside the proposal, which the app decodes for it."""

@@ -364,3 +364,27 @@ def test_a_step_shows_its_proposal_before_its_verdict_and_names_what_sits_beside
     copies = [replace(e, note={"kind": "copied", "source": [0, 2], "ngram": 1}) if isinstance(e, DraftEvent) else e
               for e in heads]
     assert "beside its first token a second copy" in render_step_detail(copies, 1)
+
+
+def test_a_notes_text_is_escaped_whether_its_kind_is_known_or_not():
+    """A trace's note is data from a file: a kind no module registered shows its fields escaped, as does a known
+    kind that says nothing of its own."""
+    from dataclasses import dataclass
+
+    from playground import notes
+
+    @dataclass(frozen=True)
+    class Plain(notes.NoteKind):
+        KIND = "plain-test"
+        label: str
+
+    draft = DraftEvent(step=1, t=0.0, tokens=[tok(5, 3)], wall_s=0.0, draft_forwards=0,
+                       note={"kind": "<i>mystery</i>", "label": "<script>x</script>"})
+    shown = render_step_detail([draft], 1)
+    assert "<script>" not in shown and "&lt;script&gt;" in shown and "&lt;i&gt;mystery" in shown
+    notes.register(Plain)
+    try:
+        shown = render_step_detail([replace(draft, note={"kind": "plain-test", "label": "<script>x</script>"})], 1)
+        assert "<script>" not in shown and "(label &lt;script&gt;x&lt;/script&gt;)" in shown
+    finally:
+        notes.unregister(Plain)
