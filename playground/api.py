@@ -543,8 +543,7 @@ class Guarded(asyncio.Protocol):
             self.inner.data_received(data)
             return
         if not self.in_head and self.parser.their_state is h11.DONE:  # the next request's head begins
-            self.parser, self.in_head = self._parser(), True
-            self._arm()
+            self._next_head()
         if self.in_head:
             end = data.find(b"\r\n\r\n")
             self.head_bytes += len(data) if end == -1 else end
@@ -568,8 +567,7 @@ class Guarded(asyncio.Protocol):
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 if event is h11.PAUSED and self.parser.trailing_data[0]:  # a pipelined request: the next one's
                     rest = self.parser.trailing_data[0]
-                    self.parser, self.in_head, self.head_bytes = self._parser(), True, 0
-                    self._arm()
+                    self._next_head()
                     self.parser.receive_data(rest)
                     continue
                 return
@@ -578,6 +576,11 @@ class Guarded(asyncio.Protocol):
                 self.head_bytes = 0
                 if self.timer is not None:
                     self.timer.cancel()
+
+    def _next_head(self) -> None:
+        """A request was framed whole: a fresh parser for the next one, whose head's deadline starts now."""
+        self.parser, self.in_head, self.head_bytes = self._parser(), True, 0
+        self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:

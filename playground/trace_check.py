@@ -214,7 +214,7 @@ def _check_draft(event: DraftEvent) -> None:
 
 
 def _json(value: Any, depth: int) -> None:
-    """A note's value of a kind not registered: scalars, and lists of them nested at most `depth` deep."""
+    """A note's value: scalars, and lists of them nested at most `depth` deep, each of at most MAX_NODES items."""
     if type(value) is list and depth > 0:
         _within("items", len(value), 0, MAX_NODES)
         for i, item in enumerate(value):
@@ -224,18 +224,18 @@ def _json(value: Any, depth: int) -> None:
 
 
 def _note(value: Any) -> dict[str, Any]:
-    """A proposal's note: an object with a kind; a registered kind's fields as its dataclass says, then its own
-    check; another kind's as JSON values, bounded."""
+    """A proposal's note: an object with a kind and JSON values, bounded; a registered kind's fields then as its
+    dataclass says, and its own check."""
     if type(value) is not dict:
         raise _Bad(f"expected an object, got {_shown(value)}")
     kind = value.get("kind")
     if type(kind) is not str:
         raise _Bad(f"a note names its kind, a string; got {_shown(kind)}").at("kind")
     _within("fields", len(value), 1, MAX_NOTE_FIELDS)
+    for name, item in value.items():
+        _field(lambda v: _json(v, 2), item, str(name)[:40])
     registered = notes.known(kind)
     if registered is None:
-        for name, item in value.items():
-            _field(lambda v: _json(v, 2), item, str(name)[:40])
         return value
     check = _NOTES.get(registered)
     if check is None:

@@ -252,3 +252,12 @@ def test_a_version_1_trace_still_replays(algo: str, kind: str) -> None:
     assert again["schema_version"] == SCHEMA_VERSION == 2 and Trace.from_dict(again) == trace
     if algo == "lookahead":
         assert any(not e.tokens for e in drafts)  # a step whose window found no candidate
+
+
+def test_a_notes_lists_are_bounded_whatever_its_kind() -> None:
+    """A note's lists hold at most 1,024 items, a registered kind's as any other's (lookahead's window and hits were
+    bounded so before their fields became a note)."""
+    for kind in ("jacobi", "a plug-in's"):
+        note = {"kind": kind, "window": [[1]], "pool_size": 3, "candidates": [[5]] * 1025}
+        with pytest.raises(TraceError, match=r"events\[0\]\.note\.candidates\.items: must be in \[0, 1024\], got 1025"):
+            Trace.from_json(mutate("events.0.note", note))
