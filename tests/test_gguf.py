@@ -268,6 +268,18 @@ def test_integer_products_give_the_bits_of_their_arithmetic(kernel, kind, shape,
     every_row_count_gives(kernel, x, panels, want, threads)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_activations_round_halves_to_even(kernel, kind):
+    """Activations that fall exactly halfway between two quants (a block whose largest |x| is 127, so d = 1) round
+    to the even one, as nearbyintf does, in every lane of the vectors that quantise them; a block of zeros and one
+    whose largest value is negative alike: the products give the reference's bits."""
+    halves = torch.arange(-15.5, 16.0, 1.0)  # (32,) every half from -15.5 to 15.5
+    x = torch.stack([halves, -halves, torch.zeros(32), halves * 3]).repeat(1, 2)  # (4, 64)
+    x[0, 7], x[1, 40], x[3, 63] = 127.0, -127.0, -127.0 * 3
+    blocks = random_blocks(kind, 48, 64, seed=5)
+    panels = native.pack_blocks(blocks, kind, 64, kernel, integer=True)
+    assert torch.equal(native.panel_linear(x, panels), integer_reference(x, blocks, kind, 64))
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_references_read_the_formats_as_gguf_does(kind):
     """The references' reading of each format (d * q + m per block of 32, the K-quants' scale * q + minimum) is
