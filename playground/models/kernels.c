@@ -44,9 +44,8 @@
  * time, 12 rows 1.45), all of SmolLM2-135M's products over 6, 7, 9 and 12 rows took 0.88, 0.92, 0.88 and 0.94 of
  * hint 3's time, one row the same (medians of 6 interleaved rounds; hint 1 alike; presumably lines fetched into
  * L1 that early evicted ones the FMAs still read). The non-temporal hint 0 made one-token forwards 40% slower on the
- * Emerald Rapids Xeon. 128 rows, not 64: on a 2-core Zen 4 EPYC the integer products of 1, 8 and 12 rows read
- * their weights 10-13% sooner, the AVX2 build's one-row products likewise, its 6 and 8 rows the same (the results
- * log, 2026-12-07). */
+ * Emerald Rapids Xeon. 128 rows, not 64: on a 2-core Zen 4 EPYC the integer products of one row and of several
+ * read their weights sooner, the AVX2 build's one-row products too (the results log, 2026-12-07). */
 #define PREFETCH 128
 
 typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
