@@ -164,11 +164,15 @@ def test_the_goals_file_names_contenders_and_bounds() -> None:
             assert bound in (">=", "<=") and float(value) > 0, (name, key)
 
 
-def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards() -> None:
-    costs = Costs(verify=[(1, 0.03), (5, 0.04), (9, 0.05), (9, 0.06)], draft=[0.002, 0.003, 0.004])
-    # one-token forwards (a step that proposed nothing) are left out of the verify cost
-    assert costs.ratios(0.02) == pytest.approx({"verify_cost_ratio": 2.5, "verify_tokens": 9, "draft_cost_ratio": 0.15})
-    assert Costs(verify=[(1, 0.03)]).ratios(0.02) == {}
+def test_costs_are_medians_of_the_runs_forwards_in_plain_forwards_of_the_same_prompt() -> None:
+    plain = Costs(verify=[(0, 1, 0.02), (0, 1, 0.02), (0, 1, 0.05), (1, 1, 0.04)])  # prompt 0: 0.02 s, prompt 1: 0.04
+    costs = Costs(verify=[(0, 1, 0.03), (0, 5, 0.04), (0, 9, 0.05), (1, 9, 0.12), (2, 9, 1.0)],
+                  draft=[(0, 0.002), (1, 0.006), (1, 0.008)])
+    # one-token forwards (a step that proposed nothing) are left out of the verify cost; each forward is priced in
+    # its own prompt's plain forwards (prompt 1's are twice prompt 0's); a prompt plain decoding did not run is not
+    want = {"verify_cost_ratio": 2.5, "verify_tokens": 9, "draft_cost_ratio": 0.15}
+    assert costs.ratios(plain) == pytest.approx(want)
+    assert Costs(verify=[(0, 1, 0.03)]).ratios(plain) == {}
 
 
 def test_bench_rejects_unknown_algorithms(capsys) -> None:

@@ -412,7 +412,7 @@ def race_prompt(bench: Bench, args: argparse.Namespace, index: int, category: st
         sampled_speedups = compare(traces, bench.sampled_plain.name, others)
         speedups.update({c.name: sampled_speedups[c.name] for c in bench.contenders if c.sampled})
     plain_trace = median_run(traces[bench.plain.name])
-    tally.plain.add(plain_trace)
+    tally.plain.add(plain_trace, index)
     ours = run_of(plain_trace)
     row: dict[str, Any] = {"index": index, "category": category, "prompt": prompt, "prompt_tokens": len(prompt_ids),
                            "ar": run_stats(ours), "algos": {}, "ar_spread": speedups[bench.plain.name].spread}
@@ -438,7 +438,7 @@ def race_prompt(bench: Bench, args: argparse.Namespace, index: int, category: st
     peer_runs = PeerRuns()
     for contender in bench.contenders:
         for each in traces[contender.name]:
-            tally.contenders[contender.name].add(each)
+            tally.contenders[contender.name].add(each, index)
         result, said = contender_result(bench, contender, traces[contender.name], speedups[contender.name], ours)
         if bench.hf_model is not None and contender.peer_kwargs is not None:
             kwargs = contender.peer_kwargs
@@ -517,8 +517,6 @@ def summarise(bench: Bench, args: argparse.Namespace, tally: Tally) -> dict[str,
                       "bound_tokens_per_s": bandwidth / per_token,
                       "copy_gb_per_s_range": [min(bandwidths) / 1e9, max(bandwidths) / 1e9]},
         "summary": summary, "algos": {}, "prompts": rows}
-    # one plain decode forward, the unit every cost below is given in
-    plain_forward_s = statistics.median(wall for _, wall in tally.plain.verify) if tally.plain.verify else 0.0
     for contender in bench.contenders:
         entry = contender_summary(contender.name, rows, args.plan)
         forwards = [r["algos"][contender.name]["draft_forward"] for r in rows
@@ -528,8 +526,7 @@ def summarise(bench: Bench, args: argparse.Namespace, tally: Tally) -> dict[str,
             entry["draft_forward_over_bytes"] = entry["draft_forward"] / entry["draft_forward_by_bytes"]
         summary["algos"][contender.name] = entry
         info: dict[str, Any] = {"setting": contender.setting, "peer": contender.peer}
-        if plain_forward_s:
-            info.update(tally.contenders[contender.name].ratios(plain_forward_s))
+        info.update(tally.contenders[contender.name].ratios(tally.plain))  # in plain decode forwards
         if isinstance(contender.proposer, CopyProposer) and "verify_cost_ratio" in info:  # what copies could reach
             add_copy_bounds(contender.proposer.lookup, rows, tally.plain_outputs, entry, info["verify_cost_ratio"])
         report["algos"][contender.name] = info

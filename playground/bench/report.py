@@ -32,31 +32,38 @@ def goals() -> dict[str, dict[str, str]]:
 @dataclass
 class Costs:
     """What one algorithm's steps cost over the suite, read from its traces: the wall time of every verifying
-    target forward (with its width) and of every draft forward. Priced against plain decoding's forwards in
-    the same run, these are what the runs actually paid, context lengths and all, unlike a forward timed apart."""
+    target forward (with its width) and of every draft forward, each with the prompt it ran on. Priced against plain
+    decoding's forwards on the same prompt in the same run, these are what the runs actually paid, unlike a forward
+    timed apart; and a prompt's own context prices them (a forward after 230 tokens costs more than one after 60)."""
 
-    verify: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per verifying forward
-    draft: list[float] = field(default_factory=list)  # seconds per draft forward, one entry per drafting step
+    verify: list[tuple[int, int, float]] = field(default_factory=list)  # (prompt, tokens, seconds) per forward
+    draft: list[tuple[int, float]] = field(default_factory=list)  # (prompt, seconds) per draft forward
 
-    def add(self, trace: Any) -> None:
+    def add(self, trace: Any, prompt: int) -> None:
         from ..trace import DraftEvent, VerifyEvent
 
         for event in trace.events:
             if isinstance(event, VerifyEvent) and event.target_forwards == 1:
-                self.verify.append((event.num_tokens, event.wall_s))
+                self.verify.append((prompt, event.num_tokens, event.wall_s))
             elif isinstance(event, DraftEvent) and event.draft_forwards:
-                self.draft.append(event.wall_s / event.draft_forwards)
+                self.draft.append((prompt, event.wall_s / event.draft_forwards))
 
-    def ratios(self, plain_forward_s: float) -> dict[str, float]:
-        """Median costs in plain decode forwards: of a verifying forward over more than one token (and its median
-        width), and of one draft forward, where the algorithm had any."""
-        wide = [(tokens, wall) for tokens, wall in self.verify if tokens > 1]
+    def ratios(self, plain: Costs) -> dict[str, float]:
+        """Median costs in plain decode forwards (`plain`'s median forward on the same prompt): of a verifying
+        forward over more than one token (and their median width), and of one draft forward, where the algorithm
+        had any on a prompt plain decoding ran."""
+        unit: dict[int, list[float]] = {}
+        for prompt, _, wall in plain.verify:
+            unit.setdefault(prompt, []).append(wall)
+        one = {prompt: statistics.median(walls) for prompt, walls in unit.items()}
+        wide = [(tokens, wall / one[prompt]) for prompt, tokens, wall in self.verify if tokens > 1 and prompt in one]
+        drafts = [wall / one[prompt] for prompt, wall in self.draft if prompt in one]
         out: dict[str, float] = {}
         if wide:
-            out["verify_cost_ratio"] = statistics.median(wall for _, wall in wide) / plain_forward_s
+            out["verify_cost_ratio"] = statistics.median(ratio for _, ratio in wide)
             out["verify_tokens"] = statistics.median(tokens for tokens, _ in wide)
-        if self.draft:
-            out["draft_cost_ratio"] = statistics.median(self.draft) / plain_forward_s
+        if drafts:
+            out["draft_cost_ratio"] = statistics.median(drafts)
         return out
 
 
@@ -141,8 +148,9 @@ def markdown(report: dict[str, Any]) -> str:
                   "cost is an algorithm's mean engine time per decode step over plain decoding's on the same prompt "
                   "(draft + verify + other), so its speedup is about tokens per target forward / step cost, diluted by "
                   "the prefill both pay; verify cost ratio is the median wall time of its verifying forwards over more "
-                  "than one token (their median width: verify tokens) over a plain decode forward's; draft cost ratio "
-                  "the same for one draft forward. Draft forward is what one forward of the proposer's own (a draft "
+                  "than one token (their median width: verify tokens), each over plain decoding's median decode "
+                  "forward on the same prompt; draft cost ratio the same for one draft forward. Draft forward is "
+                  "what one forward of the proposer's own (a draft "
                   "model's, the heads') cost in one-token target forwards as its plan measured it (the median over its "
                   "last drafting steps, per prompt: each token after a step's first, or the heads' one forward a "
                   "step), by bytes what the weights it reads predict (their bytes over the target's, at the rows the "
