@@ -34,7 +34,7 @@ class Costs:
     """What one algorithm's steps cost over the suite, read from its traces: the wall time of every verifying
     target forward (with its width) and of every draft forward, each with the prompt it ran on. Priced against plain
     decoding's forwards on the same prompt in the same run, these are what the runs actually paid, unlike a forward
-    timed apart; and a prompt's own context prices them (a forward after 230 tokens costs more than one after 60)."""
+    timed apart, at that prompt's context and at the moments that prompt ran."""
 
     verify: list[tuple[int, int, float]] = field(default_factory=list)  # (prompt, tokens, seconds) per forward
     draft: list[tuple[int, float]] = field(default_factory=list)  # (prompt, seconds) per draft forward
