@@ -573,10 +573,10 @@ const char *playground_dot_products(void) { return DOT; }
  * of IEEE operations that give every lane what the scalar ones give it, so the bits are the same on every build:
  * the largest |x| whatever the lanes' order (a NaN never replaces it), then (v + 1.5 * 2^23) - 1.5 * 2^23, which
  * rounds |v| < 2^22 to an integer as nearbyintf does (a NaN input counts as 0). Every thread quantises every row
- * of a product, so the scalar loop this replaced was a fifth of an 8-token forward (the results log). */
+ * of a product, so a scalar loop here costs a forward of several tokens dearly (the results log, 2026-12-07). */
 typedef int8_t vq __attribute__((vector_size(VEC), aligned(1)));
 
-/* The largest lane of m (none of them NaN), and the sum of v's lanes: exact in any order. */
+/* The largest lane of m (none of them NaN): the same in any order. */
 static inline __attribute__((always_inline)) float lanes_max(vf m) {
 #if VEC == 16
     return _mm512_reduce_max_ps((__m512)m);
@@ -591,6 +591,7 @@ static inline __attribute__((always_inline)) float lanes_max(vf m) {
 #endif
 }
 
+/* The sum of v's lanes: exact in any order. */
 static inline __attribute__((always_inline)) int32_t lanes_sum(vi v) {
 #if VEC == 16
     return _mm512_reduce_add_epi32((__m512i)v);
@@ -1244,8 +1245,7 @@ static int softmax_row(float *s, const uint8_t *visible, int limit, int *idx, fl
         vf x = *(const vf *)(s + n);
         tops = vselect(x > tops, x, tops);
     }
-    float top = -INFINITY;
-    for (int l = 0; l < VEC; l++) top = tops[l] > top ? tops[l] : top;
+    float top = lanes_max(tops); /* no lane is NaN: a NaN score never replaced one */
     for (; n < run; n++) top = s[n] > top ? s[n] : top;
     for (int i = 0; i < run; i++) idx[i] = i;
     for (int j = run; j < limit; j++) {
