@@ -5,7 +5,8 @@ process: the embedded model on its default weights, the builds' libraries swappe
 
 Per width (new tokens after --context cached ones): per round and build, the mean of 40 forwards with their
 logits (`make_forwards` then `project`, as the engine's decode step runs them); printed, the median over rounds and
-the fastest round, and each width over the one-token forward of the same build. One process, so both builds meet
+the fastest round, and each width over the first width's forward of the same build (the one-token forward
+where --widths starts at 1, as by default). One process, so both builds meet
 the same moments of a host whose speed drifts by a fifth within minutes; separate processes (as
 `forward_parts.py` runs them) cannot tell apart changes smaller than that. PLAYGROUND_NATIVE_ARCH=haswell times the
 AVX2 builds.
@@ -76,13 +77,14 @@ def main() -> int:
                         seconds.setdefault((width, name), []).append((time.perf_counter() - start) / FORWARDS)
         object.__setattr__(kernel, "library", libraries["this checkout"])
     print(f"{native.status()}; baseline {args.baseline}; context {args.context}; {args.rounds} rounds")
-    print("width | build | median ms | fastest ms | median over its one-token forward | over the baseline")
+    print(f"width | build | median ms | fastest ms | median over its {args.widths[0]}-token forward | over the "
+          "baseline")
     for width in args.widths:
         for name in libraries:
             times = seconds[width, name]
-            one = statistics.median(seconds[args.widths[0], name])
+            first = statistics.median(seconds[args.widths[0], name])
             print(f"{width} | {name} | {1e3 * statistics.median(times):.3f} | {1e3 * min(times):.3f} | "
-                  f"{statistics.median(times) / one:.2f}x | "
+                  f"{statistics.median(times) / first:.2f}x | "
                   f"{statistics.median(times) / statistics.median(seconds[width, 'baseline']):.3f}")
     return 0
 
