@@ -204,6 +204,44 @@ def test_an_eagle_head_trains_on_a_corpus_folder_from_the_targets_own_features(t
         assert "corpus_dir: " in err and "holds no train shards" in err and "Loading" not in err
 
 
+def test_an_eagle_head_goes_on_from_a_trained_one_on_the_shards_after_its_own(tmp_path, target, capsys) -> None:
+    """`--corpus-skip` leaves out the first shards (whole ones, as `--corpus-tokens` takes them), so a second run reads
+    the shards after the first run's; `--init` starts from the first run's head with its vocabulary, and a head that
+    does not fit the options is refused in one line before the target's forward runs."""
+    from playground.models.eagle import WEIGHTS, load_head
+
+    folder = tmp_path / "corpus"
+    run(folder, tokens=1000)
+    first, _ = corpus.read(folder, "train", tokens=200)
+    later, _ = corpus.read(folder, "train", tokens=200, skip=200)
+    everything, _ = corpus.read(folder, "train")
+    assert later.sequences and not {tuple(s) for s in first.sequences} & {tuple(s) for s in later.sequences}
+    assert everything.sequences[len(first.sequences):][: len(later.sequences)] == later.sequences  # the next shards
+    base = ["eagle", "--corpus-dir", str(folder), "--corpus-tokens", "200", "--epochs", "1", "--batch", "4",
+            "--head-vocab", "300", "--eval-prompts", "1"]
+    assert train_main(base + ["--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    # a learning rate too small to move a float16 weight: the head saved is the one it started from
+    assert train_main(base + ["--corpus-skip", "200", "--lr", "1e-12", "--init", str(tmp_path / "a"),
+                              "--out", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "train_report.json").read_text())
+    assert report["init"] == str(tmp_path / "a") and report["corpus_skip"] == 200
+    assert report["train_prompts"] == len(later.sequences)
+    a, b = (load_file(str(tmp_path / name / WEIGHTS)) for name in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    vocabularies = [load_head(str(tmp_path / name), target).vocab_ids for name in ("a", "b")]
+    assert torch.equal(*vocabularies)
+    capsys.readouterr()
+    for bad, message in ((["--head-vocab", "200"], "pass no --taps and --head-vocab 300"),
+                         (["--taps", "3"], "taps layers [] and scores 300 tokens"),
+                         (["--init", str(tmp_path / "none")], "is not a folder with config.json and eagle")):
+        assert train_main(base + ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "c"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "the target's forward" not in err and len(err.strip().splitlines()) == 1
+    assert train_main(["eagle", "--corpus-skip", "5", "--out", str(tmp_path / "c")]) == 2
+    assert "corpus_skip: reads a corpus folder; pass --corpus-dir DIR" in capsys.readouterr().err
+
+
 def test_an_eagle_run_stopped_after_an_epoch_resumes_to_the_same_head(tmp_path, target, monkeypatch) -> None:
     """The trainer saves its state after every epoch (safetensors, never pickled); a run stopped there and started
     again ends with the head a run never stopped ends with, bit for bit. Another run's checkpoint is refused."""
@@ -218,7 +256,7 @@ def test_an_eagle_run_stopped_after_an_epoch_resumes_to_the_same_head(tmp_path, 
     states, _ = corpus.target_pass(target, data)
     output = rows_of(target.model.output_weight.detach().float(), torch.arange(300))  # (300, E)
     args = Args(device="cpu", seed=0, batch=4, epochs=2, lr=1e-3, dtype="bfloat16", noise=0.1, unroll=2,
-                token_weight=0.5, taps=[], head_vocab=300)
+                token_weight=0.5, taps=[], head_vocab=300, init=None)
 
     def trained(checkpoint, stop_after: int | None = None) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)

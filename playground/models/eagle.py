@@ -146,16 +146,11 @@ def default_head(target_source: str) -> str | None:
     return None
 
 
-def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
-    """A head from a folder (config.json + eagle.safetensors), checked against the target's shape; None means the
-    shipped head of the embedded target."""
-    source = source or default_head(target.spec.source)
-    if not source:
-        raise ModelLoadError("eagle head: none ships for this target; train one with `python -m playground.train "
-                             "eagle --model SPEC --out FOLDER` and pass --eagle-head FOLDER")
-    folder = Path(source).expanduser()
+def read_head(folder: Path, target: LoadedModel) -> tuple[EagleHead, torch.Tensor]:
+    """A head's float32 weights from a folder (config.json + eagle.safetensors), checked against the target's shape,
+    and the (V',) token ids it scores."""
     if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
-        raise ModelLoadError(f"eagle head: {source!r} is not a folder with {CONFIG} and {WEIGHTS}")
+        raise ModelLoadError(f"eagle head: {str(folder)!r} is not a folder with {CONFIG} and {WEIGHTS}")
     try:
         config = json.loads((folder / CONFIG).read_text())
         shape = {name: int(config[name]) for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -179,6 +174,19 @@ def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
     except RuntimeError as exc:
         raise ModelLoadError(f"eagle head: {folder / WEIGHTS} does not match its config ({exc})") from exc
     check_vocab_ids(vocab_ids, cfg.vocab_size, f"eagle head: {folder / WEIGHTS}")
+    return head, vocab_ids
+
+
+def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
+    """A head from a folder (config.json + eagle.safetensors), checked against the target's shape, ready to draft
+    beside it; None means the shipped head of the embedded target."""
+    source = source or default_head(target.spec.source)
+    if not source:
+        raise ModelLoadError("eagle head: none ships for this target; train one with `python -m playground.train "
+                             "eagle --model SPEC --out FOLDER` and pass --eagle-head FOLDER")
+    folder = Path(source).expanduser()
+    head, vocab_ids = read_head(folder, target)
+    config = json.loads((folder / CONFIG).read_text())
     model = target.model
     head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
     model.serve_like_own(head)  # it runs beside the target: in the native kernel where the target's layers do

@@ -275,17 +275,21 @@ def main(args: argparse.Namespace) -> int:
     return report(out, args)
 
 
-def read(folder: Path, split: str = "train", tokens: int | None = None) -> tuple[Corpus, float]:
+def read(folder: Path, split: str = "train", tokens: int | None = None, skip: int = 0) -> tuple[Corpus, float]:
     """A corpus folder's `split` as a trainer's Corpus, shard by shard in order until it holds `tokens` answer tokens
-    (None: every shard), and the seconds its shards took to write. The corpus keeps token ids only: a trainer that
-    needs the target's distributions computes them from the sequences."""
+    (None: every shard), after the first shards holding `skip` answer tokens, and the seconds its shards took to
+    write. The corpus keeps token ids only: a trainer that needs the target's distributions computes them from the
+    sequences."""
     paths = shards(folder, split)
     sequences: list[list[int]] = []
     starts: list[int] = []
-    seconds, held = 0.0, 0
+    seconds, held, skipped = 0.0, 0, 0
     for path in paths:
         if tokens is not None and held >= tokens:
             break
+        if skipped < skip:
+            skipped += answer_tokens_of(path)
+            continue
         shard = load_file(str(path))
         ids, first = shard["tokens"].to(torch.int64).tolist(), 0
         for length, start in zip(shard["lengths"].tolist(), shard["answer_starts"].tolist()):

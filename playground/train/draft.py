@@ -91,6 +91,9 @@ def add_corpus_args(parser: argparse.ArgumentParser, dtype_help: str, wide_topic
                              "forward, as the engine runs it (the prompt options above and --corpus are not used)")
     parser.add_argument("--corpus-tokens", type=int, default=None,
                         help="with --corpus-dir, its first shards up to this many answer tokens (default: all)")
+    parser.add_argument("--corpus-skip", type=int, default=0,
+                        help="with --corpus-dir, leave out its first shards up to this many answer tokens, so that "
+                             "a run can go on where an earlier one's --corpus-tokens stopped (default 0)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -374,7 +377,7 @@ def load_or_generate_corpus(target: Any, prompts: list[str], args: argparse.Name
     if args.corpus_dir is not None:
         from .corpus import read
 
-        return read(Path(args.corpus_dir), "train", args.corpus_tokens)
+        return read(Path(args.corpus_dir), "train", args.corpus_tokens, args.corpus_skip)
     # the digest tells apart prompt sets of one size (another seed, --limit, or wide-topic split)
     digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]
     settings = {"model": args.model, "prompts": str(len(prompts)), "prompts_sha256": digest,
@@ -408,6 +411,10 @@ def training_setup(args: argparse.Namespace) -> list[str]:
     check_int("templates_per_wide_topic", args.templates_per_wide_topic, 1, len(TEMPLATES) + len(EXTRA_TEMPLATES))
     if args.corpus_tokens is not None:
         check_int("corpus_tokens", args.corpus_tokens, 1, 10**9)
+    check_int("corpus_skip", args.corpus_skip, 0, 10**9)
+    for name in ("corpus_tokens", "corpus_skip"):
+        if getattr(args, name) and args.corpus_dir is None:
+            raise ConfigError(f"{name}: reads a corpus folder; pass --corpus-dir DIR")
     if args.corpus_dir is not None:  # a folder without shards is refused before any model loads
         from .corpus import shards
 
@@ -428,7 +435,8 @@ def run_report(args: argparse.Namespace, prompts: list[str], corpus: Corpus, gen
     names itself instead of the prompt options that did not make it."""
     if args.corpus_dir is not None:
         return {"train_prompts": len(corpus.sequences), "corpus_dir": args.corpus_dir,
-                "train_answer_tokens": corpus.answer_tokens(), "targets_forward": "the engine's own",
+                "corpus_skip": args.corpus_skip, "train_answer_tokens": corpus.answer_tokens(),
+                "targets_forward": "the engine's own",
                 "epochs": args.epochs, "lr": args.lr, "weights_dtype": args.weights_dtype, "seed": args.seed,
                 "corpus_generation_s": generation_s, "wall_s_this_run": time.perf_counter() - start}
     return {"train_prompts": len(corpus.sequences), "first_stage_prompts": len(prompts),

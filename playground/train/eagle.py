@@ -5,7 +5,8 @@
 2. One pass of the frozen target over every sequence gives its final-norm features at every position (and, with
    `--taps`, the inputs of those layers).
 3. The head's vocabulary (`--head-vocab`): the target's most frequent answer tokens, then its most frequent top-k
-   alternatives, as the Medusa heads'.
+   alternatives, as the Medusa heads'. With `--init` training starts from a trained head instead, its vocabulary
+   kept: a run can go on from an earlier one's head on more of a corpus (`--corpus-skip`).
 4. At every position t the head reads the target's feature f_t (with Gaussian noise of `--noise` times the
    features' RMS, so that it learns to draft on its own imperfect predictions) and the embedding of x_{t+1}, and
    learns f_{t+1}: a smooth-L1 regression on the feature plus `--token-weight` times the cross-entropy of the
@@ -38,7 +39,7 @@ from safetensors.torch import save_file
 
 from ..config import ConfigError, GenerationParams, ModelSpec, SamplingParams, check_int
 from ..decoding.eagle import EagleParams
-from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, save_head
+from ..models.eagle import EMBEDDED_EAGLE, WEIGHTS, EagleHead, head_config, read_head, save_head
 from ..models.loader import TORCH_DTYPES
 from ..models.vocab import rows_of
 from . import log
@@ -81,6 +82,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="with --corpus-dir: keep the target's features in files in DIR, not in memory (they may "
                              "exceed it: 2 bytes per position and column, 4 x 576 columns with three taps), and "
                              "read them back when a stopped run starts again (default: in memory)")
+    parser.add_argument("--init", default=None, metavar="DIR",
+                        help="start from the head in DIR (its weights and the tokens it scores) instead of a fresh "
+                             "one, to train it further, on more of a corpus or another; --taps and --head-vocab "
+                             "must be its own (default: a fresh head)")
     parser.add_argument("--device", default="cpu", help="where the target's features and the training run: cpu "
                         "(default) or cuda")
     parser.add_argument("--weights-dtype", choices=sorted(TORCH_DTYPES), default="float16",
@@ -182,9 +187,11 @@ CHECKPOINT = "checkpoint.safetensors"  # in --out while a run is under way: the 
 
 
 def run_settings(args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]:
-    """What decides a run's steps: a checkpoint resumes only the run that wrote it."""
+    """What decides a run's steps: a checkpoint resumes only the run that wrote it (`--init`: from the same head)."""
     shape = hashlib.sha256(json.dumps([corpus.answer_starts, [len(s) for s in corpus.sequences]]).encode())
-    return {"corpus": shape.hexdigest()[:16], **{key: getattr(args, key) for key in (
+    start = {} if args.init is None else {
+        "init": hashlib.sha256((Path(args.init) / WEIGHTS).read_bytes()).hexdigest()[:16]}
+    return {"corpus": shape.hexdigest()[:16], **start, **{key: getattr(args, key) for key in (
         "epochs", "lr", "batch", "seed", "noise", "unroll", "token_weight", "taps", "head_vocab", "dtype", "device")}}
 
 
@@ -309,6 +316,19 @@ def evaluate(target: Any, folder: Path, prompts: list[str]) -> dict[str, Any]:
             "head_target_cost_ratio": proposer.own.fixed}
 
 
+def init_head(target: Any, args: argparse.Namespace) -> tuple[EagleHead, torch.Tensor] | None:
+    """`--init`'s head and the (V',) token ids it scores, checked against `--taps` and `--head-vocab` before any long
+    work; None without `--init` (a fresh head, scoring the corpus's most frequent tokens)."""
+    if args.init is None:
+        return None
+    head, vocab_ids = read_head(Path(args.init), target)
+    if list(head.taps) != list(args.taps) or len(vocab_ids) != args.head_vocab:
+        taps = f"--taps {' '.join(map(str, head.taps))}" if head.taps else "no --taps"
+        raise ConfigError(f"init: the head in {args.init} taps layers {list(head.taps)} and scores {len(vocab_ids)} "
+                          f"tokens; pass {taps} and --head-vocab {len(vocab_ids)}")
+    return head, vocab_ids
+
+
 def main(args: argparse.Namespace) -> int:
     from ..models import load_model
 
@@ -329,6 +349,7 @@ def main(args: argparse.Namespace) -> int:
     check_int("head_vocab", args.head_vocab, 1, target.model.config.vocab_size)
     for layer in args.taps:
         check_int("taps", layer, 0, target.model.config.num_layers - 1)
+    initial = init_head(target, args)
     corpus, generation_s = load_or_generate_corpus(target, prompts, args, args.dtype)
     start = time.perf_counter()
     states: Sequence[torch.Tensor]
@@ -338,11 +359,12 @@ def main(args: argparse.Namespace) -> int:
     else:  # the features from the forward the head drafts beside
         store = Path(args.features) if args.features is not None else None
         states = target_pass(target, corpus, taps=tuple(args.taps), store=store)[0]
-    vocab_ids = frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size)
+    head, vocab_ids = initial or (EagleHead(head_config(target.model), tuple(args.taps)),
+                                  frequent_vocabulary(corpus, args.head_vocab, target.model.config.vocab_size))
     output = rows_of(target.model.output_weight.detach().float(), vocab_ids.to(target.model.device))  # (V', E)
     log("eagle", f"{sum(len(s) for s in corpus.sequences)} positions in {len(corpus.sequences)} sequences; the head "
                  f"scores {len(vocab_ids)} tokens")
-    head = EagleHead(head_config(target.model), tuple(args.taps)).to(args.device)
+    head = head.to(args.device)
     target.model.requires_grad_(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
     report.update({**run_report(args, prompts, corpus, generation_s, start),
                    "train_positions": sum(len(s) for s in corpus.sequences), "batch": args.batch,
                    "noise": args.noise, "unroll": args.unroll, "token_weight": args.token_weight, "taps": args.taps,
-                   "head_vocab": args.head_vocab, "device": args.device,
+                   "head_vocab": args.head_vocab, "init": args.init, "device": args.device,
                    "size_mb": (out / WEIGHTS).stat().st_size / 1e6})
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log("eagle", json.dumps(report))
