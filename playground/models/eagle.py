@@ -146,9 +146,9 @@ def default_head(target_source: str) -> str | None:
     return None
 
 
-def read_head(folder: Path, target: LoadedModel) -> tuple[EagleHead, torch.Tensor]:
+def read_head(folder: Path, target: LoadedModel) -> tuple[EagleHead, torch.Tensor, str]:
     """A head's float32 weights from a folder (config.json + eagle.safetensors), checked against the target's shape,
-    and the (V',) token ids it scores."""
+    the (V',) token ids it scores and the name of the target it was trained for."""
     if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
         raise ModelLoadError(f"eagle head: {str(folder)!r} is not a folder with {CONFIG} and {WEIGHTS}")
     try:
@@ -174,7 +174,7 @@ def read_head(folder: Path, target: LoadedModel) -> tuple[EagleHead, torch.Tenso
     except RuntimeError as exc:
         raise ModelLoadError(f"eagle head: {folder / WEIGHTS} does not match its config ({exc})") from exc
     check_vocab_ids(vocab_ids, cfg.vocab_size, f"eagle head: {folder / WEIGHTS}")
-    return head, vocab_ids
+    return head, vocab_ids, str(config.get("target", ""))
 
 
 def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
@@ -185,9 +185,8 @@ def load_head(source: str | None, target: LoadedModel) -> LoadedEagle:
         raise ModelLoadError("eagle head: none ships for this target; train one with `python -m playground.train "
                              "eagle --model SPEC --out FOLDER` and pass --eagle-head FOLDER")
     folder = Path(source).expanduser()
-    head, vocab_ids = read_head(folder, target)
-    config = json.loads((folder / CONFIG).read_text())
+    head, vocab_ids, target_name = read_head(folder, target)
     model = target.model
     head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
     model.serve_like_own(head)  # it runs beside the target: in the native kernel where the target's layers do
-    return LoadedEagle(head, folder, str(config.get("target", "")), output_rows(model, vocab_ids))
+    return LoadedEagle(head, folder, target_name, output_rows(model, vocab_ids))

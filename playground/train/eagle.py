@@ -321,7 +321,7 @@ def init_head(target: Any, args: argparse.Namespace) -> tuple[EagleHead, torch.T
     work; None without `--init` (a fresh head, scoring the corpus's most frequent tokens)."""
     if args.init is None:
         return None
-    head, vocab_ids = read_head(Path(args.init), target)
+    head, vocab_ids, _ = read_head(Path(args.init), target)
     if list(head.taps) != list(args.taps) or len(vocab_ids) != args.head_vocab:
         taps = f"--taps {' '.join(map(str, head.taps))}" if head.taps else "no --taps"
         raise ConfigError(f"init: the head in {args.init} taps layers {list(head.taps)} and scores {len(vocab_ids)} "
